@@ -1,0 +1,53 @@
+"""The `fleetctl` command: one small app, one module per verb.
+
+Each verb module under `fleetctl/commands/` exposes `register(app)`. Errors are
+mapped to a message and an exit code here, once: 0 ok, 1 failure, 2 usage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+from rich.console import Console
+
+from fleetctl.errors import FleetError
+
+#: Verb modules, in the order `fleetctl --help` lists them.
+VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench")
+
+app = typer.Typer(
+    name="fleetctl",
+    help="Serve a fleet of small open models from one box.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False)
+
+for _verb in VERBS:
+    try:
+        _mod = importlib.import_module(f"fleetctl.commands.{_verb}")
+    except ModuleNotFoundError as exc:  # a verb not written yet must not break the others
+        if exc.name != f"fleetctl.commands.{_verb}":
+            raise
+        continue
+    _mod.register(app)
+
+
+def fail(exc: FleetError) -> None:
+    err.print(f"[bold red]error[/]: {exc.message}")
+    if exc.hint:
+        err.print(f"[dim]hint: {exc.hint}[/]")
+
+
+def main() -> None:
+    try:
+        app()
+    except FleetError as exc:
+        fail(exc)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

@@ -1,0 +1,110 @@
+"""Settings, in one place, with the FLEET_ prefix.
+
+Precedence (highest first): command-line flags (passed as overrides), FLEET_*
+environment variables, `FLEET_HOME/config.toml`, the defaults below.
+Units are in the names: *_ms, *_bytes, *_s.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7744
+DEFAULT_MODEL = "all-minilm-l6-v2"
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    home: str = ""
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    #: Number of worker processes; 0 = one per GPU, or one CPU worker without a GPU.
+    workers: int = 0
+    #: auto | cpu | cuda:K
+    device: str = "auto"
+    api_key: str = ""
+    api_key_file: str = ""
+    nats: str = ""
+    #: Models loaded at start-up and kept resident (besides persisted pins).
+    preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_MODEL])
+    max_body_bytes: int = 16 << 20
+    max_inputs: int = 2048
+    timeout_ms: int = 30_000
+    #: Shared-memory queue geometry.
+    queue_slots: int = 16384
+    queue_slab_bytes: int = 256 << 20
+    #: Items queued (not yet claimed) past which the API answers `overloaded`.
+    queue_max_depth: int = 8192
+    #: Lease a worker holds on claimed items; renewed while it runs.
+    lease_ms: int = 10_000
+    #: Attempts (claims that ended in a lost lease) before an item is failed as poison.
+    max_attempts: int = 3
+    #: How long a worker lingers for more items when its lane is nearly empty.
+    linger_ms: float = 0.0
+    log_level: str = "info"
+    #: Intra-op threads for CPU workers; 0 = torch's default.
+    cpu_threads: int = 0
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home)
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.home) / "models"
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def default_home() -> str:
+    env = os.environ.get("FLEET_HOME")
+    if env:
+        return env
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "fleet")
+
+
+_FIELDS = {f for f in Settings.__struct_fields__}
+
+
+def _env_overrides() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in _FIELDS:
+        raw = os.environ.get("FLEET_" + field.upper())
+        if raw is None or raw == "":
+            continue
+        out[field] = raw
+    return out
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings for this process: defaults < config.toml < FLEET_* env < overrides."""
+    home = overrides.get("home") or default_home()
+    merged: dict[str, Any] = {}
+    cfg = Path(home) / "config.toml"
+    if cfg.is_file():
+        with cfg.open("rb") as f:
+            merged.update(tomllib.load(f))
+    merged.update(_env_overrides())
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    merged["home"] = home
+    if isinstance(merged.get("preload"), str):
+        merged["preload"] = [p for p in merged["preload"].split(",") if p]
+    # strict=False lets env strings ("8", "true") convert to the field types.
+    settings = msgspec.convert(merged, Settings, strict=False)
+    if settings.api_key_file and not settings.api_key:
+        settings.api_key = Path(settings.api_key_file).read_text().strip()
+    return settings
+
+
+def client_url() -> str:
+    """Where the CLI finds the daemon (FLEET_URL, else the default bind)."""
+    return os.environ.get("FLEET_URL") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"

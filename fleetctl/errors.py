@@ -1,0 +1,102 @@
+"""One error family for the whole product, mapped once.
+
+Every user-facing failure is a `FleetError` subclass with a contract `code`
+(DESIGN.md, "Errors") and an HTTP status. The daemon maps them to
+`{error: {code, message}}` replies in exactly one place; the CLI maps them to a
+message and an exit code in exactly one place. "Worker died" is not here: it is
+a supervision event (restart, redeliver), never an answer to a client.
+"""
+
+from __future__ import annotations
+
+
+class FleetError(Exception):
+    code = "internal"
+    status = 500
+    #: Hint printed by the CLI under the error line (the next command to try).
+    hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if hint is not None:
+            self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadRequest(FleetError):
+    code, status = "bad_request", 400
+
+
+class Unauthorized(FleetError):
+    code, status = "unauthorized", 401
+
+
+class ModelNotFound(FleetError):
+    code, status = "model_not_found", 404
+
+
+class PayloadTooLarge(FleetError):
+    code, status = "payload_too_large", 413
+
+
+class InputTooLong(FleetError):
+    code, status = "input_too_long", 422
+
+
+class Overloaded(FleetError):
+    code, status = "overloaded", 429
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.retry_after_s = retry_after_s
+
+
+class ModelTooLarge(FleetError):
+    code, status = "model_too_large", 507
+
+
+class ModelLoadFailed(FleetError):
+    code, status = "model_load_failed", 500
+
+
+class IntegrityError(FleetError):
+    """A store file no longer matches the sha256 its manifest recorded."""
+
+    code, status = "integrity_error", 500
+
+
+class InferenceFailed(FleetError):
+    code, status = "inference_failed", 500
+
+
+class Unavailable(FleetError):
+    code, status = "unavailable", 503
+
+
+class Timeout(FleetError):
+    code, status = "timeout", 504
+
+
+class SourceUnreachable(FleetError):
+    """A pull source (hub, path, package) could not be read."""
+
+    code, status = "source_unreachable", 502
+
+
+#: code -> class, so an error that crossed a process boundary as (code, message)
+#: comes back as the same type.
+BY_CODE: dict[str, type[FleetError]] = {
+    cls.code: cls
+    for cls in (
+        FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
+        Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
+        Unavailable, Timeout, SourceUnreachable,
+    )
+}
+
+
+def from_code(code: str, message: str) -> FleetError:
+    return BY_CODE.get(code, FleetError)(message)
