@@ -15,7 +15,7 @@ from rich.console import Console
 from fleetctl.errors import FleetError
 
 #: Verb modules, in the order `fleetctl --help` lists them.
-VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench")
+VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench", "service", "config")
 
 app = typer.Typer(
     name="fleetctl",
