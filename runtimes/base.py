@@ -1,0 +1,80 @@
+"""The runtime contract: one small adapter interface for every task.
+
+A worker process owns its device and the adapters loaded on it. The worker loop
+(`runtimes.worker`) only ever calls the methods below, so adding a task is one
+new file plus one line in `runtimes.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Serving profile of one model on one device (models.toml `profile`)."""
+
+    max_batch_items: int = 256
+    max_batch_tokens: int = 16384
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    linger_ms: float = 0.0
+    #: Inputs per forward pass inside a batch (length-sorted micro-batches cut padding).
+    micro_batch_items: int = 64
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any] | None) -> "Profile":
+        if not data:
+            return cls()
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass
+class ModelSpec:
+    """Everything an adapter needs to load one model, resolved from the store."""
+
+    name: str
+    path: Path
+    task: str
+    runtime: str
+    profile: Profile = field(default_factory=Profile)
+    trust_remote_code: bool = False
+    max_seq_len: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Adapter(abc.ABC):
+    """One loaded model on one device."""
+
+    #: The msgspec Struct a queue payload of this task decodes into.
+    request_type: ClassVar[type[msgspec.Struct]]
+
+    def __init__(self, spec: ModelSpec, device: str) -> None:
+        self.spec = spec
+        self.device = device
+        #: dtype chosen at load (recorded in `fleetctl ps`).
+        self.dtype = "float32"
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load weights onto the device. Raises a FleetError on failure."""
+
+    @abc.abstractmethod
+    def footprint_bytes(self) -> int:
+        """Bytes this model holds on its device (measured after load)."""
+
+    @abc.abstractmethod
+    def run_batch(self, requests: list[Any]) -> list[msgspec.Struct]:
+        """Run decoded requests together; one result (or WorkError) per request, in order."""
+
+    def estimate_tokens(self, request: Any) -> int:
+        """Tokens a request will cost (used for batch budgets); refined per task."""
+        return 1
+
+    def unload(self) -> None:
+        """Release device memory. Default: drop references."""

@@ -1,0 +1,26 @@
+"""Runtime name -> adapter class, per task. A plain dict; models.toml names the runtime.
+
+Values are "module:Class" strings so that importing the registry imports no
+model library; the worker imports the one it needs when it loads a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fleetctl.errors import ModelLoadFailed
+from runtimes.base import Adapter
+
+ADAPTERS: dict[tuple[str, str], str] = {
+    ("embed", "sentence-transformers"): "runtimes.sentence_transformer:SentenceTransformerEmbedder",
+}
+
+
+def adapter_class(task: str, runtime: str) -> type[Adapter]:
+    try:
+        target = ADAPTERS[(task, runtime)]
+    except KeyError:
+        known = ", ".join(f"{t}/{r}" for t, r in sorted(ADAPTERS))
+        raise ModelLoadFailed(f"no runtime adapter for task {task!r} with runtime {runtime!r} (known: {known})") from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
