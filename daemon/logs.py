@@ -1,0 +1,123 @@
+"""Structured logging for the daemon: JSON lines for machines, rich for people.
+
+Under systemd (or any pipe) stderr is not a TTY, so every record is one JSON
+object on one line, which journald and log shippers take as is. At a terminal
+the same records go through rich.
+
+Every record logged while a request is being handled carries its request id:
+the id lives in a contextvar, so it follows the request across awaits and into
+`asyncio.to_thread` without being passed around. Disabled levels cost one
+cached `isEnabledFor` check, as with any stdlib logger: call sites use
+`log.debug("x %s", y)`, never f-strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import IO, Any
+
+import msgspec
+
+from fleetctl.errors import BadRequest
+
+#: The id of the request being handled in this context, or None outside one.
+REQUEST_ID: ContextVar[str | None] = ContextVar("fleet_request_id", default=None)
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Attributes every LogRecord has; anything else on a record came from `extra=`.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id"}
+_encoder = msgspec.json.Encoder(enc_hook=repr)
+
+
+def new_request_id() -> str:
+    """A fresh request id: 16 hex characters (64 random bits)."""
+    return os.urandom(8).hex()
+
+
+@contextmanager
+def bind_request_id(rid: str) -> Iterator[str]:
+    """Tag every log record in this context (and tasks it spawns) with `rid`."""
+    token = REQUEST_ID.set(rid)
+    try:
+        yield rid
+    finally:
+        REQUEST_ID.reset(token)
+
+
+class _RequestIdFilter(logging.Filter):
+    # A handler filter runs in the logging caller's context, so the contextvar
+    # read here is the request's, even when the record propagated from a child
+    # logger (logger-level filters would not see propagated records).
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, msg, request_id?, pid, extras, exc?."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None)
+        if rid is not None:
+            out["request_id"] = rid
+        out["pid"] = record.process
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and key not in out:
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return _encoder.encode(out).decode()
+
+
+class _RichFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        rid = getattr(record, "request_id", None)
+        return f"[{rid}] {msg}" if rid else msg
+
+
+def setup_logging(level: str | int = "info", *, stream: IO[str] | None = None, json: bool | None = None) -> logging.Handler:
+    """Install the one root handler (idempotent). `json=None` picks by `stream.isatty()`.
+
+    Run uvicorn with `log_config=None` so its loggers propagate here.
+    """
+    if isinstance(level, str):
+        if level.lower() not in LEVELS:
+            raise BadRequest(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
+        level = getattr(logging, level.upper())
+    stream = stream if stream is not None else sys.stderr
+    use_json = json if json is not None else not (hasattr(stream, "isatty") and stream.isatty())
+    handler: logging.Handler
+    if use_json:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(JsonFormatter())
+    else:
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=Console(file=stream), show_path=False, rich_tracebacks=True)
+        handler.setFormatter(_RichFormatter())
+    handler.addFilter(_RequestIdFilter())
+    handler._fleet = True  # type: ignore[attr-defined]  # marks ours, for idempotent setup
+
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_fleet", False)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler
