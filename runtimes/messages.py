@@ -24,3 +24,32 @@ class EmbedResult(msgspec.Struct, frozen=True, array_like=True):
     data: bytes  # float32, C order, little-endian
     shape: tuple[int, int]
     input_tokens: int
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """Every result a worker acks: timings, who ran it, and the task's result.
+
+    Encoded by the worker with `body` set to a result Struct; decoded by the
+    daemon with `EnvelopeIn`, where `body` stays undecoded (msgspec.Raw) until
+    the reply is built, so tensor bytes are copied once, into the reply.
+    """
+
+    queue_ms: float
+    inference_ms: float
+    served_by: str
+    body: object
+
+
+class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
+    queue_ms: float
+    inference_ms: float
+    served_by: str
+    body: msgspec.Raw
+
+
+class EmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
+    """`EmbedResult` as the daemon reads it for MessagePack replies (bytes left encoded)."""
+
+    data: msgspec.Raw
+    shape: tuple[int, int]
+    input_tokens: int

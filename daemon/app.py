@@ -1,0 +1,38 @@
+"""The Litestar app: controllers, the daemon as a dependency, errors mapped once."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+
+from fleetctl.errors import FleetError
+
+from daemon.controllers.embed import EmbedController
+from daemon.controllers.models import HealthController, ModelsController
+from daemon.core import Daemon
+from daemon.http import on_fleet_error, on_http_error, on_unexpected
+
+
+def create_app(daemon: Daemon) -> Litestar:
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        daemon.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            daemon.stop()
+
+    return Litestar(
+        route_handlers=[EmbedController, ModelsController, HealthController],
+        dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
+        exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
+        lifespan=[lifespan],
+        request_max_body_size=daemon.settings.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )

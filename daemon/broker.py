@@ -1,0 +1,135 @@
+"""The daemon's side of `local_queue`: put requests in, route results back.
+
+One `Broker` per daemon. The event loop calls `submit`; a single collector
+thread blocks on the queue's results semaphore and hands finished items to
+the loop in one `call_soon_threadsafe` per wake-up. Each request id has at
+most one waiter, removed when it is answered or times out, so a late or
+duplicate result finds nobody and is dropped: no request is answered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from fleetctl.errors import FleetError, InferenceFailed, Overloaded, Timeout, from_code
+from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, LocalQueue, QueueFull
+from runtimes.messages import STATUS_OK, EnvelopeIn, WorkError
+
+log = logging.getLogger("fleet.daemon")
+
+_envelope = msgspec.msgpack.Decoder(EnvelopeIn)
+_work_error = msgspec.msgpack.Decoder(WorkError)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A successful result: the task's encoded result plus where and how long."""
+
+    body: msgspec.Raw
+    queue_ms: float
+    inference_ms: float
+    served_by: str
+
+
+class Broker:
+    def __init__(self, queue: LocalQueue, *, max_depth: int, max_attempts: int) -> None:
+        self.queue = queue
+        self.max_depth = max_depth
+        self.max_attempts = max_attempts
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Done]] = {}
+        self._lanes: dict[str, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (called from the app's lifespan) ----------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._collect, name="results", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(FleetError("daemon shutting down"))
+        self._waiting.clear()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
+    # -- request path -----------------------------------------------------------
+
+    def lane(self, model: str) -> int:
+        lane = self._lanes.get(model)
+        if lane is None:
+            try:
+                lane = self._lanes[model] = self.queue.lane_id(model)
+            except QueueFull as exc:
+                raise Overloaded(f"no free lane for {model!r}: {exc}") from None
+        return lane
+
+    async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float) -> Answer:
+        """Queue one work item and wait for its result (or raise its error)."""
+        if self.queue.depth() >= self.max_depth:
+            raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
+        lane = self.lane(model)
+        request_id = next(self._ids)
+        deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
+        fut: asyncio.Future[Done] = self._loop.create_future()  # type: ignore[union-attr]
+        self._waiting[request_id] = fut
+        try:
+            item_id = self.queue.put(lane, payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns)
+        except QueueFull as exc:
+            del self._waiting[request_id]
+            raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
+        try:
+            done = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            # Not started yet: drop it from its lane. Started: its result is dropped on arrival.
+            self.queue.cancel(item_id)
+            raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
+        finally:
+            self._waiting.pop(request_id, None)
+        return self._answer(model, done)
+
+    def _answer(self, model: str, done: Done) -> Answer:
+        if done.status == STATUS_EXPIRED:
+            raise Timeout(f"{model}: the request's deadline passed before a worker took it")
+        if done.status == STATUS_POISON:
+            raise InferenceFailed(
+                f"{model}: the request was running on a worker that died {self.max_attempts} times; "
+                "it was dropped so it cannot crash more workers"
+            )
+        env = _envelope.decode(done.result)
+        if done.status != STATUS_OK:
+            err = _work_error.decode(env.body)
+            raise from_code(err.code, err.message)
+        return Answer(env.body, env.queue_ms, env.inference_ms, env.served_by)
+
+    # -- results thread -----------------------------------------------------------
+
+    def _collect(self) -> None:
+        loop = self._loop
+        while not self._stop.is_set():
+            done = self.queue.wait_results(0.25)
+            if done:
+                loop.call_soon_threadsafe(self._resolve, done)  # type: ignore[union-attr]
+
+    def _resolve(self, done: list[Done]) -> None:
+        for d in done:
+            fut = self._waiting.pop(d.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(d)

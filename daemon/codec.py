@@ -1,0 +1,75 @@
+"""Body formats: decode requests, negotiate and encode replies, shape errors.
+
+MessagePack (`application/msgpack`, and Litestar's `application/x-msgpack`) and
+JSON. The reply follows `Accept`, else the request's Content-Type, else JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from fleetctl.errors import BadRequest, FleetError
+from fleetctl.protocol import ErrorBody, ErrorReply
+
+T = TypeVar("T")
+
+MSGPACK = "application/msgpack"
+MSGPACK_TYPES = frozenset({"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
+JSON = "application/json"
+
+_mp_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_decoders: dict[tuple[type, bool], Any] = {}
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def is_msgpack(header: str | None) -> bool:
+    return media_type(header) in MSGPACK_TYPES
+
+
+def reply_is_msgpack(accept: str | None, content_type: str | None) -> bool:
+    """Negotiate the reply format: an explicit Accept wins, else mirror the request."""
+    if accept:
+        for part in accept.split(","):
+            kind = media_type(part)
+            if kind in MSGPACK_TYPES:
+                return True
+            if kind in (JSON, "application/*+json"):
+                return False
+    return is_msgpack(content_type)
+
+
+def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
+    """Decode and validate a request body in one pass; errors become `bad_request`."""
+    key = (type_, msgpack)
+    decoder = _decoders.get(key)
+    if decoder is None:
+        decoder = _decoders[key] = (msgspec.msgpack.Decoder(type_) if msgpack else msgspec.json.Decoder(type_))
+    if not body:
+        raise BadRequest("empty request body")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        kind = "MessagePack" if msgpack else "JSON"
+        raise BadRequest(f"malformed {kind} body: {exc}") from None
+    except UnicodeDecodeError as exc:  # a msgpack str that is not valid UTF-8
+        raise BadRequest(f"text is not valid UTF-8: {exc}") from None
+
+
+def encode(obj: Any, *, msgpack: bool) -> bytes:
+    return _mp_encoder.encode(obj) if msgpack else _json_encoder.encode(obj)
+
+
+def encode_msgpack(obj: Any) -> bytes:
+    return _mp_encoder.encode(obj)
+
+
+def error_body(exc: FleetError, *, msgpack: bool) -> bytes:
+    return encode(ErrorReply(ErrorBody(exc.code, exc.message)), msgpack=msgpack)

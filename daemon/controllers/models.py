@@ -1,0 +1,55 @@
+"""`GET /v1/models` (OpenAI shape), `GET /v1/ps`, `/healthz`, `/readyz`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from litestar import Controller, Request, Response, get
+
+from fleetctl import __version__
+from fleetctl.protocol import ModelCard, ModelList
+
+from daemon.core import Daemon
+from daemon.http import reply
+
+
+class ModelsController(Controller):
+    path = "/v1"
+
+    @get("/models")
+    async def models(self, request: Request, daemon: Daemon) -> Response:
+        loaded = daemon.loaded_models()
+        cards = [
+            ModelCard(id=m.name, task=m.task, runtime=m.runtime, loaded=m.name in loaded,
+                      pinned=m.name in daemon.settings.preload)
+            for m in daemon.store.list()
+        ]
+        return reply(request, ModelList(cards))
+
+    @get("/ps")
+    async def ps(self, request: Request, daemon: Daemon) -> Response:
+        ready, why = daemon.readiness()
+        return reply(request, {
+            "box": daemon.box,
+            "pid": os.getpid(),
+            "version": __version__,
+            "uptime_s": round(time.time() - daemon.started_at, 1),
+            "ready": ready,
+            "status": why,
+            "queue": {"depth": daemon.queue.depth() if daemon.queue else 0,
+                      "in_flight": daemon.broker.in_flight if daemon.broker else 0},
+            "lanes": daemon.lanes(),
+            "workers": daemon.workers(),
+        })
+
+
+class HealthController(Controller):
+    @get("/healthz")
+    async def healthz(self, request: Request) -> Response:
+        return reply(request, {"status": "ok"})
+
+    @get("/readyz")
+    async def readyz(self, request: Request, daemon: Daemon) -> Response:
+        ready, why = daemon.readiness()
+        return reply(request, {"ready": ready, "status": why}, status=200 if ready else 503)

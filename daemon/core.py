@@ -1,0 +1,153 @@
+"""The daemon's state and its named decisions, apart from HTTP.
+
+`Daemon` owns the queue (it created it and unlinks it), the broker (request
+path) and the supervisor (worker processes). Handlers only read from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from fleetctl.catalog import load_catalog
+from fleetctl.config import Settings
+from fleetctl.errors import BadRequest, FleetError, ModelNotFound
+from fleetctl.store import Manifest, Store
+from local_queue import LocalQueue
+
+from daemon.broker import Broker
+from daemon.supervisor import Supervisor, detect_devices
+
+log = logging.getLogger("fleet.daemon")
+
+_info_decoder = msgspec.msgpack.Decoder()
+
+#: A worker that has not heartbeaten for this long is not counted as up.
+HEARTBEAT_STALE_S = 30.0
+
+
+@dataclass
+class Daemon:
+    settings: Settings
+    box: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
+    started_at: float = field(default_factory=time.time)
+    queue: LocalQueue | None = None
+    broker: Broker | None = None
+    supervisor: Supervisor | None = None
+    _manifests: dict[str, Manifest] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.store = Store(self.settings.store_path)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.settings.home_path.mkdir(parents=True, exist_ok=True)
+        # 1. The preloaded models must be in the store: the default one pulls from
+        #    its Python package, offline, on a fresh machine.
+        catalog = load_catalog(self.settings.home)
+        for name in self.settings.preload:
+            self.store.ensure(name, catalog=catalog)
+        # 2. The queue, then the result path, then the workers that pull from it.
+        self.queue = LocalQueue.create(
+            f"fleet-{os.getpid()}", slots=self.settings.queue_slots, slab_bytes=self.settings.queue_slab_bytes,
+        )
+        self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts)
+        self.broker.start(loop)
+        devices = detect_devices(self.settings.device, self.settings.workers)
+        self.supervisor = Supervisor(self.settings, self.queue, devices)
+        self.supervisor.start()
+        log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        if self.queue is not None:
+            self.queue.close()
+            self.queue.unlink()
+
+    # -- models ---------------------------------------------------------------------
+
+    def manifest(self, name: str, task: str) -> Manifest:
+        """The stored model `name`, which must serve `task`. Cached; a miss re-reads
+        the store, so a model pulled while the daemon runs is servable at once."""
+        manifest = self._manifests.get(name)
+        if manifest is None:
+            try:
+                manifest = self.store.get(name)
+            except BadRequest:
+                raise ModelNotFound(f"unknown model {name!r}") from None
+            self._manifests[name] = manifest
+        if manifest.task != task:
+            raise BadRequest(f"model {name!r} serves task {manifest.task!r}, not {task!r}")
+        return manifest
+
+    def forget(self, name: str) -> None:
+        self._manifests.pop(name, None)
+
+    # -- observation ------------------------------------------------------------------
+
+    def workers(self) -> list[dict[str, Any]]:
+        if self.queue is None:
+            return []
+        now = time.monotonic_ns()
+        out = []
+        for w in self.queue.workers():
+            info = _info_decoder.decode(w.info) if w.info else {}
+            out.append({
+                "worker": w.wid,
+                "pid": w.pid,
+                "device": w.device,
+                "up": (now - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S,
+                "claimed": w.claimed,
+                "models": info.get("models", {}),
+                "last_batch": info.get("last_batch", {}),
+            })
+        return out
+
+    def lanes(self) -> list[dict[str, Any]]:
+        if self.queue is None:
+            return []
+        now = time.monotonic_ns()
+        return [
+            {
+                "model": s.model,
+                "depth": s.depth,
+                "tokens": s.tokens,
+                "claimed": s.claimed,
+                "oldest_wait_ms": round((now - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
+            }
+            for s in self.queue.lane_stats()
+        ]
+
+    def loaded_models(self) -> set[str]:
+        return {name for w in self.workers() if w["up"] for name in w["models"]}
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready = a worker is up, every preloaded model is resident, the queue accepts."""
+        if self.queue is None or self.supervisor is None:
+            return False, "starting"
+        workers = [w for w in self.workers() if w["up"]]
+        if not workers:
+            return False, "no worker is up yet"
+        missing = set(self.settings.preload) - {n for w in workers for n in w["models"]}
+        if missing:
+            return False, "loading " + ", ".join(sorted(missing))
+        if self.queue.depth() >= self.settings.queue_max_depth:
+            return False, "queue full"
+        return True, "ready"
+
+    def timeout_s(self, timeout_ms: int | None) -> float:
+        ms = self.settings.timeout_ms if timeout_ms is None else timeout_ms
+        if ms <= 0 or ms > 600_000:
+            raise BadRequest(f"timeout_ms must be between 1 and 600000, got {ms}")
+        return ms / 1000.0

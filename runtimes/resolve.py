@@ -1,0 +1,36 @@
+"""Model name -> ModelSpec, from the store (files, checked) and the catalog (profile)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from fleetctl.catalog import load_catalog
+from fleetctl.config import Settings
+from fleetctl.store import Store
+from runtimes.base import ModelSpec, Profile
+
+
+def store_resolver(settings: Settings) -> Callable[[str], ModelSpec]:
+    store = Store(settings.store_path)
+
+    def resolve(name: str) -> ModelSpec:
+        # Every load re-hashes the files: a changed file is reported, never served.
+        manifest, path = store.open(name, verify=True)
+        # The catalog (shipped file overlaid by FLEET_HOME/models.toml) is read at
+        # each load, so a profile tuned while the daemon runs applies on next load.
+        entry = load_catalog(settings.home).find(name)
+        profile = entry.profile if entry is not None else manifest.profile
+        return ModelSpec(
+            name=name,
+            path=path,
+            task=manifest.task,
+            runtime=manifest.runtime,
+            profile=Profile.from_mapping(msgspec.structs.asdict(profile)),
+            trust_remote_code=manifest.trust_remote_code,
+            max_seq_len=manifest.max_seq_len,
+            extra={"base": manifest.base},
+        )
+
+    return resolve
