@@ -11,6 +11,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetctl.errors import FleetError
 
@@ -24,7 +25,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False)
+# soft_wrap: an error stays one line however narrow the terminal (scripts grep it).
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 for _verb in VERBS:
     try:
@@ -37,9 +39,9 @@ for _verb in VERBS:
 
 
 def fail(exc: FleetError) -> None:
-    err.print(f"[bold red]error[/]: {exc.message}")
+    err.print(f"[bold red]error[/]: {escape(exc.message)}")
     if exc.hint:
-        err.print(f"[dim]hint: {exc.hint}[/]")
+        err.print(f"[dim]hint: {escape(exc.hint)}[/]")
 
 
 def main() -> None:
