@@ -1,0 +1,3 @@
+from fleetctl.app import main
+
+main()
