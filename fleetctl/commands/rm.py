@@ -1,0 +1,40 @@
+"""`fleetctl rm NAME`: delete a model from the store."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("rm")
+    def rm(
+        name: Annotated[str, typer.Argument(help="The stored model's name (see `fleetctl list`).")],
+        yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    ) -> None:
+        """Remove a model from the store (a running daemon keeps what it has loaded)."""
+        from fleetctl.commands.pull import human_size
+        from fleetctl.config import load_settings
+        from fleetctl.errors import BadRequest
+        from fleetctl.store import Store
+
+        store = Store(load_settings().store_path)
+        err = Console(stderr=True, highlight=False)
+        manifest = store.get(name)
+        dependents = store.dependents(name)
+        if dependents:
+            raise BadRequest(
+                f"{name!r} is the base model of {', '.join(dependents)}",
+                hint=f"remove those first: `fleetctl rm {dependents[0]}`",
+            )
+        if not yes:
+            if not sys.stdin.isatty():
+                raise BadRequest(f"not removing {name!r} without confirmation", hint=f"`fleetctl rm {name} --yes`")
+            if not typer.confirm(f"remove {name} ({human_size(manifest.size_bytes)})?", err=True):
+                err.print("nothing removed")
+                raise typer.Exit(1)
+        store.remove(name)
+        print(f"removed {name} ({human_size(manifest.size_bytes)})")

