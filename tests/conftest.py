@@ -96,7 +96,8 @@ def wait_until_ready(d: DaemonProc, timeout_s: float = START_TIMEOUT_S) -> None:
 
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("fleet-home"))
+    # A small body limit so the 413 case is cheap to provoke.
+    d = start_daemon(tmp_path_factory.mktemp("fleet-home"), extra_env={"FLEET_MAX_BODY_BYTES": str(4 << 20)})
     yield d
     d.stop()
 
