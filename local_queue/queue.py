@@ -1,0 +1,1118 @@
+"""The shared-memory queue between the daemon and its workers.
+
+The daemon puts requests into per-model *lanes*; worker processes pull
+(`claim`) batches from the lane they choose, give back what they over-pulled
+(`return_items`, to the head, order kept) and `ack` with results, which the
+daemon collects (`wait_results`). A claim is a lease: if the worker dies, the
+items go back to their lane (`expire_leases`, `release_worker`) and no request
+is lost or answered twice.
+
+Memory (one `multiprocessing.shared_memory` segment, no Python objects in it):
+
+    header   int64[HDR_FIELDS]       counters, list heads, lock-holder pid
+    slots    int64[slots, SF]        one record per item (see F_* below)
+    stack    int64[slots]            free slot indices (stack[:free_top])
+    lanes    int64[max_lanes, LF]    head, tail, depth, tokens, claimed, name length
+    names    u8[max_lanes, 128]      lane (model) names, utf-8
+    workers  int64[max_workers, WF]  gen, active, pid, heartbeat, claimed, lease, ...
+    devices  u8[max_workers, 64];  infos  u8[max_workers, 4096]
+    tags     u8[slab / 64]           buddy allocator tags (slab.py)
+    slab     bytes                   payloads and results (buddy allocator)
+
+Item life: FREE -> QUEUED (put) -> CLAIMED (claim) -> DONE (ack, or the queue
+completes it with STATUS_EXPIRED / STATUS_POISON) -> FREE (wait_results copies
+the result out). CLAIMED -> QUEUED on return / lease expiry / release; QUEUED ->
+FREE on cancel.
+
+Ids. A put returns `gen << 24 | slot`; `gen` is bumped each time the slot is
+reused, so a stale id never touches a newer item. A claim hands out
+`epoch << 48 | put_id`; `epoch` is bumped on every claim, so an ack or return
+from a worker that lost its lease (the item was re-queued, maybe re-claimed)
+does not match and changes nothing. `put_id(claim_id)` recovers the put id;
+`Done.item_id` is always the put id.
+
+Protocol and invariants:
+1. Every read-modify-write of shared state happens under the ONE queue lock:
+   a per-process `threading.Lock` (flock does not exclude threads of one
+   process), then `fcntl.flock` on `/dev/shm/<name>.lock` (the kernel drops it
+   when the holder dies, even by SIGKILL). Lock order: thread lock, then flock.
+   Nothing else is ever waited for while holding it (semaphores are posted and
+   waited on outside).
+2. A lane is a doubly linked list of QUEUED slots sorted by `seq` (a global
+   counter assigned at put, taken under the lock, so it follows enqueue time).
+   Put appends at the tail; claim takes a prefix; returns and expiries insert
+   back by `seq`, so a lane's order is always enqueue order, whoever returns
+   first. DONE slots form one FIFO list (singly linked through F_NEXT).
+3. A slot's `state` field is its commit point and is written last: all other
+   fields of the new state (and its slab block, fully copied) are written
+   before it, and the old state's block is freed after it. Lane and done
+   lists, free slot stack, depth/token/claimed counters and the slab's free
+   lists are derived data.
+4. The lock holder writes its pid into `header[H_HOLDER]` on entry and clears it
+   on a clean exit. If the next holder finds it set, the previous one died (or
+   raised) inside a critical section: it calls `_repair`, which rebuilds all
+   derived data from the slot states (lanes by seq, done list, free stack,
+   counters, slab free lists from the live blocks).
+   Guaranteed after such a death: every item is in exactly one state; items
+   committed by the dead holder keep that state, the others keep their old
+   one (a batch call is applied to a prefix of its items); no slab byte is
+   lost or shared. Not guaranteed: the dead caller's return value is gone
+   (items it had claimed come back through lease expiry / release_worker);
+   an expiry torn between "attempts += 1" and its commit counts that attempt
+   twice.
+5. Wake-ups: waiters counters live in the header, changed under the lock; a
+   producer posts `min(waiters, n) - sem.value` times (outside the lock), so a
+   waiter counted before it blocks is never missed; waiters re-check the
+   depth after waking (spurious wake-ups are fine). A process killed while
+   waiting leaves its count behind: that costs at most spurious wake-ups.
+6. Time is `time.monotonic_ns()` everywhere (CLOCK_MONOTONIC is system-wide).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import secrets
+import threading
+import time
+from multiprocessing import resource_tracker, shared_memory
+from typing import NamedTuple
+
+import _posixshmem
+import numpy as np
+import posix_ipc
+
+from fleetctl.errors import Overloaded, PayloadTooLarge
+from local_queue.slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
+
+STATUS_EXPIRED = 250  # deadline passed before a worker took the item
+STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
+
+MAGIC = 0x464C45455451  # "FLEETQ"
+VERSION = 1
+NAME_BYTES = 128
+DEVICE_BYTES = 64
+INFO_BYTES = 4096
+SLOT_BITS, GEN_BITS, EPOCH_BITS = 24, 24, 15
+SLOT_MASK = (1 << SLOT_BITS) - 1
+GEN_MASK = (1 << GEN_BITS) - 1
+PUT_MASK = (1 << (SLOT_BITS + GEN_BITS)) - 1
+EPOCH_SHIFT = SLOT_BITS + GEN_BITS
+EPOCH_MASK = (1 << EPOCH_BITS) - 1
+WORKER_BITS = 16
+
+# Header fields (int64 indices).
+(H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
+ H_WORK_WAITERS, H_RES_WAITERS, H_SEQ, H_FREE_TOP, H_DONE_HEAD, H_DONE_TAIL, H_DONE_COUNT,
+ H_N_LANES, H_REPAIRS, H_SLAB_FREE) = range(18)
+H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
+HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
+
+# Slot record fields. Offsets are slab units (64 B), NIL when there is no block.
+(F_STATE, F_GEN, F_EPOCH, F_LANE, F_NEXT, F_PREV, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE,
+ F_ATTEMPTS, F_OWNER, F_LEASE, F_DATA, F_DATA_LEN, F_RES, F_RES_LEN, F_STATUS) = range(19)
+SF = 20
+FREE, QUEUED, CLAIMED, DONE = 0, 1, 2, 3
+
+L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN = range(6)
+LF = 8
+W_GEN, W_ACTIVE, W_PID, W_HEARTBEAT, W_CLAIMED, W_LEASE_MS, W_DEVICE_LEN, W_INFO_LEN = range(8)
+WF = 8
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
+class QueueFull(Overloaded):
+    """No slot, slab space, lane or worker record left right now (HTTP 429)."""
+
+
+class ItemTooLarge(PayloadTooLarge):
+    """A payload or result larger than the slab's largest block: it can never fit."""
+
+
+class UnknownWorker(LookupError):
+    """The worker id is not registered (never was, unregistered, or released as dead)."""
+
+
+class Claim(NamedTuple):
+    item_id: int  # claim id: pass it to ack / return_items
+    request_id: int
+    lane: int
+    tokens: int
+    enqueue_ns: int
+    deadline_ns: int
+    attempts: int
+    payload: memoryview  # into the slab; valid until this item is acked or returned
+
+
+class Done(NamedTuple):
+    item_id: int  # the put id
+    request_id: int
+    status: int
+    result: bytes
+
+
+class LaneStats(NamedTuple):
+    lane: int
+    model: str
+    depth: int
+    tokens: int
+    oldest_enqueue_ns: int  # of the head item; 0 when the lane has no queued item
+    claimed: int
+
+
+class WorkerInfo(NamedTuple):
+    wid: int
+    pid: int
+    device: str
+    last_heartbeat_ns: int
+    claimed: int
+    info: bytes
+
+
+class QueueUsage(NamedTuple):
+    slots: int
+    slots_free: int
+    slab_bytes: int
+    slab_free_bytes: int
+    done: int  # results waiting for wait_results
+    repairs: int  # times a holder's death inside a critical section was repaired
+
+
+def put_id(item_id: int) -> int:
+    """The put id of an item, from its put id or from any of its claim ids."""
+    return item_id & PUT_MASK
+
+
+_new_claim = tuple.__new__
+_CLEAN_ERRORS = (QueueFull, ItemTooLarge, UnknownWorker, ValueError, KeyError)
+
+
+class _Lock:
+    """Context manager for the queue lock (invariants 1 and 4)."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q: LocalQueue) -> None:
+        self.q = q
+
+    def __enter__(self) -> None:
+        q = self.q
+        if os.getpid() != q._pid:
+            raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
+        q._tlock.acquire()
+        try:
+            fcntl.flock(q._lock_fd, fcntl.LOCK_EX)
+            try:
+                if q._h[H_HOLDER] != 0:
+                    q._repair()
+                q._h[H_HOLDER] = q._pid
+            except BaseException:
+                fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            q._tlock.release()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        q = self.q
+        # Errors from _CLEAN_ERRORS are raised before anything is changed; any
+        # other exception may have torn a mutation: leave the holder mark so the
+        # next holder (maybe us) repairs.
+        if exc_type is None or issubclass(exc_type, _CLEAN_ERRORS):
+            q._h[H_HOLDER] = 0
+        fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+        q._tlock.release()
+
+
+def _layout(slots: int, slab_bytes: int, max_lanes: int, max_workers: int) -> dict[str, int]:
+    off, out = 0, {}
+    for key, nbytes in (("hdr", HDR_FIELDS * 8), ("slots", slots * SF * 8), ("stack", slots * 8),
+                        ("lanes", max_lanes * LF * 8), ("names", max_lanes * NAME_BYTES),
+                        ("workers", max_workers * WF * 8), ("devices", max_workers * DEVICE_BYTES),
+                        ("infos", max_workers * INFO_BYTES), ("tags", slab_bytes // UNIT)):
+        out[key] = off
+        off = (off + nbytes + 63) & ~63
+    out["slab"] = (off + 4095) & ~4095
+    out["size"] = out["slab"] + slab_bytes
+    return out
+
+
+def _open_segment(name: str, create: bool, size: int) -> shared_memory.SharedMemory:
+    # Before Python 3.13 every SharedMemory (even an attach) registers with the
+    # resource tracker, which unlinks the segment when *that* process exits.
+    # The queue's lifetime is explicit (the creator unlinks), so keep it out.
+    register = resource_tracker.register
+    resource_tracker.register = lambda *a, **k: None
+    try:
+        return shared_memory.SharedMemory(name, create=create, size=size)
+    finally:
+        resource_tracker.register = register
+
+
+class LocalQueue:
+    """Handle on a shared queue. Thread-safe; one handle per process (spawn, not fork)."""
+
+    # -- lifecycle ---------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str | None = None, *, slots: int = 16384, slab_bytes: int = 256 << 20,
+               max_lanes: int = 256, max_workers: int = 64) -> LocalQueue:
+        name = name or f"fleet-q-{secrets.token_hex(6)}"
+        if not _NAME_RE.fullmatch(name):
+            raise ValueError(f"queue name {name!r}: use 1-100 of A-Z a-z 0-9 _ . -")
+        if not 1 <= slots <= SLOT_MASK + 1:
+            raise ValueError(f"slots must be in 1..{SLOT_MASK + 1}")
+        if slab_bytes < 4096:
+            raise ValueError("slab_bytes must be >= 4096")
+        if not 1 <= max_lanes <= 1 << 20 or not 1 <= max_workers <= 1 << WORKER_BITS:
+            raise ValueError("max_lanes / max_workers out of range")
+        slab_bytes -= slab_bytes % UNIT
+        lay = _layout(slots, slab_bytes, max_lanes, max_workers)
+        lock_path = f"/dev/shm/{name}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        made = []
+        try:
+            shm = _open_segment(name, True, lay["size"])
+            made.append(lambda: (shm.close(), _posixshmem.shm_unlink(f"/{name}")))
+            for suffix in (".work", ".results"):
+                sem = posix_ipc.Semaphore(f"/{name}{suffix}", posix_ipc.O_CREX, mode=0o600, initial_value=0)
+                made.append(sem.unlink)
+                sem.close()
+        except BaseException:
+            for undo in made:
+                undo()
+            os.close(fd)
+            os.unlink(lock_path)
+            raise
+        h = shm.buf[:HDR_FIELDS * 8].cast("q")
+        for i, v in ((H_SLOTS, slots), (H_SLAB_BYTES, slab_bytes), (H_MAX_LANES, max_lanes),
+                     (H_MAX_WORKERS, max_workers), (H_VERSION, VERSION)):
+            h[i] = v
+        h.release()
+        q = cls(name, shm, fd, owner=True)
+        q._format()
+        q._h[H_MAGIC] = MAGIC  # last: an attach before this point is refused
+        return q
+
+    @classmethod
+    def attach(cls, name: str) -> LocalQueue:
+        if not _NAME_RE.fullmatch(name):
+            raise ValueError(f"queue name {name!r} is not valid")
+        shm = _open_segment(name, False, 0)
+        try:
+            fd = os.open(f"/dev/shm/{name}.lock", os.O_RDWR)
+        except BaseException:
+            shm.close()
+            raise
+        return cls(name, shm, fd, owner=False)
+
+    def __init__(self, name: str, shm: shared_memory.SharedMemory, lock_fd: int, *, owner: bool) -> None:
+        self.name = name
+        self._shm, self._lock_fd, self._owner = shm, lock_fd, owner
+        self._pid = os.getpid()
+        self._tlock = threading.Lock()
+        self._lock = _Lock(self)
+        buf = shm.buf
+        h = buf[:HDR_FIELDS * 8].cast("q")
+        if not owner and (h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION):
+            h.release()
+            shm.close()
+            os.close(lock_fd)
+            raise ValueError(f"shared memory {name!r} is not a fleet queue (version {VERSION})")
+        self._h = h
+        self._nslots, slab_bytes = h[H_SLOTS], h[H_SLAB_BYTES]
+        self._max_lanes, self._max_workers = h[H_MAX_LANES], h[H_MAX_WORKERS]
+        lay = _layout(self._nslots, slab_bytes, self._max_lanes, self._max_workers)
+        n = self._nslots
+
+        def region(key: str, nbytes: int) -> memoryview:
+            return buf[lay[key]:lay[key] + nbytes]
+
+        # Scalar access through memoryviews (fast per field); numpy views over
+        # the same bytes for whole-table scans.
+        self._S = region("slots", n * SF * 8).cast("q")
+        self._stack = region("stack", n * 8).cast("q")
+        self._L = region("lanes", self._max_lanes * LF * 8).cast("q")
+        self._names = region("names", self._max_lanes * NAME_BYTES)
+        self._W = region("workers", self._max_workers * WF * 8).cast("q")
+        self._devices = region("devices", self._max_workers * DEVICE_BYTES)
+        self._infos = region("infos", self._max_workers * INFO_BYTES)
+        self._data = region("slab", slab_bytes)
+        self._S_np = np.frombuffer(self._S, dtype=np.int64).reshape(n, SF)
+        self._L_np = np.frombuffer(self._L, dtype=np.int64).reshape(self._max_lanes, LF)
+        self._slab = Slab(self._data, region("tags", slab_bytes // UNIT),
+                          h[H_FREE_HEADS:H_FREE_HEADS + MAX_ORDERS], h, H_SLAB_FREE)
+        self._work_sem = posix_ipc.Semaphore(f"/{name}.work")
+        self._res_sem = posix_ipc.Semaphore(f"/{name}.results")
+        self._lane_ids: dict[str, int] = {}
+        self._lane_names: dict[int, str] = {}
+
+    def __reduce__(self):
+        return (LocalQueue.attach, (self.name,))
+
+    def __enter__(self) -> LocalQueue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop this process's handle (the mapping itself lives while claim payload views do)."""
+        if self._shm is None:
+            return
+        self._work_sem.close()
+        self._res_sem.close()
+        self._slab.release_views()
+        del self._S_np, self._L_np
+        for mv in (self._S, self._stack, self._L, self._names, self._W, self._devices, self._infos,
+                   self._data, self._h):
+            mv.release()
+        try:
+            self._shm.close()
+        except BufferError:
+            # Payload views of claims are still alive; they keep the mmap object
+            # (and so the mapping) until they are dropped, then it unmaps itself.
+            self._shm._mmap = None
+        os.close(self._lock_fd)
+        self._shm = None
+
+    def unlink(self) -> None:
+        """Remove the segment, semaphores and lock file (the creator's job; any handle may do it)."""
+        for sem in (f"/{self.name}.work", f"/{self.name}.results"):
+            try:
+                posix_ipc.unlink_semaphore(sem)
+            except posix_ipc.ExistentialError:
+                pass
+        try:
+            # Not SharedMemory.unlink(): before 3.13 it also messages the resource
+            # tracker, which never heard of this segment (see _open_segment).
+            _posixshmem.shm_unlink(f"/{self.name}")
+        except FileNotFoundError:
+            pass
+        try:
+            os.unlink(f"/dev/shm/{self.name}.lock")
+        except FileNotFoundError:
+            pass
+
+    def _format(self) -> None:
+        h, S, n = self._h, self._S_np, self._nslots
+        S[:] = 0
+        S[:, F_DATA] = S[:, F_RES] = S[:, F_OWNER] = NIL
+        np.frombuffer(self._stack, dtype=np.int64)[:] = np.arange(n - 1, -1, -1)
+        h[H_FREE_TOP] = n
+        h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
+        self._L_np[:] = 0
+        self._L_np[:, L_HEAD] = self._L_np[:, L_TAIL] = NIL
+        self._slab.format()
+
+    # -- lanes -------------------------------------------------------------------
+    def lane_id(self, model: str, *, create: bool = True) -> int:
+        """Lane of `model`, created if needed. KeyError if absent and not create."""
+        lane = self._lane_ids.get(model)
+        if lane is not None:
+            return lane
+        raw = model.encode()
+        if not 1 <= len(raw) <= NAME_BYTES:
+            raise ValueError(f"lane name must be 1..{NAME_BYTES} bytes of utf-8, got {len(raw)}")
+        with self._lock:
+            self._refresh_lane_names()
+            lane = self._lane_ids.get(model)
+            if lane is None:
+                if not create:
+                    raise KeyError(model)
+                lane = self._h[H_N_LANES]
+                if lane >= self._max_lanes:
+                    raise QueueFull(f"no lane left for {model!r} ({self._max_lanes} in use)")
+                self._names[lane * NAME_BYTES:lane * NAME_BYTES + len(raw)] = raw
+                self._L[lane * LF + L_NAME_LEN] = len(raw)
+                self._h[H_N_LANES] = lane + 1  # commit: lanes are never removed
+                self._lane_ids[model], self._lane_names[lane] = lane, model
+        return lane
+
+    def _refresh_lane_names(self) -> None:
+        for lane in range(len(self._lane_names), self._h[H_N_LANES]):
+            ln = self._L[lane * LF + L_NAME_LEN]
+            model = bytes(self._names[lane * NAME_BYTES:lane * NAME_BYTES + ln]).decode()
+            self._lane_ids[model], self._lane_names[lane] = lane, model
+
+    def lane_name(self, lane: int) -> str:
+        if lane not in self._lane_names:
+            if not 0 <= lane < self._h[H_N_LANES]:
+                raise ValueError(f"no lane {lane}")
+            with self._lock:
+                self._refresh_lane_names()
+        return self._lane_names[lane]
+
+    def _check_lane(self, lane: int) -> None:
+        if not 0 <= lane < self._h[H_N_LANES]:
+            raise ValueError(f"no lane {lane}")
+
+    def lane_stats(self) -> list[LaneStats]:
+        """Lanes with queued or claimed items, in lane order."""
+        with self._lock:
+            n = self._h[H_N_LANES]
+            if len(self._lane_names) < n:
+                self._refresh_lane_names()
+            L = self._L_np[:n]
+            busy = np.flatnonzero((L[:, L_DEPTH] > 0) | (L[:, L_CLAIMED] > 0)).tolist()
+            rows = L[busy].tolist()
+            S, out = self._S, []
+            for lane, row in zip(busy, rows):
+                head = row[L_HEAD]
+                out.append(LaneStats(lane, self._lane_names[lane], row[L_DEPTH], row[L_TOKENS],
+                                     S[head * SF + F_ENQ] if head != NIL else 0, row[L_CLAIMED]))
+            return out
+
+    def depth(self) -> int:
+        """Items queued (not claimed) over all lanes."""
+        return self._h[H_DEPTH]
+
+    def usage(self) -> QueueUsage:
+        h = self._h
+        with self._lock:
+            return QueueUsage(self._nslots, h[H_FREE_TOP], len(self._data), h[H_SLAB_FREE] * UNIT,
+                              h[H_DONE_COUNT], h[H_REPAIRS])
+
+    # -- producer ----------------------------------------------------------------
+    def put(self, lane: int, payload: bytes | memoryview, *, tokens: int, request_id: int,
+            deadline_ns: int = 0) -> int:
+        return self.put_many(lane, [payload], tokens=[tokens], request_ids=[request_id],
+                             deadline_ns=deadline_ns)[0]
+
+    def put_many(self, lane: int, payloads: list, *, tokens: list[int], request_ids: list[int],
+                 deadline_ns: int = 0) -> list[int]:
+        """Enqueue at the tail of `lane`, all or nothing (QueueFull leaves the queue unchanged)."""
+        n = len(payloads)
+        if len(tokens) != n or len(request_ids) != n:
+            raise ValueError("payloads, tokens and request_ids differ in length")
+        self._check_lane(lane)
+        views, limit = [], self._slab.max_bytes()
+        for p in payloads:
+            if type(p) is not bytes:
+                p = memoryview(p).cast("B")
+            if len(p) > limit:
+                raise ItemTooLarge(f"payload of {len(p)} bytes exceeds the queue's largest block ({limit})")
+            views.append(p)
+        S, stack, slab, data, h = self._S, self._stack, self._slab, self._data, self._h
+        ids = []
+        with self._lock:
+            top = h[H_FREE_TOP]
+            if top < n:
+                raise QueueFull(f"queue full: {top} free slots, {n} needed")
+            now = time.monotonic_ns()
+            seq = h[H_SEQ]
+            made = []
+            for i in range(n):
+                p = views[i]
+                ln = len(p)
+                u = NIL
+                if ln:
+                    u = slab.alloc(ln)
+                    if u == NIL:
+                        self._undo_puts(made)
+                        raise QueueFull(f"queue full: no {ln}-byte block free in the slab")
+                    data[u * UNIT:u * UNIT + ln] = p
+                s = stack[top - 1 - i]
+                b = s * SF
+                gen = S[b + F_GEN] % GEN_MASK + 1
+                seq += 1
+                S[b + F_GEN] = gen
+                S[b + F_EPOCH] = 0
+                S[b + F_LANE] = lane
+                S[b + F_SEQ] = seq
+                S[b + F_TOKENS] = tokens[i]
+                S[b + F_REQ] = request_ids[i]
+                S[b + F_ENQ] = now
+                S[b + F_DEADLINE] = deadline_ns
+                S[b + F_ATTEMPTS] = 0
+                S[b + F_OWNER] = NIL
+                S[b + F_DATA] = u
+                S[b + F_DATA_LEN] = ln
+                S[b + F_STATE] = QUEUED  # commit (invariant 3)
+                made.append(s)
+                ids.append(gen << SLOT_BITS | s)
+            h[H_FREE_TOP] = top - n
+            h[H_SEQ] = seq
+            # Link at the tail: new seqs are the largest, so the lane stays sorted.
+            Lb = lane * LF
+            L = self._L
+            prev = L[Lb + L_TAIL]
+            if prev == NIL:
+                L[Lb + L_HEAD] = made[0] if made else NIL
+            for s in made:
+                S[s * SF + F_PREV] = prev
+                if prev != NIL:
+                    S[prev * SF + F_NEXT] = s
+                prev = s
+            if made:
+                S[prev * SF + F_NEXT] = NIL
+                L[Lb + L_TAIL] = prev
+            L[Lb + L_DEPTH] += n
+            L[Lb + L_TOKENS] += sum(tokens)
+            h[H_DEPTH] += n
+            posts = min(h[H_WORK_WAITERS], n) - self._work_sem.value
+        self._post(self._work_sem, posts)
+        return ids
+
+    def _undo_puts(self, made: list[int]) -> None:
+        # Slots of this put_many not linked yet; nothing else refers to them.
+        S = self._S
+        for s in made:
+            b = s * SF
+            S[b + F_STATE] = FREE
+            if S[b + F_DATA] != NIL:
+                self._slab.free(S[b + F_DATA], S[b + F_DATA_LEN])
+                S[b + F_DATA] = NIL
+
+    @staticmethod
+    def _post(sem: posix_ipc.Semaphore, n: int) -> None:
+        for _ in range(n):
+            sem.release()
+
+    def cancel(self, item_id: int) -> bool:
+        """Remove a still-queued item (its request timed out); no Done is produced."""
+        s, gen = item_id & SLOT_MASK, (item_id >> SLOT_BITS) & GEN_MASK
+        if s >= self._nslots:
+            return False
+        S, b = self._S, s * SF
+        with self._lock:
+            if S[b + F_STATE] != QUEUED or S[b + F_GEN] != gen:
+                return False
+            self._unlink(s)
+            S[b + F_STATE] = FREE  # commit
+            self._free_data(s)
+            self._push_free_slot(s)
+            return True
+
+    # -- slot helpers (caller holds the lock) ----------------------------------
+    def _unlink(self, s: int) -> None:
+        S, L, b = self._S, self._L, s * SF
+        Lb = S[b + F_LANE] * LF
+        n, p = S[b + F_NEXT], S[b + F_PREV]
+        if p == NIL:
+            L[Lb + L_HEAD] = n
+        else:
+            S[p * SF + F_NEXT] = n
+        if n == NIL:
+            L[Lb + L_TAIL] = p
+        else:
+            S[n * SF + F_PREV] = p
+        L[Lb + L_DEPTH] -= 1
+        L[Lb + L_TOKENS] -= S[b + F_TOKENS]
+        self._h[H_DEPTH] -= 1
+
+    def _free_data(self, s: int) -> None:
+        S, b = self._S, s * SF
+        u = S[b + F_DATA]
+        if u != NIL:
+            self._slab.free(u, S[b + F_DATA_LEN])
+            S[b + F_DATA] = NIL
+
+    def _push_free_slot(self, s: int) -> None:
+        h = self._h
+        self._stack[h[H_FREE_TOP]] = s
+        h[H_FREE_TOP] += 1
+
+    def _append_done(self, s: int) -> None:
+        h, S = self._h, self._S
+        S[s * SF + F_NEXT] = NIL
+        tail = h[H_DONE_TAIL]
+        if tail == NIL:
+            h[H_DONE_HEAD] = s
+        else:
+            S[tail * SF + F_NEXT] = s
+        h[H_DONE_TAIL] = s
+        h[H_DONE_COUNT] += 1
+
+    def _complete_empty(self, s: int, status: int) -> None:
+        """QUEUED/CLAIMED (already unlinked and uncounted) -> DONE with an empty result."""
+        S, b = self._S, s * SF
+        S[b + F_RES] = NIL
+        S[b + F_RES_LEN] = 0
+        S[b + F_STATUS] = status
+        S[b + F_STATE] = DONE  # commit
+        self._free_data(s)
+        self._append_done(s)
+
+    def _drop_claim_counts(self, s: int) -> None:
+        S, b = self._S, s * SF
+        self._L[S[b + F_LANE] * LF + L_CLAIMED] -= 1
+        w = self._worker_index(S[b + F_OWNER])
+        if w is not None:
+            self._W[w * WF + W_CLAIMED] -= 1
+
+    def _insert_sorted(self, lane: int, slots: list[int]) -> None:
+        """Insert QUEUED slots (sorted by seq) into `lane` at their seq positions."""
+        S, L, Lb = self._S, self._L, lane * LF
+        prev, cur = NIL, L[Lb + L_HEAD]
+        ntok = 0
+        for s in slots:
+            b = s * SF
+            sq = S[b + F_SEQ]
+            while cur != NIL and S[cur * SF + F_SEQ] < sq:
+                prev, cur = cur, S[cur * SF + F_NEXT]
+            S[b + F_PREV], S[b + F_NEXT] = prev, cur
+            if prev == NIL:
+                L[Lb + L_HEAD] = s
+            else:
+                S[prev * SF + F_NEXT] = s
+            if cur == NIL:
+                L[Lb + L_TAIL] = s
+            else:
+                S[cur * SF + F_PREV] = s
+            prev = s
+            ntok += S[b + F_TOKENS]
+        L[Lb + L_DEPTH] += len(slots)
+        L[Lb + L_TOKENS] += ntok
+        self._h[H_DEPTH] += len(slots)
+
+    def _requeue(self, slots: list[int], *, bump: bool, max_attempts: int) -> tuple[int, int]:
+        """CLAIMED slots back to their lanes (attempts += 1 if bump; poison at max_attempts).
+
+        Returns (requeued, poisoned)."""
+        S = self._S
+        by_lane: dict[int, list[int]] = {}
+        poisoned = 0
+        for s in sorted(slots, key=lambda s: S[s * SF + F_SEQ]):
+            b = s * SF
+            self._drop_claim_counts(s)
+            if bump:
+                S[b + F_ATTEMPTS] += 1
+                if S[b + F_ATTEMPTS] >= max_attempts:
+                    self._complete_empty(s, STATUS_POISON)
+                    poisoned += 1
+                    continue
+            S[b + F_OWNER] = NIL
+            S[b + F_STATE] = QUEUED  # commit
+            by_lane.setdefault(S[b + F_LANE], []).append(s)
+        for lane, group in by_lane.items():
+            self._insert_sorted(lane, group)
+        return len(slots) - poisoned, poisoned
+
+    # -- workers -----------------------------------------------------------------
+    def _worker_index(self, wid: int) -> int | None:
+        w = wid & ((1 << WORKER_BITS) - 1)
+        if wid < 0 or w >= self._max_workers:
+            return None
+        W = self._W
+        if W[w * WF + W_ACTIVE] and W[w * WF + W_GEN] == wid >> WORKER_BITS:
+            return w
+        return None
+
+    def register_worker(self, pid: int, device: str) -> int:
+        raw = device.encode()
+        if len(raw) > DEVICE_BYTES:
+            raise ValueError(f"device name longer than {DEVICE_BYTES} bytes")
+        W = self._W
+        with self._lock:
+            for w in range(self._max_workers):
+                b = w * WF
+                if not W[b + W_ACTIVE]:
+                    break
+            else:
+                raise QueueFull(f"no worker record left ({self._max_workers} registered)")
+            gen = W[b + W_GEN] + 1
+            W[b + W_GEN], W[b + W_PID] = gen, pid
+            W[b + W_HEARTBEAT] = time.monotonic_ns()
+            W[b + W_CLAIMED] = W[b + W_INFO_LEN] = 0
+            W[b + W_LEASE_MS] = 0
+            self._devices[w * DEVICE_BYTES:w * DEVICE_BYTES + len(raw)] = raw
+            W[b + W_DEVICE_LEN] = len(raw)
+            W[b + W_ACTIVE] = 1  # commit
+            return gen << WORKER_BITS | w
+
+    def unregister_worker(self, wid: int) -> None:
+        """Forget the worker. Its claims stay until their leases expire (release_worker returns them now)."""
+        with self._lock:
+            w = self._worker_index(wid)
+            if w is not None:
+                self._W[w * WF + W_ACTIVE] = 0
+
+    def set_worker_info(self, wid: int, info: bytes) -> None:
+        if len(info) > INFO_BYTES:
+            raise ValueError(f"worker info longer than {INFO_BYTES} bytes")
+        with self._lock:
+            w = self._need_worker(wid)
+            self._W[w * WF + W_INFO_LEN] = 0
+            self._infos[w * INFO_BYTES:w * INFO_BYTES + len(info)] = info
+            self._W[w * WF + W_INFO_LEN] = len(info)
+
+    def _need_worker(self, wid: int) -> int:
+        w = self._worker_index(wid)
+        if w is None:
+            raise UnknownWorker(f"worker {wid} is not registered")
+        return w
+
+    def workers(self) -> list[WorkerInfo]:
+        W, out = self._W, []
+        with self._lock:
+            for w in range(self._max_workers):
+                b = w * WF
+                if W[b + W_ACTIVE]:
+                    out.append(WorkerInfo(
+                        W[b + W_GEN] << WORKER_BITS | w, W[b + W_PID],
+                        bytes(self._devices[w * DEVICE_BYTES:w * DEVICE_BYTES + W[b + W_DEVICE_LEN]]).decode(),
+                        W[b + W_HEARTBEAT], W[b + W_CLAIMED],
+                        bytes(self._infos[w * INFO_BYTES:w * INFO_BYTES + W[b + W_INFO_LEN]])))
+        return out
+
+    def heartbeat(self, wid: int) -> bool:
+        """Mark the worker alive and renew its leases by its last lease_ms. False if not registered."""
+        with self._lock:
+            w = self._worker_index(wid)
+            if w is None:
+                return False
+            now = time.monotonic_ns()
+            self._W[w * WF + W_HEARTBEAT] = now
+            self._renew(wid, now, self._W[w * WF + W_LEASE_MS])
+            return True
+
+    def renew(self, worker: int, lease_ms: int) -> int:
+        """Extend every lease of `worker` to now + lease_ms. Returns how many items it holds."""
+        with self._lock:
+            w = self._need_worker(worker)
+            self._W[w * WF + W_LEASE_MS] = lease_ms
+            return self._renew(worker, time.monotonic_ns(), lease_ms)
+
+    def _renew(self, wid: int, now: int, lease_ms: int) -> int:
+        S = self._S_np
+        mine = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_OWNER] == wid))
+        S[mine, F_LEASE] = now + lease_ms * 1_000_000
+        return len(mine)
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until some lane has queued items (True) or the timeout passes (False)."""
+        h = self._h
+        with self._lock:
+            if h[H_DEPTH] > 0:
+                return True
+            h[H_WORK_WAITERS] += 1
+        try:
+            return self._wait(self._work_sem, H_DEPTH, timeout_s)
+        finally:
+            with self._lock:
+                h[H_WORK_WAITERS] -= 1
+
+    def _wait(self, sem: posix_ipc.Semaphore, field: int, timeout_s: float) -> bool:
+        # The caller is counted in the waiters field for the whole loop, so every
+        # producer in between posts for it (invariant 5). Reading one aligned
+        # int64 without the lock is a hint; the caller re-checks under the lock.
+        end = time.monotonic() + timeout_s
+        while self._h[field] <= 0:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                sem.acquire(left)
+            except posix_ipc.BusyError:
+                return self._h[field] > 0
+        return True
+
+    def claim(self, lane: int, *, worker: int, max_items: int, max_tokens: int, lease_ms: int) -> list[Claim]:
+        """Take items from the head of `lane`, in order, within max_items and max_tokens.
+
+        Always at least one item when the lane holds one, even over max_tokens.
+        Items past their deadline complete with STATUS_EXPIRED instead."""
+        if max_items < 1:
+            raise ValueError("max_items must be >= 1")
+        self._check_lane(lane)
+        S, L, Lb, data = self._S, self._L, lane * LF, self._data
+        out: list[Claim] = []
+        with self._lock:
+            w = self._need_worker(worker)
+            now = time.monotonic_ns()
+            lease = now + lease_ms * 1_000_000
+            s = L[Lb + L_HEAD]
+            taken = ntok = expired = expired_tok = 0
+            while s != NIL and taken < max_items:
+                b = s * SF
+                t = S[b + F_TOKENS]
+                nxt = S[b + F_NEXT]
+                dl = S[b + F_DEADLINE]
+                if dl and dl <= now:
+                    expired += 1
+                    expired_tok += t
+                    self._complete_empty(s, STATUS_EXPIRED)
+                    s = nxt
+                    continue
+                if taken and ntok + t > max_tokens:
+                    break
+                epoch = S[b + F_EPOCH] % EPOCH_MASK + 1
+                S[b + F_EPOCH] = epoch
+                S[b + F_OWNER] = worker
+                S[b + F_LEASE] = lease
+                S[b + F_STATE] = CLAIMED  # commit
+                u, ln = S[b + F_DATA], S[b + F_DATA_LEN]
+                payload = data[u * UNIT:u * UNIT + ln] if ln else data[0:0]
+                out.append(_new_claim(Claim, (
+                    epoch << EPOCH_SHIFT | S[b + F_GEN] << SLOT_BITS | s, S[b + F_REQ], lane, t,
+                    S[b + F_ENQ], dl, S[b + F_ATTEMPTS], payload)))
+                taken += 1
+                ntok += t
+                s = nxt
+            # The claimed/expired prefix leaves the list in one step.
+            L[Lb + L_HEAD] = s
+            if s == NIL:
+                L[Lb + L_TAIL] = NIL
+            else:
+                S[s * SF + F_PREV] = NIL
+            L[Lb + L_DEPTH] -= taken + expired
+            L[Lb + L_TOKENS] -= ntok + expired_tok
+            L[Lb + L_CLAIMED] += taken
+            self._h[H_DEPTH] -= taken + expired
+            self._W[w * WF + W_CLAIMED] += taken
+            self._W[w * WF + W_LEASE_MS] = lease_ms
+            posts = min(self._h[H_RES_WAITERS], 1) - self._res_sem.value if expired else 0
+        self._post(self._res_sem, posts)
+        return out
+
+    def _held(self, claim_id: int) -> int:
+        """Slot of a claim id that still holds its item, else NIL (caller holds the lock)."""
+        s = claim_id & SLOT_MASK
+        if s >= self._nslots:
+            return NIL
+        S, b = self._S, s * SF
+        if (S[b + F_STATE] != CLAIMED or S[b + F_EPOCH] != claim_id >> EPOCH_SHIFT
+                or S[b + F_GEN] != (claim_id >> SLOT_BITS) & GEN_MASK):
+            return NIL
+        return s
+
+    def return_items(self, item_ids: list[int]) -> int:
+        """Give claimed items back to the head of their lanes (in lane order, attempts unchanged).
+
+        Ids whose claim is no longer held are skipped. Returns how many went back."""
+        with self._lock:
+            slots = [s for s in map(self._held, item_ids) if s != NIL]
+            moved, _ = self._requeue(list(dict.fromkeys(slots)), bump=False, max_attempts=0)
+            posts = min(self._h[H_WORK_WAITERS], moved) - self._work_sem.value
+        self._post(self._work_sem, posts)
+        return moved
+
+    def ack(self, item_id: int, result: bytes | memoryview, *, status: int = 0) -> bool:
+        return self.ack_many([(item_id, result, status)])[0]
+
+    def ack_many(self, items: list[tuple[int, bytes | memoryview, int]]) -> list[bool]:
+        """Complete claimed items with results. False (nothing changed) for a claim no longer held.
+
+        QueueFull if a result finds no slab space: that item and the ones after
+        it stay claimed (the worker may ack them with an error status instead)."""
+        limit = self._slab.max_bytes()
+        results = []
+        for _, r, st in items:
+            if type(r) is not bytes:
+                r = memoryview(r).cast("B")
+            if len(r) > limit:
+                raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
+            if not 0 <= st <= 255:
+                raise ValueError("status must be a u8")
+            results.append(r)
+        S, slab, data, h = self._S, self._slab, self._data, self._h
+        out = []
+        with self._lock:
+            full = None
+            for (cid, _, st), r in zip(items, results):
+                s = self._held(cid)
+                if s == NIL:
+                    out.append(False)
+                    continue
+                b = s * SF
+                ln = len(r)
+                u = NIL
+                if ln:
+                    u = slab.alloc(ln)
+                    if u == NIL:
+                        full = QueueFull(f"no {ln}-byte block free in the slab for a result")
+                        break
+                    data[u * UNIT:u * UNIT + ln] = r
+                S[b + F_RES] = u
+                S[b + F_RES_LEN] = ln
+                S[b + F_STATUS] = st
+                S[b + F_STATE] = DONE  # commit
+                self._free_data(s)
+                self._drop_claim_counts(s)
+                self._append_done(s)
+                out.append(True)
+            posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if any(out) else 0
+        self._post(self._res_sem, posts)
+        if full is not None:
+            raise full
+        return out
+
+    # -- recovery ----------------------------------------------------------------
+    def expire_leases(self, now_ns: int | None = None, *, max_attempts: int = 3) -> int:
+        """Claimed items whose lease passed go back to their lanes (attempts += 1) or, at
+        max_attempts, complete with STATUS_POISON. Returns how many moved."""
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        with self._lock:
+            S = self._S_np
+            late = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_LEASE] < now)).tolist()
+            moved, work_posts, res_posts = self._settle(late, max_attempts)
+        self._post(self._work_sem, work_posts)
+        self._post(self._res_sem, res_posts)
+        return moved
+
+    def release_worker(self, wid: int, *, max_attempts: int = 3) -> int:
+        """A worker known dead: its claims go back now (attempts += 1) or poison; it is unregistered."""
+        with self._lock:
+            S = self._S_np
+            mine = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_OWNER] == wid)).tolist()
+            moved, work_posts, res_posts = self._settle(mine, max_attempts)
+            w = self._worker_index(wid)
+            if w is not None:
+                self._W[w * WF + W_ACTIVE] = 0
+        self._post(self._work_sem, work_posts)
+        self._post(self._res_sem, res_posts)
+        return moved
+
+    def _settle(self, slots: list[int], max_attempts: int) -> tuple[int, int, int]:
+        """Lost claims back to their lanes or to poison: (moved, work posts, result posts)."""
+        if not slots:
+            return 0, 0, 0
+        requeued, poisoned = self._requeue(slots, bump=True, max_attempts=max_attempts)
+        h = self._h
+        work_posts = min(h[H_WORK_WAITERS], requeued) - self._work_sem.value
+        res_posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if poisoned else 0
+        return requeued + poisoned, work_posts, res_posts
+
+    # -- results -----------------------------------------------------------------
+    def wait_results(self, timeout_s: float) -> list[Done]:
+        """Block until results exist; return all of them (copied out, space freed).
+
+        Meant for one consumer (the daemon); several would split the results."""
+        h = self._h
+        with self._lock:
+            if h[H_DONE_COUNT] > 0:
+                return self._take_done()
+            h[H_RES_WAITERS] += 1
+        try:
+            self._wait(self._res_sem, H_DONE_COUNT, timeout_s)
+        except BaseException:
+            # Interrupted: leave the results in the queue for the next call.
+            with self._lock:
+                h[H_RES_WAITERS] -= 1
+            raise
+        with self._lock:
+            h[H_RES_WAITERS] -= 1
+            return self._take_done()
+
+    def _take_done(self) -> list[Done]:
+        S, h, data, slab, stack = self._S, self._h, self._data, self._slab, self._stack
+        out = []
+        s = h[H_DONE_HEAD]
+        top = h[H_FREE_TOP]
+        while s != NIL:
+            b = s * SF
+            u, ln = S[b + F_RES], S[b + F_RES_LEN]
+            out.append(Done(S[b + F_GEN] << SLOT_BITS | s, S[b + F_REQ], S[b + F_STATUS],
+                            bytes(data[u * UNIT:u * UNIT + ln]) if ln else b""))
+            nxt = S[b + F_NEXT]
+            S[b + F_STATE] = FREE  # commit
+            if u != NIL:
+                slab.free(u, ln)
+                S[b + F_RES] = NIL
+            stack[top] = s
+            top += 1
+            h[H_FREE_TOP] = top
+            h[H_DONE_HEAD] = nxt
+            s = nxt
+        h[H_DONE_TAIL] = NIL
+        h[H_DONE_COUNT] = 0
+        return out
+
+    # -- repair and verification --------------------------------------------------
+    def _live_blocks(self) -> list[tuple[int, int]]:
+        S = self._S_np
+        st = S[:, F_STATE]
+        rows = S[((st == QUEUED) | (st == CLAIMED)) & (S[:, F_DATA_LEN] > 0)]
+        live = [(u, order_for(n)) for u, n in zip(rows[:, F_DATA].tolist(), rows[:, F_DATA_LEN].tolist())]
+        rows = S[(st == DONE) & (S[:, F_RES_LEN] > 0)]
+        live += [(u, order_for(n)) for u, n in zip(rows[:, F_RES].tolist(), rows[:, F_RES_LEN].tolist())]
+        return live
+
+    def _repair(self) -> None:
+        """Rebuild all derived data from the slot states (invariant 4). Caller holds the flock."""
+        h, S, L = self._h, self._S_np, self._L_np
+        st = S[:, F_STATE]
+        free = np.flatnonzero(st == FREE)
+        np.frombuffer(self._stack, dtype=np.int64)[:len(free)] = free[::-1]
+        h[H_FREE_TOP] = len(free)
+        # Blocks that the state no longer owns.
+        S[st == FREE, F_DATA] = NIL
+        S[st == FREE, F_RES] = NIL
+        S[st == DONE, F_DATA] = NIL
+        S[(st == QUEUED) | (st == CLAIMED), F_RES] = NIL
+        # Lanes: QUEUED slots grouped by lane, sorted by seq.
+        q = np.flatnonzero(st == QUEUED)
+        q = q[np.lexsort((S[q, F_SEQ], S[q, F_LANE]))]
+        lanes = S[q, F_LANE]
+        same_next = np.append(lanes[1:] == lanes[:-1], False)
+        same_prev = np.insert(lanes[1:] == lanes[:-1], 0, False)
+        S[q, F_NEXT] = np.where(same_next, np.append(q[1:], NIL), NIL)
+        S[q, F_PREV] = np.where(same_prev, np.insert(q[:-1], 0, NIL), NIL)
+        L[:, L_HEAD] = L[:, L_TAIL] = NIL
+        L[lanes[~same_prev], L_HEAD] = q[~same_prev]
+        L[lanes[~same_next], L_TAIL] = q[~same_next]
+        nl = self._max_lanes
+        L[:, L_DEPTH] = np.bincount(lanes, minlength=nl)[:nl]
+        L[:, L_TOKENS] = np.bincount(lanes, weights=S[q, F_TOKENS], minlength=nl)[:nl].astype(np.int64)
+        c = np.flatnonzero(st == CLAIMED)
+        L[:, L_CLAIMED] = np.bincount(S[c, F_LANE], minlength=nl)[:nl]
+        h[H_DEPTH] = len(q)
+        W = self._W
+        owners = S[c, F_OWNER].tolist()
+        for w in range(self._max_workers):
+            W[w * WF + W_CLAIMED] = 0
+        for wid in owners:
+            w = self._worker_index(wid)
+            if w is not None:
+                W[w * WF + W_CLAIMED] += 1
+        # Done list in seq order.
+        d = np.flatnonzero(st == DONE)
+        d = d[np.argsort(S[d, F_SEQ], kind="stable")]
+        S[d, F_NEXT] = np.append(d[1:], NIL)
+        h[H_DONE_HEAD] = d[0] if len(d) else NIL
+        h[H_DONE_TAIL] = d[-1] if len(d) else NIL
+        h[H_DONE_COUNT] = len(d)
+        self._slab.rebuild(self._live_blocks())
+        h[H_REPAIRS] += 1
+
+    def check(self) -> None:
+        """Verify every invariant of the shared structure; RuntimeError on the first broken one."""
+        with self._lock:
+            self._check_locked()
+
+    def _check_locked(self) -> None:
+        h, S = self._h, self._S
+        st = self._S_np[:, F_STATE]
+        seen_q = set()
+        claimed = [0] * self._max_lanes
+        for s in np.flatnonzero(st == CLAIMED).tolist():
+            claimed[S[s * SF + F_LANE]] += 1
+        for lane in range(h[H_N_LANES]):
+            Lb = lane * LF
+            s, prev, n, tok, last = self._L[Lb + L_HEAD], NIL, 0, 0, -1
+            while s != NIL:
+                b = s * SF
+                if S[b + F_STATE] != QUEUED or S[b + F_LANE] != lane or S[b + F_PREV] != prev:
+                    raise RuntimeError(f"lane {lane}: slot {s} does not belong in its list")
+                if S[b + F_SEQ] <= last:
+                    raise RuntimeError(f"lane {lane}: out of seq order at slot {s}")
+                last = S[b + F_SEQ]
+                seen_q.add(s)
+                n, tok, prev, s = n + 1, tok + S[b + F_TOKENS], s, S[b + F_NEXT]
+            if (prev != self._L[Lb + L_TAIL] or n != self._L[Lb + L_DEPTH]
+                    or tok != self._L[Lb + L_TOKENS] or claimed[lane] != self._L[Lb + L_CLAIMED]):
+                raise RuntimeError(f"lane {lane}: tail or counters off")
+        if seen_q != set(np.flatnonzero(st == QUEUED).tolist()) or h[H_DEPTH] != len(seen_q):
+            raise RuntimeError("queued slots and lane lists disagree")
+        done, s = [], h[H_DONE_HEAD]
+        while s != NIL:
+            done.append(s)
+            s = S[s * SF + F_NEXT]
+        if set(done) != set(np.flatnonzero(st == DONE).tolist()) or len(done) != h[H_DONE_COUNT]:
+            raise RuntimeError("done list and done slots disagree")
+        free = set(self._stack[:h[H_FREE_TOP]].tolist())
+        if free != set(np.flatnonzero(st == FREE).tolist()) or len(free) != h[H_FREE_TOP]:
+            raise RuntimeError("free slot stack and free slots disagree")
+        self._slab.check(self._live_blocks())
