@@ -1,0 +1,149 @@
+"""A minimal HTTP/1.1 keep-alive client on asyncio streams, for the load generator.
+
+Requests are fully prepared bytes (head + body) built once before a run, so a
+send is one `write` and a reply is one header read plus one body read: the
+generator spends its CPU on the wire, not on building requests. Replies with
+Content-Length and chunked replies are both read; `Connection: close` drops
+the connection after the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+
+class Endpoint:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// URLs are benched (got {url!r})")
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.path = parts.path if parts.path not in ("", "/") else ""
+
+    def with_default_path(self, path: str) -> str:
+        return self.path or path
+
+
+def build_request(ep: Endpoint, path: str, body: bytes, content_type: str, accept: str,
+                  api_key: str = "") -> bytes:
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {ep.host}:{ep.port}",
+        f"Content-Type: {content_type}",
+        f"Accept: {accept}",
+        f"Content-Length: {len(body)}",
+    ]
+    if api_key:
+        head.append(f"Authorization: Bearer {api_key}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class Conn:
+    __slots__ = ("reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def connect(ep: Endpoint) -> Conn:
+    # A large read limit: one reply line/header block is small, but readuntil's
+    # limit also bounds the buffered bytes it scans.
+    reader, writer = await asyncio.open_connection(ep.host, ep.port, limit=1 << 20)
+    return Conn(reader, writer)
+
+
+async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
+    """Send one prepared request; return (status, body, keep_alive)."""
+    conn.writer.write(request)
+    reader = conn.reader
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = -1
+    chunked = False
+    keep_alive = True
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+        elif name == b"connection" and b"close" in value.lower():
+            keep_alive = False
+    if chunked:
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            parts.append(await reader.readexactly(size + 2))
+        body = b"".join(p[:-2] for p in parts)
+    elif length >= 0:
+        body = await reader.readexactly(length)
+    else:
+        body = await reader.read()
+        keep_alive = False
+    return status, body, keep_alive
+
+
+class Pool:
+    """Keep-alive connections, at most `limit` open; callers beyond that wait in FIFO order."""
+
+    def __init__(self, ep: Endpoint, limit: int) -> None:
+        self.ep = ep
+        self.limit = limit
+        self.idle: list[Conn] = []
+        self.open = 0
+        self.waiters: asyncio.Queue[asyncio.Future] = asyncio.Queue()
+
+    async def acquire(self) -> Conn:
+        if self.idle:
+            return self.idle.pop()
+        if self.open < self.limit:
+            self.open += 1
+            try:
+                return await connect(self.ep)
+            except BaseException:
+                self.open -= 1
+                raise
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self.waiters.put(fut)
+        conn = await fut
+        if conn is None:  # a slot was freed by a dropped connection: open a fresh one
+            self.open += 1
+            try:
+                return await connect(self.ep)
+            except BaseException:
+                self.open -= 1
+                raise
+        return conn
+
+    def release(self, conn: Conn) -> None:
+        while not self.waiters.empty():
+            fut = self.waiters.get_nowait()
+            if not fut.done():
+                fut.set_result(conn)
+                return
+        self.idle.append(conn)
+
+    def discard(self, conn: Conn | None) -> None:
+        if conn is not None:
+            conn.close()
+            self.open -= 1
+        while not self.waiters.empty():
+            fut = self.waiters.get_nowait()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+        self.open -= len(self.idle)
+        self.idle.clear()

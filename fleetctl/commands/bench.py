@@ -1,0 +1,186 @@
+"""`fleetctl bench`: find a server's knee, or compare servers side by side.
+
+The verb only parses options and wires the parts of `bench/` together: the
+corpus and token counts, the targets (fleet at --url, the infinity-emb peer
+and in-process sentence-transformers that the bench starts itself), the
+runner, and the report (tables on stdout, live progress on stderr, JSON under
+bench/results/, an optional PNG). Nothing here imports torch: the in-process
+target runs in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import typer
+
+from fleetctl.errors import BadRequest, Unavailable
+
+COMPARE_DEFAULT = "fleet,infinity,st-fp32,st-bf16"
+
+
+def _import_bench():
+    try:
+        import bench.runner  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench":
+            raise
+        # `bench/` sits beside `fleetctl/` in a source checkout; when the installed
+        # distribution does not map it (older editable installs), use the checkout's.
+        root = Path(__file__).resolve().parents[2]
+        if not (root / "bench" / "runner.py").is_file():
+            raise Unavailable("the bench package is not installed",
+                              hint="run fleetctl bench from a fleet source checkout") from exc
+        sys.path.insert(0, str(root))
+
+
+def _floats(text: str | None, what: str) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{what} must be comma-separated numbers, e.g. 10,20,40") from None
+    if not values or any(v <= 0 for v in values):
+        raise typer.BadParameter(f"{what} must be positive numbers")
+    return values
+
+
+def _check_reachable(url: str, kind: str) -> None:
+    import httpx
+
+    probe = "/healthz" if kind.startswith("fleet") else "/v1/models"
+    try:
+        httpx.get(url.rstrip("/") + probe, timeout=5)
+    except httpx.TransportError as exc:
+        raise Unavailable(f"nothing answers at {url} ({type(exc).__name__})",
+                          hint="start the daemon with `fleetctl serve`, or pass --url") from None
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def bench(
+        model: str = typer.Option("all-minilm-l6-v2", "--model", "-m", help="Model name, as the server knows it."),
+        task: str = typer.Option("embed", "--task", help="embed | rerank | generate"),
+        target: str = typer.Option("fleet", "--target", help="fleet | fleet-json | openai | infinity (what --url is)"),
+        url: str = typer.Option(None, "--url", help="Server root URL (default: FLEET_URL, else 127.0.0.1:7744)."),
+        duration: float = typer.Option(10.0, "--duration", help="Seconds per step."),
+        concurrency: str = typer.Option(None, "--concurrency", help="Closed loop: clients per step, e.g. 1,2,4,8."),
+        rates: str = typer.Option(None, "--rates", help="Open loop: requests/s per step, e.g. 5,10,20 (default: ramp)."),
+        start_rate: float = typer.Option(None, "--start-rate", help="Ramp start, requests/s (default: half the one-client rate)."),
+        factor: float = typer.Option(1.5, "--factor", help="Ramp growth per step before the knee."),
+        max_steps: int = typer.Option(16, "--max-steps", help="Steps per target, at most."),
+        batch: int = typer.Option(32, "--batch", help="Inputs per request (1 = single-input requests)."),
+        inputs: Path = typer.Option(None, "--inputs", help="Texts to send, one per line (default: the bench corpus)."),
+        model_dir: Path = typer.Option(None, "--model-dir", help="Model folder for the tokenizer and the peers."),
+        p95_factor: float = typer.Option(3.0, "--p95-factor", help="Past the knee once p95 > this x unloaded p95."),
+        max_p95_ms: float = typer.Option(None, "--max-p95-ms", help="Past the knee once p95 exceeds this SLO."),
+        keep_up_tol: float = typer.Option(0.10, "--keep-up-tol", help="Past the knee once achieved < (1-tol) x offered."),
+        generators: int = typer.Option(1, "--generators", help="Load-generator processes."),
+        compare: bool = typer.Option(False, "--compare", help="Bench several targets interleaved (--targets)."),
+        targets: str = typer.Option(COMPARE_DEFAULT, "--targets", help="With --compare: fleet, infinity, st-fp32, st-bf16."),
+        encoding: str = typer.Option("base64", "--encoding", help="OpenAI-style targets: base64 | float."),
+        device: str = typer.Option(None, "--device", help="Device for the peers the bench starts: cpu | cuda (default: auto)."),
+        out: Path = typer.Option(None, "--out", help="Results JSON (default: bench/results/<time>-<task>-<targets>.json)."),
+        plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput and latency against load."),
+        as_json: bool = typer.Option(False, "--json", help="Print the results JSON on stdout instead of tables."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress display."),
+    ) -> None:
+        """Ramp the load on a server until it stops keeping up; report the knee."""
+        _import_bench()
+        from rich.console import Console
+
+        from bench import corpus, report
+        from bench.knee import CLOSED, OPEN, Criteria
+        from bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
+        from bench.sampler import Sampler, describe_gpus, listening_pids
+        from bench.targets import KINDS, TASKS
+        from bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
+        from fleetctl.config import client_url
+
+        # Tables are data: when piped, keep them whole instead of squeezing to 80 columns.
+        err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+        if task not in TASKS:
+            raise typer.BadParameter(f"--task must be one of {', '.join(TASKS)}")
+        if target not in KINDS:
+            raise typer.BadParameter(f"--target must be one of {', '.join(KINDS)}")
+        if concurrency and rates:
+            raise typer.BadParameter("give --concurrency (closed loop) or --rates (open loop), not both")
+        if batch < 1 or duration <= 0 or generators < 1 or max_steps < 1:
+            raise typer.BadParameter("--batch, --duration, --generators and --max-steps must be positive")
+        if encoding not in ("base64", "float"):
+            raise typer.BadParameter("--encoding must be base64 or float")
+        clients = _floats(concurrency, "--concurrency")
+        loads = clients or _floats(rates, "--rates")
+        url_given = url is not None
+        url = (url or client_url()).rstrip("/")
+        names = [t.strip() for t in targets.split(",") if t.strip()] if compare else [target]
+        unknown = [n for n in names if n not in ("fleet", "fleet-json", "openai", "infinity", "st-fp32", "st-bf16")]
+        if unknown:
+            raise typer.BadParameter(f"unknown target(s) {', '.join(unknown)} in --targets")
+        if compare and task != "embed":
+            raise typer.BadParameter("--compare benches embeddings servers: use --task embed")
+
+        try:
+            mdir = resolve_model_dir(model, str(model_dir) if model_dir else None)
+        except FileNotFoundError as exc:
+            raise BadRequest(str(exc), hint="pass --model-dir with the model's folder") from None
+        texts = corpus.load(inputs) if inputs else corpus.load()
+        lengths = TokenCounter(mdir).count(texts)
+        err.print(f"[bold]inputs[/] {inputs or corpus.CORPUS_PATH}  (tokens counted with {mdir.name}/tokenizer.json)")
+        err.print(describe_lengths(lengths))
+        dev = device or ("cuda" if describe_gpus()["gpus"] else "cpu")
+
+        plan = Plan(
+            model=model, task=task, batch=batch, duration_s=duration, mode=CLOSED if clients else OPEN,
+            loads=loads, start=start_rate, factor=factor, max_steps=max_steps,
+            criteria=Criteria(keep_up_tol=keep_up_tol, p95_factor=p95_factor, max_p95_ms=max_p95_ms),
+            generators=generators, encoding=encoding, api_key=os.environ.get("FLEET_API_KEY", ""),
+            device=dev,
+        )
+        peers = []
+        extra_versions: dict[str, str] = {}
+        specs: list[TargetSpec] = []
+        try:
+            for name in names:
+                if name.startswith("st-"):
+                    specs.append(TargetSpec(name=name, kind="st", dtype=name[3:]))
+                elif name == "infinity" and (compare or not url_given):
+                    from bench.peers import Infinity
+
+                    err.print("[dim]starting infinity-emb on loopback ...[/]")
+                    peer = Infinity(mdir, model, device=dev)
+                    peers.append(peer)
+                    extra_versions["infinity_emb"] = peer.version
+                    specs.append(TargetSpec(name="infinity", kind="infinity", url=peer.url, pids=peer.pids))
+                else:
+                    _check_reachable(url, name)
+                    port = urlsplit(url).port or 80
+                    specs.append(TargetSpec(name=name, kind=name, url=url, pids=listening_pids(port)))
+            with Sampler() as sampler:
+                if quiet or as_json:
+                    runs = run_bench(specs, plan, texts, lengths, model_dir=mdir, sampler=sampler, display=NullDisplay())
+                else:
+                    with report.LiveDisplay(plan.criteria, err) as live:
+                        runs = run_bench(specs, plan, texts, lengths, model_dir=mdir, sampler=sampler, display=live)
+        finally:
+            for peer in peers:
+                peer.stop()
+
+        doc = report.result_doc(runs, plan, report.corpus_doc(inputs or corpus.CORPUS_PATH, lengths),
+                                extra_versions=extra_versions)
+        path = report.write_json(doc, out or report.default_out(doc))
+        if plot_path:
+            report.plot(doc, plot_path)
+        if as_json:
+            print(json.dumps(doc, indent=1))
+        else:
+            report.print_summary(Console(width=None if sys.stdout.isatty() else 160), runs, plan)
+        err.print(f"[dim]results: {path}" + (f"  plot: {plot_path}" if plot_path else "") + "[/]")
+        if any(r.knee(plan.criteria).knee is None for r in runs):
+            raise typer.Exit(1)
+
