@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,6 @@ HEARTBEAT_STALE_S = 30.0
 @dataclass
 class Daemon:
     settings: Settings
-    box: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     started_at: float = field(default_factory=time.time)
     queue: LocalQueue | None = None
     broker: Broker | None = None
@@ -45,6 +43,7 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
+        self.box = self.settings.box_name
 
     # -- lifecycle ------------------------------------------------------------------
 

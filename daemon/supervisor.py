@@ -79,7 +79,7 @@ class Supervisor:
         from runtimes.process import run
 
         proc = _ctx.Process(
-            target=run, args=(self.queue.name, slot.device, self._blob),
+            target=run, args=(self.queue.name, slot.index, slot.device, self._blob),
             name=f"fleet-worker-{slot.index}", daemon=False,
         )
         proc.start()

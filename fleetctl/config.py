@@ -8,6 +8,7 @@ Units are in the names: *_ms, *_bytes, *_s.
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ DEFAULT_MODEL = "all-minilm-l6-v2"
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     home: str = ""
+    #: This daemon's name in X-Served-By and cluster views; default: the host name.
+    box: str = ""
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     #: Number of worker processes; 0 = one per GPU, or one CPU worker without a GPU.
@@ -57,6 +60,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def store_path(self) -> Path:
         return Path(self.home) / "models"
+
+    @property
+    def box_name(self) -> str:
+        return self.box or socket.gethostname().split(".")[0]
 
     @property
     def url(self) -> str:

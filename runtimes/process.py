@@ -16,7 +16,7 @@ import msgspec
 from fleetctl.config import Settings
 
 
-def run(queue_name: str, device: str, settings_blob: bytes) -> None:
+def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     settings = msgspec.msgpack.decode(settings_blob, type=Settings)
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -39,7 +39,7 @@ def run(queue_name: str, device: str, settings_blob: bytes) -> None:
     worker_id = queue.register_worker(os.getpid(), device)
     core = WorkerCore(
         queue, worker_id, device, store_resolver(settings),
-        lease_ms=settings.lease_ms,
+        served_by=f"{settings.box_name}/{index}", lease_ms=settings.lease_ms,
     )
     core.publish_info()
 

@@ -73,6 +73,9 @@ class SentenceTransformerEmbedder(Adapter):
         self._modules = modules
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim())
+        # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
+        # cuBLAS); pay it at load, not in the first client's latency.
+        self._embed(CHECK_SET)
 
     def _choose_dtype(self, model: Any) -> Any:
         torch = self._torch

