@@ -27,6 +27,7 @@ class RichProgress(Progress):
         self._task: int | None = None
 
     def start(self, description: str, total_bytes: int) -> None:
+        self.finish()
         self._bar.start()
         self._task = self._bar.add_task(description, total=total_bytes)
 
@@ -35,8 +36,10 @@ class RichProgress(Progress):
             self._bar.update(self._task, advance=nbytes)
 
     def finish(self) -> None:
-        self._bar.stop()
-        self._task = None
+        if self._task is not None:  # stopping a bar that never started prints a stray newline
+            self._bar.stop()
+            self._bar.remove_task(self._task)
+            self._task = None
 
 
 def human_size(nbytes: int) -> str:
