@@ -1,0 +1,141 @@
+"""`fleetctl config show | path`: the settings a `fleetctl serve` here would use, and why.
+
+Values come from `fleetctl.config.load_settings` itself (one resolver); this
+module only works out which layer each one came from. The API key is never
+printed: only whether it is set, and from where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import typer
+
+from fleetctl.config import Settings, default_home, load_settings
+from fleetctl.errors import BadRequest
+
+SECRET = "api_key"
+#: Fields shown as comments in the TOML output: not settable from config.toml
+#: (home decides where config.toml is) or secret.
+_NOT_IN_FILE = ("home", SECRET)
+
+
+def _toml_string(text: str) -> str:
+    # TOML basic string: escape quote, backslash and control characters; the rest stays UTF-8.
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for setting value {value!r}: this is a bug")
+
+
+def read_file_layer(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise BadRequest(f"{path} is not valid TOML: {exc}", hint=f"fix it, or move it away: mv {path} {path}.bad") from None
+
+
+def resolve(flags: dict[str, Any]) -> tuple[Settings, dict[str, str], Path]:
+    """(settings, field -> source, config file). Sources: default, file, env, flag."""
+    flags = {k: v for k, v in flags.items() if v is not None}
+    home = flags.get("home") or default_home()
+    cfg = Path(home) / "config.toml"
+    file_layer = read_file_layer(cfg)
+    try:
+        settings = load_settings(**flags)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(
+            f"bad setting in {cfg} or a FLEET_* variable: {exc}",
+            hint="valid keys: " + ", ".join(f for f in Settings.__struct_fields__ if f != "home"),
+        ) from None
+    except OSError as exc:  # api_key_file that cannot be read
+        raise BadRequest(f"cannot read {exc.filename}: {exc.strerror}", hint="check api_key_file / FLEET_API_KEY_FILE") from None
+
+    sources: dict[str, str] = {}
+    for field in Settings.__struct_fields__:
+        if field in flags:
+            sources[field] = "flag"
+        elif os.environ.get("FLEET_" + field.upper()):
+            sources[field] = "env"
+        elif field in file_layer and field != "home":  # load_settings ignores home in the file
+            sources[field] = "file"
+        else:
+            sources[field] = "default"
+    if settings.api_key and sources[SECRET] == "default":
+        sources[SECRET] = "api_key_file"  # read from the file that api_key_file names
+    return settings, sources, cfg
+
+
+def render_toml(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
+    lines = [
+        f"# fleet settings: defaults < {cfg} ({'found' if cfg.is_file() else 'absent'})"
+        " < FLEET_* environment < flags",
+        f"# home = {toml_value(settings.home)}  # {sources['home']} (set by FLEET_HOME or --home)",
+        f"# api_key: {'set' if settings.api_key else 'unset'}  # {sources[SECRET]}",
+    ]
+    for field in Settings.__struct_fields__:
+        if field not in _NOT_IN_FILE:
+            lines.append(f"{field} = {toml_value(getattr(settings, field))}  # {sources[field]}")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
+    values = {
+        field: {
+            "value": ("set" if settings.api_key else "unset") if field == SECRET else getattr(settings, field),
+            "source": sources[field],
+        }
+        for field in Settings.__struct_fields__
+    }
+    return json.dumps({"config_file": str(cfg), "config_file_found": cfg.is_file(), "settings": values}, indent=2) + "\n"
+
+
+def register(app: typer.Typer) -> None:
+    config = typer.Typer(help="Show the settings in effect and where each came from.", no_args_is_help=True)
+    app.add_typer(config, name="config")
+
+    @config.command()
+    def show(
+        as_json: bool = typer.Option(False, "--json", help="JSON instead of TOML."),
+        home: str = typer.Option(None, help="FLEET_HOME to read config.toml from."),
+        host: str = typer.Option(None, help="As `fleetctl serve --host`."),
+        port: int = typer.Option(None, help="As `fleetctl serve --port`."),
+        workers: int = typer.Option(None, help="As `fleetctl serve --workers`."),
+        device: str = typer.Option(None, help="As `fleetctl serve --device`."),
+        nats: str = typer.Option(None, help="As `fleetctl serve --nats`."),
+    ) -> None:
+        """Print the settings `fleetctl serve` would use here (TOML, or --json), with sources."""
+        settings, sources, cfg = resolve(
+            {"home": home, "host": host, "port": port, "workers": workers, "device": device, "nats": nats})
+        sys.stdout.write((render_json if as_json else render_toml)(settings, sources, cfg))
+
+    @config.command()
+    def path(home: str = typer.Option(None, help="FLEET_HOME to use.")) -> None:
+        """Print the path of config.toml (whether or not it exists)."""
+        sys.stdout.write(str(Path(home or default_home()) / "config.toml") + "\n")
