@@ -74,6 +74,7 @@ import fcntl
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -110,9 +111,15 @@ H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
 HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 
 # Slot record fields. Offsets are slab units (64 B), NIL when there is no block.
-(F_STATE, F_GEN, F_EPOCH, F_LANE, F_NEXT, F_PREV, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE,
- F_ATTEMPTS, F_OWNER, F_LEASE, F_DATA, F_DATA_LEN, F_RES, F_RES_LEN, F_STATUS) = range(19)
+# Grouped so that each operation writes one contiguous run with one struct call:
+# put writes NEXT..DATA_LEN, claim EPOCH..LEASE, ack RES..STATUS; STATE last.
+(F_STATE, F_NEXT, F_PREV, F_GEN, F_LANE, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE, F_ATTEMPTS,
+ F_DATA, F_DATA_LEN, F_EPOCH, F_OWNER, F_LEASE, F_RES, F_RES_LEN, F_STATUS) = range(19)
 SF = 20
+_PUT = struct.Struct("<12q")  # at F_NEXT
+_CLAIM = struct.Struct("<3q")  # at F_EPOCH
+_RESULT = struct.Struct("<3q")  # at F_RES
+_RECORD = struct.Struct("<19q")  # at F_STATE, for reads
 FREE, QUEUED, CLAIMED, DONE = 0, 1, 2, 3
 
 L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN = range(6)
@@ -185,7 +192,9 @@ def put_id(item_id: int) -> int:
     return item_id & PUT_MASK
 
 
-_new_claim = tuple.__new__
+_forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 _CLEAN_ERRORS = (QueueFull, ItemTooLarge, UnknownWorker, ValueError, KeyError)
 
 
@@ -199,7 +208,7 @@ class _Lock:
 
     def __enter__(self) -> None:
         q = self.q
-        if os.getpid() != q._pid:
+        if _forks[0] != q._fork:
             raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
         q._tlock.acquire()
         try:
@@ -311,6 +320,7 @@ class LocalQueue:
         self.name = name
         self._shm, self._lock_fd, self._owner = shm, lock_fd, owner
         self._pid = os.getpid()
+        self._fork = _forks[0]
         self._tlock = threading.Lock()
         self._lock = _Lock(self)
         buf = shm.buf
@@ -331,7 +341,8 @@ class LocalQueue:
 
         # Scalar access through memoryviews (fast per field); numpy views over
         # the same bytes for whole-table scans.
-        self._S = region("slots", n * SF * 8).cast("q")
+        self._Sb = region("slots", n * SF * 8)  # bytes, for struct record reads/writes
+        self._S = self._Sb.cast("q")
         self._stack = region("stack", n * 8).cast("q")
         self._L = region("lanes", self._max_lanes * LF * 8).cast("q")
         self._names = region("names", self._max_lanes * NAME_BYTES)
@@ -365,7 +376,7 @@ class LocalQueue:
         self._res_sem.close()
         self._slab.release_views()
         del self._S_np, self._L_np
-        for mv in (self._S, self._stack, self._L, self._names, self._W, self._devices, self._infos,
+        for mv in (self._S, self._Sb, self._stack, self._L, self._names, self._W, self._devices, self._infos,
                    self._data, self._h):
             mv.release()
         try:
@@ -494,59 +505,50 @@ class LocalQueue:
             if len(p) > limit:
                 raise ItemTooLarge(f"payload of {len(p)} bytes exceeds the queue's largest block ({limit})")
             views.append(p)
-        S, stack, slab, data, h = self._S, self._stack, self._slab, self._data, self._h
+        S, Sb, stack, data, h, L = self._S, self._Sb, self._stack, self._data, self._h, self._L
+        alloc, pack = self._slab.alloc, _PUT.pack_into
         ids = []
         with self._lock:
             top = h[H_FREE_TOP]
             if top < n:
                 raise QueueFull(f"queue full: {top} free slots, {n} needed")
-            now = time.monotonic_ns()
-            seq = h[H_SEQ]
-            made = []
-            for i in range(n):
-                p = views[i]
+            # 1. Slab blocks for every payload first, so a miss undoes only blocks.
+            units = []
+            for p in views:
                 ln = len(p)
                 u = NIL
                 if ln:
-                    u = slab.alloc(ln)
+                    u = alloc(ln)
                     if u == NIL:
-                        self._undo_puts(made)
+                        for v, q in zip(units, views):
+                            if v != NIL:
+                                self._slab.free(v, len(q))
                         raise QueueFull(f"queue full: no {ln}-byte block free in the slab")
                     data[u * UNIT:u * UNIT + ln] = p
+                units.append(u)
+            # 2. Slot records, committed one by one and chained behind the lane's
+            #    tail: new seqs are the largest, so the lane stays sorted.
+            now = time.monotonic_ns()
+            seq = h[H_SEQ]
+            Lb = lane * LF
+            prev = L[Lb + L_TAIL]
+            for i in range(n):
                 s = stack[top - 1 - i]
                 b = s * SF
                 gen = S[b + F_GEN] % GEN_MASK + 1
                 seq += 1
-                S[b + F_GEN] = gen
-                S[b + F_EPOCH] = 0
-                S[b + F_LANE] = lane
-                S[b + F_SEQ] = seq
-                S[b + F_TOKENS] = tokens[i]
-                S[b + F_REQ] = request_ids[i]
-                S[b + F_ENQ] = now
-                S[b + F_DEADLINE] = deadline_ns
-                S[b + F_ATTEMPTS] = 0
-                S[b + F_OWNER] = NIL
-                S[b + F_DATA] = u
-                S[b + F_DATA_LEN] = ln
-                S[b + F_STATE] = QUEUED  # commit (invariant 3)
-                made.append(s)
+                pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq, tokens[i], request_ids[i], now,
+                     deadline_ns, 0, units[i], len(views[i]))
+                S[b] = QUEUED  # commit (invariant 3)
+                if prev == NIL:
+                    L[Lb + L_HEAD] = s
+                else:
+                    S[prev * SF + F_NEXT] = s
+                prev = s
                 ids.append(gen << SLOT_BITS | s)
             h[H_FREE_TOP] = top - n
             h[H_SEQ] = seq
-            # Link at the tail: new seqs are the largest, so the lane stays sorted.
-            Lb = lane * LF
-            L = self._L
-            prev = L[Lb + L_TAIL]
-            if prev == NIL:
-                L[Lb + L_HEAD] = made[0] if made else NIL
-            for s in made:
-                S[s * SF + F_PREV] = prev
-                if prev != NIL:
-                    S[prev * SF + F_NEXT] = s
-                prev = s
-            if made:
-                S[prev * SF + F_NEXT] = NIL
+            if n:
                 L[Lb + L_TAIL] = prev
             L[Lb + L_DEPTH] += n
             L[Lb + L_TOKENS] += sum(tokens)
@@ -554,16 +556,6 @@ class LocalQueue:
             posts = min(h[H_WORK_WAITERS], n) - self._work_sem.value
         self._post(self._work_sem, posts)
         return ids
-
-    def _undo_puts(self, made: list[int]) -> None:
-        # Slots of this put_many not linked yet; nothing else refers to them.
-        S = self._S
-        for s in made:
-            b = s * SF
-            S[b + F_STATE] = FREE
-            if S[b + F_DATA] != NIL:
-                self._slab.free(S[b + F_DATA], S[b + F_DATA_LEN])
-                S[b + F_DATA] = NIL
 
     @staticmethod
     def _post(sem: posix_ipc.Semaphore, n: int) -> None:
@@ -817,8 +809,9 @@ class LocalQueue:
         if max_items < 1:
             raise ValueError("max_items must be >= 1")
         self._check_lane(lane)
-        S, L, Lb, data = self._S, self._L, lane * LF, self._data
-        out: list[Claim] = []
+        S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
+        unpack, pack = _RECORD.unpack_from, _CLAIM.pack_into
+        taken_rows = []
         with self._lock:
             w = self._need_worker(worker)
             now = time.monotonic_ns()
@@ -827,9 +820,7 @@ class LocalQueue:
             taken = ntok = expired = expired_tok = 0
             while s != NIL and taken < max_items:
                 b = s * SF
-                t = S[b + F_TOKENS]
-                nxt = S[b + F_NEXT]
-                dl = S[b + F_DEADLINE]
+                (_, nxt, _, gen, _, _, t, req, enq, dl, att, u, ln, epoch, *_) = unpack(Sb, b * 8)
                 if dl and dl <= now:
                     expired += 1
                     expired_tok += t
@@ -838,16 +829,10 @@ class LocalQueue:
                     continue
                 if taken and ntok + t > max_tokens:
                     break
-                epoch = S[b + F_EPOCH] % EPOCH_MASK + 1
-                S[b + F_EPOCH] = epoch
-                S[b + F_OWNER] = worker
-                S[b + F_LEASE] = lease
-                S[b + F_STATE] = CLAIMED  # commit
-                u, ln = S[b + F_DATA], S[b + F_DATA_LEN]
-                payload = data[u * UNIT:u * UNIT + ln] if ln else data[0:0]
-                out.append(_new_claim(Claim, (
-                    epoch << EPOCH_SHIFT | S[b + F_GEN] << SLOT_BITS | s, S[b + F_REQ], lane, t,
-                    S[b + F_ENQ], dl, S[b + F_ATTEMPTS], payload)))
+                epoch = epoch % EPOCH_MASK + 1
+                pack(Sb, b * 8 + F_EPOCH * 8, epoch, worker, lease)
+                S[b] = CLAIMED  # commit
+                taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, u, ln))
                 taken += 1
                 ntok += t
                 s = nxt
@@ -865,7 +850,11 @@ class LocalQueue:
             self._W[w * WF + W_LEASE_MS] = lease_ms
             posts = min(self._h[H_RES_WAITERS], 1) - self._res_sem.value if expired else 0
         self._post(self._res_sem, posts)
-        return out
+        # Outside the lock: these blocks belong to our claims until ack/return.
+        empty = data[0:0]
+        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att,
+                                   data[u * UNIT:u * UNIT + ln] if ln else empty))
+                for cid, req, t, enq, dl, att, u, ln in taken_rows]
 
     def _held(self, claim_id: int) -> int:
         """Slot of a claim id that still holds its item, else NIL (caller holds the lock)."""
@@ -907,37 +896,70 @@ class LocalQueue:
             if not 0 <= st <= 255:
                 raise ValueError("status must be a u8")
             results.append(r)
-        S, slab, data, h = self._S, self._slab, self._data, self._h
+        S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
+        alloc, free, pack = self._slab.alloc, self._slab.free, _RESULT.pack_into
         out = []
+        lanes: dict[int, int] = {}  # lane -> items leaving its claimed count
+        owners: dict[int, int] = {}  # wid -> same, per worker
+        first = last = NIL  # acked slots, chained, appended to the done list at the end
+        full = None
         with self._lock:
-            full = None
+            # Per item: validate the claim, write the result, commit, free the payload.
             for (cid, _, st), r in zip(items, results):
-                s = self._held(cid)
-                if s == NIL:
+                s = cid & SLOT_MASK
+                b = s * SF
+                if (s >= nslots or S[b + F_STATE] != CLAIMED or S[b + F_EPOCH] != cid >> EPOCH_SHIFT
+                        or S[b + F_GEN] != (cid >> SLOT_BITS) & GEN_MASK):
                     out.append(False)
                     continue
-                b = s * SF
                 ln = len(r)
                 u = NIL
                 if ln:
-                    u = slab.alloc(ln)
+                    u = alloc(ln)
                     if u == NIL:
                         full = QueueFull(f"no {ln}-byte block free in the slab for a result")
                         break
                     data[u * UNIT:u * UNIT + ln] = r
-                S[b + F_RES] = u
-                S[b + F_RES_LEN] = ln
-                S[b + F_STATUS] = st
-                S[b + F_STATE] = DONE  # commit
-                self._free_data(s)
-                self._drop_claim_counts(s)
-                self._append_done(s)
+                pack(Sb, b * 8 + F_RES * 8, u, ln, st)
+                S[b] = DONE  # commit; the payload block is ours to free from here on
+                u = S[b + F_DATA]
+                if u != NIL:
+                    free(u, S[b + F_DATA_LEN])
+                lane, wid = S[b + F_LANE], S[b + F_OWNER]
+                lanes[lane] = lanes.get(lane, 0) + 1
+                owners[wid] = owners.get(wid, 0) + 1
+                S[b + F_NEXT] = NIL
+                if last == NIL:
+                    first = s
+                else:
+                    S[last * SF + F_NEXT] = s
+                last = s
                 out.append(True)
-            posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if any(out) else 0
+            if first != NIL:
+                tail = h[H_DONE_TAIL]
+                if tail == NIL:
+                    h[H_DONE_HEAD] = first
+                else:
+                    S[tail * SF + F_NEXT] = first
+                h[H_DONE_TAIL] = last
+                h[H_DONE_COUNT] += sum(lanes.values())
+                self._drop_claimed(lanes, owners)
+                posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
+            else:
+                posts = 0
         self._post(self._res_sem, posts)
         if full is not None:
             raise full
         return out
+
+    def _drop_claimed(self, lanes: dict[int, int], owners: dict[int, int]) -> None:
+        L, W = self._L, self._W
+        for lane, n in lanes.items():
+            L[lane * LF + L_CLAIMED] -= n
+        for wid, n in owners.items():
+            w = self._worker_index(wid)
+            if w is not None:
+                W[w * WF + W_CLAIMED] -= n
 
     # -- recovery ----------------------------------------------------------------
     def expire_leases(self, now_ns: int | None = None, *, max_attempts: int = 3) -> int:
@@ -997,26 +1019,24 @@ class LocalQueue:
             return self._take_done()
 
     def _take_done(self) -> list[Done]:
-        S, h, data, slab, stack = self._S, self._h, self._data, self._slab, self._stack
+        S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
+        free, unpack = self._slab.free, _RECORD.unpack_from
         out = []
         s = h[H_DONE_HEAD]
         top = h[H_FREE_TOP]
         while s != NIL:
             b = s * SF
-            u, ln = S[b + F_RES], S[b + F_RES_LEN]
-            out.append(Done(S[b + F_GEN] << SLOT_BITS | s, S[b + F_REQ], S[b + F_STATUS],
-                            bytes(data[u * UNIT:u * UNIT + ln]) if ln else b""))
-            nxt = S[b + F_NEXT]
-            S[b + F_STATE] = FREE  # commit
-            if u != NIL:
-                slab.free(u, ln)
-                S[b + F_RES] = NIL
+            (_, nxt, _, gen, _, _, _, req, *_, u, ln, st) = unpack(Sb, b * 8)
+            out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st,
+                                         bytes(data[u * UNIT:u * UNIT + ln]) if ln else b"")))
+            S[b] = FREE  # commit
+            if ln:
+                free(u, ln)
             stack[top] = s
             top += 1
-            h[H_FREE_TOP] = top
-            h[H_DONE_HEAD] = nxt
             s = nxt
-        h[H_DONE_TAIL] = NIL
+        h[H_FREE_TOP] = top
+        h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
         h[H_DONE_COUNT] = 0
         return out
 

@@ -102,6 +102,7 @@ class Slab:
     # -- alloc / free ------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """Unit index of a new block of >= nbytes (> 0), or NIL if none is free."""
+        # Hot path: list operations are written out inline (see _push/_remove).
         k = (((nbytes + UNIT - 1) >> 6) - 1).bit_length()
         heads, top = self.heads, self.top_order
         j = k
@@ -109,26 +110,45 @@ class Slab:
             j += 1
         if j > top:
             return NIL
+        links, tags = self.links, self.tags
         u = heads[j]
-        self._remove(j, u)
-        # Split down to order k; the upper halves go back on the free lists.
+        n = links[u * 8]
+        heads[j] = n
+        if n != NIL:
+            links[n * 8 + 1] = NIL
+        tags[u] = 0
+        # Split down to order k; the upper halves go on the (then empty) lower lists.
         while j > k:
             j -= 1
-            self._push(j, u + (1 << j))
+            v = u + (1 << j)
+            h = heads[j]
+            links[v * 8] = h
+            links[v * 8 + 1] = NIL
+            if h != NIL:
+                links[h * 8 + 1] = v
+            heads[j] = v
+            tags[v] = j + 1
         self.hdr[self.free_index] -= 1 << k
         return u
 
     def free(self, u: int, nbytes: int) -> None:
         k = (((nbytes + UNIT - 1) >> 6) - 1).bit_length()
         self.hdr[self.free_index] += 1 << k
-        tags, units, top = self.tags, self.units, self.top_order
+        tags, units, top, links, heads = self.tags, self.units, self.top_order, self.links, self.heads
         # Merge with the buddy while it is a free block of the same order.
         while k < top:
             b = u ^ (1 << k)
             if b + (1 << k) > units or tags[b] != k + 1:
                 break
-            self._remove(k, b)
-            u = min(u, b)
+            n, p = links[b * 8], links[b * 8 + 1]
+            if p == NIL:
+                heads[k] = n
+            else:
+                links[p * 8] = n
+            if n != NIL:
+                links[n * 8 + 1] = p
+            tags[b] = 0
+            u &= ~(1 << k)
             k += 1
         self._push(k, u)
 
