@@ -364,16 +364,22 @@ def pull_model(
         if existing is not None and not force and not _same_origin(existing.source, source):
             raise BadRequest(
                 f"{name!r} is already stored from {existing.source}, not {source}",
-                hint=f"replace it with --force, or pick another --name",
+                hint="replace it with --force, or pick another --name",
             )
         if force:
             existing = None
         args = dict(store=store, name=name, source=source, entry=entry, previous=previous,
                     existing=existing, task=task, runtime=runtime, base=base, catalog=catalog,
                     progress=progress)
-        if source.kind == "hf":
-            return _pull_hub(**args)
-        return _pull_local(**args)
+        try:
+            if source.kind == "hf":
+                return _pull_hub(**args)
+            return _pull_local(**args)
+        except OSError as exc:
+            # Reading the source or writing the store failed (permissions, disk
+            # full): the staging dir is gone already, the stored copy untouched.
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise FleetError(f"cannot pull {source} into {store.root}: {exc.strerror or exc}{where}") from exc
 
 
 def _pull_local(
@@ -513,8 +519,13 @@ def _pull_hub(
     if _COMMIT_RE.match(revision) and (done := up_to_date(revision, [])) is not None:
         return done
 
-    from huggingface_hub import HfApi, constants, hf_hub_download
-    from huggingface_hub import errors as hub_errors
+    try:
+        from huggingface_hub import HfApi, constants, hf_hub_download
+        from huggingface_hub import errors as hub_errors
+    except ModuleNotFoundError:
+        raise SourceUnreachable(
+            f"cannot pull {source}: huggingface_hub is not installed", hint="pip install huggingface_hub",
+        ) from None
 
     caught = (hub_errors.HTTPError, OSError, ValueError)
     try:

@@ -25,7 +25,6 @@ No heavy imports here: the API process and `fleetctl list` import this module.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
@@ -371,17 +370,23 @@ class Store:
         """
         _write_manifest(self.path(manifest.name), manifest)
 
-    def remove(self, name: str) -> Manifest:
-        """Delete a stored model; it disappears at once (rename), then its files go."""
+    def remove(self, name: str) -> Manifest | None:
+        """Delete a stored model; it disappears at once (rename), then its files go.
+
+        A directory with a missing or unreadable manifest is removed too (returns None).
+        """
         with self.lock(name):
-            manifest = self.get(name)
+            try:
+                manifest: Manifest | None = self.get(name)
+            except (IntegrityError, ModelNotFound):
+                manifest = None
             gone = self.root / f".rm-{name}-{secrets.token_hex(4)}"
             try:
                 os.rename(self.root / name, gone)
-            except OSError as exc:
-                if exc.errno == errno.ENOENT:
-                    raise ModelNotFound(f"model {name!r} is not in the store") from None
-                raise
+            except FileNotFoundError:
+                raise ModelNotFound(
+                    f"model {name!r} is not in the store ({self.root})", hint="see `fleetctl list`",
+                ) from None
             shutil.rmtree(gone, ignore_errors=True)
         return manifest
 

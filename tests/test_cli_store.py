@@ -229,6 +229,57 @@ def test_catalog_listing(home: Path) -> None:
     assert {"bge-small-en-v1.5", "bge-reranker-base"} <= set(rows)
 
 
+def test_concurrent_pulls_of_one_name_copy_once(home: Path) -> None:
+    procs = [
+        subprocess.Popen([FLEETCTL, "pull", DEFAULT, "--json"], env=base_env(home), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    # The per-name lock serialises them: one copies, the other finds it done.
+    assert sorted(json.loads(out)["status"] for out, _ in results) == ["pulled", "up_to_date"]
+    from fleetctl.store import Store
+
+    Store(home / "models").open(DEFAULT)
+    assert sorted(os.listdir(home / "models")) == [".locks", DEFAULT]
+
+
+def test_rm_refuses_a_base_that_adapters_need(home: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base-model"
+    shutil.copytree(pkg_model_dir(), base)
+    adapter = tmp_path / "my-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION", "base_model_name_or_path": str(base), "r": 4}
+    ))
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    save_file({"lora_A": np.zeros((4, 8), dtype=np.float32)}, str(adapter / "adapter_model.safetensors"))
+    assert fleetctl(home, "pull", f"path:{base}").returncode == 0
+    pulled = fleetctl(home, "pull", f"path:{adapter}", "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    m = json.loads(pulled.stdout)["manifest"]
+    assert (m["runtime"], m["base"]) == ("peft", "base-model")
+    refused = fleetctl(home, "rm", "base-model", "--yes")
+    assert refused.returncode == 1
+    assert error_lines(refused.stderr) == ["error: 'base-model' is the base model of my-adapter"]
+    assert fleetctl(home, "rm", "my-adapter", "--yes").returncode == 0
+    assert fleetctl(home, "rm", "base-model", "--yes").returncode == 0
+
+
+def test_damaged_store_entry_is_listed_and_removable(home: Path) -> None:
+    assert fleetctl(home, "pull", DEFAULT).returncode == 0
+    (home / "models" / DEFAULT / "manifest.json").unlink()
+    listed = fleetctl(home, "list", "--json")
+    assert json.loads(listed.stdout) == []
+    assert f"fleetctl rm {DEFAULT}" in listed.stderr and "no readable manifest" in listed.stderr
+    removed = fleetctl(home, "rm", DEFAULT, "--yes")
+    assert removed.returncode == 0 and removed.stdout.strip() == f"removed {DEFAULT} (damaged)"
+    assert not (home / "models" / DEFAULT).exists()
+
+
 # ---- errors: one line, no traceback, exit 1; usage: exit 2 ------------------------------
 
 @pytest.mark.parametrize(

