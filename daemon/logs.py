@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import IO, Any
@@ -36,6 +37,10 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"m
 _encoder = msgspec.json.Encoder(enc_hook=repr)
 
 
+# A client-sent id is kept only if it is short and plain: it ends up in every log line.
+_CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
+
+
 def new_request_id() -> str:
     """A fresh request id: 16 hex characters (64 random bits)."""
     return os.urandom(8).hex()
@@ -49,6 +54,42 @@ def bind_request_id(rid: str) -> Iterator[str]:
         yield rid
     finally:
         REQUEST_ID.reset(token)
+
+
+class RequestIdMiddleware:
+    """ASGI: bind a request id for the whole request and echo it as `X-Request-Id`.
+
+    The client's `X-Request-Id` is kept when it is plain (1-64 of A-Z a-z 0-9 . _ : -),
+    else a fresh id is made. Put it outermost so refusals carry an id too.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                if _CLIENT_ID.match(value):
+                    rid = value.decode()
+                break
+        if rid is None:
+            rid = new_request_id()
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        token = REQUEST_ID.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
 
 
 class _RequestIdFilter(logging.Filter):

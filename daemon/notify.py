@@ -6,8 +6,8 @@ abstract one written with a leading `@`. Each message is one datagram of
 no-op, so the daemon calls these unconditionally.
 
 Order the daemon follows: `READY=1` only once the API socket is serving and the
-pinned models are loaded; `WATCHDOG=1` from `watchdog_loop` while healthy;
-`STOPPING=1` when a stop begins. `RELOADING=1` must carry `MONOTONIC_USEC`
+pinned models are loaded (`announce_ready`); `WATCHDOG=1` from `watchdog_loop`
+while healthy; `STOPPING=1` as the stop signal arrives (`SystemdServer`). `RELOADING=1` must carry `MONOTONIC_USEC`
 (CLOCK_MONOTONIC, µs), added here.
 """
 
@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
 
 log = logging.getLogger("fleet.notify")
 
@@ -102,3 +106,30 @@ async def watchdog_loop(is_healthy: Callable[[], bool], interval_s: float | None
             log.error("unhealthy: withholding watchdog pings; systemd restarts the service in %.0f s", timeout_s)
         was_healthy = healthy
         await asyncio.sleep(period_s)
+
+
+async def announce_ready(serving: Callable[[], bool], *waits: Awaitable[object], status: str = "serving") -> None:
+    """Send READY=1 once every `waits` finished and `serving()` is true.
+
+    `serving` is `lambda: server.started` for a uvicorn.Server: uvicorn runs the
+    app's lifespan startup *before* it listens, so READY sent from the lifespan
+    would come too early. Await the pinned-model loads in `waits`.
+    """
+    for waited in waits:
+        await waited
+    while not serving():
+        await asyncio.sleep(0.01)
+    notify(READY=1, STATUS=status)
+
+
+class SystemdServer(uvicorn.Server):
+    """uvicorn.Server that tells systemd STOPPING=1 as soon as a stop signal arrives.
+
+    uvicorn then stops accepting, finishes open requests and runs the lifespan
+    shutdown; systemd shows "deactivating" meanwhile instead of a hung service.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            notify(STOPPING=1, STATUS=f"stopping on {signal.Signals(sig).name}")
+        super().handle_exit(sig, frame)
