@@ -47,8 +47,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_ms: int = 10_000
     #: Attempts (claims that ended in a lost lease) before an item is failed as poison.
     max_attempts: int = 3
-    #: How long a worker lingers for more items when its lane is nearly empty.
+    #: How long a worker lingers for more items when its lane is nearly empty
+    #: (the default for models whose profile sets no linger_ms).
     linger_ms: float = 0.0
+    #: A lane whose oldest item has waited this long is served next by any worker,
+    #: whatever models it holds (bounded wait: no lane starves).
+    lane_max_wait_ms: int = 2_000
+    #: Batch time a worker aims for: its cost model, fitted from its own batch
+    #: times, caps a batch's padded tokens to fit (0 = only the profile's budget).
+    batch_target_ms: float = 250.0
     log_level: str = "info"
     #: Intra-op threads for CPU workers; 0 = torch's default.
     cpu_threads: int = 0
