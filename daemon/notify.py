@@ -118,7 +118,7 @@ async def announce_ready(serving: Callable[[], bool], *waits: Awaitable[object],
     for waited in waits:
         await waited
     while not serving():
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
     notify(READY=1, STATUS=status)
 
 
