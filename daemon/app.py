@@ -13,7 +13,7 @@ from litestar.exceptions import HTTPException
 from fleetctl.errors import FleetError
 
 from daemon.controllers.embed import EmbedController
-from daemon.controllers.models import HealthController, ModelsController
+from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 
@@ -28,7 +28,7 @@ def create_app(daemon: Daemon) -> Litestar:
             daemon.stop()
 
     return Litestar(
-        route_handlers=[EmbedController, ModelsController, HealthController],
+        route_handlers=[EmbedController, ModelsController, MetricsController, HealthController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

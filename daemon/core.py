@@ -21,7 +21,8 @@ from fleetctl.errors import BadRequest, FleetError, ModelNotFound
 from fleetctl.store import Manifest, Store
 from local_queue import LocalQueue
 
-from daemon.broker import Broker
+from daemon.broker import Answer, Broker
+from daemon.metrics import Metrics
 from daemon.supervisor import Supervisor, detect_devices
 
 log = logging.getLogger("fleet.daemon")
@@ -44,6 +45,7 @@ class Daemon:
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
         self.box = self.settings.box_name
+        self.metrics = Metrics()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -61,7 +63,10 @@ class Daemon:
         self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts)
         self.broker.start(loop)
         devices = detect_devices(self.settings.device, self.settings.workers)
-        self.supervisor = Supervisor(self.settings, self.queue, devices)
+        self.supervisor = Supervisor(
+            self.settings, self.queue, devices,
+            on_restart=lambda slot: self.metrics.worker_restarted(str(slot.index)),
+        )
         self.supervisor.start()
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 
@@ -89,6 +94,25 @@ class Daemon:
         if manifest.task != task:
             raise BadRequest(f"model {name!r} serves task {manifest.task!r}, not {task!r}")
         return manifest
+
+    async def submit(self, task: str, model: str, payload: bytes | memoryview, *, tokens: int,
+                     timeout_ms: int | None) -> Answer:
+        """The one request path every task controller uses: check the model serves
+        `task`, queue `payload` (the request as MessagePack), wait, record metrics."""
+        t0 = time.perf_counter()
+        try:
+            self.manifest(model, task)
+            answer = await self.broker.submit(model, payload, tokens=tokens, timeout_s=self.timeout_s(timeout_ms))
+        except FleetError as exc:
+            self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
+            raise
+        self.metrics.observe_request(model, task, "ok", time.perf_counter() - t0, answer.queue_ms, answer.inference_ms)
+        return answer
+
+    def refresh_gauges(self) -> None:
+        """Point-in-time series (lanes, device memory), read from the queue at scrape time."""
+        for lane in self.lanes():
+            self.metrics.set_lane(lane["model"], lane["depth"], lane["oldest_wait_ms"] / 1000.0)
 
     def forget(self, name: str) -> None:
         self._manifests.pop(name, None)

@@ -15,12 +15,14 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from daemon.app import create_app
-    from daemon.auth import check_bind
+    from daemon.auth import bearer_auth, check_bind
 
     check_bind(settings.host, settings.api_key)
     daemon = Daemon(settings)
+    # Auth wraps the whole app, so 404/405 answers are guarded too; /healthz stays open.
+    app = bearer_auth(settings.api_key)(create_app(daemon))
     config = uvicorn.Config(
-        create_app(daemon), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=10,
     )
     uvicorn.Server(config).run()

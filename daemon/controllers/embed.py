@@ -43,11 +43,14 @@ async def run_embed(daemon: Daemon, req: EmbedRequest, payload: bytes) -> Answer
     """Queue an embed request. `payload` is the request as MessagePack (for
     MessagePack clients, the body exactly as received: no re-encoding)."""
     check_inputs(daemon, req.inputs)
-    daemon.manifest(req.model, "embed")
-    # Token estimate for batch budgets: ~4 bytes of UTF-8 per token plus the
-    # special tokens. The worker counts exactly; this only sizes batches.
-    tokens = len(payload) // 4 + 2 * len(req.inputs)
-    return await daemon.broker.submit(req.model, payload, tokens=tokens, timeout_s=daemon.timeout_s(req.timeout_ms))
+    return await daemon.submit("embed", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
+                               timeout_ms=req.timeout_ms)
+
+
+def estimate_tokens(payload: bytes | memoryview, texts: int) -> int:
+    """Token estimate for batch budgets: ~4 bytes of UTF-8 per token plus two
+    special tokens per text. Workers count exactly; this only sizes batches."""
+    return len(payload) // 4 + 2 * texts
 
 
 class EmbedController(Controller):

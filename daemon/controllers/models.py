@@ -44,6 +44,14 @@ class ModelsController(Controller):
         })
 
 
+class MetricsController(Controller):
+    @get("/metrics", include_in_schema=False)
+    async def metrics(self, request: Request, daemon: Daemon) -> Response:
+        daemon.refresh_gauges()
+        body, content_type = daemon.metrics.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
+
+
 class HealthController(Controller):
     @get("/healthz")
     async def healthz(self, request: Request) -> Response:
