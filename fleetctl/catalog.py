@@ -12,6 +12,7 @@ stay free of heavy imports (STYLE.md 7).
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -99,7 +100,7 @@ def parse_source(text: str) -> Source:
     return Source("path", rest)
 
 
-class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How a worker batches and runs one model (the worker's budget, per claim)."""
 
     #: Items per batch, at most.
@@ -116,7 +117,7 @@ class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
             raise ValueError("max_batch_items and max_batch_tokens must be >= 1 and linger_ms >= 0")
 
 
-class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     source: str
     task: Task
@@ -172,8 +173,12 @@ class Catalog:
 
 
 def _source_key(source: Source) -> str:
-    # Hub ids are case-insensitive; paths and packages are compared as written.
-    return f"hf:{source.ref.lower()}" if source.kind == "hf" else source.unpinned
+    # Hub ids are case-insensitive; folders compare as absolute paths; packages as written.
+    if source.kind == "hf":
+        return f"hf:{source.ref.lower()}"
+    if source.kind == "path":
+        return "path:" + os.path.abspath(os.path.expanduser(source.ref))
+    return source.unpinned
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -281,6 +281,9 @@ def _resolve(
     kind, sep, _ = target.partition(":")
     if sep and kind in ("hf", "path", "pkg"):
         source = parse_source(target)
+        if source.kind == "path":
+            # Stored and compared as an absolute path: `path:./x` from anywhere is one source.
+            source = Source("path", str(Path(os.path.expanduser(source.ref)).resolve()))
         entry = catalog.find_by_source(source)
         if name is None:
             name = entry.name if entry is not None else derive_name(source.ref)
@@ -392,6 +395,7 @@ def _pull_local(
         source_text = str(source)
     else:
         folder = Path(os.path.expanduser(source.ref)).resolve()
+        source = Source("path", str(folder))
         if not folder.is_dir():
             raise SourceUnreachable(f"cannot pull {source}: {folder} is not a folder")
         revision = None

@@ -39,10 +39,12 @@ def base_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def fleetctl(home: Path, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+def fleetctl(
+    home: Path, *args: str, timeout: float = 120, cwd: Path | None = None, **env: str,
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [FLEETCTL, *args], env=base_env(home, **env), capture_output=True, text=True,
-        timeout=timeout, stdin=subprocess.DEVNULL,
+        timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd,
     )
 
 
@@ -267,6 +269,22 @@ def test_rm_refuses_a_base_that_adapters_need(home: Path, tmp_path: Path) -> Non
     assert error_lines(refused.stderr) == ["error: 'base-model' is the base model of my-adapter"]
     assert fleetctl(home, "rm", "my-adapter", "--yes").returncode == 0
     assert fleetctl(home, "rm", "base-model", "--yes").returncode == 0
+
+
+def test_relative_path_pull_is_one_source_from_anywhere(home: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "work" / "Mini [LM]"
+    shutil.copytree(pkg_model_dir(), folder)
+    first = fleetctl(home, "pull", "path:Mini [LM]", cwd=tmp_path / "work")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("pulled mini-lm: embed/sentence-transformers")
+    again = fleetctl(home, "pull", "path:work/Mini [LM]", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("mini-lm is already up to date")
+    rows = json.loads(fleetctl(home, "list", "--json").stdout)
+    assert [r["source"] for r in rows] == [f"path:{folder.resolve()}"]
+    assert rows[0]["profile"] == {"max_batch_items": 64, "max_batch_tokens": 16384, "dtype": "auto", "linger_ms": 0.0}
+    # The table shows the folder verbatim (brackets are text, not markup).
+    assert f"path:{folder.resolve()}" in fleetctl(home, "list").stdout
 
 
 def test_damaged_store_entry_is_listed_and_removable(home: Path) -> None:

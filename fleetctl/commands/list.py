@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +29,7 @@ def register(app: typer.Typer) -> None:
         store = Store(settings.store_path)
         # Piped output is for other programs: never fold a row (a terminal folds the source).
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 4096)
-        err = Console(stderr=True, highlight=False)
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
         if catalog:
             entries = load_catalog(settings.home).all()
             pulled = set(store.names())
@@ -41,13 +42,14 @@ def register(app: typer.Typer) -> None:
             for column in ("task", "runtime", "source", "pulled"):
                 table.add_column(column, overflow="fold")
             for e in entries:
-                table.add_row(e.name, e.task, e.runtime, e.source, "yes" if e.name in pulled else "")
+                cells = (e.name, e.task, e.runtime, e.source, "yes" if e.name in pulled else "")
+                table.add_row(*map(escape, cells))
             out.print(table)
             return
 
         manifests = store.list()
         for name in store.damaged():
-            err.print(f"[yellow]warning[/]: {store.root / name} has no readable manifest; "
+            err.print(f"[yellow]warning[/]: {escape(str(store.root / name))} has no readable manifest; "
                       f"re-pull it (`fleetctl pull {name} --force`) or remove it (`fleetctl rm {name}`)")
         if json:
             rows = [{**msgspec.to_builtins(m), "size_bytes": m.size_bytes, "path": str(store.path(m.name))}
@@ -64,7 +66,9 @@ def register(app: typer.Typer) -> None:
             table.add_column(column, overflow="fold")
         for m in manifests:
             revision = m.revision or ""
-            table.add_row(m.name, m.task, m.runtime, human_size(m.size_bytes), m.source,
-                          revision[:12] if len(revision) == 40 else revision,
-                          m.created_at.replace("T", " ").removesuffix("Z")[:16])
+            # Cells are plain text (a folder may be named `[x]`), never markup.
+            cells = (m.name, m.task, m.runtime, human_size(m.size_bytes), m.source,
+                     revision[:12] if len(revision) == 40 else revision,
+                     m.created_at.replace("T", " ").removesuffix("Z")[:16])
+            table.add_row(*map(escape, cells))
         out.print(table)

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetctl.store import Progress
 
@@ -68,7 +69,7 @@ def register(app: typer.Typer) -> None:
         from fleetctl.config import load_settings
         from fleetctl.store import Store
 
-        err = Console(stderr=True, highlight=False)
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
         progress = RichProgress(err)
         try:
             result = Store(load_settings().store_path).pull(
@@ -78,7 +79,7 @@ def register(app: typer.Typer) -> None:
             progress.finish()
         m = result.manifest
         for rel in result.skipped:
-            err.print(f"[dim]skipped {rel}[/]")
+            err.print(f"[dim]skipped {escape(rel)}[/]")
         if json:
             sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
             return

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         from fleetctl.store import Store
 
         store = Store(load_settings().store_path)
-        err = Console(stderr=True, highlight=False)
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
         try:
             size = human_size(store.get(name).size_bytes)
         except (IntegrityError, ModelNotFound):
