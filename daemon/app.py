@@ -16,15 +16,24 @@ from daemon.controllers.embed import EmbedController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
+from daemon.notify import announce_ready, watchdog_loop
 
 
 def create_app(daemon: Daemon) -> Litestar:
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         daemon.start(asyncio.get_running_loop())
+        tasks = [
+            # READY=1 only once uvicorn listens AND the preloaded models are resident.
+            asyncio.create_task(announce_ready(lambda: daemon.is_serving() and daemon.readiness()[0],
+                                               status=f"serving on {daemon.settings.url}")),
+            asyncio.create_task(watchdog_loop(daemon.healthy)),
+        ]
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
             daemon.stop()
 
     return Litestar(
@@ -34,5 +43,7 @@ def create_app(daemon: Daemon) -> Litestar:
         lifespan=[lifespan],
         request_max_body_size=daemon.settings.max_body_bytes,
         openapi_config=None,
+        # Logging is set up once by daemon.logs (JSON lines off a TTY); Litestar must not replace it.
+        logging_config=None,
         debug=False,
     )

@@ -67,6 +67,10 @@ class Broker:
         self._waiting.clear()
 
     @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def in_flight(self) -> int:
         return len(self._waiting)
 

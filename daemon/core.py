@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -41,6 +42,8 @@ class Daemon:
     broker: Broker | None = None
     supervisor: Supervisor | None = None
     _manifests: dict[str, Manifest] = field(default_factory=dict)
+    #: Set by the server: True once uvicorn listens (readiness for systemd).
+    is_serving: Callable[[], bool] = lambda: False
 
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
@@ -154,6 +157,11 @@ class Daemon:
 
     def loaded_models(self) -> set[str]:
         return {name for w in self.workers() if w["up"] for name in w["models"]}
+
+    def healthy(self) -> bool:
+        """For the systemd watchdog: the daemon's own machinery runs (dead workers
+        are the supervisor's business, not a reason to restart the daemon)."""
+        return bool(self.broker and self.broker.running and self.supervisor and self.supervisor.running)
 
     def readiness(self) -> tuple[bool, str]:
         """Ready = a worker is up, every preloaded model is resident, the queue accepts."""

@@ -16,13 +16,19 @@ def serve(settings: Settings) -> None:
 
     from daemon.app import create_app
     from daemon.auth import bearer_auth, check_bind
+    from daemon.logs import RequestIdMiddleware
+    from daemon.notify import SystemdServer
 
     check_bind(settings.host, settings.api_key)
     daemon = Daemon(settings)
-    # Auth wraps the whole app, so 404/405 answers are guarded too; /healthz stays open.
-    app = bearer_auth(settings.api_key)(create_app(daemon))
+    # Request id outermost (401s and every log line of a request carry it); auth
+    # wraps the whole app, so 404/405 answers are guarded too; /healthz stays open.
+    app = RequestIdMiddleware(bearer_auth(settings.api_key)(create_app(daemon)))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-        lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+        lifespan="on", log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
     )
-    uvicorn.Server(config).run()
+    # SystemdServer says STOPPING=1 on SIGTERM, then uvicorn drains as usual.
+    server = SystemdServer(config)
+    daemon.is_serving = lambda: server.started
+    server.run()

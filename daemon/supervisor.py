@@ -87,6 +87,10 @@ class Supervisor:
         slot.started_at = time.time()
         log.info("worker %d started on %s (pid %d)", slot.index, slot.device, proc.pid)
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()]
 
