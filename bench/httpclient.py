@@ -40,11 +40,20 @@ def build_request(ep: Endpoint, path: str, body: bytes, content_type: str, accep
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
+#: Idle keep-alive connections older than this are dropped, not reused: servers
+#: close idle connections on their own timer (uvicorn: 5 s), and a request written
+#: into a connection the server just closed fails for no fault of the server.
+MAX_IDLE_S = 3.0
+
+
 class Conn:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("reader", "writer", "idle_since", "reused")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.idle_since = 0.0
+        #: True when taken from the idle list (a failure before any reply byte may be a stale close).
+        self.reused = False
 
     def close(self) -> None:
         self.writer.close()
@@ -103,8 +112,14 @@ class Pool:
         self.waiters: asyncio.Queue[asyncio.Future] = asyncio.Queue()
 
     async def acquire(self) -> Conn:
-        if self.idle:
-            return self.idle.pop()
+        now = asyncio.get_running_loop().time()
+        while self.idle:
+            conn = self.idle.pop()
+            if now - conn.idle_since <= MAX_IDLE_S:
+                conn.reused = True
+                return conn
+            conn.close()
+            self.open -= 1
         if self.open < self.limit:
             self.open += 1
             try:
@@ -125,9 +140,11 @@ class Pool:
         return conn
 
     def release(self, conn: Conn) -> None:
+        conn.idle_since = asyncio.get_running_loop().time()
         while not self.waiters.empty():
             fut = self.waiters.get_nowait()
             if not fut.done():
+                conn.reused = True
                 fut.set_result(conn)
                 return
         self.idle.append(conn)

@@ -132,17 +132,28 @@ class _Recorder:
 async def _send(pool: httpclient.Pool, payload: Payload, rec: _Recorder, t_sched: float) -> None:
     loop = asyncio.get_running_loop()
     conn = None
-    try:
-        conn = await pool.acquire()
-        status, body, keep = await httpclient.exchange(conn, payload.request)
-    except asyncio.CancelledError:
-        pool.discard(conn)
-        raise
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-        pool.discard(conn)
-        rec.last_done = max(rec.last_done, loop.time())
-        rec.fail(0, f"{type(exc).__name__}: {exc}")
-        return
+    for attempt in (0, 1):
+        try:
+            conn = await pool.acquire()
+            status, body, keep = await httpclient.exchange(conn, payload.request)
+            break
+        except asyncio.CancelledError:
+            pool.discard(conn)
+            raise
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            stale = conn is not None and conn.reused and (
+                isinstance(exc, ConnectionResetError | BrokenPipeError)
+                or (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial)
+            )
+            pool.discard(conn)
+            conn = None
+            # A reused connection the server closed while it sat idle fails before any
+            # reply byte: that says nothing about the server, so send once more on a fresh one.
+            if stale and attempt == 0:
+                continue
+            rec.last_done = max(rec.last_done, loop.time())
+            rec.fail(0, f"{type(exc).__name__}: {exc}")
+            return
     done = loop.time()
     if keep:
         pool.release(conn)

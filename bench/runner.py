@@ -52,6 +52,10 @@ class Plan:
     #: Inputs per request.
     batch: int = 32
     duration_s: float = 10.0
+    #: Open loop: a step lasts long enough to offer this many requests (percentiles
+    #: of 4 requests mean nothing), up to `max_step_s`.
+    min_requests: int = 30
+    max_step_s: float = 120.0
     mode: str = OPEN
     #: Explicit offered loads (requests/s open loop, clients closed loop); None = ramp.
     loads: list[float] | None = None
@@ -163,6 +167,8 @@ def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sa
              display=NullDisplay(), mode: str | None = None, duration_s: float | None = None) -> StepRecord:
     mode = mode or run.mode
     duration = duration_s or plan.duration_s
+    if duration_s is None and mode == OPEN:
+        duration = min(max(duration, plan.min_requests / offered), max(plan.max_step_s, plan.duration_s))
     display.step_started(run, offered, index, duration)
     t0 = time.time()
     merged = run.driver.run(

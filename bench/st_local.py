@@ -50,7 +50,7 @@ def _child_main(pipe) -> None:
     batches = [[setup.texts[i] for i in w] for w in windows]
     tokens = [sum(setup.lengths[i] for i in w) for w in windows]
     model.encode(batches[0])  # first call builds kernels and caches
-    pipe.send_bytes(_enc.encode({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    pipe.send_bytes(_enc.encode({"ready": True, "torch": str(torch.__version__), "threads": torch.get_num_threads()}))
     j = 0
     while True:
         msg = pipe.recv_bytes()

@@ -74,6 +74,7 @@ def register(app: typer.Typer) -> None:
         start_rate: float = typer.Option(None, "--start-rate", help="Ramp start, requests/s (default: half the one-client rate)."),
         factor: float = typer.Option(1.5, "--factor", help="Ramp growth per step before the knee."),
         max_steps: int = typer.Option(16, "--max-steps", help="Steps per target, at most."),
+        min_requests: int = typer.Option(30, "--min-requests", help="Open loop: a step offers at least this many requests."),
         batch: int = typer.Option(32, "--batch", help="Inputs per request (1 = single-input requests)."),
         inputs: Path = typer.Option(None, "--inputs", help="Texts to send, one per line (default: the bench corpus)."),
         model_dir: Path = typer.Option(None, "--model-dir", help="Model folder for the tokenizer and the peers."),
@@ -136,7 +137,8 @@ def register(app: typer.Typer) -> None:
         dev = device or ("cuda" if describe_gpus()["gpus"] else "cpu")
 
         plan = Plan(
-            model=model, task=task, batch=batch, duration_s=duration, mode=CLOSED if clients else OPEN,
+            model=model, task=task, batch=batch, duration_s=duration, min_requests=min_requests,
+            mode=CLOSED if clients else OPEN,
             loads=loads, start=start_rate, factor=factor, max_steps=max_steps,
             criteria=Criteria(keep_up_tol=keep_up_tol, p95_factor=p95_factor, max_p95_ms=max_p95_ms),
             generators=generators, encoding=encoding, api_key=os.environ.get("FLEET_API_KEY", ""),

@@ -1,0 +1,295 @@
+"""Pull vs push at scale, simulated: N GPUs, M models, skewed traffic of small requests.
+
+    flock /tmp/fleet-bench.lock python -m bench.simulate            # full comparison (a few minutes)
+    python -m bench.simulate --quick                                # coarse, under a minute
+
+Both schedulers drive the same simulated GPUs (`bench.sim.device`: bounded
+resident models, LRU-style eviction, swap cost, batch time a + b*tokens) with
+the same seeded open-loop trace at each offered load (`bench.sim.traffic`).
+Pull is the real `local_queue` with the real `runtimes.policy`
+(`bench.sim.pull`); push is an expected-completion router with model affinity
+and a stale view of worker load (`bench.sim.push`). The offered load is ramped
+per side with `bench.knee.plan_next` (geometric, then bisection) and the knee is
+`bench.knee.find_knee`: the highest load whose throughput is within
+--keep-up of offered, with p95 under --slo-ms and under 1% errors. The two
+ramps are interleaved step by step so that drift in the machine's load hits
+both alike. Tables go to stdout, progress to stderr, a JSON record to
+bench/results/simulate-<UTC time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.knee import Criteria, Knee, Ramp, StepResult, find_knee, plan_next
+from bench.sim.pull import PullSystem
+from bench.sim.push import PushSystem
+from bench.sim.step import Recorder, StepOutcome, run_step
+from bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
+
+RESULTS_DIR = Path(__file__).with_name("results")
+
+
+@dataclass(frozen=True)
+class Config:
+    workers: int = 8
+    models: int = 20
+    slots: int = 3  # resident models per simulated GPU
+    zipf_s: float = 1.0
+    seed: int = 1
+    #: Wall seconds per simulated second: > 1 slows everything down evenly, so the
+    #: host work of the simulation (2 cores) stays small next to simulated device time.
+    time_scale: float = 2.0
+    duration_s: float = 4.0  # simulated seconds of arrivals per step
+    drain_s: float = 2.0
+    warmup_s: float = 2.0
+    start_rps: float = 400.0
+    factor: float = 1.5
+    resolution: float = 0.05
+    max_steps: int = 10
+    slo_ms: float = 250.0
+    keep_up: float = 0.95
+    refresh_ms: float = 50.0  # push router's view refresh period
+
+    @classmethod
+    def quick(cls, **over) -> Config:
+        base = dict(duration_s=1.5, drain_s=0.75, warmup_s=0.75, time_scale=1.5, start_rps=500.0, factor=2.0,
+                    resolution=0.25, max_steps=5)
+        base.update(over)
+        return cls(**base)
+
+    @property
+    def criteria(self) -> Criteria:
+        # Absolute SLO only: the two sides have different unloaded latencies, so a
+        # bound relative to each one's own base would judge them by different bars.
+        return Criteria(keep_up_tol=1.0 - self.keep_up, p95_factor=math.inf, max_p95_ms=self.slo_ms)
+
+
+@dataclass
+class Side:
+    name: str
+    system: object
+    steps: list[StepOutcome] = field(default_factory=list)
+    warmup: StepOutcome | None = None
+
+    @property
+    def results(self) -> list[StepResult]:
+        return [s.result for s in self.steps]
+
+    def knee(self, criteria: Criteria) -> Knee:
+        return find_knee(self.results, criteria)
+
+    def outcome_of(self, step: StepResult | None) -> StepOutcome | None:
+        return next((s for s in self.steps if s.result is step), None)
+
+
+def _payload() -> memoryview:
+    # Request bodies: about 4 bytes of text per token, copied into the queue's slab on put.
+    return memoryview(b"x" * (4 * 80 * 32))
+
+
+def simulate(cfg: Config, console_err: Console | None = None) -> tuple[Side, Side]:
+    """Run both ramps, interleaved; returns (pull, push)."""
+    err = console_err or Console(stderr=True)
+    models = make_models(cfg.models)
+    spec = TrafficSpec(models=cfg.models, zipf_s=cfg.zipf_s)
+    recorder = Recorder()
+    payload = _payload()
+    ramp = Ramp(start=cfg.start_rps, factor=cfg.factor, resolution=cfg.resolution, max_steps=cfg.max_steps)
+    sides = [
+        Side("pull", PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale)),
+        Side("push", PushSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
+                                refresh_ms=cfg.refresh_ms)),
+    ]
+    rid = 0
+    try:
+        for side in sides:
+            side.system.start()
+            # Warm-up at the first load (not measured): both sides start holding models.
+            trace = make_trace(cfg.start_rps, cfg.warmup_s, spec, cfg.seed + 7919)
+            side.warmup = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
+                                   drain_s=cfg.drain_s, payload=payload)
+            rid += len(trace)
+        active = list(sides)
+        while active:
+            for side in list(active):
+                offered = plan_next(side.results, ramp, cfg.criteria)
+                if offered is None:
+                    active.remove(side)
+                    continue
+                trace = make_trace(offered, cfg.duration_s, spec, cfg.seed)
+                out = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
+                               drain_s=cfg.drain_s, payload=payload)
+                rid += len(trace)
+                side.steps.append(out)
+                r = out.result
+                err.print(f"[dim]{side.name:4} {r.offered:7.0f} r/s offered -> {r.throughput_rps:7.0f} r/s, "
+                          f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, cpu {out.cpu_pct:.0f}%[/]")
+    finally:
+        for side in sides:
+            side.system.close()
+    return sides[0], sides[1]
+
+
+# -- report --------------------------------------------------------------------
+
+def steps_table(side: Side, criteria: Criteria) -> Table:
+    knee = side.knee(criteria)
+    verdicts = {id(v.step): v.reasons for v in knee.verdicts}
+    t = Table(title=f"{side.name}: steps (device time)", title_justify="left")
+    for col in ("offered r/s", "req/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "err", "items/batch", "swaps",
+                "dev busy", "swap share", "gen lag p99", "sim cpu%", "verdict"):
+        t.add_column(col, justify="left" if col == "verdict" else "right")
+    for out in sorted(side.steps, key=lambda o: o.result.offered):
+        s = out.result
+        reasons = verdicts.get(id(s), ())
+        verdict = ("[bold green]knee[/] " if knee.knee is s else "") + (
+            "[red]" + "; ".join(reasons) + "[/]" if reasons else "ok")
+        t.add_row(f"{s.offered:.0f}", f"{s.throughput_rps:.0f}", f"{s.tokens_per_s:,.0f}", f"{s.p50_ms:.1f}",
+                  f"{s.p95_ms:.1f}", f"{s.p99_ms:.1f}", str(s.errors), f"{out.items_per_batch:.1f}", str(out.swaps),
+                  f"{out.device_busy:.0%}", f"{out.swap_share:.0%}", f"{out.gen_lag_p99_ms:.1f}",
+                  f"{out.cpu_pct:.0f}", verdict)
+    return t
+
+
+def summary(pull: Side, push: Side, criteria: Criteria) -> dict:
+    kp, kq = pull.knee(criteria), push.knee(criteria)
+
+    def at(k: Knee) -> dict | None:
+        s = k.knee
+        if s is None:
+            return None
+        return {"offered": s.offered, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
+                "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms}
+
+    doc = {"pull": {"knee": at(kp), "saturated": kp.saturated, "capacity_rps": kp.capacity_rps},
+           "push": {"knee": at(kq), "saturated": kq.saturated, "capacity_rps": kq.capacity_rps}}
+    if kp.knee and kq.knee:
+        doc["ratio_throughput"] = kp.knee.throughput_rps / kq.knee.throughput_rps
+        doc["ratio_tokens"] = kp.knee.tokens_per_s / kq.knee.tokens_per_s
+        doc["ratio_capacity"] = kp.capacity_rps / kq.capacity_rps if kq.capacity_rps else None
+    return doc
+
+
+def knee_table(pull: Side, push: Side, criteria: Criteria) -> Table:
+    t = Table(title="knee: highest offered load kept up with (device time)", title_justify="left")
+    for col in ("scheduler", "knee r/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "items/batch", "swaps",
+                "max req/s", "saturated"):
+        t.add_column(col, justify="left" if col == "scheduler" else "right")
+    for side in (pull, push):
+        k = side.knee(criteria)
+        s, out = k.knee, side.outcome_of(k.knee)
+        if s is None:
+            t.add_row(side.name, "-", "-", "-", "-", "-", "-", "-", f"{k.capacity_rps:.0f}", str(k.saturated))
+            continue
+        t.add_row(side.name, f"{s.throughput_rps:.0f}", f"{s.tokens_per_s:,.0f}", f"{s.p50_ms:.1f}",
+                  f"{s.p95_ms:.1f}", f"{s.p99_ms:.1f}", f"{out.items_per_batch:.1f}", str(out.swaps),
+                  f"{k.capacity_rps:.0f}", str(k.saturated))
+    return t
+
+
+def result_doc(cfg: Config, pull: Side, push: Side, argv: list[str]) -> dict:
+    from bench.report import machine, versions
+
+    def step_doc(o: StepOutcome, reasons=()) -> dict:
+        d = asdict(o)
+        d["result"] = asdict(o.result)
+        d["reasons"] = list(reasons)
+        return d
+
+    def side_doc(side: Side) -> dict:
+        k = side.knee(cfg.criteria)
+        reasons = {id(v.step): v.reasons for v in k.verdicts}
+        return {"steps": [step_doc(o, reasons.get(id(o.result), ())) for o in
+                          sorted(side.steps, key=lambda o: o.result.offered)],
+                "warmup": step_doc(side.warmup) if side.warmup else None}
+
+    c = cfg.criteria
+    return {
+        "schema": 1,
+        "kind": "simulate",
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": argv,
+        "machine": machine(),
+        "versions": versions(),
+        "config": asdict(cfg),
+        "criteria": {"keep_up_tol": c.keep_up_tol, "max_p95_ms": c.max_p95_ms, "max_error_rate": c.max_error_rate},
+        "size_classes": [asdict(s) for s in SIZE_CLASSES],
+        "popularity": zipf_weights(cfg.models, cfg.zipf_s).tolist(),
+        "models": [{"name": m.name, "size": m.size.name} for m in make_models(cfg.models)],
+        "pull": side_doc(pull),
+        "push": side_doc(push),
+        "summary": summary(pull, push, cfg.criteria),
+    }
+
+
+def write_json(doc: dict, path: Path | None = None) -> Path:
+    import json
+
+    if path is None:
+        stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
+        path = RESULTS_DIR / f"simulate-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short steps, coarse ramp (under a minute)")
+    d = Config()
+    for name, typ, text in (
+        ("seed", int, "trace seed"), ("workers", int, "simulated GPUs"), ("models", int, "models"),
+        ("slots", int, "resident models per GPU"), ("zipf-s", float, "popularity skew: P(rank k) ~ 1/k^s"),
+        ("time-scale", float, "wall seconds per simulated second"),
+        ("duration-s", float, "simulated seconds of arrivals per step"),
+        ("drain-s", float, "simulated seconds a step's backlog may drain before the rest is dropped"),
+        ("warmup-s", float, "unmeasured warm-up at the start load"), ("start-rps", float, "first offered load"),
+        ("factor", float, "ramp growth per step until the knee is passed"),
+        ("resolution", float, "bisect until first-bad / knee <= 1 + this"), ("max-steps", int, "steps per side"),
+        ("slo-ms", float, "p95 bound of a healthy step"), ("keep-up", float, "throughput / offered of a healthy step"),
+        ("refresh-ms", float, "push router's view refresh period"),
+    ):
+        p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/simulate-<UTC>.json)")
+    p.add_argument("--no-save", action="store_true", help="do not write the JSON record")
+    a = p.parse_args(argv)
+    over = {k: v for k, v in vars(a).items()
+            if v is not None and k in Config.__dataclass_fields__}
+    cfg = Config.quick(**over) if a.quick else Config(**over)
+    return cfg, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg, args = parse_args(argv)
+    # Short GIL hand-offs: a simulated GPU whose sleep ended must not wait 5 ms for another thread.
+    sys.setswitchinterval(0.0002)
+    out, err = Console(), Console(stderr=True)
+    err.print(f"[bold]pull vs push[/]: {cfg.workers} GPUs x {cfg.slots} slots, {cfg.models} models (zipf s={cfg.zipf_s}), "
+              f"seed {cfg.seed}, time scale {cfg.time_scale}, {cfg.duration_s} s steps")
+    pull, push = simulate(cfg, err)
+    for side in (pull, push):
+        out.print(steps_table(side, cfg.criteria))
+    out.print(knee_table(pull, push, cfg.criteria))
+    summ = summary(pull, push, cfg.criteria)
+    if "ratio_throughput" in summ:
+        out.print(f"pull / push at the knee: [bold]{summ['ratio_throughput']:.2f}x[/] req/s, "
+                  f"{summ['ratio_tokens']:.2f}x tok/s; p95 {summ['pull']['knee']['p95_ms']:.1f} vs "
+                  f"{summ['push']['knee']['p95_ms']:.1f} ms")
+    if not args.no_save:
+        path = write_json(result_doc(cfg, pull, push, ["python", "-m", "bench.simulate", *argv]), args.out)
+        err.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
