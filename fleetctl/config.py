@@ -59,6 +59,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     #: Intra-op threads for CPU workers; 0 = torch's default.
     cpu_threads: int = 0
+    #: Memory budget of the CPU device for models (bytes); 0 = `cpu_budget_fraction`
+    #: of the RAM available when the worker starts.
+    cpu_budget_bytes: int = 0
+    cpu_budget_fraction: float = 0.5
+    #: RAM a CPU load must leave available to the rest of the box (bytes).
+    cpu_reserve_bytes: int = 256 << 20
+    #: GPU memory never given to models (CUDA context, allocator slack), per GPU (bytes).
+    gpu_reserve_bytes: int = 512 << 20
+    #: How long an admin load / pin call waits for the worker's answer.
+    load_timeout_ms: int = 300_000
 
     @property
     def home_path(self) -> Path:
