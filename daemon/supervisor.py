@@ -12,13 +12,17 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from fleetctl.config import Settings
+from fleetctl.errors import BadRequest
 from local_queue import LocalQueue
 
 log = logging.getLogger("fleet.daemon")
@@ -39,34 +43,80 @@ class Slot:
     history: list[float] = field(default_factory=list)
 
 
-def detect_devices(device: str, workers: int) -> list[str]:
-    """Devices for the workers: `--device`, else one per NVIDIA GPU, else one CPU worker."""
-    if device.startswith("cuda") and ":" in device:
-        return [device] * max(1, workers)
-    gpus = 0
-    if device in ("auto", "cuda"):
-        try:
-            import pynvml
+def count_gpus() -> int:
+    """NVIDIA GPUs this process may use; 0 without pynvml, a driver or a GPU.
 
-            pynvml.nvmlInit()
-            gpus = pynvml.nvmlDeviceGetCount()
-            pynvml.nvmlShutdown()
-        except Exception:  # no driver, no GPU: serve on CPU
-            gpus = 0
+    NVML counts every GPU on the box, but CUDA (torch in the workers) numbers
+    only those in CUDA_VISIBLE_DEVICES, in that order: when it is set, its
+    entries up to the first invalid one (CUDA's own rule) are the GPUs."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError and friends: no driver, no GPU
+        return 0
+    try:
+        found = int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        found = 0
+    finally:
+        pynvml.nvmlShutdown()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    usable = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        usable += 1
+    return min(usable, found)
+
+
+def detect_devices(device: str, workers: int, *, gpu_count: Callable[[], int] = count_gpus) -> list[str]:
+    """One device per worker process.
+
+    - `cpu`: `workers` CPU workers (0 = one).
+    - `cuda:K`: `workers` workers on GPU K (0 = one); K must exist.
+    - `cuda`: the GPUs round-robin, `workers` of them (0 = one per GPU); a GPU must exist.
+    - `auto`: like `cuda` when there is a GPU, else like `cpu`.
+    Raises BadRequest for a device that is not there, so `serve` fails with the reason.
+    """
+    if workers < 0:
+        raise BadRequest(f"--workers must be >= 0, got {workers}")
+    if device == "cpu":
+        return ["cpu"] * max(1, workers)
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "auto" and match is None:
+        raise BadRequest(f"--device must be auto, cpu, cuda or cuda:K, not {device!r}")
+    gpus = gpu_count()
+    if match is not None and match.group(1) is not None:
+        k = int(match.group(1))
+        if k >= gpus:
+            raise BadRequest(f"device {device} does not exist: {gpus} GPU(s) visible")
+        return [device] * max(1, workers)
     if gpus:
-        found = [f"cuda:{k}" for k in range(gpus)]
-        return [found[i % gpus] for i in range(workers or gpus)]
+        return [f"cuda:{i % gpus}" for i in range(workers or gpus)]
+    if device == "cuda":
+        raise BadRequest("--device cuda: no NVIDIA GPU is visible (use --device cpu or auto)")
     return ["cpu"] * max(1, workers)
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, queue: LocalQueue, devices: list[str], *, on_restart=None) -> None:
+    def __init__(self, settings: Settings, queue: LocalQueue, devices: list[str], *,
+                 target: Callable[[str, int, str, bytes], None] | None = None,
+                 on_restart: Callable[[Slot], None] | None = None) -> None:
         self.settings = settings
         self.queue = queue
         self.slots = [Slot(i, d) for i, d in enumerate(devices)]
         self._blob = msgspec.msgpack.encode(settings)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The worker's entry point, `(queue name, index, device, settings blob)`:
+        #: `runtimes.process.run` unless a test passes its own (a spawn-importable function).
+        self._target = target
         self._on_restart = on_restart
 
     def start(self) -> None:
@@ -76,10 +126,12 @@ class Supervisor:
         self._thread.start()
 
     def _spawn(self, slot: Slot) -> None:
-        from runtimes.process import run
+        target = self._target
+        if target is None:
+            from runtimes.process import run as target
 
         proc = _ctx.Process(
-            target=run, args=(self.queue.name, slot.index, slot.device, self._blob),
+            target=target, args=(self.queue.name, slot.index, slot.device, self._blob),
             name=f"fleet-worker-{slot.index}", daemon=False,
         )
         proc.start()
@@ -94,6 +146,23 @@ class Supervisor:
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()]
 
+    def view(self) -> list[dict]:
+        """Each worker slot as `/v1/ps` shows it: index, device, pid (None while it
+        waits for its restart), restarts so far and when the next start is due."""
+        now = time.time()
+        out = []
+        for s in self.slots:
+            proc = s.process
+            out.append({
+                "index": s.index,
+                "device": s.device,
+                "pid": proc.pid if proc is not None else None,
+                "restarts": s.restarts,
+                "up_s": round(now - s.started_at, 1) if proc is not None else 0.0,
+                "restart_in_s": round(max(0.0, s.next_start - now), 1) if proc is None else 0.0,
+            })
+        return out
+
     def _watch(self) -> None:
         expire_every = max(0.05, self.settings.lease_ms / 2000)
         while not self._stop.is_set():
@@ -103,32 +172,43 @@ class Supervisor:
             ready = mp.connection.wait(list(sentinels), timeout=timeout)
             if self._stop.is_set():
                 return
-            for sentinel in ready:
-                self._worker_died(sentinels[sentinel])
-            self.queue.expire_leases(max_attempts=self.settings.max_attempts)
+            # The watcher must outlive any one failure: if it stopped, dead workers
+            # would never be restarted nor their items returned.
+            try:
+                for sentinel in ready:
+                    self._worker_died(sentinels[sentinel])
+                self.queue.expire_leases(max_attempts=self.settings.max_attempts)
+            except Exception:
+                log.exception("worker supervision step failed; retrying")
             now = time.time()
             for slot in self.slots:
                 if slot.process is None and now >= slot.next_start:
-                    self._spawn(slot)
+                    try:
+                        self._spawn(slot)
+                    except Exception:  # e.g. out of processes or memory: try again later
+                        log.exception("cannot start worker %d; retrying in 5 s", slot.index)
+                        slot.next_start = now + 5.0
 
     def _worker_died(self, slot: Slot) -> None:
         proc = slot.process
         assert proc is not None
         proc.join(timeout=0)
         pid = proc.pid
-        # 1. Give back what it held, now (not after the lease): nothing is lost.
-        moved = 0
-        for info in self.queue.workers():
-            if info.pid == pid:
-                moved += self.queue.release_worker(info.wid, max_attempts=self.settings.max_attempts)
-        log.warning("worker %d (pid %d) exited with %s; %d items returned to their lanes",
-                    slot.index, pid, proc.exitcode, moved)
-        # 2. Restart with backoff: 0.5 s, doubling per restart in the last minute, at most 30 s.
+        # 1. Schedule the restart first (so a failure below cannot leave a dead
+        #    sentinel to spin on): 0.5 s, doubling per restart in the last minute, at most 30 s.
         now = time.time()
         slot.history = [t for t in slot.history if now - t < 60] + [now]
         slot.restarts += 1
         slot.process = None
         slot.next_start = now + min(30.0, 0.5 * 2 ** (len(slot.history) - 1))
+        # 2. Give back what it held, now (not after the lease): nothing is lost. Each
+        #    of its claims counts one attempt; at max_attempts the item is poison.
+        moved = 0
+        for info in self.queue.workers():
+            if info.pid == pid:
+                moved += self.queue.release_worker(info.wid, max_attempts=self.settings.max_attempts)
+        log.warning("worker %d (pid %d) exited with %s; %d items returned to their lanes; restart in %.1f s",
+                    slot.index, pid, proc.exitcode, moved, slot.next_start - now)
         if self._on_restart is not None:
             self._on_restart(slot)
 

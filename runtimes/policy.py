@@ -1,13 +1,17 @@
 """Worker-side scheduling policy: plain functions over plain data (STYLE.md 3).
 
-Times are monotonic nanoseconds; token counts are estimates written by the
-daemon at put time.
+Units: times are monotonic nanoseconds (`*_ns`) or milliseconds (`*_ms`);
+token counts are the daemon's estimates written at put time. A batch's
+*padded* size is items x longest item, the shape the model actually runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 
 class LaneView(Protocol):
@@ -36,14 +40,123 @@ def choose_lane(lanes: Iterable[LaneView], held: set[str], now_ns: int, max_wait
     return min(mine, key=lambda lane: lane.oldest_enqueue_ns) if mine else oldest
 
 
-def form_batch(tokens: Sequence[int], max_items: int, max_tokens: int) -> int:
-    """How many of the claimed items (in order) to run now; the rest go back.
+def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, max_padded_tokens: int) -> list[int]:
+    """Indices (ascending, so lane order) of the claimed items to run now; the rest go back.
 
-    Always at least one, so an item bigger than the budget still runs (alone).
+    1. The head (the oldest claimed item) always runs, even alone over budget:
+       every round makes progress, and an item sent back is at its lane's head
+       next round, so nothing waits behind shorter items for more than a round.
+    2. A suspect (attempts > 0: it was claimed by a worker that died) runs
+       alone. If the head is one, the batch is the head; later suspects go
+       back. A poison item then only ever takes down its own batch, and the
+       items that shared a crashed batch with it are not charged its attempts.
+    3. Bucket by length: choose the widest item length `w` (>= the head's) that
+       lets the most items run, where the batch is the items no longer than
+       `w`, in lane order, at most min(max_items, max_padded_tokens // w) of
+       them. Ties go to the narrower `w` (less padding). Longer items go back.
     """
-    total = 0
-    for count, t in enumerate(tokens[:max_items]):
-        total += t
-        if count and total > max_tokens:
-            return count
-    return min(len(tokens), max_items)
+    n = len(tokens)
+    if n == 0:
+        return []
+    if n == 1 or attempts[0] > 0 or max_items <= 1:
+        return [0]
+    t = np.asarray(tokens, dtype=np.int64)
+    ok = np.asarray(attempts, dtype=np.int64) == 0
+    head = max(1, int(t[0]))
+    t = np.maximum(t, 1)  # an empty payload still occupies a row
+    widths = np.unique(t[ok & (t >= head)])
+    fits = np.sort(t[ok])
+    # Items no longer than each candidate width, capped by the item and padded budgets.
+    counts = np.minimum(np.searchsorted(fits, widths, side="right"),
+                        np.minimum(max_items, np.maximum(1, max_padded_tokens // widths)))
+    w = int(widths[int(np.argmax(counts))])  # argmax takes the first max: the narrowest width
+    take = int(counts.max())
+    chosen = np.flatnonzero(ok & (t <= w))[:take]
+    return chosen.tolist()
+
+
+#: Batches a cost model must have seen before it sizes batches.
+MIN_SAMPLES = 3
+
+
+@dataclass
+class CostModel:
+    """Batch time of one model on this worker's device: ms ≈ a + b·padded_tokens.
+
+    Fitted online from the worker's own measured batches by exponentially
+    weighted least squares (recursive least squares with forgetting factor
+    `decay`): old batches fade, so the fit follows a device whose speed
+    changes (thermal limits, a neighbour sharing it). The sums below are all
+    the state; `fit` solves the 2x2 normal equations from them.
+    """
+
+    decay: float = 0.9
+    w: float = 0.0  # sum of weights
+    sx: float = 0.0  # padded tokens
+    sy: float = 0.0  # ms
+    sxx: float = 0.0
+    sxy: float = 0.0
+    samples: int = 0
+
+    def observe(self, padded_tokens: int, ms: float) -> None:
+        d, x = self.decay, float(padded_tokens)
+        self.w = d * self.w + 1.0
+        self.sx = d * self.sx + x
+        self.sy = d * self.sy + ms
+        self.sxx = d * self.sxx + x * x
+        self.sxy = d * self.sxy + x * ms
+        self.samples += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(a ms, b ms per padded token), both >= 0; (0, 0) before any sample."""
+        if self.samples == 0:
+            return 0.0, 0.0
+        var = self.w * self.sxx - self.sx * self.sx
+        # All batches the same size (relative spread under 1e-9): no slope to
+        # tell apart from the intercept; charge it all to tokens.
+        if var <= 1e-9 * self.w * self.sxx:
+            return (0.0, self.sy / self.sx) if self.sx > 0 else (self.sy / self.w, 0.0)
+        b = (self.w * self.sxy - self.sx * self.sy) / var
+        a = (self.sy - b * self.sx) / self.w
+        if b < 0:  # time does not grow with tokens (noise): a flat cost
+            return self.sy / self.w, 0.0
+        if a < 0:  # a fixed cost below zero is noise: fit through the origin
+            return 0.0, self.sxy / self.sxx
+        return a, b
+
+    def predict_ms(self, padded_tokens: int) -> float:
+        a, b = self.fit()
+        return a + b * padded_tokens
+
+
+def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens: int) -> int:
+    """Padded tokens a batch may have so that its predicted time stays within `target_ms`.
+
+    The profile's `max_padded_tokens` when there is no target, the model has
+    not seen MIN_SAMPLES batches yet, or time does not grow with tokens. At
+    least 1: the head item always runs (form_batch 1).
+    """
+    if target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
+        return max_padded_tokens
+    a, b = cost.fit()
+    if b <= 0:
+        return max_padded_tokens
+    return int(max(1, min(max_padded_tokens, (target_ms - a) / b)))
+
+
+def linger_left_ms(now_ns: int, head_enqueue_ns: int, linger_ms: float, *, items: int, max_items: int,
+                   padded_tokens: int, max_padded_tokens: int, lane_drained: bool) -> float:
+    """How much longer to wait for more items before running a short batch (<= 0: run now).
+
+    Linger only when the worker took everything its lane held (`lane_drained`)
+    and the batch still has room. The wait counts from the head item's
+    enqueue time, so lingering adds at most `linger_ms` to anyone's wait.
+    """
+    if linger_ms <= 0 or not lane_drained or items >= max_items or padded_tokens >= max_padded_tokens:
+        return 0.0
+    return linger_ms - (now_ns - head_enqueue_ns) / 1e6
+
+
+def padded_tokens(tokens: Sequence[int]) -> int:
+    """Items x longest: the padded size of a batch of these items."""
+    return len(tokens) * max(tokens, default=0)

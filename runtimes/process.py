@@ -40,6 +40,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     core = WorkerCore(
         queue, worker_id, device, store_resolver(settings),
         served_by=f"{settings.box_name}/{index}", lease_ms=settings.lease_ms,
+        max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
     )
     core.publish_info()
 

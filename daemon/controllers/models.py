@@ -14,6 +14,17 @@ from daemon.core import Daemon
 from daemon.http import reply
 
 
+def workers_view(daemon: Daemon) -> list[dict]:
+    """Registered workers (from the queue), each with its supervisor slot index and
+    restart count joined by pid; a worker restarted after a crash shows a new pid."""
+    slots = {s["pid"]: s for s in daemon.supervisor.view()} if daemon.supervisor else {}
+    out = []
+    for w in daemon.workers():
+        slot = slots.get(w["pid"])
+        out.append({**w, "index": slot["index"] if slot else None, "restarts": slot["restarts"] if slot else 0})
+    return out
+
+
 class ModelsController(Controller):
     path = "/v1"
 
@@ -40,7 +51,8 @@ class ModelsController(Controller):
             "queue": {"depth": daemon.queue.depth() if daemon.queue else 0,
                       "in_flight": daemon.broker.in_flight if daemon.broker else 0},
             "lanes": daemon.lanes(),
-            "workers": daemon.workers(),
+            "workers": workers_view(daemon),
+            "slots": daemon.supervisor.view() if daemon.supervisor else [],
         })
 
 

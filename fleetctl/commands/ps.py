@@ -32,18 +32,46 @@ def register(app: typer.Typer) -> None:
         out = Console()
         out.print(f"[bold]{state['box']}[/] · {state['status']} · queue depth {state['queue']['depth']}"
                   f" · in flight {state['queue']['in_flight']} · up {state['uptime_s']:.0f}s")
-        models = Table("worker", "device", "model", "dtype", "size", "served", "last used", box=None)
+        # 1. Workers: where each runs, what it claims now, its last batch.
+        workers = Table("worker", "pid", "device", "up", "restarts", "claimed", "last batch", box=None)
+        for w in state["workers"]:
+            workers.add_row(str(w.get("index", w["worker"])), str(w["pid"]), w["device"], "yes" if w["up"] else "no",
+                            str(w.get("restarts", 0)), str(w["claimed"]), _last_batch(w.get("last_batch") or {}))
+        for slot in state.get("slots", []):
+            if slot["pid"] is None:
+                workers.add_row(str(slot["index"]), "-", slot["device"], "restarting", str(slot["restarts"]),
+                                "", f"next start in {slot['restart_in_s']:.1f}s")
+        out.print(workers)
+        # 2. Models resident per worker, with the cost model fitted from its batches.
+        models = Table("worker", "model", "dtype", "size", "served", "last used", "cost (a + b/1k tok)", box=None)
         for w in state["workers"]:
             for name, m in sorted(w["models"].items()):
+                if not m:  # the worker's record was too small for details
+                    models.add_row(str(w.get("index", w["worker"])), name, "", "", "", "", "")
+                    continue
                 ago = time.time() - m["last_used"]
-                models.add_row(str(w["worker"]), w["device"], name, m["dtype"], _size(m["bytes"]),
-                               str(m["served"]), f"{ago:.0f}s ago")
-            if not w["models"]:
-                models.add_row(str(w["worker"]), w["device"], "-", "", "", "", "")
+                models.add_row(str(w.get("index", w["worker"])), name, m["dtype"], _size(m["bytes"]),
+                               str(m["served"]), f"{ago:.0f}s ago", _cost(m.get("cost") or {}))
         out.print(models)
+        # 3. Lanes: what waits, and for how long.
         if state["lanes"]:
             lanes = Table("lane", "depth", "tokens", "claimed", "oldest wait", box=None)
             for lane in state["lanes"]:
                 lanes.add_row(lane["model"], str(lane["depth"]), str(lane["tokens"]), str(lane["claimed"]),
                               f"{lane['oldest_wait_ms']:.0f} ms")
             out.print(lanes)
+
+
+def _last_batch(b: dict) -> str:
+    if not b.get("model"):
+        return "-"
+    text = f"{b['model']}: {b['items']} items, {b['tokens']} tok ({b.get('padded', b['tokens'])} padded), {b['ms']:.1f} ms"
+    if b.get("returned"):
+        text += f", {b['returned']} returned"
+    return text
+
+
+def _cost(c: dict) -> str:
+    if not c.get("samples"):
+        return "-"
+    return f"{c['a_ms']:.2f} + {c['b_ms_per_1k_tokens']:.2f} ms ({c['samples']} batches)"

@@ -1,0 +1,183 @@
+"""Scheduling policy as tables of cases: lane choice, batch forming, cost model, linger.
+
+Pure functions over plain data; no queue, no clock (times are given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from runtimes.policy import (
+    MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
+)
+
+MS = 1_000_000  # ns
+
+
+@dataclass
+class Lane:
+    lane: int
+    model: str
+    depth: int
+    oldest_enqueue_ns: int
+
+
+NOW = 10_000 * MS
+BOUND = 2_000 * MS
+
+
+@pytest.mark.parametrize(
+    "lanes, held, expected",
+    [
+        pytest.param([], set(), None, id="nothing-queued"),
+        pytest.param([Lane(0, "a", 0, 0)], {"a"}, None, id="only-empty-lanes"),
+        pytest.param([Lane(0, "a", 3, NOW - 10 * MS)], set(), 0, id="one-lane-not-held-is-loaded"),
+        pytest.param([Lane(0, "a", 1, NOW - 500 * MS), Lane(1, "b", 1, NOW - 100 * MS)], {"b"}, 1,
+                     id="held-beats-older"),
+        pytest.param([Lane(0, "a", 1, NOW - 500 * MS), Lane(1, "b", 1, NOW - 100 * MS)], set(), 0,
+                     id="none-held-oldest-first"),
+        pytest.param([Lane(0, "a", 1, NOW - 500 * MS), Lane(1, "b", 1, NOW - 100 * MS)], {"a", "b"}, 0,
+                     id="all-held-oldest-first"),
+        pytest.param([Lane(0, "a", 1, NOW - 2_500 * MS), Lane(1, "b", 9, NOW - 100 * MS)], {"b"}, 0,
+                     id="starving-lane-beats-held"),
+        pytest.param([Lane(0, "a", 1, NOW - 2_000 * MS), Lane(1, "b", 9, NOW - 100 * MS)], {"b"}, 1,
+                     id="exactly-at-bound-is-not-starving"),
+        pytest.param([Lane(0, "a", 1, NOW - 3_000 * MS), Lane(1, "b", 1, NOW - 5_000 * MS),
+                      Lane(2, "c", 1, NOW - 10 * MS)], {"a", "c"}, 1, id="most-starved-first"),
+        pytest.param([Lane(0, "a", 0, NOW - 9_000 * MS), Lane(1, "b", 2, NOW - 10 * MS)], {"a"}, 1,
+                     id="drained-lane-ignored"),
+    ],
+)
+def test_choose_lane(lanes, held, expected):
+    got = choose_lane(lanes, held, NOW, BOUND)
+    assert (got.lane if got else None) == expected
+
+
+def test_choose_lane_never_starves_a_lane():
+    # A worker that holds "hot" and always finds it busy still serves "cold"
+    # once cold's head has waited past the bound, and not before.
+    cold_enqueued = 0
+    served_cold_at = None
+    for t in range(0, 5_000, 100):
+        now = t * MS
+        lanes = [Lane(0, "cold", 1, cold_enqueued), Lane(1, "hot", 50, now - 5 * MS)]
+        if choose_lane(lanes, {"hot"}, now, BOUND).model == "cold":
+            served_cold_at = t
+            break
+    assert served_cold_at == 2_100
+
+
+@pytest.mark.parametrize(
+    "tokens, attempts, max_items, max_padded, expected",
+    [
+        pytest.param([], [], 8, 100, [], id="empty"),
+        pytest.param([10], [0], 8, 5, [0], id="head-over-budget-runs-alone"),
+        pytest.param([10, 10, 10], [0, 0, 0], 8, 100, [0, 1, 2], id="all-fit"),
+        pytest.param([10, 10, 10, 10], [0, 0, 0, 0], 2, 1_000, [0, 1], id="item-cap"),
+        pytest.param([10, 10, 10, 10], [0, 0, 0, 0], 8, 30, [0, 1, 2], id="padded-cap"),
+        pytest.param([10, 90, 10, 10], [0, 0, 0, 0], 8, 100, [0, 2, 3], id="long-item-goes-back"),
+        pytest.param([10, 90, 10, 10], [0, 0, 0, 0], 8, 400, [0, 1, 2, 3], id="long-item-fits-wide-budget"),
+        pytest.param([50, 10, 10, 50, 10], [0, 0, 0, 0, 0], 8, 150, [0, 1, 2], id="head-sets-min-width"),
+        pytest.param([10, 20, 30], [0, 0, 0], 8, 60, [0, 1], id="narrowest-width-on-tie"),
+        pytest.param([10, 10, 10], [1, 0, 0], 8, 100, [0], id="suspect-head-runs-alone"),
+        pytest.param([10, 10, 10, 10], [0, 2, 0, 0], 8, 100, [0, 2, 3], id="later-suspect-goes-back"),
+        pytest.param([0, 0, 0], [0, 0, 0], 8, 2, [0, 1], id="empty-payloads-count-one-row"),
+        pytest.param([5, 5], [0, 0], 1, 100, [0], id="max-items-one"),
+    ],
+)
+def test_form_batch(tokens, attempts, max_items, max_padded, expected):
+    keep = form_batch(tokens, attempts, max_items, max_padded)
+    assert keep == expected
+    assert keep == sorted(keep)
+
+
+def test_form_batch_stays_within_budget_unless_alone():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        tokens = [rng.randint(1, 200) for _ in range(n)]
+        attempts = [0 if rng.random() > 0.1 else 1 for _ in range(n)]
+        max_items, max_padded = rng.randint(1, 16), rng.randint(50, 2_000)
+        keep = form_batch(tokens, attempts, max_items, max_padded)
+        assert keep[0] == 0, "the head always runs"
+        if len(keep) > 1:
+            assert len(keep) <= max_items
+            assert padded_tokens([tokens[i] for i in keep]) <= max_padded
+            assert all(attempts[i] == 0 for i in keep), "suspects run alone"
+
+
+def fitted(samples, decay=0.9):
+    cost = CostModel(decay=decay)
+    for x, y in samples:
+        cost.observe(x, y)
+    return cost
+
+
+@pytest.mark.parametrize(
+    "samples, a, b",
+    [
+        pytest.param([], 0.0, 0.0, id="no-samples"),
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 2.0, 0.05, id="exact-line"),
+        pytest.param([(300, 30.0)] * 5, 0.0, 0.1, id="one-size-only-charges-tokens"),
+        pytest.param([(100, 9.0), (200, 8.0), (300, 7.0)], 8.0, 0.0, id="falling-time-is-flat"),
+        # sum(xy) / sum(xx) = 9400 / 140000
+        pytest.param([(100, 1.0), (200, 12.0), (300, 23.0)], 0.0, 0.06714, id="negative-intercept-through-origin"),
+    ],
+)
+def test_cost_model_fit(samples, a, b):
+    # decay 1: plain least squares, so the expected values are textbook ones.
+    got_a, got_b = fitted(samples, decay=1.0).fit()
+    assert got_a == pytest.approx(a, abs=1e-3)
+    assert got_b == pytest.approx(b, abs=1e-3)
+
+
+def test_cost_model_follows_a_device_that_slows_down():
+    cost = fitted([(x, 1.0 + 0.01 * x) for x in (100, 200, 300, 400)] * 5)
+    assert cost.predict_ms(1_000) == pytest.approx(11.0, rel=1e-6)
+    for x in (100, 200, 300, 400) * 10:  # now twice as slow per token
+        cost.observe(x, 1.0 + 0.02 * x)
+    assert cost.predict_ms(1_000) == pytest.approx(21.0, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "samples, target_ms, max_padded, expected",
+    [
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 0.0, 5_000, 5_000, id="no-target"),
+        pytest.param([(100, 7.0), (200, 12.0)], 50.0, 5_000, 5_000, id="too-few-samples"),
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 52.0, 5_000, 1_000, id="target-caps"),
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1_000.0, 5_000, 5_000, id="profile-caps"),
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1.0, 5_000, 1, id="target-below-fixed-cost"),
+        pytest.param([(100, 9.0), (200, 8.0), (300, 7.0)], 5.0, 5_000, 5_000, id="flat-cost-no-cap"),
+    ],
+)
+def test_batch_token_cap(samples, target_ms, max_padded, expected):
+    assert MIN_SAMPLES == 3
+    assert batch_token_cap(fitted(samples), target_ms, max_padded) == expected
+
+
+@pytest.mark.parametrize(
+    "waited_ms, linger_ms, items, padded, drained, expected",
+    [
+        pytest.param(0.0, 0.0, 1, 10, True, 0.0, id="no-linger-configured"),
+        pytest.param(0.0, 5.0, 1, 10, True, 5.0, id="fresh-short-batch-lingers"),
+        pytest.param(2.0, 5.0, 1, 10, True, 3.0, id="counted-from-head-enqueue"),
+        pytest.param(7.0, 5.0, 1, 10, True, -2.0, id="head-waited-longer-than-linger"),
+        pytest.param(0.0, 5.0, 1, 10, False, 0.0, id="lane-not-drained"),
+        pytest.param(0.0, 5.0, 8, 10, True, 0.0, id="batch-full-by-items"),
+        pytest.param(0.0, 5.0, 2, 1_000, True, 0.0, id="batch-full-by-tokens"),
+    ],
+)
+def test_linger_left_ms(waited_ms, linger_ms, items, padded, drained, expected):
+    now = 50_000 * MS
+    got = linger_left_ms(now, now - int(waited_ms * MS), linger_ms, items=items, max_items=8,
+                         padded_tokens=padded, max_padded_tokens=1_000, lane_drained=drained)
+    assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("tokens, expected", [([], 0), ([5], 5), ([3, 9, 4], 27)])
+def test_padded_tokens(tokens, expected):
+    assert padded_tokens(tokens) == expected
