@@ -48,6 +48,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 #: Read/write unit when hashing and copying (bytes).
 CHUNK_BYTES = 1 << 20
+#: Reads `Store.open` makes of a model that is being replaced under it.
+OPEN_ATTEMPTS = 3
 
 
 class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -288,11 +290,37 @@ class Store:
         return manifest
 
     def open(self, name: str, verify: bool = True) -> tuple[Manifest, Path]:
-        """(manifest, model directory) for loading; with `verify`, every file is re-hashed first."""
-        manifest = self.get(name)
-        if verify:
-            self.verify(name, manifest)
-        return manifest, self.path(name)
+        """(manifest, model directory) for loading; with `verify`, every file is re-hashed first.
+
+        Readers take no lock (a pull may hold it for minutes). A pull that swaps
+        the directory while we read shows up as a vanished name or as files that
+        no longer match the manifest we read; then we read again, at most
+        `OPEN_ATTEMPTS` times. A mismatch with no swap is corruption: raised at once.
+        """
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            seen: Manifest | None = None
+            try:
+                seen = self.get(name)
+                if verify:
+                    self.verify(name, seen)
+                return seen, self.path(name)
+            except (ModelNotFound, IntegrityError):
+                if attempt == OPEN_ATTEMPTS or not self._swapped(name, seen):
+                    raise
+                time.sleep(0.05)
+        raise RuntimeError("open() fell out of its retry loop; this is a bug")
+
+    def _swapped(self, name: str, seen: Manifest | None) -> bool:
+        """Was `name` replaced since `seen` was read (or is a swap in flight)?"""
+        if not self.root.is_dir():
+            return False
+        if self._leftovers("old", name):
+            return True
+        try:
+            now = self.get(name)
+        except (ModelNotFound, IntegrityError):
+            return False
+        return seen is None or now.created_at != seen.created_at or now.files != seen.files
 
     # ---- changing --------------------------------------------------------------
 

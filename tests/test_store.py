@@ -504,3 +504,38 @@ def test_tuned_profile_refreshes_the_manifest_without_copying(store: Store, home
 def test_detect_kind_of_the_packaged_model() -> None:
     kind = detect_kind(pkg_model_dir())
     assert kind is not None and (kind.task, kind.runtime) == ("embed", "sentence-transformers")
+
+
+def test_open_while_a_forced_pull_swaps_the_directory(store: Store, tmp_path: Path) -> None:
+    """A reader hashing the old files while `pull --force` swaps in different ones retries, never fails."""
+    import threading
+    import time
+
+    a = copy_tree(pkg_model_dir(), tmp_path / "a")
+    b = copy_tree(pkg_model_dir(), tmp_path / "b")
+    # vocab.txt is hashed last (after the 90 MB weights): a swap mid-verify changes it under the reader.
+    (b / "vocab.txt").write_text((a / "vocab.txt").read_text() + "extra-token\n")
+    store.pull(f"path:{a}", name="swapped")
+    failures: list[BaseException] = []
+    opened = 0
+    done = threading.Event()
+
+    def reader() -> None:
+        nonlocal opened
+        while not done.is_set():
+            try:
+                store.open("swapped")
+                opened += 1
+            except (ModelNotFound, IntegrityError) as exc:
+                failures.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for folder in (b, a, b, a, b, a):
+            assert store.pull(f"path:{folder}", name="swapped", force=True).status == "pulled"
+            time.sleep(0.2)  # re-pulls a user runs, not back to back
+    finally:
+        done.set()
+        thread.join()
+    assert failures == [] and opened > 0

