@@ -102,6 +102,7 @@ PUT_MASK = (1 << (SLOT_BITS + GEN_BITS)) - 1
 EPOCH_SHIFT = SLOT_BITS + GEN_BITS
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
 WORKER_BITS = 16
+RESULT_RESERVE = 8  # 1/8 of the slab is only for results
 
 # Header fields (int64 indices).
 (H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
@@ -352,6 +353,9 @@ class LocalQueue:
         self._data = region("slab", slab_bytes)
         self._S_np = np.frombuffer(self._S, dtype=np.int64).reshape(n, SF)
         self._L_np = np.frombuffer(self._L, dtype=np.int64).reshape(self._max_lanes, LF)
+        # Puts leave this many slab units free, so that workers can still write
+        # results (and so free payloads) when producers have filled the slab.
+        self._reserve = (slab_bytes // UNIT) // RESULT_RESERVE
         self._slab = Slab(self._data, region("tags", slab_bytes // UNIT),
                           h[H_FREE_HEADS:H_FREE_HEADS + MAX_ORDERS], h, H_SLAB_FREE)
         self._work_sem = posix_ipc.Semaphore(f"/{name}.work")
@@ -498,12 +502,15 @@ class LocalQueue:
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
         self._check_lane(lane)
-        views, limit = [], self._slab.max_bytes()
+        views, limit, need = [], self._slab.max_bytes(), 0
         for p in payloads:
             if type(p) is not bytes:
                 p = memoryview(p).cast("B")
-            if len(p) > limit:
-                raise ItemTooLarge(f"payload of {len(p)} bytes exceeds the queue's largest block ({limit})")
+            ln = len(p)
+            if ln > limit:
+                raise ItemTooLarge(f"payload of {ln} bytes exceeds the queue's largest block ({limit})")
+            if ln:
+                need += 1 << (((ln + UNIT - 1) >> 6) - 1).bit_length()  # units, as alloc rounds
             views.append(p)
         S, Sb, stack, data, h, L = self._S, self._Sb, self._stack, self._data, self._h, self._L
         alloc, pack = self._slab.alloc, _PUT.pack_into
@@ -512,6 +519,8 @@ class LocalQueue:
             top = h[H_FREE_TOP]
             if top < n:
                 raise QueueFull(f"queue full: {top} free slots, {n} needed")
+            if h[H_SLAB_FREE] - need < self._reserve:
+                raise QueueFull("queue full: the payload slab is full")
             # 1. Slab blocks for every payload first, so a miss undoes only blocks.
             units = []
             for p in views:
@@ -884,8 +893,9 @@ class LocalQueue:
     def ack_many(self, items: list[tuple[int, bytes | memoryview, int]]) -> list[bool]:
         """Complete claimed items with results. False (nothing changed) for a claim no longer held.
 
-        QueueFull if a result finds no slab space: that item and the ones after
-        it stay claimed (the worker may ack them with an error status instead)."""
+        Puts leave 1/8 of the slab to results. If a result still finds no space,
+        QueueFull: that item and the ones after it stay claimed, and the worker
+        acks them with an error status and an empty result, which needs no space."""
         limit = self._slab.max_bytes()
         results = []
         for _, r, st in items:

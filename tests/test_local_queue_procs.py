@@ -1,0 +1,309 @@
+"""local_queue across real processes: wake-ups, SIGKILLed lock holders, and a
+many-producer / many-consumer run with consumers killed at random.
+
+Every child is started here with the spawn context and killed only by its PID.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from local_queue import LocalQueue, QueueFull
+
+CTX = mp.get_context("spawn")
+LONG = 3_600_000  # ms
+
+
+def _kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+# -- wake-ups ---------------------------------------------------------------------
+
+def _wait_then_report(name: str, conn) -> None:
+    q = LocalQueue.attach(name)
+    conn.send("waiting")
+    woke = q.wait_for_work(30.0)
+    conn.send((woke, time.monotonic()))
+    q.close()
+
+
+def test_a_waiting_worker_process_wakes_on_put_not_on_its_timeout():
+    q = LocalQueue.create(slots=64, slab_bytes=1 << 16)
+    try:
+        lane = q.lane_id("m")
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_wait_then_report, args=(q.name, child))
+        proc.start()
+        assert parent.recv() == "waiting"
+        time.sleep(0.2)  # let it block on the semaphore
+        t_put = time.monotonic()
+        q.put(lane, b"x", tokens=1, request_id=1)
+        assert parent.poll(5), "the waiter did not wake within 5 s of the put (its timeout is 30 s)"
+        woke, t_woke = parent.recv()
+        assert woke is True and t_woke - t_put < 1.0
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        q.close()
+        q.unlink()
+
+
+# -- a lock holder dies -------------------------------------------------------------
+
+def _take_lock_tear_and_hang(name: str, conn) -> None:
+    from local_queue import queue as lq
+
+    q = LocalQueue.attach(name)
+    q._lock.__enter__()
+    # Simulate a death in the middle of a mutation: derived structures torn
+    # (lane list, counters, free-slot stack, slab free lists), slot states intact.
+    q._L[0 * lq.LF + lq.L_HEAD] = 3
+    q._h[lq.H_DEPTH] = 999
+    q._h[lq.H_FREE_TOP] = 1
+    for k in range(lq.MAX_ORDERS):
+        q._h[lq.H_FREE_HEADS + k] = lq.NIL
+    conn.send("holding")
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_a_lock_holder_killed_mid_mutation_neither_deadlocks_nor_corrupts():
+    q = LocalQueue.create(slots=64, slab_bytes=1 << 16)
+    try:
+        lane = q.lane_id("m")
+        q.put_many(lane, [b"p%d" % r for r in range(8)], tokens=[1] * 8, request_ids=list(range(8)))
+        w = q.register_worker(os.getpid(), "cpu")
+        c0, c1 = q.claim(lane, worker=w, max_items=2, max_tokens=100, lease_ms=LONG)
+        assert q.ack(c0.item_id, b"r0")
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_take_lock_tear_and_hang, args=(q.name, child))
+        proc.start()
+        assert parent.recv() == "holding"
+        _kill(proc)
+        # The next lock holder finds the dead holder's mark and rebuilds.
+        q.put(lane, b"p8", tokens=1, request_id=8)
+        q.check()
+        u = q.usage()
+        assert u.repairs == 1 and u.slots_free == 64 - 9 and q.depth() == 7
+        assert [d.request_id for d in q.wait_results(0)] == [0]
+        assert q.ack(c1.item_id, b"r1")
+        rest = q.claim(lane, worker=w, max_items=100, max_tokens=100, lease_ms=LONG)
+        assert [(c.request_id, bytes(c.payload)) for c in rest] == [(r, b"p%d" % r) for r in range(2, 9)]
+        assert all(q.ack_many([(c.item_id, b"", 0) for c in rest]))
+        del rest, c0, c1
+        assert sorted(d.request_id for d in q.wait_results(0)) == list(range(1, 9))
+        u = q.usage()
+        assert u.slab_free_bytes == u.slab_bytes and u.slots_free == u.slots
+        q.check()
+    finally:
+        q.close()
+        q.unlink()
+
+
+def _churn(name: str, seed: int) -> None:
+    """Every kind of operation, as fast as possible, until killed."""
+    rnd = random.Random(seed)
+    q = LocalQueue.attach(name)
+    lanes = [q.lane_id(f"m{i}") for i in range(3)]
+    w = q.register_worker(os.getpid(), "cpu")
+    rid = seed * 1_000_000
+    while True:
+        lane = rnd.choice(lanes)
+        n = rnd.randint(1, 20)
+        try:
+            q.put_many(lane, [os.urandom(rnd.choice((10, 300, 5000))) for _ in range(n)], tokens=[1] * n,
+                       request_ids=list(range(rid, rid + n)))
+            rid += n
+        except QueueFull:
+            pass
+        claims = q.claim(rnd.choice(lanes), worker=w, max_items=rnd.randint(1, 16), max_tokens=1 << 30,
+                         lease_ms=LONG)
+        keep = rnd.randint(0, len(claims))
+        q.return_items([c.item_id for c in claims[keep:]])
+        try:
+            q.ack_many([(c.item_id, os.urandom(rnd.choice((0, 40, 2000))), 0) for c in claims[:keep]])
+        except QueueFull:  # the documented fallback: an empty error result needs no space
+            q.ack_many([(c.item_id, b"", 1) for c in claims[:keep]])
+        del claims
+        if rnd.random() < 0.3:
+            q.wait_results(0)
+
+
+@pytest.mark.timeout(120)
+def test_processes_killed_at_random_inside_operations_leave_a_consistent_queue():
+    q = LocalQueue.create(slots=2048, slab_bytes=4 << 20)
+    rnd = random.Random(7)
+    try:
+        for i in range(12):
+            proc = CTX.Process(target=_churn, args=(q.name, i + 1))
+            proc.start()
+            while not any(wi.pid == proc.pid for wi in q.workers()):
+                time.sleep(0.01)
+            time.sleep(rnd.uniform(0.05, 0.2))
+            _kill(proc)
+            (wi,) = [wi for wi in q.workers() if wi.pid == proc.pid]
+            q.release_worker(wi.wid, max_attempts=1000)
+            q.check()  # repairs first if the child died holding the lock
+        # About half the kills land inside the queue lock (measured), so with 12
+        # the odds of no repair at all are ~0.5**12.
+        assert q.usage().repairs >= 1
+        # Drain: every item left can be claimed, acked and collected; nothing leaks.
+        w = q.register_worker(os.getpid(), "cpu")
+        for lane in range(3):
+            while True:
+                claims = q.claim(lane, worker=w, max_items=256, max_tokens=1 << 40, lease_ms=LONG)
+                if not claims:
+                    break
+                assert all(q.ack_many([(c.item_id, b"", 0) for c in claims]))
+                del claims
+        q.wait_results(0)
+        u = q.usage()
+        assert q.depth() == 0 and u.slots_free == u.slots and u.slab_free_bytes == u.slab_bytes
+        q.check()
+    finally:
+        q.close()
+        q.unlink()
+
+
+# -- producers, consumers, kills --------------------------------------------------
+
+PRODUCERS, PER_PRODUCER, LANES = 2, 2000, 3
+
+
+def _payload(rid: int) -> bytes:
+    return b"%d:" % rid + bytes([rid % 256]) * (rid % 700)
+
+
+def _produce(name: str, producer: int) -> None:
+    rnd = random.Random(producer)
+    q = LocalQueue.attach(name)
+    lanes = [q.lane_id(f"model-{i}") for i in range(LANES)]
+    rid, end = producer * PER_PRODUCER, (producer + 1) * PER_PRODUCER
+    while rid < end:
+        # One lane per batch, lane = rid % LANES for the batch's first item.
+        n = min(rnd.randint(1, 24), end - rid)
+        try:
+            q.put_many(lanes[rid % LANES], [_payload(r) for r in range(rid, rid + n)],
+                       tokens=[1 + r % 9 for r in range(rid, rid + n)], request_ids=list(range(rid, rid + n)))
+            rid += n
+        except QueueFull:
+            time.sleep(0.001)
+    q.close()
+
+
+def _consume(name: str, log_path: str, stop_path: str, seed: int) -> None:
+    rnd = random.Random(seed)
+    q = LocalQueue.attach(name)
+    w = q.register_worker(os.getpid(), "cpu")
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    while not os.path.exists(stop_path):
+        if not q.wait_for_work(0.1):
+            continue
+        busy = [s.lane for s in q.lane_stats() if s.depth]
+        if not busy:
+            continue
+        # The log lock makes the log's line order the order of claims (a
+        # killed holder releases it like the queue lock).
+        fcntl.flock(log, fcntl.LOCK_EX)
+        claims = q.claim(rnd.choice(busy), worker=w, max_items=rnd.randint(1, 16),
+                         max_tokens=rnd.randint(1, 80), lease_ms=5000)
+        os.write(log, b"".join(b"C %d %d %d %d\n" % (os.getpid(), c.request_id, c.attempts, c.lane)
+                               for c in claims))
+        fcntl.flock(log, fcntl.LOCK_UN)
+        for c in claims:
+            if bytes(c.payload) != _payload(c.request_id):
+                os.write(log, b"BAD %d\n" % c.request_id)
+        keep = rnd.randint(1, len(claims)) if claims else 0
+        if rnd.random() < 0.3:
+            q.return_items([c.item_id for c in claims[keep:]])  # over-pulled: back to the head
+        else:
+            keep = len(claims)
+        time.sleep(rnd.random() * 0.002)  # "inference"
+        q.ack_many([(c.item_id, b"ok:%d" % c.request_id, 0) for c in claims[:keep]])
+        del claims
+    q.unregister_worker(w)
+    q.close()
+
+
+@pytest.mark.timeout(120)
+def test_many_producers_and_consumers_with_kills_deliver_each_item_exactly_once(tmp_path):
+    total = PRODUCERS * PER_PRODUCER
+    q = LocalQueue.create(slots=1024, slab_bytes=1 << 20)
+    log_path, stop_path = str(tmp_path / "claims.log"), str(tmp_path / "stop")
+    open(log_path, "wb").close()
+    procs = []
+    try:
+        for i in range(LANES):
+            q.lane_id(f"model-{i}")
+        consumers = [CTX.Process(target=_consume, args=(q.name, log_path, stop_path, i)) for i in range(3)]
+        producers = [CTX.Process(target=_produce, args=(q.name, p)) for p in range(PRODUCERS)]
+        procs = consumers + producers
+        for p in procs:
+            p.start()
+        done: dict[int, list] = {}
+        kills, seed = [0.15, 0.35, 0.55, 0.75], 100
+        deadline = time.monotonic() + 90
+        while len(done) < total and time.monotonic() < deadline:
+            for d in q.wait_results(0.2):
+                done.setdefault(d.request_id, []).append(d)
+            q.expire_leases(max_attempts=100)
+            if kills and len(done) >= kills[0] * total:
+                kills.pop(0)
+                victim = random.Random(seed).choice([p for p in consumers if p.is_alive()])
+                _kill(victim)
+                for wi in q.workers():
+                    if wi.pid == victim.pid:
+                        q.release_worker(wi.wid, max_attempts=100)  # its claims go back now
+                seed += 1
+                fresh = CTX.Process(target=_consume, args=(q.name, log_path, stop_path, seed))
+                fresh.start()
+                consumers.append(fresh)
+                procs.append(fresh)
+        open(stop_path, "wb").close()
+        for p in procs:
+            p.join(20)
+        assert [p.exitcode for p in procs if p.exitcode != -signal.SIGKILL] == [0] * (len(procs) - 4)
+        assert not kills, "the run ended before every planned kill"
+        # Exactly once, with the right result.
+        assert sorted(done) == list(range(total))
+        assert all(len(v) == 1 for v in done.values())
+        assert all(v[0].status == 0 and v[0].result == b"ok:%d" % r for r, v in done.items())
+        assert q.wait_results(0) == []
+        # Per lane, first claims follow put order (per producer: rids increase).
+        # Only items never lost by a killed consumer (attempts 0 at first claim)
+        # are sure to have their first claim in the log.
+        lines = open(log_path, "rb").read().split(b"\n")
+        assert not [ln for ln in lines if ln.startswith(b"BAD")]
+        first, order = set(), {}
+        for ln in lines:
+            parts = ln.split()
+            if len(parts) != 5 or parts[0] != b"C":
+                continue  # a line cut short by a kill
+            rid, attempts, lane = int(parts[2]), int(parts[3]), int(parts[4])
+            if rid in first:
+                continue
+            first.add(rid)
+            if attempts == 0:
+                order.setdefault((lane, rid // PER_PRODUCER), []).append(rid)
+        assert sum(len(v) for v in order.values()) > total // 2
+        for key, rids in order.items():
+            assert rids == sorted(rids), f"lane/producer {key}: first claims out of put order"
+        u = q.usage()
+        assert u.slots_free == u.slots and u.slab_free_bytes == u.slab_bytes
+        q.check()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                _kill(p)
+        q.close()
+        q.unlink()
