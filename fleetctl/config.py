@@ -32,7 +32,32 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     api_key: str = ""
     api_key_file: str = ""
+    #: NATS server URL(s), comma-separated: set, the daemon joins the cluster (daemon/cluster.py).
     nats: str = ""
+    #: NATS auth and TLS, passed through to the client: a .creds file (JWT + nkey seed),
+    #: or a token, or user/password; a CA to verify the server, a client cert/key for mTLS.
+    nats_creds_file: str = ""
+    nats_token: str = ""
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+    #: Request bodies larger than this travel through the JetStream object store (the
+    #: work message carries a reference); smaller ones travel inline.
+    nats_large_payload_bytes: int = 1 << 20
+    #: A box that holds a work message this long without answering or extending it
+    #: (it died) loses it: JetStream redelivers it to another box.
+    nats_ack_wait_ms: int = 30_000
+    #: Work messages one box holds at most (fetched, not yet answered) per worker: the
+    #: box's free capacity is this times its workers, minus what it holds.
+    nats_fetch_per_worker: int = 32
+    #: Work messages waiting in JetStream (all models) past which requests answer `overloaded`.
+    nats_max_queued: int = 100_000
+    #: Deliveries of one work message (each box death redelivers it) before it is failed as poison.
+    nats_max_deliver: int = 10
+    #: Period of this box's entry in the `fleet_boxes` KV bucket; entries expire after 3 periods.
+    nats_heartbeat_ms: int = 2_000
     #: Models loaded at start-up and kept resident (besides persisted pins).
     preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_MODEL])
     max_body_bytes: int = 16 << 20

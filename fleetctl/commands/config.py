@@ -21,6 +21,8 @@ from fleetctl.config import Settings, default_home, load_settings
 from fleetctl.errors import BadRequest
 
 SECRET = "api_key"
+#: Secrets that may be set in the file but are shown only as set/unset (NATS auth).
+_MASKED = ("nats_token", "nats_password")
 #: Fields shown as comments in the TOML output: not settable from config.toml
 #: (home decides where config.toml is) or secret.
 _NOT_IN_FILE = ("home", SECRET)
@@ -100,7 +102,9 @@ def render_toml(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
         f"# api_key: {'set' if settings.api_key else 'unset'}  # {sources[SECRET]}",
     ]
     for field in Settings.__struct_fields__:
-        if field not in _NOT_IN_FILE:
+        if field in _MASKED:
+            lines.append(f"# {field}: {'set' if getattr(settings, field) else 'unset'}  # {sources[field]}")
+        elif field not in _NOT_IN_FILE:
             lines.append(f"{field} = {toml_value(getattr(settings, field))}  # {sources[field]}")
     return "\n".join(lines) + "\n"
 
@@ -108,7 +112,8 @@ def render_toml(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
 def render_json(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
     values = {
         field: {
-            "value": ("set" if settings.api_key else "unset") if field == SECRET else getattr(settings, field),
+            "value": (("set" if getattr(settings, field) else "unset") if field == SECRET or field in _MASKED
+                      else getattr(settings, field)),
             "source": sources[field],
         }
         for field in Settings.__struct_fields__
