@@ -77,6 +77,8 @@ class Hub:
 
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
+        #: Files whose bytes are served with one byte flipped (the listing keeps the true sha256).
+        self.corrupt: set[str] = set()
         self.requests: list[tuple[str, str]] = []
         hub = self
 
@@ -115,6 +117,8 @@ class Hub:
             rev, _, name = path[len(file_prefix):].partition("/")
             if rev in ("main", COMMIT) and name in self.files:
                 data = self.files[name]
+                if name in self.corrupt:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
                 self.reply(h, 200, data, {
                     "X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                     "Content-Type": "application/octet-stream",
@@ -407,6 +411,15 @@ def test_hf_unknown_repo_is_model_not_found(home: Path, hub: Hub) -> None:
     out = fleetctl(home, "pull", "hf:tiny-org/absent", HF_ENDPOINT=hub.url, timeout=30)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert error_lines(out.stderr) == ["error: cannot pull hf:tiny-org/absent: no such model on the hub (or it is private)"]
+
+
+def test_hf_download_that_does_not_match_the_hub_sha256_is_refused(home: Path, hub: Hub) -> None:
+    hub.corrupt.add("model.safetensors")
+    out = fleetctl(home, "pull", f"hf:{hub.repo}", HF_ENDPOINT=hub.url)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1 and "model.safetensors" in lines[0] and "does not match" in lines[0]
+    assert [e for e in os.listdir(home / "models") if e != ".locks"] == []
 
 
 # ---- heavy imports stay out of the CLI -------------------------------------------------------
