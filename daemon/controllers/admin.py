@@ -1,0 +1,117 @@
+"""Model residency admin: `POST|DELETE /v1/models/{name}/pin`, `POST /v1/models/{name}/load|unload`.
+
+The daemon never loads a model itself: it picks the worker (`choose_worker`)
+and sends it a command through its control lane (protocol: runtimes.control),
+then waits for the ack like any request. A worker's error (`model_too_large`,
+`model_load_failed`, ...) comes back with its contract code.
+
+Optional body (JSON or MessagePack): `{"device": "cpu" | "cuda:K"}` for pin and
+load. Replies: `{model, op, results: [{worker, device, loaded, pinned, bytes,
+load_ms, evicted, already}]}`, one entry per worker that acted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, delete, post
+
+from fleetctl.catalog import validate_name
+from fleetctl.errors import BadRequest, ModelNotFound, Unavailable
+from runtimes.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
+
+from daemon import codec
+from daemon.core import Daemon
+from daemon.http import reply
+from daemon.pins import PinStore
+
+
+class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    device: str | None = None
+
+
+def device_room(worker: dict[str, Any], workers: list[dict[str, Any]]) -> int:
+    """Budget left on `worker`'s device: its budget minus what every worker of the device uses."""
+    used = sum(w.get("used_bytes", 0) for w in workers if w["device"] == worker["device"])
+    return worker.get("budget_bytes", 0) - used
+
+
+def choose_worker(workers: list[dict[str, Any]], name: str, device: str | None) -> dict[str, Any]:
+    """The worker that should hold `name`: one already holding it (on `device`
+    if given), else the one of `device` (or of any device) with the most room."""
+    live = [w for w in workers if w["up"]]
+    if not live:
+        raise Unavailable("no worker is up yet; retry in a moment")
+    if device is not None:
+        live = [w for w in live if w["device"] == device]
+        if not live:
+            devices = ", ".join(sorted({w["device"] for w in workers if w["up"]}))
+            raise BadRequest(f"no worker runs on device {device!r} (workers run on: {devices})")
+    holders = [w for w in live if name in w["models"]]
+    if holders:
+        return holders[0]
+    return max(live, key=lambda w: (device_room(w, workers), -w["worker"]))
+
+
+def stored(daemon: Daemon, name: str) -> str:
+    validate_name(name)
+    if not daemon.store.exists(name):
+        raise ModelNotFound(f"unknown model {name!r}", hint=f"pull it first: fleetctl pull {name}")
+    return name
+
+
+async def options(request: Request) -> AdminOptions:
+    body = await request.body()
+    if not body:
+        return AdminOptions()
+    return codec.decode(body, AdminOptions, msgpack=codec.is_msgpack(request.headers.get("content-type")))
+
+
+async def send(daemon: Daemon, worker: dict[str, Any], op: str, name: str) -> dict[str, Any]:
+    """One command to one worker, through its control lane; its answer as a dict."""
+    timeout_s = daemon.settings.load_timeout_ms / 1000.0 if op in (LOAD, PIN) else daemon.timeout_s(None)
+    answer = await daemon.broker.submit(control_lane(worker["worker"]), codec.encode_msgpack(Command(op, name)),
+                                        tokens=1, timeout_s=timeout_s)
+    done: CommandDone = decode_done(bytes(answer.body))
+    return {"worker": worker["worker"], **msgspec.structs.asdict(done)}
+
+
+def holders(daemon: Daemon, name: str) -> list[dict[str, Any]]:
+    return [w for w in daemon.workers() if w["up"] and name in w["models"]]
+
+
+class AdminController(Controller):
+    path = "/v1/models/{name:str}"
+
+    @post("/pin", status_code=200)
+    async def pin(self, request: Request, daemon: Daemon, name: str) -> Response:
+        """Load now (if needed) and never evict; persisted, so it survives a restart."""
+        stored(daemon, name)
+        opts = await options(request)
+        result = await send(daemon, choose_worker(daemon.workers(), name, opts.device), PIN, name)
+        PinStore(daemon.settings.home_path).add(name, result["device"])
+        return reply(request, {"model": name, "op": PIN, "results": [result]})
+
+    @delete("/pin", status_code=200)
+    async def unpin(self, request: Request, daemon: Daemon, name: str) -> Response:
+        """Evictable again (stays resident until room is needed)."""
+        stored(daemon, name)
+        removed = PinStore(daemon.settings.home_path).remove(name)
+        results = [await send(daemon, w, UNPIN, name) for w in holders(daemon, name)]
+        return reply(request, {"model": name, "op": UNPIN, "was_pinned": removed is not None, "results": results})
+
+    @post("/load", status_code=200)
+    async def load(self, request: Request, daemon: Daemon, name: str) -> Response:
+        stored(daemon, name)
+        opts = await options(request)
+        result = await send(daemon, choose_worker(daemon.workers(), name, opts.device), LOAD, name)
+        return reply(request, {"model": name, "op": LOAD, "results": [result]})
+
+    @post("/unload", status_code=200)
+    async def unload(self, request: Request, daemon: Daemon, name: str) -> Response:
+        stored(daemon, name)
+        if name in PinStore(daemon.settings.home_path).load():
+            raise BadRequest(f"{name} is pinned; unpin it first (fleetctl unpin {name})")
+        results = [await send(daemon, w, UNLOAD, name) for w in holders(daemon, name)]
+        return reply(request, {"model": name, "op": UNLOAD, "results": results})

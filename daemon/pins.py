@@ -1,0 +1,108 @@
+"""Pinned models, persisted under FLEET_HOME so they survive a daemon restart.
+
+File: `FLEET_HOME/pins.json` = `{"format": 1, "pins": {name: {"device", "at"}}}`.
+`device` is where the pin was honoured (`cpu`, `cuda:K`): after a restart the
+worker(s) of that device load it before serving (`runtimes.process`).
+
+Writers are the daemon's admin calls only, under an flock on
+`FLEET_HOME/pins.json.lock`; a write goes to a temporary file, is fsynced and
+renamed over the old one, so a reader (a starting worker) sees the old or the
+new file, never a torn one. Names are validated on the way in and out: a
+hand-edited file with a bad name is refused, never used as a path.
+
+Light imports only: the API process and the workers both read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from fleetctl.catalog import validate_name
+from fleetctl.errors import BadRequest
+
+PINS_FILE = "pins.json"
+PINS_FORMAT = 1
+
+
+class Pin(msgspec.Struct, frozen=True):
+    device: str
+    #: UTC, ISO 8601, when it was pinned.
+    at: str
+
+
+class PinsFile(msgspec.Struct):
+    format: int = PINS_FORMAT
+    pins: dict[str, Pin] = {}
+
+
+_decoder = msgspec.json.Decoder(PinsFile)
+_encoder = msgspec.json.Encoder()
+
+
+class PinStore:
+    def __init__(self, home: str | Path) -> None:
+        self.path = Path(home) / PINS_FILE
+
+    def load(self) -> dict[str, Pin]:
+        """The pins on disk ({} when there is no file). A damaged file is an error, not an empty set:
+        silently forgetting pins would let pinned models be evicted."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            pins = _decoder.decode(data).pins
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequest(f"{self.path} is damaged: {exc}", hint=f"fix or remove {self.path}") from None
+        for name in pins:
+            validate_name(name)
+        return pins
+
+    def for_device(self, device: str) -> list[str]:
+        return sorted(name for name, pin in self.load().items() if pin.device == device)
+
+    def add(self, name: str, device: str) -> None:
+        validate_name(name)
+        with self._locked():
+            pins = self.load()
+            pins[name] = Pin(device, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            self._write(pins)
+
+    def remove(self, name: str) -> Pin | None:
+        validate_name(name)
+        with self._locked():
+            pins = self.load()
+            pin = pins.pop(name, None)
+            if pin is not None:
+                self._write(pins)
+            return pin
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    def _write(self, pins: dict[str, Pin]) -> None:
+        tmp = self.path.with_name(f".{PINS_FILE}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_encoder.encode(PinsFile(PINS_FORMAT, dict(sorted(pins.items())))))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,483 @@
+"""Device memory: what a model will cost, what a device can hold, what to evict.
+
+Two halves (STYLE.md 3):
+
+* **Pure policy** over plain data, tested with tables: `estimate_footprint`
+  (weights from safetensors headers by dtype, plus an activation allowance
+  from the batch budget), `fits_on_device`, `find_model_to_evict`, and
+  `plan_load`, which composes them into one decision: load now (after
+  evicting these), wait (the room is held by models with more demand), or
+  never (`model_too_large`, naming what holds the memory).
+* **Effects**, injected into the worker: `device_budget` (NVML with a
+  `torch.cuda.mem_get_info` cross-check on NVIDIA, psutil on CPU),
+  `Estimates` (the estimate corrected by what was measured after each load),
+  `LoadLock` (one load at a time per device, across worker processes).
+
+Units: bytes everywhere; times in seconds (wall clock, `time.time()`).
+
+Accounting. A device's `used` is the weights of every model resident on it
+(all workers on the device, read from their info blobs) plus, per worker, the
+largest activation allowance among its models: a worker runs one batch at a
+time, so its models share one activation area; two workers on one device can
+run batches at once, so their areas add up.
+
+No torch import at module level: the daemon imports the pure half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fleet.worker")
+
+#: safetensors dtype tag -> bytes per element.
+DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}
+_FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
+_PROFILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: A safetensors header is JSON of at most this many bytes (the format's own limit).
+MAX_HEADER_BYTES = 100 << 20
+#: Reload cost credit: a model that takes s seconds to load counts as used s
+#: seconds more recently when choosing what to evict (cheap reloads go first).
+RELOAD_CREDIT = 1.0
+
+
+# ---- estimate ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one model holds on its device: weights (resident) and an activation
+    allowance (the largest batch its profile allows, shared per worker)."""
+
+    weights_bytes: int
+    activation_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes
+
+
+def safetensors_tensors(path: Path) -> Iterator[tuple[str, list[int]]]:
+    """(dtype tag, shape) of each tensor in a safetensors file, from its header only."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise ValueError(f"{path.name}: safetensors header of {n} bytes is over the format's limit")
+        header = json.loads(f.read(n))
+    for key, entry in header.items():
+        if key != "__metadata__":
+            yield entry["dtype"], entry["shape"]
+
+
+def weights_bytes(folder: Path, dtype: str = "auto") -> int:
+    """Bytes the weights take once loaded: every safetensors file under `folder`,
+    float tensors counted at `dtype` (a profile dtype; `auto` = as stored)."""
+    cast = _PROFILE_BYTES.get(dtype)
+    total = 0
+    for path in sorted(folder.rglob("*.safetensors")):
+        for tag, shape in safetensors_tensors(path):
+            n = 1
+            for d in shape:
+                n *= d
+            per = cast if cast is not None and tag in _FLOAT_TAGS else DTYPE_BYTES.get(tag, 4)
+            total += n * per
+    return total
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def encoder_shape(folder: Path) -> dict[str, int]:
+    """hidden size, intermediate size, heads and longest sequence of a transformers encoder folder."""
+    cfg = _read_json(folder / "config.json")
+    st = _read_json(folder / "sentence_bert_config.json")
+    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("dim") or 768)
+    return {
+        "hidden": hidden,
+        "intermediate": int(cfg.get("intermediate_size") or cfg.get("hidden_dim") or 4 * hidden),
+        "heads": int(cfg.get("num_attention_heads") or cfg.get("n_heads") or 12),
+        "seq": int(st.get("max_seq_length") or cfg.get("max_position_embeddings") or 512),
+    }
+
+
+def activation_allowance(runtime: str, shape: dict[str, int], *, max_batch_tokens: int, micro_batch_items: int,
+                         max_seq_len: int | None, dtype_bytes: int) -> int:
+    """Peak bytes of one forward pass at the profile's largest micro-batch.
+
+    Encoders (every runtime we have): a micro-batch is at most
+    `micro_batch_items` inputs padded to the longest sequence, capped by the
+    batch token budget. Per padded token, one layer at its peak holds a few
+    hidden-size tensors (residual, q/k/v, output), the feed-forward
+    intermediate, and its row of attention scores before and after softmax
+    (heads x seq, twice); layers run one after another, so one layer's peak
+    is the model's.
+    """
+    seq = min(shape["seq"], max_seq_len) if max_seq_len else shape["seq"]
+    tokens = min(max_batch_tokens, micro_batch_items * seq)
+    per_token = 4 * shape["hidden"] + shape["intermediate"] + 2 * shape["heads"] * seq
+    return tokens * per_token * dtype_bytes
+
+
+def estimate_footprint(folder: Path, runtime: str, *, dtype: str = "auto", max_batch_tokens: int = 16384,
+                       micro_batch_items: int = 64, max_seq_len: int | None = None) -> Footprint:
+    """Footprint of the model in `folder` before loading it: headers and configs only."""
+    weights = weights_bytes(folder, dtype)
+    act_bytes = _PROFILE_BYTES.get(dtype, 4)
+    activation = activation_allowance(runtime, encoder_shape(folder), max_batch_tokens=max_batch_tokens,
+                                      micro_batch_items=micro_batch_items, max_seq_len=max_seq_len,
+                                      dtype_bytes=act_bytes)
+    return Footprint(weights, activation)
+
+
+@dataclass
+class Estimates:
+    """Footprint estimates, corrected by measurement.
+
+    After a load, the measured weight bytes of that model replace its header
+    estimate (a reload is then exact), and the measured/estimated ratio of the
+    runtime scales the header estimates of models not yet loaded.
+    """
+
+    measured: dict[str, int] = field(default_factory=dict)
+    ratio: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, name: str, runtime: str, header: Footprint) -> Footprint:
+        if name in self.measured:
+            return Footprint(self.measured[name], header.activation_bytes)
+        return Footprint(int(header.weights_bytes * self.ratio.get(runtime, 1.0)), header.activation_bytes)
+
+    def record(self, name: str, runtime: str, header: Footprint, measured_bytes: int) -> None:
+        self.measured[name] = measured_bytes
+        if header.weights_bytes > 0:
+            self.ratio[runtime] = measured_bytes / header.weights_bytes
+
+
+# ---- policy ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResidentView:
+    """One model resident on the device, as the policy sees it."""
+
+    name: str
+    worker: int
+    footprint: Footprint
+    pinned: bool = False
+    last_used: float = 0.0
+    #: Seconds its last load took (what evicting it costs when it is needed again).
+    reload_s: float = 0.0
+    #: Items queued for it now.
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    verdict: str  # LOAD | WAIT | TOO_LARGE
+    evict: tuple[str, ...] = ()
+    reason: str = ""
+
+
+LOAD, WAIT, TOO_LARGE = "load", "wait", "too_large"
+
+#: Demand credited to an explicit load or pin (an operator asked): it may
+#: evict unpinned models even while requests wait for them.
+EXPLICIT_DEMAND = 1 << 30
+#: A peer whose heartbeat is older than this is not counted (its memory is
+#: being given back; the supervisor releases dead workers at once).
+PEER_STALE_NS = 30 * 1_000_000_000
+#: How long a worker naps when the only waiting work is not its to serve.
+IDLE_NAP_S = 0.02
+
+
+class NotNow(Exception):
+    """Not a failure: this worker should not load the model now (another worker
+    of the device holds or loads it, or its room is held by busier models).
+    Its requests stay queued."""
+
+
+def used_bytes(residents: Iterable[ResidentView]) -> int:
+    """Weights of all, plus the largest activation allowance per worker."""
+    weights = 0
+    act: dict[int, int] = {}
+    for r in residents:
+        weights += r.footprint.weights_bytes
+        act[r.worker] = max(act.get(r.worker, 0), r.footprint.activation_bytes)
+    return weights + sum(act.values())
+
+
+def fits_on_device(budget_bytes: int, free_now_bytes: int, residents: list[ResidentView],
+                   incoming: Footprint, worker: int) -> bool:
+    """Would `incoming`, loaded by `worker`, fit next to `residents`?
+
+    Both limits hold: the budget (what fleet may use on this device) and the
+    memory free right now (other processes use the device too). `free_now`
+    is measured with the residents loaded, so only the new bytes count there.
+    """
+    after = residents + [ResidentView("", worker, incoming)]
+    grow = used_bytes(after) - used_bytes(residents)
+    return used_bytes(after) <= budget_bytes and grow <= free_now_bytes
+
+
+def eviction_order(r: ResidentView) -> tuple[int, float]:
+    """Sort key: no waiting requests first, then least recently used, with
+    the reload cost credited as recency."""
+    return (r.waiting, r.last_used + RELOAD_CREDIT * r.reload_s)
+
+
+def find_model_to_evict(residents: list[ResidentView], worker: int, incoming_waiting: int) -> ResidentView | None:
+    """The model `worker` should evict next to make room, or None.
+
+    Only the worker's own models (one owner per device memory, STYLE.md 5),
+    never a pinned one, and never one with waiting requests for a model that
+    has no more waiting than it: a busy model is not thrown out for a quiet
+    one (its queue drains first, then it is evictable).
+    """
+    candidates = [
+        r for r in residents
+        if r.worker == worker and not r.pinned and (r.waiting == 0 or r.waiting < incoming_waiting)
+    ]
+    return min(candidates, key=eviction_order, default=None)
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def plan_load(name: str, incoming: Footprint, residents: list[ResidentView], *, worker: int, device: str,
+              budget_bytes: int, free_now_bytes: int, incoming_waiting: int = 0) -> LoadPlan:
+    """Decide how `worker` can load `name` on `device`.
+
+    1. It fits: load.
+    2. Evict `find_model_to_evict` one by one until it fits: load after those.
+    3. It would fit if models that are busy now were evicted: wait (its
+       requests stay queued; the busy queues drain, then step 2 succeeds).
+    4. Not even evicting every unpinned model of this worker makes room:
+       `too_large`, naming what holds the memory.
+    """
+    left = list(residents)
+    free = free_now_bytes
+    evict: list[str] = []
+    while not fits_on_device(budget_bytes, free, left, incoming, worker):
+        victim = find_model_to_evict(left, worker, incoming_waiting)
+        if victim is None:
+            break
+        left.remove(victim)
+        free += victim.footprint.weights_bytes
+        evict.append(victim.name)
+    else:
+        return LoadPlan(LOAD, tuple(evict))
+    # Could it fit if this worker's busy unpinned models went too?
+    movable = [r for r in left if r.worker == worker and not r.pinned]
+    fixed = [r for r in left if r not in movable]
+    free_all = free + sum(r.footprint.weights_bytes for r in movable)
+    if movable and fits_on_device(budget_bytes, free_all, fixed, incoming, worker):
+        busy = ", ".join(f"{r.name} ({r.waiting} waiting)" for r in movable)
+        return LoadPlan(WAIT, (), f"{name} waits for room held by busier models: {busy}")
+    return LoadPlan(TOO_LARGE, (), too_large_reason(name, incoming, fixed, device=device,
+                                                    budget_bytes=budget_bytes, free_now_bytes=free_all))
+
+
+def too_large_reason(name: str, incoming: Footprint, holders: list[ResidentView], *, device: str,
+                     budget_bytes: int, free_now_bytes: int) -> str:
+    """One clear sentence: what the model needs, what the device allows, who holds the rest."""
+    need = f"{name} needs {_mb(incoming.total_bytes)} ({_mb(incoming.weights_bytes)} weights + " \
+           f"{_mb(incoming.activation_bytes)} activations)"
+    if incoming.total_bytes > budget_bytes:
+        return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}"
+    held = sorted(holders, key=lambda r: -r.footprint.weights_bytes)
+    parts = [
+        f"{r.name} ({_mb(r.footprint.weights_bytes)}, {'pinned' if r.pinned else f'worker {r.worker}'})"
+        for r in held
+    ]
+    text = f"{need}; {device} has a budget of {_mb(budget_bytes)}"
+    if parts:
+        text += f" and {_mb(used_bytes(holders))} is held by " + ", ".join(parts)
+    if free_now_bytes < incoming.total_bytes:
+        text += f"; only {_mb(max(0, free_now_bytes))} is free on the device right now (other processes use the rest)"
+    return text
+
+
+def load_error(name: str, device: str, exc: BaseException) -> Exception:
+    """The error a failed load answers its waiting requests with."""
+    from fleetctl.errors import FleetError, ModelLoadFailed, ModelTooLarge
+
+    if isinstance(exc, FleetError):
+        return exc
+    if is_out_of_memory(exc):
+        return ModelTooLarge(f"out of memory loading {name} on {device}: {type(exc).__name__}: {exc}",
+                             hint="unpin or unload a model, or use a device with more memory")
+    return ModelLoadFailed(f"cannot load {name!r} on {device}: {type(exc).__name__}: {exc}")
+
+
+# ---- OOM during a batch --------------------------------------------------------------
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA OOM, a failed host allocation, or Python's MemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, without importing torch
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def run_split_on_oom(run: Callable[[list[Any]], list[Any]], requests: list[Any],
+                     on_oom: Callable[[], None] = lambda: None) -> list[Any]:
+    """`run(requests)`; on out-of-memory, free what can be freed (`on_oom`) and
+    run each half on its own, down to single requests. A single request that
+    still does not fit raises the OOM (the caller answers it)."""
+    try:
+        return run(requests)
+    except Exception as exc:
+        if not is_out_of_memory(exc) or len(requests) < 2:
+            raise
+        log.warning("out of memory on a batch of %d; splitting it", len(requests))
+    on_oom()
+    mid = len(requests) // 2
+    return run_split_on_oom(run, requests[:mid], on_oom) + run_split_on_oom(run, requests[mid:], on_oom)
+
+
+# ---- device budget (effects) ------------------------------------------------------------
+
+
+@dataclass
+class DeviceMemory:
+    """One device's budget and a live reading of its free memory (minus the reserve)."""
+
+    device: str
+    budget_bytes: int
+    free_now: Callable[[], int]
+    source: str = ""
+
+    @classmethod
+    def unlimited(cls, device: str = "cpu") -> DeviceMemory:
+        return cls(device, 1 << 62, lambda: 1 << 62, "unlimited")
+
+
+def cuda_index(device: str) -> int:
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+def nvml_memory(index: int) -> tuple[int, int]:
+    """(total, free) bytes of GPU `index` from NVML (nvidia-ml-py)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return int(info.total), int(info.free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+#: NVML and torch disagreeing by more than this is logged (they count the
+#: same physical memory; a gap means another process allocated in between or
+#: the indices do not map one to one, e.g. CUDA_VISIBLE_DEVICES reordering).
+CROSS_CHECK_SLACK = 256 << 20
+
+
+def cuda_free(index: int, reserve_bytes: int) -> int:
+    """Free bytes on GPU `index` minus the reserve: the smaller of NVML and torch's view."""
+    import torch
+
+    torch.cuda.empty_cache()  # blocks cached by torch's allocator are ours to reuse: count them free
+    _, nv_free = nvml_memory(index)
+    torch_free, _ = torch.cuda.mem_get_info(index)
+    if abs(nv_free - torch_free) > CROSS_CHECK_SLACK:
+        log.warning("cuda:%d free memory: NVML says %d MiB, torch says %d MiB; using the smaller",
+                    index, nv_free >> 20, torch_free >> 20)
+    return min(nv_free, torch_free) - reserve_bytes
+
+
+def device_budget(device: str, *, cpu_budget_bytes: int = 0, cpu_budget_fraction: float = 0.5,
+                  cpu_reserve_bytes: int = 256 << 20, gpu_reserve_bytes: int = 512 << 20,
+                  fleet_used_bytes: int = 0) -> DeviceMemory:
+    """The budget of `device` for this daemon's models.
+
+    NVIDIA: total memory (NVML, cross-checked with torch) minus the reserve;
+    what is free right now is re-read at every load decision.
+    CPU: `cpu_budget_bytes` if set, else `cpu_budget_fraction` of the RAM
+    available now plus what fleet's models on this device already hold (so
+    every worker of the device computes the same budget); loads also need
+    that much RAM really available, minus `cpu_reserve_bytes`.
+    """
+    if device.startswith("cuda"):
+        import torch
+
+        index = cuda_index(device)
+        total, _ = nvml_memory(index)
+        _, torch_total = torch.cuda.mem_get_info(index)
+        if total != torch_total:
+            log.warning("cuda:%d total memory: NVML %d MiB, torch %d MiB; using the smaller",
+                        index, total >> 20, torch_total >> 20)
+        return DeviceMemory(device, min(total, torch_total) - gpu_reserve_bytes,
+                            lambda: cuda_free(index, gpu_reserve_bytes), "nvml")
+    import psutil
+
+    if cpu_budget_bytes > 0:
+        budget, source = cpu_budget_bytes, "configured"
+    else:
+        budget = int(cpu_budget_fraction * (psutil.virtual_memory().available + fleet_used_bytes))
+        source = f"{cpu_budget_fraction:g} of available RAM"
+    return DeviceMemory(device, budget, lambda: psutil.virtual_memory().available - cpu_reserve_bytes, source)
+
+
+class LoadLock:
+    """One load (decision + load) at a time per device, across the worker
+    processes of a daemon: an flock on `FLEET_HOME/run/load-<device>.lock`
+    (the kernel drops it if the holder dies). Without a path, a no-op (a
+    single in-process core)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @classmethod
+    def for_device(cls, home: str | Path, device: str) -> LoadLock:
+        run = Path(home) / "run"
+        run.mkdir(parents=True, exist_ok=True)
+        return cls(run / f"load-{device.replace(':', '-')}.lock")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        if self.path is None:
+            yield
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def device_used_bytes(queue: Any, device: str) -> int:
+    """What the live workers of `device` report using (their info blobs' `used_bytes`)."""
+    import msgspec
+
+    total = 0
+    for w in queue.workers():
+        if w.device == device and w.info:
+            total += int(msgspec.msgpack.decode(w.info).get("used_bytes", 0))
+    return total
