@@ -87,6 +87,12 @@ class Broker:
 
     async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float) -> Answer:
         """Queue one work item and wait for its result (or raise its error)."""
+        return self.answer(model, await self.run(model, payload, tokens=tokens, timeout_s=timeout_s))
+
+    async def run(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float) -> Done:
+        """Queue one work item and wait for its raw result, as the worker wrote it.
+        Raises only for what happened on this box's side (queue full, no answer in time);
+        the NATS bridge forwards the `Done` to the requesting box as it is."""
         if self.queue.depth() >= self.max_depth:
             raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
         lane = self.lane(model)
@@ -107,9 +113,10 @@ class Broker:
             raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
         finally:
             self._waiting.pop(request_id, None)
-        return self._answer(model, done)
+        return done
 
-    def _answer(self, model: str, done: Done) -> Answer:
+    def answer(self, model: str, done: Done) -> Answer:
+        """The client's answer from a raw result (here, or from the box that ran it)."""
         if done.status == STATUS_EXPIRED:
             raise Timeout(f"{model}: the request's deadline passed before a worker took it")
         if done.status == STATUS_POISON:
