@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.knee import Criteria, Knee, Ramp, StepResult, find_knee, plan_next
-from bench.sim.pull import PullSystem
+from bench.sim.pull import HOLDERS, PullSystem
 from bench.sim.push import PushSystem
 from bench.sim.step import Recorder, StepOutcome, run_step
 from bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
@@ -48,21 +48,24 @@ class Config:
     #: Wall seconds per simulated second: > 1 slows everything down evenly, so the
     #: host work of the simulation (2 cores) stays small next to simulated device time.
     time_scale: float = 2.0
-    duration_s: float = 4.0  # simulated seconds of arrivals per step
-    drain_s: float = 2.0
+    duration_s: float = 3.0  # simulated seconds of arrivals per step
+    drain_s: float = 1.5
     warmup_s: float = 2.0
-    start_rps: float = 400.0
-    factor: float = 1.5
+    start_rps: float = 100.0
+    factor: float = 2.0
     resolution: float = 0.05
-    max_steps: int = 10
+    max_steps: int = 12
     slo_ms: float = 250.0
     keep_up: float = 0.95
     refresh_ms: float = 50.0  # push router's view refresh period
+    #: Schedulers to compare: pull (the committed policy), pull+holders (pull with the
+    #: proposed load rule, bench.sim.pull.should_load), push.
+    sides: tuple[str, ...] = ("pull", "pull+holders", "push")
 
     @classmethod
     def quick(cls, **over) -> Config:
-        base = dict(duration_s=1.5, drain_s=0.75, warmup_s=0.75, time_scale=1.5, start_rps=500.0, factor=2.0,
-                    resolution=0.25, max_steps=5)
+        base = dict(duration_s=1.0, drain_s=0.5, warmup_s=0.5, time_scale=1.5, start_rps=400.0, factor=3.0,
+                    resolution=0.5, max_steps=4)
         base.update(over)
         return cls(**base)
 
@@ -96,24 +99,32 @@ def _payload() -> memoryview:
     return memoryview(b"x" * (4 * 80 * 32))
 
 
-def simulate(cfg: Config, console_err: Console | None = None) -> tuple[Side, Side]:
-    """Run both ramps, interleaved; returns (pull, push)."""
+def simulate(cfg: Config, console_err: Console | None = None) -> list[Side]:
+    """Run every side's ramp, interleaved step by step; returns the sides in cfg.sides order."""
     err = console_err or Console(stderr=True)
     models = make_models(cfg.models)
     spec = TrafficSpec(models=cfg.models, zipf_s=cfg.zipf_s)
     recorder = Recorder()
     payload = _payload()
     ramp = Ramp(start=cfg.start_rps, factor=cfg.factor, resolution=cfg.resolution, max_steps=cfg.max_steps)
-    sides = [
-        Side("pull", PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale)),
-        Side("push", PushSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
-                                refresh_ms=cfg.refresh_ms)),
-    ]
+    make = {
+        "pull": lambda: PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale),
+        "pull+holders": lambda: PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
+                                           loading=HOLDERS),
+        "push": lambda: PushSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
+                                   refresh_ms=cfg.refresh_ms),
+    }
+    unknown = set(cfg.sides) - set(make)
+    if unknown:
+        raise ValueError(f"unknown side(s) {sorted(unknown)}: choose from {sorted(make)}")
+    sides: list[Side] = []
     rid = 0
     try:
-        for side in sides:
+        for name in cfg.sides:
+            side = Side(name, make[name]())
+            sides.append(side)
             side.system.start()
-            # Warm-up at the first load (not measured): both sides start holding models.
+            # Warm-up at the first load (not measured): every side starts holding models.
             trace = make_trace(cfg.start_rps, cfg.warmup_s, spec, cfg.seed + 7919)
             side.warmup = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
                                    drain_s=cfg.drain_s, payload=payload)
@@ -131,12 +142,12 @@ def simulate(cfg: Config, console_err: Console | None = None) -> tuple[Side, Sid
                 rid += len(trace)
                 side.steps.append(out)
                 r = out.result
-                err.print(f"[dim]{side.name:4} {r.offered:7.0f} r/s offered -> {r.throughput_rps:7.0f} r/s, "
-                          f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, cpu {out.cpu_pct:.0f}%[/]")
+                err.print(f"[dim]{side.name:12} {r.offered:7.0f} r/s offered -> {r.throughput_rps:7.0f} r/s, "
+                          f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, sim cpu {out.cpu_pct:.0f}%[/]")
     finally:
         for side in sides:
             side.system.close()
-    return sides[0], sides[1]
+    return sides
 
 
 # -- report --------------------------------------------------------------------
@@ -160,31 +171,40 @@ def steps_table(side: Side, criteria: Criteria) -> Table:
     return t
 
 
-def summary(pull: Side, push: Side, criteria: Criteria) -> dict:
-    kp, kq = pull.knee(criteria), push.knee(criteria)
-
-    def at(k: Knee) -> dict | None:
+def summary(sides: list[Side], criteria: Criteria) -> dict:
+    """Each side's knee, and each pull side's ratios to push (when both have a knee)."""
+    doc: dict = {}
+    for side in sides:
+        k = side.knee(criteria)
         s = k.knee
-        if s is None:
-            return None
-        return {"offered": s.offered, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
-                "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms}
-
-    doc = {"pull": {"knee": at(kp), "saturated": kp.saturated, "capacity_rps": kp.capacity_rps},
-           "push": {"knee": at(kq), "saturated": kq.saturated, "capacity_rps": kq.capacity_rps}}
-    if kp.knee and kq.knee:
-        doc["ratio_throughput"] = kp.knee.throughput_rps / kq.knee.throughput_rps
-        doc["ratio_tokens"] = kp.knee.tokens_per_s / kq.knee.tokens_per_s
-        doc["ratio_capacity"] = kp.capacity_rps / kq.capacity_rps if kq.capacity_rps else None
+        doc[side.name] = {
+            "knee": None if s is None else {
+                "offered": s.offered, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
+                "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms},
+            "saturated": k.saturated, "capacity_rps": k.capacity_rps,
+        }
+    push = next((side.knee(criteria) for side in sides if side.name == "push"), None)
+    ratios = {}
+    for side in sides:
+        k = side.knee(criteria)
+        if side.name == "push" or push is None or k.knee is None or push.knee is None:
+            continue
+        ratios[f"{side.name}/push"] = {
+            "throughput_rps": k.knee.throughput_rps / push.knee.throughput_rps,
+            "tokens_per_s": k.knee.tokens_per_s / push.knee.tokens_per_s,
+            "p95_ms": k.knee.p95_ms / push.knee.p95_ms,
+            "capacity_rps": k.capacity_rps / push.capacity_rps if push.capacity_rps else None,
+        }
+    doc["ratios"] = ratios
     return doc
 
 
-def knee_table(pull: Side, push: Side, criteria: Criteria) -> Table:
+def knee_table(sides: list[Side], criteria: Criteria) -> Table:
     t = Table(title="knee: highest offered load kept up with (device time)", title_justify="left")
     for col in ("scheduler", "knee r/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "items/batch", "swaps",
                 "max req/s", "saturated"):
         t.add_column(col, justify="left" if col == "scheduler" else "right")
-    for side in (pull, push):
+    for side in sides:
         k = side.knee(criteria)
         s, out = k.knee, side.outcome_of(k.knee)
         if s is None:
@@ -196,7 +216,7 @@ def knee_table(pull: Side, push: Side, criteria: Criteria) -> Table:
     return t
 
 
-def result_doc(cfg: Config, pull: Side, push: Side, argv: list[str]) -> dict:
+def result_doc(cfg: Config, sides: list[Side], argv: list[str]) -> dict:
     from bench.report import machine, versions
 
     def step_doc(o: StepOutcome, reasons=()) -> dict:
@@ -225,9 +245,8 @@ def result_doc(cfg: Config, pull: Side, push: Side, argv: list[str]) -> dict:
         "size_classes": [asdict(s) for s in SIZE_CLASSES],
         "popularity": zipf_weights(cfg.models, cfg.zipf_s).tolist(),
         "models": [{"name": m.name, "size": m.size.name} for m in make_models(cfg.models)],
-        "pull": side_doc(pull),
-        "push": side_doc(push),
-        "summary": summary(pull, push, cfg.criteria),
+        "sides": {side.name: side_doc(side) for side in sides},
+        "summary": summary(sides, cfg.criteria),
     }
 
 
@@ -259,11 +278,15 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         ("refresh-ms", float, "push router's view refresh period"),
     ):
         p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    p.add_argument("--sides", default=None, help="comma-separated, from pull, pull+holders, push "
+                                                 f"(default {','.join(d.sides)})")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/simulate-<UTC>.json)")
     p.add_argument("--no-save", action="store_true", help="do not write the JSON record")
     a = p.parse_args(argv)
     over = {k: v for k, v in vars(a).items()
             if v is not None and k in Config.__dataclass_fields__}
+    if a.sides is not None:
+        over["sides"] = tuple(x.strip() for x in a.sides.split(",") if x.strip())
     cfg = Config.quick(**over) if a.quick else Config(**over)
     return cfg, a
 
@@ -276,17 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     out, err = Console(), Console(stderr=True)
     err.print(f"[bold]pull vs push[/]: {cfg.workers} GPUs x {cfg.slots} slots, {cfg.models} models (zipf s={cfg.zipf_s}), "
               f"seed {cfg.seed}, time scale {cfg.time_scale}, {cfg.duration_s} s steps")
-    pull, push = simulate(cfg, err)
-    for side in (pull, push):
+    sides = simulate(cfg, err)
+    for side in sides:
         out.print(steps_table(side, cfg.criteria))
-    out.print(knee_table(pull, push, cfg.criteria))
-    summ = summary(pull, push, cfg.criteria)
-    if "ratio_throughput" in summ:
-        out.print(f"pull / push at the knee: [bold]{summ['ratio_throughput']:.2f}x[/] req/s, "
-                  f"{summ['ratio_tokens']:.2f}x tok/s; p95 {summ['pull']['knee']['p95_ms']:.1f} vs "
-                  f"{summ['push']['knee']['p95_ms']:.1f} ms")
+    out.print(knee_table(sides, cfg.criteria))
+    for pair, r in summary(sides, cfg.criteria)["ratios"].items():
+        out.print(f"{pair} at the knee: [bold]{r['throughput_rps']:.2f}x[/] req/s, {r['tokens_per_s']:.2f}x tok/s, "
+                  f"p95 {r['p95_ms']:.2f}x")
     if not args.no_save:
-        path = write_json(result_doc(cfg, pull, push, ["python", "-m", "bench.simulate", *argv]), args.out)
+        path = write_json(result_doc(cfg, sides, ["python", "-m", "bench.simulate", *argv]), args.out)
         err.print(f"wrote {path}")
     return 0
 

@@ -5,10 +5,20 @@ One lane per model in a real shared-memory `LocalQueue`; the arrival thread
 thread registered with the queue that runs the same round as
 `runtimes.worker.WorkerCore.step`: `choose_lane` over `lane_stats`, load the
 model if it must (its requests stay queued meanwhile), `claim` within the
-model's profile budget, `form_batch` and `return_items` for over-pull, run,
-`ack_many`. A collector thread drains `wait_results`, as the daemon does. The
-result of an item is its batch's device end time (int64 ns), so latency is
-measured the same way on both sides.
+token cap that `batch_token_cap` derives from the worker's own `CostModel`,
+`form_batch` and `return_items` for over-pull, run, `ack_many`, feed the cost
+model. (Linger is left out: its default, `Settings.linger_ms`, is 0.) A
+collector thread drains `wait_results`, as the daemon does. The result of an
+item is its batch's device end time (int64 ns), so latency is measured the
+same way on both sides.
+
+`loading="holders"` adds one rule in front of a load, as a proposal for
+`runtimes.policy` (it is not the committed policy): a worker does not load a
+model that another worker holds or is loading (read from the workers'
+published info, as `fleetctl ps` does; a worker announces a load before it
+starts it) unless the work queued in that lane would keep each holder busy
+for longer than the load takes (`should_load`; starving lanes stay
+eligible); it serves the remaining lanes or naps.
 """
 
 from __future__ import annotations
@@ -17,27 +27,47 @@ import os
 import struct
 import threading
 import time
+from collections import Counter
+
+import msgspec
 
 from bench.sim.device import SimDevice
 from bench.sim.traffic import SimModel
 from local_queue import LocalQueue, QueueFull
-from runtimes.policy import choose_lane, form_batch
+from runtimes.policy import CostModel, batch_token_cap, choose_lane, form_batch, padded_tokens
 
 _END = struct.Struct("<q")
+_encode_names = msgspec.msgpack.Encoder().encode
+_decode_names = msgspec.msgpack.Decoder(list[str]).decode
+CORE, HOLDERS = "core", "holders"
+#: How long a worker naps when the only waiting work is for models others hold (device ms).
+NAP_MS = 5.0
+
+
+def should_load(holders_elsewhere: int, backlog_ms: float, swap_ms: float) -> bool:
+    """Load a model this worker does not hold only if no other worker holds (or is
+    loading) it, or the work queued for it would keep each of its holders busy
+    for longer than a load takes: only then does another copy pay for itself."""
+    return holders_elsewhere == 0 or backlog_ms > holders_elsewhere * swap_ms
 
 
 class PullSystem:
-    name = "pull"
 
     def __init__(self, models: list[SimModel], workers: int, slots: int, recorder, *, time_scale: float = 1.0,
-                 max_wait_ms: float = 2000.0, idle_wait_s: float = 0.25, lease_ms: int = 60_000,
-                 queue_slots: int = 1 << 16) -> None:
+                 max_wait_ms: float = 2000.0, target_ms: float = 250.0, idle_wait_s: float = 0.25,
+                 lease_ms: int = 60_000, queue_slots: int = 1 << 16, loading: str = CORE) -> None:
+        if loading not in (CORE, HOLDERS):
+            raise ValueError(f"loading must be {CORE!r} or {HOLDERS!r}")
+        self.loading = loading
+        self.name = "pull" if loading == CORE else "pull+holders"
         self.models = models
         self.by_name = {m.name: m for m in models}
         self.recorder = recorder
         self.time_scale = time_scale
-        # WorkerCore's defaults (max_wait_ms 2000, the process loop's 0.25 s wait), in wall time.
+        # The daemon's defaults (Settings.lane_max_wait_ms, batch_target_ms; the worker
+        # process loop's 0.25 s wait). Waits are wall time; the cost model sees device ms.
         self.max_wait_ns = int(max_wait_ms * time_scale * 1e6)
+        self.target_ms = target_ms
         self.idle_wait_s = idle_wait_s * time_scale
         self.lease_ms = lease_ms
         self.queue = LocalQueue.create(slots=queue_slots, slab_bytes=256 << 20,
@@ -70,7 +100,8 @@ class PullSystem:
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=5 * self.time_scale + 5)
+            if t.ident is not None:  # started
+                t.join(timeout=5 * self.time_scale + 5)
         self.queue.close()
         self.queue.unlink()
 
@@ -79,33 +110,61 @@ class PullSystem:
         q, dev, models, by_name = self.queue, self.devices[w], self.models, self.by_name
         wid = q.register_worker(os.getpid(), f"sim-gpu{w}")
         pack = _END.pack
+        costs: dict[int, CostModel] = {}
         while not self._stop.is_set():
             # 1. Choose a lane: starving first, then models held here, then oldest.
             stats = q.lane_stats()
             held = {models[i].name for i in dev.resident}
-            lane = choose_lane(stats, held, time.monotonic_ns(), self.max_wait_ns)
+            now = time.monotonic_ns()
+            lane = choose_lane(stats, held, now, self.max_wait_ns)
             if lane is None:
                 q.wait_for_work(self.idle_wait_s)
                 continue
+            if self.loading == HOLDERS and lane.model not in held:
+                lane = self._choose_without_needless_load(stats, held, wid, now)
+                if lane is None:
+                    time.sleep(NAP_MS * self.time_scale / 1e3)
+                    continue
             # 2. Load before claiming: while the model loads its requests stay in the lane,
             #    where any worker that already holds it can take them.
             model = by_name[lane.model]
-            dev.ensure(model, [by_name[s.model].index for s in stats if s.depth > 0])
-            # 3. Claim within the profile budget, give back what does not fit.
+            if self.loading == HOLDERS and not dev.holds(model.index):
+                # Announce the load before paying for it, so that other workers count
+                # this one as a holder while it loads (the herd rule).
+                q.set_worker_info(wid, _encode_names([*held, model.name]))
+            if dev.ensure(model, [by_name[s.model].index for s in stats if s.depth > 0]):
+                q.set_worker_info(wid, _encode_names([models[i].name for i in dev.resident]))
+            # 3. Claim within the cost model's cap, give back what does not fit.
             prof = model.profile
-            claims = q.claim(lane.lane, worker=wid, max_items=prof.max_batch_items,
-                             max_tokens=prof.max_batch_tokens, lease_ms=self.lease_ms)
+            cost = costs.setdefault(model.index, CostModel())
+            cap = batch_token_cap(cost, self.target_ms, prof.max_batch_tokens)
+            claims = q.claim(lane.lane, worker=wid, max_items=prof.max_batch_items, max_tokens=cap,
+                             lease_ms=self.lease_ms)
             if not claims:
                 continue
-            keep = form_batch([c.tokens for c in claims], prof.max_batch_items, prof.max_batch_tokens)
-            if keep < len(claims):
-                q.return_items([c.item_id for c in claims[keep:]])
-                claims = claims[:keep]
-            # 4. Run and ack the whole batch in one call.
-            end = pack(dev.run(model, len(claims), sum(c.tokens for c in claims)))
-            q.ack_many([(c.item_id, end, 0) for c in claims])
+            keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], prof.max_batch_items, cap)
+            if len(keep) < len(claims):
+                kept = set(keep)
+                q.return_items([c.item_id for i, c in enumerate(claims) if i not in kept])
+                claims = [claims[i] for i in keep]
+            # 4. Run, ack the whole batch in one call, learn the batch's cost.
+            tokens = [c.tokens for c in claims]
+            end = dev.run(model, len(tokens), sum(tokens))
+            q.ack_many([(c.item_id, pack(end), 0) for c in claims])
             del claims  # payload views into the slab
+            cost.observe(padded_tokens(tokens), model.batch_ms(sum(tokens)))
         q.unregister_worker(wid)
+
+    def _choose_without_needless_load(self, stats, held: set[str], wid: int, now: int):
+        """choose_lane over the lanes this worker holds, those should_load allows, and
+        the starving ones (choose_lane's bound on waiting still holds)."""
+        holders = Counter(name for w in self.queue.workers() if w.wid != wid and w.info
+                          for name in _decode_names(w.info))
+        by_name = self.by_name
+        eligible = [s for s in stats if s.depth > 0 and (
+            s.model in held or now - s.oldest_enqueue_ns > self.max_wait_ns
+            or should_load(holders[s.model], by_name[s.model].batch_ms(s.tokens), by_name[s.model].swap_ms))]
+        return choose_lane(eligible, held, now, self.max_wait_ns)
 
     def _collect(self) -> None:
         unpack, done = _END.unpack, self.recorder.done
