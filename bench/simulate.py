@@ -50,7 +50,9 @@ class Config:
     time_scale: float = 2.0
     duration_s: float = 3.0  # simulated seconds of arrivals per step
     drain_s: float = 1.5
-    warmup_s: float = 2.0
+    #: Unmeasured warm-up per side, long enough that even the rarest model is loaded somewhere.
+    warmup_s: float = 3.0
+    warmup_rps: float = 400.0
     start_rps: float = 100.0
     factor: float = 2.0
     resolution: float = 0.05
@@ -64,7 +66,7 @@ class Config:
 
     @classmethod
     def quick(cls, **over) -> Config:
-        base = dict(duration_s=1.0, drain_s=0.5, warmup_s=0.5, time_scale=1.5, start_rps=400.0, factor=3.0,
+        base = dict(duration_s=1.0, drain_s=0.5, warmup_s=1.0, time_scale=1.5, start_rps=400.0, factor=3.0,
                     resolution=0.5, max_steps=4)
         base.update(over)
         return cls(**base)
@@ -82,6 +84,8 @@ class Side:
     system: object
     steps: list[StepOutcome] = field(default_factory=list)
     warmup: StepOutcome | None = None
+    #: The step at the load every side kept up with (the lowest knee), for latency side by side.
+    at_common: StepOutcome | None = None
 
     @property
     def results(self) -> list[StepResult]:
@@ -124,8 +128,8 @@ def simulate(cfg: Config, console_err: Console | None = None) -> list[Side]:
             side = Side(name, make[name]())
             sides.append(side)
             side.system.start()
-            # Warm-up at the first load (not measured): every side starts holding models.
-            trace = make_trace(cfg.start_rps, cfg.warmup_s, spec, cfg.seed + 7919)
+            # Warm-up (not measured): every side starts out holding models.
+            trace = make_trace(cfg.warmup_rps, cfg.warmup_s, spec, cfg.seed + 7919)
             side.warmup = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
                                    drain_s=cfg.drain_s, payload=payload)
             rid += len(trace)
@@ -144,6 +148,18 @@ def simulate(cfg: Config, console_err: Console | None = None) -> list[Side]:
                 r = out.result
                 err.print(f"[dim]{side.name:12} {r.offered:7.0f} r/s offered -> {r.throughput_rps:7.0f} r/s, "
                           f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, sim cpu {out.cpu_pct:.0f}%[/]")
+        # Latency side by side at one load: the lowest knee (rerun where a side's ramp
+        # did not visit it, so every side is measured at exactly that load).
+        knees = [k.knee.offered for k in (side.knee(cfg.criteria) for side in sides) if k.knee is not None]
+        if knees:
+            common = min(knees)
+            for side in sides:
+                side.at_common = next((o for o in side.steps if o.result.offered == common), None)
+                if side.at_common is None:
+                    trace = make_trace(common, cfg.duration_s, spec, cfg.seed)
+                    side.at_common = run_step(side.system, trace, models, recorder, rid,
+                                              time_scale=cfg.time_scale, drain_s=cfg.drain_s, payload=payload)
+                    rid += len(trace)
     finally:
         for side in sides:
             side.system.close()
@@ -182,6 +198,10 @@ def summary(sides: list[Side], criteria: Criteria) -> dict:
                 "offered": s.offered, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
                 "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms},
             "saturated": k.saturated, "capacity_rps": k.capacity_rps,
+            "at_common_load": None if side.at_common is None else {
+                "offered": side.at_common.result.offered, "throughput_rps": side.at_common.result.throughput_rps,
+                "p50_ms": side.at_common.result.p50_ms, "p95_ms": side.at_common.result.p95_ms,
+                "p99_ms": side.at_common.result.p99_ms},
         }
     push = next((side.knee(criteria) for side in sides if side.name == "push"), None)
     ratios = {}
@@ -193,6 +213,8 @@ def summary(sides: list[Side], criteria: Criteria) -> dict:
             "throughput_rps": k.knee.throughput_rps / push.knee.throughput_rps,
             "tokens_per_s": k.knee.tokens_per_s / push.knee.tokens_per_s,
             "p95_ms": k.knee.p95_ms / push.knee.p95_ms,
+            "p95_at_common_load": doc[side.name]["at_common_load"]["p95_ms"] / doc["push"]["at_common_load"]["p95_ms"]
+            if doc[side.name]["at_common_load"] and doc["push"]["at_common_load"] else None,
             "capacity_rps": k.capacity_rps / push.capacity_rps if push.capacity_rps else None,
         }
     doc["ratios"] = ratios
@@ -216,6 +238,21 @@ def knee_table(sides: list[Side], criteria: Criteria) -> Table:
     return t
 
 
+def common_table(sides: list[Side]) -> Table | None:
+    rows = [(side.name, side.at_common) for side in sides if side.at_common is not None]
+    if not rows:
+        return None
+    t = Table(title=f"at one load, the lowest knee: {rows[0][1].result.offered:.0f} r/s offered (device time)",
+              title_justify="left")
+    for col in ("scheduler", "req/s", "p50 ms", "p95 ms", "p99 ms", "items/batch", "swaps", "dev busy"):
+        t.add_column(col, justify="left" if col == "scheduler" else "right")
+    for name, o in rows:
+        r = o.result
+        t.add_row(name, f"{r.throughput_rps:.0f}", f"{r.p50_ms:.1f}", f"{r.p95_ms:.1f}", f"{r.p99_ms:.1f}",
+                  f"{o.items_per_batch:.1f}", str(o.swaps), f"{o.device_busy:.0%}")
+    return t
+
+
 def result_doc(cfg: Config, sides: list[Side], argv: list[str]) -> dict:
     from bench.report import machine, versions
 
@@ -230,7 +267,8 @@ def result_doc(cfg: Config, sides: list[Side], argv: list[str]) -> dict:
         reasons = {id(v.step): v.reasons for v in k.verdicts}
         return {"steps": [step_doc(o, reasons.get(id(o.result), ())) for o in
                           sorted(side.steps, key=lambda o: o.result.offered)],
-                "warmup": step_doc(side.warmup) if side.warmup else None}
+                "warmup": step_doc(side.warmup) if side.warmup else None,
+                "at_common_load": step_doc(side.at_common) if side.at_common else None}
 
     c = cfg.criteria
     return {
@@ -271,7 +309,8 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         ("time-scale", float, "wall seconds per simulated second"),
         ("duration-s", float, "simulated seconds of arrivals per step"),
         ("drain-s", float, "simulated seconds a step's backlog may drain before the rest is dropped"),
-        ("warmup-s", float, "unmeasured warm-up at the start load"), ("start-rps", float, "first offered load"),
+        ("warmup-s", float, "unmeasured warm-up per side"), ("warmup-rps", float, "warm-up load"),
+        ("start-rps", float, "first offered load"),
         ("factor", float, "ramp growth per step until the knee is passed"),
         ("resolution", float, "bisect until first-bad / knee <= 1 + this"), ("max-steps", int, "steps per side"),
         ("slo-ms", float, "p95 bound of a healthy step"), ("keep-up", float, "throughput / offered of a healthy step"),
@@ -303,9 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     for side in sides:
         out.print(steps_table(side, cfg.criteria))
     out.print(knee_table(sides, cfg.criteria))
+    common = common_table(sides)
+    if common is not None:
+        out.print(common)
     for pair, r in summary(sides, cfg.criteria)["ratios"].items():
+        same = f", p95 at one load {r['p95_at_common_load']:.2f}x" if r["p95_at_common_load"] is not None else ""
         out.print(f"{pair} at the knee: [bold]{r['throughput_rps']:.2f}x[/] req/s, {r['tokens_per_s']:.2f}x tok/s, "
-                  f"p95 {r['p95_ms']:.2f}x")
+                  f"p95 {r['p95_ms']:.2f}x{same}")
     if not args.no_save:
         path = write_json(result_doc(cfg, sides, ["python", "-m", "bench.simulate", *argv]), args.out)
         err.print(f"wrote {path}")

@@ -18,7 +18,10 @@ model that another worker holds or is loading (read from the workers'
 published info, as `fleetctl ps` does; a worker announces a load before it
 starts it) unless the work queued in that lane would keep each holder busy
 for longer than the load takes (`should_load`; starving lanes stay
-eligible); it serves the remaining lanes or naps.
+eligible); it serves the remaining lanes or naps. Because a put wakes one
+waiting worker, and that one may decline the work, idle workers in this mode
+also re-check every NAP_MS instead of sleeping up to 0.25 s on the wake-up
+(otherwise a holder sleeps while the woken stranger declines).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ _encode_names = msgspec.msgpack.Encoder().encode
 _decode_names = msgspec.msgpack.Decoder(list[str]).decode
 CORE, HOLDERS = "core", "holders"
 #: How long a worker naps when the only waiting work is for models others hold (device ms).
-NAP_MS = 5.0
+NAP_MS = 2.0
 
 
 def should_load(holders_elsewhere: int, backlog_ms: float, swap_ms: float) -> bool:
@@ -74,6 +77,9 @@ class PullSystem:
                                        max_lanes=max(256, len(models)), max_workers=max(64, workers))
         self.lanes = [self.queue.lane_id(m.name) for m in models]
         self.devices = [SimDevice(slots, time_scale) for _ in range(workers)]
+        #: Set by the step runner while this system's step runs: between its steps the
+        #: holder mode's polling must not take CPU from the other side's step.
+        self.measuring = False
         self._put_ids: dict[int, int] = {}  # request id -> put id, until its result is collected
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pull-gpu{w}", daemon=True)
@@ -118,7 +124,8 @@ class PullSystem:
             now = time.monotonic_ns()
             lane = choose_lane(stats, held, now, self.max_wait_ns)
             if lane is None:
-                q.wait_for_work(self.idle_wait_s)
+                q.wait_for_work(self.idle_wait_s if self.loading == CORE or not self.measuring
+                                else NAP_MS * self.time_scale / 1e3)
                 continue
             if self.loading == HOLDERS and lane.model not in held:
                 lane = self._choose_without_needless_load(stats, held, wid, now)
