@@ -190,6 +190,8 @@ def machine() -> dict:
         "cpus_physical": psutil.cpu_count(logical=False),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count(),
         "memory_bytes": mem.total,
+        # Other tenants of a shared box skew every number: keep what they were doing.
+        "load_avg_1_5_15": [round(x, 2) for x in psutil.getloadavg()],
         **describe_gpus(),
     }
 
@@ -219,7 +221,7 @@ def _step_doc(rec: StepRecord) -> dict:
     return {
         "offered": s.offered, "mode": s.mode, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
         "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms, "sent": s.sent, "ok": s.ok,
-        "errors": s.errors, "error_codes": {str(k): v for k, v in rec.error_codes.items()},
+        "errors": s.errors, "tokens": rec.tokens, "error_codes": {str(k): v for k, v in rec.error_codes.items()},
         "error_sample": rec.error_sample, "server_tokens": rec.server_tokens,
         "generator_cpu_pct": rec.gen_cpu_pct, "generator_lag_p99_ms": rec.lag_p99_ms,
         "generator_bound": rec.generator_bound, "reasons": list(rec.reasons),

@@ -80,6 +80,8 @@ class StepRecord:
     lag_p99_ms: float
     gen_cpu_pct: float
     generator_bound: bool
+    #: Input tokens of the successful requests (bench tokenizer count).
+    tokens: int
     server_tokens: int
     error_codes: dict[int, int]
     error_sample: str
@@ -184,7 +186,7 @@ def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sa
     )
     return StepRecord(
         result=result, lag_p99_ms=merged.lag_p99_ms, gen_cpu_pct=gen_cpu, generator_bound=bound,
-        server_tokens=merged.server_tokens, error_codes=merged.error_codes, error_sample=merged.error_sample,
+        tokens=merged.tokens_ok, server_tokens=merged.server_tokens, error_codes=merged.error_codes, error_sample=merged.error_sample,
         started_unix=t0, ended_unix=t1, box=sampler.window(t0, t1) if sampler else {},
     )
 

@@ -61,6 +61,22 @@ def _check_reachable(url: str, kind: str) -> None:
                           hint="start the daemon with `fleetctl serve`, or pass --url") from None
 
 
+def _server_pids(url: str, kind: str) -> list[int]:
+    """The server process to sample: the daemon's own PID from /v1/ps, else whoever listens on the port."""
+    import httpx
+
+    from bench.sampler import listening_pids
+
+    if kind.startswith("fleet"):
+        try:
+            pid = httpx.get(url + "/v1/ps", timeout=5).json().get("pid")
+            if isinstance(pid, int):
+                return [pid]
+        except (httpx.HTTPError, ValueError):
+            pass
+    return listening_pids(urlsplit(url).port or 80)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(
@@ -74,6 +90,7 @@ def register(app: typer.Typer) -> None:
         start_rate: float = typer.Option(None, "--start-rate", help="Ramp start, requests/s (default: half the one-client rate)."),
         factor: float = typer.Option(1.5, "--factor", help="Ramp growth per step before the knee."),
         max_steps: int = typer.Option(16, "--max-steps", help="Steps per target, at most."),
+        warmup: float = typer.Option(3.0, "--warmup", help="Seconds of one-client warm-up per target (0: none)."),
         min_requests: int = typer.Option(30, "--min-requests", help="Open loop: a step offers at least this many requests."),
         batch: int = typer.Option(32, "--batch", help="Inputs per request (1 = single-input requests)."),
         inputs: Path = typer.Option(None, "--inputs", help="Texts to send, one per line (default: the bench corpus)."),
@@ -98,7 +115,7 @@ def register(app: typer.Typer) -> None:
         from bench import corpus, report
         from bench.knee import CLOSED, OPEN, Criteria
         from bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
-        from bench.sampler import Sampler, describe_gpus, listening_pids
+        from bench.sampler import Sampler, describe_gpus
         from bench.targets import KINDS, TASKS
         from bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
         from fleetctl.config import client_url
@@ -141,7 +158,7 @@ def register(app: typer.Typer) -> None:
             mode=CLOSED if clients else OPEN,
             loads=loads, start=start_rate, factor=factor, max_steps=max_steps,
             criteria=Criteria(keep_up_tol=keep_up_tol, p95_factor=p95_factor, max_p95_ms=max_p95_ms),
-            generators=generators, encoding=encoding, api_key=os.environ.get("FLEET_API_KEY", ""),
+            generators=generators, warmup_s=warmup, encoding=encoding, api_key=os.environ.get("FLEET_API_KEY", ""),
             device=dev,
         )
         peers = []
@@ -161,8 +178,7 @@ def register(app: typer.Typer) -> None:
                     specs.append(TargetSpec(name="infinity", kind="infinity", url=peer.url, pids=peer.pids))
                 else:
                     _check_reachable(url, name)
-                    port = urlsplit(url).port or 80
-                    specs.append(TargetSpec(name=name, kind=name, url=url, pids=listening_pids(port)))
+                    specs.append(TargetSpec(name=name, kind=name, url=url, pids=_server_pids(url, name)))
             with Sampler() as sampler:
                 if quiet or as_json:
                     runs = run_bench(specs, plan, texts, lengths, model_dir=mdir, sampler=sampler, display=NullDisplay())

@@ -1,0 +1,262 @@
+"""Embeddings end to end: fleet over HTTP/MessagePack against sentence-transformers in-process.
+
+Measured in one run, on the same inputs (the bench corpus, requests of 32
+inputs, the same windows for every side), interleaved in rounds so drifts of
+the box fall on every side alike:
+  (a) sentence-transformers `encode` in-process, default settings, fp32;
+  (b) the same with bf16 weights;
+  (c) fleet over HTTP/MessagePack, closed loop, with clients doubled until
+      throughput stops growing (the most tokens/s any client count reached);
+and the latency one short single-input request adds over encoding it
+in-process (p50, p95; fleet's sequential round trip minus `encode` of the
+same text, with the dtype fleet serves the model in).
+Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 2 ms.
+
+Tokens are counted with the model's tokenizer up front (bench/tokens.py).
+
+Usage:
+  flock /tmp/fleet-bench.lock python -m bench.embed_compare [--url URL | --start] [--rounds 3]
+      [--duration 8] [--out bench/results/embed-compare-<time>.json]
+`--start` runs `fleetctl serve` itself on a free loopback port with a temporary
+FLEET_HOME and stops it (by PID) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench import corpus, report
+from bench.knee import CLOSED
+from bench.loadgen import Generator, Merged, Setup, StepPlan
+from bench.peers import free_port
+from bench.sampler import Sampler
+from bench.st_local import LocalST, STSetup
+from bench.tokens import TokenCounter, package_model_dir
+
+MODEL = "all-minilm-l6-v2"
+BATCH = 32
+GOAL_VS_FP32 = 2.0
+GOAL_VS_BF16 = 0.9
+GOAL_ADDED_P50_MS = 2.0
+#: Short-request latency: the shortest corpus texts, one per request.
+SHORT_TEXTS = 32
+
+
+class Daemon:
+    """`fleetctl serve` on a free loopback port with a throwaway FLEET_HOME (for --start)."""
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.home = tempfile.mkdtemp(prefix="fleet-bench-home-")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "FLEET_HOME": self.home, "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1"}
+        env.pop("FLEET_URL", None)
+        self.log = open(Path(self.home) / "daemon.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve"], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fleetctl serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return (Path(self.home) / "daemon.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def fleet_state(url: str) -> tuple[int | None, str]:
+    """The daemon's PID and the dtype its workers hold the model in (from /v1/ps)."""
+    ps = httpx.get(url + "/v1/ps", timeout=10).json()
+    dtype = "unknown"
+    for w in ps.get("workers", []):
+        m = w.get("models", {}).get(MODEL)
+        if m:
+            dtype = m.get("dtype", dtype)
+    return ps.get("pid"), dtype
+
+
+def stats(m: Merged) -> dict:
+    lat = m.latencies_ms
+    return {
+        "requests": m.ok, "errors": m.errors, "elapsed_s": m.elapsed_s,
+        "rps": m.ok / m.elapsed_s, "tokens_per_s": m.tokens_ok / m.elapsed_s,
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "p95_ms": float(np.percentile(lat, 95)) if lat.size else None,
+        "server_tokens": m.server_tokens, "tokens": m.tokens_ok, "generator_cpu_s": m.cpu_s,
+    }
+
+
+def saturate(gen: Generator, duration_s: float, index: int, max_clients: int = 32) -> tuple[dict, list[dict]]:
+    """Double the clients until tokens/s grows by less than 5 %; the best step wins."""
+    steps: list[dict] = []
+    clients = 1
+    while clients <= max_clients:
+        s = stats(gen.run(StepPlan(index=index, mode=CLOSED, offered=clients, duration_s=duration_s)))
+        s["clients"] = clients
+        steps.append(s)
+        if len(steps) >= 2 and s["tokens_per_s"] < 1.05 * steps[-2]["tokens_per_s"]:
+            break
+        clients *= 2
+    return max(steps, key=lambda s: s["tokens_per_s"]), steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
+    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    err = Console(stderr=True)
+
+    model_dir = package_model_dir()
+    texts = corpus.load()
+    counter = TokenCounter(model_dir)
+    lengths = counter.count(texts)
+    short_idx = sorted(range(len(texts)), key=lambda i: lengths[i])[:SHORT_TEXTS]
+    short_texts = [texts[i] for i in short_idx]
+    short_lengths = [lengths[i] for i in short_idx]
+
+    daemon = Daemon() if args.start else None
+    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    opened: list = []
+    try:
+        pid, fleet_dtype = fleet_state(url)
+        err.print(f"fleet at {url} (pid {pid}) serves {MODEL} as {fleet_dtype}")
+        st_fp32 = LocalST(STSetup(str(model_dir), "fp32", args.device, texts, lengths, BATCH))
+        opened.append(st_fp32)
+        st_bf16 = LocalST(STSetup(str(model_dir), "bf16", args.device, texts, lengths, BATCH))
+        opened.append(st_bf16)
+        # The short-request baseline encodes in the dtype fleet serves, so the
+        # difference is the serving path alone, not a dtype change.
+        short_dtype = "bf16" if "bf" in fleet_dtype else "fp32"
+        st_short = LocalST(STSetup(str(model_dir), short_dtype, args.device, short_texts, short_lengths, 1))
+        opened.append(st_short)
+        gen = Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=texts, lengths=lengths,
+                              batch=BATCH))
+        opened.append(gen)
+        gen_short = Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=short_texts,
+                                    lengths=short_lengths, batch=1))
+        opened.append(gen_short)
+
+        rounds = []
+        with Sampler() as sampler:
+            sampler.track("fleet", [pid] if pid else [])
+            sampler.track("st", [st_fp32.proc.pid, st_bf16.proc.pid, st_short.proc.pid])
+            sampler.track("generator", gen.pids + gen_short.pids)
+            one = StepPlan(index=0, mode=CLOSED, offered=1, duration_s=args.duration)
+            # Warm every side once (first requests build caches), untimed.
+            for side in (st_fp32, st_bf16, st_short, gen, gen_short):
+                side.run(StepPlan(index=0, mode=CLOSED, offered=1, duration_s=1.0))
+            for r in range(args.rounds):
+                err.print(f"round {r + 1}/{args.rounds}")
+                t0 = time.time()
+                a = stats(st_fp32.run(one))
+                b = stats(st_bf16.run(one))
+                c, c_steps = saturate(gen, args.duration, r)
+                short_fleet = stats(gen_short.run(StepPlan(index=r, mode=CLOSED, offered=1, duration_s=args.duration)))
+                short_local = stats(st_short.run(one))
+                rounds.append({"a_st_fp32": a, "b_st_bf16": b, "c_fleet": c, "c_steps": c_steps,
+                               "short_fleet": short_fleet, "short_local": short_local,
+                               "box": sampler.window(t0, time.time())})
+    finally:
+        for side in opened:
+            side.close()
+        if daemon:
+            daemon.stop()
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[key][field] for r in rounds)
+
+    a_tps, b_tps, c_tps = med("a_st_fp32", "tokens_per_s"), med("b_st_bf16", "tokens_per_s"), med("c_fleet", "tokens_per_s")
+    added_p50 = statistics.median(r["short_fleet"]["p50_ms"] - r["short_local"]["p50_ms"] for r in rounds)
+    added_p95 = statistics.median(r["short_fleet"]["p95_ms"] - r["short_local"]["p95_ms"] for r in rounds)
+    summary = {
+        "a_st_fp32_tokens_per_s": a_tps, "b_st_bf16_tokens_per_s": b_tps, "c_fleet_tokens_per_s": c_tps,
+        "c_over_a": c_tps / a_tps, "c_over_b": c_tps / b_tps,
+        "c_clients": statistics.median(r["c_fleet"]["clients"] for r in rounds),
+        "fleet_dtype": fleet_dtype, "short_baseline_dtype": short_dtype,
+        "short_fleet_p50_ms": med("short_fleet", "p50_ms"), "short_fleet_p95_ms": med("short_fleet", "p95_ms"),
+        "short_local_p50_ms": med("short_local", "p50_ms"), "short_local_p95_ms": med("short_local", "p95_ms"),
+        "added_p50_ms": added_p50, "added_p95_ms": added_p95,
+        "goals": {
+            "c_ge_2x_a": c_tps >= GOAL_VS_FP32 * a_tps,
+            "c_ge_0.9x_b": c_tps >= GOAL_VS_BF16 * b_tps,
+            "added_p50_le_2ms": added_p50 <= GOAL_ADDED_P50_MS,
+        },
+    }
+    doc = {
+        "schema": report.SCHEMA, "kind": "embed_compare",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "command": [sys.executable, "-m", "bench.embed_compare", *(argv if argv is not None else sys.argv[1:])],
+        "machine": report.machine(), "versions": report.versions(),
+        "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
+        "tokens": "counted up front with the model's tokenizer.json (special tokens included)",
+        "settings": {"url": url, "started_daemon": bool(daemon), "rounds": args.rounds, "duration_s": args.duration,
+                     "batch": BATCH, "short_texts": SHORT_TEXTS, "device": args.device},
+        "summary": summary, "rounds": rounds,
+    }
+    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    out = args.out or report.RESULTS_DIR / f"{stamp}-embed-compare.json"
+    report.write_json(doc, out)
+
+    t = Table(title=f"embeddings end to end ({args.rounds} rounds x {args.duration:g} s, median), {BATCH} inputs/request",
+              title_justify="left")
+    for col in ("side", "tokens/s", "req/s", "p50 ms", "vs (a)", "note"):
+        t.add_column(col, justify="left" if col in ("side", "note") else "right")
+    for key, label, note in (("a_st_fp32", "(a) sentence-transformers fp32", "in-process encode, defaults"),
+                             ("b_st_bf16", "(b) sentence-transformers bf16", "in-process encode"),
+                             ("c_fleet", "(c) fleet HTTP/msgpack", f"{summary['c_clients']:.0f} clients, served as {fleet_dtype}")):
+        t.add_row(label, f"{med(key, 'tokens_per_s'):,.0f}", f"{med(key, 'rps'):.2f}", f"{med(key, 'p50_ms'):.1f}",
+                  f"{med(key, 'tokens_per_s') / a_tps:.2f}x", note)
+    console.print(t)
+    lat = Table(title=f"one short request (1 input, {min(short_lengths)}-{max(short_lengths)} tokens), sequential",
+                title_justify="left")
+    for col in ("", "p50 ms", "p95 ms"):
+        lat.add_column(col, justify="right" if col else "left")
+    lat.add_row("fleet HTTP/msgpack", f"{summary['short_fleet_p50_ms']:.2f}", f"{summary['short_fleet_p95_ms']:.2f}")
+    lat.add_row(f"in-process encode ({short_dtype})", f"{summary['short_local_p50_ms']:.2f}", f"{summary['short_local_p95_ms']:.2f}")
+    lat.add_row("added by serving", f"{added_p50:.2f}", f"{added_p95:.2f}")
+    console.print(lat)
+    for goal, ok in summary["goals"].items():
+        console.print(f"goal {goal}: {'[green]met[/]' if ok else '[red]missed[/]'}")
+    err.print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

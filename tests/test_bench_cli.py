@@ -1,0 +1,107 @@
+"""`fleetctl bench` end to end: the real CLI process against the real daemon (short mode).
+
+The daemon is the shared session fixture from conftest (a real `fleetctl
+serve` on a free loopback port). The bench runs as its own process, as a user
+would run it, and its JSON, PNG and exit codes are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.peers import INFINITY_VENV, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["--duration", "1.5", "--batch", "4", "--max-steps", "3", "--min-requests", "5", "--warmup", "1", "--quiet"]
+
+
+def fleetctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("FLEET_URL", None)
+    return subprocess.run([sys.executable, "-m", "fleetctl", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_bench_against_the_daemon_writes_results_and_plot(daemon, tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra: pip install -e '.[bench]'")
+    out, png = tmp_path / "r.json", tmp_path / "knee.png"
+    r = fleetctl("bench", "--url", daemon.url, *SHORT, "--out", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "knee per target" in r.stdout
+    assert "tokens/text" in r.stderr  # the token-length distribution is shown before the run
+    doc = json.loads(out.read_text())
+    assert doc["command"][1:3] == ["bench", "--url"]
+    assert doc["machine"]["cpus_logical"] >= 1 and "load_avg_1_5_15" in doc["machine"]
+    assert doc["versions"]["fleet"] and "torch" in doc["versions"]
+    (target,) = doc["targets"]
+    assert target["name"] == "fleet" and target["warmup"]["ok"] > 0
+    assert len(target["steps"]) == 3
+    offered = [s["offered"] for s in target["steps"]]
+    assert offered == sorted(offered) and len(set(offered)) == 3
+    for s in target["steps"]:
+        assert s["ok"] > 0 and s["errors"] == 0
+        # Our up-front tokenizer count is the daemon's own usage.input_tokens, request for request.
+        assert s["server_tokens"] == s["tokens"] > 0
+        assert s["box"]["cpu_pct"]["fleet:server"] > 0
+    assert target["knee"] is not None and target["knee"]["tokens_per_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_compare_runs_targets_interleaved_with_ratios(daemon, tmp_path):
+    targets = ["fleet", "st-fp32"]
+    out = tmp_path / "cmp.json"
+    r = fleetctl("bench", "--url", daemon.url, "--compare", "--targets", ",".join(targets), *SHORT,
+                 "--max-steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [t["name"] for t in doc["targets"]] == targets
+    for t in doc["targets"]:
+        assert t["steps"] and all(s["ok"] > 0 for s in t["steps"])
+        assert t["knee"]["tokens_per_s"] > 0
+    fleet, st = doc["targets"]
+    assert st["mode"] == "closed" and len(st["steps"]) == 3 and st["dtype"] == "fp32"
+    # Interleaved: the in-process target's steps run between fleet's, not after them all.
+    assert min(s["started_unix"] for s in st["steps"]) < max(s["started_unix"] for s in fleet["steps"])
+    ratios = doc["ratios_tokens_per_s"]
+    assert set(ratios) == set(targets)
+    assert ratios["fleet"]["st-fp32"] == pytest.approx(1 / ratios["st-fp32"]["fleet"], rel=0.01)
+    # The side-by-side table shows the same ratio.
+    assert f"{ratios['fleet']['st-fp32']:.2f}x" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (INFINITY_VENV / "bin" / "infinity_emb").is_file(),
+                    reason="the infinity-emb peer is not built: run bench/setup_infinity.sh")
+def test_compare_starts_the_infinity_peer_on_loopback(daemon, tmp_path):
+    out = tmp_path / "inf.json"
+    r = fleetctl("bench", "--url", daemon.url, "--compare", "--targets", "fleet,infinity", *SHORT,
+                 "--max-steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    fleet, inf = doc["targets"]
+    assert inf["kind"] == "infinity" and inf["url"].startswith("http://127.0.0.1:")
+    assert inf["steps"] and all(s["ok"] > 0 and s["errors"] == 0 for s in inf["steps"])
+    assert doc["versions"]["infinity_emb"] == "0.0.78"
+    # The peer was sampled as its own server process while it ran.
+    assert all(s["box"]["cpu_pct"]["infinity:server"] > 0 for s in inf["steps"])
+
+
+def test_usage_errors_exit_2():
+    for args in (["--task", "nope"], ["--rates", "1,2", "--concurrency", "1,2"], ["--rates", "fast"],
+                 ["--compare", "--targets", "fleet,mystery"]):
+        r = fleetctl("bench", *args, timeout=120)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+
+
+def test_no_daemon_is_a_clear_failure():
+    r = fleetctl("bench", "--url", f"http://127.0.0.1:{free_port()}", "--quiet", timeout=120)
+    assert r.returncode == 1
+    assert "nothing answers at" in r.stderr and "fleetctl serve" in r.stderr
