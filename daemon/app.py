@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException
 
 from fleetctl.errors import FleetError
 
+from daemon.controllers.cluster import ClusterController
 from daemon.controllers.embed import EmbedController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.core import Daemon
@@ -34,10 +35,11 @@ def create_app(daemon: Daemon) -> Litestar:
         finally:
             for task in tasks:
                 task.cancel()
+            await daemon.leave_cluster()
             daemon.stop()
 
     return Litestar(
-        route_handlers=[EmbedController, ModelsController, MetricsController, HealthController],
+        route_handlers=[EmbedController, ModelsController, ClusterController, MetricsController, HealthController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -41,6 +41,8 @@ class Daemon:
     queue: LocalQueue | None = None
     broker: Broker | None = None
     supervisor: Supervisor | None = None
+    #: The NATS bridge (daemon/cluster.py), only with `--nats`: requests then go through JetStream.
+    cluster: Any = None
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False
@@ -71,7 +73,18 @@ class Daemon:
             on_restart=lambda slot: self.metrics.worker_restarted(str(slot.index)),
         )
         self.supervisor.start()
+        if self.settings.nats:
+            from daemon.cluster import Cluster
+
+            self.cluster = Cluster(self.settings, self.broker, self.store,
+                                   workers_up=lambda: sum(w["up"] for w in self.workers()), loaded=self.loaded_models)
+            self.cluster.start(loop)
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
+
+    async def leave_cluster(self) -> None:
+        """Before `stop`: hand held NATS work back and close the connection (no-op without NATS)."""
+        if self.cluster is not None:
+            await self.cluster.leave()
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -104,8 +117,17 @@ class Daemon:
         `task`, queue `payload` (the request as MessagePack), wait, record metrics."""
         t0 = time.perf_counter()
         try:
-            self.manifest(model, task)
-            answer = await self.broker.submit(model, payload, tokens=tokens, timeout_s=self.timeout_s(timeout_ms))
+            try:
+                self.manifest(model, task)
+            except ModelNotFound:
+                if self.cluster is None:
+                    raise
+                self.cluster.check_model(model, task)  # another box may have it
+            timeout_s = self.timeout_s(timeout_ms)
+            if self.cluster is not None:
+                answer = await self.cluster.submit(model, task, payload, tokens=tokens, timeout_s=timeout_s)
+            else:
+                answer = await self.broker.submit(model, payload, tokens=tokens, timeout_s=timeout_s)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
             raise
@@ -167,6 +189,8 @@ class Daemon:
         """Ready = a worker is up, every preloaded model is resident, the queue accepts."""
         if self.queue is None or self.supervisor is None:
             return False, "starting"
+        if self.cluster is not None and not self.cluster.joined:
+            return False, "joining the NATS cluster"
         workers = [w for w in self.workers() if w["up"]]
         if not workers:
             return False, "no worker is up yet"

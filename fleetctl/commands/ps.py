@@ -20,10 +20,18 @@ def _size(n: int) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command()
-    def ps(as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")) -> None:
+    def ps(as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+           cluster: bool = typer.Option(False, "--cluster", help="Every box in the NATS cluster, its models and load.")
+           ) -> None:
         """Show workers, resident models and queue lanes of the running daemon."""
         from fleetctl.client import Client
 
+        if cluster:
+            from fleetctl.cluster_view import print_cluster
+
+            with Client() as client:
+                print_cluster(client.get("/v1/cluster"), as_json=as_json)
+            return
         with Client() as client:
             state = client.ps()
         if as_json:

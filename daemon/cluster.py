@@ -1,0 +1,586 @@
+"""Several boxes: this daemon's bridge to one NATS JetStream work queue.
+
+With `--nats`, every request any daemon accepts goes into JetStream, and every
+box pulls from it the way its workers pull from `local_queue`: in amounts that
+match its own free capacity, only for models its store holds. No central router
+decides; JetStream is the shared queue and fleet adds no broker of its own.
+
+Names (the same on every box):
+    fleet.work.<model>            subjects of the work-queue stream FLEET_WORK (file storage)
+    work_<model>                  its durable pull consumer per model, bound by every box holding the model
+    fleet.reply.<box>.<instance>  core-NATS inbox of one daemon process: replies to its requests
+    fleet_boxes                   KV bucket, one heartbeat entry per box (JSON), expiring after 3 periods
+    fleet_payloads                object store: bodies over `nats_large_payload_bytes`, named by request id
+Model names may contain '.', NATS's token separator: in subjects and consumer names it is '~'.
+
+A work message is the request as MessagePack (empty when the body is in the object
+store) with its annotation in headers, so a puller decides without decoding it:
+Nats-Msg-Id (JetStream dedup), Fleet-Request-Id, Fleet-Model, Fleet-Task,
+Fleet-Tokens, Fleet-Deadline-Ms (Unix ms: boxes share wall time, not monotonic
+time), Fleet-Reply-To, Fleet-Object. A reply is the worker's result exactly as it
+wrote it (`runtimes.messages.Envelope` bytes) with Fleet-Request-Id and Fleet-Status.
+
+Invariants:
+1. A work message is acked only after its reply was published (or, for this box's
+   own requests, handed to the waiting request). A box that dies before that loses
+   the message to another box once `ack_wait` passes without `in_progress()`.
+2. The requester answers each request at most once: the first reply pops its
+   waiter; a later one (redelivery after a box died, re-publication after a
+   reconnect) finds nobody and is counted in `duplicates`, then dropped.
+3. A box holds at most `capacity` messages (fetched, not answered), give or take
+   one concurrent fetch per model: each fetch asks for `capacity - held` at most.
+4. A request never waits past its own deadline: publishing retries until it, and
+   the wait for the reply is bounded by it; pullers `term()` expired messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from fleetctl.config import Settings
+from fleetctl.errors import BadRequest, FleetError, ModelNotFound, Overloaded, Timeout, Unavailable
+from fleetctl.store import Store
+from local_queue import STATUS_POISON, Done
+from runtimes.messages import STATUS_ERROR, Envelope, WorkError
+
+from daemon.broker import Answer, Broker
+
+log = logging.getLogger("fleet.cluster")
+
+STREAM = "FLEET_WORK"
+WORK_PREFIX = "fleet.work."
+REPLY_PREFIX = "fleet.reply."
+BOXES_BUCKET = "fleet_boxes"
+PAYLOADS_BUCKET = "fleet_payloads"
+#: Objects outlive any request (timeout_ms is at most 600 000): a requester that died leaks nothing for long.
+PAYLOAD_TTL_S = 900.0
+#: JetStream drops a re-published message with a Nats-Msg-Id seen within this window.
+DEDUP_WINDOW_S = 120.0
+#: Long-poll of one fetch: an idle box asks again this often.
+FETCH_POLL_S = 1.0
+#: Outgoing bytes nats.py buffers while reconnecting (replies, acks, publishes).
+PENDING_BYTES = 64 << 20
+
+H_MSG_ID = "Nats-Msg-Id"
+H_RID, H_MODEL, H_TASK, H_TOKENS = "Fleet-Request-Id", "Fleet-Model", "Fleet-Task", "Fleet-Tokens"
+H_DEADLINE, H_REPLY_TO, H_OBJECT, H_STATUS = "Fleet-Deadline-Ms", "Fleet-Reply-To", "Fleet-Object", "Fleet-Status"
+
+_encode = msgspec.msgpack.Encoder().encode
+_json = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+
+def token(name: str) -> str:
+    """A model or box name as one NATS subject token ('.' separates tokens)."""
+    return name.replace(".", "~")
+
+
+def box_token(box: str) -> str:
+    """A box name as a subject token and KV key: [A-Za-z0-9_-] only."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in box) or "box"
+
+
+def work_subject(model: str) -> str:
+    return WORK_PREFIX + token(model)
+
+
+def consumer_name(model: str) -> str:
+    return "work_" + token(model)
+
+
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """nats.connect keyword arguments from settings: servers, reconnects, auth, TLS.
+
+    Reconnects never stop (a box outlives a NATS restart); pings every 5 s notice a
+    dead TCP connection in about 15 s instead of nats.py's default 4 minutes."""
+    servers = [s.strip() for s in settings.nats.split(",") if s.strip()]
+    if not servers:
+        raise BadRequest("--nats: no server URL given, e.g. nats://127.0.0.1:4222")
+    opts: dict[str, Any] = {
+        "servers": servers, "name": f"fleet {settings.box_name}", "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 1, "connect_timeout": 2, "ping_interval": 5, "max_outstanding_pings": 3,
+        "pending_size": PENDING_BYTES,
+    }
+    if settings.nats_creds_file:
+        try:
+            import nkeys  # noqa: F401  (nats.py signs the server's nonce with it)
+        except ImportError:
+            raise BadRequest("nats_creds_file needs the nkeys package: pip install nkeys") from None
+        opts["user_credentials"] = settings.nats_creds_file
+    if settings.nats_token:
+        opts["token"] = settings.nats_token
+    if settings.nats_user:
+        opts["user"], opts["password"] = settings.nats_user, settings.nats_password
+    if settings.nats_tls_ca or settings.nats_tls_cert:
+        ctx = ssl.create_default_context(cafile=settings.nats_tls_ca or None)
+        if settings.nats_tls_cert:
+            ctx.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key or None)
+        opts["tls"] = ctx
+    return opts
+
+
+@dataclass
+class _Pending:
+    """A request of this box waiting for its reply, with what re-publishing it needs."""
+
+    fut: asyncio.Future[Done]
+    subject: str
+    body: bytes
+    headers: dict[str, str]
+    publishes: int = 1
+
+
+class Cluster:
+    """The NATS side of one daemon: requester (`submit`) and puller (`_pull`)."""
+
+    def __init__(self, settings: Settings, broker: Broker, store: Store, *,
+                 workers_up: Callable[[], int], loaded: Callable[[], set[str]]) -> None:
+        self.settings = settings
+        self.broker = broker
+        self.store = store
+        self.box = settings.box_name
+        self.key = box_token(self.box)
+        self.instance = secrets.token_hex(4)
+        self.reply_subject = f"{REPLY_PREFIX}{self.key}.{self.instance}"
+        #: Validated here, so bad auth/TLS settings fail `serve` at start, not in a task.
+        self._options = connect_options(settings)
+        self._workers_up = workers_up
+        self._loaded = loaded
+        self._ids = itertools.count(1)
+        self._pending: dict[str, _Pending] = {}
+        #: Work messages this box holds (fetched, not answered), by stream sequence.
+        self._held: dict[int, Any] = {}
+        self._room = asyncio.Event()
+        self._joined = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self._serving: set[asyncio.Task] = set()
+        self._pullers: dict[str, asyncio.Task] = {}
+        self._models: dict[str, str] = {}
+        self._boxes: dict[str, dict[str, Any]] = {}
+        self.nc: Any = None
+        self.js: Any = None
+        self.kv: Any = None
+        self.obj: Any = None
+        self.served = 0
+        self.duplicates = 0
+        self.reconnects = 0
+        self._last_error_log = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    @property
+    def joined(self) -> bool:
+        return self._joined.is_set()
+
+    @property
+    def capacity(self) -> int:
+        return self.settings.nats_fetch_per_worker * max(1, self._workers_up())
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._tasks.append(loop.create_task(self._join(), name="nats-join"))
+
+    async def _join(self) -> None:
+        """Connect (retrying until NATS answers), declare the shared names, start pulling."""
+        import nats
+
+        self.nc = await nats.connect(
+            **self._options, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected, closed_cb=self._on_closed,
+        )
+        self.js = self.nc.jetstream()
+        await self.nc.subscribe(self.reply_subject, cb=self._on_reply)
+        while True:
+            try:
+                await self._declare()
+                await self._beat()
+                break
+            except Exception as exc:  # JetStream not enabled, not permitted, or the server restarting
+                self._log_error(f"cannot set up JetStream on {self.settings.nats}: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(2.0)
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="nats-heartbeat"))
+        self._tasks.append(asyncio.create_task(self._extend_loop(), name="nats-in-progress"))
+        self._joined.set()
+        log.info("joined the NATS cluster at %s as %s (reply subject %s)", self.settings.nats, self.box,
+                 self.reply_subject)
+
+    async def _declare(self) -> None:
+        """The stream, KV bucket and object store every box shares. Declaring is
+        idempotent; a box with other limits updates them (the last one wins)."""
+        from nats.js.api import DiscardPolicy, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+        from nats.js.errors import APIError
+
+        config = StreamConfig(
+            name=STREAM, subjects=[WORK_PREFIX + ">"], retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE, discard=DiscardPolicy.NEW, max_msgs=self.settings.nats_max_queued,
+            duplicate_window=DEDUP_WINDOW_S,
+        )
+        try:
+            await self.js.add_stream(config)
+        except APIError:
+            await self.js.update_stream(config)
+        heartbeat_s = self.settings.nats_heartbeat_ms / 1000.0
+        try:
+            self.kv = await self.js.create_key_value(bucket=BOXES_BUCKET, ttl=3 * heartbeat_s, history=1,
+                                                     storage=StorageType.FILE)
+        except APIError:
+            self.kv = await self.js.key_value(BOXES_BUCKET)
+        try:
+            self.obj = await self.js.create_object_store(
+                PAYLOADS_BUCKET, ObjectStoreConfig(ttl=PAYLOAD_TTL_S, storage=StorageType.FILE))
+        except APIError:
+            self.obj = await self.js.object_store(PAYLOADS_BUCKET)
+
+    async def leave(self) -> None:
+        """Stop pulling, hand held messages back at once (nak: another box takes them
+        now instead of after ack_wait), fail this box's waiters, close the connection."""
+        self._stopping = True
+        for task in [*self._tasks, *self._pullers.values()]:
+            task.cancel()
+        if self.nc is None or self.nc.is_closed:
+            return
+        for msg in list(self._held.values()):
+            try:
+                await msg.nak()
+            except Exception as exc:  # the connection may be down: ack_wait redelivers instead
+                log.warning("could not hand back a held message: %s", exc)
+        for task in list(self._serving):
+            task.cancel()
+        for pend in self._pending.values():
+            if not pend.fut.done():
+                pend.fut.set_exception(Unavailable("daemon shutting down"))
+        try:
+            await self.kv.delete(self.key)
+        except Exception as exc:
+            log.warning("could not remove this box from %s: %s", BOXES_BUCKET, exc)
+        await self.nc.close()
+
+    # -- requester --------------------------------------------------------------------
+
+    async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int,
+                     timeout_s: float) -> Answer:
+        """Queue one request in JetStream and wait for the first reply from any box."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        if not self._joined.is_set():
+            try:
+                await asyncio.wait_for(self._joined.wait(), timeout_s)
+            except TimeoutError:
+                raise Timeout(f"{model}: not joined to the NATS cluster at {self.settings.nats} yet") from None
+        rid = f"{self.key}-{self.instance}-{next(self._ids)}"
+        body = payload if type(payload) is bytes else bytes(payload)
+        headers = {
+            H_MSG_ID: rid, H_RID: rid, H_MODEL: model, H_TASK: task, H_TOKENS: str(tokens),
+            H_DEADLINE: str(int((time.time() + timeout_s) * 1000)), H_REPLY_TO: self.reply_subject,
+        }
+        large = len(body) > self.settings.nats_large_payload_bytes
+        if large:
+            await self._put_object(rid, body, deadline)
+            headers[H_OBJECT], body = rid, b""
+        fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = _Pending(fut, work_subject(model), body, headers)
+        try:
+            await self._publish(work_subject(model), body, headers, deadline)
+            done = await asyncio.wait_for(fut, deadline - time.monotonic())
+        except TimeoutError:
+            raise Timeout(f"{model}: no answer from the cluster within {timeout_s * 1000:.0f} ms") from None
+        finally:
+            self._pending.pop(rid, None)
+            if large:
+                self._spawn(self._delete_object(rid))
+        answer = self.broker.answer(model, done)
+        # Waiting, as the client sees it, includes the NATS hops and the time in JetStream.
+        waited_ms = (time.monotonic() - t0) * 1000.0 - answer.inference_ms
+        return Answer(answer.body, max(answer.queue_ms, waited_ms), answer.inference_ms, answer.served_by)
+
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str], deadline: float) -> None:
+        """Publish until JetStream acks or the deadline passes. Retrying is safe:
+        the stream drops a second copy with the same Nats-Msg-Id (dedup window)."""
+        import nats.errors
+        from nats.js.errors import APIError, NoStreamResponseError
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout("could not queue the request in JetStream before its deadline (NATS unreachable?)")
+            try:
+                await self.js.publish(subject, body, headers=headers, timeout=min(left, 2.0))
+                return
+            except APIError as exc:
+                if exc.err_code == 10077 or "maximum messages" in (exc.description or ""):
+                    raise Overloaded(f"the cluster queue is full ({self.settings.nats_max_queued} waiting); "
+                                     "retry shortly", retry_after_s=1.0) from None
+                raise Unavailable(f"JetStream refused the request: {exc.description}") from None
+            except (TimeoutError, NoStreamResponseError, nats.errors.ConnectionClosedError,
+                    nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError):
+                await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+    async def _put_object(self, name: str, body: bytes, deadline: float) -> None:
+        try:
+            await asyncio.wait_for(self.obj.put(name, body), max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            raise Timeout("could not store the request body in the JetStream object store in time") from None
+
+    async def _delete_object(self, name: str) -> None:
+        try:
+            await self.obj.delete(name)
+        except Exception as exc:  # the bucket's TTL removes it anyway
+            log.warning("could not delete payload object %s: %s", name, exc)
+
+    async def _on_reply(self, msg: Any) -> None:
+        h = msg.headers or {}
+        self._resolve(h.get(H_RID, ""), int(h.get(H_STATUS, STATUS_ERROR)), msg.data)
+
+    def _resolve(self, rid: str, status: int, result: bytes) -> None:
+        pend = self._pending.pop(rid, None)
+        if pend is None or pend.fut.done():
+            self.duplicates += 1  # invariant 2: answered already (or given up); drop it
+            return
+        pend.fut.set_result(Done(0, 0, status, result))
+
+    async def _republish_waiting(self) -> None:
+        """After a reconnect: replies published while this box was away are lost (core
+        NATS keeps nothing for an absent subscriber), so every request still waiting
+        is queued again under a new message id. Costs duplicate work only on reconnects."""
+        for rid, pend in list(self._pending.items()):
+            if pend.fut.done():
+                continue
+            pend.publishes += 1
+            headers = {**pend.headers, H_MSG_ID: f"{rid}.{pend.publishes}"}
+            deadline = int(pend.headers[H_DEADLINE]) / 1000.0 - time.time() + time.monotonic()
+            try:
+                await self._publish(pend.subject, pend.body, headers, deadline)
+            except FleetError as exc:
+                log.warning("could not re-queue %s after a reconnect: %s", rid, exc)
+
+    # -- puller -------------------------------------------------------------------------
+
+    def _sync_pullers(self, models: dict[str, str]) -> None:
+        """One pull loop per model in this box's store (a model pulled later joins at the next beat)."""
+        self._models = models
+        for name in models:
+            if name not in self._pullers or self._pullers[name].done():
+                self._pullers[name] = asyncio.create_task(self._pull(name), name=f"nats-pull-{name}")
+        for name in list(self._pullers):
+            if name not in models:
+                self._pullers.pop(name).cancel()
+
+    async def _pull(self, model: str) -> None:
+        """Fetch work for `model` in amounts this box can take now, and serve it.
+
+        1. Bind the model's durable consumer (declared here, shared by every box).
+        2. Wait for room: held < capacity.
+        3. fetch(capacity - held): JetStream hands out what is waiting, up to that.
+        4. Serve each message in its own task (it waits in local_queue like any request)."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        while not self._stopping:
+            try:
+                await self.js.add_consumer(STREAM, ConsumerConfig(
+                    durable_name=consumer_name(model), filter_subject=work_subject(model),
+                    ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=self.settings.nats_ack_wait_ms / 1000.0, max_deliver=-1, max_ack_pending=-1,
+                ))
+                psub = await self.js.pull_subscribe_bind(consumer_name(model), STREAM)
+                break
+            except Exception as exc:  # NATS away: retry while reconnecting
+                self._log_error(f"cannot bind the consumer for {model}: {exc}")
+                await asyncio.sleep(1.0)
+        else:
+            return
+        while not self._stopping:
+            free = self.capacity - len(self._held)
+            if free <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                msgs = await psub.fetch(free, timeout=FETCH_POLL_S)
+            except TimeoutError:  # nothing waiting (nats.errors.TimeoutError is one too)
+                continue
+            except Exception as exc:  # disconnected, or the server restarting
+                self._log_error(f"fetch for {model} failed: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                self._held[msg.metadata.sequence.stream] = msg
+                task = asyncio.create_task(self._serve(model, msg))
+                self._serving.add(task)
+                task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, model: str, msg: Any) -> None:
+        """Run one work message on this box, reply to its requester, then ack (invariant 1)."""
+        try:
+            h = msg.headers or {}
+            try:
+                rid, reply_to = h[H_RID], h[H_REPLY_TO]
+                tokens, deadline_ms = int(h[H_TOKENS]), int(h[H_DEADLINE])
+            except (KeyError, ValueError):
+                log.warning("dropping a malformed work message (headers %s)", sorted(h))
+                await msg.term()  # poison: nobody to answer
+                return
+            left = deadline_ms / 1000.0 - time.time()
+            if left <= 0:
+                await msg.term()  # expired: its requester has answered `timeout` already
+                return
+            if msg.metadata.num_delivered > self.settings.nats_max_deliver:
+                await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
+                    "inference_failed", f"{model}: delivered {msg.metadata.num_delivered} times and never "
+                    "answered (boxes died running it); dropped so it cannot take down more boxes"))
+                await msg.term()
+                return
+            payload = msg.data
+            if H_OBJECT in h:
+                try:
+                    payload = (await self.obj.get(h[H_OBJECT])).data
+                except Exception as exc:
+                    from nats.js.errors import NotFoundError
+
+                    if not isinstance(exc, NotFoundError):
+                        await msg.nak(delay=1.0)  # NATS trouble: try again later, maybe elsewhere
+                        return
+                    await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
+                        "bad_request", f"{model}: the request body is gone from the object store"))
+                    await msg.term()
+                    return
+            try:
+                done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left)
+            except Overloaded:
+                await msg.nak(delay=1.0)  # this box is full now; another (or this one, later) takes it
+                return
+            except Timeout:
+                await msg.term()  # past its deadline here: the requester answers `timeout`
+                return
+            await self._reply(reply_to, rid, done.status, done.result)
+            self.served += 1
+            if done.status == STATUS_POISON:
+                await msg.term()  # it killed this box's workers max_attempts times: never redeliver
+            else:
+                await msg.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # connection trouble while replying/acking: ack_wait redelivers
+            self._log_error(f"serving a work message for {model} failed: {exc}")
+        finally:
+            self._held.pop(msg.metadata.sequence.stream, None)
+            self._room.set()
+
+    async def _reply(self, reply_to: str, rid: str, status: int, result: bytes) -> None:
+        if reply_to == self.reply_subject:
+            self._resolve(rid, status, result)  # this box's own request: no NATS hop back
+            return
+        await self.nc.publish(reply_to, result, headers={H_RID: rid, H_STATUS: str(status)})
+
+    async def _extend_loop(self) -> None:
+        """Every ack_wait / 3, tell JetStream the held messages are still being worked
+        on (`in_progress` restarts their ack timer), so slow work is not redelivered."""
+        period = self.settings.nats_ack_wait_ms / 3000.0
+        while True:
+            await asyncio.sleep(period)
+            for msg in list(self._held.values()):
+                try:
+                    await msg.in_progress()
+                except Exception as exc:
+                    self._log_error(f"in_progress failed: {exc}")
+                    break
+
+    # -- heartbeat and cluster view ----------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.nats_heartbeat_ms / 1000.0)
+            try:
+                await self._beat()
+            except Exception as exc:
+                self._log_error(f"heartbeat failed: {exc}")
+
+    async def _beat(self) -> None:
+        """Publish this box's entry, read everyone's, follow this box's store."""
+        from nats.js.errors import NoKeysError
+
+        models = await asyncio.to_thread(lambda: {m.name: m.task for m in self.store.list()})
+        self._sync_pullers(models)
+        await self.kv.put(self.key, _json(self.entry()))
+        boxes: dict[str, dict[str, Any]] = {}
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            keys = []
+        for key in keys:
+            try:
+                entry = await self.kv.get(key)
+            except Exception:  # expired between keys() and get()
+                continue
+            if entry.value:
+                boxes[key] = _json_decode(entry.value)
+        self._boxes = boxes
+
+    def entry(self) -> dict[str, Any]:
+        """This box as others see it in `fleet_boxes`."""
+        return {
+            "box": self.box, "instance": self.instance, "url": self.settings.url, "pid": os.getpid(),
+            "models": self._models, "loaded": sorted(self._loaded()), "workers": self._workers_up(),
+            "capacity": self.capacity, "held": len(self._held), "local_depth": self.broker.queue.depth(),
+            "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
+            "reconnects": self.reconnects, "at": time.time(),
+        }
+
+    def boxes(self) -> list[dict[str, Any]]:
+        """Live boxes (heartbeat within 3 periods), this one first, then by name."""
+        stale_s = 3 * self.settings.nats_heartbeat_ms / 1000.0
+        now = time.time()
+        live = [{**b, "age_s": round(now - b["at"], 1)} for b in self._boxes.values() if now - b["at"] < stale_s]
+        return sorted(live, key=lambda b: (b["instance"] != self.instance, b["box"]))
+
+    def check_model(self, model: str, task: str) -> None:
+        """For a model this box does not store: some live box must, for `task`."""
+        tasks = {b["models"][model] for b in self.boxes() if model in b["models"]}
+        if not tasks:
+            raise ModelNotFound(f"unknown model {model!r}: no box in the cluster has it")
+        if task not in tasks:
+            raise BadRequest(f"model {model!r} serves task {sorted(tasks)[0]!r}, not {task!r}")
+
+    # -- connection events ---------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    def _log_error(self, text: str) -> None:
+        # One line per 10 s: a NATS outage must not flood the log.
+        now = time.monotonic()
+        if now - self._last_error_log >= 10.0:
+            self._last_error_log = now
+            log.warning("%s", text)
+
+    async def _on_error(self, exc: Exception) -> None:
+        self._log_error(f"NATS: {type(exc).__name__}: {exc}")
+
+    async def _on_disconnected(self) -> None:
+        if not self._stopping:
+            log.warning("disconnected from NATS; reconnecting (held and waiting requests are kept)")
+
+    async def _on_reconnected(self) -> None:
+        self.reconnects += 1
+        log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        self._spawn(self._republish_waiting())
+
+    async def _on_closed(self) -> None:
+        if not self._stopping:
+            log.error("the NATS connection is closed for good")
+
+
+def _work_error(code: str, message: str) -> bytes:
+    return _encode(Envelope(0.0, 0.0, "", WorkError(code, message)))
