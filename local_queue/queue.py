@@ -111,16 +111,25 @@ RESULT_RESERVE = 8  # 1/8 of the slab is only for results
 H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
 HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 
-# Slot record fields. Offsets are slab units (64 B), NIL when there is no block.
-# Grouped so that each operation writes one contiguous run with one struct call:
-# put writes NEXT..DATA_LEN, claim EPOCH..LEASE, ack RES..STATUS; STATE last.
+# Slot record fields. DATA / RES are slab blocks (unit index, NIL if none),
+# *_AT the item's byte offset in the slab. Grouped so that each operation
+# writes one contiguous run with one struct call: put writes NEXT..DATA_AT,
+# claim EPOCH..LEASE, ack RES..STATUS; STATE always last.
 (F_STATE, F_NEXT, F_PREV, F_GEN, F_LANE, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE, F_ATTEMPTS,
- F_DATA, F_DATA_LEN, F_EPOCH, F_OWNER, F_LEASE, F_RES, F_RES_LEN, F_STATUS) = range(19)
-SF = 20
-_PUT = struct.Struct("<12q")  # at F_NEXT
+ F_DATA, F_DATA_LEN, F_DATA_AT, F_EPOCH, F_OWNER, F_LEASE, F_RES, F_RES_LEN, F_RES_AT,
+ F_STATUS) = range(21)
+SF = 22
+_PUT = struct.Struct("<13q")  # at F_NEXT
 _CLAIM = struct.Struct("<3q")  # at F_EPOCH
-_RESULT = struct.Struct("<3q")  # at F_RES
-_RECORD = struct.Struct("<19q")  # at F_STATE, for reads
+_RESULT = struct.Struct("<4q")  # at F_RES
+_RECORD = struct.Struct("<21q")  # at F_STATE, for reads
+
+# Payloads of one put_many (results of one ack_many) share slab blocks of up to
+# GROUP_BYTES: one allocation per block instead of one per item. A block starts
+# with BLOCK_HDR bytes: int64 refcount (items whose DATA/RES is this block) and
+# int64 buddy order; the last item to let go frees it.
+BLOCK_HDR = 16
+GROUP_BYTES = 64 << 10
 FREE, QUEUED, CLAIMED, DONE = 0, 1, 2, 3
 
 L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN = range(6)
@@ -191,6 +200,24 @@ class QueueUsage(NamedTuple):
 def put_id(item_id: int) -> int:
     """The put id of an item, from its put id or from any of its claim ids."""
     return item_id & PUT_MASK
+
+
+def _plan_blocks(lens: list[int]) -> tuple[list[tuple[int, list[tuple[int, int]]]], int]:
+    """Pack items (by byte length) into blocks: ([(block bytes, [(index, offset)])], units).
+
+    Items of length 0 need no block; an item over GROUP_BYTES gets its own."""
+    groups, members, used = [], [], BLOCK_HDR
+    for i, ln in enumerate(lens):
+        if not ln:
+            continue
+        if members and used + ln > GROUP_BYTES:
+            groups.append((used, members))
+            members, used = [], BLOCK_HDR
+        members.append((i, used))
+        used += ln
+    if members:
+        groups.append((used, members))
+    return groups, sum(1 << order_for(nbytes) for nbytes, _ in groups)
 
 
 _forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
@@ -502,18 +529,17 @@ class LocalQueue:
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
         self._check_lane(lane)
-        views, limit, need = [], self._slab.max_bytes(), 0
+        views, limit = [], self._slab.max_bytes() - BLOCK_HDR
         for p in payloads:
             if type(p) is not bytes:
                 p = memoryview(p).cast("B")
-            ln = len(p)
-            if ln > limit:
-                raise ItemTooLarge(f"payload of {ln} bytes exceeds the queue's largest block ({limit})")
-            if ln:
-                need += 1 << (((ln + UNIT - 1) >> 6) - 1).bit_length()  # units, as alloc rounds
+            if len(p) > limit:
+                raise ItemTooLarge(f"payload of {len(p)} bytes exceeds the queue's largest block ({limit})")
             views.append(p)
+        lens = [len(p) for p in views]
+        groups, need = _plan_blocks(lens)
         S, Sb, stack, data, h, L = self._S, self._Sb, self._stack, self._data, self._h, self._L
-        alloc, pack = self._slab.alloc, _PUT.pack_into
+        pack = _PUT.pack_into
         ids = []
         with self._lock:
             top = h[H_FREE_TOP]
@@ -521,33 +547,27 @@ class LocalQueue:
                 raise QueueFull(f"queue full: {top} free slots, {n} needed")
             if h[H_SLAB_FREE] - need < self._reserve:
                 raise QueueFull("queue full: the payload slab is full")
-            # 1. Slab blocks for every payload first, so a miss undoes only blocks.
-            units = []
-            for p in views:
-                ln = len(p)
-                u = NIL
-                if ln:
-                    u = alloc(ln)
-                    if u == NIL:
-                        for v, q in zip(units, views):
-                            if v != NIL:
-                                self._slab.free(v, len(q))
-                        raise QueueFull(f"queue full: no {ln}-byte block free in the slab")
-                    data[u * UNIT:u * UNIT + ln] = p
-                units.append(u)
-            # 2. Slot records, committed one by one and chained behind the lane's
-            #    tail: new seqs are the largest, so the lane stays sorted.
+            placed = self._alloc_blocks(groups, n)
+            if placed is None:
+                raise QueueFull("queue full: no slab block big enough")
+            blocks, at = placed
+            # Slot records, committed one by one and chained behind the lane's
+            # tail: new seqs are the largest, so the lane stays sorted.
             now = time.monotonic_ns()
             seq = h[H_SEQ]
             Lb = lane * LF
             prev = L[Lb + L_TAIL]
             for i in range(n):
+                ln = lens[i]
+                if ln:
+                    a = at[i]
+                    data[a:a + ln] = views[i]
                 s = stack[top - 1 - i]
                 b = s * SF
                 gen = S[b + F_GEN] % GEN_MASK + 1
                 seq += 1
                 pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq, tokens[i], request_ids[i], now,
-                     deadline_ns, 0, units[i], len(views[i]))
+                     deadline_ns, 0, blocks[i], ln, at[i])
                 S[b] = QUEUED  # commit (invariant 3)
                 if prev == NIL:
                     L[Lb + L_HEAD] = s
@@ -565,6 +585,33 @@ class LocalQueue:
             posts = min(h[H_WORK_WAITERS], n) - self._work_sem.value
         self._post(self._work_sem, posts)
         return ids
+
+    def _alloc_blocks(self, groups: list, n: int) -> tuple[list[int], list[int]] | None:
+        """Allocate planned blocks: (block, byte offset) per item, or None (nothing allocated)."""
+        slab, Q = self._slab, self._slab.links
+        blocks, at, got = [NIL] * n, [NIL] * n, []
+        for nbytes, members in groups:
+            u = slab.alloc(nbytes)
+            if u == NIL:
+                for v, k in got:
+                    slab.free(v, k)
+                return None
+            k = order_for(nbytes)
+            Q[u * 8], Q[u * 8 + 1] = len(members), k  # header: refcount, order
+            got.append((u, k))
+            base = u * UNIT
+            for i, off in members:
+                blocks[i], at[i] = u, base + off
+        return blocks, at
+
+    def _unref(self, u: int) -> None:
+        """One item lets go of block u (caller holds the lock)."""
+        Q = self._slab.links
+        r = Q[u * 8] - 1
+        if r:
+            Q[u * 8] = r
+        else:
+            self._slab.free(u, Q[u * 8 + 1])
 
     @staticmethod
     def _post(sem: posix_ipc.Semaphore, n: int) -> None:
@@ -604,11 +651,9 @@ class LocalQueue:
         self._h[H_DEPTH] -= 1
 
     def _free_data(self, s: int) -> None:
-        S, b = self._S, s * SF
-        u = S[b + F_DATA]
+        u = self._S[s * SF + F_DATA]
         if u != NIL:
-            self._slab.free(u, S[b + F_DATA_LEN])
-            S[b + F_DATA] = NIL
+            self._unref(u)
 
     def _push_free_slot(self, s: int) -> None:
         h = self._h
@@ -629,19 +674,10 @@ class LocalQueue:
     def _complete_empty(self, s: int, status: int) -> None:
         """QUEUED/CLAIMED (already unlinked and uncounted) -> DONE with an empty result."""
         S, b = self._S, s * SF
-        S[b + F_RES] = NIL
-        S[b + F_RES_LEN] = 0
-        S[b + F_STATUS] = status
-        S[b + F_STATE] = DONE  # commit
+        _RESULT.pack_into(self._Sb, b * 8 + F_RES * 8, NIL, 0, NIL, status)
+        S[b] = DONE  # commit
         self._free_data(s)
         self._append_done(s)
-
-    def _drop_claim_counts(self, s: int) -> None:
-        S, b = self._S, s * SF
-        self._L[S[b + F_LANE] * LF + L_CLAIMED] -= 1
-        w = self._worker_index(S[b + F_OWNER])
-        if w is not None:
-            self._W[w * WF + W_CLAIMED] -= 1
 
     def _insert_sorted(self, lane: int, slots: list[int]) -> None:
         """Insert QUEUED slots (sorted by seq) into `lane` at their seq positions."""
@@ -674,19 +710,23 @@ class LocalQueue:
         Returns (requeued, poisoned)."""
         S = self._S
         by_lane: dict[int, list[int]] = {}
+        lanes: dict[int, int] = {}
+        owners: dict[int, int] = {}
         poisoned = 0
         for s in sorted(slots, key=lambda s: S[s * SF + F_SEQ]):
             b = s * SF
-            self._drop_claim_counts(s)
+            lane, wid = S[b + F_LANE], S[b + F_OWNER]
+            lanes[lane] = lanes.get(lane, 0) + 1
+            owners[wid] = owners.get(wid, 0) + 1
             if bump:
                 S[b + F_ATTEMPTS] += 1
                 if S[b + F_ATTEMPTS] >= max_attempts:
                     self._complete_empty(s, STATUS_POISON)
                     poisoned += 1
                     continue
-            S[b + F_OWNER] = NIL
-            S[b + F_STATE] = QUEUED  # commit
-            by_lane.setdefault(S[b + F_LANE], []).append(s)
+            S[b] = QUEUED  # commit (F_OWNER only means something while CLAIMED)
+            by_lane.setdefault(lane, []).append(s)
+        self._drop_claimed(lanes, owners)
         for lane, group in by_lane.items():
             self._insert_sorted(lane, group)
         return len(slots) - poisoned, poisoned
@@ -785,6 +825,8 @@ class LocalQueue:
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until some lane has queued items (True) or the timeout passes (False)."""
         h = self._h
+        if h[H_DEPTH] > 0:  # an aligned int64 read: a hint, the caller claims under the lock
+            return True
         with self._lock:
             if h[H_DEPTH] > 0:
                 return True
@@ -829,7 +871,7 @@ class LocalQueue:
             taken = ntok = expired = expired_tok = 0
             while s != NIL and taken < max_items:
                 b = s * SF
-                (_, nxt, _, gen, _, _, t, req, enq, dl, att, u, ln, epoch, *_) = unpack(Sb, b * 8)
+                (_, nxt, _, gen, _, _, t, req, enq, dl, att, _, ln, at, epoch, *_) = unpack(Sb, b * 8)
                 if dl and dl <= now:
                     expired += 1
                     expired_tok += t
@@ -841,7 +883,7 @@ class LocalQueue:
                 epoch = epoch % EPOCH_MASK + 1
                 pack(Sb, b * 8 + F_EPOCH * 8, epoch, worker, lease)
                 S[b] = CLAIMED  # commit
-                taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, u, ln))
+                taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, at, ln))
                 taken += 1
                 ntok += t
                 s = nxt
@@ -861,9 +903,8 @@ class LocalQueue:
         self._post(self._res_sem, posts)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
-        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att,
-                                   data[u * UNIT:u * UNIT + ln] if ln else empty))
-                for cid, req, t, enq, dl, att, u, ln in taken_rows]
+        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))
+                for cid, req, t, enq, dl, att, at, ln in taken_rows]
 
     def _held(self, claim_id: int) -> int:
         """Slot of a claim id that still holds its item, else NIL (caller holds the lock)."""
@@ -881,8 +922,8 @@ class LocalQueue:
 
         Ids whose claim is no longer held are skipped. Returns how many went back."""
         with self._lock:
-            slots = [s for s in map(self._held, item_ids) if s != NIL]
-            moved, _ = self._requeue(list(dict.fromkeys(slots)), bump=False, max_attempts=0)
+            held = list(dict.fromkeys(s for s in map(self._held, item_ids) if s != NIL))
+            moved, _ = self._requeue(held, bump=False, max_attempts=0)
             posts = min(self._h[H_WORK_WAITERS], moved) - self._work_sem.value
         self._post(self._work_sem, posts)
         return moved
@@ -893,10 +934,10 @@ class LocalQueue:
     def ack_many(self, items: list[tuple[int, bytes | memoryview, int]]) -> list[bool]:
         """Complete claimed items with results. False (nothing changed) for a claim no longer held.
 
-        Puts leave 1/8 of the slab to results. If a result still finds no space,
-        QueueFull: that item and the ones after it stay claimed, and the worker
-        acks them with an error status and an empty result, which needs no space."""
-        limit = self._slab.max_bytes()
+        Puts leave 1/8 of the slab to results. If the results still find no
+        space: QueueFull and nothing changed; the worker then acks with an error
+        status and empty results, which need no space."""
+        limit = self._slab.max_bytes() - BLOCK_HDR
         results = []
         for _, r, st in items:
             if type(r) is not bytes:
@@ -907,34 +948,45 @@ class LocalQueue:
                 raise ValueError("status must be a u8")
             results.append(r)
         S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
-        alloc, free, pack = self._slab.alloc, self._slab.free, _RESULT.pack_into
-        out = []
+        pack, Q, free = _RESULT.pack_into, self._slab.links, self._slab.free
         lanes: dict[int, int] = {}  # lane -> items leaving its claimed count
         owners: dict[int, int] = {}  # wid -> same, per worker
         first = last = NIL  # acked slots, chained, appended to the done list at the end
-        full = None
         with self._lock:
-            # Per item: validate the claim, write the result, commit, free the payload.
-            for (cid, _, st), r in zip(items, results):
+            # 1. Which claims are still held (each slot once).
+            held, out = {}, []
+            for i, (cid, _, _) in enumerate(items):
                 s = cid & SLOT_MASK
                 b = s * SF
-                if (s >= nslots or S[b + F_STATE] != CLAIMED or S[b + F_EPOCH] != cid >> EPOCH_SHIFT
-                        or S[b + F_GEN] != (cid >> SLOT_BITS) & GEN_MASK):
-                    out.append(False)
-                    continue
-                ln = len(r)
-                u = NIL
+                ok = (s < nslots and s not in held and S[b + F_STATE] == CLAIMED
+                      and S[b + F_EPOCH] == cid >> EPOCH_SHIFT and S[b + F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
+                if ok:
+                    held[s] = i
+                out.append(ok)
+            # 2. Result blocks for all of them, or nothing changes.
+            order = list(held.items())
+            lens = [len(results[i]) for _, i in order]
+            groups, _ = _plan_blocks(lens)
+            placed = self._alloc_blocks(groups, len(order))
+            if placed is None:
+                raise QueueFull("no slab space for these results; ack them with empty results")
+            blocks, at = placed
+            # 3. Per item: copy the result, commit, let go of the payload block.
+            for j, (s, i) in enumerate(order):
+                b = s * SF
+                ln = lens[j]
                 if ln:
-                    u = alloc(ln)
-                    if u == NIL:
-                        full = QueueFull(f"no {ln}-byte block free in the slab for a result")
-                        break
-                    data[u * UNIT:u * UNIT + ln] = r
-                pack(Sb, b * 8 + F_RES * 8, u, ln, st)
-                S[b] = DONE  # commit; the payload block is ours to free from here on
+                    a = at[j]
+                    data[a:a + ln] = results[i]
+                pack(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
+                S[b] = DONE  # commit; from here the payload block reference is ours to drop
                 u = S[b + F_DATA]
                 if u != NIL:
-                    free(u, S[b + F_DATA_LEN])
+                    r = Q[u * 8] - 1
+                    if r:
+                        Q[u * 8] = r
+                    else:
+                        free(u, Q[u * 8 + 1])
                 lane, wid = S[b + F_LANE], S[b + F_OWNER]
                 lanes[lane] = lanes.get(lane, 0) + 1
                 owners[wid] = owners.get(wid, 0) + 1
@@ -944,7 +996,6 @@ class LocalQueue:
                 else:
                     S[last * SF + F_NEXT] = s
                 last = s
-                out.append(True)
             if first != NIL:
                 tail = h[H_DONE_TAIL]
                 if tail == NIL:
@@ -952,14 +1003,12 @@ class LocalQueue:
                 else:
                     S[tail * SF + F_NEXT] = first
                 h[H_DONE_TAIL] = last
-                h[H_DONE_COUNT] += sum(lanes.values())
+                h[H_DONE_COUNT] += len(order)
                 self._drop_claimed(lanes, owners)
                 posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
             else:
                 posts = 0
         self._post(self._res_sem, posts)
-        if full is not None:
-            raise full
         return out
 
     def _drop_claimed(self, lanes: dict[int, int], owners: dict[int, int]) -> None:
@@ -1030,18 +1079,21 @@ class LocalQueue:
 
     def _take_done(self) -> list[Done]:
         S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
-        free, unpack = self._slab.free, _RECORD.unpack_from
+        free, unpack, Q = self._slab.free, _RECORD.unpack_from, self._slab.links
         out = []
         s = h[H_DONE_HEAD]
         top = h[H_FREE_TOP]
         while s != NIL:
             b = s * SF
-            (_, nxt, _, gen, _, _, _, req, *_, u, ln, st) = unpack(Sb, b * 8)
-            out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st,
-                                         bytes(data[u * UNIT:u * UNIT + ln]) if ln else b"")))
+            (_, nxt, _, gen, _, _, _, req, *_, u, ln, at, st) = unpack(Sb, b * 8)
+            out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st, bytes(data[at:at + ln]) if ln else b"")))
             S[b] = FREE  # commit
-            if ln:
-                free(u, ln)
+            if u != NIL:
+                r = Q[u * 8] - 1
+                if r:
+                    Q[u * 8] = r
+                else:
+                    free(u, Q[u * 8 + 1])
             stack[top] = s
             top += 1
             s = nxt
@@ -1051,13 +1103,20 @@ class LocalQueue:
         return out
 
     # -- repair and verification --------------------------------------------------
-    def _live_blocks(self) -> list[tuple[int, int]]:
+    def _block_refs(self) -> dict[int, int]:
+        """Block -> number of items referring to it, from the slot states."""
         S = self._S_np
         st = S[:, F_STATE]
-        rows = S[((st == QUEUED) | (st == CLAIMED)) & (S[:, F_DATA_LEN] > 0)]
-        live = [(u, order_for(n)) for u, n in zip(rows[:, F_DATA].tolist(), rows[:, F_DATA_LEN].tolist())]
-        rows = S[(st == DONE) & (S[:, F_RES_LEN] > 0)]
-        live += [(u, order_for(n)) for u, n in zip(rows[:, F_RES].tolist(), rows[:, F_RES_LEN].tolist())]
+        data = S[((st == QUEUED) | (st == CLAIMED)) & (S[:, F_DATA] != NIL), F_DATA]
+        res = S[(st == DONE) & (S[:, F_RES] != NIL), F_RES]
+        blocks, counts = np.unique(np.concatenate([data, res]), return_counts=True)
+        return dict(zip(blocks.tolist(), counts.tolist()))
+
+    def _live_blocks(self, refs: dict[int, int]) -> list[tuple[int, int]]:
+        Q, top = self._slab.links, self._slab.top_order
+        live = [(u, Q[u * 8 + 1]) for u in refs]
+        if any(not 0 <= k <= top for _, k in live):
+            raise RuntimeError("slab: a live block header has no valid order; this is a bug")
         return live
 
     def _repair(self) -> None:
@@ -1071,7 +1130,7 @@ class LocalQueue:
         S[st == FREE, F_DATA] = NIL
         S[st == FREE, F_RES] = NIL
         S[st == DONE, F_DATA] = NIL
-        S[(st == QUEUED) | (st == CLAIMED), F_RES] = NIL
+        S[(st == QUEUED) | (st == CLAIMED), F_RES] = NIL  # so _block_refs counts owners only
         # Lanes: QUEUED slots grouped by lane, sorted by seq.
         q = np.flatnonzero(st == QUEUED)
         q = q[np.lexsort((S[q, F_SEQ], S[q, F_LANE]))]
@@ -1104,7 +1163,13 @@ class LocalQueue:
         h[H_DONE_HEAD] = d[0] if len(d) else NIL
         h[H_DONE_TAIL] = d[-1] if len(d) else NIL
         h[H_DONE_COUNT] = len(d)
-        self._slab.rebuild(self._live_blocks())
+        # A put torn after some commits had not yet advanced the seq counter.
+        h[H_SEQ] = max(h[H_SEQ], int(S[:, F_SEQ].max()))
+        refs = self._block_refs()
+        Q = self._slab.links
+        for u, n in refs.items():
+            Q[u * 8] = n  # refcounts as the committed states say
+        self._slab.rebuild(self._live_blocks(refs))
         h[H_REPAIRS] += 1
 
     def check(self) -> None:
@@ -1145,4 +1210,9 @@ class LocalQueue:
         free = set(self._stack[:h[H_FREE_TOP]].tolist())
         if free != set(np.flatnonzero(st == FREE).tolist()) or len(free) != h[H_FREE_TOP]:
             raise RuntimeError("free slot stack and free slots disagree")
-        self._slab.check(self._live_blocks())
+        refs = self._block_refs()
+        Q = self._slab.links
+        for u, n in refs.items():
+            if Q[u * 8] != n:
+                raise RuntimeError(f"slab block {u}: refcount {Q[u * 8]}, {n} items refer to it")
+        self._slab.check(self._live_blocks(refs))

@@ -10,9 +10,8 @@ merged at once, so free space never splinters below what live blocks force.
 State, all inside the shared segment and only touched under the queue lock:
 - `tags[u]` (u8 per 64-byte unit) = order + 1 if unit `u` starts a free block on
   free list `order`, else 0. Exact at all times: every push sets it, every
-  removal clears it. An allocated block carries no tag; its owner (a slot
-  record) knows its offset and byte length, and the order follows from the
-  length (`order_for`).
+  removal clears it. An allocated block carries no tag; its owner knows its
+  order (the queue keeps it in the block's own header).
 - `heads[k]`: first free block of order k (NIL = -1). Free lists are doubly
   linked through the first 16 bytes of each free block (`links[u*8]` = next,
   `links[u*8+1]` = prev); a free block's bytes belong to the allocator.
@@ -131,8 +130,8 @@ class Slab:
         self.hdr[self.free_index] -= 1 << k
         return u
 
-    def free(self, u: int, nbytes: int) -> None:
-        k = (((nbytes + UNIT - 1) >> 6) - 1).bit_length()
+    def free(self, u: int, k: int) -> None:
+        """Give back the block of order k at unit u."""
         self.hdr[self.free_index] += 1 << k
         tags, units, top, links, heads = self.tags, self.units, self.top_order, self.links, self.heads
         # Merge with the buddy while it is a free block of the same order.

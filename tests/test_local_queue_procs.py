@@ -70,6 +70,7 @@ def _take_lock_tear_and_hang(name: str, conn) -> None:
     q._L[0 * lq.LF + lq.L_HEAD] = 3
     q._h[lq.H_DEPTH] = 999
     q._h[lq.H_FREE_TOP] = 1
+    q._h[lq.H_SEQ] -= 5  # a put that committed items but not yet its seq counter
     for k in range(lq.MAX_ORDERS):
         q._h[lq.H_FREE_HEADS + k] = lq.NIL
     conn.send("holding")
