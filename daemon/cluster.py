@@ -69,6 +69,8 @@ PAYLOAD_TTL_S = 900.0
 DEDUP_WINDOW_S = 120.0
 #: Long-poll of one fetch: an idle box asks again this often.
 FETCH_POLL_S = 1.0
+#: Bytes of a work message's max_payload kept for its headers.
+HEADER_ROOM = 4096
 #: Outgoing bytes nats.py buffers while reconnecting (replies, acks, publishes).
 PENDING_BYTES = 64 << 20
 
@@ -284,7 +286,8 @@ class Cluster:
             H_MSG_ID: rid, H_RID: rid, H_MODEL: model, H_TASK: task, H_TOKENS: str(tokens),
             H_DEADLINE: str(int((time.time() + timeout_s) * 1000)), H_REPLY_TO: self.reply_subject,
         }
-        large = len(body) > self.settings.nats_large_payload_bytes
+        # Over the threshold, or over what this server accepts in one message (max_payload, 1 MiB by default).
+        large = len(body) > min(self.settings.nats_large_payload_bytes, self.nc.max_payload - HEADER_ROOM)
         if large:
             await self._put_object(rid, body, deadline)
             headers[H_OBJECT], body = rid, b""
@@ -461,6 +464,10 @@ class Cluster:
                 return
             except Timeout:
                 await msg.term()  # past its deadline here: the requester answers `timeout`
+                return
+            except FleetError as exc:  # it can never run here (e.g. larger than the queue's slab)
+                await self._reply(reply_to, rid, STATUS_ERROR, _work_error(exc.code, exc.message))
+                await msg.term()
                 return
             await self._reply(reply_to, rid, done.status, done.result)
             self.served += 1
