@@ -13,8 +13,11 @@ from litestar.exceptions import HTTPException
 from fleetctl.errors import FleetError
 
 from daemon.controllers.cluster import ClusterController
+from daemon.controllers.classify import ClassifyController
 from daemon.controllers.embed import EmbedController
+from daemon.controllers.extract import ExtractController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
+from daemon.controllers.rerank import RerankController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 from daemon.notify import announce_ready, watchdog_loop
@@ -39,7 +42,8 @@ def create_app(daemon: Daemon) -> Litestar:
             daemon.stop()
 
     return Litestar(
-        route_handlers=[EmbedController, ModelsController, ClusterController, MetricsController, HealthController],
+        route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController,
+                        ModelsController, ClusterController, MetricsController, HealthController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -95,3 +95,99 @@ class ModelCard(msgspec.Struct, frozen=True, omit_defaults=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[ModelCard]
     object: str = "list"
+
+
+# ---- /v1/rerank ---------------------------------------------------------------
+
+class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Score `documents` against `query` with a cross-encoder; best first.
+
+    Also takes the TEI spelling: `texts` for `documents`, `raw_scores`, and
+    `return_text` (the documents come back as `text`). `top_n` and
+    `return_documents` are Cohere's.
+    """
+
+    model: str
+    query: str
+    documents: list[str] | None = None
+    texts: list[str] | None = None
+    top_n: int | None = None
+    return_documents: bool = False
+    return_text: bool = False
+    #: The model's logit instead of its activation (sigmoid unless the model says otherwise).
+    raw_scores: bool = False
+    truncate: bool = True
+    timeout_ms: int | None = None
+
+    @property
+    def docs(self) -> list[str]:
+        """The documents, whichever name carried them (the daemon refuses both or neither)."""
+        return self.documents if self.documents is not None else (self.texts or [])
+
+
+class RerankHit(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    score: float
+    document: str | None = None
+    text: str | None = None
+
+
+class RerankReply(msgspec.Struct, frozen=True):
+    model: str
+    results: list[RerankHit]
+    usage: Usage
+
+
+# ---- /v1/classify ---------------------------------------------------------------
+
+class ClassifyRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    model: str
+    inputs: list[str]
+    #: Labels per input, best first; None = all of the model's labels.
+    top_k: int | None = None
+    #: Sigmoid per label instead of softmax over labels; None = as the model's config says.
+    multi_label: bool | None = None
+    #: Logits instead of probabilities.
+    raw_scores: bool = False
+    truncate: bool = True
+    timeout_ms: int | None = None
+
+
+class LabelScore(msgspec.Struct, frozen=True):
+    label: str
+    score: float
+
+
+class ClassifyReply(msgspec.Struct, frozen=True):
+    model: str
+    results: list[list[LabelScore]]
+    usage: Usage
+
+
+# ---- /v1/extract ----------------------------------------------------------------
+
+class ExtractRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    model: str
+    inputs: list[str]
+    #: Entity types to look for: only zero-shot extraction models take them; a
+    #: token-classification model tags its own fixed labels and refuses this.
+    labels: list[str] | None = None
+    truncate: bool = True
+    timeout_ms: int | None = None
+
+
+class Entity(msgspec.Struct, frozen=True):
+    """One entity span; `start`/`end` are character offsets into the input as sent."""
+
+    entity: str
+    text: str
+    start: int
+    end: int
+    score: float
+
+
+class ExtractReply(msgspec.Struct, frozen=True):
+    model: str
+    results: list[list[Entity]]
+    usage: Usage
+

@@ -53,3 +53,34 @@ class EmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
     data: msgspec.Raw
     shape: tuple[int, int]
     input_tokens: int
+
+
+class RerankResult(msgspec.Struct, frozen=True, array_like=True):
+    """One rerank request's answer, best first, already cut to `top_n`."""
+
+    index: bytes  # int32, little-endian: document indices, best first
+    scores: bytes  # float32, little-endian, same order
+    input_tokens: int
+
+
+class ClassifyResult(msgspec.Struct, frozen=True, array_like=True):
+    """Top-k labels per input: `top[i, j]` indexes `labels`, `scores[i, j]` is its score."""
+
+    labels: list[str]  # the model's id2label, in id order
+    top: bytes  # int32 (n, k), C order, little-endian
+    scores: bytes  # float32 (n, k), C order, little-endian
+    shape: tuple[int, int]
+    input_tokens: int
+
+
+class EntitySpan(msgspec.Struct, frozen=True, array_like=True):
+    entity: str
+    start: int  # characters into the input as sent (Python str indices)
+    end: int
+    score: float
+
+
+class ExtractResult(msgspec.Struct, frozen=True, array_like=True):
+    spans: list[list[EntitySpan]]  # per input, in text order
+    input_tokens: int
+

@@ -13,6 +13,10 @@ from runtimes.base import Adapter
 
 ADAPTERS: dict[tuple[str, str], str] = {
     ("embed", "sentence-transformers"): "runtimes.sentence_transformer:SentenceTransformerEmbedder",
+    ("rerank", "sentence-transformers"): "runtimes.rerank:SentenceTransformersReranker",
+    ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
+    ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
+    ("extract", "transformers"): "runtimes.extract:TokenClassifier",
 }
 
 

@@ -1,0 +1,134 @@
+"""Sequence classification (task `classify`, runtime `transformers`).
+
+Labels are the model's own (`config.id2label`). Scores are the softmax over
+labels, or a sigmoid per label for multi-label models (`config.problem_type ==
+"multi_label_classification"`, or `multi_label: true` in the request);
+`raw_scores: true` returns the logits. Each input's labels come back best first,
+cut to `top_k`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleetctl.protocol import ClassifyRequest
+from runtimes.base import Adapter
+from runtimes.hf_common import (
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
+    micro_batches, offsets, to_device,
+)
+from runtimes.messages import ClassifyResult, WorkError
+
+
+class SequenceClassifier(Adapter):
+    request_type = ClassifyRequest
+
+    def load(self) -> None:
+        import torch
+
+        self._torch = torch
+        model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForSequenceClassification")
+        config = model.config
+        self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
+        self.multi_label = config.problem_type == "multi_label_classification"
+        self.max_seq_len = max_length(self.spec, self.tokenizer, config)
+        self.model, self.dtype = choose_dtype(
+            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
+            run=self._check_probs, agree=labels_agree(),
+        )
+        self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
+
+    def _check_probs(self, model: Any) -> np.ndarray:
+        torch = self._torch
+        with torch.inference_mode():
+            logits = self._forward(model, CHECK_SET)[0]
+            probs = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
+        return probs.cpu().numpy()
+
+    def footprint_bytes(self) -> int:
+        return footprint_bytes(self.model)
+
+    def estimate_tokens(self, request: ClassifyRequest) -> int:
+        return sum(map(len, request.inputs)) // 4 + 2 * len(request.inputs)
+
+    def run_batch(self, requests: list[ClassifyRequest]) -> list[Any]:
+        # 1. Requests that refuse truncation and have an input over the limit fail alone.
+        results: list[Any] = [None] * len(requests)
+        live: list[int] = []
+        for i, req in enumerate(requests):
+            too_long = None if req.truncate else self._first_too_long(req.inputs)
+            if too_long is not None:
+                results[i] = WorkError(
+                    "input_too_long",
+                    f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
+                    f"{self.max_seq_len} (send truncate=true to cut it)",
+                )
+            else:
+                live.append(i)
+        if not live:
+            return results
+        texts = [t for i in live for t in requests[i].inputs]
+        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        # 2. All texts of the batch in length-sorted micro-batches: logits (n, labels).
+        logits, tokens = self._logits(texts)
+        # 3. Every row's scores in each form, then each row takes the one its request asked for.
+        mode = np.repeat(np.fromiter((self._mode(requests[i]) for i in live), dtype=np.int8, count=len(live)), counts)
+        scores = np.where((mode == 0)[:, None], logits, 0.0).astype(np.float32)
+        if (mode == 1).any():
+            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = np.where((mode == 1)[:, None], shifted / shifted.sum(axis=1, keepdims=True), scores)
+        if (mode == 2).any():
+            with np.errstate(over="ignore"):  # exp(-x) overflows for x < -88: the sigmoid is then 0, as it should be
+                scores = np.where((mode == 2)[:, None], 1.0 / (1.0 + np.exp(-logits)), scores)
+        scores = scores.astype(np.float32, copy=False)
+        # 4. Labels best first (stable: equal scores keep label order), cut per request.
+        order = np.argsort(-scores, axis=1, kind="stable").astype("<i4")
+        ranked = np.take_along_axis(scores, order, axis=1)
+        starts, ends = offsets(counts)
+        token_sums = np.add.reduceat(tokens, starts)
+        for k, i in enumerate(live):
+            top_k = requests[i].top_k
+            keep = len(self.labels) if top_k is None else min(top_k, len(self.labels))
+            a, b = int(starts[k]), int(ends[k])
+            top = np.ascontiguousarray(order[a:b, :keep])
+            results[i] = ClassifyResult(
+                self.labels, top.tobytes(), np.ascontiguousarray(ranked[a:b, :keep]).tobytes(), (b - a, keep),
+                int(token_sums[k]),
+            )
+        return results
+
+    def _mode(self, req: ClassifyRequest) -> int:
+        """0 = logits, 1 = softmax, 2 = sigmoid."""
+        if req.raw_scores:
+            return 0
+        multi = self.multi_label if req.multi_label is None else req.multi_label
+        return 2 if multi else 1
+
+    def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
+        lengths = self.tokenizer(inputs, truncation=False, return_length=True)["length"]
+        return first_too_long(lengths, self.max_seq_len)
+
+    def _forward(self, model: Any, texts: list[str]) -> tuple[Any, Any]:
+        features = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len,
+                                  return_tensors="pt")
+        features = to_device(features, self.device)
+        return model(**features).logits.float(), features["attention_mask"].sum(dim=1)
+
+    def _logits(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """float32 logits (n, labels) and tokens per text, in input order."""
+        torch = self._torch
+        n = len(texts)
+        logits = np.empty((n, len(self.labels)), dtype=np.float32)
+        tokens = np.empty(n, dtype=np.int64)
+        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
+        with torch.inference_mode():
+            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
+                raw, used = self._forward(self.model, [texts[j] for j in idx])
+                logits[idx] = raw.cpu().numpy()
+                tokens[idx] = used.cpu().numpy()
+        return logits, tokens
+
+    def unload(self) -> None:
+        self.model = None

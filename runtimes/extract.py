@@ -1,0 +1,189 @@
+"""Token classification / NER (task `extract`, runtime `transformers`).
+
+Entity spans are aggregated the way transformers' token-classification
+pipeline does with `aggregation_strategy="simple"`: every non-special token
+takes its argmax label (softmax score); adjacent tokens with the same entity
+type join one span unless a token starts a new one (`B-`); a span's score is
+the mean of its tokens' scores, its type the first token's label without the
+`B-`/`I-` prefix; spans of type `O` are dropped. Offsets come from the fast
+tokenizer's offset mapping: characters into the text as sent (Python str
+indices), so `text[start:end]` is the span.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleetctl.errors import ModelLoadFailed
+from fleetctl.protocol import ExtractRequest
+from runtimes.base import Adapter
+from runtimes.hf_common import (
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
+    micro_batches, to_device,
+)
+from runtimes.messages import EntitySpan, ExtractResult, WorkError
+
+
+def tag_tables(labels: list[str]) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
+    """Per label id: (group key id, starts a span?, entity name, is outside?).
+
+    The group key is the label without `B-`/`I-` (a label without either
+    continues like `I-`); the entity name strips everything up to the first
+    `-`, as the pipeline names groups; `O` is the outside label.
+    """
+    keys: dict[str, int] = {}
+    group = np.empty(len(labels), dtype=np.int64)
+    begins = np.zeros(len(labels), dtype=bool)
+    for i, label in enumerate(labels):
+        if label.startswith(("B-", "I-")):
+            begins[i] = label.startswith("B-")
+            key = label[2:]
+        else:
+            key = label
+        group[i] = keys.setdefault(key, len(keys))
+    names = [label.split("-", 1)[-1] for label in labels]
+    outside = np.array([name == "O" for name in names], dtype=bool)
+    return group, begins, names, outside
+
+
+def group_spans(rows: np.ndarray, label: np.ndarray, score: np.ndarray, group: np.ndarray,
+                begins: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spans over tokens flattened in row-major order (one row per text).
+
+    Returns (first token, last token, mean score) per span, in token order. A
+    span starts at a row's first token, where the group key changes, or at a
+    `B-` token.
+    """
+    m = len(rows)
+    if m == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, np.empty(0, dtype=np.float32)
+    key = group[label]
+    new = np.ones(m, dtype=bool)
+    new[1:] = (rows[1:] != rows[:-1]) | (key[1:] != key[:-1]) | begins[label[1:]]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], m) - 1
+    mean = np.add.reduceat(score, first) / (last - first + 1)
+    return first, last, mean.astype(np.float32)
+
+
+class TokenClassifier(Adapter):
+    request_type = ExtractRequest
+
+    def load(self) -> None:
+        import torch
+
+        self._torch = torch
+        model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForTokenClassification")
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ModelLoadFailed(
+                f"{self.spec.name!r} has no fast tokenizer (tokenizer.json): entity offsets need one"
+            )
+        config = model.config
+        self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
+        self.group, self.begins, self.names, self.outside = tag_tables(self.labels)
+        self.max_seq_len = max_length(self.spec, self.tokenizer, config)
+        self.model, self.dtype = choose_dtype(
+            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
+            run=self._check_probs, agree=labels_agree(max_prob_diff=0.02),
+        )
+        self._extract(CHECK_SET)  # warm-up: pay kernel selection at load
+
+    def _check_probs(self, model: Any) -> np.ndarray:
+        """Label probabilities (tokens, labels) of every real token of the check set."""
+        torch = self._torch
+        with torch.inference_mode():
+            features = self._features(CHECK_SET)
+            probs = torch.softmax(self._logits(model, features), dim=-1)
+            real = features["attention_mask"].bool() & ~features["special_tokens_mask"].bool()
+        return probs[real].cpu().numpy()
+
+    def footprint_bytes(self) -> int:
+        return footprint_bytes(self.model)
+
+    def estimate_tokens(self, request: ExtractRequest) -> int:
+        return sum(map(len, request.inputs)) // 4 + 2 * len(request.inputs)
+
+    def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
+        # 1. Requests this model cannot serve as asked fail alone.
+        results: list[Any] = [None] * len(requests)
+        live: list[int] = []
+        for i, req in enumerate(requests):
+            results[i] = self._refusal(req)
+            if results[i] is None:
+                live.append(i)
+        if not live:
+            return results
+        texts = [t for i in live for t in requests[i].inputs]
+        # 2. All texts together in length-sorted micro-batches; spans per text.
+        spans, tokens = self._extract(texts)
+        # 3. Split back per request.
+        at = 0
+        for i in live:
+            n = len(requests[i].inputs)
+            results[i] = ExtractResult(spans[at : at + n], int(tokens[at : at + n].sum()))
+            at += n
+        return results
+
+    def _refusal(self, req: ExtractRequest) -> WorkError | None:
+        if req.labels is not None:
+            kinds = ", ".join(sorted({n for n, o in zip(self.names, self.outside) if not o}))
+            return WorkError(
+                "bad_request",
+                f"{self.spec.name} is a token-classification model with fixed entity types ({kinds}); "
+                "`labels` (entity types chosen per request) needs a zero-shot extraction model: omit it",
+            )
+        if not req.truncate:
+            lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
+            too_long = first_too_long(lengths, self.max_seq_len)
+            if too_long is not None:
+                return WorkError(
+                    "input_too_long",
+                    f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
+                    f"{self.max_seq_len} (send truncate=true to cut it)",
+                )
+        return None
+
+    def _features(self, texts: list[str]) -> dict[str, Any]:
+        features = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt",
+            return_offsets_mapping=True, return_special_tokens_mask=True,
+        )
+        return to_device(features, self.device)
+
+    def _logits(self, model: Any, features: dict[str, Any]) -> Any:
+        inputs = {k: v for k, v in features.items() if k not in ("offset_mapping", "special_tokens_mask")}
+        return model(**inputs).logits.float()
+
+    def _extract(self, texts: list[str]) -> tuple[list[list[EntitySpan]], np.ndarray]:
+        """Entity spans per text and tokens per text, in input order."""
+        torch = self._torch
+        n = len(texts)
+        spans: list[list[EntitySpan]] = [[] for _ in range(n)]
+        tokens = np.empty(n, dtype=np.int64)
+        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
+        with torch.inference_mode():
+            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
+                features = self._features([texts[j] for j in idx])
+                score, label = torch.softmax(self._logits(self.model, features), dim=-1).max(dim=-1)
+                mask = features["attention_mask"]
+                real = mask.bool() & ~features["special_tokens_mask"].bool()
+                tokens[idx] = mask.sum(dim=1).cpu().numpy()
+                # Real tokens of the micro-batch, flattened row-major (nonzero's order).
+                rows = real.nonzero(as_tuple=True)[0].cpu().numpy()
+                label_np = label[real].cpu().numpy()
+                score_np = score[real].cpu().numpy()
+                char = features["offset_mapping"][real].cpu().numpy()
+                first, last, mean = group_spans(rows, label_np, score_np, self.group, self.begins)
+                kind = label_np[first]
+                keep = ~self.outside[kind]
+                for row, lab, a, b, s in zip(rows[first[keep]].tolist(), kind[keep].tolist(),
+                                             char[first[keep], 0].tolist(), char[last[keep], 1].tolist(),
+                                             mean[keep].tolist()):
+                    spans[int(idx[row])].append(EntitySpan(self.names[lab], a, b, s))
+        return spans, tokens
+
+    def unload(self) -> None:
+        self.model = None

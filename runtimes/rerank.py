@@ -1,0 +1,232 @@
+"""Cross-encoder rerankers (task `rerank`): one relevance score per (query, document).
+
+Two runtimes, one batch path:
+- `transformers`: a sequence-classification model with one output
+  (`num_labels == 1`), tokenised as a text pair.
+- `sentence-transformers`: a `CrossEncoder` folder, run through its own
+  modules (so its saved max length, activation and prompt handling apply).
+
+Scores are what `CrossEncoder.predict` returns by default: the model's
+activation applied to its logit, which is the sigmoid for a one-label model
+unless the folder names another (`activation_fn` as sentence-transformers saves
+it; torch activations only). `raw_scores: true` returns the logit itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fleetctl.errors import FleetError, ModelLoadFailed
+from fleetctl.protocol import RerankRequest
+from runtimes.base import Adapter
+from runtimes.hf_common import (
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
+    offsets, scores_agree, to_device,
+)
+from runtimes.messages import RerankResult, WorkError
+
+log = logging.getLogger("fleet.worker")
+
+#: (query, document) pairs for the dtype check and warm-up: each check text
+#: against itself and three others, so related and unrelated pairs both occur.
+CHECK_PAIRS = [(CHECK_SET[i], CHECK_SET[(i + k) % len(CHECK_SET)]) for k in (0, 1, 3, 7) for i in range(len(CHECK_SET))]
+
+
+class CrossEncoderAdapter(Adapter):
+    request_type = RerankRequest
+
+    #: Set by `load`: tokens per pair the model takes, the tokenizer, the model,
+    #: and the activation applied to logits (a tensor -> tensor callable, or None).
+    max_seq_len: int
+    tokenizer: Any
+    model: Any
+    activation: Any
+
+    @abc.abstractmethod
+    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
+        """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch."""
+
+    def _finish_load(self, model: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.model, self.dtype = choose_dtype(
+            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
+            run=self._check_scores, agree=scores_agree(),
+        )
+        # Warm-up at load, not in the first client's latency (kernel selection per shape).
+        self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
+
+    def _check_scores(self, model: Any) -> np.ndarray:
+        torch = self._torch
+        with torch.inference_mode():
+            logits, _ = self._forward(model, [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
+            scores = self.activation(logits) if self.activation is not None else logits
+        return scores.cpu().numpy()
+
+    def footprint_bytes(self) -> int:
+        return footprint_bytes(self.model)
+
+    def estimate_tokens(self, request: RerankRequest) -> int:
+        return estimate_pair_tokens(request.query, request.docs)
+
+    def run_batch(self, requests: list[RerankRequest]) -> list[Any]:
+        # 1. Requests that refuse truncation and have a pair over the limit fail alone.
+        results: list[Any] = [None] * len(requests)
+        live: list[int] = []
+        for i, req in enumerate(requests):
+            too_long = None if req.truncate else self._first_too_long(req.query, req.docs)
+            if too_long is not None:
+                results[i] = WorkError(
+                    "input_too_long",
+                    f"query + document {too_long[0]} is {too_long[1]} tokens; {self.spec.name} takes at most "
+                    f"{self.max_seq_len} (send truncate=true to cut it)",
+                )
+            else:
+                live.append(i)
+        if not live:
+            return results
+        # 2. Every pair of the batch in one list: the query repeated per document.
+        queries: list[str] = []
+        docs: list[str] = []
+        for i in live:
+            req_docs = requests[i].docs
+            queries.extend([requests[i].query] * len(req_docs))
+            docs.extend(req_docs)
+        counts = np.fromiter((len(requests[i].docs) for i in live), dtype=np.int64, count=len(live))
+        # 3. Score them together, length-sorted into micro-batches.
+        logits, activated, tokens = self._score(queries, docs)
+        # 4. Per request: its scores (raw or activated), best first, cut to top_n.
+        starts, ends = offsets(counts)
+        token_sums = np.add.reduceat(tokens, starts)
+        for k, i in enumerate(live):
+            req = requests[i]
+            scores = (logits if req.raw_scores else activated)[starts[k] : ends[k]]
+            order = np.argsort(-scores, kind="stable")
+            if req.top_n is not None:
+                order = order[: req.top_n]
+            results[i] = RerankResult(
+                order.astype("<i4").tobytes(), scores[order].astype("<f4").tobytes(), int(token_sums[k]),
+            )
+        return results
+
+    def _first_too_long(self, query: str, docs: list[str]) -> tuple[int, int] | None:
+        lengths = self.tokenizer([query] * len(docs), docs, truncation=False, return_length=True)["length"]
+        return first_too_long(lengths, self.max_seq_len)
+
+    def _score(self, queries: list[str], docs: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logits, activated scores, tokens) per pair, float32 / float32 / int64, in input order."""
+        torch = self._torch
+        n = len(docs)
+        logits = np.empty(n, dtype=np.float32)
+        activated = np.empty(n, dtype=np.float32)
+        tokens = np.empty(n, dtype=np.int64)
+        lengths = (np.fromiter((len(d) for d in docs), dtype=np.int64, count=n)
+                   + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
+        with torch.inference_mode():
+            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
+                raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx])
+                logits[idx] = raw.cpu().numpy()
+                activated[idx] = (self.activation(raw) if self.activation is not None else raw).cpu().numpy()
+                tokens[idx] = used.cpu().numpy()
+        return logits, activated, tokens
+
+    def unload(self) -> None:
+        self.model = None
+
+
+class TransformersReranker(CrossEncoderAdapter):
+    """A transformers `*ForSequenceClassification` with one output, fed (query, document) pairs."""
+
+    def load(self) -> None:
+        model, tokenizer = load_transformers(self.spec, self.device, "AutoModelForSequenceClassification")
+        if model.config.num_labels != 1:
+            raise ModelLoadFailed(
+                f"{self.spec.name!r} has {model.config.num_labels} labels; a reranker has one relevance output "
+                "(pull it with --task classify to serve its labels)"
+            )
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_length(self.spec, tokenizer, model.config)
+        self.activation = config_activation(model.config, self.spec.path, self.spec.name)
+        self._finish_load(model)
+
+    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
+        features = self.tokenizer(queries, docs, padding=True, truncation="longest_first",
+                                  max_length=self.max_seq_len, return_tensors="pt")
+        features = to_device(features, self.device)
+        # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
+        logits = model(**features).logits[:, 0].float()
+        return logits, features["attention_mask"].sum(dim=1)
+
+
+class SentenceTransformersReranker(CrossEncoderAdapter):
+    """A sentence-transformers `CrossEncoder`, run through its own modules."""
+
+    def load(self) -> None:
+        from sentence_transformers import CrossEncoder
+
+        try:
+            model = CrossEncoder(
+                str(self.spec.path), device=self.device, trust_remote_code=self.spec.trust_remote_code,
+                local_files_only=True, max_length=self.spec.max_seq_len,
+            )
+        except FleetError:
+            raise
+        except Exception as exc:  # the library raises many types for bad folders
+            raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a CrossEncoder: {exc}") from exc
+        if model.num_labels != 1:
+            raise ModelLoadFailed(
+                f"{self.spec.name!r} has {model.num_labels} labels; a reranker has one relevance output"
+            )
+        model.eval()
+        self.tokenizer = model.tokenizer
+        self.max_seq_len = int(model.max_length)
+        self.activation = model.activation_fn
+        self._finish_load(model)
+
+    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
+        features = to_device(model.preprocess(list(zip(queries, docs))), self.device)
+        scores = model(features)["scores"].float()
+        return scores.reshape(len(docs)), features["attention_mask"].sum(dim=1)
+
+
+def config_activation(config: Any, folder: Path, name: str) -> Any:
+    """The activation a CrossEncoder would apply to this model's logit.
+
+    A folder saved by sentence-transformers may name one, as a dotted path in
+    `config_sentence_transformers.json` (v5+) or in config.json's
+    `sentence_transformers` table (v4). Only torch's own classes are imported
+    (no model code runs). Otherwise the sigmoid, CrossEncoder's default for
+    one-label models.
+    """
+    import torch
+
+    path = None
+    st_config = folder / "config_sentence_transformers.json"
+    if st_config.is_file():
+        try:
+            path = msgspec.json.decode(st_config.read_bytes()).get("activation_fn")
+        except (msgspec.DecodeError, AttributeError) as exc:
+            raise ModelLoadFailed(f"{name!r}: unreadable {st_config.name}: {exc}") from exc
+    if path is None:
+        saved = getattr(config, "sentence_transformers", None)
+        path = saved.get("activation_fn") if isinstance(saved, dict) else None
+    if path:
+        module, _, cls = str(path).rpartition(".")
+        if module == "torch" or module.startswith("torch."):
+            return getattr(importlib.import_module(module), cls)()
+        log.warning("%s: ignoring activation %r (not a torch class); using the sigmoid", name, path)
+    return torch.sigmoid
+
+
+def estimate_pair_tokens(query: str, docs: list[str]) -> int:
+    """~4 characters per token, the query once per document, three special tokens per pair."""
+    n = len(docs)
+    return (len(query) * n + sum(map(len, docs))) // 4 + 3 * n
