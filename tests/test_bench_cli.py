@@ -105,3 +105,26 @@ def test_no_daemon_is_a_clear_failure():
     r = fleetctl("bench", "--url", f"http://127.0.0.1:{free_port()}", "--quiet", timeout=120)
     assert r.returncode == 1
     assert "nothing answers at" in r.stderr and "fleetctl serve" in r.stderr
+
+
+@pytest.mark.slow
+def test_embed_compare_measures_all_three_sides_in_one_run(daemon, tmp_path):
+    out = tmp_path / "ec.json"
+    r = subprocess.run([sys.executable, "-m", "bench.embed_compare", "--url", daemon.url, "--rounds", "1",
+                        "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    for key in ("a_st_fp32_tokens_per_s", "b_st_bf16_tokens_per_s", "c_fleet_tokens_per_s"):
+        assert s[key] > 0
+    assert s["c_over_a"] == pytest.approx(s["c_fleet_tokens_per_s"] / s["a_st_fp32_tokens_per_s"])
+    assert set(s["goals"]) == {"c_ge_2x_a", "c_ge_0.9x_b", "added_p50_le_2ms"}
+    (rnd,) = doc["rounds"]
+    # Saturation doubles the clients until tokens/s stops growing.
+    clients = [c["clients"] for c in rnd["c_steps"]]
+    assert clients == [2 ** i for i in range(len(clients))] and len(clients) >= 2
+    # Every fleet reply counted the tokens we counted.
+    assert rnd["c_fleet"]["server_tokens"] == rnd["c_fleet"]["tokens"]
+    assert s["short_fleet_p50_ms"] > 0 and s["short_local_p50_ms"] > 0
+    assert "goal added_p50_le_2ms" in r.stdout
