@@ -12,6 +12,7 @@ import signal
 import threading
 
 import msgspec
+import posix_ipc
 
 from fleetctl.config import Settings
 
@@ -57,6 +58,9 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
         except Exception as exc:  # keep serving other models; requests for this one get the error
             log.error("preload of %s failed: %s", name, exc)
     while not stop.is_set():
-        core.step(timeout_s=0.25)
+        try:
+            core.step(timeout_s=0.25)
+        except posix_ipc.SignalError:
+            continue  # SIGTERM interrupted a queue wait (EINTR): the loop sees `stop` and ends cleanly
     queue.unregister_worker(worker_id)
     queue.close()

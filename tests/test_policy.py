@@ -1,4 +1,5 @@
-"""Scheduling policy as tables of cases: lane choice, batch forming, cost model, linger.
+"""Scheduling policy as tables of cases: lane choice, batch forming, cost model,
+linger, and the devices workers are bound to.
 
 Pure functions over plain data; no queue, no clock (times are given).
 """
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from daemon.supervisor import detect_devices
+from fleetctl.errors import BadRequest
 from runtimes.policy import (
     MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
 )
@@ -181,3 +184,39 @@ def test_linger_left_ms(waited_ms, linger_ms, items, padded, drained, expected):
 @pytest.mark.parametrize("tokens, expected", [([], 0), ([5], 5), ([3, 9, 4], 27)])
 def test_padded_tokens(tokens, expected):
     assert padded_tokens(tokens) == expected
+
+
+# -- which devices the workers get (daemon.supervisor.detect_devices, GPU count injected) --
+
+
+@pytest.mark.parametrize(
+    "device, workers, gpus, expected",
+    [
+        pytest.param("auto", 0, 0, ["cpu"], id="no-gpu-one-cpu-worker"),
+        pytest.param("auto", 3, 0, ["cpu"] * 3, id="no-gpu-n-cpu-workers"),
+        pytest.param("auto", 0, 2, ["cuda:0", "cuda:1"], id="one-per-gpu"),
+        pytest.param("auto", 3, 2, ["cuda:0", "cuda:1", "cuda:0"], id="round-robin"),
+        pytest.param("cuda", 0, 1, ["cuda:0"], id="cuda-any"),
+        pytest.param("cuda:1", 0, 2, ["cuda:1"], id="one-gpu-named"),
+        pytest.param("cuda:1", 2, 2, ["cuda:1", "cuda:1"], id="two-workers-on-one-gpu"),
+        pytest.param("cpu", 0, 4, ["cpu"], id="cpu-even-with-gpus"),
+        pytest.param("cpu", 2, 4, ["cpu", "cpu"], id="cpu-n-workers"),
+    ],
+)
+def test_detect_devices(device, workers, gpus, expected):
+    assert detect_devices(device, workers, gpu_count=lambda: gpus) == expected
+
+
+@pytest.mark.parametrize(
+    "device, workers, gpus, message",
+    [
+        pytest.param("cuda", 0, 0, "no NVIDIA GPU", id="cuda-without-gpu"),
+        pytest.param("cuda:2", 0, 2, "does not exist", id="gpu-index-out-of-range"),
+        pytest.param("tpu", 0, 0, "--device must be", id="unknown-device"),
+        pytest.param("cuda:x", 0, 1, "--device must be", id="bad-index"),
+        pytest.param("cpu", -1, 0, "--workers", id="negative-workers"),
+    ],
+)
+def test_detect_devices_refuses(device, workers, gpus, message):
+    with pytest.raises(BadRequest, match=message):
+        detect_devices(device, workers, gpu_count=lambda: gpus)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import posix_ipc
 import pytest
 
 from fleetctl.config import Settings
@@ -26,6 +27,8 @@ from runtimes.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, Wo
 from runtimes.worker import WorkerCore
 
 POISON = "POISON"
+#: The first worker to run this stops itself (SIGSTOP): frozen, heartbeat included, but alive.
+STALL = "STALL"
 _encode = msgspec.msgpack.Encoder().encode
 _envelope = msgspec.msgpack.Decoder(Envelope)
 _info = msgspec.msgpack.Decoder()
@@ -50,6 +53,10 @@ class FakeEmbedder(Adapter):
         texts = [r.inputs for r in requests]
         if any(POISON in t for t in texts):
             os.kill(os.getpid(), signal.SIGKILL)  # a model that takes the process down
+        flag = self.spec.extra.get("stall_flag")
+        if flag and any(STALL in t for t in texts) and not os.path.exists(flag):
+            Path(flag).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # the whole process freezes, heartbeat thread too
         FakeEmbedder.batches.append((self.spec.name, texts))
         return [EmbedResult("|".join(t).encode(), (len(t), 1), len(t)) for t in texts]
 
@@ -281,7 +288,8 @@ def dying_worker_main(queue_name: str, index: int, device: str, settings_blob: b
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     q = LocalQueue.attach(queue_name)
     wid = q.register_worker(os.getpid(), device)
-    core = WorkerCore(q, wid, device, make_resolver({"m": Profile(max_batch_items=8)}),
+    core = WorkerCore(q, wid, device, make_resolver({"m": Profile(max_batch_items=8)},
+                                                    {"m": {"stall_flag": str(Path(settings.home) / "stalled")}}),
                       adapter_for=fake_adapters, served_by=f"box/{index}", lease_ms=settings.lease_ms)
 
     def heartbeat() -> None:
@@ -290,7 +298,10 @@ def dying_worker_main(queue_name: str, index: int, device: str, settings_blob: b
 
     threading.Thread(target=heartbeat, daemon=True).start()
     while not stop.is_set():
-        core.step(timeout_s=0.1)
+        try:
+            core.step(timeout_s=0.1)
+        except posix_ipc.SignalError:
+            continue  # SIGTERM interrupted a queue wait: the loop sees `stop`
     q.unregister_worker(wid)
     q.close()
 
@@ -319,6 +330,46 @@ def test_poison_request_fails_after_max_attempts_and_the_rest_are_served(tmp_pat
         time.sleep(0.5)
         assert q.depth() == 0 and q.usage().done == 0
     finally:
+        sup.stop()
+        q.close()
+        q.unlink()
+
+
+@pytest.mark.slow
+def test_frozen_worker_loses_its_lease_and_its_late_ack_is_refused(tmp_path):
+    from daemon.supervisor import Supervisor
+
+    q = LocalQueue.create(slots=256, slab_bytes=1 << 20)
+    # Short leases: the frozen worker's claims expire within a second.
+    settings = Settings(home=str(tmp_path), lease_ms=600, max_attempts=3)
+    # Two device names: one copy of a model per device is the memory manager's
+    # rule, and a frozen holder keeps its copy "held" until its heartbeat goes
+    # stale; this test is about the lease, so the other worker holds its own copy.
+    sup = Supervisor(settings, q, ["cpu-a", "cpu-b"], target=dying_worker_main)
+    flag = tmp_path / "stalled"
+    try:
+        sup.start()
+        wait = time.monotonic() + 30
+        while len(q.workers()) < 2 and time.monotonic() < wait:
+            time.sleep(0.05)
+        put(q, "m", STALL, request_id=1)
+        got = results(q, 1, timeout_s=30)
+        # Served by the other worker after the lease expired (not by a restart:
+        # the frozen one is alive, so nothing was released on its death).
+        assert got[1][0] == STATUS_OK
+        assert flag.exists() and sum(s.restarts for s in sup.slots) == 0
+        frozen = int(flag.read_text())
+        os.kill(frozen, signal.SIGCONT)  # it wakes up and acks an item it no longer holds
+        time.sleep(1.0)
+        assert q.wait_results(0.5) == [], "the late ack must not produce a second answer"
+        put(q, "m", "after", request_id=2)
+        assert results(q, 1, timeout_s=10)[2][0] == STATUS_OK
+    finally:
+        if flag.exists():
+            try:
+                os.kill(int(flag.read_text()), signal.SIGCONT)  # never leave a stopped child behind
+            except ProcessLookupError:
+                pass
         sup.stop()
         q.close()
         q.unlink()
