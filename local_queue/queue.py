@@ -17,42 +17,48 @@ Memory (one `multiprocessing.shared_memory` segment, no Python objects in it):
     workers  int64[max_workers, WF]  gen, active, pid, heartbeat, claimed, lease, ...
     devices  u8[max_workers, 64];  infos  u8[max_workers, 4096]
     tags     u8[slab / 64]           buddy allocator tags (slab.py)
-    slab     bytes                   payloads and results (buddy allocator)
+    slab     bytes                   payloads and results
+
+Slab: a binary buddy allocator (slab.py). The payloads of one put_many (the
+results of one ack_many) are packed into shared blocks of up to GROUP_BYTES,
+each with a 16-byte header (refcount, order): one allocation per block, and
+the last item to let go frees it. Puts leave 1/8 of the slab free, so workers
+can always write results (which frees payloads) when producers fill it.
 
 Item life: FREE -> QUEUED (put) -> CLAIMED (claim) -> DONE (ack, or the queue
 completes it with STATUS_EXPIRED / STATUS_POISON) -> FREE (wait_results copies
 the result out). CLAIMED -> QUEUED on return / lease expiry / release; QUEUED ->
 FREE on cancel.
 
-Ids. A put returns `gen << 24 | slot`; `gen` is bumped each time the slot is
-reused, so a stale id never touches a newer item. A claim hands out
-`epoch << 48 | put_id`; `epoch` is bumped on every claim, so an ack or return
-from a worker that lost its lease (the item was re-queued, maybe re-claimed)
-does not match and changes nothing. `put_id(claim_id)` recovers the put id;
-`Done.item_id` is always the put id.
+Ids. A put returns `gen << 24 | slot`; `gen` (24 bits, wrapping) is bumped
+each time the slot is reused, so a stale id never touches a newer item. A
+claim hands out `epoch << 48 | put_id`; `epoch` (15 bits, wrapping) is bumped
+on every claim, so an ack or return from a worker that lost its lease (the
+item was re-queued, maybe re-claimed) does not match and changes nothing.
+`put_id(claim_id)` recovers the put id; `Done.item_id` is always the put id.
 
 Protocol and invariants:
 1. Every read-modify-write of shared state happens under the ONE queue lock:
    a per-process `threading.Lock` (flock does not exclude threads of one
    process), then `fcntl.flock` on `/dev/shm/<name>.lock` (the kernel drops it
    when the holder dies, even by SIGKILL). Lock order: thread lock, then flock.
-   Nothing else is ever waited for while holding it (semaphores are posted and
-   waited on outside).
+   Nothing is waited for while holding it; semaphores are posted after it is
+   released. Lock-free reads are single aligned int64 loads, used as hints only.
 2. A lane is a doubly linked list of QUEUED slots sorted by `seq` (a global
-   counter assigned at put, taken under the lock, so it follows enqueue time).
-   Put appends at the tail; claim takes a prefix; returns and expiries insert
-   back by `seq`, so a lane's order is always enqueue order, whoever returns
-   first. DONE slots form one FIFO list (singly linked through F_NEXT).
+   counter assigned at put, under the lock, so it follows enqueue time). Put
+   appends at the tail; claim takes a prefix; returns and expiries insert back
+   by `seq`, so a lane's order is always enqueue order, whoever returns first.
+   DONE slots form one FIFO list (singly linked through F_NEXT).
 3. A slot's `state` field is its commit point and is written last: all other
-   fields of the new state (and its slab block, fully copied) are written
-   before it, and the old state's block is freed after it. Lane and done
-   lists, free slot stack, depth/token/claimed counters and the slab's free
-   lists are derived data.
+   fields of the new state (and its block bytes, fully copied) are written
+   before it; the old state's block reference is dropped after it. Everything
+   else is derived from the slot records: lane and done lists, free-slot
+   stack, depth/token/claimed counters, block refcounts, the slab free lists,
+   the seq counter's lower bound.
 4. The lock holder writes its pid into `header[H_HOLDER]` on entry and clears it
    on a clean exit. If the next holder finds it set, the previous one died (or
    raised) inside a critical section: it calls `_repair`, which rebuilds all
-   derived data from the slot states (lanes by seq, done list, free stack,
-   counters, slab free lists from the live blocks).
+   derived data from the slot records.
    Guaranteed after such a death: every item is in exactly one state; items
    committed by the dead holder keep that state, the others keep their old
    one (a batch call is applied to a prefix of its items); no slab byte is
@@ -60,12 +66,14 @@ Protocol and invariants:
    (items it had claimed come back through lease expiry / release_worker);
    an expiry torn between "attempts += 1" and its commit counts that attempt
    twice.
-5. Wake-ups: waiters counters live in the header, changed under the lock; a
-   producer posts `min(waiters, n) - sem.value` times (outside the lock), so a
-   waiter counted before it blocks is never missed; waiters re-check the
-   depth after waking (spurious wake-ups are fine). A process killed while
-   waiting leaves its count behind: that costs at most spurious wake-ups.
+5. Wake-ups: waiter counters live in the header, changed under the lock; a
+   producer posts `min(waiters, n) - sem.value` times, so a waiter counted
+   before it blocks is never missed; waiters re-check after waking (spurious
+   wake-ups are fine). A process killed while waiting leaves its count
+   behind: that costs at most spurious wake-ups.
 6. Time is `time.monotonic_ns()` everywhere (CLOCK_MONOTONIC is system-wide).
+7. Payload views handed out by claim point into the slab; they stay valid
+   until the item is acked or returned (or its lease is lost).
 """
 
 from __future__ import annotations
@@ -123,6 +131,7 @@ _PUT = struct.Struct("<13q")  # at F_NEXT
 _CLAIM = struct.Struct("<3q")  # at F_EPOCH
 _RESULT = struct.Struct("<4q")  # at F_RES
 _RECORD = struct.Struct("<21q")  # at F_STATE, for reads
+_HEAD = struct.Struct("<16q")  # at F_STATE: STATE..OWNER, what claim and ack read
 
 # Payloads of one put_many (results of one ack_many) share slab blocks of up to
 # GROUP_BYTES: one allocation per block instead of one per item. A block starts
@@ -861,7 +870,7 @@ class LocalQueue:
             raise ValueError("max_items must be >= 1")
         self._check_lane(lane)
         S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
-        unpack, pack = _RECORD.unpack_from, _CLAIM.pack_into
+        unpack, pack = _HEAD.unpack_from, _CLAIM.pack_into
         taken_rows = []
         with self._lock:
             w = self._need_worker(worker)
@@ -871,7 +880,7 @@ class LocalQueue:
             taken = ntok = expired = expired_tok = 0
             while s != NIL and taken < max_items:
                 b = s * SF
-                (_, nxt, _, gen, _, _, t, req, enq, dl, att, _, ln, at, epoch, *_) = unpack(Sb, b * 8)
+                (_, nxt, _, gen, _, _, t, req, enq, dl, att, _, ln, at, epoch, _) = unpack(Sb, b * 8)
                 if dl and dl <= now:
                     expired += 1
                     expired_tok += t
@@ -948,7 +957,7 @@ class LocalQueue:
                 raise ValueError("status must be a u8")
             results.append(r)
         S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
-        pack, Q, free = _RESULT.pack_into, self._slab.links, self._slab.free
+        pack, unpack, Q, free = _RESULT.pack_into, _HEAD.unpack_from, self._slab.links, self._slab.free
         lanes: dict[int, int] = {}  # lane -> items leaving its claimed count
         owners: dict[int, int] = {}  # wid -> same, per worker
         first = last = NIL  # acked slots, chained, appended to the done list at the end
@@ -957,22 +966,24 @@ class LocalQueue:
             held, out = {}, []
             for i, (cid, _, _) in enumerate(items):
                 s = cid & SLOT_MASK
-                b = s * SF
-                ok = (s < nslots and s not in held and S[b + F_STATE] == CLAIMED
-                      and S[b + F_EPOCH] == cid >> EPOCH_SHIFT and S[b + F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
-                if ok:
-                    held[s] = i
+                ok = False
+                if s < nslots and s not in held:
+                    rec = unpack(Sb, s * SF * 8)
+                    ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
+                          and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
+                    if ok:
+                        held[s] = (i, rec)
                 out.append(ok)
             # 2. Result blocks for all of them, or nothing changes.
             order = list(held.items())
-            lens = [len(results[i]) for _, i in order]
+            lens = [len(results[i]) for _, (i, _) in order]
             groups, _ = _plan_blocks(lens)
             placed = self._alloc_blocks(groups, len(order))
             if placed is None:
                 raise QueueFull("no slab space for these results; ack them with empty results")
             blocks, at = placed
             # 3. Per item: copy the result, commit, let go of the payload block.
-            for j, (s, i) in enumerate(order):
+            for j, (s, (i, rec)) in enumerate(order):
                 b = s * SF
                 ln = lens[j]
                 if ln:
@@ -980,14 +991,14 @@ class LocalQueue:
                     data[a:a + ln] = results[i]
                 pack(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
                 S[b] = DONE  # commit; from here the payload block reference is ours to drop
-                u = S[b + F_DATA]
+                u = rec[F_DATA]
                 if u != NIL:
                     r = Q[u * 8] - 1
                     if r:
                         Q[u * 8] = r
                     else:
                         free(u, Q[u * 8 + 1])
-                lane, wid = S[b + F_LANE], S[b + F_OWNER]
+                lane, wid = rec[F_LANE], rec[F_OWNER]
                 lanes[lane] = lanes.get(lane, 0) + 1
                 owners[wid] = owners.get(wid, 0) + 1
                 S[b + F_NEXT] = NIL

@@ -87,21 +87,10 @@ class Slab:
         heads[k] = u
         self.tags[u] = k + 1
 
-    def _remove(self, k: int, u: int) -> None:
-        links = self.links
-        n, p = links[u * 8], links[u * 8 + 1]
-        if p == NIL:
-            self.heads[k] = n
-        else:
-            links[p * 8] = n
-        if n != NIL:
-            links[n * 8 + 1] = p
-        self.tags[u] = 0
-
     # -- alloc / free ------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """Unit index of a new block of >= nbytes (> 0), or NIL if none is free."""
-        # Hot path: list operations are written out inline (see _push/_remove).
+        # Hot path: list operations are written out inline (see _push).
         k = (((nbytes + UNIT - 1) >> 6) - 1).bit_length()
         heads, top = self.heads, self.top_order
         j = k
