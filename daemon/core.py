@@ -159,6 +159,10 @@ class Daemon:
                 "claimed": w.claimed,
                 "models": info.get("models", {}),
                 "last_batch": info.get("last_batch", {}),
+                # Device memory as the worker sees it (runtimes.memory): its device's budget, its own use.
+                "budget_bytes": info.get("budget_bytes", 0),
+                "used_bytes": info.get("used_bytes", 0),
+                "loading": info.get("loading", ""),
             })
         return out
 

@@ -48,6 +48,9 @@ _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
 _PROFILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: A safetensors header is JSON of at most this many bytes (the format's own limit).
 MAX_HEADER_BYTES = 100 << 20
+#: The library each runtime imports on its first load. The worker imports it
+#: before timing a load: a one-time import is not part of a reload's cost.
+RUNTIME_LIBRARIES = {"sentence-transformers": "sentence_transformers", "transformers": "transformers", "peft": "peft"}
 #: Reload cost credit: a model that takes s seconds to load counts as used s
 #: seconds more recently when choosing what to evict (cheap reloads go first).
 RELOAD_CREDIT = 1.0

@@ -30,7 +30,9 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     # Heavy imports happen here, in the worker, never in the API process.
     import torch
 
+    from daemon.pins import PinStore
     from local_queue import LocalQueue
+    from runtimes.memory import LoadLock, device_budget, device_used_bytes
     from runtimes.resolve import store_resolver
     from runtimes.worker import WorkerCore
 
@@ -41,6 +43,12 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     core = WorkerCore(
         queue, worker_id, device, store_resolver(settings),
         served_by=f"{settings.box_name}/{index}", lease_ms=settings.lease_ms,
+        memory=device_budget(
+            device, cpu_budget_bytes=settings.cpu_budget_bytes, cpu_budget_fraction=settings.cpu_budget_fraction,
+            cpu_reserve_bytes=settings.cpu_reserve_bytes, gpu_reserve_bytes=settings.gpu_reserve_bytes,
+            fleet_used_bytes=device_used_bytes(queue, device),
+        ),
+        load_lock=LoadLock.for_device(settings.home, device),
         max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
     )
     core.publish_info()
@@ -52,11 +60,14 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
     log = logging.getLogger("fleet.worker")
-    for name in settings.preload:
-        try:
-            core.load(name)
-        except Exception as exc:  # keep serving other models; requests for this one get the error
-            log.error("preload of %s failed: %s", name, exc)
+    # Preloads and this device's persisted pins stay resident (a failure is logged;
+    # requests for that model get the error when they come).
+    try:
+        pins = PinStore(settings.home).for_device(device)
+    except Exception as exc:
+        log.error("cannot read pins: %s", exc)
+        pins = []
+    core.restore([*settings.preload, *pins])
     while not stop.is_set():
         try:
             core.step(timeout_s=0.25)

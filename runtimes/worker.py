@@ -8,17 +8,29 @@ loaded on it (STYLE.md 5): nothing else loads or frees models on this device.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from fleetctl.errors import FleetError, ModelLoadFailed
+from fleetctl.errors import BadRequest, FleetError, ModelLoadFailed, ModelTooLarge
 from local_queue import QueueFull
 from local_queue.queue import INFO_BYTES
 from runtimes.base import Adapter, ModelSpec
+from runtimes.control import (
+    CONTROL_BATCH, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, is_control_lane,
+)
+from runtimes.control import decode_command as _decode_command
+from runtimes.continuous import busy_continuous, serve_continuous
+from runtimes.memory import (
+    EXPLICIT_DEMAND, IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, TOO_LARGE, WAIT, DeviceMemory, Estimates,
+    Footprint, LoadLock, NotNow, ResidentView, estimate_footprint, load_error, plan_load, run_split_on_oom, used_bytes,
+)
 from runtimes.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from runtimes.policy import (
     CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
@@ -28,6 +40,7 @@ from runtimes.registry import adapter_class
 log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
+_decode_info = msgspec.msgpack.Decoder().decode
 
 
 @dataclass
@@ -37,6 +50,8 @@ class Resident:
     last_used: float
     served: int = 0
     load_ms: float = 0.0
+    #: Measured weights and the activation allowance (runtimes.memory).
+    footprint: Footprint = Footprint(0)
 
 
 @dataclass
@@ -73,35 +88,267 @@ class WorkerCore:
     #: Fitted batch cost per model on this device (kept across unloads: same model, same device).
     costs: dict[str, CostModel] = field(default_factory=dict)
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
+    #: Device budget and live free memory (runtimes.memory.device_budget); unlimited in bare tests.
+    memory: DeviceMemory = field(default_factory=DeviceMemory.unlimited)
+    #: One load at a time per device, across this daemon's workers.
+    load_lock: LoadLock = field(default_factory=lambda: LoadLock(None))
+    estimates: Estimates = field(default_factory=Estimates)
+    #: Models this worker keeps resident whatever the pressure (pins, preloads).
+    pinned: set[str] = field(default_factory=set)
+    #: name -> (runtime, header estimate), filled at each load attempt (lane filtering reuses it).
+    headers: dict[str, tuple[str, Footprint]] = field(default_factory=dict)
+    #: The model being loaded now ("" when none), published so peers do not load it too.
+    loading: str = ""
 
-    # -- models ---------------------------------------------------------------
+    @property
+    def control(self) -> str:
+        """This worker's control lane (runtimes.control)."""
+        return control_lane(self.worker_id)
 
-    def load(self, name: str) -> Resident:
+    # -- residency: budget, lazy load, eviction, pins, control ---------------
+    #
+    # Lock order: the device's LoadLock, then the queue lock (taken inside
+    # queue calls). Under the LoadLock a worker reads its peers' info blobs,
+    # decides, evicts, loads and publishes its new info before releasing, so
+    # the next worker of the device decides on what is really resident.
+
+    def load(self, name: str, *, pin: bool = False, explicit: bool = False,
+             evicted: list[str] | None = None) -> Resident:
+        """Make `name` resident on this worker: a lazy load for a waiting lane,
+        or an explicit one (control path, `explicit=True`, which may evict
+        busy unpinned models because an operator asked).
+
+        Raises `ModelTooLarge` when it cannot fit even after evicting every
+        unpinned model of this worker; `NotNow` when another worker of this
+        device holds or loads it (one copy per device), or when its room is
+        held by models with more waiting requests (its requests wait).
+        """
         resident = self.models.get(name)
         if resident is not None:
+            if pin and name not in self.pinned:
+                self.pinned.add(name)
+                self.publish_info()
             return resident
-        t0 = time.perf_counter()
-        spec = self.resolve(name)
-        adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
-        adapter.load()
-        now = time.time()
-        resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3)
-        self.models[name] = resident
-        log.info("loaded %s on %s as %s in %.0f ms", name, self.device, adapter.dtype, resident.load_ms)
-        self.publish_info()
+        # 1. Resolve (re-hashes the files) and estimate, outside the device lock.
+        try:
+            spec = self.resolve(name)
+            header = estimate_footprint(
+                spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
+                micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
+            )
+        except Exception as exc:  # unreadable headers are bad weights: a load error, not a crash
+            raise load_error(name, self.device, exc) from exc
+        self.headers[name] = (spec.runtime, header)
+        estimate = self.estimates.estimate(name, spec.runtime, header)
+        with self.load_lock.held():
+            # 2. Decide on the device as it is now (peers included).
+            waiting = {s.model: s.depth for s in self.queue.lane_stats()}
+            peers, peer_loading = self._peer_views(waiting)
+            holder = next((v.worker for v in peers if v.name == name), peer_loading.get(name))
+            if holder is not None:
+                raise NotNow(f"{name} is resident on (or loading by) worker {holder} of {self.device}")
+            plan = plan_load(
+                name, estimate, self._own_views(waiting) + peers, worker=self.worker_id, device=self.device,
+                budget_bytes=self.memory.budget_bytes, free_now_bytes=self.memory.free_now(),
+                incoming_waiting=EXPLICIT_DEMAND if explicit else waiting.get(name, 0),
+            )
+            if plan.verdict == TOO_LARGE:
+                raise ModelTooLarge(plan.reason, hint="unpin or unload a model, or raise the device budget")
+            if plan.verdict == WAIT:
+                raise NotNow(plan.reason)
+            for victim in plan.evict:
+                log.info("evicting %s from %s to make room for %s", victim, self.device, name)
+                self.unload(victim)
+                if evicted is not None:
+                    evicted.append(victim)
+            # 3. Load, with `loading` published so peers do not start the same load.
+            self.loading = name
+            self.publish_info()
+            library = RUNTIME_LIBRARIES.get(spec.runtime)
+            if library is not None:
+                importlib.import_module(library)  # before t0: load_ms is what a reload costs
+            t0 = time.perf_counter()
+            try:
+                adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+                adapter.load()
+            except Exception as exc:
+                # Drop every reference to the half-loaded model (the traceback's frames
+                # hold it too) so its memory is free before the next decision.
+                adapter = None
+                traceback.clear_frames(exc.__traceback__)
+                self.release_memory()
+                raise load_error(name, self.device, exc) from exc
+            finally:
+                self.loading = ""
+            # 4. Measure, correct the estimate, publish (still under the lock).
+            measured = adapter.footprint_bytes()
+            self.estimates.record(name, spec.runtime, header, measured)
+            now = time.time()
+            resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
+                                footprint=Footprint(measured, estimate.activation_bytes))
+            self.models[name] = resident
+            if pin:
+                self.pinned.add(name)
+            log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
+                     resident.load_ms, measured, estimate.weights_bytes)
+            self.publish_info()
         return resident
 
     def unload(self, name: str) -> bool:
         resident = self.models.pop(name, None)
         if resident is None:
             return False
+        self.pinned.discard(name)
         resident.adapter.unload()
+        del resident
+        self.release_memory()
         self.publish_info()
         return True
+
+    def release_memory(self) -> None:
+        """Give freed model memory back now, so the next decision reads it as free:
+        models hold reference cycles (gc), and torch caches freed CUDA blocks."""
+        gc.collect()
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def restore(self, names: list[str]) -> None:
+        """Load and pin what this worker must keep (preloads, persisted pins of its
+        device). A model another worker of the device holds is left to it; one that
+        fails is logged, and requests for it get the error when they come."""
+        for name in dict.fromkeys(names):
+            try:
+                self.load(name, pin=True, explicit=True)
+            except NotNow as exc:
+                log.info("not loading %s here: %s", name, exc)
+            except Exception as exc:
+                log.error("cannot keep %s resident on %s: %s", name, self.device, exc)
+
+    def used_bytes(self) -> int:
+        return used_bytes(self._own_views({}))
+
+    def _own_views(self, waiting: dict[str, int]) -> list[ResidentView]:
+        return [
+            ResidentView(n, self.worker_id, r.footprint, n in self.pinned, r.last_used, r.load_ms / 1e3,
+                         waiting.get(n, 0))
+            for n, r in self.models.items()
+        ]
+
+    def _peer_views(self, waiting: dict[str, int]) -> tuple[list[ResidentView], dict[str, int]]:
+        """Models resident on the other live workers of this device (from their
+        info blobs), and what each of them is loading right now."""
+        views, loading = [], {}
+        now = time.monotonic_ns()
+        for w in self.queue.workers():
+            if w.wid == self.worker_id or w.device != self.device or not w.info:
+                continue
+            if now - w.last_heartbeat_ns > PEER_STALE_NS:
+                continue
+            info = _decode_info(w.info)
+            act = int(info.get("activation_bytes", 0))
+            for n, m in info.get("models", {}).items():
+                views.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
+                                          float(m.get("last_used", 0.0)), float(m.get("load_ms", 0.0)) / 1e3,
+                                          waiting.get(n, 0)))
+            if info.get("loading"):
+                loading[info["loading"]] = w.wid
+        return views, loading
+
+    def servable(self, stats: list) -> list:
+        """The lanes this worker may serve now, from `lane_stats()`: no control
+        lanes; no model another worker of this device holds or is loading (one
+        copy per device, never two loads of it at once); no model whose room is
+        held by busier models (its requests wait in their lane)."""
+        out, peers = [], None
+        for s in stats:
+            if is_control_lane(s.model):
+                continue
+            if s.depth == 0 or s.model in self.models:
+                out.append(s)
+                continue
+            if peers is None:
+                waiting = {x.model: x.depth for x in stats}
+                peers, peer_loading = self._peer_views(waiting)
+                held = {v.name for v in peers} | set(peer_loading)
+                mine = self._own_views(waiting)
+            if s.model in held:
+                continue
+            known = self.headers.get(s.model)
+            if known is not None:
+                estimate = self.estimates.estimate(s.model, known[0], known[1])
+                plan = plan_load(s.model, estimate, mine + peers, worker=self.worker_id, device=self.device,
+                                 budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
+                                 incoming_waiting=s.depth)
+                if plan.verdict == WAIT:
+                    continue
+            out.append(s)
+        return out
+
+    def wait_for_work(self, stats: list, timeout_s: float) -> None:
+        """Nothing to serve here: block for new work, or, when what waits is not
+        ours to serve now (another worker's), nap briefly instead of spinning."""
+        if any(s.depth for s in stats):
+            time.sleep(min(timeout_s, IDLE_NAP_S))
+        else:
+            self.queue.wait_for_work(timeout_s)
+
+    def serve_control(self, stats: list) -> int:
+        """Handle the commands queued in this worker's control lane (protocol:
+        runtimes.control), each acked as soon as it is done. Returns items answered."""
+        lane = next((s.lane for s in stats if s.model == self.control and s.depth), None)
+        if lane is None:
+            return 0
+        claims = self.queue.claim(lane, worker=self.worker_id, max_items=CONTROL_BATCH, max_tokens=1 << 30,
+                                  lease_ms=self.lease_ms)
+        for c in claims:
+            try:
+                body = self.command(_decode_command(c.payload))
+                status = STATUS_OK
+            except FleetError as exc:
+                body, status = WorkError(exc.code, exc.message), STATUS_ERROR
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                body, status = WorkError("bad_request", f"undecodable control command: {exc}"), STATUS_ERROR
+            except NotNow as exc:
+                body, status = WorkError("overloaded", f"{exc}; retry shortly"), STATUS_ERROR
+            except Exception as exc:  # the worker stays up; the caller learns why
+                log.exception("control command failed")
+                body, status = WorkError("internal", f"{type(exc).__name__}: {exc}"), STATUS_ERROR
+            self.queue.ack_many([(c.item_id, _encode(Envelope(0.0, 0.0, self.served_by, body)), status)])
+        return len(claims)
+
+    def command(self, cmd: Command) -> CommandDone:
+        """Apply one control command to this worker's models."""
+        name, op = cmd.model, cmd.op
+        if op in (LOAD, PIN):
+            was = name in self.models
+            evicted: list[str] = []
+            t0 = time.perf_counter()
+            resident = self.load(name, pin=op == PIN, explicit=True, evicted=evicted)
+            ms = 0.0 if was else (time.perf_counter() - t0) * 1e3
+            return CommandDone(op, name, self.device, True, name in self.pinned, resident.footprint.weights_bytes,
+                               round(ms, 1), evicted, was)
+        if op == UNLOAD:
+            if name in self.pinned:
+                raise BadRequest(f"{name} is pinned on {self.device}; unpin it first (fleetctl unpin {name})")
+            return CommandDone(op, name, self.device, False, already=not self.unload(name))
+        if op == UNPIN:
+            was = name in self.pinned
+            self.pinned.discard(name)
+            self.publish_info()
+            resident = self.models.get(name)
+            return CommandDone(op, name, self.device, resident is not None, False,
+                               resident.footprint.weights_bytes if resident else 0, already=not was)
+        raise BadRequest(f"unknown control op {op!r} (known: {', '.join(OPS)})")
 
     def info(self) -> dict:
         return {
             "device": self.device,
+            "budget_bytes": self.memory.budget_bytes,
+            "used_bytes": self.used_bytes(),
+            "activation_bytes": max((r.footprint.activation_bytes for r in self.models.values()), default=0),
+            "loading": self.loading,
             "models": {
                 name: {
                     "task": r.adapter.spec.task,
@@ -111,6 +358,7 @@ class WorkerCore:
                     "last_used": r.last_used,
                     "served": r.served,
                     "load_ms": round(r.load_ms, 1),
+                    "pinned": name in self.pinned,
                     "cost": self._cost_info(name),
                 }
                 for name, r in self.models.items()
@@ -148,26 +396,37 @@ class WorkerCore:
                 names.pop()
         self.queue.set_worker_info(self.worker_id, blob)
 
-
     # -- one scheduling round ------------------------------------------------
 
     def step(self, timeout_s: float = 0.5) -> int:
         """Serve one batch if work waits (blocking up to `timeout_s` for it). Returns items answered."""
-        # 1. Choose a lane: starving first, then models held here, then oldest.
-        lane = choose_lane(self.queue.lane_stats(), set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
+        # 1. Control commands first; then choose a lane among those this worker
+        #    may serve: starving first, then models held here, then oldest.
+        stats = self.queue.lane_stats()
+        if done := self.serve_control(stats):
+            return done
+        servable = self.servable(stats)
+        # Generation (continuous adapters) in flight steps first (runtimes.continuous).
+        if (busy := busy_continuous(self, servable)) is not None:
+            return serve_continuous(self, busy, stats)
+        lane = choose_lane(servable, set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
         if lane is None:
-            self.queue.wait_for_work(timeout_s)
+            self.wait_for_work(stats, timeout_s)
             return 0
         # 2. Make sure the model is here before claiming: while it loads, its
         #    requests stay queued (and can time out or be cancelled there).
         try:
             resident = self.load(lane.model)
+        except NotNow:
+            return 0  # another worker serves it, or it waits for room: its requests stay queued
         except FleetError as exc:
             return self._fail_lane(lane.lane, exc)
         except Exception as exc:  # a load that fails unexpectedly answers its lane; the worker stays up
             log.exception("loading %s failed", lane.model)
             return self._fail_lane(lane.lane, ModelLoadFailed(f"cannot load {lane.model!r}: {type(exc).__name__}: {exc}"))
         adapter = resident.adapter
+        if adapter.continuous:
+            return serve_continuous(self, resident, stats)
         profile = adapter.spec.profile
         cost = self.costs.setdefault(lane.model, CostModel())
         cap = batch_token_cap(cost, self.target_ms, profile.max_batch_tokens)
@@ -203,7 +462,7 @@ class WorkerCore:
         requests = [r for _, r in runnable]
         t0 = time.perf_counter()
         try:
-            results = adapter.run_batch(requests) if requests else []
+            results = run_split_on_oom(adapter.run_batch, requests, self.release_memory) if requests else []
         except FleetError as exc:
             results = [WorkError(exc.code, exc.message)] * len(requests)
         except Exception as exc:  # a model failure answers this batch; the worker stays up

@@ -61,6 +61,10 @@ def register(app: typer.Typer) -> None:
                 models.add_row(str(w.get("index", w["worker"])), name, m["dtype"], _size(m["bytes"]),
                                str(m["served"]), f"{ago:.0f}s ago", _cost(m.get("cost") or {}))
         out.print(models)
+        # Device memory: budget, used and resident models per device (fleetctl.residency).
+        from fleetctl.residency import devices_table
+
+        out.print(devices_table(state))
         # 3. Lanes: what waits, and for how long.
         if state["lanes"]:
             lanes = Table("lane", "depth", "tokens", "claimed", "oldest wait", box=None)
