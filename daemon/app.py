@@ -12,8 +12,9 @@ from litestar.exceptions import HTTPException
 
 from fleetctl.errors import FleetError
 
-from daemon.controllers.cluster import ClusterController
+from daemon.controllers.admin import AdminController
 from daemon.controllers.classify import ClassifyController
+from daemon.controllers.cluster import ClusterController
 from daemon.controllers.embed import EmbedController
 from daemon.controllers.extract import ExtractController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
@@ -43,7 +44,7 @@ def create_app(daemon: Daemon) -> Litestar:
 
     return Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController,
-                        ModelsController, ClusterController, MetricsController, HealthController],
+                        ModelsController, AdminController, ClusterController, MetricsController, HealthController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],
