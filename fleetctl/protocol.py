@@ -191,3 +191,134 @@ class ExtractReply(msgspec.Struct, frozen=True):
     results: list[list[Entity]]
     usage: Usage
 
+
+# ---- /v1/generate, OpenAI /v1/completions and /v1/chat/completions -------------
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str
+    #: Text, or OpenAI content parts (only `{"type": "text", "text": ...}` parts are taken).
+    content: str | list[dict] | None = None
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One generation: a `prompt`, or chat `messages` rendered with the model's
+    chat template. `model` may name a LoRA adapter directly, or the base with
+    the adapter in `adapter`. `temperature` 0 is greedy; `seed` makes sampling
+    reproducible; the text is cut before the first `stop` string."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    adapter: str | None = None
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    timeout_ms: int | None = None
+
+
+class GenerateReply(msgspec.Struct, frozen=True):
+    model: str
+    text: str
+    finish_reason: str  # stop | length
+    usage: Usage
+
+
+class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One server-sent event of a native stream: text deltas, then one with
+    `finish_reason` and `usage`."""
+
+    model: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class CompletionRequest(msgspec.Struct, frozen=True):
+    model: str
+    prompt: str | list[str]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True):
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    user: str | None = None
+
+
+class OpenAICompletionUsage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionReply(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: OpenAICompletionUsage | None = None
+    object: str = "text_completion"
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletionReply(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: OpenAICompletionUsage
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from fleetctl.errors import ModelLoadFailed
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -25,6 +27,8 @@ class Profile:
     linger_ms: float = 0.0
     #: Inputs per forward pass inside a batch (length-sorted micro-batches cut padding).
     micro_batch_items: int = 64
+    #: LoRA adapters kept attached to this model at once (least recently used leave first).
+    max_loras: int = 32
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any] | None) -> "Profile":
@@ -78,3 +82,56 @@ class Adapter(abc.ABC):
 
     def unload(self) -> None:
         """Release device memory. Default: drop references."""
+
+    # -- continuous adapters (generation) --------------------------------------
+    #
+    # A continuous adapter keeps requests across worker steps (a sequence
+    # decodes one token per step). The worker admits claimed requests up to
+    # `free_slots()`, then calls `step()` while `has_active()`, before it
+    # chooses another lane; each finished request is acked when `step()`
+    # returns it, and the worker's heartbeat keeps the leases of the others.
+
+    #: True for adapters that implement the four methods below.
+    continuous: ClassVar[bool] = False
+
+    def free_slots(self) -> int:
+        """Requests `admit` takes now."""
+        return 0
+
+    def admit(self, key: Any, request: Any) -> msgspec.Struct | None:
+        """Start serving `request` (identified by `key` in what `step` returns).
+        Returns a WorkError when it cannot start (bad input), else None."""
+        raise NotImplementedError(f"{type(self).__name__} is not a continuous adapter")
+
+    def has_active(self) -> bool:
+        return False
+
+    def step(self) -> tuple[list[tuple[Any, msgspec.Struct]], list[tuple[Any, msgspec.Struct]]]:
+        """Advance every admitted request once: (partial results to stream, for
+        requests that asked for them; finished results), each as (key, result)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a continuous adapter")
+
+    def active_count(self) -> int:
+        """Requests admitted and not finished."""
+        return 0
+
+    def abort(self) -> list[Any]:
+        """Drop every admitted request (after a failed step); returns their keys."""
+        return []
+
+    # -- LoRA hosting ------------------------------------------------------------
+    #
+    # A LoRA adapter's requests queue in its base model's lane; the base's
+    # adapter serves them in the same batches as its own (`lora_of` says which
+    # adapter a request wants; the worker resolves and attaches it first).
+
+    def lora_of(self, request: Any) -> str | None:
+        """The LoRA adapter (store name) `request` runs with; None = this model alone."""
+        return None
+
+    def hosts(self, lora: str) -> bool:
+        return False
+
+    def attach_lora(self, spec: ModelSpec) -> None:
+        """Attach a LoRA adapter of this model (evicting an idle one past `max_loras`)."""
+        raise ModelLoadFailed(f"{self.spec.name} ({self.spec.runtime}) does not serve LoRA adapters")

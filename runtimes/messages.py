@@ -84,3 +84,23 @@ class ExtractResult(msgspec.Struct, frozen=True, array_like=True):
     spans: list[list[EntitySpan]]  # per input, in text order
     input_tokens: int
 
+
+#: Status of a partial result (`LocalQueue.emit`): more records for the same
+#: request follow; the item's final `ack` ends them.
+STATUS_PARTIAL = 2
+
+
+class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
+    text: str  # the whole generated text, already cut before a stop string
+    finish_reason: str  # stop | length
+    input_tokens: int
+    output_tokens: int
+
+
+class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):
+    """A streamed piece of a generation: `text` starts at character `start` of
+    the final text. The final `GenerateResult` holds the whole text, so a
+    reader that missed a chunk still ends with the right answer."""
+
+    start: int
+    text: str

@@ -1,0 +1,165 @@
+"""The worker's round for continuous adapters (generation): admit, step, stream, ack.
+
+A continuous adapter keeps requests across worker steps (runtimes.base). While
+it has requests in flight, `WorkerCore.step` serves it before choosing another
+lane (`busy_continuous`), unless another servable lane is starving; each round
+(`serve_continuous`) claims what waits in its lane up to its free slots, admits
+it, advances every sequence once, publishes partial results of streaming
+requests (`LocalQueue.emit_many`: the daemon streams them while the item stays
+claimed) and acks the requests that finished. Claims stay leased meanwhile:
+the worker's heartbeat thread renews every lease it holds.
+
+A LoRA adapter's requests wait in its base model's lane (the daemon queues
+them there), so one claim brings a mixed-adapter batch; an adapter not yet
+attached is resolved from the store and attached here, before admit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from fleetctl.errors import FleetError
+from local_queue import QueueFull
+from runtimes.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+
+if TYPE_CHECKING:
+    from runtimes.worker import Resident, WorkerCore
+
+log = logging.getLogger("fleet.worker")
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(slots=True)
+class InFlight:
+    """The key a continuous adapter carries for one admitted item."""
+
+    item_id: int  # claim id: emit / ack with it
+    enqueue_ns: int
+    admitted_ns: int
+
+
+def busy_continuous(core: WorkerCore, servable: list) -> Resident | None:
+    """The resident continuous adapter with requests in flight, unless a servable
+    lane of another model has waited past the starvation bound (it goes first,
+    for one batch: generation must not starve the other models of this worker)."""
+    busy = next((r for r in core.models.values() if r.adapter.continuous and r.adapter.has_active()), None)
+    if busy is None:
+        return None
+    now, bound = core.clock_ns(), core.max_wait_ms * 1_000_000
+    name = busy.adapter.spec.name
+    if any(s.depth and s.model != name and now - s.oldest_enqueue_ns > bound for s in servable):
+        return None
+    return busy
+
+
+def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
+    """One round for a continuous adapter. Returns items answered."""
+    adapter = resident.adapter
+    name = adapter.spec.name
+    answered = 0
+    # 1. New work, up to the free slots (token budgets do not apply: a sequence
+    #    costs its KV cache, which grows as it decodes).
+    lane = next((s.lane for s in stats if s.model == name and s.depth), None)
+    free = adapter.free_slots()
+    if lane is not None and free:
+        answered += admit_claims(core, adapter, lane, free)
+    if not adapter.has_active():
+        return answered
+    # 2. One step for every sequence in flight.
+    t0 = time.perf_counter()
+    try:
+        partials, finished = adapter.step()
+    except Exception as exc:  # the batch is lost; every request in it is answered, the worker stays up
+        log.exception("generation step failed on %s", name)
+        error = WorkError(exc.code, exc.message) if isinstance(exc, FleetError) else \
+            WorkError("inference_failed", f"{name}: {type(exc).__name__}: {exc}")
+        keys = adapter.abort()
+        core.release_memory()
+        payload = _encode(Envelope(0.0, 0.0, core.served_by, error))
+        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in keys])
+        return answered + len(keys)
+    now = core.clock_ns()
+    # 3. Stream what is safe to send; ack what finished (one queue call each).
+    if partials:
+        try:
+            core.queue.emit_many([(k.item_id, _encode(chunk), STATUS_PARTIAL) for k, chunk in partials])
+        except QueueFull as exc:  # the final result carries the whole text: a skipped chunk is caught up there
+            log.warning("partial results on %s skipped: %s", name, exc.message)
+    if finished:
+        acks = [
+            (k.item_id,
+             _encode(Envelope((k.admitted_ns - k.enqueue_ns) / 1e6, (now - k.admitted_ns) / 1e6, core.served_by, r)),
+             STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
+            for k, r in finished
+        ]
+        try:
+            core.queue.ack_many(acks)
+        except QueueFull as exc:
+            log.error("results of %d items on %s do not fit the queue: %s", len(acks), name, exc.message)
+            error = _encode(Envelope(0.0, 0.0, core.served_by,
+                                     WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
+            core.queue.ack_many([(k.item_id, error, STATUS_ERROR) for k, _ in finished])
+        resident.served += len(finished)
+        answered += len(finished)
+    resident.last_used = time.time()
+    from runtimes.worker import BatchStats  # (runtimes.worker imports this module)
+
+    ms = (time.perf_counter() - t0) * 1e3
+    core.last_batch = BatchStats(name, adapter.active_count() + len(finished), 0, 0, ms, time.time(), 0)
+    if finished:
+        core.publish_info()
+    return answered
+
+
+def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
+    """Claim up to `free` items of `lane`, attach the LoRA adapters they name, admit
+    them. Returns items answered here (late, undecodable or refused ones)."""
+    claims = core.queue.claim(lane, worker=core.worker_id, max_items=free, max_tokens=1 << 40,
+                              lease_ms=core.lease_ms)
+    if not claims:
+        return 0
+    decoder = core._decoder(adapter.request_type)
+    now = core.clock_ns()
+    errors: list[tuple[int, WorkError]] = []
+    failed_loras: dict[str, WorkError] = {}
+    for c in claims:
+        if c.deadline_ns and c.deadline_ns <= now:
+            errors.append((c.item_id, WorkError("timeout", "the request's deadline passed before it ran")))
+            continue
+        try:
+            request = decoder.decode(c.payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            errors.append((c.item_id, WorkError("bad_request", f"undecodable work item: {exc}")))
+            continue
+        lora = adapter.lora_of(request)
+        if lora is not None and not adapter.hosts(lora):
+            error = failed_loras.get(lora) or attach_lora(core, adapter, lora)
+            if error is not None:
+                failed_loras[lora] = error
+                errors.append((c.item_id, error))
+                continue
+        error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now), request)
+        if error is not None:
+            errors.append((c.item_id, error))
+    if errors:
+        core.queue.ack_many([(i, _encode(Envelope(0.0, 0.0, core.served_by, e)), STATUS_ERROR) for i, e in errors])
+    return len(errors)
+
+
+def attach_lora(core: WorkerCore, adapter, lora: str) -> WorkError | None:
+    """Resolve a LoRA adapter from the store (files re-hashed) and attach it to
+    `adapter`'s model. A failure answers the requests that named it."""
+    try:
+        adapter.attach_lora(core.resolve(lora))
+    except FleetError as exc:
+        return WorkError(exc.code, exc.message)
+    except Exception as exc:
+        log.exception("attaching %s failed", lora)
+        return WorkError("model_load_failed", f"cannot attach LoRA adapter {lora!r}: {type(exc).__name__}: {exc}")
+    return None

@@ -1,0 +1,448 @@
+"""Causal-LM generation with continuous batching and mixed-LoRA batches (task `generate`).
+
+Requests of one model decode together, one token per worker step. A finished
+sequence leaves the batch at once and a waiting one joins at the next step:
+the worker admits new requests up to `free_slots()` between steps
+(runtimes.base, "continuous adapters").
+
+The batch is one padded KV cache. Rows are left-padded: every row's newest
+token sits in the last column, so one decode step feeds one token per row.
+Invariants kept after every step:
+- `mask[i, j]` is 1 exactly for the cache columns that hold row i's tokens
+  (prompt and generated, contiguous up to the last column); pad columns are 0
+  and never attended to.
+- `pos[i]` is the position id of row i's next input token: the number of its
+  real tokens so far (so padding never shifts a row's positions, and greedy
+  tokens are those of the row decoded alone).
+- no column is padding in every row (leading all-pad columns are cut).
+
+LoRA adapters of this model attach to it through peft (`attach_lora`); each
+row carries its adapter's name and one forward pass runs them all (peft's
+`adapter_names`, "__base__" for rows of the base model).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetctl.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed
+from fleetctl.protocol import GenerateRequest
+from runtimes.base import Adapter, ModelSpec
+from runtimes.messages import GenerateChunk, GenerateResult, WorkError
+
+log = logging.getLogger("fleet.worker")
+
+BASE_ROW = "__base__"  # peft's name for "no adapter" in a mixed batch
+MAX_STOPS = 8
+REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+
+
+@dataclass(slots=True)
+class Sequence:
+    key: Any
+    prompt_ids: list[int]
+    max_new: int
+    temperature: float
+    top_p: float
+    generator: Any  # torch.Generator, or None for greedy rows
+    stop: tuple[str, ...]
+    stream: bool
+    lora: str  # peft adapter name, BASE_ROW for the base model
+    ids: list[int] = field(default_factory=list)  # generated tokens (no EOS)
+    sent: int = 0  # characters already streamed
+    finish: str = ""
+    text: str = ""
+
+
+def stop_cut(text: str, stops: tuple[str, ...], from_char: int) -> int:
+    """Index of the first stop string in `text` found at or after `from_char`, else -1."""
+    best = -1
+    for s in stops:
+        i = text.find(s, from_char)
+        if i != -1 and (best == -1 or i < best):
+            best = i
+    return best
+
+
+def streamable_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of `text` is safe to stream now: not a trailing partial character,
+    not a suffix that could still become a stop string."""
+    end = len(text)
+    while end and text[end - 1] == REPLACEMENT:
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text.endswith(s[:k], 0, end):
+                end -= k
+                break
+    return max(end, 0)
+
+
+class CausalLM(Adapter):
+    request_type = GenerateRequest
+    continuous = True
+
+    # -- load ------------------------------------------------------------------
+
+    def load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._torch = torch
+        dtype = self._dtype()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code,
+                use_safetensors=True, dtype=getattr(torch, dtype),
+            )
+        except FleetError:
+            raise
+        except Exception as exc:  # the library raises many types for bad folders
+            raise ModelLoadFailed(f"cannot load {self.spec.name!r}: {exc}") from exc
+        self.base = model.to(self.device).eval()
+        self.model = self.base
+        self.dtype = dtype
+        config = model.config
+        self.max_len = int(self.spec.max_seq_len or getattr(config, "max_position_embeddings", 0) or 2048)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos = torch.tensor(sorted({eos} if isinstance(eos, int) else set(eos or ())), dtype=torch.long,
+                                device=self.device)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # Attached LoRA adapters: store name -> peft name (peft names must be
+        # identifiers; store names may hold '.' and '-'), in LRU order.
+        self.loras: OrderedDict[str, str] = OrderedDict()
+        self._lora_ids = itertools.count(1)
+        self.rows: list[Sequence] = []
+        self.pending: list[Sequence] = []
+        self.cache = self.mask = self.pos = self.last = None
+        self._warm_up()
+
+    def _dtype(self) -> str:
+        wanted = self.spec.profile.dtype
+        if wanted != "auto":
+            return wanted
+        if self.device.startswith("cuda"):
+            import torch
+
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "float32"  # CPU: fp32 keeps greedy tokens those of the reference
+
+    def _warm_up(self) -> None:
+        """One short generation at load: pays kernel selection now, and refuses
+        models whose cache this batcher cannot pad and merge (sliding windows)."""
+        self.admit(None, GenerateRequest(model=self.spec.name, prompt="hello", max_tokens=2, temperature=0.0))
+        while self.has_active():
+            self.step()
+
+    def footprint_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+
+    def estimate_tokens(self, request: GenerateRequest) -> int:
+        return len(request.prompt or "") // 4 + request.max_tokens
+
+    def unload(self) -> None:
+        self.rows, self.pending = [], []
+        self.cache = self.mask = self.pos = self.last = None
+        self.model = self.base = None
+
+    # -- LoRA --------------------------------------------------------------------
+
+    def lora_of(self, request: GenerateRequest) -> str | None:
+        if request.adapter:
+            return request.adapter
+        return request.model if request.model != self.spec.name else None
+
+    def hosts(self, lora: str) -> bool:
+        return lora in self.loras
+
+    def attach_lora(self, spec: ModelSpec) -> None:
+        if spec.runtime != "peft":
+            raise BadRequest(f"{spec.name!r} is not a LoRA adapter (runtime {spec.runtime!r})")
+        base = spec.extra.get("base")
+        if base != self.spec.name:
+            raise BadRequest(f"LoRA adapter {spec.name!r} is for base model {base!r}, not {self.spec.name!r}")
+        from peft import PeftModel
+
+        name = f"lora{next(self._lora_ids)}"
+        t0 = time.perf_counter()
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(str(spec.path), adapter_name=name, is_trainable=False)
+            else:
+                self.model = PeftModel.from_pretrained(self.base, str(spec.path), adapter_name=name,
+                                                       is_trainable=False)
+        except Exception as exc:
+            raise ModelLoadFailed(f"cannot attach LoRA adapter {spec.name!r} to {self.spec.name!r}: {exc}") from exc
+        self.model.to(self.device).eval()
+        self.loras[spec.name] = name
+        log.info("attached LoRA %s to %s in %.0f ms", spec.name, self.spec.name, (time.perf_counter() - t0) * 1e3)
+        self._evict_loras()
+
+    def _evict_loras(self) -> None:
+        """Past `max_loras`, detach the least recently used adapters no sequence uses."""
+        busy = {s.lora for s in itertools.chain(self.rows, self.pending)}
+        for store_name in list(self.loras):
+            if len(self.loras) <= max(1, self.spec.profile.max_loras):
+                return
+            peft_name = self.loras[store_name]
+            if peft_name in busy or store_name == next(reversed(self.loras)):
+                continue
+            self.model.delete_adapter(peft_name)
+            del self.loras[store_name]
+            log.info("detached LoRA %s from %s", store_name, self.spec.name)
+
+    # -- continuous batching -----------------------------------------------------
+
+    def free_slots(self) -> int:
+        return max(0, self.spec.profile.max_batch_items - len(self.rows) - len(self.pending))
+
+    def has_active(self) -> bool:
+        return bool(self.rows or self.pending)
+
+    def active_count(self) -> int:
+        return len(self.rows) + len(self.pending)
+
+    def abort(self) -> list[Any]:
+        keys = [s.key for s in itertools.chain(self.rows, self.pending)]
+        self.rows, self.pending = [], []
+        self.cache = self.mask = self.pos = self.last = None
+        return keys
+
+    def admit(self, key: Any, request: GenerateRequest) -> WorkError | None:
+        try:
+            seq = self._sequence(key, request)
+        except FleetError as exc:
+            return WorkError(exc.code, exc.message)
+        self.pending.append(seq)
+        return None
+
+    def _sequence(self, key: Any, req: GenerateRequest) -> Sequence:
+        torch = self._torch
+        lora = self.lora_of(req)
+        if lora is not None and lora not in self.loras:
+            raise RuntimeError(f"LoRA {lora!r} was not attached before admit; this is a bug")
+        if lora is not None:
+            self.loras.move_to_end(lora)
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise BadRequest("the prompt is empty")
+        room = self.max_len - len(ids)
+        if room < 1:
+            raise InputTooLong(f"the prompt has {len(ids)} tokens; {self.spec.name} takes at most {self.max_len} "
+                               "with room for one generated token")
+        if not 1 <= req.max_tokens <= room:
+            raise BadRequest(f"max_tokens must be between 1 and {room} for this prompt ({len(ids)} tokens; "
+                             f"{self.spec.name} takes {self.max_len} in all), got {req.max_tokens}")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        generator = None
+        if req.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            if req.seed is not None:
+                generator.manual_seed(req.seed)
+            else:
+                generator.seed()
+        return Sequence(key, ids, req.max_tokens, req.temperature, req.top_p, generator, stop, req.stream,
+                        self.loras[lora] if lora is not None else BASE_ROW)
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """Token ids of the prompt: the text as the tokenizer encodes it, or the chat
+        rendered by the model's template (its special tokens written by the template)."""
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadRequest(f"{self.spec.name} has no chat template; send `prompt` instead of `messages`")
+            messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(req.prompt or "")["input_ids"]
+
+    def run_batch(self, requests: list[GenerateRequest]) -> list[Any]:
+        """All requests to the end, together (the non-continuous path, and tests)."""
+        results: list[Any] = [None] * len(requests)
+        for i, req in enumerate(requests):
+            results[i] = self.admit(i, req)
+        while self.has_active():
+            for i, res in self.step()[1]:
+                results[i] = res
+        return results
+
+    def step(self) -> tuple[list, list]:
+        """1. One decode step for the rows in the batch; 2. prefill the newly
+        admitted ones (their first token) and merge them in; 3. finish rows that
+        hit EOS, a stop string or max_tokens, and stream what is safe to send."""
+        torch = self._torch
+        with torch.inference_mode():
+            if self.rows:
+                self._decode()
+            if self.pending:
+                self._prefill_and_merge()
+        return self._settle()
+
+    def _forward(self, input_ids, mask, pos, cache, loras: list[str]):
+        kwargs = {}
+        if self.loras:
+            kwargs["adapter_names"] = loras
+        # logits_to_keep=1: the LM head runs on the last position only (prefill included).
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1, :].float(), out.cache
+
+    def _decode(self) -> None:
+        torch = self._torch
+        n = len(self.rows)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        logits, self.cache = self._forward(self.last[:, None], self.mask, self.pos[:, None], self.cache,
+                                           [s.lora for s in self.rows])
+        self.pos = self.pos + 1
+        self.last = self._pick(logits, self.rows)
+
+    def _prefill_and_merge(self) -> None:
+        torch = self._torch
+        from transformers import DynamicCache
+
+        new, self.pending = self.pending, []
+        lengths = torch.tensor([len(s.prompt_ids) for s in new], dtype=torch.long)
+        width = int(lengths.max())
+        ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), width), dtype=torch.long)
+        for i, s in enumerate(new):  # left padding: each prompt ends in the last column
+            ids[i, width - len(s.prompt_ids):] = torch.tensor(s.prompt_ids, dtype=torch.long)
+            mask[i, width - len(s.prompt_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp_(min=0)
+        logits, cache = self._forward(ids, mask, pos, DynamicCache(), [s.lora for s in new])
+        check_cache(cache)
+        first = self._pick(logits, new)
+        lengths = lengths.to(self.device)
+        if not self.rows:
+            self.cache, self.mask, self.pos, self.last, self.rows = cache, mask, lengths, first, new
+            return
+        # Merge: left-pad the narrower cache so both end at the same column.
+        total = max(self.mask.shape[1], width)
+        pad_old, pad_new = total - self.mask.shape[1], total - width
+        for old, add in zip(self.cache.layers, cache.layers):
+            old.keys = torch.cat([pad_left(old.keys, pad_old), pad_left(add.keys, pad_new)], dim=0)
+            old.values = torch.cat([pad_left(old.values, pad_old), pad_left(add.values, pad_new)], dim=0)
+        self.mask = torch.cat([pad_left_2d(self.mask, pad_old), pad_left_2d(mask, pad_new)], dim=0)
+        self.pos = torch.cat([self.pos, lengths])
+        self.last = torch.cat([self.last, first])
+        self.rows = self.rows + new
+
+    def _pick(self, logits, rows: list[Sequence]):
+        """Next token per row: argmax for greedy rows; for the others, temperature,
+        then top-p (nucleus) over the sorted distribution, then one draw from the
+        row's own generator (seeded requests repeat whatever batch they share)."""
+        torch = self._torch
+        out = logits.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(rows) if s.generator is not None]
+        if not sampled:
+            return out
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        temps = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
+        top_p = torch.tensor([rows[i].top_p for i in sampled], device=logits.device)
+        probs = torch.softmax(logits[idx] / temps[:, None], dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always).
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p[:, None], 0.0)
+        # One draw per row: each row's generator is its own (a batch op cannot take several).
+        picks = torch.cat([torch.multinomial(sorted_p[j], 1, generator=rows[i].generator)
+                           for j, i in enumerate(sampled)])
+        out[idx] = order.gather(1, picks[:, None]).squeeze(1)
+        return out
+
+    def _settle(self) -> tuple[list, list]:
+        torch = self._torch
+        last = self.last.tolist()
+        is_eos = torch.isin(self.last, self.eos).tolist() if len(self.eos) else [False] * len(last)
+        # 1. Append each row's new token; EOS and max_tokens end a row.
+        for s, tok, eos in zip(self.rows, last, is_eos):
+            if eos:
+                s.finish = "stop"
+                continue
+            s.ids.append(tok)
+            if len(s.ids) >= s.max_new:
+                s.finish = "length"
+        # 2. Rows that need their text now (stop strings, streaming, finished): one batch decode.
+        need = [s for s in self.rows if s.stop or s.stream or s.finish]
+        if need:
+            texts = self.tokenizer.batch_decode([s.ids for s in need], skip_special_tokens=True)
+            for s, text in zip(need, texts):
+                if s.stop:
+                    cut = stop_cut(text, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
+                    if cut != -1:
+                        text, s.finish = text[:cut], "stop"
+                s.text = text
+        partials, finished, keep = [], [], []
+        for i, s in enumerate(self.rows):
+            if s.finish:
+                finished.append((s.key, GenerateResult(s.text, s.finish, len(s.prompt_ids), len(s.ids))))
+                continue
+            keep.append(i)
+            if s.stream:
+                end = streamable_end(s.text, s.stop)
+                if end > s.sent:
+                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end])))
+                    s.sent = end
+        # 3. Finished rows leave the batch; leading columns that became all padding go too.
+        if len(keep) < len(self.rows):
+            self._keep_rows(keep)
+        return partials, finished
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        torch = self._torch
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = self.pos = self.last = None
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
+        used = self.mask.any(dim=0)
+        lead = int(used.to(torch.int8).argmax())  # first column some row still uses
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, lead:]
+            layer.values = layer.values[idx, :, lead:]
+        self.mask = self.mask[:, lead:]
+
+
+def message_text(content: str | list[dict] | None) -> str:
+    """A chat message's text: the string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+
+
+def pad_left(t, n: int):
+    """Zeros before the sequence axis (-2) of a (batch, heads, seq, dim) tensor."""
+    if not n:
+        return t
+    import torch
+
+    return torch.nn.functional.pad(t, (0, 0, n, 0))
+
+
+def pad_left_2d(t, n: int):
+    if not n:
+        return t
+    import torch
+
+    return torch.nn.functional.pad(t, (n, 0))
+
+
+def check_cache(cache: Any) -> None:
+    """The batcher pads and merges plain growing caches only."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
+        raise ModelLoadFailed(f"continuous batching needs full-attention key/value caches; this model uses "
+                              f"{', '.join(kinds)}")
+
