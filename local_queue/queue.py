@@ -28,7 +28,8 @@ can always write results (which frees payloads) when producers fill it.
 Item life: FREE -> QUEUED (put) -> CLAIMED (claim) -> DONE (ack, or the queue
 completes it with STATUS_EXPIRED / STATUS_POISON) -> FREE (wait_results copies
 the result out). CLAIMED -> QUEUED on return / lease expiry / release; QUEUED ->
-FREE on cancel.
+FREE on cancel. FREE -> DONE (emit): a partial result of a CLAIMED item, in a
+slot of its own carrying the item's request id; the item stays CLAIMED.
 
 Ids. A put returns `gen << 24 | slot`; `gen` (24 bits, wrapping) is bumped
 each time the slot is reused, so a stale id never touches a newer item. A
@@ -1019,6 +1020,80 @@ class LocalQueue:
                 posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
             else:
                 posts = 0
+        self._post(self._res_sem, posts)
+        return out
+
+    def emit(self, item_id: int, result: bytes | memoryview, *, status: int) -> bool:
+        return self.emit_many([(item_id, result, status)])[0]
+
+    def emit_many(self, items: list[tuple[int, bytes | memoryview, int]]) -> list[bool]:
+        """Publish partial results of claimed items (streaming) without completing them.
+
+        Each becomes a DONE record of its own slot, with the item's request id and
+        `status` (the caller's "partial" value; the queue does not interpret it),
+        appended to the done list in call order, before the item's final ack.
+        False (nothing published) for a claim no longer held. Like puts, partials
+        leave the result reserve alone: QueueFull (nothing changed) when it would
+        be touched, so final acks always find room. After a repair the done list
+        is rebuilt by seq, and an item's final result (put seq) may then precede
+        its partials: a reader must take the final result as the whole answer."""
+        limit = self._slab.max_bytes() - BLOCK_HDR
+        results = []
+        for _, r, st in items:
+            if type(r) is not bytes:
+                r = memoryview(r).cast("B")
+            if len(r) > limit:
+                raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
+            if not 0 <= st <= 255:
+                raise ValueError("status must be a u8")
+            results.append(r)
+        S, Sb, data, h, stack, nslots = self._S, self._Sb, self._data, self._h, self._stack, self._nslots
+        unpack = _HEAD.unpack_from
+        with self._lock:
+            # 1. Which claims are still held (a slot may emit several records in one call).
+            held, out = [], []
+            for i, (cid, _, _) in enumerate(items):
+                s = cid & SLOT_MASK
+                ok = False
+                if s < nslots:
+                    rec = unpack(Sb, s * SF * 8)
+                    ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
+                          and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
+                    if ok:
+                        held.append((i, rec))
+                out.append(ok)
+            if not held:
+                return out
+            # 2. A slot and result space for each, or nothing changes.
+            n, top = len(held), h[H_FREE_TOP]
+            if top < n:
+                raise QueueFull(f"no free slot for {n} partial results ({top} free)")
+            lens = [len(results[i]) for i, _ in held]
+            groups, need = _plan_blocks(lens)
+            if h[H_SLAB_FREE] - need < self._reserve:
+                raise QueueFull("no slab space for partial results outside the result reserve")
+            placed = self._alloc_blocks(groups, n)
+            if placed is None:
+                raise QueueFull("no slab block big enough for these partial results")
+            blocks, at = placed
+            # 3. Per record: copy, write the slot's fields, commit, chain onto the done list.
+            now, seq = time.monotonic_ns(), h[H_SEQ]
+            for j, (i, rec) in enumerate(held):
+                ln = lens[j]
+                if ln:
+                    data[at[j]:at[j] + ln] = results[i]
+                slot = stack[top - 1 - j]
+                b = slot * SF
+                seq += 1
+                _PUT.pack_into(Sb, b * 8 + F_NEXT * 8, NIL, NIL, S[b + F_GEN] % GEN_MASK + 1, rec[F_LANE], seq, 0,
+                               rec[F_REQ], now, 0, 0, NIL, 0, NIL)
+                S[b + F_OWNER] = NIL
+                _RESULT.pack_into(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
+                S[b] = DONE  # commit (invariant 3)
+                self._append_done(slot)
+            h[H_FREE_TOP] = top - n
+            h[H_SEQ] = seq
+            posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
         self._post(self._res_sem, posts)
         return out
 

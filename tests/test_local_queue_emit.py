@@ -1,0 +1,92 @@
+"""local_queue partial results (`emit_many`): streaming pieces of a claimed item
+reach the consumer before its final ack, in order, without completing it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from local_queue import LocalQueue, QueueFull
+
+LONG = 3_600_000  # ms: a lease that never runs out during a test
+PARTIAL = 2  # the caller's status value for partials (opaque to the queue)
+
+
+@pytest.fixture
+def q():
+    queue = LocalQueue.create(slots=64, slab_bytes=1 << 16, max_lanes=4, max_workers=2)
+    yield queue
+    queue.close()
+    queue.unlink()
+
+
+def claim_one(q, rid: int = 7):
+    lane = q.lane_id("gen")
+    q.put(lane, b"prompt", tokens=1, request_id=rid)
+    wid = q.register_worker(os.getpid(), "cpu")
+    (c,) = q.claim(lane, worker=wid, max_items=1, max_tokens=100, lease_ms=LONG)
+    return lane, wid, c
+
+
+def test_partials_arrive_in_order_before_the_final_result_and_leave_the_item_claimed(q):
+    lane, _, c = claim_one(q)
+    assert q.emit_many([(c.item_id, b"he", PARTIAL), (c.item_id, b"llo", PARTIAL)]) == [True, True]
+    assert q.emit(c.item_id, b" world", status=PARTIAL)
+    q.check()
+    (stats,) = q.lane_stats()
+    assert stats.claimed == 1 and stats.depth == 0  # still the worker's
+    got = q.wait_results(0)
+    assert [(d.request_id, d.status, d.result) for d in got] == [(7, PARTIAL, b"he"), (7, PARTIAL, b"llo"),
+                                                              (7, PARTIAL, b" world")]
+    assert q.ack(c.item_id, b"hello world", status=0)
+    (final,) = q.wait_results(0)
+    assert (final.request_id, final.status, final.result) == (7, 0, b"hello world")
+    q.check()
+    usage = q.usage()
+    assert usage.slots_free == usage.slots and usage.slab_free_bytes == usage.slab_bytes
+
+
+def test_partials_and_final_in_one_read_keep_emit_order(q):
+    _, _, c = claim_one(q)
+    q.emit(c.item_id, b"a", status=PARTIAL)
+    q.emit(c.item_id, b"b", status=PARTIAL)
+    q.ack(c.item_id, b"ab", status=0)
+    assert [d.result for d in q.wait_results(0)] == [b"a", b"b", b"ab"]
+
+
+def test_a_claim_no_longer_held_publishes_nothing(q):
+    lane, wid, c = claim_one(q)
+    q.return_items([c.item_id])
+    assert q.emit_many([(c.item_id, b"late", PARTIAL)]) == [False]
+    assert q.wait_results(0) == []
+    (again,) = q.claim(lane, worker=wid, max_items=1, max_tokens=100, lease_ms=LONG)
+    q.ack(again.item_id, b"done", status=0)
+    assert q.emit(again.item_id, b"after the end", status=PARTIAL) is False
+    assert [d.result for d in q.wait_results(0)] == [b"done"]
+    q.check()
+
+
+def test_partials_leave_the_result_reserve_to_final_acks(q):
+    lane, _, c = claim_one(q)
+    # Fill the slab with payloads up to the reserve (puts refuse past it).
+    while True:
+        try:
+            q.put(lane, b"x" * 4000, tokens=1, request_id=99)
+        except QueueFull:
+            break
+    before = q.usage()
+    with pytest.raises(QueueFull):
+        q.emit(c.item_id, b"y" * 4000, status=PARTIAL)
+    after = q.usage()
+    assert (after.slots_free, after.slab_free_bytes, after.done) == (before.slots_free, before.slab_free_bytes, 0)
+    assert q.ack(c.item_id, b"z" * 4000, status=0)  # the final result still finds room
+    assert [d.request_id for d in q.wait_results(0)] == [7]
+    q.check()
+
+
+def test_status_and_size_are_checked_before_anything_changes(q):
+    _, _, c = claim_one(q)
+    with pytest.raises(ValueError):
+        q.emit(c.item_id, b"a", status=300)
+    assert q.wait_results(0) == [] and q.usage().done == 0
