@@ -60,6 +60,10 @@ class Config:
     slo_ms: float = 250.0
     keep_up: float = 0.95
     refresh_ms: float = 50.0  # push router's view refresh period
+    #: Steps below this load are not run (a step of a few requests says nothing).
+    min_rps: float = 10.0
+    #: Keep each side's system from step to step instead of a fresh, warmed one per step.
+    carry_state: bool = False
     #: Schedulers to compare: pull (the committed policy), pull+holders (pull with the
     #: proposed load rule, bench.sim.pull.should_load), push.
     sides: tuple[str, ...] = ("pull", "pull+holders", "push")
@@ -67,7 +71,7 @@ class Config:
     @classmethod
     def quick(cls, **over) -> Config:
         base = dict(duration_s=1.0, drain_s=0.5, warmup_s=1.0, time_scale=1.5, start_rps=400.0, factor=3.0,
-                    resolution=0.5, max_steps=4)
+                    resolution=0.5, max_steps=4, carry_state=True)
         base.update(over)
         return cls(**base)
 
@@ -81,10 +85,9 @@ class Config:
 @dataclass
 class Side:
     name: str
-    system: object
     steps: list[StepOutcome] = field(default_factory=list)
     warmup: StepOutcome | None = None
-    #: The step at the load every side kept up with (the lowest knee), for latency side by side.
+    #: The step at push's knee load, for latency side by side.
     at_common: StepOutcome | None = None
 
     @property
@@ -103,66 +106,100 @@ def _payload() -> memoryview:
     return memoryview(b"x" * (4 * 80 * 32))
 
 
+class _Bench:
+    """Runs steps for the sides; owns the request-id counter and the systems."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.models = make_models(cfg.models)
+        self.spec = TrafficSpec(models=cfg.models, zipf_s=cfg.zipf_s)
+        self.recorder = Recorder()
+        self.payload = _payload()
+        self.rid = 0
+        self.live: dict[str, object] = {}  # carried-over systems (--carry-state)
+
+    def make(self, name: str):
+        cfg, models, rec = self.cfg, self.models, self.recorder
+        if name == "pull":
+            return PullSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale)
+        if name == "pull+holders":
+            return PullSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale, loading=HOLDERS)
+        if name == "push":
+            return PushSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale,
+                              refresh_ms=cfg.refresh_ms)
+        raise ValueError(f"unknown side {name!r}: choose from {', '.join(SIDES)}")
+
+    def _run(self, system, rate: float, duration_s: float, seed: int) -> StepOutcome:
+        trace = make_trace(rate, duration_s, self.spec, seed)
+        out = run_step(system, trace, self.models, self.recorder, self.rid, time_scale=self.cfg.time_scale,
+                       drain_s=self.cfg.drain_s, payload=self.payload)
+        self.rid += len(trace)
+        return out
+
+    def _warm(self, system) -> StepOutcome:
+        # Not measured: the system starts out holding models, placed by its own policy.
+        return self._run(system, self.cfg.warmup_rps, self.cfg.warmup_s, self.cfg.seed + 7919)
+
+    def step(self, side: Side, offered: float) -> StepOutcome:
+        cfg = self.cfg
+        if cfg.carry_state:
+            system = self.live.get(side.name)
+            if system is None:
+                system = self.live[side.name] = self.make(side.name)
+                system.start()
+                side.warmup = self._warm(system)
+            return self._run(system, offered, cfg.duration_s, cfg.seed)
+        # A fresh, warmed system per step: a step that collapsed (a swap storm) does not
+        # leave its scrambled placement to the next one, so steps do not depend on order.
+        system = self.make(side.name)
+        system.start()
+        try:
+            side.warmup = self._warm(system)
+            return self._run(system, offered, cfg.duration_s, cfg.seed)
+        finally:
+            system.close()
+
+    def close(self) -> None:
+        for system in self.live.values():
+            system.close()
+
+
+SIDES = ("pull", "pull+holders", "push")
+
+
 def simulate(cfg: Config, console_err: Console | None = None) -> list[Side]:
     """Run every side's ramp, interleaved step by step; returns the sides in cfg.sides order."""
     err = console_err or Console(stderr=True)
-    models = make_models(cfg.models)
-    spec = TrafficSpec(models=cfg.models, zipf_s=cfg.zipf_s)
-    recorder = Recorder()
-    payload = _payload()
-    ramp = Ramp(start=cfg.start_rps, factor=cfg.factor, resolution=cfg.resolution, max_steps=cfg.max_steps)
-    make = {
-        "pull": lambda: PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale),
-        "pull+holders": lambda: PullSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
-                                           loading=HOLDERS),
-        "push": lambda: PushSystem(models, cfg.workers, cfg.slots, recorder, time_scale=cfg.time_scale,
-                                   refresh_ms=cfg.refresh_ms),
-    }
-    unknown = set(cfg.sides) - set(make)
+    unknown = set(cfg.sides) - set(SIDES)
     if unknown:
-        raise ValueError(f"unknown side(s) {sorted(unknown)}: choose from {sorted(make)}")
-    sides: list[Side] = []
-    rid = 0
+        raise ValueError(f"unknown side(s) {sorted(unknown)}: choose from {', '.join(SIDES)}")
+    ramp = Ramp(start=cfg.start_rps, factor=cfg.factor, resolution=cfg.resolution, max_steps=cfg.max_steps)
+    bench = _Bench(cfg)
+    sides = [Side(name) for name in cfg.sides]
     try:
-        for name in cfg.sides:
-            side = Side(name, make[name]())
-            sides.append(side)
-            side.system.start()
-            # Warm-up (not measured): every side starts out holding models.
-            trace = make_trace(cfg.warmup_rps, cfg.warmup_s, spec, cfg.seed + 7919)
-            side.warmup = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
-                                   drain_s=cfg.drain_s, payload=payload)
-            rid += len(trace)
         active = list(sides)
         while active:
             for side in list(active):
                 offered = plan_next(side.results, ramp, cfg.criteria)
-                if offered is None:
+                if offered is None or offered < cfg.min_rps:
                     active.remove(side)
                     continue
-                trace = make_trace(offered, cfg.duration_s, spec, cfg.seed)
-                out = run_step(side.system, trace, models, recorder, rid, time_scale=cfg.time_scale,
-                               drain_s=cfg.drain_s, payload=payload)
-                rid += len(trace)
+                out = bench.step(side, offered)
                 side.steps.append(out)
                 r = out.result
                 err.print(f"[dim]{side.name:12} {r.offered:7.0f} r/s offered -> {r.throughput_rps:7.0f} r/s, "
-                          f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, sim cpu {out.cpu_pct:.0f}%[/]")
-        # Latency side by side at one load: the lowest knee (rerun where a side's ramp
-        # did not visit it, so every side is measured at exactly that load).
-        knees = [k.knee.offered for k in (side.knee(cfg.criteria) for side in sides) if k.knee is not None]
-        if knees:
-            common = min(knees)
+                          f"p95 {r.p95_ms:7.1f} ms, errors {r.errors}, sim cpu {out.cpu_pct:.0f}%, "
+                          f"box cpu {out.host_cpu_pct:.0f}%[/]")
+        # Latency side by side at one load: push's knee (rerun where a side's ramp did
+        # not visit it, so every side is measured at exactly that load).
+        push = next((side.knee(cfg.criteria).knee for side in sides if side.name == "push"), None)
+        if push is not None:
             for side in sides:
-                side.at_common = next((o for o in side.steps if o.result.offered == common), None)
+                side.at_common = next((o for o in side.steps if o.result.offered == push.offered), None)
                 if side.at_common is None:
-                    trace = make_trace(common, cfg.duration_s, spec, cfg.seed)
-                    side.at_common = run_step(side.system, trace, models, recorder, rid,
-                                              time_scale=cfg.time_scale, drain_s=cfg.drain_s, payload=payload)
-                    rid += len(trace)
+                    side.at_common = bench.step(side, push.offered)
     finally:
-        for side in sides:
-            side.system.close()
+        bench.close()
     return sides
 
 
@@ -173,7 +210,7 @@ def steps_table(side: Side, criteria: Criteria) -> Table:
     verdicts = {id(v.step): v.reasons for v in knee.verdicts}
     t = Table(title=f"{side.name}: steps (device time)", title_justify="left")
     for col in ("offered r/s", "req/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "err", "items/batch", "swaps",
-                "dev busy", "swap share", "gen lag p99", "sim cpu%", "verdict"):
+                "dev busy", "swap share", "models held", "gen lag p99", "sim cpu%", "box cpu%", "verdict"):
         t.add_column(col, justify="left" if col == "verdict" else "right")
     for out in sorted(side.steps, key=lambda o: o.result.offered):
         s = out.result
@@ -182,8 +219,9 @@ def steps_table(side: Side, criteria: Criteria) -> Table:
             "[red]" + "; ".join(reasons) + "[/]" if reasons else "ok")
         t.add_row(f"{s.offered:.0f}", f"{s.throughput_rps:.0f}", f"{s.tokens_per_s:,.0f}", f"{s.p50_ms:.1f}",
                   f"{s.p95_ms:.1f}", f"{s.p99_ms:.1f}", str(s.errors), f"{out.items_per_batch:.1f}", str(out.swaps),
-                  f"{out.device_busy:.0%}", f"{out.swap_share:.0%}", f"{out.gen_lag_p99_ms:.1f}",
-                  f"{out.cpu_pct:.0f}", verdict)
+                  f"{out.device_busy:.0%}", f"{out.swap_share:.0%}", str(out.resident_distinct),
+                  f"{out.gen_lag_p99_ms:.1f}",
+                  f"{out.cpu_pct:.0f}", f"{out.host_cpu_pct:.0f}", verdict)
     return t
 
 
@@ -242,7 +280,7 @@ def common_table(sides: list[Side]) -> Table | None:
     rows = [(side.name, side.at_common) for side in sides if side.at_common is not None]
     if not rows:
         return None
-    t = Table(title=f"at one load, the lowest knee: {rows[0][1].result.offered:.0f} r/s offered (device time)",
+    t = Table(title=f"at one load, push's knee: {rows[0][1].result.offered:.0f} r/s offered (device time)",
               title_justify="left")
     for col in ("scheduler", "req/s", "p50 ms", "p95 ms", "p99 ms", "items/batch", "swaps", "dev busy"):
         t.add_column(col, justify="left" if col == "scheduler" else "right")
@@ -314,11 +352,13 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         ("factor", float, "ramp growth per step until the knee is passed"),
         ("resolution", float, "bisect until first-bad / knee <= 1 + this"), ("max-steps", int, "steps per side"),
         ("slo-ms", float, "p95 bound of a healthy step"), ("keep-up", float, "throughput / offered of a healthy step"),
-        ("refresh-ms", float, "push router's view refresh period"),
+        ("refresh-ms", float, "push router's view refresh period"), ("min-rps", float, "lowest load a ramp runs"),
     ):
         p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     p.add_argument("--sides", default=None, help="comma-separated, from pull, pull+holders, push "
                                                  f"(default {','.join(d.sides)})")
+    p.add_argument("--carry-state", action="store_true", default=None,
+                   help="keep each side's system across steps (default: a fresh, warmed one per step)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/simulate-<UTC>.json)")
     p.add_argument("--no-save", action="store_true", help="do not write the JSON record")
     a = p.parse_args(argv)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 
 from bench.knee import StepResult
 from bench.sim.device import DeviceStats
@@ -57,12 +58,17 @@ class StepOutcome:
     gen_lag_p99_ms: float
     #: This process's CPU over the step, % of one core (2 cores here: 200 is all of it).
     cpu_pct: float
+    #: The whole machine's CPU over the step, % of all cores (others share this box).
+    host_cpu_pct: float
     swaps: int
     batches: int
     items_per_batch: float
     #: Fraction of device time busy (swaps included) over the window and drain.
     device_busy: float
     swap_share: float  # fraction of busy device time spent loading models
+    #: Distinct models resident on some device at the step's end (of all models; a
+    #: herd of workers loading the same models shows up as a small number here).
+    resident_distinct: int
 
 
 def _sum_stats(devices) -> DeviceStats:
@@ -95,6 +101,7 @@ def _run_step(system, trace: Trace, models: list[SimModel], recorder: Recorder, 
     recorder.begin(base_rid, n)
     before = _sum_stats(system.devices)
     cpu0 = os.times()
+    psutil.cpu_percent(None)  # starts the machine-wide CPU window
     t0 = time.monotonic_ns() + 2_000_000
     arrive = t0 + (trace.t_s * scale_ns).astype(np.int64)
     window_end = t0 + int(trace.duration_s * scale_ns)
@@ -128,6 +135,7 @@ def _run_step(system, trace: Trace, models: list[SimModel], recorder: Recorder, 
         time.sleep(0.005)
     end_all = time.monotonic_ns()
     cpu1 = os.times()
+    host_cpu = psutil.cpu_percent(None)
     after = _sum_stats(system.devices)
     # 3. Measure.
     end = recorder.end_ns
@@ -152,8 +160,10 @@ def _run_step(system, trace: Trace, models: list[SimModel], recorder: Recorder, 
         result=result, rejected=rejected, dropped=dropped,
         gen_lag_p99_ms=float(np.percentile(lag, 99)) / 1e6 / time_scale if n else 0.0,
         cpu_pct=100.0 * cpu / wall,
+        host_cpu_pct=host_cpu,
         swaps=after.swaps - before.swaps, batches=batches,
         items_per_batch=(after.items - before.items) / batches if batches else 0.0,
         device_busy=busy / span if span else 0.0,
         swap_share=(after.swap_ns - before.swap_ns) / busy if busy else 0.0,
+        resident_distinct=len(set().union(*(set(d.resident) for d in system.devices))),
     )
