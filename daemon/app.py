@@ -17,6 +17,7 @@ from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cluster import ClusterController
 from daemon.controllers.embed import EmbedController
 from daemon.controllers.extract import ExtractController
+from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.controllers.rerank import RerankController
 from daemon.core import Daemon
@@ -43,7 +44,7 @@ def create_app(daemon: Daemon) -> Litestar:
             daemon.stop()
 
     return Litestar(
-        route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController,
+        route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},

@@ -14,13 +14,14 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from fleetctl.errors import FleetError, InferenceFailed, Overloaded, Timeout, from_code
 from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, LocalQueue, QueueFull
-from runtimes.messages import STATUS_OK, EnvelopeIn, WorkError
+from runtimes.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
 
 log = logging.getLogger("fleet.daemon")
 
@@ -45,6 +46,8 @@ class Broker:
         self.max_attempts = max_attempts
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Done]] = {}
+        #: request id -> where its partial results go (streaming requests only).
+        self._partials: dict[int, Callable[[Done], None]] = {}
         self._lanes: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -85,14 +88,19 @@ class Broker:
                 raise Overloaded(f"no free lane for {model!r}: {exc}") from None
         return lane
 
-    async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float) -> Answer:
+    async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
+                     on_partial: Callable[[Done], None] | None = None) -> Answer:
         """Queue one work item and wait for its result (or raise its error)."""
-        return self.answer(model, await self.run(model, payload, tokens=tokens, timeout_s=timeout_s))
+        return self.answer(model, await self.run(model, payload, tokens=tokens, timeout_s=timeout_s,
+                                                 on_partial=on_partial))
 
-    async def run(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float) -> Done:
+    async def run(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
+                  on_partial: Callable[[Done], None] | None = None) -> Done:
         """Queue one work item and wait for its raw result, as the worker wrote it.
         Raises only for what happened on this box's side (queue full, no answer in time);
-        the NATS bridge forwards the `Done` to the requesting box as it is."""
+        the NATS bridge forwards the `Done` to the requesting box as it is.
+        `on_partial` gets the item's partial results (STATUS_PARTIAL), on the loop,
+        in order, all of them before the final result resolves."""
         if self.queue.depth() >= self.max_depth:
             raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
         lane = self.lane(model)
@@ -100,10 +108,13 @@ class Broker:
         deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
         fut: asyncio.Future[Done] = self._loop.create_future()  # type: ignore[union-attr]
         self._waiting[request_id] = fut
+        if on_partial is not None:
+            self._partials[request_id] = on_partial
         try:
             item_id = self.queue.put(lane, payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns)
         except QueueFull as exc:
             del self._waiting[request_id]
+            self._partials.pop(request_id, None)
             raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
         try:
             done = await asyncio.wait_for(fut, timeout_s)
@@ -113,6 +124,7 @@ class Broker:
             raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
         finally:
             self._waiting.pop(request_id, None)
+            self._partials.pop(request_id, None)
         return done
 
     def answer(self, model: str, done: Done) -> Answer:
@@ -141,6 +153,11 @@ class Broker:
 
     def _resolve(self, done: list[Done]) -> None:
         for d in done:
+            if d.status == STATUS_PARTIAL:
+                sink = self._partials.get(d.request_id)
+                if sink is not None:
+                    sink(d)
+                continue
             fut = self._waiting.pop(d.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(d)

@@ -20,7 +20,7 @@ from fleetctl.catalog import load_catalog
 from fleetctl.config import Settings
 from fleetctl.errors import BadRequest, FleetError, ModelNotFound
 from fleetctl.store import Manifest, Store
-from local_queue import LocalQueue
+from local_queue import Done, LocalQueue
 
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
@@ -29,6 +29,9 @@ from daemon.supervisor import Supervisor, detect_devices
 log = logging.getLogger("fleet.daemon")
 
 _info_decoder = msgspec.msgpack.Decoder()
+
+#: Tasks whose runtime adapters host LoRA adapters (runtimes.base, "LoRA hosting").
+LORA_TASKS = frozenset({"generate"})
 
 #: A worker that has not heartbeaten for this long is not counted as up.
 HEARTBEAT_STALE_S = 30.0
@@ -112,27 +115,42 @@ class Daemon:
         return manifest
 
     async def submit(self, task: str, model: str, payload: bytes | memoryview, *, tokens: int,
-                     timeout_ms: int | None) -> Answer:
+                     timeout_ms: int | None, on_partial: Callable[[Done], None] | None = None) -> Answer:
         """The one request path every task controller uses: check the model serves
-        `task`, queue `payload` (the request as MessagePack), wait, record metrics."""
+        `task`, queue `payload` (the request as MessagePack), wait, record metrics.
+        A LoRA adapter's requests queue in its base model's lane: the worker holding
+        the base serves every adapter of it in the same batches (runtimes.continuous).
+        `on_partial` receives streamed partial results (this box only; through NATS
+        the answer comes whole)."""
         t0 = time.perf_counter()
         try:
             try:
-                self.manifest(model, task)
+                lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:
                 if self.cluster is None:
                     raise
                 self.cluster.check_model(model, task)  # another box may have it
+                lane = model
             timeout_s = self.timeout_s(timeout_ms)
             if self.cluster is not None:
-                answer = await self.cluster.submit(model, task, payload, tokens=tokens, timeout_s=timeout_s)
+                answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s)
             else:
-                answer = await self.broker.submit(model, payload, tokens=tokens, timeout_s=timeout_s)
+                answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
+                                                  on_partial=on_partial)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
             raise
         self.metrics.observe_request(model, task, "ok", time.perf_counter() - t0, answer.queue_ms, answer.inference_ms)
         return answer
+
+    def lane_of(self, manifest: Manifest) -> str:
+        """The lane a model's requests queue in: its own, or its base's for a LoRA adapter."""
+        if not manifest.base:
+            return manifest.name
+        if manifest.task not in LORA_TASKS:
+            raise BadRequest(f"{manifest.name!r} is a LoRA adapter for {manifest.task!r}; fleet serves LoRA "
+                             f"adapters for {', '.join(sorted(LORA_TASKS))} only")
+        return manifest.base
 
     def refresh_gauges(self) -> None:
         """Point-in-time series (lanes, device memory), read from the queue at scrape time."""
