@@ -1,0 +1,129 @@
+"""What the bench puts on the wire per target, and how it reads replies (incl. chunked ones)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from bench import corpus, httpclient
+from bench.targets import build_payloads, reply_tokens, request_windows
+from bench.tokens import TokenCounter
+
+TEXTS = corpus.load()
+
+
+@pytest.fixture(scope="module")
+def lengths() -> list[int]:
+    return TokenCounter.for_default_model().count(TEXTS)
+
+
+def split(request: bytes) -> tuple[str, dict[str, str], bytes]:
+    head, _, body = request.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert int(headers["Content-Length"]) == len(body)
+    return lines[0], headers, body
+
+
+def test_corpus_is_varied_and_within_token_bounds(lengths):
+    assert len(TEXTS) == len(set(TEXTS)) >= 300
+    assert min(lengths) >= corpus.MIN_TOKENS and max(lengths) <= corpus.MAX_TOKENS
+    # Short and long texts both present, not one length repeated.
+    assert sum(n < 20 for n in lengths) > 50 and sum(n > 60 for n in lengths) > 50
+
+
+def test_token_counts_include_special_tokens():
+    counter = TokenCounter.for_default_model()
+    # [CLS] hello world [SEP]
+    assert counter.count(["hello world", "a b c"]) == [4, 5]
+
+
+def test_windows_cycle_through_the_whole_corpus():
+    windows = request_windows(len(TEXTS), 32, pool_size=len(TEXTS) // 32 + 1)
+    seen = {i for w in windows for i in w}
+    assert seen == set(range(len(TEXTS)))
+    assert all(len(w) == 32 for w in windows)
+    assert request_windows(len(TEXTS), 32) == request_windows(len(TEXTS), 32)  # same for every target
+
+
+def test_fleet_embed_request_is_msgpack(lengths):
+    p = build_payloads("fleet", "embed", "http://127.0.0.1:7744", "m1", TEXTS, lengths, 4, pool_size=3)[1]
+    line, headers, body = split(p.request)
+    assert line == "POST /v1/embed HTTP/1.1"
+    assert headers["Content-Type"] == headers["Accept"] == "application/msgpack"
+    doc = msgspec.msgpack.decode(body)
+    assert doc["model"] == "m1" and len(doc["inputs"]) == 4 and p.inputs == 4
+    assert p.tokens == sum(lengths[TEXTS.index(t)] for t in doc["inputs"])
+
+
+def test_fleet_rerank_request_counts_query_per_document(lengths):
+    p = build_payloads("fleet", "rerank", "http://127.0.0.1:7744", "rr", TEXTS, lengths, 3, pool_size=2)[0]
+    line, _, body = split(p.request)
+    assert line == "POST /v1/rerank HTTP/1.1"
+    doc = msgspec.msgpack.decode(body)
+    q = lengths[TEXTS.index(doc["query"])]
+    assert p.tokens == sum(lengths[TEXTS.index(d)] for d in doc["documents"]) + 3 * q
+
+
+def test_openai_and_infinity_requests(lengths):
+    p = build_payloads("openai", "embed", "http://127.0.0.1:8000", "m", TEXTS, lengths, 2, pool_size=1)[0]
+    line, headers, body = split(p.request)
+    assert line == "POST /v1/embeddings HTTP/1.1" and headers["Content-Type"] == "application/json"
+    doc = msgspec.json.decode(body)
+    assert doc["encoding_format"] == "base64" and len(doc["input"]) == 2
+    p = build_payloads("infinity", "embed", "http://127.0.0.1:7997", "m", TEXTS, lengths, 2, pool_size=1,
+                       encoding="float", api_key="k")[0]
+    line, headers, body = split(p.request)
+    assert line == "POST /embeddings HTTP/1.1" and headers["Authorization"] == "Bearer k"
+    assert msgspec.json.decode(body)["encoding_format"] == "float"
+    # A URL with a path is used as given.
+    p = build_payloads("openai", "embed", "http://127.0.0.1:8000/custom/emb", "m", TEXTS, lengths, 1, pool_size=1)[0]
+    assert split(p.request)[0] == "POST /custom/emb HTTP/1.1"
+
+
+def test_unsupported_combinations_are_refused(lengths):
+    with pytest.raises(ValueError, match="rerank"):
+        build_payloads("openai", "rerank", "http://127.0.0.1:1", "m", TEXTS, lengths, 1, pool_size=1)
+    with pytest.raises(ValueError, match="only http"):
+        build_payloads("fleet", "embed", "https://127.0.0.1:1", "m", TEXTS, lengths, 1, pool_size=1)
+
+
+def test_reply_tokens_reads_usage_only():
+    fleet = msgspec.msgpack.encode({"model": "m", "embeddings": b"\0" * 3072, "shape": [2, 384],
+                                    "usage": {"input_tokens": 9}})
+    assert reply_tokens("fleet", "embed", fleet) == 9
+    openai = msgspec.json.encode({"data": [], "model": "m", "usage": {"prompt_tokens": 7, "total_tokens": 7}})
+    assert reply_tokens("openai", "embed", openai) == 7
+    gen = msgspec.json.encode({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 16}})
+    assert reply_tokens("openai", "generate", gen) == 16
+    assert reply_tokens("openai", "embed", b'{"data": []}') == -1
+    with pytest.raises(msgspec.DecodeError):
+        reply_tokens("fleet", "embed", b"not msgpack at all \xc1")
+
+
+def test_client_reads_chunked_and_content_length_replies_on_one_connection():
+    async def scenario() -> list[tuple[int, bytes, bool]]:
+        async def handle(reader, writer):
+            for reply in (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+                          b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy"):
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(reply)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ep = httpclient.Endpoint(f"http://127.0.0.1:{port}")
+        req = httpclient.build_request(ep, "/x", b"", "application/json", "application/json")
+        conn = await httpclient.connect(ep)
+        out = [await httpclient.exchange(conn, req), await httpclient.exchange(conn, req)]
+        conn.close()
+        server.close()
+        await server.wait_closed()
+        return out
+
+    first, second = asyncio.run(scenario())
+    assert first == (200, b"hello world", True)
+    assert second == (429, b"busy", False)
