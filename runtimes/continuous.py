@@ -144,7 +144,11 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
                 failed_loras[lora] = error
                 errors.append((c.item_id, error))
                 continue
-        error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now), request)
+        try:
+            error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now), request)
+        except Exception as exc:  # a request the adapter chokes on fails alone; the worker stays up
+            log.exception("admitting a request to %s failed", adapter.spec.name)
+            error = WorkError("inference_failed", f"{adapter.spec.name}: {type(exc).__name__}: {exc}")
         if error is not None:
             errors.append((c.item_id, error))
     if errors:

@@ -75,12 +75,13 @@ def streamable_end(text: str, stops: tuple[str, ...]) -> int:
     end = len(text)
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
+    hold = 0  # the longest suffix that is a proper prefix of some stop string
     for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
+        for k in range(min(len(s) - 1, end), hold, -1):
             if text.endswith(s[:k], 0, end):
-                end -= k
+                hold = k
                 break
-    return max(end, 0)
+    return end - hold
 
 
 class CausalLM(Adapter):
@@ -259,8 +260,13 @@ class CausalLM(Adapter):
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise BadRequest(f"{self.spec.name} has no chat template; send `prompt` instead of `messages`")
+            if not req.messages:
+                raise BadRequest("`messages` is empty: send at least one message")
             messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # templates raise on what they refuse (roles, order)
+                raise BadRequest(f"the chat template of {self.spec.name} refused these messages: {exc}") from exc
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(req.prompt or "")["input_ids"]
 

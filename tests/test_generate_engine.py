@@ -1,0 +1,148 @@
+"""The generation adapter in-process (runtimes.generate.CausalLM), against
+transformers `generate` and peft on the same tiny weights: continuous batching
+(rows joining and leaving between steps), mixed-adapter forwards, LoRA
+eviction, streaming pieces and the pure text helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetctl.protocol import GenerateRequest
+from runtimes.base import ModelSpec, Profile
+from runtimes.generate import BASE_ROW, CausalLM, stop_cut, streamable_end
+from runtimes.messages import GenerateChunk, GenerateResult, WorkError
+from tests.gen_models import Reference, build_llama, build_lora
+
+MODEL = "tiny"
+PROMPTS = ["hello world", "the quick brown fox jumps over", "a", "invoices must be paid within", "z y", "fleet"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine")
+    base = build_llama(root / MODEL)
+    return {"base": base, **{f"l{i}": build_lora(base, root / f"l{i}", seed=40 + i) for i in range(3)}}
+
+
+@pytest.fixture(scope="module")
+def ref(folders: dict[str, Path]) -> Reference:
+    return Reference(folders["base"])
+
+
+def make(folders: dict[str, Path], **profile) -> CausalLM:
+    adapter = CausalLM(ModelSpec(MODEL, folders["base"], "generate", "transformers", Profile(**profile)), "cpu")
+    adapter.load()
+    return adapter
+
+
+def lora_spec(folders: dict[str, Path], name: str, base: str = MODEL) -> ModelSpec:
+    return ModelSpec(name, folders[name], "generate", "peft", extra={"base": base})
+
+
+def greedy(prompt: str, n: int, **extra) -> GenerateRequest:
+    return GenerateRequest(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.0, **extra)
+
+
+def test_rows_joining_and_leaving_between_steps_keep_greedy_tokens(folders, ref: Reference) -> None:
+    adapter = make(folders, max_batch_items=3)
+    jobs = [(p, 4 + 3 * i) for i, p in enumerate(PROMPTS)] * 2
+    results, waiting, widths = {}, list(enumerate(jobs)), []
+    while waiting or adapter.has_active():
+        # At most one newcomer per step, never past the free slots: every step
+        # mixes rows at different positions, and rows leave at different steps.
+        if waiting and adapter.free_slots():
+            key, (prompt, n) = waiting.pop(0)
+            assert adapter.admit(key, greedy(prompt, n)) is None
+        _, finished = adapter.step()
+        widths.append(adapter.active_count())
+        results.update(finished)
+    assert max(widths) == 3
+    for key, (prompt, n) in enumerate(jobs):
+        text, count = ref.greedy(prompt, n)
+        assert isinstance(results[key], GenerateResult)
+        assert (results[key].text, results[key].output_tokens) == (text, count), prompt
+    assert not adapter.has_active() and adapter.cache is None
+
+
+def test_mixed_adapter_forward_equals_each_adapter_alone(folders, ref: Reference) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    adapter = make(folders)
+    for name in ("l0", "l1", "l2"):
+        adapter.attach_lora(lora_spec(folders, name))
+    names = ["l0", "l1", None, "l2", "l0"]
+    prompt = "the quick brown fox"
+    ids = torch.tensor([ref.tokenizer(prompt)["input_ids"]] * len(names))
+    mask = torch.ones_like(ids)
+    pos = (mask.cumsum(1) - 1)
+    rows = [adapter.loras[n] if n else BASE_ROW for n in names]
+    with torch.inference_mode():
+        mixed, _ = adapter._forward(ids, mask, pos, DynamicCache(), rows)
+    for i, name in enumerate(names):
+        alone = ref.logits(prompt, folders[name] if name else None)
+        assert torch.allclose(mixed[i], alone, atol=1e-4), name
+    assert not torch.allclose(mixed[0], mixed[1], atol=1e-2)  # the adapters differ
+    # Whole generations too: one batch with every adapter and the base.
+    reqs = [greedy(p, 10, adapter=n) if n else greedy(p, 10) for p, n in zip(PROMPTS, names)]
+    for req, res, name in zip(reqs, adapter.run_batch(reqs), names):
+        assert res.text == ref.greedy(req.prompt, 10, folders[name] if name else None)[0]
+
+
+def test_lora_eviction_keeps_the_newest_and_frees_memory(folders) -> None:
+    adapter = make(folders, max_loras=2)
+    base_bytes = adapter.footprint_bytes()
+    adapter.attach_lora(lora_spec(folders, "l0"))
+    one = adapter.footprint_bytes() - base_bytes
+    adapter.attach_lora(lora_spec(folders, "l1"))
+    adapter.attach_lora(lora_spec(folders, "l2"))
+    assert [adapter.hosts(n) for n in ("l0", "l1", "l2")] == [False, True, True]
+    assert adapter.footprint_bytes() - base_bytes == 2 * one
+    # An adapter another base owns is refused, and nothing changes.
+    with pytest.raises(Exception, match="is for base model 'other'"):
+        adapter.attach_lora(lora_spec(folders, "l0", base="other"))
+    assert not adapter.hosts("l0")
+
+
+def test_streaming_pieces_concatenate_to_the_final_text(folders) -> None:
+    adapter = make(folders)
+    adapter.admit("k", greedy(PROMPTS[1], 20, stream=True))
+    pieces, final = [], None
+    while adapter.has_active():
+        partials, finished = adapter.step()
+        pieces += [c for _, c in partials]
+        final = finished[0][1] if finished else final
+    assert all(isinstance(c, GenerateChunk) for c in pieces) and len(pieces) > 3
+    assert [c.start for c in pieces] == [sum(len(p.text) for p in pieces[:i]) for i in range(len(pieces))]
+    assert final.text.startswith("".join(c.text for c in pieces))
+
+
+def test_admit_refuses_bad_requests_without_touching_the_batch(folders) -> None:
+    adapter = make(folders)
+    assert adapter.admit(1, greedy("hello", 300)).code == "bad_request"
+    assert adapter.admit(2, greedy("hi " * 300, 1)).code == "input_too_long"
+    err = adapter.admit(3, GenerateRequest(model=MODEL, messages=[], max_tokens=2))
+    assert isinstance(err, WorkError) and err.code == "bad_request"
+    assert not adapter.has_active()
+
+
+@pytest.mark.parametrize("text, stops, start, want", [
+    ("hello world", ("wor",), 0, 6),
+    ("hello world", ("xyz", "o"), 0, 4),
+    ("hello world", ("o",), 5, 7),
+    ("hello", ("lo w",), 0, -1),
+])
+def test_stop_cut(text: str, stops: tuple[str, ...], start: int, want: int) -> None:
+    assert stop_cut(text, stops, start) == want
+
+
+@pytest.mark.parametrize("text, stops, want", [
+    ("hello wo", ("world",), 6),  # "wo" may still become the stop
+    ("hello", ("world",), 5),
+    ("abc\ufffd", (), 3),  # a partial UTF-8 character waits for its next byte
+    ("abc", ("c", "bcd"), 1),
+])
+def test_streamable_end(text: str, stops: tuple[str, ...], want: int) -> None:
+    assert streamable_end(text, stops) == want
