@@ -1,5 +1,11 @@
 """A simulated GPU: which models it holds, what a swap and a batch cost.
 
+Which model to evict, and whether to load at all, is decided by the real
+`runtimes.memory.plan_load` (one slot = one model's footprint): evict the
+models with no waiting requests first, least recently used with the reload
+cost credited as recency; WAIT rather than evict a model busier than the one
+coming in.
+
 Device time is spent by sleeping (`time.sleep` releases the CPU, so eight
 simulated GPUs run side by side on two cores). The device keeps its own
 virtual clock so that sleep overshoot and short host work do not count as
@@ -12,22 +18,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from bench.sim.traffic import SimModel
+from runtimes.memory import LOAD, Footprint, LoadPlan, ResidentView, eviction_order, plan_load
 
 SLACK_NS = 1_000_000
-
-
-def find_model_to_evict(resident_lru: Sequence[int], busy: Iterable[int]) -> int:
-    """The least recently used resident model that has no work waiting here; the
-    least recently used one when all have (resident_lru: oldest first, non-empty)."""
-    waiting = set(busy)
-    for model in resident_lru:
-        if model not in waiting:
-            return model
-    return resident_lru[0]
+#: A resident model's footprint: memory is counted in slots, one model per slot.
+SLOT = Footprint(weights_bytes=1)
 
 
 @dataclass
@@ -47,8 +46,10 @@ class SimDevice:
         self.slots = slots
         self.time_scale = time_scale
         self.slack_ns = slack_ns
-        #: Resident model indices, least recently used first.
+        #: Resident model indices, least recently used first; last use (device s) and reload cost (s).
         self.resident: OrderedDict[int, None] = OrderedDict()
+        self.last_used: dict[int, float] = {}
+        self.reload_s: dict[int, float] = {}
         self.free_at_ns = 0
         self.stats = DeviceStats()
 
@@ -70,26 +71,55 @@ class SimDevice:
             time.sleep(delay / 1e9)
         return end
 
-    def ensure(self, model: SimModel, busy: Iterable[int]) -> bool:
-        """Make `model` resident (evicting per find_model_to_evict). True if it had to load."""
-        if model.index in self.resident:
-            self.resident.move_to_end(model.index)
-            return False
+    def _views(self, waiting: Mapping[int, int]) -> list[ResidentView]:
+        return [ResidentView(str(i), 0, SLOT, False, self.last_used[i], self.reload_s[i], waiting.get(i, 0))
+                for i in self.resident]
+
+    def plan_load(self, model: SimModel, waiting: Mapping[int, int]) -> LoadPlan:
+        """runtimes.memory.plan_load for `model` (not resident) with `waiting`: model index -> queued items."""
+        return plan_load(model.name, SLOT, self._views(waiting), worker=0, device="sim",
+                         budget_bytes=self.slots * SLOT.weights_bytes, free_now_bytes=1 << 62,
+                         incoming_waiting=waiting.get(model.index, 0))
+
+    def load(self, model: SimModel, evict: list[int]) -> None:
+        """Evict `evict` (model indices), then spend the swap loading `model`."""
+        for i in evict:
+            del self.resident[i]
         if len(self.resident) >= self.slots:
-            del self.resident[find_model_to_evict(list(self.resident), busy)]
+            raise RuntimeError(f"loading {model.name} into a full device: this is a bug")
         before = self.stats.busy_ns
         self._occupy(model.swap_ms)
         self.stats.swaps += 1
         self.stats.swap_ns += self.stats.busy_ns - before
         self.resident[model.index] = None
+        self.reload_s[model.index] = model.swap_ms / 1e3
+        self._touch(model.index)
+
+    def ensure(self, model: SimModel, waiting: Mapping[int, int]) -> bool:
+        """Make `model` resident, whatever it takes (a worker that must run its head
+        item): evict per plan_load, or, when it says WAIT, the first model in its
+        eviction order regardless. True if it had to load."""
+        if model.index in self.resident:
+            self._touch(model.index)
+            return False
+        plan = self.plan_load(model, waiting)
+        if plan.verdict == LOAD:
+            evict = [int(n) for n in plan.evict]
+        else:
+            evict = [int(min(self._views(waiting), key=eviction_order).name)]
+        self.load(model, evict)
         return True
+
+    def _touch(self, i: int) -> None:
+        self.resident.move_to_end(i)
+        self.last_used[i] = time.monotonic() / self.time_scale  # device seconds, like reload_s
 
     def run(self, model: SimModel, items: int, tokens: int) -> int:
         """Run one batch of `model` (which must be resident); returns its end time, monotonic ns."""
         if model.index not in self.resident:
             raise RuntimeError(f"batch for {model.name}, which is not resident: this is a bug")
         end = self._occupy(model.batch_ms(tokens))
-        self.resident.move_to_end(model.index)
+        self._touch(model.index)
         s = self.stats
         s.batches += 1
         s.items += items

@@ -3,8 +3,10 @@
 One lane per model in a real shared-memory `LocalQueue`; the arrival thread
 `put`s each request into its model's lane. Each simulated GPU is a worker
 thread registered with the queue that runs the same round as
-`runtimes.worker.WorkerCore.step`: `choose_lane` over `lane_stats`, load the
-model if it must (its requests stay queued meanwhile), `claim` within the
+`runtimes.worker.WorkerCore.step`: `choose_lane` over the servable lanes of
+`lane_stats` (WorkerCore.servable: `runtimes.memory.plan_load` must not say
+WAIT), nap IDLE_NAP_S when only unservable work waits, load the model if it
+must (its requests stay queued meanwhile), `claim` within the
 token cap that `batch_token_cap` derives from the worker's own `CostModel`,
 `form_batch` and `return_items` for over-pull, run, `ack_many`, feed the cost
 model. (Linger is left out: its default, `Settings.linger_ms`, is 0.) A
@@ -37,6 +39,7 @@ import msgspec
 from bench.sim.device import SimDevice
 from bench.sim.traffic import SimModel
 from local_queue import LocalQueue, QueueFull
+from runtimes.memory import IDLE_NAP_S, WAIT
 from runtimes.policy import CostModel, batch_token_cap, choose_lane, form_batch, padded_tokens
 
 _END = struct.Struct("<q")
@@ -72,6 +75,9 @@ class PullSystem:
         self.max_wait_ns = int(max_wait_ms * time_scale * 1e6)
         self.target_ms = target_ms
         self.idle_wait_s = idle_wait_s * time_scale
+        # WorkerCore naps IDLE_NAP_S when only work it may not serve waits; the holder
+        # mode re-checks more often (see the module docstring).
+        self.nap_s = (IDLE_NAP_S if loading == CORE else NAP_MS / 1e3) * time_scale
         self.lease_ms = lease_ms
         self.queue = LocalQueue.create(slots=queue_slots, slab_bytes=256 << 20,
                                        max_lanes=max(256, len(models)), max_workers=max(64, workers))
@@ -118,28 +124,38 @@ class PullSystem:
         pack = _END.pack
         costs: dict[int, CostModel] = {}
         while not self._stop.is_set():
-            # 1. Choose a lane: starving first, then models held here, then oldest.
+            # 1. Choose a lane among the servable ones: starving first, then models held
+            #    here, then oldest. Servable (WorkerCore.servable): held here, or
+            #    plan_load does not say WAIT (its room is held by busier models).
             stats = q.lane_stats()
+            waiting = {by_name[s.model].index: s.depth for s in stats if s.depth}
             held = {models[i].name for i in dev.resident}
+            servable = [s for s in stats if s.depth == 0 or s.model in held
+                        or dev.plan_load(by_name[s.model], waiting).verdict != WAIT]
             now = time.monotonic_ns()
-            lane = choose_lane(stats, held, now, self.max_wait_ns)
+            lane = choose_lane(servable, held, now, self.max_wait_ns)
+            if lane is not None and self.loading == HOLDERS and lane.model not in held:
+                lane = self._choose_without_needless_load(servable, held, wid, now)
             if lane is None:
-                q.wait_for_work(self.idle_wait_s if self.loading == CORE or not self.measuring
-                                else NAP_MS * self.time_scale / 1e3)
+                # WorkerCore.wait_for_work: nap when what waits is not ours to serve now,
+                # else block for new work.
+                if waiting:
+                    time.sleep(self.nap_s)
+                else:
+                    q.wait_for_work(self.idle_wait_s if self.loading == CORE or not self.measuring else self.nap_s)
                 continue
-            if self.loading == HOLDERS and lane.model not in held:
-                lane = self._choose_without_needless_load(stats, held, wid, now)
-                if lane is None:
-                    time.sleep(NAP_MS * self.time_scale / 1e3)
-                    continue
             # 2. Load before claiming: while the model loads its requests stay in the lane,
             #    where any worker that already holds it can take them.
             model = by_name[lane.model]
-            if self.loading == HOLDERS and not dev.holds(model.index):
-                # Announce the load before paying for it, so that other workers count
-                # this one as a holder while it loads (the herd rule).
-                q.set_worker_info(wid, _encode_names([*held, model.name]))
-            if dev.ensure(model, [by_name[s.model].index for s in stats if s.depth > 0]):
+            if not dev.holds(model.index):
+                plan = dev.plan_load(model, waiting)
+                if plan.verdict == WAIT:
+                    continue  # NotNow: its requests stay queued
+                if self.loading == HOLDERS:
+                    # Announce the load before paying for it, so that other workers count
+                    # this one as a holder while it loads (the herd rule).
+                    q.set_worker_info(wid, _encode_names([*held, model.name]))
+                dev.load(model, [int(n) for n in plan.evict])
                 q.set_worker_info(wid, _encode_names([models[i].name for i in dev.resident]))
             # 3. Claim within the cost model's cap, give back what does not fit.
             prof = model.profile

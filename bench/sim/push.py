@@ -16,7 +16,8 @@ head's model at the head of its queue, loads the model if it must, and runs
 what the same `form_batch` keeps of that run under the same cost-model cap
 (the rest stays where it is, at the head). No returns to a shared queue, no
 stealing. Same devices, swap costs, batch law and eviction
-rule as the pull side.
+order (runtimes.memory) as the pull side; a push worker cannot wait for
+room, so where plan_load says WAIT it evicts the first model in that order.
 """
 
 from __future__ import annotations
@@ -142,10 +143,10 @@ class PushWorker:
                     cond.wait(idle_wait_s)
                     continue
                 model = self.models[fifo[0].model]
-                busy = list(self.queued_models)
+                waiting = dict(self.queued_models)
             # Load outside the lock (the router keeps appending); only this thread pops,
             # so the head is still this model afterwards.
-            if dev.ensure(model, busy):
+            if dev.ensure(model, waiting):
                 self.resident_view = frozenset(dev.resident)
             prof = model.profile
             cost = costs.setdefault(model.index, CostModel())
