@@ -57,7 +57,8 @@ def steps_table(run: TargetRun, criteria: Criteria) -> Table:
             mark = "[bold green]knee[/] "
         verdict = mark + ("[red]" + "; ".join(rec.reasons) + "[/]" if rec.reasons else "ok")
         if rec.generator_bound:
-            verdict += " [yellow](generator-bound)[/]"
+            # Late arrivals: the generator could not keep its schedule (its own CPU, or a saturated box).
+            verdict += f" [yellow](generator late: lag p99 {rec.lag_p99_ms:.0f} ms)[/]"
         t.add_row(
             f"{s.offered:.1f}" if run.mode != CLOSED else f"{s.offered:.0f}",
             f"{s.throughput_rps:.1f}", f"{s.tokens_per_s:,.0f}",
@@ -304,11 +305,11 @@ def plot(doc: dict, path: Path) -> Path:
     fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
     top = 0.0
     http = [t for t in doc["targets"] if t["kind"] != "st" and t["steps"]]
-    for t in http:
+    for i, t in enumerate(http):
         xs = [s["offered"] for s in t["steps"]]
         ys = [s["throughput_rps"] for s in t["steps"]]
         top = max(top, max(xs))
-        (line,) = ax_t.plot(xs, ys, marker="o", label=t["name"])
+        (line,) = ax_t.plot(xs, ys, marker="o", label=t["name"], color=f"C{i}")
         ax_l.plot(xs, [s["p50_ms"] for s in t["steps"]], marker=".", ls=":", color=line.get_color())
         ax_l.plot(xs, [s["p95_ms"] for s in t["steps"]], marker="o", color=line.get_color(), label=f"{t['name']} p95")
         ax_l.plot(xs, [s["p99_ms"] for s in t["steps"]], marker="x", ls="--", color=line.get_color())
@@ -316,14 +317,14 @@ def plot(doc: dict, path: Path) -> Path:
             k = t["knee"]
             ax_t.scatter([k["offered"]], [k["throughput_rps"]], s=160, facecolors="none",
                          edgecolors=line.get_color(), linewidths=2, zorder=5)
-            ax_t.annotate(f"knee {k['throughput_rps']:.0f} r/s\n{k['tokens_per_s']:,.0f} tok/s",
+            ax_t.annotate(f"knee {k['throughput_rps']:.3g} r/s\n{k['tokens_per_s']:,.0f} tok/s",
                           (k["offered"], k["throughput_rps"]), textcoords="offset points", xytext=(8, -28),
                           fontsize=8, color=line.get_color())
             ax_l.axvline(k["offered"], color=line.get_color(), alpha=0.3)
-    for t in doc["targets"]:
-        if t["kind"] == "st" and t["knee"]:
-            ax_t.axhline(t["knee"]["throughput_rps"], ls="-.", alpha=0.6,
-                         label=f"{t['name']} in-process ({t['knee']['throughput_rps']:.1f} r/s)")
+    local = [t for t in doc["targets"] if t["kind"] == "st" and t["knee"]]
+    for j, t in enumerate(local):
+        ax_t.axhline(t["knee"]["throughput_rps"], ls="-.", alpha=0.7, color=f"C{len(http) + j}",
+                     label=f"{t['name']} in-process, 1 caller ({t['knee']['throughput_rps']:.3g} r/s)")
     closed = any(t["mode"] == CLOSED for t in http)
     if top and not closed:
         ax_t.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="offered = achieved")
@@ -334,11 +335,11 @@ def plot(doc: dict, path: Path) -> Path:
     ax_t.legend(fontsize=8)
     ax_t.grid(alpha=0.3)
     ax_l.set_yscale("log")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-    for axis in (ax_l.yaxis,):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(ScalarFormatter())
+    ax_l.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_l.yaxis.set_major_formatter(ScalarFormatter())
+    ax_l.yaxis.set_minor_formatter(NullFormatter())
     ax_l.set_ylabel("latency ms (p50 dotted, p95 solid, p99 dashed)")
     ax_l.set_xlabel("clients" if closed else "offered requests/s (Poisson)")
     ax_l.grid(alpha=0.3, which="both")

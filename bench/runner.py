@@ -191,6 +191,17 @@ def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sa
     )
 
 
+def settle(run: TargetRun, plan: Plan, display=NullDisplay()) -> None:
+    """After a step the bench gave up on (replies still owed), let the server drain.
+
+    Requests the generator stopped waiting for may still be queued in the server;
+    left there, they would slow the next step of this or another target. Waiting
+    `grace_s` again gives that backlog (at most what arrived past capacity) time to go.
+    """
+    display.note(f"{run.spec.name}: waiting {plan.grace_s:g} s for the server to drain its backlog")
+    time.sleep(plan.grace_s)
+
+
 def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NullDisplay()) -> None:
     """One client, back to back: loads lazy models and measures the unloaded rate the ramp starts from."""
     if run.spec.kind == "st" or plan.warmup_s <= 0:
@@ -235,6 +246,8 @@ def bench(specs: list[TargetSpec], plan: Plan, texts: list[str], lengths: list[i
                 rec = run_step(run, plan, offered, index, sampler, display)
                 index += 1
                 run.steps.append(rec)
+                if rec.error_codes.get(-1):
+                    settle(run, plan, display)
                 _annotate(run, plan)
                 display.step_done(run, rec)
     finally:
