@@ -182,6 +182,27 @@ def test_unknown_model_and_deadline_answer_without_hanging(boxes: Boxes) -> None
     assert time.monotonic() - t0 < 5
 
 
+def _served_and_duplicates(url: str, wait_s: float = 1.5) -> tuple[int, int]:
+    time.sleep(wait_s)  # at least three heartbeat periods: every box's entry is fresh
+    view = httpx.get(url + "/v1/cluster", timeout=10).json()
+    return sum(b["served"] for b in view["boxes"]), sum(b["duplicates"] for b in view["boxes"])
+
+
+def test_slow_work_extends_its_ack_deadline_instead_of_being_redelivered(boxes: Boxes) -> None:
+    served0, dup0 = _served_and_duplicates(boxes.a.url)
+    long_text = " ".join(f"word{i}" for i in range(300))  # truncated to 256 tokens
+    t0 = time.monotonic()
+    r = httpx.post(boxes.a.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [long_text] * 128},
+                   timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert elapsed > 3.5, f"the request took {elapsed:.1f} s: not longer than ack_wait (3 s), nothing shown"
+    # A redelivered copy would start on the other box after ack_wait and take as long again.
+    served1, dup1 = _served_and_duplicates(boxes.a.url, wait_s=elapsed + 4.0)
+    # Held past ack_wait, yet run once: in_progress() kept JetStream from redelivering it.
+    assert (served1 - served0, dup1 - dup0) == (1, 0)
+
+
 def test_nats_restart_mid_run_loses_no_accepted_request(boxes: Boxes, references: np.ndarray) -> None:
     done = 0
     restarted = asyncio.Event()
