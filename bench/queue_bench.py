@@ -22,7 +22,7 @@ from local_queue import LocalQueue, QueueFull  # noqa: E402
 
 
 def produce(name: str, lane_name: str, start: int, count: int, put_batch: int, payload_bytes: int,
-            go, full_waits) -> None:
+            go, full_waits, cpu, slot) -> None:
     q = LocalQueue.attach(name)
     lane = q.lane_id(lane_name)
     payload = os.urandom(payload_bytes)
@@ -38,10 +38,11 @@ def produce(name: str, lane_name: str, start: int, count: int, put_batch: int, p
             waits += 1
             time.sleep(0.0002)
     full_waits.value += waits
+    cpu[slot] = time.process_time()
     q.close()
 
 
-def consume(name: str, lane_name: str, batch: int, result_bytes: int, stop) -> None:
+def consume(name: str, lane_name: str, batch: int, result_bytes: int, stop, cpu, slot) -> None:
     q = LocalQueue.attach(name)
     lane = q.lane_id(lane_name)
     wid = q.register_worker(os.getpid(), "cpu")
@@ -53,11 +54,12 @@ def consume(name: str, lane_name: str, batch: int, result_bytes: int, stop) -> N
         if claims:
             q.ack_many([(c.item_id, result, 0) for c in claims])
             del claims
+    cpu[slot] = time.process_time()
     q.unregister_worker(wid)
     q.close()
 
 
-def collect(name: str, total: int, out) -> None:
+def collect(name: str, total: int, out, cpu) -> None:
     q = LocalQueue.attach(name)
     seen = 0
     got = bytearray(total)
@@ -65,6 +67,7 @@ def collect(name: str, total: int, out) -> None:
         for d in q.wait_results(1.0):
             got[d.request_id] += 1
             seen += 1
+    cpu[0] = time.process_time()
     out.put((time.monotonic(), got.count(1) == total))
     q.close()
 
@@ -106,13 +109,15 @@ def main() -> None:
     try:
         go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
         full_waits = ctx.Value("q", 0)
+        cpu = ctx.Array("d", 1 + a.consumers + a.producers)  # CPU seconds: collector, consumers, producers
         per = a.items // a.producers
         total = per * a.producers
-        procs = [ctx.Process(target=collect, args=(q.name, total, out))]
-        procs += [ctx.Process(target=consume, args=(q.name, "bench", a.batch, a.result, stop))
-                  for _ in range(a.consumers)]
+        procs = [ctx.Process(target=collect, args=(q.name, total, out, cpu))]
+        procs += [ctx.Process(target=consume, args=(q.name, "bench", a.batch, a.result, stop, cpu, 1 + i))
+                  for i in range(a.consumers)]
         procs += [ctx.Process(target=produce, args=(q.name, "bench", i * per, per, a.put_batch, a.payload,
-                                                    go, full_waits)) for i in range(a.producers)]
+                                                    go, full_waits, cpu, 1 + a.consumers + i))
+                  for i in range(a.producers)]
         for p in procs:
             p.start()
         while len(q.workers()) < a.consumers:
@@ -134,6 +139,8 @@ def main() -> None:
             "queue_full_waits": full_waits.value,
             "return_us": round(ret_us, 1), "return_us_per_item": round(ret_us / a.batch, 2),
             "claim_us": round(claim_us, 1),
+            "cpu_s": {"collector": round(cpu[0], 2), "consumers": [round(c, 2) for c in cpu[1:1 + a.consumers]],
+                      "producers": [round(c, 2) for c in cpu[1 + a.consumers:]]},
         }
         if a.json:
             print(json.dumps(res))
@@ -143,6 +150,7 @@ def main() -> None:
                   f"queue-full waits: {res['queue_full_waits']}")
             print(f"return_items({a.batch}) {ret_us:.1f} µs ({ret_us / a.batch:.2f} µs/item); "
                   f"claim({a.batch}) {claim_us:.1f} µs")
+            print(f"CPU seconds (incl. start-up imports): {res['cpu_s']}")
     finally:
         q.close()
         q.unlink()

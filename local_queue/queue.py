@@ -116,7 +116,7 @@ RESULT_RESERVE = 8  # 1/8 of the slab is only for results
 # Header fields (int64 indices).
 (H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
  H_WORK_WAITERS, H_RES_WAITERS, H_SEQ, H_FREE_TOP, H_DONE_HEAD, H_DONE_TAIL, H_DONE_COUNT,
- H_N_LANES, H_REPAIRS, H_SLAB_FREE) = range(18)
+ H_N_LANES, H_REPAIRS, H_SLAB_FREE, H_WORK_GEN) = range(19)
 H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
 HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 
@@ -592,6 +592,7 @@ class LocalQueue:
             L[Lb + L_DEPTH] += n
             L[Lb + L_TOKENS] += sum(tokens)
             h[H_DEPTH] += n
+            h[H_WORK_GEN] += 1
             posts = min(h[H_WORK_WAITERS], n) - self._work_sem.value
         self._post(self._work_sem, posts)
         return ids
@@ -832,34 +833,46 @@ class LocalQueue:
         S[mine, F_LEASE] = now + lease_ms * 1_000_000
         return len(mine)
 
-    def wait_for_work(self, timeout_s: float) -> bool:
-        """Block until some lane has queued items (True) or the timeout passes (False)."""
+    def work_generation(self) -> int:
+        """Counter bumped whenever items become claimable (put, return, lease expiry)."""
+        return self._h[H_WORK_GEN]
+
+    def wait_for_work(self, timeout_s: float, *, since: int | None = None) -> bool:
+        """Block until some lane has queued items (True) or the timeout passes (False).
+
+        With `since` (a `work_generation()` value): block until items became
+        claimable after it, for a worker whose queued lanes are not its to serve."""
         h = self._h
-        if h[H_DEPTH] > 0:  # an aligned int64 read: a hint, the caller claims under the lock
+        if since is None:
+            def ready() -> bool:
+                return h[H_DEPTH] > 0
+        else:
+            def ready() -> bool:
+                return h[H_WORK_GEN] != since
+        if ready():  # aligned int64 reads: a hint, the caller claims under the lock
             return True
         with self._lock:
-            if h[H_DEPTH] > 0:
+            if ready():
                 return True
             h[H_WORK_WAITERS] += 1
         try:
-            return self._wait(self._work_sem, H_DEPTH, timeout_s)
+            return self._wait(self._work_sem, ready, timeout_s)
         finally:
             with self._lock:
                 h[H_WORK_WAITERS] -= 1
 
-    def _wait(self, sem: posix_ipc.Semaphore, field: int, timeout_s: float) -> bool:
+    def _wait(self, sem: posix_ipc.Semaphore, ready, timeout_s: float) -> bool:
         # The caller is counted in the waiters field for the whole loop, so every
-        # producer in between posts for it (invariant 5). Reading one aligned
-        # int64 without the lock is a hint; the caller re-checks under the lock.
+        # producer in between posts for it (invariant 5).
         end = time.monotonic() + timeout_s
-        while self._h[field] <= 0:
+        while not ready():
             left = end - time.monotonic()
             if left <= 0:
                 return False
             try:
                 sem.acquire(left)
             except posix_ipc.BusyError:
-                return self._h[field] > 0
+                return ready()
         return True
 
     def claim(self, lane: int, *, worker: int, max_items: int, max_tokens: int, lease_ms: int) -> list[Claim]:
@@ -934,6 +947,7 @@ class LocalQueue:
         with self._lock:
             held = list(dict.fromkeys(s for s in map(self._held, item_ids) if s != NIL))
             moved, _ = self._requeue(held, bump=False, max_attempts=0)
+            self._h[H_WORK_GEN] += 1
             posts = min(self._h[H_WORK_WAITERS], moved) - self._work_sem.value
         self._post(self._work_sem, posts)
         return moved
@@ -1138,6 +1152,7 @@ class LocalQueue:
             return 0, 0, 0
         requeued, poisoned = self._requeue(slots, bump=True, max_attempts=max_attempts)
         h = self._h
+        h[H_WORK_GEN] += 1
         work_posts = min(h[H_WORK_WAITERS], requeued) - self._work_sem.value
         res_posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if poisoned else 0
         return requeued + poisoned, work_posts, res_posts
@@ -1153,7 +1168,7 @@ class LocalQueue:
                 return self._take_done()
             h[H_RES_WAITERS] += 1
         try:
-            self._wait(self._res_sem, H_DONE_COUNT, timeout_s)
+            self._wait(self._res_sem, lambda: h[H_DONE_COUNT] > 0, timeout_s)
         except BaseException:
             # Interrupted: leave the results in the queue for the next call.
             with self._lock:

@@ -322,6 +322,27 @@ def test_wait_for_work_wakes_on_put_and_times_out(q):
     assert q.wait_for_work(0) is True
 
 
+def test_wait_for_work_since_a_generation_waits_for_new_work_only(q):
+    lane = q.lane_id("m")
+    q.put(lane, b"not mine", tokens=1, request_id=1)
+    gen = q.work_generation()
+    assert q.wait_for_work(0.05, since=gen) is False  # queued, but nothing new
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append((q.wait_for_work(10.0, since=gen), time.monotonic())))
+    waiter.start()
+    time.sleep(0.2)
+    assert not woke
+    t = time.monotonic()
+    q.put(lane, b"new", tokens=1, request_id=2)
+    waiter.join(5)
+    assert woke and woke[0][0] is True and woke[0][1] - t < 1.0
+    w = q.register_worker(1, "cpu")
+    (c, _) = take(q, lane, w)
+    gen = q.work_generation()
+    q.return_items([c.item_id])  # a return makes work claimable too
+    assert q.wait_for_work(0, since=gen) is True
+
+
 def test_wait_results_wakes_on_ack(q):
     lane = q.lane_id("m")
     put_all(q, lane, [5])
