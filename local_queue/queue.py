@@ -1264,8 +1264,10 @@ class LocalQueue:
         h[H_DONE_HEAD] = d[0] if len(d) else NIL
         h[H_DONE_TAIL] = d[-1] if len(d) else NIL
         h[H_DONE_COUNT] = len(d)
-        # A put torn after some commits had not yet advanced the seq counter.
+        # A put torn after some commits had not yet advanced the seq counter,
+        # nor told `since` waiters that there is new work.
         h[H_SEQ] = max(h[H_SEQ], int(S[:, F_SEQ].max()))
+        h[H_WORK_GEN] += 1
         refs = self._block_refs()
         Q = self._slab.links
         for u, n in refs.items():
