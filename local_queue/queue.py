@@ -538,6 +538,10 @@ class LocalQueue:
         n = len(payloads)
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
+        # Checked up front: a bad value inside the commit loop would leave a prefix queued.
+        if n and not (0 <= min(tokens) and max(tokens) < 1 << 62 and -(1 << 63) <= min(request_ids)
+                      and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63):
+            raise ValueError("tokens must be in [0, 2**62), request ids and deadline_ns int64")
         self._check_lane(lane)
         views, limit = [], self._slab.max_bytes() - BLOCK_HDR
         for p in payloads:

@@ -217,6 +217,16 @@ def test_slot_exhaustion_raises_queue_full():
         q.unlink()
 
 
+def test_out_of_range_numbers_are_refused_before_anything_is_queued(q):
+    lane = q.lane_id("m")
+    for kw in (dict(tokens=[1, -1], request_ids=[1, 2]), dict(tokens=[1, 1], request_ids=[1, 1 << 63])):
+        with pytest.raises(ValueError):
+            q.put_many(lane, [b"a", b"b"], **kw)
+    with pytest.raises(ValueError):
+        q.put(lane, b"a", tokens=1, request_id=1, deadline_ns=-5)
+    assert q.depth() == 0 and q.usage().slots_free == 256
+
+
 def test_a_payload_larger_than_the_slab_can_never_fit(q):
     lane = q.lane_id("m")
     with pytest.raises(ItemTooLarge) as e:
