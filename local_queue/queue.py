@@ -621,12 +621,17 @@ class LocalQueue:
 
     def _unref(self, u: int) -> None:
         """One item lets go of block u (caller holds the lock)."""
-        Q = self._slab.links
-        r = Q[u * 8] - 1
-        if r:
-            Q[u * 8] = r
-        else:
-            self._slab.free(u, Q[u * 8 + 1])
+        self._drop_refs({u: 1})
+
+    def _drop_refs(self, drops: dict[int, int]) -> None:
+        """Items let go of blocks (block -> count); the last one out frees the block."""
+        Q, free = self._slab.links, self._slab.free
+        for u, n in drops.items():
+            r = Q[u * 8] - n
+            if r:
+                Q[u * 8] = r
+            else:
+                free(u, Q[u * 8 + 1])
 
     @staticmethod
     def _post(sem: posix_ipc.Semaphore, n: int) -> None:
@@ -976,7 +981,8 @@ class LocalQueue:
                 raise ValueError("status must be a u8")
             results.append(r)
         S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
-        pack, unpack, Q, free = _RESULT.pack_into, _HEAD.unpack_from, self._slab.links, self._slab.free
+        pack, unpack = _RESULT.pack_into, _HEAD.unpack_from
+        drops: dict[int, int] = {}  # payload block -> references dropped (blocks are shared)
         lanes: dict[int, int] = {}  # lane -> items leaving its claimed count
         owners: dict[int, int] = {}  # wid -> same, per worker
         first = last = NIL  # acked slots, chained, appended to the done list at the end
@@ -1012,11 +1018,7 @@ class LocalQueue:
                 S[b] = DONE  # commit; from here the payload block reference is ours to drop
                 u = rec[F_DATA]
                 if u != NIL:
-                    r = Q[u * 8] - 1
-                    if r:
-                        Q[u * 8] = r
-                    else:
-                        free(u, Q[u * 8 + 1])
+                    drops[u] = drops.get(u, 0) + 1
                 lane, wid = rec[F_LANE], rec[F_OWNER]
                 lanes[lane] = lanes.get(lane, 0) + 1
                 owners[wid] = owners.get(wid, 0) + 1
@@ -1026,6 +1028,7 @@ class LocalQueue:
                 else:
                     S[last * SF + F_NEXT] = s
                 last = s
+            self._drop_refs(drops)
             if first != NIL:
                 tail = h[H_DONE_TAIL]
                 if tail == NIL:
@@ -1184,7 +1187,8 @@ class LocalQueue:
 
     def _take_done(self) -> list[Done]:
         S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
-        free, unpack, Q = self._slab.free, _RECORD.unpack_from, self._slab.links
+        unpack = _RECORD.unpack_from
+        drops: dict[int, int] = {}  # result block -> references dropped
         out = []
         s = h[H_DONE_HEAD]
         top = h[H_FREE_TOP]
@@ -1194,14 +1198,11 @@ class LocalQueue:
             out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st, bytes(data[at:at + ln]) if ln else b"")))
             S[b] = FREE  # commit
             if u != NIL:
-                r = Q[u * 8] - 1
-                if r:
-                    Q[u * 8] = r
-                else:
-                    free(u, Q[u * 8 + 1])
+                drops[u] = drops.get(u, 0) + 1
             stack[top] = s
             top += 1
             s = nxt
+        self._drop_refs(drops)
         h[H_FREE_TOP] = top
         h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
         h[H_DONE_COUNT] = 0
