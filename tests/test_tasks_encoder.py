@@ -548,3 +548,62 @@ def test_truncation_is_the_default(fleet):
     assert reply["usage"]["input_tokens"] == 128
     reply = decoded(post(fleet, "/v1/rerank", {"model": "tiny-rerank", "query": "q", "documents": [LONG]}))
     assert reply["usage"]["input_tokens"] == 128
+
+
+# ---- one batch, many requests (in-process adapters, the worker's call) -----------------
+
+def adapter(folders: dict[str, Path], key: str, task: str, runtime: str, micro: int = 3):
+    from runtimes.base import ModelSpec, Profile
+    from runtimes.registry import adapter_class
+
+    spec = ModelSpec(name=f"tiny-{key}", path=folders[key], task=task, runtime=runtime,
+                     profile=Profile(dtype="float32", micro_batch_items=micro))
+    a = adapter_class(task, runtime)(spec, "cpu")
+    a.load()
+    return a
+
+
+def test_one_rerank_batch_answers_each_request_as_if_alone(folders):
+    """Requests of one model run in one batch (pairs flattened, length-sorted into
+    micro-batches of 3); each answer equals the request run alone, and a request
+    that fails (too long, truncate=false) fails alone."""
+    from fleetctl.protocol import RerankRequest
+    from runtimes.messages import RerankResult, WorkError
+
+    a = adapter(folders, "reranker", "rerank", "transformers")
+    batch = [
+        RerankRequest(model="m", query=QUERY, documents=DOCS, top_n=4),
+        RerankRequest(model="m", query="q", documents=["short", LONG], truncate=False),
+        RerankRequest(model="m", query="stock market", texts=DOCS[::-1], raw_scores=True),
+        RerankRequest(model="m", query="cats", documents=["a"]),
+    ]
+    together = a.run_batch(batch)
+    assert isinstance(together[1], WorkError) and together[1].code == "input_too_long"
+    for req, got in zip(batch, together):
+        if req.truncate:
+            alone = a.run_batch([req])[0]
+            assert isinstance(got, RerankResult) and got.index == alone.index and got.input_tokens == alone.input_tokens
+            np.testing.assert_allclose(np.frombuffer(got.scores, "<f4"), np.frombuffer(alone.scores, "<f4"), atol=1e-5)
+    assert len(np.frombuffer(together[0].index, "<i4")) == 4
+
+
+def test_one_classify_and_extract_batch_split_back(folders):
+    from fleetctl.protocol import ClassifyRequest, ExtractRequest
+
+    clf = adapter(folders, "classifier", "classify", "transformers")
+    batch = [ClassifyRequest(model="m", inputs=TEXTS, top_k=2), ClassifyRequest(model="m", inputs=TEXTS[:1],
+                                                                                multi_label=True)]
+    for req, got in zip(batch, clf.run_batch(batch)):
+        alone = clf.run_batch([req])[0]
+        assert got.shape == alone.shape and got.top == alone.top and got.labels == ["negative", "neutral", "positive"]
+        np.testing.assert_allclose(np.frombuffer(got.scores, "<f4"), np.frombuffer(alone.scores, "<f4"), atol=1e-5)
+    ner = adapter(folders, "tagger", "extract", "transformers")
+    batch = [ExtractRequest(model="m", inputs=NER_TEXTS[:3]), ExtractRequest(model="m", inputs=["x"], labels=["a"]),
+             ExtractRequest(model="m", inputs=NER_TEXTS[3:])]
+    together = ner.run_batch(batch)
+    assert together[1].code == "bad_request"
+    for req, got in ((batch[0], together[0]), (batch[2], together[2])):
+        alone = ner.run_batch([req])[0]
+        assert [[(s.entity, s.start, s.end) for s in row] for row in got.spans] == \
+            [[(s.entity, s.start, s.end) for s in row] for row in alone.spans]
+        assert got.input_tokens == alone.input_tokens
