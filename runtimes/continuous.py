@@ -2,7 +2,7 @@
 
 A continuous adapter keeps requests across worker steps (runtimes.base). While
 it has requests in flight, `WorkerCore.step` serves it before choosing another
-lane (`busy_continuous`), unless another servable lane is starving; each round
+lane (`busy_continuous`), taking turns with the other lanes; each round
 (`serve_continuous`) claims what waits in its lane up to its free slots, admits
 it, advances every sequence once, publishes partial results of streaming
 requests (`LocalQueue.emit_many`: the daemon streams them while the item stays
@@ -34,6 +34,10 @@ log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
 
+#: Longest pause of generation for another lane's round (seconds): bounds the
+#: stall when the lane given the round turns out to run nothing (raced, loading).
+YIELD_MAX_S = 0.05
+
 
 @dataclass(slots=True)
 class InFlight:
@@ -45,15 +49,19 @@ class InFlight:
 
 
 def busy_continuous(core: WorkerCore, servable: list) -> Resident | None:
-    """The resident continuous adapter with requests in flight, unless a servable
-    lane of another model has waited past the starvation bound (it goes first,
-    for one batch: generation must not starve the other models of this worker)."""
+    """The resident continuous adapter with requests in flight, unless another lane
+    gets this round: generation and the other models of this worker take turns
+    (a lane of a model resident here, or one starving, is served between two
+    decode steps, never twice in a row), so neither starves the other."""
     busy = next((r for r in core.models.values() if r.adapter.continuous and r.adapter.has_active()), None)
     if busy is None:
         return None
-    now, bound = core.clock_ns(), core.max_wait_ms * 1_000_000
     name = busy.adapter.spec.name
-    if any(s.depth and s.model != name and now - s.oldest_enqueue_ns > bound for s in servable):
+    if core.last_batch.model != name or time.time() - busy.last_used > YIELD_MAX_S:
+        return busy  # another lane had the last round (or was chosen and ran nothing)
+    now, bound = core.clock_ns(), core.max_wait_ms * 1_000_000
+    if any(s.depth and s.model != name and (s.model in core.models or now - s.oldest_enqueue_ns > bound)
+           for s in servable):
         return None
     return busy
 

@@ -18,12 +18,13 @@ import httpx
 import msgspec
 import pytest
 
-from tests.conftest import DaemonProc, start_daemon
+from tests.conftest import DaemonProc, default_model_dir, start_daemon
 from tests.gen_models import Reference, build_llama, pull
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
+EMBEDDER = "minilm"
 PROMPTS = [
     "hello world",
     "the quick brown fox jumps over",
@@ -42,13 +43,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     home = tmp_path_factory.mktemp("gen-home")
     folder = build_llama(root / MODEL)
     pull(home, folder, MODEL)
+    pull(home, default_model_dir(), EMBEDDER)
     return home, folder
 
 
 @pytest.fixture(scope="module")
 def gen_daemon(tiny: tuple[Path, Path]):
     home, _ = tiny
-    d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
+    # A starvation bound longer than any test: lanes must take turns by themselves.
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1",
+                                      "FLEET_LANE_MAX_WAIT_MS": "60000"}, args=["--workers", "1"])
     yield d
     d.stop()
 
@@ -224,3 +228,32 @@ def test_bad_input_changes_nothing(gen_daemon: DaemonProc, ref: Reference) -> No
         ref.greedy(PROMPTS[0], 8)[0]
     lanes = httpx.get(gen_daemon.url + "/v1/ps", timeout=10).json().get("lanes", [])
     assert all(lane["depth"] == 0 and lane["claimed"] == 0 for lane in lanes)
+
+
+def test_other_models_of_the_worker_are_served_between_decode_steps(gen_daemon: DaemonProc, ref: Reference,
+                                                                    st_model) -> None:
+    import time
+
+    import numpy as np
+
+    def embed() -> tuple[httpx.Response, float]:
+        r = httpx.post(gen_daemon.url + "/v1/embed", json={"model": EMBEDDER, "inputs": ["hello world"]}, timeout=120)
+        return r, time.monotonic()
+
+    # A prompt whose greedy continuation runs to max_tokens (no early EOS).
+    prompt = next(p for p in PROMPTS if ref.greedy(p, 200)[1] == 200)
+    assert embed()[0].status_code == 200  # loaded next to the generator
+    with cf.ThreadPoolExecutor(9) as pool:
+        t0 = time.monotonic()
+        gens = [pool.submit(lambda: (generate(gen_daemon, prompt=prompt, max_tokens=200, temperature=0),
+                                     time.monotonic())) for _ in range(8)]
+        time.sleep(0.1)
+        r, embedded_at = embed()
+        first_done = min(g.result()[1] for g in gens)
+    assert r.status_code == 200
+    # Answered while the generations were still decoding (not after them).
+    assert embedded_at < first_done, (embedded_at - t0, first_done - t0)
+    want = st_model.encode(["hello world"], normalize_embeddings=True)
+    got = np.asarray(r.json()["embeddings"])
+    assert float(got[0] @ want[0]) > 0.999  # the embedder's own dtype check allows bf16 on this CPU
+    assert all(g.result()[0].json()["text"] == ref.greedy(prompt, 200)[0] for g in gens)
