@@ -29,7 +29,7 @@ def free_port() -> int:
 
 class Infinity:
     def __init__(self, model_dir: Path, model_name: str, *, device: str = "cpu", batch_size: int = 32,
-                 venv: Path = INFINITY_VENV, start_timeout_s: float = 300.0) -> None:
+                 dtype: str = "auto", venv: Path = INFINITY_VENV, start_timeout_s: float = 300.0) -> None:
         exe = venv / "bin" / "infinity_emb"
         if not exe.is_file():
             raise FileNotFoundError(f"{exe} not found; build it with bench/setup_infinity.sh")
@@ -43,10 +43,11 @@ class Infinity:
         self.proc = subprocess.Popen(
             [str(exe), "v2", "--model-id", str(model_dir), "--served-model-name", model_name,
              "--host", "127.0.0.1", "--port", str(self.port), "--engine", "torch", "--device", device,
-             "--batch-size", str(batch_size), "--no-bettertransformer", "--log-level", "warning"],
+             "--batch-size", str(batch_size), "--dtype", dtype, "--no-bettertransformer", "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         self.version = _venv_version(venv, "infinity_emb")
+        self.dtype = dtype
         self._wait_ready(start_timeout_s)
 
     @property

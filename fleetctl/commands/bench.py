@@ -102,6 +102,8 @@ def register(app: typer.Typer) -> None:
         compare: bool = typer.Option(False, "--compare", help="Bench several targets interleaved (--targets)."),
         targets: str = typer.Option(COMPARE_DEFAULT, "--targets", help="With --compare: fleet, infinity, st-fp32, st-bf16."),
         encoding: str = typer.Option("base64", "--encoding", help="OpenAI-style targets: base64 | float."),
+        infinity_dtype: str = typer.Option("auto", "--infinity-dtype",
+                                           help="dtype for the infinity peer: auto | float32 | bfloat16 | float16."),
         device: str = typer.Option(None, "--device", help="Device for the peers the bench starts: cpu | cuda (default: auto)."),
         out: Path = typer.Option(None, "--out", help="Results JSON (default: bench/results/<time>-<task>-<targets>.json)."),
         plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput and latency against load."),
@@ -130,6 +132,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("give --concurrency (closed loop) or --rates (open loop), not both")
         if batch < 1 or duration <= 0 or generators < 1 or max_steps < 1:
             raise typer.BadParameter("--batch, --duration, --generators and --max-steps must be positive")
+        if infinity_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise typer.BadParameter("--infinity-dtype must be auto, float32, bfloat16 or float16")
         if encoding not in ("base64", "float"):
             raise typer.BadParameter("--encoding must be base64 or float")
         clients = _floats(concurrency, "--concurrency")
@@ -172,9 +176,10 @@ def register(app: typer.Typer) -> None:
                     from bench.peers import Infinity
 
                     err.print("[dim]starting infinity-emb on loopback ...[/]")
-                    peer = Infinity(mdir, model, device=dev)
+                    peer = Infinity(mdir, model, device=dev, dtype=infinity_dtype)
                     peers.append(peer)
                     extra_versions["infinity_emb"] = peer.version
+                    extra_versions["infinity_dtype"] = peer.dtype
                     specs.append(TargetSpec(name="infinity", kind="infinity", url=peer.url, pids=peer.pids))
                 else:
                     _check_reachable(url, name)
@@ -190,7 +195,7 @@ def register(app: typer.Typer) -> None:
                 peer.stop()
 
         doc = report.result_doc(runs, plan, report.corpus_doc(inputs or corpus.CORPUS_PATH, lengths),
-                                extra_versions=extra_versions)
+                                argv=["fleetctl", *sys.argv[1:]], extra_versions=extra_versions)
         path = report.write_json(doc, out or report.default_out(doc))
         if plot_path:
             report.plot(doc, plot_path)
