@@ -36,7 +36,7 @@ each time the slot is reused, so a stale id never touches a newer item. A
 claim hands out `epoch << 48 | put_id`; `epoch` (15 bits, wrapping) is bumped
 on every claim, so an ack or return from a worker that lost its lease (the
 item was re-queued, maybe re-claimed) does not match and changes nothing.
-`put_id(claim_id)` recovers the put id; `Done.item_id` is always the put id.
+`put_id(claim_id)` recovers the put id; a final `Done.item_id` is the put id.
 
 Protocol and invariants:
 1. Every read-modify-write of shared state happens under the ONE queue lock:
@@ -174,7 +174,7 @@ class Claim(NamedTuple):
 
 
 class Done(NamedTuple):
-    item_id: int  # the put id
+    item_id: int  # the put id (an emit record's own id for a partial result)
     request_id: int
     status: int
     result: bytes
