@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.knee import CLOSED, Criteria, Knee
+from bench.knee import CLOSED, Criteria, Knee, judge_steps
 from bench.runner import Plan, StepRecord, TargetRun, compare_ratios
 from bench.sampler import describe_gpus
 
@@ -42,8 +42,16 @@ def _load_label(mode: str) -> str:
     return "clients" if mode == CLOSED else "offered r/s"
 
 
+def reasons_by_step(run: TargetRun, criteria: Criteria) -> dict[int, tuple[str, ...]]:
+    """id(StepResult) -> why that step is past the knee (judged over all the run's steps)."""
+    if run.spec.kind == "st":
+        return {}
+    return {id(v.step): v.reasons for v in judge_steps(run.results, criteria)}
+
+
 def steps_table(run: TargetRun, criteria: Criteria) -> Table:
     knee = run.knee(criteria) if run.steps else None
+    why = reasons_by_step(run, criteria)
     t = Table(title=f"{run.spec.name} ({run.spec.kind}{'' if run.spec.kind == 'st' else ' ' + run.spec.url})",
               title_justify="left", show_lines=False)
     for col in (_load_label(run.mode), "req/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "err",
@@ -55,7 +63,8 @@ def steps_table(run: TargetRun, criteria: Criteria) -> Table:
         mark = ""
         if knee and knee.knee is s:
             mark = "[bold green]knee[/] "
-        verdict = mark + ("[red]" + "; ".join(rec.reasons) + "[/]" if rec.reasons else "ok")
+        reasons = why.get(id(s), ())
+        verdict = mark + ("[red]" + "; ".join(reasons) + "[/]" if reasons else "ok")
         if rec.generator_bound:
             # Late arrivals: the generator could not keep its schedule (its own CPU, or a saturated box).
             verdict += f" [yellow](generator late: lag p99 {rec.lag_p99_ms:.0f} ms)[/]"
@@ -217,15 +226,20 @@ def versions(extra: dict[str, str] | None = None) -> dict:
     return out
 
 
-def _step_doc(rec: StepRecord) -> dict:
+def _num(x: float) -> float | None:
+    """JSON has no NaN: a percentile over zero replies is null."""
+    return x if math.isfinite(x) else None
+
+
+def _step_doc(rec: StepRecord, reasons: tuple[str, ...] = ()) -> dict:
     s = rec.result
     return {
         "offered": s.offered, "mode": s.mode, "throughput_rps": s.throughput_rps, "tokens_per_s": s.tokens_per_s,
-        "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms, "sent": s.sent, "ok": s.ok,
+        "p50_ms": _num(s.p50_ms), "p95_ms": _num(s.p95_ms), "p99_ms": _num(s.p99_ms), "sent": s.sent, "ok": s.ok,
         "errors": s.errors, "tokens": rec.tokens, "error_codes": {str(k): v for k, v in rec.error_codes.items()},
         "error_sample": rec.error_sample, "server_tokens": rec.server_tokens,
         "generator_cpu_pct": rec.gen_cpu_pct, "generator_lag_p99_ms": rec.lag_p99_ms,
-        "generator_bound": rec.generator_bound, "reasons": list(rec.reasons),
+        "generator_bound": rec.generator_bound, "reasons": list(reasons),
         "started_unix": rec.started_unix, "ended_unix": rec.ended_unix, "box": rec.box,
     }
 
@@ -236,12 +250,13 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
     for run in runs:
         k = run.knee(plan.criteria)
         rec = _record_of(run, k)
+        why = reasons_by_step(run, plan.criteria)
         targets.append({
             "name": run.spec.name, "kind": run.spec.kind, "url": run.spec.url,
             "dtype": run.spec.dtype if run.spec.kind == "st" else None,
             "mode": run.mode,
             "warmup": _step_doc(run.warmup) if run.warmup else None,
-            "steps": [_step_doc(r) for r in sorted(run.steps, key=lambda r: r.result.offered)],
+            "steps": [_step_doc(r, why.get(id(r.result), ())) for r in sorted(run.steps, key=lambda r: r.result.offered)],
             "knee": _step_doc(rec) if rec else None,
             "saturated": k.saturated,
             "capacity_rps": k.capacity_rps,
@@ -293,6 +308,10 @@ def _json_default(obj):
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def _nan(v: float | None) -> float:
+    return math.nan if v is None else v
+
+
 def plot(doc: dict, path: Path) -> Path:
     """Throughput and latency against offered load, one line per target, knees marked."""
     try:
@@ -310,9 +329,9 @@ def plot(doc: dict, path: Path) -> Path:
         ys = [s["throughput_rps"] for s in t["steps"]]
         top = max(top, max(xs))
         (line,) = ax_t.plot(xs, ys, marker="o", label=t["name"], color=f"C{i}")
-        ax_l.plot(xs, [s["p50_ms"] for s in t["steps"]], marker=".", ls=":", color=line.get_color())
-        ax_l.plot(xs, [s["p95_ms"] for s in t["steps"]], marker="o", color=line.get_color(), label=f"{t['name']} p95")
-        ax_l.plot(xs, [s["p99_ms"] for s in t["steps"]], marker="x", ls="--", color=line.get_color())
+        ax_l.plot(xs, [_nan(s["p50_ms"]) for s in t["steps"]], marker=".", ls=":", color=line.get_color())
+        ax_l.plot(xs, [_nan(s["p95_ms"]) for s in t["steps"]], marker="o", color=line.get_color(), label=f"{t['name']} p95")
+        ax_l.plot(xs, [_nan(s["p99_ms"]) for s in t["steps"]], marker="x", ls="--", color=line.get_color())
         if t["knee"]:
             k = t["knee"]
             ax_t.scatter([k["offered"]], [k["throughput_rps"]], s=160, facecolors="none",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.knee import CLOSED, OPEN, Criteria, Knee, Ramp, StepResult, find_knee, judge_steps, plan_next
+from bench.knee import CLOSED, OPEN, Criteria, Knee, Ramp, StepResult, find_knee, plan_next
 from bench.loadgen import Generator, Merged, Setup, StepPlan
 from bench.sampler import Sampler
 
@@ -88,7 +88,6 @@ class StepRecord:
     started_unix: float
     ended_unix: float
     box: dict
-    reasons: tuple[str, ...] = ()
 
 
 @dataclass
@@ -254,15 +253,6 @@ def bench(specs: list[TargetSpec], plan: Plan, texts: list[str], lengths: list[i
         for run in runs:
             run.driver.close()
     return runs
-
-
-def _annotate(run: TargetRun, plan: Plan) -> None:
-    """Store each step's current verdict reasons on its record (they can change as steps arrive)."""
-    if run.spec.kind == "st":
-        return
-    by_step = {id(v.step): v.reasons for v in judge_steps(run.results, plan.criteria)}
-    for rec in run.steps:
-        rec.reasons = by_step.get(id(rec.result), ())
 
 
 def compare_ratios(runs: list[TargetRun], criteria: Criteria) -> dict[str, dict[str, float]]:
