@@ -977,8 +977,8 @@ class LocalQueue:
                 r = memoryview(r).cast("B")
             if len(r) > limit:
                 raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
-            if not 0 <= st <= 255:
-                raise ValueError("status must be a u8")
+            if not 0 <= st <= 255 or st in (STATUS_EXPIRED, STATUS_POISON):
+                raise ValueError(f"status must be a u8 other than {STATUS_EXPIRED} and {STATUS_POISON} (the queue's)")
             results.append(r)
         S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
         pack, unpack = _RESULT.pack_into, _HEAD.unpack_from

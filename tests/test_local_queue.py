@@ -167,6 +167,17 @@ def test_an_ack_after_the_lease_was_lost_is_rejected(q):
     assert q.wait_results(0) == []
 
 
+def test_acks_cannot_use_the_queues_own_statuses(q):
+    lane = q.lane_id("m")
+    put_all(q, lane, [1])
+    w = q.register_worker(1, "cpu")
+    (c,) = take(q, lane, w)
+    for status in (STATUS_EXPIRED, STATUS_POISON, 256, -1):
+        with pytest.raises(ValueError):
+            q.ack(c.item_id, b"r", status=status)
+    assert q.ack(c.item_id, b"r", status=249) is True
+
+
 def test_an_ack_after_the_lease_ran_out_but_before_expiry_counts(q):
     lane = q.lane_id("m")
     put_all(q, lane, [1])
