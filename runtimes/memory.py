@@ -190,6 +190,8 @@ class ResidentView:
     reload_s: float = 0.0
     #: Items queued for it now.
     waiting: int = 0
+    #: When it finished loading (wall clock, seconds).
+    loaded_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -60,14 +60,16 @@ def test_used_bytes_counts_weights_and_one_activation_area_per_worker():
 
 EVICT = [
     # (case, residents, incoming waiting, expected victim or None)
-    ("least recently used first", [r("a", 10, last_used=30), r("b", 10, last_used=10), r("c", 10, last_used=20)], 1, "b"),
+    ("least recently used first",
+     [r("a", 10, last_used=30), r("b", 10, last_used=10), r("c", 10, last_used=20)], 1, "b"),
     ("pinned never", [r("a", 10, last_used=1, pinned=True), r("b", 10, last_used=5)], 1, "b"),
     ("only pinned left", [r("a", 10, pinned=True)], 1, None),
-    ("another worker's models are not ours to evict", [r("a", 10, worker=2, last_used=1), r("b", 10, last_used=9)], 1, "b"),
+    ("another worker's models are not ours to evict",
+     [r("a", 10, worker=2, last_used=1), r("b", 10, last_used=9)], 1, "b"),
     ("idle before busy, even if used longer ago",
      [r("a", 10, last_used=1, waiting=3), r("b", 10, last_used=50)], 5, "b"),
-    ("a model with waiting requests is not evicted for one that has one",
-     [r("a", 10, last_used=1, waiting=1)], 1, None),
+    ("a model with waiting requests is not evicted for one that has one", [r("a", 10, last_used=1, waiting=1)], 1,
+     None),
     ("... but is for one with more waiting", [r("a", 10, last_used=1, waiting=2)], 3, "a"),
     ("reload cost counts as recency: the cheap reload goes first",
      [r("slow", 10, last_used=10, reload_s=30), r("fast", 10, last_used=20, reload_s=0.1)], 1, "fast"),

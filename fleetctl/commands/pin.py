@@ -21,7 +21,9 @@ def register(app: typer.Typer) -> None:
     @app.command("pin")
     def pin(
         model: Annotated[str, typer.Argument(help="A stored model's name (see `fleetctl list`).")],
-        device: Annotated[str | None, typer.Option("--device", help="cpu or cuda:K (default: the device with most room).")] = None,
+        device: Annotated[
+            str | None, typer.Option("--device", help="cpu or cuda:K (default: the device with most room)."),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the daemon's answer as JSON.")] = False,
     ) -> None:
         """Load MODEL now and keep it resident (never evicted), also after a restart."""

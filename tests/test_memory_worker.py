@@ -1,0 +1,192 @@
+"""Residency inside workers, in-process: two `WorkerCore`s on one device over a
+real `local_queue`, real tiny BERTs from the store, a real per-device load lock.
+
+Scenarios: one copy per device (the second worker leaves the lane to the
+holder), a second copy only when the holder cannot keep up, control commands
+through the worker's control lane, a failed load that leaves the core serving.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from fleetctl.config import load_settings
+from fleetctl.protocol import EmbedRequest
+from local_queue import LocalQueue
+from runtimes.control import Command, CommandDone, control_lane
+from runtimes.memory import DeviceMemory, LoadLock
+from runtimes.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
+from runtimes.resolve import store_resolver
+from runtimes.worker import WorkerCore
+from tests.conftest import default_model_dir
+
+_env = msgspec.msgpack.Decoder(EnvelopeIn)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("worker-models")
+    home = tmp_path_factory.mktemp("worker-home")
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    lines = []
+    for i, name in enumerate(("tiny-x", "tiny-y")):
+        torch.manual_seed(10 + i)
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)
+        BertModel(cfg).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        lines.append(f'[models."{name}"]\nsource = "path:{root / name}"\ntask = "embed"\n'
+                     f'runtime = "sentence-transformers"\nprofile = {{ dtype = "float32" }}\n')
+    (home / "models.toml").write_text("\n".join(lines))
+    for name in ("tiny-x", "tiny-y"):
+        out = subprocess.run([sys.executable, "-m", "fleetctl", "pull", name], capture_output=True, text=True,
+                             env={**os.environ, "FLEET_HOME": str(home)}, timeout=120)
+        assert out.returncode == 0, out.stderr
+    return home
+
+
+@pytest.fixture
+def queue():
+    q = LocalQueue.create(None, slots=256, slab_bytes=4 << 20)
+    yield q
+    q.close()
+    q.unlink()
+
+
+class Clock:
+    """A monotonic clock the test can push forward (lane waits are measured with it)."""
+
+    def __init__(self) -> None:
+        self.offset_ns = 0
+
+    def __call__(self) -> int:
+        import time
+
+        return time.monotonic_ns() + self.offset_ns
+
+
+def core(queue: LocalQueue, home: Path, pid: int, **kw) -> WorkerCore:
+    settings = load_settings(home=str(home))
+    wid = queue.register_worker(pid, "cpu")
+    c = WorkerCore(queue, wid, "cpu", store_resolver(settings), memory=DeviceMemory("cpu", 1 << 30, lambda: 1 << 40),
+                   load_lock=LoadLock.for_device(home, "cpu"), max_wait_ms=500, **kw)
+    c.publish_info()
+    return c
+
+
+def put(queue: LocalQueue, model: str, rid: int) -> None:
+    queue.put(queue.lane_id(model), msgspec.msgpack.encode(EmbedRequest(model, [f"text {rid}"])), tokens=4,
+              request_id=rid, deadline_ns=0)
+
+
+def results(queue: LocalQueue, n: int) -> list:
+    got = []
+    while len(got) < n:
+        batch = queue.wait_results(5.0)
+        assert batch, f"only {len(got)} of {n} results"
+        got += batch
+    return got
+
+
+def test_a_second_worker_of_the_device_leaves_a_held_model_to_its_holder(queue, home):
+    a, b = core(queue, home, 101), core(queue, home, 102)
+    put(queue, "tiny-x", 1)
+    assert a.step(0.1) == 1 and "tiny-x" in a.models
+    assert results(queue, 1)[0].status == STATUS_OK
+    for rid in range(2, 6):
+        put(queue, "tiny-x", rid)
+    # b sees the lane but tiny-x is resident on a: b neither loads it nor claims from it.
+    assert not [s for s in b.servable(queue.lane_stats()) if s.model == "tiny-x"]
+    assert b.step(0.05) == 0 and "tiny-x" not in b.models
+    assert a.step(0.1) == 4
+    assert [d.status for d in results(queue, 4)] == [STATUS_OK] * 4
+
+
+def test_a_second_copy_only_when_the_holder_cannot_keep_up(queue, home):
+    clock = Clock()
+    a, b = core(queue, home, 201), core(queue, home, 202, clock_ns=clock)
+    put(queue, "tiny-x", 1)
+    a.step(0.1)
+    results(queue, 1)
+    put(queue, "tiny-x", 2)
+    # The lane starves (in b's clock) but a has only just loaded it: no second copy.
+    clock.offset_ns = 10 * 1_000_000_000
+    assert not [s for s in b.servable(queue.lane_stats()) if s.model == "tiny-x"]
+    # a has held it for longer than the wait bound and the lane still starves: b loads a copy and serves.
+    a.models["tiny-x"].loaded_at -= 10
+    a.publish_info()
+    assert b.step(0.1) == 1 and "tiny-x" in b.models
+    (done,) = results(queue, 1)
+    assert done.status == STATUS_OK and done.request_id == 2
+
+
+def control(queue: LocalQueue, c: WorkerCore, op: str, model: str, rid: int):
+    queue.put(queue.lane_id(control_lane(c.worker_id)), msgspec.msgpack.encode(Command(op, model)), tokens=1,
+              request_id=rid, deadline_ns=0)
+    assert c.step(0.1) == 1
+    (done,) = results(queue, 1)
+    body = _env.decode(done.result).body
+    if done.status == STATUS_OK:
+        return msgspec.msgpack.decode(body, type=CommandDone)
+    assert done.status == STATUS_ERROR
+    return msgspec.msgpack.decode(body, type=WorkError)
+
+
+def test_control_commands_through_the_control_lane(queue, home):
+    a, b = core(queue, home, 301), core(queue, home, 302)
+    pinned = control(queue, a, "pin", "tiny-y", 1)
+    assert (pinned.loaded, pinned.pinned, pinned.already) == (True, True, False) and pinned.bytes > 0
+    # Another worker's control lane is not b's to serve.
+    queue.put(queue.lane_id(control_lane(a.worker_id)), msgspec.msgpack.encode(Command("unpin", "tiny-y")),
+              tokens=1, request_id=2, deadline_ns=0)
+    assert b.step(0.05) == 0
+    assert a.step(0.1) == 1 and not results(queue, 1)[0].status
+    assert "tiny-y" not in a.pinned
+    assert control(queue, a, "pin", "tiny-y", 3).already is True
+    refused = control(queue, a, "unload", "tiny-y", 4)
+    assert refused.code == "bad_request" and "unpin it first" in refused.message
+    control(queue, a, "unpin", "tiny-y", 5)
+    unloaded = control(queue, a, "unload", "tiny-y", 6)
+    assert unloaded.loaded is False and "tiny-y" not in a.models
+    assert control(queue, a, "unload", "tiny-y", 7).already is True
+    assert control(queue, a, "evaporate", "tiny-y", 8).code == "bad_request"
+    missing = control(queue, a, "load", "no-such-model", 9)
+    assert missing.code in ("model_not_found", "bad_request")
+    assert control(queue, a, "load", "tiny-x", 10).loaded is True  # and a still works
+
+
+def test_a_failed_load_answers_the_lane_and_the_core_keeps_serving(queue, home, tmp_path):
+    a = core(queue, home, 401)
+    original = a.resolve
+
+    def resolve(name):
+        spec = original("tiny-x" if name == "tiny-broken" else name)
+        if name == "tiny-broken":
+            # tiny-x's config and tokenizer, but weights whose data is cut short.
+            broken = tmp_path / "broken"
+            if not broken.exists():
+                shutil.copytree(spec.path, broken)
+                head = b'{"embeddings.word_embeddings.weight":{"dtype":"F32","shape":[100,32],"data_offsets":[0,12800]}}'
+                (broken / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"\0" * 64)
+            spec.path, spec.name = broken, name
+        return spec
+
+    a.resolve = resolve
+    put(queue, "tiny-broken", 1)
+    put(queue, "tiny-broken", 2)
+    assert a.step(0.1) == 2
+    errors = [msgspec.msgpack.decode(_env.decode(d.result).body, type=WorkError) for d in results(queue, 2)]
+    assert {e.code for e in errors} == {"model_load_failed"} and "tiny-broken" in errors[0].message
+    assert "tiny-broken" not in a.models and a.loading == ""
+    put(queue, "tiny-y", 3)
+    assert a.step(0.1) == 1 and results(queue, 1)[0].status == STATUS_OK
