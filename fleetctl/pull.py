@@ -199,9 +199,13 @@ def detect_kind(folder: Path) -> Kind | None:
     if adapter is not None:
         task = PEFT_TASKS.get(str(adapter.get("task_type", "")).upper(), "generate")
         return Kind(task, "peft", adapter.get("base_model_name_or_path") or None)
+    # sentence-transformers writes its model type here; a CrossEncoder folder also
+    # has modules.json, so the type is read before modules.json decides "embed".
+    st = _read_json(folder / "config_sentence_transformers.json")
+    if st is not None and st.get("model_type") == "CrossEncoder":
+        return Kind("rerank", "sentence-transformers")
     if (folder / "modules.json").is_file():
         return Kind("embed", "sentence-transformers")
-    st = _read_json(folder / "config_sentence_transformers.json")
     if st is not None and st.get("model_type", "SentenceTransformer") == "SentenceTransformer":
         return Kind("embed", "sentence-transformers")
     config = _read_json(folder / "config.json")

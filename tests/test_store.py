@@ -539,3 +539,12 @@ def test_open_while_a_forced_pull_swaps_the_directory(store: Store, tmp_path: Pa
         done.set()
         thread.join()
     assert failures == [] and opened > 0
+
+
+def test_detect_kind_of_a_cross_encoder_folder(tmp_path: Path) -> None:
+    # sentence-transformers saves CrossEncoder folders with modules.json too; the
+    # model type in config_sentence_transformers.json makes it a reranker.
+    (tmp_path / "modules.json").write_text("[]")
+    (tmp_path / "config_sentence_transformers.json").write_text('{"model_type": "CrossEncoder"}')
+    kind = detect_kind(tmp_path)
+    assert kind is not None and (kind.task, kind.runtime) == ("rerank", "sentence-transformers")
