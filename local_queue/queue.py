@@ -112,6 +112,7 @@ EPOCH_SHIFT = SLOT_BITS + GEN_BITS
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
 WORKER_BITS = 16
 RESULT_RESERVE = 8  # 1/8 of the slab is only for results
+MAX_LEASE_MS = 1 << 40  # keeps now_ns + lease in int64
 
 # Header fields (int64 indices).
 (H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
@@ -831,6 +832,8 @@ class LocalQueue:
 
     def renew(self, worker: int, lease_ms: int) -> int:
         """Extend every lease of `worker` to now + lease_ms. Returns how many items it holds."""
+        if not 0 <= lease_ms < MAX_LEASE_MS:
+            raise ValueError(f"lease_ms must be in [0, {MAX_LEASE_MS})")
         with self._lock:
             w = self._need_worker(worker)
             self._W[w * WF + W_LEASE_MS] = lease_ms
@@ -889,8 +892,8 @@ class LocalQueue:
 
         Always at least one item when the lane holds one, even over max_tokens.
         Items past their deadline complete with STATUS_EXPIRED instead."""
-        if max_items < 1:
-            raise ValueError("max_items must be >= 1")
+        if max_items < 1 or not 0 <= lease_ms < MAX_LEASE_MS:
+            raise ValueError(f"max_items must be >= 1 and lease_ms in [0, {MAX_LEASE_MS})")
         self._check_lane(lane)
         S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
         unpack, pack = _HEAD.unpack_from, _CLAIM.pack_into

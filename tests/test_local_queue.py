@@ -86,6 +86,8 @@ def test_claim_respects_max_items_and_max_tokens_but_always_gives_one(q):
     assert take(q, lane, w) == []
     with pytest.raises(ValueError):
         take(q, lane, w, n=0)
+    with pytest.raises(ValueError):
+        take(q, lane, w, lease_ms=1 << 62)
 
 
 def test_returned_items_go_back_to_the_head_in_lane_order(q):
