@@ -59,13 +59,16 @@ class SimDevice:
     def busy_for_ns(self, now_ns: int) -> int:
         return max(0, self.free_at_ns - now_ns)
 
-    def _occupy(self, device_ms: float) -> int:
-        """Spend device_ms of device time; returns the (virtual) end time, monotonic ns."""
+    def _occupy(self, device_ms: float, *, swap: bool = False) -> int:
+        """Spend device_ms of device time; returns the (virtual) end time, monotonic ns.
+        Counted when issued (before the sleep), busy and swap time alike."""
         now = time.monotonic_ns()
         start = self.free_at_ns if 0 <= now - self.free_at_ns <= self.slack_ns else now
         span = int(device_ms * self.time_scale * 1e6)
         end = self.free_at_ns = start + span
         self.stats.busy_ns += span
+        if swap:
+            self.stats.swap_ns += span
         delay = end - time.monotonic_ns()
         if delay > 0:
             time.sleep(delay / 1e9)
@@ -87,10 +90,8 @@ class SimDevice:
             del self.resident[i]
         if len(self.resident) >= self.slots:
             raise RuntimeError(f"loading {model.name} into a full device: this is a bug")
-        before = self.stats.busy_ns
-        self._occupy(model.swap_ms)
         self.stats.swaps += 1
-        self.stats.swap_ns += self.stats.busy_ns - before
+        self._occupy(model.swap_ms, swap=True)
         self.resident[model.index] = None
         self.reload_s[model.index] = model.swap_ms / 1e3
         self._touch(model.index)

@@ -63,7 +63,8 @@ class StepOutcome:
     swaps: int
     batches: int
     items_per_batch: float
-    #: Fraction of device time busy (swaps included) over the window and drain.
+    #: Device time issued during the step (swaps included) / (devices x the step's wall
+    #: span, window and drain); an operation is counted when issued, so it can pass 1.
     device_busy: float
     swap_share: float  # fraction of busy device time spent loading models
     #: Distinct models resident on some device at the step's end (of all models; a
