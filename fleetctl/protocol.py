@@ -8,6 +8,8 @@ same bytes (no re-encoding).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -27,11 +29,52 @@ class Usage(msgspec.Struct, frozen=True):
 
 # ---- /v1/embed -------------------------------------------------------------
 
+class ImageInput(msgspec.Struct, frozen=True):
+    """An image item of `/v1/embed` `inputs`: the encoded file (PNG, JPEG, WebP, ...)
+    as MessagePack bin. It travels to the worker as sent; only the worker decodes it."""
+
+    image: bytes
+
+
+class ImageInputJson(msgspec.Struct, frozen=True):
+    """`ImageInput` in a JSON body: base64, or a data URL (`data:image/png;base64,...`)."""
+
+    image: str
+
+
+#: What `/v1/embed` returns per input: one vector (dense), SPLADE term weights
+#: (sparse: `{indices, values}`), or one vector per token (tokens, ColBERT-style).
+EmbedOutput = Literal["dense", "sparse", "tokens"]
+
+
 class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`inputs` items are texts or `{image: bytes}` (image models only).
+
+    A `str | Struct` union: msgspec tells the two apart by MessagePack type (str
+    vs map), so decoding a text-only body costs what `list[str]` costs.
+    `normalize` applies to dense and per-token vectors (each token's vector is
+    cut to unit length); sparse weights are returned as the model gives them,
+    cut to the `top_k` largest per input when asked.
+    """
+
     model: str
-    inputs: list[str]
+    inputs: list[str | ImageInput]
     normalize: bool = True
     truncate: bool = True
+    output: EmbedOutput = "dense"
+    top_k: int | None = None
+    timeout_ms: int | None = None
+
+
+class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`EmbedRequest` as a JSON body spells it (images as base64 text)."""
+
+    model: str
+    inputs: list[str | ImageInputJson]
+    normalize: bool = True
+    truncate: bool = True
+    output: EmbedOutput = "dense"
+    top_k: int | None = None
     timeout_ms: int | None = None
 
 
@@ -49,6 +92,42 @@ class EmbedReplyJson(msgspec.Struct, frozen=True):
     model: str
     embeddings: list[list[float]]
     shape: tuple[int, int]
+    usage: Usage
+
+
+class EmbedTokensReplyMsgpack(msgspec.Struct, frozen=True):
+    """`output: "tokens"`: one float32 block (raw little-endian, C order) per input,
+    `shapes[i] = [tokens of input i, d]` (padding excluded, special tokens kept)."""
+
+    model: str
+    embeddings: list[bytes] | msgspec.Raw
+    shapes: list[tuple[int, int]]
+    usage: Usage
+    dtype: str = "float32"
+
+
+class EmbedTokensReplyJson(msgspec.Struct, frozen=True):
+    model: str
+    embeddings: list[list[list[float]]]
+    shapes: list[tuple[int, int]]
+    usage: Usage
+
+
+class SparseVector(msgspec.Struct, frozen=True):
+    """One input's SPLADE weights: vocabulary ids, ascending, and their weights
+    (all non-zero ones, or the `top_k` largest). MessagePack: int32 and float32
+    little-endian bytes; JSON: lists."""
+
+    indices: bytes | list[int]
+    values: bytes | list[float]
+
+
+class EmbedSparseReply(msgspec.Struct, frozen=True):
+    """`output: "sparse"`; `dimension` is the vocabulary size (ids are below it)."""
+
+    model: str
+    embeddings: list[SparseVector] | msgspec.Raw
+    dimension: int
     usage: Usage
 
 

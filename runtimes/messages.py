@@ -55,6 +55,44 @@ class EmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
     input_tokens: int
 
 
+class TokenEmbedResult(msgspec.Struct, frozen=True, array_like=True):
+    """`output: "tokens"`: per input, its tokens' vectors as one float32 block
+    (C order, little-endian) of shape `shapes[i]` (padding left out)."""
+
+    data: list[bytes]
+    shapes: list[tuple[int, int]]
+    input_tokens: int
+
+
+class TokenEmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
+    """`TokenEmbedResult` as the daemon reads it for MessagePack replies (blocks left encoded)."""
+
+    data: msgspec.Raw
+    shapes: list[tuple[int, int]]
+    input_tokens: int
+
+
+class SparseVec(msgspec.Struct, frozen=True):
+    """One input's sparse weights, encoded exactly as the reply's
+    `fleetctl.protocol.SparseVector` (a map), so the daemon splices them into
+    MessagePack replies undecoded."""
+
+    indices: bytes  # int32, little-endian, ascending vocabulary ids
+    values: bytes  # float32, little-endian, one per index
+
+
+class SparseEmbedResult(msgspec.Struct, frozen=True, array_like=True):
+    vectors: list[SparseVec]
+    dimension: int  # vocabulary size
+    input_tokens: int
+
+
+class SparseEmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
+    vectors: msgspec.Raw
+    dimension: int
+    input_tokens: int
+
+
 class RerankResult(msgspec.Struct, frozen=True, array_like=True):
     """One rerank request's answer, best first, already cut to `top_n`."""
 

@@ -12,7 +12,7 @@ from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, micro_batches, min_cosine, offsets, to_device,
 )
-from runtimes.messages import EmbedResult, WorkError
+from runtimes.messages import EmbedResult, TokenEmbedResult, WorkError
 
 #: A dtype is kept only if every check-set row stays this close to fp32 (cosine).
 MIN_COSINE = 0.9999
@@ -73,30 +73,52 @@ class SentenceTransformerEmbedder(Adapter):
         return footprint_bytes(self.model)
 
     def estimate_tokens(self, request: EmbedRequest) -> int:
-        return sum(len(t) for t in request.inputs) // 4 + 2 * len(request.inputs)
+        return sum(len(t) for t in request.inputs if t.__class__ is str) // 4 + 2 * len(request.inputs)
+
+    def refuse(self, req: EmbedRequest) -> WorkError | None:
+        """Why this model cannot answer `req` (it fails alone), or None."""
+        if req.output == "sparse":
+            return WorkError("bad_request", f"{self.spec.name} gives dense or per-token vectors; output 'sparse' "
+                                            "needs a SPLADE model (runtime splade)")
+        if any(x.__class__ is not str for x in req.inputs):
+            return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
+                                            "(runtime clip)")
+        too_long = None if req.truncate else self._first_too_long(req.inputs)
+        if too_long is not None:
+            return WorkError(
+                "input_too_long",
+                f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
+                f"{self.max_seq_len} (send truncate=true to cut it)",
+            )
+        return None
 
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
-        # 1. Requests that refuse truncation and have an input over the limit fail alone.
+        # 1. Requests this model cannot answer (images, sparse, too long with
+        #    truncate=false) fail alone.
         results: list[Any] = [None] * len(requests)
         live = []
         for i, req in enumerate(requests):
-            too_long = None if req.truncate else self._first_too_long(req.inputs)
-            if too_long is not None:
-                results[i] = WorkError(
-                    "input_too_long",
-                    f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
-                    f"{self.max_seq_len} (send truncate=true to cut it)",
-                )
-            else:
+            results[i] = self.refuse(req)
+            if results[i] is None:
                 live.append(i)
         if not live:
             return results
         texts = [t for i in live for t in requests[i].inputs]
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        want_tokens = np.repeat(np.fromiter((requests[i].output == "tokens" for i in live), dtype=bool), counts)
         # 2. Embed all texts of the batch together, length-sorted into micro-batches.
-        vectors, tokens = self._embed(texts)
+        vectors, tokens, per_token = self._embed(texts, want_tokens if want_tokens.any() else None)
         # 3. Normalise (per request) and split back, one result per request.
         starts, ends = offsets(counts)
+        if per_token:
+            self._split_tokens(requests, live, starts, ends, per_token, tokens, results)
+            live = [i for i in live if requests[i].output != "tokens"]
+            if not live:
+                return results
+            keep = ~want_tokens
+            vectors, tokens = vectors[keep], tokens[keep]
+            counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+            starts, ends = offsets(counts)
         want_norm = np.repeat(np.fromiter((requests[i].normalize for i in live), dtype=bool), counts)
         if want_norm.any():
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -112,12 +134,31 @@ class SentenceTransformerEmbedder(Adapter):
         lengths = self.tokenizer(inputs, add_special_tokens=True, truncation=False, return_length=True)["length"]
         return first_too_long(lengths, self.max_seq_len)
 
-    def _embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """float32 vectors (n, d) in input order, and tokens used per text."""
+    def _split_tokens(self, requests: list[EmbedRequest], live: list[int], starts: np.ndarray, ends: np.ndarray,
+                      per_token: dict[int, np.ndarray], tokens: np.ndarray, results: list[Any]) -> None:
+        """One TokenEmbedResult per `output: "tokens"` request: each input's
+        (t_i, d) block, cut to unit rows when the request normalises."""
+        for k, i in enumerate(live):
+            req = requests[i]
+            if req.output != "tokens":
+                continue
+            a, b = int(starts[k]), int(ends[k])
+            blocks = [per_token[j] for j in range(a, b)]
+            if req.normalize:
+                blocks = [m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12) for m in blocks]
+            results[i] = TokenEmbedResult([m.astype("<f4", copy=False).tobytes() for m in blocks],
+                                          [m.shape for m in blocks], int(tokens[a:b].sum()))
+
+    def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None,
+               ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """float32 vectors (n, d) in input order, tokens used per text, and for
+        the inputs flagged in `want_tokens` their token vectors (t_i, d) without
+        padding (right-padded rows: the first `mask.sum()` positions are real)."""
         torch = self._torch
         n = len(texts)
         out = np.empty((n, self.dim), dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
+        per_token: dict[int, np.ndarray] = {}
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
@@ -125,8 +166,14 @@ class SentenceTransformerEmbedder(Adapter):
                 for module in self._modules:
                     features = module(features)
                 out[idx] = features["sentence_embedding"].float().cpu().numpy()
-                tokens[idx] = features["attention_mask"].sum(dim=1).cpu().numpy()
-        return out, tokens
+                used = features["attention_mask"].sum(dim=1).cpu().numpy()
+                tokens[idx] = used
+                if want_tokens is not None and want_tokens[idx].any():
+                    rows = np.flatnonzero(want_tokens[idx])
+                    block = features["token_embeddings"][torch.from_numpy(rows).to(self.device)].float().cpu().numpy()
+                    for r, m in zip(rows, block):
+                        per_token[int(idx[r])] = m[: int(used[r])]
+        return out, tokens, per_token
 
     def unload(self) -> None:
         self.model = None

@@ -10,10 +10,13 @@ from litestar import Controller, Request, Response, post
 
 from fleetctl.errors import BadRequest
 from fleetctl.protocol import (
-    EmbedReplyJson, EmbedReplyMsgpack, EmbedRequest, OpenAIEmbedding, OpenAIEmbeddingsReply,
-    OpenAIEmbeddingsRequest, OpenAIUsage, Usage,
+    EmbedReplyJson, EmbedReplyMsgpack, EmbedRequest, EmbedRequestJson, EmbedSparseReply, EmbedTokensReplyJson,
+    EmbedTokensReplyMsgpack, ImageInput, ImageInputJson, OpenAIEmbedding, OpenAIEmbeddingsReply,
+    OpenAIEmbeddingsRequest, OpenAIUsage, SparseVector, Usage,
 )
-from runtimes.messages import EmbedResult, EmbedResultRaw
+from runtimes.messages import (
+    EmbedResult, EmbedResultRaw, SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
+)
 
 from daemon import codec
 from daemon.broker import Answer
@@ -22,6 +25,14 @@ from daemon.http import reply, wants_msgpack
 
 _result = msgspec.msgpack.Decoder(EmbedResult)
 _result_raw = msgspec.msgpack.Decoder(EmbedResultRaw)
+_tokens = msgspec.msgpack.Decoder(TokenEmbedResult)
+_tokens_raw = msgspec.msgpack.Decoder(TokenEmbedResultRaw)
+_sparse = msgspec.msgpack.Decoder(SparseEmbedResult)
+_sparse_raw = msgspec.msgpack.Decoder(SparseEmbedResultRaw)
+
+#: Batch-budget tokens an image costs (a ViT-B/16 at 224 px sees 197 patches;
+#: the worker counts exactly, this only sizes batches).
+IMAGE_TOKENS = 256
 
 
 def answer_headers(answer: Answer) -> dict[str, str]:
@@ -41,10 +52,45 @@ def check_inputs(daemon: Daemon, inputs: list[str]) -> None:
 
 async def run_embed(daemon: Daemon, req: EmbedRequest, payload: bytes) -> Answer:
     """Queue an embed request. `payload` is the request as MessagePack (for
-    MessagePack clients, the body exactly as received: no re-encoding)."""
+    MessagePack clients, the body exactly as received: no re-encoding; image
+    bytes ride in it to the worker untouched)."""
     check_inputs(daemon, req.inputs)
-    return await daemon.submit("embed", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
+    if req.top_k is not None and (req.output != "sparse" or req.top_k < 1):
+        raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
+                         f"with output {req.output!r}")
+    return await daemon.submit("embed", req.model, payload, tokens=embed_tokens(req, payload),
                                timeout_ms=req.timeout_ms)
+
+
+def embed_tokens(req: EmbedRequest, payload: bytes | memoryview) -> int:
+    """Batch-budget tokens: texts from the payload size (`estimate_tokens`); with
+    images, texts by their characters and each image as IMAGE_TOKENS."""
+    images = sum(1 for x in req.inputs if x.__class__ is ImageInput)
+    if not images:
+        return estimate_tokens(payload, len(req.inputs))
+    chars = sum(len(x) for x in req.inputs if x.__class__ is str)
+    return chars // 4 + 2 * (len(req.inputs) - images) + IMAGE_TOKENS * images
+
+
+def from_json(jreq: EmbedRequestJson) -> EmbedRequest:
+    """The request with JSON's base64 images (plain or data URLs) as bytes. Only
+    base64 is undone here; the image itself is decoded in the worker."""
+    inputs = jreq.inputs
+    if any(x.__class__ is ImageInputJson for x in inputs):
+        inputs = [image_bytes(i, x) if x.__class__ is ImageInputJson else x for i, x in enumerate(inputs)]
+    return EmbedRequest(jreq.model, inputs, jreq.normalize, jreq.truncate, jreq.output, jreq.top_k, jreq.timeout_ms)
+
+
+def image_bytes(index: int, item: ImageInputJson) -> ImageInput:
+    text = item.image
+    if text.startswith("data:"):
+        head, sep, text = text.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise BadRequest(f"input {index}: a data URL image must be base64 (data:<type>;base64,<data>)")
+    try:
+        return ImageInput(base64.b64decode(text, validate=True))
+    except ValueError:
+        raise BadRequest(f"input {index}: `image` is not valid base64") from None
 
 
 def estimate_tokens(payload: bytes | memoryview, texts: int) -> int:
@@ -59,17 +105,26 @@ class EmbedController(Controller):
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
         body = await request.body()
-        msgpack_in = codec.is_msgpack(request.headers.get("content-type"))
-        req = codec.decode(body, EmbedRequest, msgpack=msgpack_in)
-        answer = await run_embed(daemon, req, body if msgpack_in else codec.encode_msgpack(req))
+        if codec.is_msgpack(request.headers.get("content-type")):
+            req = codec.decode(body, EmbedRequest, msgpack=True)
+            payload = body
+        else:
+            req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
+            payload = codec.encode_msgpack(req)
+        answer = await run_embed(daemon, req, payload)
         headers = answer_headers(answer)
-        if wants_msgpack(request):
+        msgpack_out = wants_msgpack(request)
+        if req.output == "tokens":
+            out = tokens_reply(req.model, answer.body, msgpack=msgpack_out)
+        elif req.output == "sparse":
+            out = sparse_reply(req.model, answer.body, msgpack=msgpack_out)
+        elif msgpack_out:
             res = _result_raw.decode(answer.body)
             out = EmbedReplyMsgpack(req.model, res.data, res.shape, Usage(input_tokens=res.input_tokens))
-            return reply(request, out, headers=headers)
-        res = _result.decode(answer.body)
-        vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
-        out = EmbedReplyJson(req.model, vectors.tolist(), res.shape, Usage(input_tokens=res.input_tokens))
+        else:
+            res = _result.decode(answer.body)
+            vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+            out = EmbedReplyJson(req.model, vectors.tolist(), res.shape, Usage(input_tokens=res.input_tokens))
         return reply(request, out, headers=headers)
 
     @post("/embeddings", status_code=200)
@@ -104,3 +159,23 @@ def shorten(vectors: np.ndarray, dimensions: int) -> np.ndarray:
     cut = np.ascontiguousarray(vectors[:, :dimensions])
     norms = np.linalg.norm(cut, axis=1, keepdims=True)
     return cut / np.maximum(norms, 1e-12)
+
+
+def tokens_reply(model: str, body: bytes, *, msgpack: bool):
+    """Per-token vectors: MessagePack splices the worker's blocks in undecoded."""
+    if msgpack:
+        res = _tokens_raw.decode(body)
+        return EmbedTokensReplyMsgpack(model, res.data, res.shapes, Usage(input_tokens=res.input_tokens))
+    res = _tokens.decode(body)
+    blocks = [np.frombuffer(b, dtype="<f4").reshape(shape).tolist() for b, shape in zip(res.data, res.shapes)]
+    return EmbedTokensReplyJson(model, blocks, res.shapes, Usage(input_tokens=res.input_tokens))
+
+
+def sparse_reply(model: str, body: bytes, *, msgpack: bool) -> EmbedSparseReply:
+    if msgpack:
+        res = _sparse_raw.decode(body)
+        return EmbedSparseReply(model, res.vectors, res.dimension, Usage(input_tokens=res.input_tokens))
+    res = _sparse.decode(body)
+    vectors = [SparseVector(np.frombuffer(v.indices, dtype="<i4").tolist(), np.frombuffer(v.values, dtype="<f4").tolist())
+               for v in res.vectors]
+    return EmbedSparseReply(model, vectors, res.dimension, Usage(input_tokens=res.input_tokens))
