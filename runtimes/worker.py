@@ -28,8 +28,10 @@ from runtimes.control import (
 from runtimes.control import decode_command as _decode_command
 from runtimes.memory import (
     EXPLICIT_DEMAND, IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, TOO_LARGE, WAIT, DeviceMemory, Estimates,
-    Footprint, LoadLock, NotNow, ResidentView, estimate_footprint, load_error, plan_load, run_split_on_oom, used_bytes,
+    Footprint, LoadLock, LoadPlan, NotNow, ResidentView, estimate_footprint, load_error, plan_load, run_split_on_oom,
+    used_bytes,
 )
+from runtimes.memory import LOAD as PLAN_LOAD
 from runtimes.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from runtimes.policy import (
     CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
@@ -119,8 +121,10 @@ class WorkerCore:
 
         Raises `ModelTooLarge` when it cannot fit even after evicting every
         unpinned model of this worker; `NotNow` when another worker of this
-        device holds or loads it (one copy per device), or when its room is
-        held by models with more waiting requests (its requests wait).
+        device is loading it (never two loads at once) or holds it and its lane
+        does not starve (a second copy on one device only when one cannot keep
+        up, and only if it fits), or when its room is held by models with more
+        waiting requests (its requests wait).
         """
         resident = self.models.get(name)
         if resident is not None:
@@ -141,17 +145,24 @@ class WorkerCore:
         estimate = self.estimates.estimate(name, spec.runtime, header)
         with self.load_lock.held():
             # 2. Decide on the device as it is now (peers included).
-            waiting = {s.model: s.depth for s in self.queue.lane_stats()}
+            stats = self.queue.lane_stats()
+            waiting = {s.model: s.depth for s in stats}
             peers, peer_loading = self._peer_views(waiting)
-            holder = next((v.worker for v in peers if v.name == name), peer_loading.get(name))
-            if holder is not None:
-                raise NotNow(f"{name} is resident on (or loading by) worker {holder} of {self.device}")
+            if name in peer_loading:
+                raise NotNow(f"{name} is being loaded by worker {peer_loading[name]} of {self.device}")
+            held = next((v for v in peers if v.name == name), None)
+            holder = held.worker if held is not None else None
+            if held is not None and (explicit or not any(x.model == name and self._replica_wanted(x, held)
+                                                         for x in stats)):
+                raise NotNow(f"{name} is resident on worker {holder} of {self.device}")
             plan = plan_load(
                 name, estimate, self._own_views(waiting) + peers, worker=self.worker_id, device=self.device,
                 budget_bytes=self.memory.budget_bytes, free_now_bytes=self.memory.free_now(),
                 incoming_waiting=EXPLICIT_DEMAND if explicit else waiting.get(name, 0),
             )
             if plan.verdict == TOO_LARGE:
+                if holder is not None:  # its holder serves it; a second copy just does not fit
+                    raise NotNow(f"no room for a second copy of {name}: {plan.reason}")
                 raise ModelTooLarge(plan.reason, hint="unpin or unload a model, or raise the device budget")
             if plan.verdict == WAIT:
                 raise NotNow(plan.reason)
@@ -250,16 +261,17 @@ class WorkerCore:
             for n, m in info.get("models", {}).items():
                 views.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
                                           float(m.get("last_used", 0.0)), float(m.get("load_ms", 0.0)) / 1e3,
-                                          waiting.get(n, 0)))
+                                          waiting.get(n, 0), float(m.get("loaded_at", 0.0))))
             if info.get("loading"):
                 loading[info["loading"]] = w.wid
         return views, loading
 
     def servable(self, stats: list) -> list:
         """The lanes this worker may serve now, from `lane_stats()`: no control
-        lanes; no model another worker of this device holds or is loading (one
-        copy per device, never two loads of it at once); no model whose room is
-        held by busier models (its requests wait in their lane)."""
+        lanes; no model another worker of this device is loading (never two
+        loads of it at once) or holds, unless its lane starves and a second copy
+        fits without evicting anything (its holder cannot keep up); no model
+        whose room is held by busier models (its requests wait in their lane)."""
         out, peers = [], None
         for s in stats:
             if is_control_lane(s.model):
@@ -270,9 +282,17 @@ class WorkerCore:
             if peers is None:
                 waiting = {x.model: x.depth for x in stats}
                 peers, peer_loading = self._peer_views(waiting)
-                held = {v.name for v in peers} | set(peer_loading)
+                held = {v.name: v for v in peers}
                 mine = self._own_views(waiting)
+            if s.model in peer_loading:
+                continue
             if s.model in held:
+                # A replica's size is what its holder measured (no store read, no re-hash here).
+                if self._replica_wanted(s, held[s.model]) and plan_load(
+                    s.model, held[s.model].footprint, mine + peers, worker=self.worker_id, device=self.device,
+                    budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
+                ) == LoadPlan(PLAN_LOAD):
+                    out.append(s)
                 continue
             known = self.headers.get(s.model)
             if known is not None:
@@ -284,6 +304,14 @@ class WorkerCore:
                     continue
             out.append(s)
         return out
+
+    def _replica_wanted(self, lane, held: ResidentView) -> bool:
+        """A second copy on this device helps only when its holder cannot keep up:
+        the lane starves although the holder has been serving for a whole wait
+        bound (a backlog left by the first load drains without one)."""
+        bound_ns = self.max_wait_ms * 1_000_000
+        return (lane.depth > 0 and self.clock_ns() - lane.oldest_enqueue_ns > bound_ns
+                and time.time() - held.loaded_at > bound_ns / 1e9)
 
     def wait_for_work(self, stats: list, timeout_s: float) -> None:
         """Nothing to serve here: block for new work, or, when what waits is not
