@@ -10,7 +10,8 @@ the box fall on every side alike:
 and the latency one short single-input request adds over encoding it
 in-process (p50, p95; fleet's sequential round trip minus `encode` of the
 same text, with the dtype fleet serves the model in).
-Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 2 ms.
+Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 2 ms. Ratios and the
+added latency are taken within each round, then their median across rounds.
 
 Tokens are counted with the model's tokenizer up front (bench/tokens.py).
 
@@ -203,19 +204,24 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r[key][field] for r in rounds)
 
     a_tps, b_tps, c_tps = med("a_st_fp32", "tokens_per_s"), med("b_st_bf16", "tokens_per_s"), med("c_fleet", "tokens_per_s")
+    # Ratios are taken within each round (the sides of one round share the box's
+    # state at that time), then their median: on a shared box this is steadier
+    # than the ratio of medians.
+    c_over_a = statistics.median(r["c_fleet"]["tokens_per_s"] / r["a_st_fp32"]["tokens_per_s"] for r in rounds)
+    c_over_b = statistics.median(r["c_fleet"]["tokens_per_s"] / r["b_st_bf16"]["tokens_per_s"] for r in rounds)
     added_p50 = statistics.median(r["short_fleet"]["p50_ms"] - r["short_local"]["p50_ms"] for r in rounds)
     added_p95 = statistics.median(r["short_fleet"]["p95_ms"] - r["short_local"]["p95_ms"] for r in rounds)
     summary = {
         "a_st_fp32_tokens_per_s": a_tps, "b_st_bf16_tokens_per_s": b_tps, "c_fleet_tokens_per_s": c_tps,
-        "c_over_a": c_tps / a_tps, "c_over_b": c_tps / b_tps,
+        "c_over_a": c_over_a, "c_over_b": c_over_b,
         "c_clients": statistics.median(r["c_fleet"]["clients"] for r in rounds),
         "fleet_dtype": fleet_dtype, "short_baseline_dtype": short_dtype,
         "short_fleet_p50_ms": med("short_fleet", "p50_ms"), "short_fleet_p95_ms": med("short_fleet", "p95_ms"),
         "short_local_p50_ms": med("short_local", "p50_ms"), "short_local_p95_ms": med("short_local", "p95_ms"),
         "added_p50_ms": added_p50, "added_p95_ms": added_p95,
         "goals": {
-            "c_ge_2x_a": c_tps >= GOAL_VS_FP32 * a_tps,
-            "c_ge_0.9x_b": c_tps >= GOAL_VS_BF16 * b_tps,
+            "c_ge_2x_a": c_over_a >= GOAL_VS_FP32,
+            "c_ge_0.9x_b": c_over_b >= GOAL_VS_BF16,
             "added_p50_le_2ms": added_p50 <= GOAL_ADDED_P50_MS,
         },
     }
@@ -236,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t = Table(title=f"embeddings end to end ({args.rounds} rounds x {args.duration:g} s, median), {BATCH} inputs/request",
               title_justify="left")
-    for col in ("side", "tokens/s", "req/s", "p50 ms", "vs (a)", "note"):
+    for col in ("side", "tokens/s", "req/s", "p50 ms", "vs (a), per round", "note"):
         t.add_column(col, justify="left" if col in ("side", "note") else "right")
     for key, label, note in (("a_st_fp32", "(a) sentence-transformers fp32", "in-process encode, defaults"),
                              ("b_st_bf16", "(b) sentence-transformers bf16", "in-process encode"),
                              ("c_fleet", "(c) fleet HTTP/msgpack", f"{summary['c_clients']:.0f} clients, served as {fleet_dtype}")):
+        vs_a = statistics.median(r[key]["tokens_per_s"] / r["a_st_fp32"]["tokens_per_s"] for r in rounds)
         t.add_row(label, f"{med(key, 'tokens_per_s'):,.0f}", f"{med(key, 'rps'):.2f}", f"{med(key, 'p50_ms'):.1f}",
-                  f"{med(key, 'tokens_per_s') / a_tps:.2f}x", note)
+                  f"{vs_a:.2f}x", note)
     console.print(t)
     lat = Table(title=f"one short request (1 input, {min(short_lengths)}-{max(short_lengths)} tokens), sequential",
                 title_justify="left")
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_row(f"in-process encode ({short_dtype})", f"{summary['short_local_p50_ms']:.2f}", f"{summary['short_local_p95_ms']:.2f}")
     lat.add_row("added by serving", f"{added_p50:.2f}", f"{added_p95:.2f}")
     console.print(lat)
+    console.print(f"(c)/(a) per round: {c_over_a:.2f}x (goal >= {GOAL_VS_FP32:g}), "
+                  f"(c)/(b) per round: {c_over_b:.2f}x (goal >= {GOAL_VS_BF16:g})")
     for goal, ok in summary["goals"].items():
         console.print(f"goal {goal}: {'[green]met[/]' if ok else '[red]missed[/]'}")
     err.print(f"results: {out}")
