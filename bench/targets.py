@@ -57,7 +57,9 @@ def reply_tokens(kind: str, task: str, body: bytes) -> int:
     Raises msgspec.DecodeError on a malformed reply: the generator counts that
     as an error, not a success.
     """
-    usage = (_mp_usage if kind == "fleet" else _js_usage).decode(body).usage
+    # Generation goes through the JSON completions route for every kind (see _body).
+    msgpack = kind == "fleet" and task != "generate"
+    usage = (_mp_usage if msgpack else _js_usage).decode(body).usage
     if task == "generate":
         return usage.completion_tokens
     return usage.input_tokens if usage.input_tokens >= 0 else usage.prompt_tokens

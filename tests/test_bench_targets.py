@@ -83,6 +83,14 @@ def test_openai_and_infinity_requests(lengths):
     assert split(p.request)[0] == "POST /custom/emb HTTP/1.1"
 
 
+def test_generate_requests_use_the_completions_route(lengths):
+    p = build_payloads("fleet", "generate", "http://127.0.0.1:7744", "g", TEXTS, lengths, 1, pool_size=1)[0]
+    line, headers, body = split(p.request)
+    assert line == "POST /v1/completions HTTP/1.1" and headers["Content-Type"] == "application/json"
+    doc = msgspec.json.decode(body)
+    assert doc["prompt"] in TEXTS and doc["max_tokens"] == 16
+
+
 def test_unsupported_combinations_are_refused(lengths):
     with pytest.raises(ValueError, match="rerank"):
         build_payloads("openai", "rerank", "http://127.0.0.1:1", "m", TEXTS, lengths, 1, pool_size=1)
@@ -98,6 +106,7 @@ def test_reply_tokens_reads_usage_only():
     assert reply_tokens("openai", "embed", openai) == 7
     gen = msgspec.json.encode({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 16}})
     assert reply_tokens("openai", "generate", gen) == 16
+    assert reply_tokens("fleet", "generate", gen) == 16  # fleet generation is benched over JSON completions
     assert reply_tokens("openai", "embed", b'{"data": []}') == -1
     with pytest.raises(msgspec.DecodeError):
         reply_tokens("fleet", "embed", b"not msgpack at all \xc1")
