@@ -1,0 +1,154 @@
+"""SPLADE sparse embeddings (task `embed`, runtime `splade`): a masked-LM head's
+logits turned into one weight per vocabulary term.
+
+    w[v] = max over real tokens t of log(1 + relu(logits[t, v]))
+
+(SPLADE v2 / SPLADE++ "max" pooling; padding positions are masked out). The
+reply lists the non-zero terms per input (`{indices, values}`), or the `top_k`
+largest when the request asks. log1p and relu are monotonic, so the max is
+taken over the masked logits first and log1p(relu(.)) applied to (n, V) once,
+not to (n, t, V).
+
+Any `AutoModelForMaskedLM` folder (BERT, DistilBERT, ...) loads; nothing in the
+folder says "SPLADE", so `fleetctl pull` never guesses it: pull with
+`--runtime splade` (and `--task embed`) or name it in the catalog.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleetctl.protocol import EmbedRequest
+from runtimes.base import Adapter
+from runtimes.hf_common import (
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
+    min_cosine, offsets, to_device,
+)
+from runtimes.messages import SparseEmbedResult, SparseVec, WorkError
+
+#: A reduced dtype is kept when every check text's (unit-scaled) term vector
+#: keeps this cosine to fp32: the ranking a sparse index computes is a dot product.
+MIN_COSINE = 0.999
+#: Logit elements (rows x tokens x vocabulary) one forward pass may produce:
+#: 64M float32 = 256 MiB. The (n, t, V) logits dwarf the encoder's activations,
+#: so micro-batches are cut to this, not only to `micro_batch_items`.
+MAX_LOGIT_ELEMENTS = 64 << 20
+
+
+class SpladeEmbedder(Adapter):
+    request_type = EmbedRequest
+
+    def load(self) -> None:
+        import torch
+
+        self._torch = torch
+        model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForMaskedLM")
+        self.max_seq_len = max_length(self.spec, self.tokenizer, model.config)
+        self.vocab = int(model.config.vocab_size)
+        self.model, self.dtype = choose_dtype(
+            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
+            run=lambda m: unit_rows(self._weights_with(m, CHECK_SET)), agree=min_cosine(MIN_COSINE),
+        )
+        self._weights_with(self.model, CHECK_SET)  # warm-up: first-shape kernel choice paid at load
+
+    def footprint_bytes(self) -> int:
+        return footprint_bytes(self.model)
+
+    def estimate_tokens(self, request: EmbedRequest) -> int:
+        return sum(len(t) for t in request.inputs if t.__class__ is str) // 4 + 2 * len(request.inputs)
+
+    def refuse(self, req: EmbedRequest) -> WorkError | None:
+        if req.output != "sparse":
+            return WorkError("bad_request", f"{self.spec.name} is a SPLADE model: it gives sparse vectors only "
+                                            "(send output 'sparse')")
+        if any(x.__class__ is not str for x in req.inputs):
+            return WorkError("bad_request", f"{self.spec.name} embeds text only")
+        if not req.truncate:
+            lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
+            too_long = first_too_long(lengths, self.max_seq_len)
+            if too_long is not None:
+                return WorkError("input_too_long", f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} "
+                                                   f"takes at most {self.max_seq_len} (send truncate=true to cut it)")
+        return None
+
+    def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
+        # 1. Requests this model cannot answer fail alone.
+        results: list[Any] = [self.refuse(r) for r in requests]
+        live = [i for i, r in enumerate(results) if r is None]
+        if not live:
+            return results
+        texts = [t for i in live for t in requests[i].inputs]
+        counts = [len(requests[i].inputs) for i in live]
+        # 2. Term weights of every text, micro-batched by length, with each
+        #    request's top_k applied per row.
+        top_k = np.repeat(np.fromiter((requests[i].top_k or 0 for i in live), dtype=np.int64, count=len(live)),
+                          counts)
+        vectors, tokens = self._sparse(texts, top_k)
+        # 3. One result per request.
+        starts, ends = offsets(counts)
+        for k, i in enumerate(live):
+            a, b = int(starts[k]), int(ends[k])
+            results[i] = SparseEmbedResult(vectors[a:b], self.vocab, int(tokens[a:b].sum()))
+        return results
+
+    def _weights_with(self, model: Any, texts: list[str]) -> np.ndarray:
+        """Dense (n, V) float32 term weights (the dtype check compares these)."""
+        out = np.empty((len(texts), self.vocab), dtype=np.float32)
+        with self._torch.inference_mode():
+            for idx, weights, _ in self._passes(model, texts):
+                out[idx] = weights.float().cpu().numpy()
+        return out
+
+    def _passes(self, model: Any, texts: list[str]):
+        """(input indices, (b, V) weights on the device, tokens per input) per forward pass."""
+        torch = self._torch
+        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+        for group in micro_batches(lengths, self.spec.profile.micro_batch_items):
+            enc = self.tokenizer([texts[j] for j in group], padding=True, truncation=True,
+                                 max_length=self.max_seq_len, return_tensors="pt")
+            rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
+            for lo in range(0, len(group), rows):
+                part = {k: v[lo : lo + rows] for k, v in enc.items()}
+                mask = part["attention_mask"]
+                width = int(mask.sum(dim=1).max())  # drop padding columns no row of this slice needs
+                part = to_device({k: v[:, :width] for k, v in part.items()}, self.device)
+                logits = model(**part).logits
+                logits = logits.masked_fill(~part["attention_mask"].bool().unsqueeze(-1), float("-inf"))
+                weights = torch.log1p(torch.relu(logits.amax(dim=1)))
+                yield group[lo : lo + rows], weights, mask.sum(dim=1).numpy()
+
+    def _sparse(self, texts: list[str], top_k: np.ndarray) -> tuple[list[SparseVec], np.ndarray]:
+        """Per text its non-zero terms (ascending ids) cut to its top_k (0 = all), and tokens used."""
+        torch = self._torch
+        vectors: list[Any] = [None] * len(texts)
+        tokens = np.empty(len(texts), dtype=np.int64)
+        with torch.inference_mode():
+            for idx, weights, used in self._passes(self.model, texts):
+                tokens[idx] = used
+                weights = weights.float()
+                ks = top_k[idx]
+                for k in np.unique(ks[ks > 0]):
+                    # Rows with the same k: keep their k largest in one topk call.
+                    rows = torch.from_numpy(np.flatnonzero(ks == k)).to(weights.device)
+                    sub = weights[rows]
+                    kept = torch.zeros_like(sub).scatter_(1, sub.topk(min(int(k), self.vocab), dim=1).indices, 1.0)
+                    weights[rows] = sub * kept
+                w = weights.cpu().numpy()
+                # Row-major nonzero: ids come out ascending within each row.
+                r, c = np.nonzero(w)
+                bounds = np.searchsorted(r, np.arange(len(idx) + 1))
+                values = w[r, c]
+                ids = c.astype("<i4")
+                for j, target in enumerate(idx):
+                    lo, hi = bounds[j], bounds[j + 1]
+                    vectors[int(target)] = SparseVec(ids[lo:hi].tobytes(), values[lo:hi].astype("<f4").tobytes())
+        return vectors, tokens
+
+    def unload(self) -> None:
+        self.model = None
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
