@@ -87,11 +87,9 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
         log.exception("generation step failed on %s", name)
         error = WorkError(exc.code, exc.message) if isinstance(exc, FleetError) else \
             WorkError("inference_failed", f"{name}: {type(exc).__name__}: {exc}")
-        keys = adapter.abort()
+        answered += abort_in_flight(core, adapter, error)
         core.release_memory()
-        payload = _encode(Envelope(0.0, 0.0, core.served_by, error))
-        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in keys])
-        return answered + len(keys)
+        return answered
     now = core.clock_ns()
     # 3. Stream what is safe to send; ack what finished (one queue call each).
     if partials:
@@ -123,6 +121,16 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
     if finished:
         core.publish_info()
     return answered
+
+
+def abort_in_flight(core: WorkerCore, adapter, error: WorkError) -> int:
+    """Answer every request a continuous adapter holds with `error` (it is being
+    unloaded, or its step failed), so no claim stays leased with nobody on it."""
+    keys = adapter.abort() if adapter.continuous else []
+    if keys:
+        payload = _encode(Envelope(0.0, 0.0, core.served_by, error))
+        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in keys if k is not None])
+    return len(keys)
 
 
 def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
