@@ -26,6 +26,7 @@ from runtimes.control import (
     CONTROL_BATCH, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, is_control_lane,
 )
 from runtimes.control import decode_command as _decode_command
+from runtimes.continuous import abort_in_flight, busy_continuous, serve_continuous
 from runtimes.memory import (
     EXPLICIT_DEMAND, IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, TOO_LARGE, WAIT, DeviceMemory, Estimates,
     Footprint, LoadLock, LoadPlan, NotNow, ResidentView, estimate_footprint, load_error, plan_load, run_split_on_oom,
@@ -209,6 +210,9 @@ class WorkerCore:
         if resident is None:
             return False
         self.pinned.discard(name)
+        # Generation in flight on it is answered now, not left leased (runtimes.continuous).
+        abort_in_flight(self, resident.adapter, WorkError("overloaded", f"{name} was unloaded from {self.device} "
+                                                          "while generating; retry"))
         resident.adapter.unload()
         del resident
         self.release_memory()
@@ -432,7 +436,11 @@ class WorkerCore:
         stats = self.queue.lane_stats()
         if done := self.serve_control(stats):
             return done
-        lane = choose_lane(self.servable(stats), set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
+        servable = self.servable(stats)
+        # Generation (continuous adapters) in flight steps first (runtimes.continuous).
+        if (busy := busy_continuous(self, servable)) is not None:
+            return serve_continuous(self, busy, stats)
+        lane = choose_lane(servable, set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
         if lane is None:
             self.wait_for_work(stats, timeout_s)
             return 0
@@ -448,6 +456,8 @@ class WorkerCore:
             log.exception("loading %s failed", lane.model)
             return self._fail_lane(lane.lane, ModelLoadFailed(f"cannot load {lane.model!r}: {type(exc).__name__}: {exc}"))
         adapter = resident.adapter
+        if adapter.continuous:
+            return serve_continuous(self, resident, stats)
         profile = adapter.spec.profile
         cost = self.costs.setdefault(lane.model, CostModel())
         cap = batch_token_cap(cost, self.target_ms, profile.max_batch_tokens)
