@@ -354,7 +354,8 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         ("slo-ms", float, "p95 bound of a healthy step"), ("keep-up", float, "throughput / offered of a healthy step"),
         ("refresh-ms", float, "push router's view refresh period"), ("min-rps", float, "lowest load a ramp runs"),
     ):
-        p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+        default = getattr(d, name.replace("-", "_"))
+        p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {default})")
     p.add_argument("--sides", default=None, help="comma-separated, from pull, pull+holders, push "
                                                  f"(default {','.join(d.sides)})")
     p.add_argument("--carry-state", action="store_true", default=None,
@@ -375,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     # Short GIL hand-offs: a simulated GPU whose sleep ended must not wait 5 ms for another thread.
     sys.setswitchinterval(0.0002)
-    out, err = Console(), Console(stderr=True)
-    err.print(f"[bold]pull vs push[/]: {cfg.workers} GPUs x {cfg.slots} slots, {cfg.models} models (zipf s={cfg.zipf_s}), "
-              f"seed {cfg.seed}, time scale {cfg.time_scale}, {cfg.duration_s} s steps")
+    # Piped stdout (a results file, a README): wide enough that no column is cut.
+    out, err = Console(width=None if sys.stdout.isatty() else 240), Console(stderr=True)
+    err.print(f"[bold]pull vs push[/]: {cfg.workers} GPUs x {cfg.slots} slots, {cfg.models} models "
+              f"(zipf s={cfg.zipf_s}), seed {cfg.seed}, time scale {cfg.time_scale}, {cfg.duration_s} s steps")
     sides = simulate(cfg, err)
     for side in sides:
         out.print(steps_table(side, cfg.criteria))

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from bench.sim.device import SimDevice
-from bench.sim.pull import should_load
+from bench.sim.pull import HOLDERS, PullSystem, should_load
 from bench.sim.push import PushRouter, WorkerView, added_ms, assign_worker, load_penalty_ms
+from bench.sim.step import Recorder
 from bench.sim.traffic import SMALL, TrafficSpec, make_models, make_trace, zipf_weights
 from runtimes.memory import LOAD, WAIT
 
@@ -194,6 +197,32 @@ def test_device_keeps_exact_device_time():
 ])
 def test_should_load(holders, backlog, expected):
     assert should_load(holders, backlog, swap_ms=100.0) is expected
+
+
+def test_holder_rule_on_a_real_queue_skips_a_model_held_elsewhere():
+    models = make_models(3)  # 0: small (swap 50 ms), 1: base
+    system = PullSystem(models, 1, 3, Recorder(), loading=HOLDERS)  # threads not started
+    q = system.queue
+    try:
+        other = q.register_worker(os.getpid(), "sim-gpu-other")
+        q.set_worker_info(other, msgspec.msgpack.encode([models[0].name]))
+        me = q.register_worker(os.getpid(), "sim-gpu-me")
+        q.put(system.lanes[0], b"x", tokens=100, request_id=1)  # the oldest, but held by `other`
+        q.put(system.lanes[1], b"x", tokens=100, request_id=2)
+        lane = system._choose_without_needless_load(q.lane_stats(), set(), me, time.monotonic_ns())
+        assert lane.model == models[1].name
+        # 100k tokens queued for model 0: ~102 ms of work for its one holder, more than a
+        # 50 ms load, so a second copy pays and the oldest lane is eligible again.
+        q.put_many(system.lanes[0], [b"x"] * 50, tokens=[2000] * 50, request_ids=list(range(10, 60)))
+        lane = system._choose_without_needless_load(q.lane_stats(), set(), me, time.monotonic_ns())
+        assert lane.model == models[0].name
+        # A worker that holds the model serves it whatever the others hold.
+        q.put(system.lanes[2], b"x", tokens=10, request_id=99)
+        lane = system._choose_without_needless_load(q.lane_stats(), {models[2].name, models[0].name}, me,
+                                                    time.monotonic_ns())
+        assert lane.model == models[0].name  # held here and oldest
+    finally:
+        system.close()
 
 
 # -- the real thing, short -------------------------------------------------------

@@ -154,7 +154,8 @@ class PushWorker:
             with cond:
                 run, total = [], 0
                 for item in fifo:
-                    if item.model != model.index or len(run) == prof.max_batch_items or (run and total + item.tokens > cap):
+                    if (item.model != model.index or len(run) == prof.max_batch_items
+                            or (run and total + item.tokens > cap)):
                         break
                     run.append(item)
                     total += item.tokens
