@@ -86,6 +86,7 @@ import secrets
 import struct
 import threading
 import time
+from collections import Counter
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
@@ -985,9 +986,11 @@ class LocalQueue:
             results.append(r)
         S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
         pack, unpack = _RESULT.pack_into, _HEAD.unpack_from
-        drops: dict[int, int] = {}  # payload block -> references dropped (blocks are shared)
-        lanes: dict[int, int] = {}  # lane -> items leaving its claimed count
-        owners: dict[int, int] = {}  # wid -> same, per worker
+        # Planned outside the lock for the usual case: every claim still held.
+        lens = [len(r) for r in results]
+        plan = _plan_blocks(lens)[0]
+        # Payload blocks, lanes and owners of the acked items, counted at the end.
+        blocks_out, lanes, owners = [], [], []
         first = last = NIL  # acked slots, chained, appended to the done list at the end
         with self._lock:
             # 1. Which claims are still held (each slot once).
@@ -1004,9 +1007,10 @@ class LocalQueue:
                 out.append(ok)
             # 2. Result blocks for all of them, or nothing changes.
             order = list(held.items())
-            lens = [len(results[i]) for _, (i, _) in order]
-            groups, _ = _plan_blocks(lens)
-            placed = self._alloc_blocks(groups, len(order))
+            if len(order) != len(items):
+                lens = [len(results[i]) for _, (i, _) in order]
+                plan = _plan_blocks(lens)[0]
+            placed = self._alloc_blocks(plan, len(order))
             if placed is None:
                 raise QueueFull("no slab space for these results; ack them with empty results")
             blocks, at = placed
@@ -1019,18 +1023,17 @@ class LocalQueue:
                     data[a:a + ln] = results[i]
                 pack(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
                 S[b] = DONE  # commit; from here the payload block reference is ours to drop
-                u = rec[F_DATA]
-                if u != NIL:
-                    drops[u] = drops.get(u, 0) + 1
-                lane, wid = rec[F_LANE], rec[F_OWNER]
-                lanes[lane] = lanes.get(lane, 0) + 1
-                owners[wid] = owners.get(wid, 0) + 1
+                blocks_out.append(rec[F_DATA])
+                lanes.append(rec[F_LANE])
+                owners.append(rec[F_OWNER])
                 S[b + F_NEXT] = NIL
                 if last == NIL:
                     first = s
                 else:
                     S[last * SF + F_NEXT] = s
                 last = s
+            drops = Counter(blocks_out)
+            drops.pop(NIL, None)
             self._drop_refs(drops)
             if first != NIL:
                 tail = h[H_DONE_TAIL]
@@ -1040,7 +1043,7 @@ class LocalQueue:
                     S[tail * SF + F_NEXT] = first
                 h[H_DONE_TAIL] = last
                 h[H_DONE_COUNT] += len(order)
-                self._drop_claimed(lanes, owners)
+                self._drop_claimed(Counter(lanes), Counter(owners))
                 posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
             else:
                 posts = 0
@@ -1191,7 +1194,7 @@ class LocalQueue:
     def _take_done(self) -> list[Done]:
         S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
         unpack = _RECORD.unpack_from
-        drops: dict[int, int] = {}  # result block -> references dropped
+        blocks_out = []  # result blocks let go of, counted at the end
         out = []
         s = h[H_DONE_HEAD]
         top = h[H_FREE_TOP]
@@ -1200,11 +1203,12 @@ class LocalQueue:
             (_, nxt, _, gen, _, _, _, req, *_, u, ln, at, st) = unpack(Sb, b * 8)
             out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st, bytes(data[at:at + ln]) if ln else b"")))
             S[b] = FREE  # commit
-            if u != NIL:
-                drops[u] = drops.get(u, 0) + 1
+            blocks_out.append(u)
             stack[top] = s
             top += 1
             s = nxt
+        drops = Counter(blocks_out)
+        drops.pop(NIL, None)
         self._drop_refs(drops)
         h[H_FREE_TOP] = top
         h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
