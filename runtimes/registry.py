@@ -14,6 +14,7 @@ from runtimes.base import Adapter
 ADAPTERS: dict[tuple[str, str], str] = {
     ("embed", "sentence-transformers"): "runtimes.sentence_transformer:SentenceTransformerEmbedder",
     ("embed", "splade"): "runtimes.splade:SpladeEmbedder",
+    ("embed", "clip"): "runtimes.clip:ClipEmbedder",
     ("rerank", "sentence-transformers"): "runtimes.rerank:SentenceTransformersReranker",
     ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
     ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
