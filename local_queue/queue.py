@@ -135,6 +135,7 @@ _CLAIM = struct.Struct("<3q")  # at F_EPOCH
 _RESULT = struct.Struct("<4q")  # at F_RES
 _RECORD = struct.Struct("<21q")  # at F_STATE, for reads
 _HEAD = struct.Struct("<16q")  # at F_STATE: STATE..OWNER, what claim and ack read
+_LINK = struct.Struct("<2q")  # at F_NEXT: NEXT, PREV
 
 # Payloads of one put_many (results of one ack_many) share slab blocks of up to
 # GROUP_BYTES: one allocation per block instead of one per item. A block starts
@@ -701,45 +702,42 @@ class LocalQueue:
         self._free_data(s)
         self._append_done(s)
 
-    def _insert_sorted(self, lane: int, slots: list[int]) -> None:
-        """Insert QUEUED slots (sorted by seq) into `lane` at their seq positions."""
-        S, L, Lb = self._S, self._L, lane * LF
+    def _insert_sorted(self, lane: int, items: list[tuple[int, int, int]]) -> None:
+        """Insert QUEUED slots, given as (seq, slot, tokens) sorted by seq, into `lane` at
+        their seq positions: one merge pass from the head (returns land near it)."""
+        S, Sb, L, Lb, link = self._S, self._Sb, self._L, lane * LF, _LINK.pack_into
         prev, cur = NIL, L[Lb + L_HEAD]
+        cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
         ntok = 0
-        for s in slots:
-            b = s * SF
-            sq = S[b + F_SEQ]
-            while cur != NIL and S[cur * SF + F_SEQ] < sq:
+        for sq, s, t in items:
+            while cur != NIL and cur_seq < sq:
                 prev, cur = cur, S[cur * SF + F_NEXT]
-            S[b + F_PREV], S[b + F_NEXT] = prev, cur
+                cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
+            link(Sb, s * SF * 8 + F_NEXT * 8, cur, prev)
             if prev == NIL:
                 L[Lb + L_HEAD] = s
             else:
                 S[prev * SF + F_NEXT] = s
-            if cur == NIL:
-                L[Lb + L_TAIL] = s
-            else:
-                S[cur * SF + F_PREV] = s
             prev = s
-            ntok += S[b + F_TOKENS]
-        L[Lb + L_DEPTH] += len(slots)
+            ntok += t
+        if cur == NIL:
+            L[Lb + L_TAIL] = prev
+        else:
+            S[cur * SF + F_PREV] = prev
+        L[Lb + L_DEPTH] += len(items)
         L[Lb + L_TOKENS] += ntok
-        self._h[H_DEPTH] += len(slots)
+        self._h[H_DEPTH] += len(items)
 
-    def _requeue(self, slots: list[int], *, bump: bool, max_attempts: int) -> tuple[int, int]:
-        """CLAIMED slots back to their lanes (attempts += 1 if bump; poison at max_attempts).
-
-        Returns (requeued, poisoned)."""
+    def _requeue(self, recs: list[tuple[int, int, int, int, int]], *, bump: bool,
+                 max_attempts: int) -> tuple[int, int]:
+        """CLAIMED slots, as (seq, slot, lane, owner, tokens), back to their lanes
+        (attempts += 1 if bump; poison at max_attempts). Returns (requeued, poisoned)."""
         S = self._S
-        by_lane: dict[int, list[int]] = {}
-        lanes: dict[int, int] = {}
-        owners: dict[int, int] = {}
+        recs.sort()
+        by_lane: dict[int, list[tuple[int, int, int]]] = {}
         poisoned = 0
-        for s in sorted(slots, key=lambda s: S[s * SF + F_SEQ]):
+        for sq, s, lane, _, t in recs:
             b = s * SF
-            lane, wid = S[b + F_LANE], S[b + F_OWNER]
-            lanes[lane] = lanes.get(lane, 0) + 1
-            owners[wid] = owners.get(wid, 0) + 1
             if bump:
                 S[b + F_ATTEMPTS] += 1
                 if S[b + F_ATTEMPTS] >= max_attempts:
@@ -747,11 +745,18 @@ class LocalQueue:
                     poisoned += 1
                     continue
             S[b] = QUEUED  # commit (F_OWNER only means something while CLAIMED)
-            by_lane.setdefault(lane, []).append(s)
-        self._drop_claimed(lanes, owners)
+            by_lane.setdefault(lane, []).append((sq, s, t))
+        self._drop_claimed(Counter(r[2] for r in recs), Counter(r[3] for r in recs))
         for lane, group in by_lane.items():
             self._insert_sorted(lane, group)
-        return len(slots) - poisoned, poisoned
+        return len(recs) - poisoned, poisoned
+
+    def _requeue_recs(self, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
+        Sb, unpack, out = self._Sb, _HEAD.unpack_from, []
+        for s in slots:
+            r = unpack(Sb, s * SF * 8)
+            out.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
+        return out
 
     # -- workers -----------------------------------------------------------------
     def _worker_index(self, wid: int) -> int | None:
@@ -942,24 +947,22 @@ class LocalQueue:
         return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))
                 for cid, req, t, enq, dl, att, at, ln in taken_rows]
 
-    def _held(self, claim_id: int) -> int:
-        """Slot of a claim id that still holds its item, else NIL (caller holds the lock)."""
-        s = claim_id & SLOT_MASK
-        if s >= self._nslots:
-            return NIL
-        S, b = self._S, s * SF
-        if (S[b + F_STATE] != CLAIMED or S[b + F_EPOCH] != claim_id >> EPOCH_SHIFT
-                or S[b + F_GEN] != (claim_id >> SLOT_BITS) & GEN_MASK):
-            return NIL
-        return s
-
     def return_items(self, item_ids: list[int]) -> int:
         """Give claimed items back to the head of their lanes (in lane order, attempts unchanged).
 
         Ids whose claim is no longer held are skipped. Returns how many went back."""
+        Sb, unpack, nslots = self._Sb, _HEAD.unpack_from, self._nslots
         with self._lock:
-            held = list(dict.fromkeys(s for s in map(self._held, item_ids) if s != NIL))
-            moved, _ = self._requeue(held, bump=False, max_attempts=0)
+            recs, seen = [], set()
+            for cid in item_ids:
+                s = cid & SLOT_MASK
+                if s < nslots and s not in seen:
+                    r = unpack(Sb, s * SF * 8)
+                    if (r[F_STATE] == CLAIMED and r[F_EPOCH] == cid >> EPOCH_SHIFT
+                            and r[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK):
+                        seen.add(s)
+                        recs.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
+            moved, _ = self._requeue(recs, bump=False, max_attempts=0)
             self._h[H_WORK_GEN] += 1
             posts = min(self._h[H_WORK_WAITERS], moved) - self._work_sem.value
         self._post(self._work_sem, posts)
@@ -1163,7 +1166,7 @@ class LocalQueue:
         """Lost claims back to their lanes or to poison: (moved, work posts, result posts)."""
         if not slots:
             return 0, 0, 0
-        requeued, poisoned = self._requeue(slots, bump=True, max_attempts=max_attempts)
+        requeued, poisoned = self._requeue(self._requeue_recs(slots), bump=True, max_attempts=max_attempts)
         h = self._h
         h[H_WORK_GEN] += 1
         work_posts = min(h[H_WORK_WAITERS], requeued) - self._work_sem.value
