@@ -314,7 +314,7 @@ class CausalLM(Adapter):
         torch = self._torch
         from transformers import DynamicCache
 
-        new, self.pending = self.pending, []
+        new, self.pending = self._prefill_group(self.pending)
         lengths = torch.tensor([len(s.prompt_ids) for s in new], dtype=torch.long)
         width = int(lengths.max())
         ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
@@ -341,6 +341,17 @@ class CausalLM(Adapter):
         self.pos = torch.cat([self.pos, lengths])
         self.last = torch.cat([self.last, first])
         self.rows = self.rows + new
+
+    def _prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """(prefilled now, left for the next steps): the oldest admitted requests
+        whose padded prefill (items x longest prompt, tokens) fits
+        `max_batch_tokens`; always at least one, so every step makes progress."""
+        budget, widest = self.spec.profile.max_batch_tokens, 0
+        for n, s in enumerate(pending):
+            widest = max(widest, len(s.prompt_ids))
+            if n and (n + 1) * widest > budget:
+                return pending[:n], pending[n:]
+        return pending, []
 
     def _pick(self, logits, rows: list[Sequence]):
         """Next token per row: argmax for greedy rows; for the others, temperature,

@@ -146,3 +146,15 @@ def test_stop_cut(text: str, stops: tuple[str, ...], start: int, want: int) -> N
 ])
 def test_streamable_end(text: str, stops: tuple[str, ...], want: int) -> None:
     assert streamable_end(text, stops) == want
+
+
+def test_prefill_is_cut_to_the_token_budget_and_keeps_greedy_tokens(folders, ref: Reference) -> None:
+    adapter = make(folders, max_batch_tokens=16)  # about two prompts per prefill
+    for i, p in enumerate(PROMPTS):
+        assert adapter.admit(i, greedy(p, 6)) is None
+    adapter.step()
+    assert len(adapter.rows) < len(PROMPTS) and adapter.pending  # the rest wait for the next steps
+    results = {}
+    while adapter.has_active():
+        results.update(adapter.step()[1])
+    assert [results[i].text for i in range(len(PROMPTS))] == [ref.greedy(p, 6)[0] for p in PROMPTS]
