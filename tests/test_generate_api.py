@@ -257,3 +257,19 @@ def test_other_models_of_the_worker_are_served_between_decode_steps(gen_daemon: 
     got = np.asarray(r.json()["embeddings"])
     assert float(got[0] @ want[0]) > 0.999  # the embedder's own dtype check allows bf16 on this CPU
     assert all(g.result()[0].json()["text"] == ref.greedy(prompt, 200)[0] for g in gens)
+
+
+def test_stream_events_arrive_while_generating(gen_daemon: DaemonProc, ref: Reference) -> None:
+    import time
+
+    prompt = next(p for p in PROMPTS if ref.greedy(p, 200)[1] == 200)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True}
+    arrivals = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", gen_daemon.url + "/v1/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic() - t0)
+    # Token by token, not buffered to the end: the first text long before the last.
+    assert len(arrivals) > 20
+    assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])
