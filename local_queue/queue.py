@@ -3,9 +3,10 @@
 The daemon puts requests into per-model *lanes*; worker processes pull
 (`claim`) batches from the lane they choose, give back what they over-pulled
 (`return_items`, to the head, order kept) and `ack` with results, which the
-daemon collects (`wait_results`). A claim is a lease: if the worker dies, the
-items go back to their lane (`expire_leases`, `release_worker`) and no request
-is lost or answered twice.
+daemon collects (`wait_results`); a worker may `emit` partial results of an
+item it still holds (streaming), collected the same way before its ack. A
+claim is a lease: if the worker dies, the items go back to their lane
+(`expire_leases`, `release_worker`) and no request is lost or answered twice.
 
 Memory (one `multiprocessing.shared_memory` segment, no Python objects in it):
 
