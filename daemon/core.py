@@ -200,7 +200,9 @@ class Daemon:
         ]
 
     def loaded_models(self) -> set[str]:
-        return {name for w in self.workers() if w["up"] for name in w["models"]}
+        """Resident models, and the LoRA adapters attached to them."""
+        return {n for w in self.workers() if w["up"] for name, m in w["models"].items()
+                for n in (name, *m.get("loras", ()))}
 
     def healthy(self) -> bool:
         """For the systemd watchdog: the daemon's own machinery runs (dead workers

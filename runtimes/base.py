@@ -132,6 +132,10 @@ class Adapter(abc.ABC):
     def hosts(self, lora: str) -> bool:
         return False
 
+    def attached_loras(self) -> list[str]:
+        """Store names of the LoRA adapters attached now, least recently used first."""
+        return []
+
     def attach_lora(self, spec: ModelSpec) -> None:
         """Attach a LoRA adapter of this model (evicting an idle one past `max_loras`)."""
         raise ModelLoadFailed(f"{self.spec.name} ({self.spec.runtime}) does not serve LoRA adapters")

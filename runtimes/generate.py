@@ -165,6 +165,9 @@ class CausalLM(Adapter):
     def hosts(self, lora: str) -> bool:
         return lora in self.loras
 
+    def attached_loras(self) -> list[str]:
+        return list(self.loras)
+
     def attach_lora(self, spec: ModelSpec) -> None:
         if spec.runtime != "peft":
             raise BadRequest(f"{spec.name!r} is not a LoRA adapter (runtime {spec.runtime!r})")

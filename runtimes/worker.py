@@ -391,6 +391,7 @@ class WorkerCore:
                     "load_ms": round(r.load_ms, 1),
                     "pinned": name in self.pinned,
                     "cost": self._cost_info(name),
+                    "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (generation)
                 }
                 for name, r in self.models.items()
             },

@@ -92,6 +92,11 @@ def test_mixed_adapter_batches_equal_each_adapter_alone(lora_daemon: DaemonProc,
     expected = sum(adapter_bytes(models["folders"][n]) for n in LORAS)
     assert abs(added - expected) <= 0.05 * expected, (added, expected)
     assert added < 0.2 * base_bytes
+    # /v1/ps lists them on the base; /v1/models marks them loaded.
+    ps = httpx.get(lora_daemon.url + "/v1/ps", timeout=10).json()
+    assert sorted(next(w["models"][BASE]["loras"] for w in ps["workers"] if BASE in w["models"])) == LORAS
+    cards = {m["id"]: m for m in httpx.get(lora_daemon.url + "/v1/models", timeout=10).json()["data"]}
+    assert all(cards[n]["loaded"] for n in [BASE, *LORAS]) and not cards["lora-other"].get("loaded")
 
 
 def test_base_plus_adapter_field(lora_daemon: DaemonProc, models: dict, ref: Reference) -> None:
