@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -117,6 +118,11 @@ class Adapter(abc.ABC):
 
     def abort(self) -> list[Any]:
         """Drop every admitted request (after a failed step); returns their keys."""
+        return []
+
+    def cancel(self, keep: Callable[[Any], bool]) -> list[Any]:
+        """Drop the admitted requests whose key fails `keep` (their deadline passed);
+        returns their keys."""
         return []
 
     # -- LoRA hosting ------------------------------------------------------------

@@ -46,6 +46,7 @@ class InFlight:
     item_id: int  # claim id: emit / ack with it
     enqueue_ns: int
     admitted_ns: int
+    deadline_ns: int  # 0 = none; past it the daemon has answered `timeout`
 
 
 def busy_continuous(core: WorkerCore, servable: list) -> Resident | None:
@@ -77,9 +78,18 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
     free = adapter.free_slots()
     if lane is not None and free:
         answered += admit_claims(core, adapter, lane, free)
+    # 2. Requests whose deadline passed were answered `timeout` by the daemon: stop
+    #    generating for them (their ack frees the claim; the daemon drops it).
+    now = core.clock_ns()
+    late = adapter.cancel(lambda k: not k.deadline_ns or k.deadline_ns > now)
+    if late:
+        payload = _encode(Envelope(0.0, 0.0, core.served_by,
+                                   WorkError("timeout", "the request's deadline passed while it was generating")))
+        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in late])
+        answered += len(late)
     if not adapter.has_active():
         return answered
-    # 2. One step for every sequence in flight.
+    # 3. One step for every sequence in flight.
     t0 = time.perf_counter()
     try:
         partials, finished = adapter.step()
@@ -91,7 +101,7 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
         core.release_memory()
         return answered
     now = core.clock_ns()
-    # 3. Stream what is safe to send; ack what finished (one queue call each).
+    # 4. Stream what is safe to send; ack what finished (one queue call each).
     if partials:
         try:
             core.queue.emit_many([(k.item_id, _encode(chunk), STATUS_PARTIAL) for k, chunk in partials])
@@ -161,7 +171,7 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
                 errors.append((c.item_id, error))
                 continue
         try:
-            error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now), request)
+            error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns), request)
         except Exception as exc:  # a request the adapter chokes on fails alone; the worker stays up
             log.exception("admitting a request to %s failed", adapter.spec.name)
             error = WorkError("inference_failed", f"{adapter.spec.name}: {type(exc).__name__}: {exc}")

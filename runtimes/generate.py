@@ -215,6 +215,15 @@ class CausalLM(Adapter):
     def active_count(self) -> int:
         return len(self.rows) + len(self.pending)
 
+    def cancel(self, keep) -> list[Any]:
+        dropped = [s.key for s in itertools.chain(self.rows, self.pending) if not keep(s.key)]
+        if dropped:
+            self.pending = [s for s in self.pending if keep(s.key)]
+            kept = [i for i, s in enumerate(self.rows) if keep(s.key)]
+            if len(kept) < len(self.rows):
+                self._keep_rows(kept)
+        return dropped
+
     def abort(self) -> list[Any]:
         keys = [s.key for s in itertools.chain(self.rows, self.pending)]
         self.rows, self.pending = [], []

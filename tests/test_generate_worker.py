@@ -109,3 +109,23 @@ def test_unloading_mid_generation_answers_what_it_held(core: WorkerCore) -> None
     assert {body(d, WorkError).code for d in done if d.status == STATUS_ERROR} == {"overloaded"}
     assert core.queue.lane_stats() == []  # nothing left claimed or queued
     core.queue.check()
+
+
+def test_a_request_past_its_deadline_stops_generating(core: WorkerCore) -> None:
+    import time
+
+    core.load(MODEL)  # loaded first: the deadline runs out mid-generation, not at admit
+    lane = core.queue.lane_id(MODEL)
+    req = GenerateRequest(model=MODEL, prompt="hello world", max_tokens=250, temperature=0.0)
+    core.queue.put(lane, _enc(req), tokens=10, request_id=1, deadline_ns=time.monotonic_ns() + 150_000_000)
+    put(core, 2, prompt="hello world", max_tokens=250)
+    core.step(timeout_s=0.01)  # admit both
+    resident = core.models[MODEL]
+    assert resident.adapter.active_count() == 2
+    seen = run_until(core, {1})
+    late = next(d for d in seen if d.request_id == 1)
+    assert late.status == STATUS_ERROR and body(late, WorkError).code == "timeout"
+    assert resident.adapter.active_count() == 1  # the other one goes on
+    seen = run_until(core, {2})
+    assert body(next(d for d in seen if d.request_id == 2), GenerateResult).output_tokens > 0
+    core.queue.check()
