@@ -38,7 +38,6 @@ from runtimes.messages import GenerateChunk, GenerateResult, WorkError
 log = logging.getLogger("fleet.worker")
 
 BASE_ROW = "__base__"  # peft's name for "no adapter" in a mixed batch
-MAX_STOPS = 8
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
@@ -111,7 +110,9 @@ class CausalLM(Adapter):
         self.model = self.base
         self.dtype = dtype
         config = model.config
-        self.max_len = int(self.spec.max_seq_len or getattr(config, "max_position_embeddings", 0) or 2048)
+        # Context (prompt + generated tokens): the store's limit, never past the model's positions.
+        limits = [int(x) for x in (self.spec.max_seq_len, getattr(config, "max_position_embeddings", None)) if x]
+        self.max_len = min(limits) if limits else 2048
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -132,9 +133,7 @@ class CausalLM(Adapter):
         if wanted != "auto":
             return wanted
         if self.device.startswith("cuda"):
-            import torch
-
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
         return "float32"  # CPU: fp32 keeps greedy tokens those of the reference
 
     def _warm_up(self) -> None:
