@@ -68,11 +68,16 @@ Protocol and invariants:
    (items it had claimed come back through lease expiry / release_worker);
    an expiry torn between "attempts += 1" and its commit counts that attempt
    twice.
-5. Wake-ups: waiter counters live in the header, changed under the lock; a
-   producer posts `min(waiters, n) - sem.value` times, so a waiter counted
-   before it blocks is never missed; waiters re-check after waking (spurious
-   wake-ups are fine). A process killed while waiting leaves its count
-   behind: that costs at most spurious wake-ups.
+5. Wake-ups: waiter counters live in the header, changed under the lock. New
+   work (put, return, requeue) posts `waiters - sem.value` times: every
+   waiter counted before it blocked wakes, because the worker that wakes may
+   decline the lane (not its model) and the one that would serve it must not
+   sleep on. Waiters re-check after waking; spurious wake-ups are fine. Not
+   exact: a waiter that starts waiting between a post and its consumption
+   can take one of the posts, and the waiter it was meant for then wakes on
+   the next work or at its timeout. The single result consumer gets one post
+   per batch of acks. A process killed while waiting leaves its count behind:
+   that costs at most spurious wake-ups.
 6. Time is `time.monotonic_ns()` everywhere (CLOCK_MONOTONIC is system-wide).
 7. Payload views handed out by claim point into the slab; they stay valid
    until the item is acked or returned (or its lease is lost).
@@ -601,7 +606,7 @@ class LocalQueue:
             L[Lb + L_TOKENS] += sum(tokens)
             h[H_DEPTH] += n
             h[H_WORK_GEN] += 1
-            posts = min(h[H_WORK_WAITERS], n) - self._work_sem.value
+            posts = h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
         self._post(self._work_sem, posts)
         return ids
 
@@ -710,8 +715,12 @@ class LocalQueue:
         prev, cur = NIL, L[Lb + L_HEAD]
         cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
         ntok = 0
+        before_cur = False  # items were inserted in front of cur: its PREV is stale
         for sq, s, t in items:
             while cur != NIL and cur_seq < sq:
+                if before_cur:
+                    S[cur * SF + F_PREV] = prev
+                    before_cur = False
                 prev, cur = cur, S[cur * SF + F_NEXT]
                 cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
             link(Sb, s * SF * 8 + F_NEXT * 8, cur, prev)
@@ -720,10 +729,12 @@ class LocalQueue:
             else:
                 S[prev * SF + F_NEXT] = s
             prev = s
+            before_cur = True
             ntok += t
         if cur == NIL:
-            L[Lb + L_TAIL] = prev
-        else:
+            if items:
+                L[Lb + L_TAIL] = prev
+        elif before_cur:
             S[cur * SF + F_PREV] = prev
         L[Lb + L_DEPTH] += len(items)
         L[Lb + L_TOKENS] += ntok
@@ -965,7 +976,7 @@ class LocalQueue:
                         recs.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
             moved, _ = self._requeue(recs, bump=False, max_attempts=0)
             self._h[H_WORK_GEN] += 1
-            posts = min(self._h[H_WORK_WAITERS], moved) - self._work_sem.value
+            posts = self._h[H_WORK_WAITERS] - self._work_sem.value if moved else 0
         self._post(self._work_sem, posts)
         return moved
 
@@ -1170,7 +1181,7 @@ class LocalQueue:
         requeued, poisoned = self._requeue(self._requeue_recs(slots), bump=True, max_attempts=max_attempts)
         h = self._h
         h[H_WORK_GEN] += 1
-        work_posts = min(h[H_WORK_WAITERS], requeued) - self._work_sem.value
+        work_posts = h[H_WORK_WAITERS] - self._work_sem.value if requeued else 0
         res_posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if poisoned else 0
         return requeued + poisoned, work_posts, res_posts
 

@@ -366,6 +366,20 @@ def test_wait_for_work_since_a_generation_waits_for_new_work_only(q):
     assert q.wait_for_work(0, since=gen) is True
 
 
+def test_new_work_wakes_every_waiting_worker_not_just_one(q):
+    lane = q.lane_id("m")
+    gen = q.work_generation()
+    woke = []
+    waiters = [threading.Thread(target=lambda: woke.append(q.wait_for_work(10.0, since=gen))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.2)
+    q.put(lane, b"one item", tokens=1, request_id=1)  # the one woken first may not want it
+    for t in waiters:
+        t.join(5)
+    assert woke == [True, True, True]
+
+
 def test_wait_results_wakes_on_ack(q):
     lane = q.lane_id("m")
     put_all(q, lane, [5])
