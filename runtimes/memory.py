@@ -383,13 +383,26 @@ def cuda_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+def _nvml_handle(pynvml: Any, index: int) -> Any:
+    """NVML's handle for CUDA device `index`. CUDA numbers only the GPUs in
+    CUDA_VISIBLE_DEVICES, NVML numbers all of them: match by UUID when torch
+    can say it, else assume the same order."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
 def nvml_memory(index: int) -> tuple[int, int]:
-    """(total, free) bytes of GPU `index` from NVML (nvidia-ml-py)."""
+    """(total, free) bytes of CUDA device `index` from NVML (nvidia-ml-py)."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+        info = pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index))
         return int(info.total), int(info.free)
     finally:
         pynvml.nvmlShutdown()

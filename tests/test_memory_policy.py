@@ -265,7 +265,8 @@ def test_nvml_budget_matches_torch_and_sees_an_allocation():
         pytest.skip("NVML sees a GPU but this torch build has no CUDA")
     mem = device_budget("cuda:0", gpu_reserve_bytes=256 * MB)
     _, total = torch.cuda.mem_get_info(0)
-    assert mem.source == "nvml" and mem.budget_bytes == total - 256 * MB
+    # NVML and torch count the same memory; the budget takes the smaller total, minus the reserve.
+    assert mem.source == "nvml" and total * 0.98 - 256 * MB <= mem.budget_bytes <= total - 256 * MB
     before = mem.free_now()
     block = torch.empty(512 * MB, dtype=torch.uint8, device="cuda:0")
     during = mem.free_now()
