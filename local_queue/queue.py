@@ -135,7 +135,7 @@ HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 (F_STATE, F_NEXT, F_PREV, F_GEN, F_LANE, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE, F_ATTEMPTS,
  F_DATA, F_DATA_LEN, F_DATA_AT, F_EPOCH, F_OWNER, F_LEASE, F_RES, F_RES_LEN, F_RES_AT,
  F_STATUS) = range(21)
-SF = 22
+SF = 24  # 192 B: a record is exactly three 64-byte cache lines
 _PUT = struct.Struct("<13q")  # at F_NEXT
 _CLAIM = struct.Struct("<3q")  # at F_EPOCH
 _RESULT = struct.Struct("<4q")  # at F_RES
