@@ -247,7 +247,6 @@ def bench(specs: list[TargetSpec], plan: Plan, texts: list[str], lengths: list[i
                 run.steps.append(rec)
                 if rec.error_codes.get(-1):
                     settle(run, plan, display)
-                _annotate(run, plan)
                 display.step_done(run, rec)
     finally:
         for run in runs:
