@@ -40,7 +40,13 @@ def choose_lane(lanes: Iterable[LaneView], held: set[str], now_ns: int, max_wait
     return min(mine, key=lambda lane: lane.oldest_enqueue_ns) if mine else oldest
 
 
-def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, max_padded_tokens: int) -> list[int]:
+#: Rows of one batch are less than this many times shorter than its widest row:
+#: a short item is not padded to a long one's width (it waits a round instead).
+MAX_PAD_RATIO = 4
+
+
+def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, max_padded_tokens: int,
+               max_pad_ratio: float = MAX_PAD_RATIO) -> list[int]:
     """Indices (ascending, so lane order) of the claimed items to run now; the rest go back.
 
     1. The head (the oldest claimed item) always runs, even alone over budget:
@@ -50,28 +56,30 @@ def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, m
        alone. If the head is one, the batch is the head; later suspects go
        back. A poison item then only ever takes down its own batch, and the
        items that shared a crashed batch with it are not charged its attempts.
-    3. Bucket by length: choose the widest item length `w` (>= the head's) that
-       lets the most items run, where the batch is the items no longer than
-       `w`, in lane order, at most min(max_items, max_padded_tokens // w) of
-       them. Ties go to the narrower `w` (less padding). Longer items go back.
+    3. Bucket by length: choose the width `w` (the head's length <= w <
+       max_pad_ratio x the head's) that lets the most items run, where the
+       batch is the items of length in (w / max_pad_ratio, w], in lane order,
+       at most min(max_items, max_padded_tokens // w) of them. Ties go to the
+       narrower `w` (less padding). Items outside the band go back: a long one
+       does not widen a batch of short ones, short ones are not padded to a
+       long head's width.
     """
     n = len(tokens)
     if n == 0:
         return []
     if n == 1 or attempts[0] > 0 or max_items <= 1:
         return [0]
-    t = np.asarray(tokens, dtype=np.int64)
+    t = np.maximum(np.asarray(tokens, dtype=np.int64), 1)  # an empty payload still occupies a row
     ok = np.asarray(attempts, dtype=np.int64) == 0
-    head = max(1, int(t[0]))
-    t = np.maximum(t, 1)  # an empty payload still occupies a row
-    widths = np.unique(t[ok & (t >= head)])
+    head = int(t[0])
+    widths = np.unique(t[ok & (t >= head) & (t < head * max_pad_ratio)])
     fits = np.sort(t[ok])
-    # Items no longer than each candidate width, capped by the item and padded budgets.
-    counts = np.minimum(np.searchsorted(fits, widths, side="right"),
-                        np.minimum(max_items, np.maximum(1, max_padded_tokens // widths)))
-    w = int(widths[int(np.argmax(counts))])  # argmax takes the first max: the narrowest width
-    take = int(counts.max())
-    chosen = np.flatnonzero(ok & (t <= w))[:take]
+    # Items in each candidate band, capped by the item and padded budgets.
+    in_band = np.searchsorted(fits, widths, side="right") - np.searchsorted(fits, widths / max_pad_ratio, side="right")
+    counts = np.minimum(in_band, np.minimum(max_items, np.maximum(1, max_padded_tokens // widths)))
+    best = int(np.argmax(counts))  # argmax takes the first max: the narrowest width
+    w = int(widths[best])
+    chosen = np.flatnonzero(ok & (t <= w) & (t * max_pad_ratio > w))[:int(counts[best])]
     return chosen.tolist()
 
 

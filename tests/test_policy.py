@@ -81,8 +81,11 @@ def test_choose_lane_never_starves_a_lane():
         pytest.param([10, 10, 10, 10], [0, 0, 0, 0], 2, 1_000, [0, 1], id="item-cap"),
         pytest.param([10, 10, 10, 10], [0, 0, 0, 0], 8, 30, [0, 1, 2], id="padded-cap"),
         pytest.param([10, 90, 10, 10], [0, 0, 0, 0], 8, 100, [0, 2, 3], id="long-item-goes-back"),
-        pytest.param([10, 90, 10, 10], [0, 0, 0, 0], 8, 400, [0, 1, 2, 3], id="long-item-fits-wide-budget"),
-        pytest.param([50, 10, 10, 50, 10], [0, 0, 0, 0, 0], 8, 150, [0, 1, 2], id="head-sets-min-width"),
+        pytest.param([10, 90, 10, 10], [0, 0, 0, 0], 8, 400, [0, 2, 3], id="long-item-outside-band-even-if-it-fits"),
+        pytest.param([10, 30, 10, 39], [0, 0, 0, 0], 8, 400, [0, 1, 2, 3], id="within-4x-band-all-run"),
+        pytest.param([50, 10, 10, 50, 10], [0, 0, 0, 0, 0], 8, 150, [0, 3], id="short-items-not-padded-to-long-head"),
+        pytest.param([2000] + [20] * 15, [0] * 16, 256, 32768, [0], id="long-head-runs-without-shorts"),
+        pytest.param([20] * 3 + [2000] + [20] * 3, [0] * 7, 256, 32768, [0, 1, 2, 4, 5, 6], id="long-item-waits-a-round"),
         pytest.param([10, 20, 30], [0, 0, 0], 8, 60, [0, 1], id="narrowest-width-on-tie"),
         pytest.param([10, 10, 10], [1, 0, 0], 8, 100, [0], id="suspect-head-runs-alone"),
         pytest.param([10, 10, 10, 10], [0, 2, 0, 0], 8, 100, [0, 2, 3], id="later-suspect-goes-back"),
@@ -108,9 +111,11 @@ def test_form_batch_stays_within_budget_unless_alone():
         keep = form_batch(tokens, attempts, max_items, max_padded)
         assert keep[0] == 0, "the head always runs"
         if len(keep) > 1:
+            kept = [tokens[i] for i in keep]
             assert len(keep) <= max_items
-            assert padded_tokens([tokens[i] for i in keep]) <= max_padded
+            assert padded_tokens(kept) <= max_padded
             assert all(attempts[i] == 0 for i in keep), "suspects run alone"
+            assert min(kept) * 4 > max(kept), "rows within the padding band"
 
 
 def fitted(samples, decay=0.9):
