@@ -124,8 +124,9 @@ class WorkerCore:
         unpinned model of this worker; `NotNow` when another worker of this
         device is loading it (never two loads at once) or holds it and its lane
         does not starve (a second copy on one device only when one cannot keep
-        up, and only if it fits), or when its room is held by models with more
-        waiting requests (its requests wait).
+        up, and only if it fits), when its room is held by models with more
+        waiting requests (its requests wait), or when a lazy load would evict
+        here while another device has room (that device's worker loads it).
         """
         resident = self.models.get(name)
         if resident is not None:
@@ -167,6 +168,8 @@ class WorkerCore:
                 raise ModelTooLarge(plan.reason, hint="unpin or unload a model, or raise the device budget")
             if plan.verdict == WAIT:
                 raise NotNow(plan.reason)
+            if plan.evict and not explicit and (roomy := self._room_elsewhere(estimate.total_bytes)):
+                raise NotNow(f"{roomy} has room for {name} without evicting; its worker loads it")
             for victim in plan.evict:
                 log.info("evicting %s from %s to make room for %s", victim, self.device, name)
                 self.unload(victim)
@@ -275,7 +278,8 @@ class WorkerCore:
         lanes; no model another worker of this device is loading (never two
         loads of it at once) or holds, unless its lane starves and a second copy
         fits without evicting anything (its holder cannot keep up); no model
-        whose room is held by busier models (its requests wait in their lane)."""
+        whose room is held by busier models (its requests wait in their lane),
+        nor one that would evict here while another device has room for it."""
         out, peers = [], None
         for s in stats:
             if is_control_lane(s.model):
@@ -304,10 +308,24 @@ class WorkerCore:
                 plan = plan_load(s.model, estimate, mine + peers, worker=self.worker_id, device=self.device,
                                  budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
                                  incoming_waiting=s.depth)
-                if plan.verdict == WAIT:
+                if plan.verdict == WAIT or (plan.evict and self._room_elsewhere(estimate.total_bytes)):
                     continue
             out.append(s)
         return out
+
+    def _room_elsewhere(self, need_bytes: int) -> str | None:
+        """Another device of this daemon whose budget has `need_bytes` free (its
+        workers' info blobs): a lazy load goes there rather than evicting here."""
+        budget: dict[str, int] = {}
+        used: dict[str, int] = {}
+        now = time.monotonic_ns()
+        for w in self.queue.workers():
+            if w.device == self.device or not w.info or now - w.last_heartbeat_ns > PEER_STALE_NS:
+                continue
+            info = _decode_info(w.info)
+            budget[w.device] = max(budget.get(w.device, 0), int(info.get("budget_bytes", 0)))
+            used[w.device] = used.get(w.device, 0) + int(info.get("used_bytes", 0))
+        return next((d for d in sorted(budget) if budget[d] - used[d] >= need_bytes), None)
 
     def _replica_wanted(self, lane, held: ResidentView) -> bool:
         """A second copy on this device helps only when its holder cannot keep up:

@@ -21,7 +21,7 @@ from fleetctl.config import load_settings
 from fleetctl.protocol import EmbedRequest
 from local_queue import LocalQueue
 from runtimes.control import Command, CommandDone, control_lane
-from runtimes.memory import DeviceMemory, LoadLock
+from runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
 from runtimes.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
 from runtimes.resolve import store_resolver
 from runtimes.worker import WorkerCore
@@ -75,10 +75,10 @@ class Clock:
         return time.monotonic_ns() + self.offset_ns
 
 
-def core(queue: LocalQueue, home: Path, pid: int, **kw) -> WorkerCore:
+def core(queue: LocalQueue, home: Path, pid: int, budget: int = 1 << 30, **kw) -> WorkerCore:
     settings = load_settings(home=str(home))
     wid = queue.register_worker(pid, "cpu")
-    c = WorkerCore(queue, wid, "cpu", store_resolver(settings), memory=DeviceMemory("cpu", 1 << 30, lambda: 1 << 40),
+    c = WorkerCore(queue, wid, "cpu", store_resolver(settings), memory=DeviceMemory("cpu", budget, lambda: 1 << 40),
                    load_lock=LoadLock.for_device(home, "cpu"), max_wait_ms=500, **kw)
     c.publish_info()
     return c
@@ -190,3 +190,22 @@ def test_a_failed_load_answers_the_lane_and_the_core_keeps_serving(queue, home, 
     assert "tiny-broken" not in a.models and a.loading == ""
     put(queue, "tiny-y", 3)
     assert a.step(0.1) == 1 and results(queue, 1)[0].status == STATUS_OK
+
+
+def test_a_lazy_load_goes_to_a_device_with_room_rather_than_evicting(queue, home):
+    fp = estimate_footprint(home / "models" / "tiny-x", "sentence-transformers", dtype="float32")
+    a = core(queue, home, 501, budget=fp.activation_bytes + int(1.5 * fp.weights_bytes))  # room for one
+    put(queue, "tiny-x", 1)
+    assert a.step(0.1) == 1 and results(queue, 1)[0].status == STATUS_OK
+    # Another device of the daemon reports a large, empty budget (its worker's info blob).
+    other = queue.register_worker(999_999, "cuda:9")
+    queue.set_worker_info(other, msgspec.msgpack.encode({"device": "cuda:9", "budget_bytes": 1 << 30,
+                                                         "used_bytes": 0, "models": {}}))
+    put(queue, "tiny-y", 2)
+    assert a.step(0.05) == 0 and set(a.models) == {"tiny-x"}  # not evicted for it
+    assert not [s for s in a.servable(queue.lane_stats()) if s.model == "tiny-y"]
+    # That device goes away: now this worker evicts and serves it.
+    queue.unregister_worker(other)
+    assert a.step(0.1) == 1 and set(a.models) == {"tiny-y"}
+    (done,) = results(queue, 1)
+    assert done.status == STATUS_OK and done.request_id == 2
