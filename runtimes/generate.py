@@ -16,9 +16,10 @@ Invariants kept after every step:
   tokens are those of the row decoded alone).
 - no column is padding in every row (leading all-pad columns are cut).
 
-LoRA adapters of this model attach to it through peft (`attach_lora`); each
-row carries its adapter's name and one forward pass runs them all (peft's
-`adapter_names`, "__base__" for rows of the base model).
+LoRA adapters of this model attach to it through peft (`attach_lora`), and
+`LoraBank` applies them: each row carries its adapter's slot, and one forward
+pass runs every adapter of the batch with one gathered batched matmul pair per
+LoRA layer, whatever the mix (peft's own per-adapter loop is switched off).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from runtimes.messages import GenerateChunk, GenerateResult, WorkError
 
 log = logging.getLogger("fleet.worker")
 
-BASE_ROW = "__base__"  # peft's name for "no adapter" in a mixed batch
+BASE_ROW = "__base__"  # a row of the base model alone (LoraBank slot 0: zeros)
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
@@ -123,6 +124,7 @@ class CausalLM(Adapter):
         # identifiers; store names may hold '.' and '-'), in LRU order.
         self.loras: OrderedDict[str, str] = OrderedDict()
         self._lora_ids = itertools.count(1)
+        self.bank: LoraBank | None = None
         self.rows: list[Sequence] = []
         self.pending: list[Sequence] = []
         self.cache = self.mask = self.pos = self.last = None
@@ -187,8 +189,17 @@ class CausalLM(Adapter):
             raise ModelLoadFailed(f"cannot attach LoRA adapter {spec.name!r} to {self.spec.name!r}: {exc}") from exc
         self.model.to(self.device).eval()
         self.loras[spec.name] = name
-        log.info("attached LoRA %s to %s in %.0f ms", spec.name, self.spec.name, (time.perf_counter() - t0) * 1e3)
         self._evict_loras()
+        if self.bank is None:
+            self.bank = LoraBank(self._torch)
+        try:
+            self.bank.rebuild(self.model, list(self.loras.values()))
+        except FleetError:
+            self.model.delete_adapter(name)
+            del self.loras[spec.name]
+            self.bank.rebuild(self.model, list(self.loras.values()))
+            raise
+        log.info("attached LoRA %s to %s in %.0f ms", spec.name, self.spec.name, (time.perf_counter() - t0) * 1e3)
 
     def _evict_loras(self) -> None:
         """Past `max_loras`, detach the least recently used adapters no sequence uses."""
@@ -304,12 +315,17 @@ class CausalLM(Adapter):
         return self._settle()
 
     def _forward(self, input_ids, mask, pos, cache, loras: list[str]):
-        kwargs = {}
-        if self.loras:
-            kwargs["adapter_names"] = loras
-        # logits_to_keep=1: the LM head runs on the last position only (prefill included).
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1, **kwargs)
+        if self.bank is not None:
+            self.bank.select(loras, self.device)
+        try:
+            # The base module itself (peft's wrapper adds nothing once its LoRA
+            # layers are off); logits_to_keep=1: the LM head runs on the last
+            # position only (prefill included).
+            out = self.base(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
+                            use_cache=True, logits_to_keep=1)
+        finally:
+            if self.bank is not None:
+                self.bank.select(None, self.device)
         return out.logits[:, -1, :].float(), out.cache
 
     def _decode(self) -> None:
@@ -438,6 +454,87 @@ class CausalLM(Adapter):
             layer.keys = layer.keys[idx, :, lead:]
             layer.values = layer.values[idx, :, lead:]
         self.mask = self.mask[:, lead:]
+
+
+class LoraBank:
+    """The attached LoRA adapters of one model, stacked per LoRA layer: A as
+    (slots, r, in), B as (slots, out, r), slot 0 all zeros for base rows, ranks
+    padded with zeros. A forward hook on each LoRA layer adds, per row,
+    scale[slot] * B[slot] @ A[slot] @ x: one gathered `bmm` pair per layer for a
+    mixed batch, plain matmuls when every row shares one adapter, nothing when
+    none uses one. peft loads the weights (its parameters become views into the
+    stacks, so they are held once) and its own LoRA computation is disabled."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.slot: dict[str, int] = {BASE_ROW: 0}
+        self.stacks: dict[Any, tuple[Any, Any, Any]] = {}  # layer -> (A, B, scale per slot)
+        self.hooked: set[Any] = set()
+        self.rows = None  # slot per row (tensor) for the forward in progress
+        self.single: int | None = None  # the one slot every row uses, if so
+
+    def rebuild(self, model: Any, names: list[str]) -> None:
+        """Restack after an adapter was attached or detached (`names`: peft names, slot order)."""
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        torch = self.torch
+        self.slot = {BASE_ROW: 0, **{n: i + 1 for i, n in enumerate(names)}}
+        for m in model.modules():
+            if not isinstance(m, LoraLinear):
+                continue
+            have = [n for n in names if n in m.lora_A]
+            if any(n in m.lora_variant for n in have) or any(m.lora_B[n].bias is not None for n in have):
+                raise ModelLoadFailed("LoRA variants (DoRA, ...) and LoRA biases are not served; plain LoRA only")
+            if m not in self.hooked:
+                m.register_forward_hook(self._apply)
+                self.hooked.add(m)
+            m.enable_adapters(False)  # peft computes the base layer only; the hook adds the adapters
+            if not have:
+                self.stacks.pop(m, None)
+                continue
+            weight = m.get_base_layer().weight
+            rank = max(m.lora_A[n].weight.shape[0] for n in have)
+            in_f, out_f = m.lora_A[have[0]].in_features, m.lora_B[have[0]].out_features
+            slots = len(names) + 1
+            a = torch.zeros((slots, rank, in_f), dtype=weight.dtype, device=weight.device)
+            b = torch.zeros((slots, out_f, rank), dtype=weight.dtype, device=weight.device)
+            scale = torch.zeros(slots, dtype=weight.dtype, device=weight.device)
+            for n in have:
+                k, r = self.slot[n], m.lora_A[n].weight.shape[0]
+                a[k, :r] = m.lora_A[n].weight
+                b[k, :, :r] = m.lora_B[n].weight
+                scale[k] = m.scaling[n]
+                # peft's copies become views of the stacks: each adapter's weights are held once.
+                m.lora_A[n].weight = torch.nn.Parameter(a[k, :r], requires_grad=False)
+                m.lora_B[n].weight = torch.nn.Parameter(b[k, :, :r], requires_grad=False)
+            self.stacks[m] = (a, b, scale)
+
+    def select(self, loras: list[str] | None, device: str) -> None:
+        """The rows of the next forward (peft names or BASE_ROW per row); None after it."""
+        self.rows, self.single = None, None
+        if not loras:
+            return
+        slots = [self.slot[n] for n in loras]
+        if not any(slots):
+            return
+        if all(k == slots[0] for k in slots):
+            self.single, self.rows = slots[0], True
+        else:
+            self.rows = self.torch.tensor(slots, dtype=self.torch.long, device=device)
+
+    def _apply(self, module: Any, args: tuple, output: Any) -> Any:
+        if self.rows is None or module not in self.stacks:
+            return None
+        torch = self.torch
+        a, b, scale = self.stacks[module]
+        x = args[0].to(a.dtype)
+        if self.single is not None:
+            k = self.single
+            delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a[k]), b[k]) * scale[k]
+        else:  # x: (rows, tokens, in) -> (rows, tokens, r) -> (rows, tokens, out)
+            delta = torch.bmm(torch.bmm(x, a[self.rows].transpose(1, 2)), b[self.rows].transpose(1, 2))
+            delta = delta * scale[self.rows][:, None, None]
+        return output + delta.to(output.dtype)
 
 
 def message_text(content: str | list[dict] | None) -> str:
