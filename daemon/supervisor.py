@@ -192,7 +192,9 @@ class Supervisor:
     def _worker_died(self, slot: Slot) -> None:
         proc = slot.process
         assert proc is not None
-        proc.join(timeout=0)
+        # The sentinel fires when the child's fds close, a moment before the kernel
+        # can reap it: wait briefly so the exit code (e.g. -9) is known and logged.
+        proc.join(timeout=2.0)
         pid = proc.pid
         # 1. Schedule the restart first (so a failure below cannot leave a dead
         #    sentinel to spin on): 0.5 s, doubling per restart in the last minute, at most 30 s.
