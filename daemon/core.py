@@ -22,8 +22,11 @@ from fleetctl.errors import BadRequest, FleetError, ModelNotFound
 from fleetctl.store import Manifest, Store
 from local_queue import Done, LocalQueue
 
+from runtimes.control import is_control_lane
+
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
+from daemon.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
 
 log = logging.getLogger("fleet.daemon")
@@ -197,7 +200,13 @@ class Daemon:
                 "oldest_wait_ms": round((now - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
             }
             for s in self.queue.lane_stats()
+            # Control lanes (admin commands to one worker) are plumbing, not demand.
+            if not is_control_lane(s.model)
         ]
+
+    def pinned_models(self) -> set[str]:
+        """Models kept resident: preloaded ones and persisted pins."""
+        return set(self.settings.preload) | set(PinStore(self.settings.home).load())
 
     def loaded_models(self) -> set[str]:
         """Resident models, and the LoRA adapters attached to them."""
@@ -210,7 +219,7 @@ class Daemon:
         return bool(self.broker and self.broker.running and self.supervisor and self.supervisor.running)
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready = a worker is up, every preloaded model is resident, the queue accepts."""
+        """Ready = a worker is up, every preloaded or pinned model is resident, the queue accepts."""
         if self.queue is None or self.supervisor is None:
             return False, "starting"
         if self.cluster is not None and not self.cluster.joined:
@@ -218,7 +227,12 @@ class Daemon:
         workers = [w for w in self.workers() if w["up"]]
         if not workers:
             return False, "no worker is up yet"
-        missing = set(self.settings.preload) - {n for w in workers for n in w["models"]}
+        # Preloaded models, and pins restored on devices this daemon has, must be resident.
+        devices = {w["device"] for w in workers}
+        wanted = set(self.settings.preload) | {
+            name for name, pin in PinStore(self.settings.home).load().items() if pin.device in devices
+        }
+        missing = wanted - {n for w in workers for n in w["models"]}
         if missing:
             return False, "loading " + ", ".join(sorted(missing))
         if self.queue.depth() >= self.settings.queue_max_depth:

@@ -31,9 +31,10 @@ class ModelsController(Controller):
     @get("/models")
     async def models(self, request: Request, daemon: Daemon) -> Response:
         loaded = daemon.loaded_models()
+        pinned = daemon.pinned_models()
         cards = [
             ModelCard(id=m.name, task=m.task, runtime=m.runtime, loaded=m.name in loaded,
-                      pinned=m.name in daemon.settings.preload)
+                      pinned=m.name in pinned)
             for m in daemon.store.list()
         ]
         return reply(request, ModelList(cards))
