@@ -168,3 +168,84 @@ def linger_left_ms(now_ns: int, head_enqueue_ns: int, linger_ms: float, *, items
 def padded_tokens(tokens: Sequence[int]) -> int:
     """Items x longest: the padded size of a batch of these items."""
     return len(tokens) * max(tokens, default=0)
+
+
+# ---- copies across workers (the herd rule) ------------------------------------------------
+
+
+class BatchCost(Protocol):
+    def predict_ms(self, padded_tokens: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """A fitted batch cost another worker published (its info's `cost`): ms ≈ a + b·padded tokens."""
+
+    a_ms: float
+    b_ms_per_token: float
+
+    def predict_ms(self, padded_tokens: int) -> float:
+        return self.a_ms + self.b_ms_per_token * padded_tokens
+
+
+#: Load time assumed (ms) while no holder of a model has measured one: the order
+#: of a small encoder's cold load (bench/memory_load: ~0.6 s for MiniLM on CPU).
+UNMEASURED_LOAD_MS = 500.0
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The copies of one model on other workers, held or being loaded, as their info blobs say."""
+
+    holders: int = 0
+    #: The fit published by the holder with the most samples (None: no holder has MIN_SAMPLES yet).
+    cost: LinearCost | None = None
+    #: The longest load a holder measured, ms (UNMEASURED_LOAD_MS when none has).
+    load_ms: float = UNMEASURED_LOAD_MS
+
+
+def find_copies(infos: Iterable[tuple[int, dict]], model: str, *,
+                announced: tuple[int, int] | None = None) -> Copies:
+    """Copies of `model` among other workers' decoded info blobs ((wid, info), the
+    shape `WorkerCore.info` publishes: `models` by name with `cost` and `load_ms`,
+    `loading` and `loading_since_ns`).
+
+    A worker that is loading the model counts as a holder: a load is announced
+    before it starts, so peers do not start the same load meanwhile. With
+    `announced` (this worker's own (loading_since_ns, wid), published before
+    looking), a loader counts only if it announced first: of two workers that
+    announce the same load and then look, the later one yields, and the
+    earlier one, which may not have seen it, goes ahead.
+    """
+    holders, best, samples, load_ms = 0, None, -1, 0.0
+    for wid, info in infos:
+        m = info.get("models", {}).get(model)
+        if m is not None:
+            holders += 1
+            load_ms = max(load_ms, float(m.get("load_ms", 0.0)))
+            c = m.get("cost") or {}
+            n = int(c.get("samples", 0))
+            if n >= MIN_SAMPLES and n > samples:
+                best, samples = LinearCost(float(c["a_ms"]), float(c["b_ms_per_1k_tokens"]) / 1e3), n
+        elif info.get("loading") == model and (
+                announced is None or (int(info.get("loading_since_ns", 0)), wid) < announced):
+            holders += 1
+    return Copies(holders, best, load_ms or UNMEASURED_LOAD_MS)
+
+
+def should_load_copy(queued_tokens: int, holders: int, cost: BatchCost | None, load_ms: float) -> bool:
+    """Load a model this worker does not hold?
+
+    Yes when no other worker holds or is loading it. Otherwise only when the
+    work queued for it would keep each holder busy longer than a load takes
+    (`cost.predict_ms(queued_tokens) > holders x load_ms`): only then does
+    another copy finish the backlog sooner than the holders alone, and only
+    then is the eviction it may cost worth it. Without a fitted cost the
+    backlog is unknown: leave it to the holders (a lane that starves is served
+    anyway, `choose_lane` 1, so the wait stays bounded).
+    """
+    if holders <= 0:
+        return True
+    if cost is None:
+        return False
+    return cost.predict_ms(queued_tokens) > holders * load_ms

@@ -13,7 +13,8 @@ import pytest
 from daemon.supervisor import detect_devices
 from fleetctl.errors import BadRequest
 from runtimes.policy import (
-    MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
+    MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies,
+    form_batch, linger_left_ms, padded_tokens, should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -225,3 +226,56 @@ def test_detect_devices(device, workers, gpus, expected):
 def test_detect_devices_refuses(device, workers, gpus, message):
     with pytest.raises(BadRequest, match=message):
         detect_devices(device, workers, gpu_count=lambda: gpus)
+
+
+# -- copies across workers: the herd rule ------------------------------------------------
+
+FIT = LinearCost(a_ms=4.0, b_ms_per_token=0.01)  # 10k queued tokens: 104 ms of work
+
+
+@pytest.mark.parametrize("queued_tokens, holders, cost, load_ms, expected", [
+    (0, 0, None, 500.0, True),  # nobody holds it: someone must load it
+    (10, 0, FIT, 500.0, True),
+    (10_000, 1, FIT, 500.0, False),  # the holder drains 104 ms sooner than a 500 ms load ends
+    (10_000, 1, FIT, 100.0, True),  # more queued than a load takes: a second copy pays
+    (10_000, 2, FIT, 100.0, False),  # ... unless two holders share it (52 ms each)
+    (30_000, 2, FIT, 100.0, True),  # 304 ms of work > 2 x 100 ms
+    (1 << 30, 1, None, 1.0, False),  # no fitted cost: the backlog is unknown, leave it to the holder
+])
+def test_should_load_copy(queued_tokens, holders, cost, load_ms, expected):
+    assert should_load_copy(queued_tokens, holders, cost, load_ms) is expected
+
+
+def test_should_load_copy_takes_a_worker_cost_model():
+    cost = CostModel()
+    for tokens in (1000, 2000, 4000, 8000):
+        cost.observe(tokens, 2.0 + 0.001 * tokens)  # 2 ms + 1 ms per 1k tokens
+    assert should_load_copy(60_000, 1, cost, 50.0) is True  # 62 ms > 50 ms
+    assert should_load_copy(40_000, 1, cost, 50.0) is False  # 42 ms < 50 ms
+
+
+def _held(name: str, *, load_ms: float = 0.0, samples: int = 0, a_ms: float = 0.0, b_1k: float = 0.0) -> dict:
+    return {name: {"load_ms": load_ms, "cost": {"a_ms": a_ms, "b_ms_per_1k_tokens": b_1k, "samples": samples}}}
+
+
+@pytest.mark.parametrize("infos, announced, expected", [
+    ([], None, Copies(0, None, UNMEASURED_LOAD_MS)),
+    # Another model held, and a blob without models (a worker that just registered).
+    ([(1, {"models": _held("other", load_ms=90.0)}), (2, {})], None, Copies(0, None, UNMEASURED_LOAD_MS)),
+    # Two holders: the longest measured load; the fit of the one with the most samples.
+    ([(1, {"models": _held("m", load_ms=300.0, samples=5, a_ms=8.0, b_1k=10.0)}),
+      (2, {"models": _held("m", load_ms=250.0, samples=9, a_ms=6.0, b_1k=12.0)})],
+     None, Copies(2, LinearCost(6.0, 0.012), 300.0)),
+    # A holder with too few batches publishes no usable fit; names-only blobs count too.
+    ([(1, {"models": _held("m", load_ms=120.0, samples=MIN_SAMPLES - 1, a_ms=1.0, b_1k=1.0)}),
+      (2, {"models": {"m": {}}})], None, Copies(2, None, 120.0)),
+    # A worker loading it counts as a holder before it has measured anything.
+    ([(3, {"models": {}, "loading": "m", "loading_since_ns": 50})], None, Copies(1, None, UNMEASURED_LOAD_MS)),
+    # After announcing (since 100 ns, worker 5): only loaders that announced first count.
+    ([(3, {"loading": "m", "loading_since_ns": 50})], (100, 5), Copies(1, None, UNMEASURED_LOAD_MS)),
+    ([(3, {"loading": "m", "loading_since_ns": 150})], (100, 5), Copies(0, None, UNMEASURED_LOAD_MS)),
+    ([(3, {"loading": "m", "loading_since_ns": 100})], (100, 5), Copies(1, None, UNMEASURED_LOAD_MS)),  # tie: lower wid
+    ([(7, {"loading": "m", "loading_since_ns": 100})], (100, 5), Copies(0, None, UNMEASURED_LOAD_MS)),
+])
+def test_find_copies(infos, announced, expected):
+    assert find_copies(infos, "m", announced=announced) == expected

@@ -205,7 +205,7 @@ def test_holder_rule_on_a_real_queue_skips_a_model_held_elsewhere():
     q = system.queue
     try:
         other = q.register_worker(os.getpid(), "sim-gpu-other")
-        q.set_worker_info(other, msgspec.msgpack.encode([models[0].name]))
+        q.set_worker_info(other, msgspec.msgpack.encode({"models": {models[0].name: {}}, "loading": ""}))
         me = q.register_worker(os.getpid(), "sim-gpu-me")
         q.put(system.lanes[0], b"x", tokens=100, request_id=1)  # the oldest, but held by `other`
         q.put(system.lanes[1], b"x", tokens=100, request_id=2)
