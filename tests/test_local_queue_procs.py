@@ -24,7 +24,15 @@ LONG = 3_600_000  # ms
 def _kill(proc) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
-    assert proc.exitcode == -signal.SIGKILL
+    assert proc.exitcode == -signal.SIGKILL, f"child {proc.pid} had already exited with {proc.exitcode}"
+
+
+def _wait_registered(q, proc) -> None:
+    deadline = time.monotonic() + 30
+    while not any(wi.pid == proc.pid for wi in q.workers()):
+        assert proc.is_alive(), f"child {proc.pid} exited with {proc.exitcode} before registering"
+        assert time.monotonic() < deadline, f"child {proc.pid} did not register within 30 s"
+        time.sleep(0.01)
 
 
 # -- wake-ups ---------------------------------------------------------------------
@@ -148,8 +156,7 @@ def test_processes_killed_at_random_inside_operations_leave_a_consistent_queue()
         for i in range(12):
             proc = CTX.Process(target=_churn, args=(q.name, i + 1))
             proc.start()
-            while not any(wi.pid == proc.pid for wi in q.workers()):
-                time.sleep(0.01)
+            _wait_registered(q, proc)
             time.sleep(rnd.uniform(0.05, 0.2))
             _kill(proc)
             (wi,) = [wi for wi in q.workers() if wi.pid == proc.pid]
@@ -157,7 +164,7 @@ def test_processes_killed_at_random_inside_operations_leave_a_consistent_queue()
             q.check()  # repairs first if the child died holding the lock
         # About half the kills land inside the queue lock (measured), so with 12
         # the odds of no repair at all are ~0.5**12.
-        assert q.usage().repairs >= 1
+        assert q.usage().repairs >= 1, "no kill landed inside the queue lock (odds ~0.5**12)"
         # Drain: every item left can be claimed, acked and collected; nothing leaks.
         w = q.register_worker(os.getpid(), "cpu")
         for lane in range(3):
