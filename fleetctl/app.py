@@ -16,7 +16,7 @@ from rich.markup import escape
 from fleetctl.errors import FleetError
 
 #: Verb modules, in the order `fleetctl --help` lists them.
-VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench", "service", "config")
+VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench", "tune", "service", "config")
 
 app = typer.Typer(
     name="fleetctl",

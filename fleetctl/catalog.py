@@ -6,6 +6,13 @@ replaces only the keys it sets (its `profile` table merges key by key), so a
 tuned profile can be written without repeating the entry; a new name adds an
 entry. Every name that can become a store path is checked by `validate_name`.
 
+Tuned profiles (`fleetctl tune`): `[models."<name>".profiles."<device class>"]`
+holds a profile for one device class (`runtimes.device.device_class`: e.g.
+`cpu-avx512bf16`, `cuda-sm90`); keys it does not set come from the entry's
+`profile`. `[models."<name>".tuned."<device class>"]` records how it was
+measured (date, versions, knee). `select_profile` is what a worker uses: the
+profile of its device class, else `profile` (reported as "default").
+
 This module is imported by `fleetctl --help` and by the API process: it must
 stay free of heavy imports (STYLE.md 7).
 """
@@ -117,6 +124,29 @@ class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("max_batch_items and max_batch_tokens must be >= 1 and linger_ms >= 0")
 
 
+class TunedInfo(msgspec.Struct, kw_only=True):
+    """How a per-device-class profile was measured (`fleetctl tune --write`).
+
+    Throughputs are input tokens/s (output tokens/s for generators) at the
+    bench's knee; `baseline_*` is the entry's default profile in the same run.
+    """
+
+    tuned_at: str
+    knee_tokens_per_s: float
+    knee_p95_ms: float
+    knee_rps: float = 0.0
+    baseline_tokens_per_s: float | None = None
+    #: Worker processes / intra-op threads per worker the knee was measured with
+    #: (daemon settings, FLEET_WORKERS / FLEET_CPU_THREADS: not applied from here).
+    workers: int = 1
+    cpu_threads: int = 0
+    #: How the dtype was checked against fp32 (the load-time check's own words).
+    dtype_check: str = ""
+    candidates: int = 0
+    budget_minutes: float = 0.0
+    versions: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     source: str
@@ -129,10 +159,23 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Tokens per input the model accepts; None = the model's own config decides.
     max_seq_len: int | None = None
     profile: Profile = msgspec.field(default_factory=Profile)
+    #: Device class -> tuned profile (missing keys filled from `profile` at load).
+    profiles: dict[str, Profile] = msgspec.field(default_factory=dict)
+    #: Device class -> how its profile was measured.
+    tuned: dict[str, TunedInfo] = msgspec.field(default_factory=dict)
 
     @property
     def parsed_source(self) -> Source:
         return parse_source(self.source)
+
+
+def select_profile(entry: CatalogEntry, device_class: str) -> tuple[Profile, str]:
+    """(profile, key) a worker of `device_class` serves `entry` with: the tuned
+    profile of that class, else the entry's default profile (key "default")."""
+    tuned = entry.profiles.get(device_class)
+    if tuned is not None:
+        return tuned, device_class
+    return entry.profile, "default"
 
 
 class Catalog:
@@ -199,9 +242,23 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     for key, value in top.items():
         if key == "profile" and isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}
+        elif key in ("profiles", "tuned") and isinstance(value, dict) and isinstance(out.get(key), dict):
+            # Per device class: a class set on top replaces that class whole (a
+            # tuned profile is one measured unit); other classes stay.
+            out[key] = {**out[key], **value}
         else:
             out[key] = value
     return out
+
+
+def _fill_profiles(table: dict[str, Any]) -> dict[str, Any]:
+    """Each device class's profile with the keys it does not set taken from `profile`."""
+    profiles = table.get("profiles")
+    if not isinstance(profiles, dict):
+        return table
+    default = table.get("profile") if isinstance(table.get("profile"), dict) else {}
+    filled = {cls: ({**default, **prof} if isinstance(prof, dict) else prof) for cls, prof in profiles.items()}
+    return {**table, "profiles": filled}
 
 
 def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
@@ -211,7 +268,7 @@ def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
     if not NAME_RE.match(name) or ".." in name:
         raise BadRequest(f"{where}: invalid model name (lowercase letters, digits, '.', '_', '-')")
     try:
-        entry = msgspec.convert({**table, "name": name}, CatalogEntry)
+        entry = msgspec.convert({**_fill_profiles(table), "name": name}, CatalogEntry)
     except (msgspec.ValidationError, ValueError) as exc:
         raise BadRequest(f"{where}: {exc}") from None
     try:
@@ -247,3 +304,83 @@ def load_catalog(home: str | Path | None = None, *, shipped: Path = SHIPPED_CATA
                 tables[name] = (table, str(user))
     entries = {name: _entry(name, table, origin) for name, (table, origin) in tables.items()}
     return Catalog(entries, files)
+
+
+#: Device class keys (`runtimes.device.device_class`): same alphabet as runtimes.
+DEVICE_CLASS_RE = RUNTIME_RE
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value (strings, numbers, bools, flat string tables): what tuned tables hold."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON string escapes are valid TOML basic-string escapes.
+        import json
+
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _drop_tables(text: str, headers: set[str]) -> str:
+    """`text` without the tables whose header line is one of `headers` (each up to the next header)."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped in headers
+        if not skipping:
+            out.append(line)
+    return "".join(out)
+
+
+def write_tuned_profile(home: str | Path, name: str, device_class: str, profile: Profile, info: TunedInfo,
+                        *, new_entry: dict[str, Any] | None = None) -> Path:
+    """Store a tuned profile for (`name`, `device_class`) in `<home>/models.toml`.
+
+    The file's other tables and comments are kept; an earlier profile of the same
+    name and class is replaced. A model the catalog does not know (pulled from a
+    folder) needs `new_entry` (source, task, runtime, ...: its manifest's), written
+    as its `[models."<name>"]` table. The new text is parsed and the merged entry
+    converted before it replaces the file (temp file, then rename), so a write
+    never leaves a catalog that does not load.
+    """
+    validate_name(name)
+    if not DEVICE_CLASS_RE.match(device_class):
+        raise BadRequest(f"invalid device class {device_class!r}")
+    path = Path(home) / "models.toml"
+    text = path.read_text() if path.is_file() else ""
+    base = f'models."{name}"'
+    prof_h, tuned_h = f'[{base}.profiles."{device_class}"]', f'[{base}.tuned."{device_class}"]'
+    text = _drop_tables(text, {prof_h, tuned_h})
+    if text and not text.endswith("\n"):
+        text += "\n"
+    body = []
+    known = name in _read_toml(SHIPPED_CATALOG) or f"[{base}]" in {ln.strip() for ln in text.splitlines()}
+    if not known:
+        if not new_entry:
+            raise ModelNotFound(f"{name!r} is not in the catalog: its entry (source, task, runtime) is needed")
+        body.append(f"[{base}]")
+        body += [f"{k} = {_toml_value(v)}" for k, v in new_entry.items() if v is not None]
+    body.append(prof_h)
+    body += [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(profile).items()]
+    body.append(tuned_h)
+    body += [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(info).items() if v is not None]
+    text += ("\n" if text else "") + "\n".join(body) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".models.toml.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        user = _read_toml(tmp)
+        shipped = _read_toml(SHIPPED_CATALOG)
+        table = _merge(shipped[name], user[name]) if name in shipped else user[name]
+        _entry(name, table, str(path))  # the merged entry must still convert
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path

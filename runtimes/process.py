@@ -41,7 +41,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     queue = LocalQueue.attach(queue_name)
     worker_id = queue.register_worker(os.getpid(), device)
     core = WorkerCore(
-        queue, worker_id, device, store_resolver(settings),
+        queue, worker_id, device, store_resolver(settings, device),
         served_by=f"{settings.box_name}/{index}", lease_ms=settings.lease_ms,
         memory=device_budget(
             device, cpu_budget_bytes=settings.cpu_budget_bytes, cpu_budget_fraction=settings.cpu_budget_fraction,

@@ -6,14 +6,21 @@ from collections.abc import Callable
 
 import msgspec
 
-from fleetctl.catalog import load_catalog
+from fleetctl.catalog import load_catalog, select_profile
 from fleetctl.config import Settings
 from fleetctl.store import Store
 from runtimes.base import ModelSpec, Profile
 
 
-def store_resolver(settings: Settings) -> Callable[[str], ModelSpec]:
+def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], ModelSpec]:
+    """Resolver for a worker on `device`: the catalog profile tuned for its device
+    class (`runtimes.device.device_class`) when the entry has one, else the
+    entry's default profile, else the manifest's. `spec.extra["profile"]` says
+    which ("<device class>" or "default"; the worker's info blob shows it)."""
+    from runtimes.device import device_class
+
     store = Store(settings.store_path)
+    klass = device_class(device)
 
     def resolve(name: str) -> ModelSpec:
         # Every load re-hashes the files: a changed file is reported, never served.
@@ -21,7 +28,7 @@ def store_resolver(settings: Settings) -> Callable[[str], ModelSpec]:
         # The catalog (shipped file overlaid by FLEET_HOME/models.toml) is read at
         # each load, so a profile tuned while the daemon runs applies on next load.
         entry = load_catalog(settings.home).find(name)
-        profile = entry.profile if entry is not None else manifest.profile
+        profile, which = select_profile(entry, klass) if entry is not None else (manifest.profile, "default")
         return ModelSpec(
             name=name,
             path=path,
@@ -30,7 +37,7 @@ def store_resolver(settings: Settings) -> Callable[[str], ModelSpec]:
             profile=Profile.from_mapping(msgspec.structs.asdict(profile)),
             trust_remote_code=manifest.trust_remote_code,
             max_seq_len=manifest.max_seq_len,
-            extra={"base": manifest.base},
+            extra={"base": manifest.base, "profile": which},
         )
 
     return resolve

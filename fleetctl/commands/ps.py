@@ -51,14 +51,15 @@ def register(app: typer.Typer) -> None:
                                 "", f"next start in {slot['restart_in_s']:.1f}s")
         out.print(workers)
         # 2. Models resident per worker, with the cost model fitted from its batches.
-        models = Table("worker", "model", "dtype", "size", "served", "last used", "cost (a + b/1k tok)", box=None)
+        models = Table("worker", "model", "dtype", "profile", "size", "served", "last used", "cost (a + b/1k tok)", box=None)
         for w in state["workers"]:
             for name, m in sorted(w["models"].items()):
                 if not m:  # the worker's record was too small for details
-                    models.add_row(str(w.get("index", w["worker"])), name, "", "", "", "", "")
+                    models.add_row(str(w.get("index", w["worker"])), name, "", "", "", "", "", "")
                     continue
                 ago = time.time() - m["last_used"]
-                models.add_row(str(w.get("index", w["worker"])), name, m["dtype"], _size(m["bytes"]),
+                models.add_row(str(w.get("index", w["worker"])), name, m["dtype"], m.get("profile", "default"),
+                               _size(m["bytes"]),
                                str(m["served"]), f"{ago:.0f}s ago", _cost(m.get("cost") or {}))
         out.print(models)
         # Device memory: budget, used and resident models per device (fleetctl.residency).

@@ -1,0 +1,395 @@
+"""`fleetctl tune`: search a model's serving profile, measuring each candidate's knee.
+
+Two halves:
+
+* **The search** (pure: plain data in, plain data out, no clocks or I/O): a
+  `Space` of ladders per dimension (dtype, max batch tokens, max batch items,
+  linger, workers per device), a start point from the model's size and the
+  device (`start_point`), and `coordinate_search`: from the start, walk one
+  dimension at a time one ladder step up (or down) while the knee improves by
+  more than `min_gain`, then the next dimension, passes until a whole pass
+  changes nothing or the evaluation budget is spent. Measurements are cached,
+  so a candidate is never measured twice. Not a grid: with 5 dimensions of
+  4-6 values a grid is thousands of candidates, a pass is about a dozen.
+* **The measuring** (`DaemonMeasurer`): each candidate runs in its own
+  `fleetctl serve` on a free loopback port with a temp FLEET_HOME whose
+  `models.toml` (the user's overlay plus the candidate, written as the
+  profile of this device class) holds it and whose `models` is the user's store
+  (a symlink; nothing is copied) or, for a catalog model not pulled yet, a temp
+  store the daemon pulls into; the bench's runner ramps it on the model's own
+  task and `bench.knee` finds the knee. The daemon's `/v1/ps` must report the
+  candidate's device-class profile in use before it is measured.
+
+dtype: the daemon's own load-time check (`runtimes.hf_common.choose_dtype`, the
+check set against fp32: cosine >= 0.9999 for embedders, ...) decides which
+reduced dtype is allowed: the first candidate runs with `dtype = "auto"`, and
+the dtype it served (and the check's log line) fixes the dtype ladder to
+{that dtype, float32}. A dtype the check refused is never tried.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+DIMS: tuple[str, ...] = ("dtype", "max_batch_tokens", "max_batch_items", "linger_ms", "workers")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dtype: str
+    max_batch_tokens: int
+    max_batch_items: int
+    linger_ms: float
+    #: Worker processes on the device (a daemon setting, FLEET_WORKERS).
+    workers: int = 1
+
+    def profile(self) -> dict:
+        """The models.toml profile keys (workers is not one: it is a daemon setting)."""
+        return {"max_batch_items": self.max_batch_items, "max_batch_tokens": self.max_batch_tokens,
+                "dtype": self.dtype, "linger_ms": float(self.linger_ms)}
+
+    def label(self) -> str:
+        return (f"{self.dtype} tok={self.max_batch_tokens} items={self.max_batch_items} "
+                f"linger={self.linger_ms:g}ms w={self.workers}")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    #: tokens/s at the knee (0 when there is none: even the lowest load failed).
+    tokens_per_s: float
+    p95_ms: float
+    rps: float = 0.0
+    #: The dtype the daemon served (from /v1/ps); "" when unknown.
+    dtype: str = ""
+    ok: bool = True
+    note: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Space:
+    dtypes: tuple[str, ...]
+    max_batch_tokens: tuple[int, ...]
+    max_batch_items: tuple[int, ...]
+    linger_ms: tuple[float, ...]
+    workers: tuple[int, ...] = (1,)
+
+    def values(self, dim: str) -> tuple:
+        return {"dtype": self.dtypes, "max_batch_tokens": self.max_batch_tokens,
+                "max_batch_items": self.max_batch_items, "linger_ms": self.linger_ms, "workers": self.workers}[dim]
+
+    def snap(self, c: Candidate) -> Candidate:
+        """`c` with every numeric value moved to the nearest ladder value (log scale)."""
+        out = {}
+        for dim in DIMS:
+            vals, v = self.values(dim), getattr(c, dim)
+            if dim == "dtype":
+                out[dim] = v if v in vals else vals[0]
+            else:
+                out[dim] = min(vals, key=lambda x: abs(math.log((x or 0.25) / (v or 0.25))))
+        return Candidate(**out)
+
+    def step(self, c: Candidate, dim: str, direction: int) -> Candidate | None:
+        """The neighbour of `c` one ladder value up (+1) or down (-1) in `dim`, or None at the end."""
+        vals = self.values(dim)
+        i = vals.index(getattr(c, dim)) + direction
+        if not 0 <= i < len(vals):
+            return None
+        return replace(c, **{dim: vals[i]})
+
+    @property
+    def grid_size(self) -> int:
+        return math.prod(len(self.values(d)) for d in DIMS)
+
+
+def ladder(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from `lo` to `hi` (both powers of two)."""
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return tuple(out)
+
+
+def default_space(device: str, cores: int, dtypes: tuple[str, ...] = ("float32",)) -> Space:
+    gpu = device.startswith("cuda")
+    return Space(
+        dtypes=dtypes,
+        max_batch_tokens=ladder(1024, 65536) if not gpu else ladder(4096, 262144),
+        max_batch_items=ladder(16, 512),
+        linger_ms=(0.0, 1.0, 2.0, 5.0, 10.0),
+        # CPU: worker processes split the cores (threads = cores // workers); one per
+        # GPU is the norm, two only help a small model that cannot fill the device.
+        workers=tuple(range(1, min(cores, 4) + 1)) if not gpu else (1, 2),
+    )
+
+
+def start_point(space: Space, *, params: int, device: str, default: dict) -> Candidate:
+    """Where the search begins: the catalog's default profile, with the batch
+    budget sized from the model: about 2e11 / params padded tokens per batch on
+    a CPU (a 22 M-parameter model: ~8k tokens, i.e. 32 inputs of 256) and 16x
+    that on a GPU, which needs wide batches to fill. Snapped to the ladders."""
+    per_batch = 2e11 / max(params, 1) * (16 if device.startswith("cuda") else 1)
+    tokens = int(min(max(per_batch, space.max_batch_tokens[0]), space.max_batch_tokens[-1]))
+    c = Candidate(
+        dtype=default.get("dtype", "auto") if default.get("dtype", "auto") in space.dtypes else space.dtypes[0],
+        max_batch_tokens=tokens,
+        max_batch_items=int(default.get("max_batch_items", 64)),
+        linger_ms=float(default.get("linger_ms", 0.0)),
+        workers=space.workers[0],
+    )
+    return space.snap(c)
+
+
+def better(a: Measurement, b: Measurement, min_gain: float) -> bool:
+    """`a` beats `b`: more than `min_gain` more knee throughput (noise below that is
+    not a win), or within it and with a p95 at least `min_gain` x 3 lower."""
+    if not a.ok:
+        return False
+    if not b.ok:
+        return True
+    if a.tokens_per_s > b.tokens_per_s * (1.0 + min_gain):
+        return True
+    return a.tokens_per_s >= b.tokens_per_s * (1.0 - min_gain) and a.p95_ms < b.p95_ms * (1.0 - 3 * min_gain)
+
+
+@dataclass
+class Trial:
+    index: int
+    candidate: Candidate
+    measurement: Measurement
+    #: "start", "dim+", "dim-" (the move that proposed it).
+    move: str
+    best_so_far: bool
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    best_measurement: Measurement
+    start: Candidate
+    trials: list[Trial] = field(default_factory=list)
+    #: Why it stopped: "converged" (a full pass changed nothing), "budget".
+    stopped: str = "converged"
+
+
+def coordinate_search(
+    space: Space,
+    start: Candidate,
+    measure: Callable[[Candidate], Measurement],
+    *,
+    max_evals: int = 24,
+    min_gain: float = 0.03,
+    out_of_time: Callable[[], bool] = lambda: False,
+    seed: dict[Candidate, Measurement] | None = None,
+    on_trial: Callable[[Trial], None] = lambda t: None,
+) -> SearchResult:
+    """Coordinate descent over `space` from `start` (see the module docstring).
+
+    In each dimension it tries one step up; if that wins it keeps walking up while
+    each step wins, else it tries one step down (and keeps walking down). A
+    dimension where neither neighbour wins stays. Passes repeat until a pass moves
+    nothing. `max_evals` counts measured candidates (cached and `seed` ones are free).
+    """
+    cache: dict[Candidate, Measurement] = dict(seed or {})
+    trials: list[Trial] = []
+    start = space.snap(start)
+    evals = 0
+
+    class Spent(Exception):
+        pass
+
+    def evaluate(c: Candidate, move: str) -> Measurement:
+        nonlocal evals
+        if c in cache:
+            return cache[c]
+        if evals >= max_evals or out_of_time():
+            raise Spent
+        evals += 1
+        m = measure(c)
+        cache[c] = m
+        wins = not trials or better(m, best_m, min_gain)
+        trial = Trial(len(trials), c, m, move, wins)
+        trials.append(trial)
+        on_trial(trial)
+        return m
+
+    best, best_m = start, Measurement(0.0, math.inf, ok=False)
+    try:
+        best_m = evaluate(start, "start")
+        if start in (seed or {}):
+            trials.append(Trial(0, start, best_m, "start", True))
+            on_trial(trials[-1])
+        moved = True
+        while moved:
+            moved = False
+            for dim in DIMS:
+                for direction in (+1, -1):
+                    walked = False
+                    while (nxt := space.step(best, dim, direction)) is not None:
+                        m = evaluate(nxt, f"{dim}{'+' if direction > 0 else '-'}")
+                        if not better(m, best_m, min_gain):
+                            break
+                        best, best_m, walked, moved = nxt, m, True, True
+                    if walked:
+                        break  # it moved up: no need to look down from the new point
+        stopped = "converged"
+    except Spent:
+        stopped = "budget"
+    return SearchResult(best, best_m, start, trials, stopped)
+
+
+# ---- measuring: a daemon per candidate ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_DTYPE_LINE = re.compile(r"dtype check (\S+) (\S+): (.*) -> (keep|fp32)")
+
+
+def dtype_checks(log_text: str, model: str) -> list[str]:
+    """The load-time dtype check's lines for `model` in a daemon log ("bfloat16: min cosine ... -> keep")."""
+    return [f"{m.group(2)}: {m.group(3)} -> {m.group(4)}" for m in _DTYPE_LINE.finditer(log_text)
+            if m.group(1) == model]
+
+
+@dataclass
+class BenchKnobs:
+    """How hard each candidate is benched: short steps, few of them (a noisy box
+    gives noisy knees either way; many short candidates beat few long ones)."""
+
+    batch: int = 32
+    duration_s: float = 4.0
+    min_requests: int = 12
+    max_steps: int = 6
+    warmup_s: float = 2.0
+    grace_s: float = 5.0
+    resolution: float = 0.08
+
+
+class DaemonMeasurer:
+    """Measures a candidate by starting a daemon with it and benching its knee."""
+
+    def __init__(self, *, model: str, task: str, device: str, cores: int, user_home: Path,
+                 texts: list[str], lengths: list[int], knobs: BenchKnobs = BenchKnobs(),
+                 device_class: str, new_entry: dict | None = None, start_timeout_s: float = 240.0,
+                 note: Callable[[str], None] = lambda s: None) -> None:
+        self.model, self.task, self.device, self.cores = model, task, device, cores
+        self.user_home, self.texts, self.lengths, self.knobs = Path(user_home), texts, lengths, knobs
+        self.device_class, self.new_entry, self.start_timeout_s, self.note = device_class, new_entry, start_timeout_s, note
+        self.work = Path(tempfile.mkdtemp(prefix="fleet-tune-"))
+        self.home = self.work / "home"
+        self.home.mkdir()
+        user_store = self.user_home / "models"
+        if (user_store / model / "manifest.json").is_file():
+            # Shared read-only use of the user's store: the daemon re-hashes, never writes.
+            (self.home / "models").symlink_to(user_store.resolve(), target_is_directory=True)
+        self.dtype_log: list[str] = []
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def _write_overlay(self, c: Candidate) -> None:
+        from fleetctl.catalog import Profile, TunedInfo, write_tuned_profile
+
+        overlay = self.home / "models.toml"
+        user = self.user_home / "models.toml"
+        overlay.write_text(user.read_text() if user.is_file() else "")
+        write_tuned_profile(self.home, self.model, self.device_class, Profile(**c.profile()),
+                            TunedInfo(tuned_at="candidate", knee_tokens_per_s=0.0, knee_p95_ms=0.0),
+                            new_entry=self.new_entry)
+
+    def _start(self, c: Candidate) -> tuple[subprocess.Popen, str, Path]:
+        port = free_port()
+        threads = max(1, self.cores // c.workers) if not self.device.startswith("cuda") else 0
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+        env.update({"FLEET_HOME": str(self.home), "FLEET_HOST": "127.0.0.1", "FLEET_PORT": str(port),
+                    "FLEET_PRELOAD": self.model, "FLEET_WORKERS": str(c.workers), "FLEET_DEVICE": self.device,
+                    "FLEET_CPU_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "FLEET_LOG_LEVEL": "info"})
+        log_path = self.work / f"daemon-{port}.log"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve"], env=env, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, f"http://127.0.0.1:{port}", log_path
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def _wait_loaded(self, proc: subprocess.Popen, url: str, log_path: Path) -> dict:
+        """Until the model is resident: its /v1/ps record (dtype, profile)."""
+        import httpx
+
+        deadline = time.time() + self.start_timeout_s
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()[-1500:]}")
+            try:
+                ps = httpx.get(url + "/v1/ps", timeout=2).json()
+                for w in ps.get("workers", []):
+                    rec = w.get("models", {}).get(self.model)
+                    if rec:
+                        return rec
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.model} not loaded after {self.start_timeout_s:.0f} s")
+
+    def __call__(self, c: Candidate) -> Measurement:
+        from bench.knee import OPEN, Criteria
+        from bench.runner import Plan, TargetSpec, bench
+
+        t0 = time.time()
+        self._write_overlay(c)
+        proc, url, log_path = self._start(c)
+        try:
+            rec = self._wait_loaded(proc, url, log_path)
+            if rec.get("profile") != self.device_class:
+                return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0,
+                                   note=f"daemon serves profile {rec.get('profile')!r}, not {self.device_class!r}")
+            self.dtype_log += dtype_checks(log_path.read_text(errors="replace"), self.model)
+            k = self.knobs
+            plan = Plan(model=self.model, task=self.task, batch=k.batch, duration_s=k.duration_s,
+                        min_requests=k.min_requests, max_step_s=2 * k.duration_s, mode=OPEN,
+                        resolution=k.resolution, max_steps=k.max_steps, criteria=Criteria(),
+                        grace_s=k.grace_s, warmup_s=k.warmup_s, device=self.device)
+            runs = bench([TargetSpec(name="fleet", kind="fleet", url=url, pids=[proc.pid])], plan,
+                         self.texts, self.lengths)
+            knee = runs[0].knee(plan.criteria)
+            served = str(rec.get("dtype", ""))
+            if knee.knee is None:
+                return Measurement(0.0, math.inf, dtype=served, ok=False, seconds=time.time() - t0,
+                                   note="no healthy step")
+            return Measurement(knee.knee.tokens_per_s, knee.knee.p95_ms, knee.knee.throughput_rps, dtype=served,
+                               seconds=time.time() - t0, note=f"{len(runs[0].steps)} steps")
+        except RuntimeError as exc:
+            return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0, note=str(exc)[:300])
+        finally:
+            self._stop(proc)
+
+
+def trial_doc(t: Trial) -> dict:
+    return {"index": t.index, "move": t.move, "candidate": asdict(t.candidate),
+            "measurement": asdict(t.measurement), "best_so_far": t.best_so_far}
