@@ -35,7 +35,8 @@ from runtimes.memory import (
 from runtimes.memory import LOAD as PLAN_LOAD
 from runtimes.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from runtimes.policy import (
-    CostModel, batch_token_cap, choose_lane, form_batch, linger_left_ms, padded_tokens,
+    MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms, padded_tokens,
+    should_load_copy,
 )
 from runtimes.registry import adapter_class
 
@@ -101,6 +102,10 @@ class WorkerCore:
     headers: dict[str, tuple[str, Footprint]] = field(default_factory=dict)
     #: The model being loaded now ("" when none), published so peers do not load it too.
     loading: str = ""
+    #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
+    loading_since_ns: int = 0
+    #: Lanes the last `servable` left to the other workers holding their model (the herd rule).
+    declined: list = field(default_factory=list)
 
     @property
     def control(self) -> str:
@@ -125,8 +130,11 @@ class WorkerCore:
         device is loading it (never two loads at once) or holds it and its lane
         does not starve (a second copy on one device only when one cannot keep
         up, and only if it fits), when its room is held by models with more
-        waiting requests (its requests wait), or when a lazy load would evict
-        here while another device has room (that device's worker loads it).
+        waiting requests (its requests wait), when a lazy load would evict
+        here while another device has room (that device's worker loads it), or
+        when a lazy load would copy a model other workers (any device) hold or
+        are loading while its queue would not keep them busy for a load's time
+        (`should_load_copy`; checked after announcing the load, see step 3).
         """
         resident = self.models.get(name)
         if resident is not None:
@@ -170,14 +178,29 @@ class WorkerCore:
                 raise NotNow(plan.reason)
             if plan.evict and not explicit and (roomy := self._room_elsewhere(estimate.total_bytes)):
                 raise NotNow(f"{roomy} has room for {name} without evicting; its worker loads it")
+            # 3. Announce the load (peers on every device then count this worker as a
+            #    holder), then look at the other workers again: two workers of different
+            #    devices decide without a common lock, and of two that announce the same
+            #    load the later one sees the earlier and yields (find_copies `announced`).
+            self.loading, self.loading_since_ns = name, time.monotonic_ns()
+            self.publish_info()
+            if not explicit:
+                # A lazy load with nothing queued (its lane drained meanwhile, or called
+                # directly) goes ahead only where no other worker has the model.
+                lane = next((x for x in stats if x.model == name and x.depth), None)
+                mine = (self.loading_since_ns, self.worker_id)
+                infos = self._peer_infos()
+                if not (self._copy_wanted(lane, infos, self.clock_ns(), announced=mine) if lane is not None
+                        else find_copies(infos, name, announced=mine).holders == 0):
+                    self.loading, self.loading_since_ns = "", 0
+                    self.publish_info()
+                    raise NotNow(f"{name} is held or being loaded by other workers, which keep up with its queue")
             for victim in plan.evict:
                 log.info("evicting %s from %s to make room for %s", victim, self.device, name)
                 self.unload(victim)
                 if evicted is not None:
                     evicted.append(victim)
-            # 3. Load, with `loading` published so peers do not start the same load.
-            self.loading = name
-            self.publish_info()
+            # 4. Load (`loading` still published).
             library = RUNTIME_LIBRARIES.get(spec.runtime)
             if library is not None:
                 importlib.import_module(library)  # before t0: load_ms is what a reload costs
@@ -193,8 +216,8 @@ class WorkerCore:
                 self.release_memory()
                 raise load_error(name, self.device, exc) from exc
             finally:
-                self.loading = ""
-            # 4. Measure, correct the estimate, publish (still under the lock).
+                self.loading, self.loading_since_ns = "", 0
+            # 5. Measure, correct the estimate, publish (still under the lock).
             measured = adapter.footprint_bytes()
             self.estimates.record(name, spec.runtime, header, measured)
             now = time.time()
@@ -273,14 +296,38 @@ class WorkerCore:
                 loading[info["loading"]] = w.wid
         return views, loading
 
+    def _peer_infos(self) -> list[tuple[int, dict]]:
+        """(wid, decoded info) of the other live workers, every device."""
+        now = time.monotonic_ns()
+        return [(w.wid, _decode_info(w.info)) for w in self.queue.workers()
+                if w.wid != self.worker_id and w.info and now - w.last_heartbeat_ns <= PEER_STALE_NS]
+
+    def _copy_wanted(self, lane, infos: list[tuple[int, dict]], now_ns: int, *,
+                     announced: tuple[int, int] | None = None) -> bool:
+        """The herd rule for a lane whose model this worker does not hold: a starving
+        lane is served anyway (choose_lane 1); otherwise `should_load_copy` over the
+        copies the other workers publish, with the batch cost a holder fitted (this
+        worker's own fit of the model when no holder has one yet)."""
+        if now_ns - lane.oldest_enqueue_ns > self.max_wait_ms * 1_000_000:
+            return True
+        copies = find_copies(infos, lane.model, announced=announced)
+        cost = copies.cost
+        if cost is None and (own := self.costs.get(lane.model)) is not None and own.samples >= MIN_SAMPLES:
+            cost = own
+        return should_load_copy(lane.tokens, copies.holders, cost, copies.load_ms)
+
     def servable(self, stats: list) -> list:
         """The lanes this worker may serve now, from `lane_stats()`: no control
         lanes; no model another worker of this device is loading (never two
         loads of it at once) or holds, unless its lane starves and a second copy
         fits without evicting anything (its holder cannot keep up); no model
         whose room is held by busier models (its requests wait in their lane),
-        nor one that would evict here while another device has room for it."""
+        nor one that would evict here while another device has room for it; no
+        model other workers of any device hold or are loading unless its queue
+        would keep them busy longer than a load (`_copy_wanted`; those lanes are
+        left in `self.declined`: their holders are woken by new work)."""
         out, peers = [], None
+        self.declined = []
         for s in stats:
             if is_control_lane(s.model):
                 continue
@@ -292,6 +339,7 @@ class WorkerCore:
                 peers, peer_loading = self._peer_views(waiting)
                 held = {v.name: v for v in peers}
                 mine = self._own_views(waiting)
+                infos, now_ns = self._peer_infos(), self.clock_ns()
             if s.model in peer_loading:
                 continue
             if s.model in held:
@@ -301,6 +349,9 @@ class WorkerCore:
                     budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
                 ) == LoadPlan(PLAN_LOAD):
                     out.append(s)
+                continue
+            if not self._copy_wanted(s, infos, now_ns):
+                self.declined.append(s)
                 continue
             known = self.headers.get(s.model)
             if known is not None:
@@ -335,10 +386,20 @@ class WorkerCore:
         return (lane.depth > 0 and self.clock_ns() - lane.oldest_enqueue_ns > bound_ns
                 and time.time() - held.loaded_at > bound_ns / 1e9)
 
-    def wait_for_work(self, stats: list, timeout_s: float) -> None:
-        """Nothing to serve here: block for new work, or, when what waits is not
-        ours to serve now (another worker's), nap briefly instead of spinning."""
-        if any(s.depth for s in stats):
+    def wait_for_work(self, stats: list, timeout_s: float, *, since: int | None = None) -> None:
+        """Nothing to serve here: block for new work; or, when all that waits was
+        left to the workers holding its models (`self.declined`), block until new
+        work comes after `since` (a `work_generation()` read before `stats`: every
+        waiter wakes on new work, the holders too) or until the oldest declined
+        lane would starve (then it is served here); or, when other work waits that
+        is not ours now (room held by busier models, a peer of this device
+        loading), nap briefly instead of spinning."""
+        waiting = sum(1 for s in stats if s.depth)
+        if waiting and since is not None and len(self.declined) == waiting:
+            oldest = min(s.oldest_enqueue_ns for s in self.declined)
+            starve_s = (oldest + self.max_wait_ms * 1_000_000 - self.clock_ns()) / 1e9
+            self.queue.wait_for_work(max(0.0, min(timeout_s, starve_s)), since=since)
+        elif waiting:
             time.sleep(min(timeout_s, IDLE_NAP_S))
         else:
             self.queue.wait_for_work(timeout_s)
@@ -398,6 +459,7 @@ class WorkerCore:
             "used_bytes": self.used_bytes(),
             "activation_bytes": max((r.footprint.activation_bytes for r in self.models.values()), default=0),
             "loading": self.loading,
+            "loading_since_ns": self.loading_since_ns,
             "models": {
                 name: {
                     "task": r.adapter.spec.task,
@@ -453,6 +515,7 @@ class WorkerCore:
         """Serve one batch if work waits (blocking up to `timeout_s` for it). Returns items answered."""
         # 1. Control commands first; then choose a lane among those this worker
         #    may serve: starving first, then models held here, then oldest.
+        since = self.queue.work_generation()  # before lane_stats: work put after it ends the wait below
         stats = self.queue.lane_stats()
         if done := self.serve_control(stats):
             return done
@@ -462,7 +525,7 @@ class WorkerCore:
             return serve_continuous(self, busy, stats)
         lane = choose_lane(servable, set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
         if lane is None:
-            self.wait_for_work(stats, timeout_s)
+            self.wait_for_work(stats, timeout_s, since=since)
             return 0
         # 2. Make sure the model is here before claiming: while it loads, its
         #    requests stay queued (and can time out or be cancelled there).
