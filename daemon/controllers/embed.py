@@ -176,6 +176,6 @@ def sparse_reply(model: str, body: bytes, *, msgpack: bool) -> EmbedSparseReply:
         res = _sparse_raw.decode(body)
         return EmbedSparseReply(model, res.vectors, res.dimension, Usage(input_tokens=res.input_tokens))
     res = _sparse.decode(body)
-    vectors = [SparseVector(np.frombuffer(v.indices, dtype="<i4").tolist(), np.frombuffer(v.values, dtype="<f4").tolist())
-               for v in res.vectors]
+    vectors = [SparseVector(np.frombuffer(v.indices, dtype="<i4").tolist(),
+                            np.frombuffer(v.values, dtype="<f4").tolist()) for v in res.vectors]
     return EmbedSparseReply(model, vectors, res.dimension, Usage(input_tokens=res.input_tokens))
