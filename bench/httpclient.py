@@ -10,6 +10,7 @@ the connection after the reply.
 from __future__ import annotations
 
 import asyncio
+import math
 from urllib.parse import urlsplit
 
 
@@ -66,8 +67,12 @@ async def connect(ep: Endpoint) -> Conn:
     return Conn(reader, writer)
 
 
-async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
-    """Send one prepared request; return (status, body, keep_alive)."""
+async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool, float, float]:
+    """Send one prepared request; return (status, body, keep_alive, queue_ms, inference_ms).
+
+    queue_ms / inference_ms are the server's own `X-Queue-Ms` / `X-Inference-Ms`
+    (fleet's contract: time waiting, time in the model); NaN when it sends none.
+    """
     conn.writer.write(request)
     reader = conn.reader
     head = await reader.readuntil(b"\r\n\r\n")
@@ -75,6 +80,7 @@ async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
     length = -1
     chunked = False
     keep_alive = True
+    queue_ms = inference_ms = math.nan
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
@@ -84,6 +90,10 @@ async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
             chunked = True
         elif name == b"connection" and b"close" in value.lower():
             keep_alive = False
+        elif name == b"x-queue-ms":
+            queue_ms = float(value)
+        elif name == b"x-inference-ms":
+            inference_ms = float(value)
     if chunked:
         parts = []
         while True:
@@ -98,7 +108,7 @@ async def exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
     else:
         body = await reader.read()
         keep_alive = False
-    return status, body, keep_alive
+    return status, body, keep_alive, queue_ms, inference_ms
 
 
 class Pool:

@@ -69,6 +69,9 @@ class StepRaw(msgspec.Struct):
     error_sample: str
     #: Latencies of successful requests, float32 milliseconds, raw bytes.
     latencies_ms: bytes
+    #: The server's X-Queue-Ms / X-Inference-Ms per successful request (float32, NaN = not sent).
+    server_queue_ms: bytes
+    server_inference_ms: bytes
     tokens_ok: int
     #: Sum of the server's reported tokens over successful replies (-1: it reports none).
     server_tokens: int
@@ -95,6 +98,8 @@ class _Recorder:
     def __init__(self, kind: str, task: str) -> None:
         self.kind, self.task = kind, task
         self.lat: list[float] = []
+        self.queue_ms: list[float] = []
+        self.inference_ms: list[float] = []
         self.ok = self.errors = self.sent = 0
         self.tokens = 0
         self.server_tokens = 0
@@ -109,7 +114,8 @@ class _Recorder:
         if not self.sample:
             self.sample = detail[:300]
 
-    def reply(self, payload: Payload, status: int, body: bytes, latency_s: float, done: float) -> None:
+    def reply(self, payload: Payload, status: int, body: bytes, latency_s: float, done: float,
+              queue_ms: float = float("nan"), inference_ms: float = float("nan")) -> None:
         self.last_done = max(self.last_done, done)
         if not 200 <= status < 300:
             self.fail(status, body[:300].decode("utf-8", "replace"))
@@ -121,6 +127,8 @@ class _Recorder:
             return
         self.ok += 1
         self.lat.append(latency_s * 1000.0)
+        self.queue_ms.append(queue_ms)
+        self.inference_ms.append(inference_ms)
         if served < 0:
             self.server_reports = False
         else:
@@ -135,7 +143,7 @@ async def _send(pool: httpclient.Pool, payload: Payload, rec: _Recorder, t_sched
     for attempt in (0, 1):
         try:
             conn = await pool.acquire()
-            status, body, keep = await httpclient.exchange(conn, payload.request)
+            status, body, keep, queue_ms, inference_ms = await httpclient.exchange(conn, payload.request)
             break
         except asyncio.CancelledError:
             pool.discard(conn)
@@ -159,7 +167,7 @@ async def _send(pool: httpclient.Pool, payload: Payload, rec: _Recorder, t_sched
         pool.release(conn)
     else:
         pool.discard(conn)
-    rec.reply(payload, status, body, done - t_sched, done)
+    rec.reply(payload, status, body, done - t_sched, done, queue_ms, inference_ms)
 
 
 async def _progress(pipe, plan: StepPlan, rec: _Recorder) -> None:
@@ -233,6 +241,8 @@ async def run_step(setup: Setup, payloads: list[Payload], pool: httpclient.Pool,
         error_codes=rec.codes,
         error_sample=rec.sample,
         latencies_ms=np.asarray(rec.lat, dtype=np.float32).tobytes(),
+        server_queue_ms=np.asarray(rec.queue_ms, dtype=np.float32).tobytes(),
+        server_inference_ms=np.asarray(rec.inference_ms, dtype=np.float32).tobytes(),
         tokens_ok=rec.tokens,
         server_tokens=rec.server_tokens if rec.server_reports and rec.ok else -1,
         elapsed_s=elapsed,
@@ -284,6 +294,8 @@ class Merged:
     error_codes: dict[int, int]
     error_sample: str
     latencies_ms: np.ndarray
+    server_queue_ms: np.ndarray
+    server_inference_ms: np.ndarray
     tokens_ok: int
     server_tokens: int
     elapsed_s: float
@@ -304,6 +316,8 @@ def merge(raws: list[StepRaw]) -> Merged:
         error_codes=codes,
         error_sample=next((r.error_sample for r in raws if r.error_sample), ""),
         latencies_ms=np.concatenate([np.frombuffer(r.latencies_ms, dtype=np.float32) for r in raws]),
+        server_queue_ms=np.concatenate([np.frombuffer(r.server_queue_ms, dtype=np.float32) for r in raws]),
+        server_inference_ms=np.concatenate([np.frombuffer(r.server_inference_ms, dtype=np.float32) for r in raws]),
         tokens_ok=sum(r.tokens_ok for r in raws),
         server_tokens=-1 if any(r.server_tokens < 0 for r in raws) else sum(r.server_tokens for r in raws),
         elapsed_s=max(r.elapsed_s for r in raws),

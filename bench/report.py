@@ -49,13 +49,21 @@ def reasons_by_step(run: TargetRun, criteria: Criteria) -> dict[int, tuple[str, 
     return {id(v.step): v.reasons for v in judge_steps(run.results, criteria)}
 
 
+def _queue_infer(rec: StepRecord) -> str:
+    """The server's own split of a reply's time (fleet's X-Queue-Ms / X-Inference-Ms), medians."""
+    if rec.server_queue_p50_ms is None and rec.server_inference_p50_ms is None:
+        return "-"
+    q, i = rec.server_queue_p50_ms, rec.server_inference_p50_ms
+    return f"{'-' if q is None else f'{q:.1f}'} / {'-' if i is None else f'{i:.1f}'}"
+
+
 def steps_table(run: TargetRun, criteria: Criteria) -> Table:
     knee = run.knee(criteria) if run.steps else None
     why = reasons_by_step(run, criteria)
     t = Table(title=f"{run.spec.name} ({run.spec.kind}{'' if run.spec.kind == 'st' else ' ' + run.spec.url})",
               title_justify="left", show_lines=False)
     for col in (_load_label(run.mode), "req/s", "tok/s", "p50 ms", "p95 ms", "p99 ms", "err",
-                "gen cpu%", "lag p99", "server cpu%", "verdict"):
+                "gen cpu%", "lag p99", "server cpu%", "srv queue/infer ms", "verdict"):
         t.add_column(col, justify="right" if col != "verdict" else "left")
     server_key = f"{run.spec.name}:server"
     for rec in sorted(run.steps, key=lambda r: r.result.offered):
@@ -76,6 +84,7 @@ def steps_table(run: TargetRun, criteria: Criteria) -> Table:
             f"{rec.gen_cpu_pct:.0f}" if run.spec.kind != "st" else "-",
             f"{rec.lag_p99_ms:.1f}" if run.spec.kind != "st" else "-",
             f"{rec.box.get('cpu_pct', {}).get(server_key, float('nan')):.0f}",
+            _queue_infer(rec),
             verdict,
         )
     return t
@@ -238,6 +247,7 @@ def _step_doc(rec: StepRecord, reasons: tuple[str, ...] = ()) -> dict:
         "p50_ms": _num(s.p50_ms), "p95_ms": _num(s.p95_ms), "p99_ms": _num(s.p99_ms), "sent": s.sent, "ok": s.ok,
         "errors": s.errors, "tokens": rec.tokens, "error_codes": {str(k): v for k, v in rec.error_codes.items()},
         "error_sample": rec.error_sample, "server_tokens": rec.server_tokens,
+        "server_queue_p50_ms": rec.server_queue_p50_ms, "server_inference_p50_ms": rec.server_inference_p50_ms,
         "generator_cpu_pct": rec.gen_cpu_pct, "generator_lag_p99_ms": rec.lag_p99_ms,
         "generator_bound": rec.generator_bound, "reasons": list(reasons),
         "started_unix": rec.started_unix, "ended_unix": rec.ended_unix, "box": rec.box,

@@ -85,6 +85,9 @@ class StepRecord:
     server_tokens: int
     error_codes: dict[int, int]
     error_sample: str
+    #: Medians of the server's own X-Queue-Ms / X-Inference-Ms (None: it sends none).
+    server_queue_p50_ms: float | None
+    server_inference_p50_ms: float | None
     started_unix: float
     ended_unix: float
     box: dict
@@ -186,6 +189,7 @@ def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sa
     return StepRecord(
         result=result, lag_p99_ms=merged.lag_p99_ms, gen_cpu_pct=gen_cpu, generator_bound=bound,
         tokens=merged.tokens_ok, server_tokens=merged.server_tokens, error_codes=merged.error_codes, error_sample=merged.error_sample,
+        server_queue_p50_ms=_median(merged.server_queue_ms), server_inference_p50_ms=_median(merged.server_inference_ms),
         started_unix=t0, ended_unix=t1, box=sampler.window(t0, t1) if sampler else {},
     )
 
@@ -199,6 +203,11 @@ def settle(run: TargetRun, plan: Plan, display=NullDisplay()) -> None:
     """
     display.note(f"{run.spec.name}: waiting {plan.grace_s:g} s for the server to drain its backlog")
     time.sleep(plan.grace_s)
+
+
+def _median(values: np.ndarray) -> float | None:
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else None
 
 
 def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NullDisplay()) -> None:

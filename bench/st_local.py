@@ -74,7 +74,8 @@ def _child_main(pipe) -> None:
             j += 1
         raw = StepRaw(
             index=plan.index, sent=len(lat), ok=len(lat), errors=0, error_codes={}, error_sample="",
-            latencies_ms=np.asarray(lat, dtype=np.float32).tobytes(), tokens_ok=tok, server_tokens=-1,
+            latencies_ms=np.asarray(lat, dtype=np.float32).tobytes(), server_queue_ms=b"", server_inference_ms=b"",
+            tokens_ok=tok, server_tokens=-1,
             elapsed_s=now - t0, lag_p99_ms=0.0, cpu_s=time.process_time() - cpu0, started_unix=started,
         )
         pipe.send_bytes(_enc.encode(raw))

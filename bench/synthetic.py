@@ -67,16 +67,18 @@ class Server:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 body = await reader.readexactly(length)
-                wait = self.admit_at(loop.time()) - loop.time() + self.latency_s
+                arrived = loop.time()
+                queued = max(0.0, self.admit_at(arrived) - arrived)
+                wait = queued + self.latency_s
                 if wait > 0:
                     await asyncio.sleep(wait)
-                writer.write(self.reply(body))
+                writer.write(self.reply(body, queued * 1000.0))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
 
-    def reply(self, body: bytes) -> bytes:
+    def reply(self, body: bytes, queued_ms: float) -> bytes:
         try:
             req = self.decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -85,14 +87,16 @@ class Server:
         n = len(req.inputs)
         words = sum(len(t.split()) for t in req.inputs)
         out = _EmbedOut(req.model, bytes(4 * n * DIM), (n, DIM), _Usage(words))
-        return _response(200, self.encoder.encode(out))
+        # The same timing headers fleet sends: time waiting, time "in the model".
+        timing = f"X-Queue-Ms: {queued_ms:.2f}\r\nX-Inference-Ms: {self.latency_s * 1000.0:.2f}\r\n"
+        return _response(200, self.encoder.encode(out), timing)
 
 
-def _response(status: int, body: bytes) -> bytes:
+def _response(status: int, body: bytes, extra_headers: str = "") -> bytes:
     reason = {200: "OK", 400: "Bad Request"}[status]
     return (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/msgpack\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{extra_headers}\r\n"
     ).encode("latin-1") + body
 
 

@@ -50,6 +50,8 @@ def test_bench_against_the_daemon_writes_results_and_plot(daemon, tmp_path):
         # Our up-front tokenizer count is the daemon's own usage.input_tokens, request for request.
         assert s["server_tokens"] == s["tokens"] > 0
         assert s["box"]["cpu_pct"]["fleet:server"] > 0
+        # The daemon's own X-Queue-Ms / X-Inference-Ms are recorded per step.
+        assert s["server_queue_p50_ms"] >= 0 and s["server_inference_p50_ms"] > 0
     assert target["knee"] is not None and target["knee"]["tokens_per_s"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

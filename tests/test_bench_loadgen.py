@@ -88,6 +88,9 @@ def test_open_loop_keeps_offering_when_the_server_is_slow(inputs):
     assert 20 * 0.85 <= m.ok / m.elapsed_s <= 20 * 1.15
     # The last requests waited for ~(120 - 20*2) / 20 = 4 s of backlog.
     assert np.percentile(m.latencies_ms, 95) > 2500
+    # ... and the server's own X-Queue-Ms says where that time went.
+    assert np.percentile(m.server_queue_ms, 95) > 2000
+    assert np.allclose(m.server_inference_ms, 10.0)
 
 
 @pytest.mark.slow

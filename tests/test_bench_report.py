@@ -18,11 +18,14 @@ from bench.runner import Plan, StepRecord, TargetRun, TargetSpec, compare_ratios
 def record(offered: float, ok: int, lat_ms: float, mode: str = OPEN, errors: int = 0) -> StepRecord:
     lat = np.full(ok, lat_ms, dtype=np.float32)
     m = Merged(sent=ok + errors, ok=ok, errors=errors, error_codes={-1: errors} if errors else {},
-               error_sample="no reply" if errors else "", latencies_ms=lat, tokens_ok=ok * 100,
+               error_sample="no reply" if errors else "", latencies_ms=lat,
+               server_queue_ms=np.full(ok, 2.0, dtype=np.float32), server_inference_ms=np.full(ok, 8.0, dtype=np.float32),
+               tokens_ok=ok * 100,
                server_tokens=ok * 100, elapsed_s=10.0, lag_p99_ms=1.0, cpu_s=0.1, started_unix=0.0)
     return StepRecord(result=to_step_result(m, offered, mode), lag_p99_ms=1.0, gen_cpu_pct=1.0,
                       generator_bound=False, tokens=ok * 100, server_tokens=ok * 100, error_codes=m.error_codes,
-                      error_sample=m.error_sample, started_unix=0.0, ended_unix=10.0,
+                      error_sample=m.error_sample, server_queue_p50_ms=2.0 if ok else None,
+                      server_inference_p50_ms=8.0 if ok else None, started_unix=0.0, ended_unix=10.0,
                       box={"cpu_pct": {"a:server": 150.0}, "rss_bytes": {"a:server": 1 << 29}})
 
 
@@ -56,6 +59,7 @@ def test_tables_show_knee_reasons_and_ratios():
     report.print_summary(console, rs, plan)
     text = console.export_text()
     assert "knee ok" in text and "behind: 62% of offered" in text and "errors 100.0%" in text
+    assert "2.0 / 8.0" in text  # the server's own queue / inference split
     ratio = compare_ratios(rs, plan.criteria)["a"]["st-fp32"]
     assert f"{ratio:.2f}x" in text
 

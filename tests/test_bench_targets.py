@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import pytest
@@ -115,7 +116,8 @@ def test_reply_tokens_reads_usage_only():
 def test_client_reads_chunked_and_content_length_replies_on_one_connection():
     async def scenario() -> list[tuple[int, bytes, bool]]:
         async def handle(reader, writer):
-            for reply in (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+            for reply in (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Queue-Ms: 1.5\r\nx-inference-ms: 7.25\r\n"
+                          b"\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
                           b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy"):
                 await reader.readuntil(b"\r\n\r\n")
                 writer.write(reply)
@@ -134,5 +136,6 @@ def test_client_reads_chunked_and_content_length_replies_on_one_connection():
         return out
 
     first, second = asyncio.run(scenario())
-    assert first == (200, b"hello world", True)
-    assert second == (429, b"busy", False)
+    assert first == (200, b"hello world", True, 1.5, 7.25)
+    assert second[:3] == (429, b"busy", False)
+    assert math.isnan(second[3]) and math.isnan(second[4])  # no timing headers sent
