@@ -4,7 +4,10 @@ the worker's profile choice by device class, and /v1/ps reporting it end to end.
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -273,5 +276,33 @@ def test_ps_reports_the_tuned_profile_in_use(tmp_path: Path):
         models = [w["models"][MODEL] for w in ps["workers"] if MODEL in w["models"]]
         assert models and models[0]["profile"] == klass
         assert models[0]["dtype"] == "float32"  # the tuned profile's explicit dtype, not the default's auto
+        out = subprocess.run([sys.executable, "-m", "fleetctl", "ps"], env={**os.environ, "FLEET_URL": d.url, "COLUMNS": "250"},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "profile" in out.stdout and klass in out.stdout
     finally:
         d.stop()
+
+
+# ---- the CLI refuses what it cannot tune, before starting anything --------------------------
+
+
+def _tune(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLEET_HOME": str(home)}
+    env.pop("FLEET_URL", None)
+    return subprocess.run([sys.executable, "-m", "fleetctl", "tune", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_refuses_unknown_models_bad_options_and_unbenchable_tasks(tmp_path: Path):
+    home = tmp_path / "home"
+    r = _tune(home, "no-such-model")
+    assert r.returncode == 1 and "neither in the catalog nor in the store" in r.stderr
+    r = _tune(home, "Bad/Name")
+    assert r.returncode == 1 and "invalid model name" in r.stderr
+    r = _tune(home, MODEL, "--budget-minutes", "0")
+    assert r.returncode == 2
+    classify = next(e.name for e in load_catalog(home).all() if e.task in ("classify", "extract"))
+    r = _tune(home, classify)
+    assert r.returncode == 1 and "the bench measures" in r.stderr
+    assert not (home / "models.toml").exists()
