@@ -348,6 +348,10 @@ class DaemonMeasurer:
                 raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()[-1500:]}")
             try:
                 ps = httpx.get(url + "/v1/ps", timeout=2).json()
+                if any(w.get("restarts", 0) for w in ps.get("workers", [])) or any(
+                        s.get("restarts", 0) for s in ps.get("slots", [])):
+                    # A worker died (bad candidate, broken install): do not wait out the timeout.
+                    raise RuntimeError(f"a worker restarted while loading: {log_path.read_text()[-1500:]}")
                 for w in ps.get("workers", []):
                     rec = w.get("models", {}).get(self.model)
                     if rec:
