@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
 
@@ -22,14 +24,47 @@ from daemon.controllers.models import HealthController, MetricsController, Model
 from daemon.controllers.rerank import RerankController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
-from daemon.notify import announce_ready, watchdog_loop
+from daemon.notify import announce_ready, notify, watchdog_loop
+
+log = logging.getLogger("fleet.daemon")
+
+#: How often worker-side metrics are read between scrapes (Daemon.refresh_gauges):
+#: a worker's batch ring (runtimes.worker.BATCH_RING) must not wrap in between.
+METRICS_REFRESH_S = 0.5
+
+
+async def refresh_loop(daemon: Daemon) -> None:
+    while True:
+        await asyncio.sleep(METRICS_REFRESH_S)
+        try:
+            daemon.refresh_gauges()
+        except Exception:  # metrics must never take the daemon down
+            log.exception("refreshing metrics failed")
+
+
+def reload_now(daemon: Daemon) -> None:
+    """SIGHUP, on the loop: RELOADING=1, apply, READY=1 (systemd's reload protocol).
+    Requests keep flowing meanwhile: the reload is synchronous and short, nothing is
+    stopped or re-created. A config that does not parse is logged and changes nothing."""
+    notify(RELOADING=1, STATUS="reloading models.toml and config.toml")
+    try:
+        applied, restart = daemon.reload()
+        status = f"serving on {daemon.settings.url}; reloaded" + (
+            f" ({', '.join(restart)} need a restart)" if restart else "")
+    except Exception as exc:
+        log.error("reload failed, nothing changed: %s: %s", type(exc).__name__, exc)
+        status = f"serving on {daemon.settings.url}; reload failed: {type(exc).__name__}"
+    notify(READY=1, STATUS=status)
 
 
 def create_app(daemon: Daemon) -> Litestar:
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
-        daemon.start(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        daemon.start(loop)
+        loop.add_signal_handler(signal.SIGHUP, reload_now, daemon)
         tasks = [
+            asyncio.create_task(refresh_loop(daemon)),
             # READY=1 only once uvicorn listens AND the preloaded models are resident.
             asyncio.create_task(announce_ready(lambda: daemon.is_serving() and daemon.readiness()[0],
                                                status=f"serving on {daemon.settings.url}")),
@@ -38,6 +73,9 @@ def create_app(daemon: Daemon) -> Litestar:
         try:
             yield
         finally:
+            # Runs after uvicorn's HTTP drain (server.py): every request has been
+            # answered (or got `unavailable` at the drain bound), so the workers may go now.
+            loop.remove_signal_handler(signal.SIGHUP)
             for task in tasks:
                 task.cancel()
             await daemon.leave_cluster()

@@ -48,6 +48,8 @@ class Broker:
         self._waiting: dict[int, asyncio.Future[Done]] = {}
         #: request id -> where its partial results go (streaming requests only).
         self._partials: dict[int, Callable[[Done], None]] = {}
+        #: request id -> its queue item (so a shutdown can take unclaimed ones back out).
+        self._items: dict[int, int] = {}
         self._lanes: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -68,6 +70,20 @@ class Broker:
             if not fut.done():
                 fut.set_exception(FleetError("daemon shutting down"))
         self._waiting.clear()
+
+    def fail_waiting(self, exc: FleetError) -> int:
+        """Answer every waiting request with `exc` now (the shutdown bound): items not
+        yet claimed leave their lanes, so no worker runs them; claimed ones finish and
+        their results are dropped on arrival. Returns the requests answered."""
+        failed = 0
+        for request_id, fut in list(self._waiting.items()):
+            item_id = self._items.get(request_id)
+            if item_id is not None:
+                self.queue.cancel(item_id)
+            if not fut.done():
+                fut.set_exception(exc)
+                failed += 1
+        return failed
 
     @property
     def running(self) -> bool:
@@ -116,6 +132,7 @@ class Broker:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)
             raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
+        self._items[request_id] = item_id
         try:
             done = await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
@@ -125,6 +142,7 @@ class Broker:
         finally:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)
+            self._items.pop(request_id, None)
         return done
 
     def answer(self, model: str, done: Done) -> Answer:

@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 
 from fleetctl.catalog import load_catalog
-from fleetctl.config import Settings
-from fleetctl.errors import BadRequest, FleetError, ModelNotFound
+from fleetctl.config import Settings, load_settings
+from fleetctl.errors import BadRequest, FleetError, ModelNotFound, Unavailable
 from fleetctl.store import Manifest, Store
 from local_queue import Done, LocalQueue
 
@@ -39,6 +39,23 @@ LORA_TASKS = frozenset({"generate"})
 #: A worker that has not heartbeaten for this long is not counted as up.
 HEARTBEAT_STALE_S = 30.0
 
+#: Settings a SIGHUP applies to the running daemon (`Daemon.reload`); any other
+#: change in config.toml is logged as needing a restart.
+LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
+                 "api_key_file", "load_timeout_ms", "drain_timeout_ms")
+
+
+@dataclass
+class _WorkerSeen:
+    """What `refresh_gauges` last read from one worker's info blob: its cumulative
+    counters (diffed into the Prometheus counters) and its resident models."""
+
+    pid: int
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, dict[str, int]] = field(default_factory=dict)
+    batch_seq: int = 0
+    models: tuple[str, ...] = ()
+
 
 @dataclass
 class Daemon:
@@ -52,6 +69,13 @@ class Daemon:
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False
+    #: True from SIGTERM on: new requests get `unavailable`, those in flight finish.
+    draining: bool = False
+    #: Called with the new settings after a SIGHUP applied them (the server swaps
+    #: its auth and body limit there).
+    reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _seen: dict[int, _WorkerSeen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
@@ -61,6 +85,7 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self.settings.home_path.mkdir(parents=True, exist_ok=True)
         # 1. The preloaded models must be in the store: the default one pulls from
         #    its Python package, offline, on a fresh machine.
@@ -86,6 +111,34 @@ class Daemon:
                                    workers_up=lambda: sum(w["up"] for w in self.workers()), loaded=self.loaded_models)
             self.cluster.start(loop)
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
+
+    def begin_drain(self, bound_s: float) -> None:
+        """SIGTERM arrived (uvicorn has stopped accepting): refuse new requests, let
+        those in flight finish, and at `bound_s` answer the rest `unavailable`.
+
+        Workers keep running meanwhile: uvicorn runs the lifespan shutdown (which
+        stops them) only after its own drain. With NATS this box stops fetching new
+        work at once (the cluster's `stop_pulling` hook) and at the bound hands what
+        it holds back (nak: redelivered to another box)."""
+        if self.draining:
+            return
+        self.draining = True
+        stop_pulling = getattr(self.cluster, "stop_pulling", None)
+        if stop_pulling is not None:
+            stop_pulling()
+        log.info("draining: %d request(s) in flight; answering the rest unavailable in %.1f s",
+                 self.broker.in_flight if self.broker else 0, bound_s)
+        if self._loop is not None:
+            self._loop.call_later(bound_s, lambda: self._loop.create_task(self.end_drain()))
+
+    async def end_drain(self) -> None:
+        """The drain bound: what is still unanswered gets `unavailable` (clients may retry
+        elsewhere or after the restart); unclaimed items leave the queue."""
+        await self.leave_cluster()
+        if self.broker is not None:
+            failed = self.broker.fail_waiting(Unavailable("daemon is shutting down; retry shortly"))
+            if failed:
+                log.warning("drain bound reached: %d request(s) answered unavailable", failed)
 
     async def leave_cluster(self) -> None:
         """Before `stop`: hand held NATS work back and close the connection (no-op without NATS)."""
@@ -127,6 +180,8 @@ class Daemon:
         the answer comes whole)."""
         t0 = time.perf_counter()
         try:
+            if self.draining:
+                raise Unavailable("daemon is shutting down; retry shortly")
             try:
                 lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:
@@ -156,9 +211,99 @@ class Daemon:
         return manifest.base
 
     def refresh_gauges(self) -> None:
-        """Point-in-time series (lanes, device memory), read from the queue at scrape time."""
+        """Bring the worker-side series up to date (at each scrape and every
+        METRICS_REFRESH_S from the app): lanes and device memory as they are now;
+        loads, evictions and batches from the workers' cumulative counters, diffed
+        against the last read so no event between two reads is missed. A worker
+        whose pid changed or that left the queue lost its models (`worker_exit`).
+        Runs on the event loop only (no lock needed for `_seen`)."""
         for lane in self.lanes():
             self.metrics.set_lane(lane["model"], lane["depth"], lane["oldest_wait_ms"] / 1000.0)
+        if self.queue is None:
+            return
+        memory: dict[str, tuple[int, int]] = {}
+        current: set[int] = set()
+        for w in self.queue.workers():
+            info = _info_decoder.decode(w.info) if w.info else {}
+            current.add(w.wid)
+            seen = self._seen.get(w.wid)
+            if seen is None or seen.pid != w.pid:
+                if seen is not None:
+                    self._worker_exited(seen)
+                seen = self._seen[w.wid] = _WorkerSeen(w.pid)
+            self._count_worker(seen, info)
+            used, budget = memory.get(w.device, (0, 0))
+            # Workers of one device share its budget; each reports its own use.
+            memory[w.device] = (used + info.get("used_bytes", 0), max(budget, info.get("budget_bytes", 0)))
+        for wid in [wid for wid in self._seen if wid not in current]:
+            self._worker_exited(self._seen.pop(wid))
+        for device, (used, budget) in memory.items():
+            self.metrics.set_device_memory(device, used, budget)
+
+    def _count_worker(self, seen: _WorkerSeen, info: dict[str, Any]) -> None:
+        for name, n in info.get("loads", {}).items():
+            for _ in range(n - seen.loads.get(name, 0)):
+                self.metrics.model_loaded(name)
+        seen.loads = dict(info.get("loads", {}))
+        for name, by_reason in info.get("evictions", {}).items():
+            before = seen.evictions.get(name, {})
+            for reason, n in by_reason.items():
+                for _ in range(n - before.get(reason, 0)):
+                    self.metrics.model_evicted(name, reason)
+        seen.evictions = {name: dict(r) for name, r in info.get("evictions", {}).items()}
+        batches = info.get("batches")
+        if batches:
+            seq, names, ring = batches["seq"], batches["models"], batches["ring"]
+            new = seq - seen.batch_seq
+            kept = len(ring) // 3
+            if new > kept:
+                log.warning("worker pid %d ran %d batches since the last read; batch metrics have the last %d",
+                            seen.pid, new, kept)
+            for i in range(max(0, kept - new), kept):
+                model, items, tokens = ring[3 * i: 3 * i + 3]
+                self.metrics.observe_batch(names[model], items, tokens)
+            seen.batch_seq = seq
+        seen.models = tuple(info.get("models", {}))
+
+    def _worker_exited(self, seen: _WorkerSeen) -> None:
+        for name in seen.models:
+            self.metrics.model_evicted(name, "worker_exit")
+
+    def reload(self) -> tuple[list[str], list[str]]:
+        """SIGHUP: re-read `models.toml` and `config.toml` without dropping requests.
+
+        The catalog: workers read it at each load (runtimes.resolve); the cached
+        manifests are dropped so the next request reads the store again. The config:
+        LIVE_SETTINGS are applied in place (handlers read `self.settings` per request;
+        the broker's queue bound and the server's auth and body limit follow through
+        `reload_hooks`); anything else that differs is logged as needing a restart.
+        A non-loopback bind keeps its key: a reload cannot remove it.
+        Returns (applied, needing a restart), setting names."""
+        from daemon.auth import check_bind
+
+        self._manifests.clear()
+        new = load_settings(home=self.settings.home)
+        applied = [f for f in LIVE_SETTINGS if getattr(new, f) != getattr(self.settings, f)]
+        if "api_key" in applied:
+            try:
+                check_bind(self.settings.host, new.api_key)
+            except FleetError as exc:
+                log.error("reload: keeping the current API key: %s", exc.message)
+                applied = [f for f in applied if f not in ("api_key", "api_key_file")]
+        restart = sorted(f for f in Settings.__struct_fields__
+                         if f not in LIVE_SETTINGS and f != "home" and getattr(new, f) != getattr(self.settings, f))
+        for name in applied:
+            setattr(self.settings, name, getattr(new, name))
+        if self.broker is not None:
+            self.broker.max_depth = self.settings.queue_max_depth
+        logging.getLogger().setLevel(self.settings.log_level.upper())
+        for hook in self.reload_hooks:
+            hook(self.settings)
+        # The key's value is a secret: logged by name only.
+        log.info("reloaded models.toml and config.toml: applied %s", ", ".join(applied) or "no changes")
+        if restart:
+            log.warning("config.toml changes that need a restart (not applied): %s", ", ".join(restart))
+        return applied, restart
 
     def forget(self, name: str) -> None:
         self._manifests.pop(name, None)

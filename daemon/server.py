@@ -1,8 +1,30 @@
-"""`fleetctl serve`: bind checks, then uvicorn on uvloop running the Litestar app."""
+"""`fleetctl serve`: bind checks, then uvicorn on uvloop running the Litestar app.
+
+Shutdown (SIGTERM or SIGINT), in order:
+1. `SystemdServer` says STOPPING=1; uvicorn closes its listening socket (new
+   connections are refused) and asks open connections to close after their
+   current response; `Daemon.begin_drain` starts the drain bound
+   (`drain_timeout_ms`, 10 s): new requests on a kept-alive connection get
+   `unavailable`, and with NATS the box stops fetching work.
+2. Requests in flight finish (workers still run). At the bound, those still
+   waiting get `unavailable` (503) and their unclaimed items leave the queue;
+   with NATS, held messages are nak'd for redelivery.
+3. uvicorn waits for the responses (backstop: bound + GRACE_S), then runs the
+   lifespan shutdown: SIGTERM to the workers (each finishes its batch, at most
+   10 s before SIGKILL), the queue is unlinked.
+4. uvicorn re-raises the signal it handled, so the process ends killed by
+   SIGTERM: systemd logs `status=15/TERM`, which it counts as a clean stop
+   (SuccessExitStatus includes SIGTERM by default; Restart=on-failure does not fire).
+The whole stop takes at most bound + GRACE_S + ~12 s (TimeoutStopSec=60 in the unit).
+
+SIGHUP (`systemctl reload`): `daemon.app.reload_now`.
+"""
 
 from __future__ import annotations
 
 import logging
+from types import FrameType
+from typing import Any
 
 from fleetctl.config import Settings
 
@@ -10,25 +32,80 @@ from daemon.core import Daemon
 
 log = logging.getLogger("fleet.daemon")
 
+#: uvicorn's own drain limit past the daemon's bound: by then every waiter was
+#: answered `unavailable`, so this only covers writing those answers out.
+GRACE_S = 5.0
+
+
+class LiveApp:
+    """The ASGI app with its bearer-auth wrapper swappable on SIGHUP (api_key may change live)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        from daemon.auth import bearer_auth
+
+        self._inner = app
+        self._bearer_auth = bearer_auth
+        self.app = bearer_auth(api_key)(app)
+
+    def set_key(self, api_key: str) -> None:
+        self.app = self._bearer_auth(api_key)(self._inner)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+def set_body_limit(litestar_app: Any, limit: int) -> None:
+    """Apply a new `max_body_bytes` to a running Litestar app: each route handler caches
+    the limit it resolved from its layers, so the app's value is set and the caches
+    are dropped (they re-resolve on the next request)."""
+    from litestar.types import Empty
+
+    litestar_app.request_max_body_size = limit
+    for route in litestar_app.routes:
+        for handler in getattr(route, "route_handlers", ()):
+            if hasattr(handler, "_resolved_request_max_body_size"):
+                handler._resolved_request_max_body_size = Empty
+
 
 def serve(settings: Settings) -> None:
     import uvicorn
 
     from daemon.app import create_app
-    from daemon.auth import bearer_auth, check_bind
+    from daemon.auth import check_bind
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
 
     check_bind(settings.host, settings.api_key)
     daemon = Daemon(settings)
+    litestar_app = create_app(daemon)
     # Request id outermost (401s and every log line of a request carry it); auth
     # wraps the whole app, so 404/405 answers are guarded too; /healthz stays open.
-    app = RequestIdMiddleware(bearer_auth(settings.api_key)(create_app(daemon)))
+    guarded = LiveApp(litestar_app, settings.api_key)
+    app = RequestIdMiddleware(guarded)
+
+    def on_reload(new: Settings) -> None:
+        guarded.set_key(new.api_key)
+        set_body_limit(litestar_app, new.max_body_bytes)
+        server.config.timeout_graceful_shutdown = new.drain_timeout_ms / 1000.0 + GRACE_S
+
+    daemon.reload_hooks.append(on_reload)
+    bound_s = settings.drain_timeout_ms / 1000.0
+
+    class FleetServer(SystemdServer):
+        """SystemdServer (STOPPING=1) that also starts the daemon's drain bound."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and daemon._loop is not None:
+                # A signal handler runs between bytecodes of the loop's thread: hand over.
+                daemon._loop.call_soon_threadsafe(daemon.begin_drain, daemon.settings.drain_timeout_ms / 1000.0)
+
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-        lifespan="on", log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+        lifespan="on", log_config=None, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=bound_s + GRACE_S,
     )
-    # SystemdServer says STOPPING=1 on SIGTERM, then uvicorn drains as usual.
-    server = SystemdServer(config)
+    server = FleetServer(config)
     daemon.is_serving = lambda: server.started
     server.run()

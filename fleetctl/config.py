@@ -94,6 +94,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_reserve_bytes: int = 512 << 20
     #: How long an admin load / pin call waits for the worker's answer.
     load_timeout_ms: int = 300_000
+    #: On SIGTERM, how long requests in flight may take to finish; those still
+    #: unanswered then get `unavailable` (503) and the workers stop (each finishes its batch).
+    drain_timeout_ms: int = 10_000
 
     @property
     def home_path(self) -> Path:

@@ -13,6 +13,7 @@ import importlib
 import logging
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +56,12 @@ class Resident:
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
     footprint: Footprint = Footprint(0)
+
+
+#: Batches kept in the info blob's ring (`batches`): the daemon reads it every
+#: METRICS_REFRESH_S and turns entries past the last sequence it saw into batch
+#: metrics, so a worker may run this many batches between two reads without loss.
+BATCH_RING = 64
 
 
 @dataclass
@@ -106,6 +113,14 @@ class WorkerCore:
     loading_since_ns: int = 0
     #: Lanes the last `servable` left to the other workers holding their model (the herd rule).
     declined: list = field(default_factory=list)
+    #: Cumulative counters for the daemon's metrics (published in the info blob; the
+    #: daemon diffs them, so no event between two reads is missed): loads per model,
+    #: evictions per model and reason, batches run (sequence) and the last BATCH_RING
+    #: of them as (model, items, tokens).
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, dict[str, int]] = field(default_factory=dict)
+    batch_seq: int = 0
+    batch_ring: deque = field(default_factory=lambda: deque(maxlen=BATCH_RING))
 
     @property
     def control(self) -> str:
@@ -197,7 +212,7 @@ class WorkerCore:
                     raise NotNow(f"{name} is held or being loaded by other workers, which keep up with its queue")
             for victim in plan.evict:
                 log.info("evicting %s from %s to make room for %s", victim, self.device, name)
-                self.unload(victim)
+                self.unload(victim, reason="lru")
                 if evicted is not None:
                     evicted.append(victim)
             # 4. Load (`loading` still published).
@@ -224,6 +239,7 @@ class WorkerCore:
             resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
                                 footprint=Footprint(measured, estimate.activation_bytes))
             self.models[name] = resident
+            self.loads[name] = self.loads.get(name, 0) + 1
             if pin:
                 self.pinned.add(name)
             log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
@@ -231,10 +247,14 @@ class WorkerCore:
             self.publish_info()
         return resident
 
-    def unload(self, name: str) -> bool:
+    def unload(self, name: str, reason: str = "unload") -> bool:
+        """Take `name` off this worker; `reason` (lru: room for another, unload: asked)
+        is counted for the daemon's eviction metrics."""
         resident = self.models.pop(name, None)
         if resident is None:
             return False
+        by_reason = self.evictions.setdefault(name, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
         self.pinned.discard(name)
         # Generation in flight on it is answered now, not left leased (runtimes.continuous).
         abort_in_flight(self, resident.adapter, WorkError("overloaded", f"{name} was unloaded from {self.device} "
@@ -485,7 +505,20 @@ class WorkerCore:
                 "at": self.last_batch.at,
                 "returned": self.last_batch.returned,
             },
+            "loads": self.loads,
+            "evictions": self.evictions,
+            "batches": self._batches_info(),
         }
+
+    def _batches_info(self) -> dict:
+        """The batch ring, compact (the whole blob must fit INFO_BYTES): model names
+        once, then flat [model index, items, tokens] triples, oldest first; `seq` is
+        the number of batches run so far (the last entry's sequence)."""
+        names: dict[str, int] = {}
+        flat: list[int] = []
+        for model, items, tokens in self.batch_ring:
+            flat += (names.setdefault(model, len(names)), items, tokens)
+        return {"seq": self.batch_seq, "models": list(names), "ring": flat}
 
     def _cost_info(self, name: str) -> dict:
         cost = self.costs.get(name)
@@ -606,6 +639,8 @@ class WorkerCore:
         resident.last_used = time.time()
         resident.served += len(claims)
         self.last_batch = BatchStats(lane.model, len(claims), sum(tokens), padded, ms, time.time(), returned)
+        self.batch_seq += 1
+        self.batch_ring.append((lane.model, len(claims), sum(tokens)))
         self.publish_info()
         return len(claims) + len(late)
 
