@@ -19,6 +19,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
     ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
     ("extract", "transformers"): "runtimes.extract:TokenClassifier",
+    ("extract", "gliner"): "runtimes.gliner:GlinerExtractor",
     # LoRA adapters (runtime "peft") are no entry: they attach to their base's
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
     ("generate", "transformers"): "runtimes.generate:CausalLM",
