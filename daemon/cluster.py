@@ -166,6 +166,8 @@ class Cluster:
         self._room = asyncio.Event()
         self._joined = asyncio.Event()
         self._stopping = False
+        self._pulling = True
+        self._left = False
         self._tasks: list[asyncio.Task] = []
         self._serving: set[asyncio.Task] = set()
         self._pullers: dict[str, asyncio.Task] = {}
@@ -244,10 +246,22 @@ class Cluster:
         except APIError:
             self.obj = await self.js.object_store(PAYLOADS_BUCKET)
 
+    def stop_pulling(self) -> None:
+        """Draining (SIGTERM): fetch no new work; what this box holds still runs and is
+        answered, and its own requests still wait for their replies."""
+        self._pulling = False
+        for task in self._pullers.values():
+            task.cancel()
+
     async def leave(self) -> None:
         """Stop pulling, hand held messages back at once (nak: another box takes them
-        now instead of after ack_wait), fail this box's waiters, close the connection."""
+        now instead of after ack_wait), fail this box's waiters, close the connection.
+        Idempotent: the drain bound and the shutdown may both call it."""
+        if self._left:
+            return
+        self._left = True
         self._stopping = True
+        self._pulling = False
         for task in [*self._tasks, *self._pullers.values()]:
             task.cancel()
         if self.nc is None or self.nc.is_closed:
@@ -372,6 +386,8 @@ class Cluster:
     def _sync_pullers(self, models: dict[str, str]) -> None:
         """One pull loop per model in this box's store (a model pulled later joins at the next beat)."""
         self._models = models
+        if not self._pulling:
+            return
         for name in models:
             if name not in self._pullers or self._pullers[name].done():
                 self._pullers[name] = asyncio.create_task(self._pull(name), name=f"nats-pull-{name}")
