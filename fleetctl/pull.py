@@ -220,6 +220,9 @@ def detect_kind(folder: Path) -> Kind | None:
             return Kind("extract", "transformers")
         if arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
             return Kind("generate", "transformers")
+        if arch in ("CLIPModel", "SiglipModel"):
+            # Text and image towers into one space: the image-capable embedder.
+            return Kind("embed", "clip")
         if arch.endswith("Model"):
             # A bare encoder (BertModel, ...): embeddings by mean pooling.
             return Kind("embed", "sentence-transformers")

@@ -548,3 +548,9 @@ def test_detect_kind_of_a_cross_encoder_folder(tmp_path: Path) -> None:
     (tmp_path / "config_sentence_transformers.json").write_text('{"model_type": "CrossEncoder"}')
     kind = detect_kind(tmp_path)
     assert kind is not None and (kind.task, kind.runtime) == ("rerank", "sentence-transformers")
+
+
+def test_detect_kind_of_a_clip_folder(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["CLIPModel"]}')
+    kind = detect_kind(tmp_path)
+    assert kind is not None and (kind.task, kind.runtime) == ("embed", "clip")
