@@ -69,7 +69,10 @@ class Daemon:
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False
-    #: True from SIGTERM on: new requests get `unavailable`, those in flight finish.
+    #: True from SIGTERM on (the drain bound runs). Requests are not refused for it:
+    #: uvicorn closes the listener and idle connections within 0.1 s, and one that
+    #: still arrives before that is served like the others (or answered at the bound);
+    #: an instant 503 there would only make clients reconnect in a loop.
     draining: bool = False
     #: Called with the new settings after a SIGHUP applied them (the server swaps
     #: its auth and body limit there).
@@ -113,8 +116,8 @@ class Daemon:
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 
     def begin_drain(self, bound_s: float) -> None:
-        """SIGTERM arrived (uvicorn has stopped accepting): refuse new requests, let
-        those in flight finish, and at `bound_s` answer the rest `unavailable`.
+        """SIGTERM arrived (uvicorn stops accepting): let requests in flight finish,
+        and at `bound_s` answer the rest `unavailable`.
 
         Workers keep running meanwhile: uvicorn runs the lifespan shutdown (which
         stops them) only after its own drain. With NATS this box stops fetching new
@@ -180,8 +183,6 @@ class Daemon:
         the answer comes whole)."""
         t0 = time.perf_counter()
         try:
-            if self.draining:
-                raise Unavailable("daemon is shutting down; retry shortly")
             try:
                 lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:

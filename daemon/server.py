@@ -3,9 +3,9 @@
 Shutdown (SIGTERM or SIGINT), in order:
 1. `SystemdServer` says STOPPING=1; uvicorn closes its listening socket (new
    connections are refused) and asks open connections to close after their
-   current response; `Daemon.begin_drain` starts the drain bound
-   (`drain_timeout_ms`, 10 s): new requests on a kept-alive connection get
-   `unavailable`, and with NATS the box stops fetching work.
+   current response (idle ones at once); `Daemon.begin_drain` starts the
+   drain bound (`drain_timeout_ms`, 10 s), and with NATS the box stops
+   fetching work (the cluster's `stop_pulling` hook).
 2. Requests in flight finish (workers still run). At the bound, those still
    waiting get `unavailable` (503) and their unclaimed items leave the queue;
    with NATS, held messages are nak'd for redelivery.

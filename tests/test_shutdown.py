@@ -85,6 +85,9 @@ def test_sigterm_under_load_answers_every_request_and_exits_in_bound(tmp_path):
     finally:
         stop.set()
         d.stop()
+    kinds = {k: sum(o.kind == k for o in outcomes) for k in ("ok", "unavailable", "refused", "other")}
+    print(f"shutdown: exit {code} after {exited_s:.2f} s (bound {EXIT_BOUND_S:.0f} s); outcomes {kinds}; "
+          f"{sum(o.kind == 'ok' and o.ended > sigterm_at for o in outcomes)} answered 200 during the drain")
     bad = [o for o in outcomes if o.kind == "other"]
     assert not bad, bad
     # uvicorn re-raises the signal it handled: the process ends by SIGTERM (systemd: a clean stop).
