@@ -141,15 +141,24 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
     """Padded tokens a batch may have so that its predicted time stays within `target_ms`.
 
     The profile's `max_padded_tokens` when there is no target, the model has
-    not seen MIN_SAMPLES batches yet, or time does not grow with tokens. At
-    least 1: the head item always runs (form_batch 1).
+    not seen MIN_SAMPLES batches yet, time does not grow with tokens, or the
+    fixed cost alone exceeds the target. Never below a/b tokens.
     """
     if target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
         return max_padded_tokens
     a, b = cost.fit()
     if b <= 0:
         return max_padded_tokens
-    return int(max(1, min(max_padded_tokens, (target_ms - a) / b)))
+    room = target_ms - a
+    if room <= 0:
+        # The fixed cost alone misses the target: a smaller batch cannot meet it,
+        # it only pays that fixed cost more often. Throughput decides.
+        return max_padded_tokens
+    # Never below a/b tokens (where the fixed cost is half the batch time):
+    # smaller batches buy little latency and, on a slow or busy device whose
+    # fitted `a` is large, would shrink every batch to one item and collapse
+    # throughput exactly when it is needed most.
+    return int(round(min(max_padded_tokens, max(room / b, a / b, 1))))
 
 
 def linger_left_ms(now_ns: int, head_enqueue_ns: int, linger_ms: float, *, items: int, max_items: int,

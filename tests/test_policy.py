@@ -159,7 +159,11 @@ def test_cost_model_follows_a_device_that_slows_down():
         pytest.param([(100, 7.0), (200, 12.0)], 50.0, 5_000, 5_000, id="too-few-samples"),
         pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 52.0, 5_000, 1_000, id="target-caps"),
         pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1_000.0, 5_000, 5_000, id="profile-caps"),
-        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1.0, 5_000, 1, id="target-below-fixed-cost"),
+        # a = 2 ms, b = 0.05 ms/token. A target below the fixed cost cannot be met by
+        # shrinking batches: full budget (it used to shrink them to one item).
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1.0, 5_000, 5_000, id="target-below-fixed-cost"),
+        # Room of 1 ms = 20 tokens, but never below a/b = 40 tokens (half efficiency).
+        pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 3.0, 5_000, 40, id="floor-at-half-efficiency"),
         pytest.param([(100, 9.0), (200, 8.0), (300, 7.0)], 5.0, 5_000, 5_000, id="flat-cost-no-cap"),
     ],
 )
