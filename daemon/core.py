@@ -126,9 +126,8 @@ class Daemon:
         if self.draining:
             return
         self.draining = True
-        stop_pulling = getattr(self.cluster, "stop_pulling", None)
-        if stop_pulling is not None:
-            stop_pulling()
+        if self.cluster is not None:
+            self.cluster.stop_pulling()
         log.info("draining: %d request(s) in flight; answering the rest unavailable in %.1f s",
                  self.broker.in_flight if self.broker else 0, bound_s)
         if self._loop is not None:
