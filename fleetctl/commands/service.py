@@ -59,6 +59,8 @@ StartLimitBurst=5
 Type=notify
 NotifyAccess=main
 {exec_start_pre}ExecStart={exec_start}
+# SIGHUP reloads models.toml and config.toml without dropping requests.
+ExecReload=/bin/kill -HUP $MAINPID
 Restart=on-failure
 RestartSec=2s
 TimeoutStartSec=600
