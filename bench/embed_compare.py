@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +38,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus, report
+from bench.daemon import LocalDaemon
 from bench.knee import CLOSED
 from bench.loadgen import Generator, Merged, Setup, StepPlan
-from bench.peers import free_port
 from bench.sampler import Sampler
 from bench.st_local import LocalST, STSetup
 from bench.tokens import TokenCounter, package_model_dir
@@ -54,45 +52,6 @@ GOAL_VS_BF16 = 0.9
 GOAL_ADDED_P50_MS = 2.0
 #: Short-request latency: the shortest corpus texts, one per request.
 SHORT_TEXTS = 32
-
-
-class Daemon:
-    """`fleetctl serve` on a free loopback port with a throwaway FLEET_HOME (for --start)."""
-
-    def __init__(self, timeout_s: float = 300.0) -> None:
-        self.home = tempfile.mkdtemp(prefix="fleet-bench-home-")
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "FLEET_HOME": self.home, "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1"}
-        env.pop("FLEET_URL", None)
-        self.log = open(Path(self.home) / "daemon.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve"], env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fleetctl serve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return (Path(self.home) / "daemon.log").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def fleet_state(url: str) -> tuple[int | None, str]:
@@ -152,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     short_texts = [texts[i] for i in short_idx]
     short_lengths = [lengths[i] for i in short_idx]
 
-    daemon = Daemon() if args.start else None
+    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
     url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
     opened: list = []
     try:

@@ -29,7 +29,6 @@ import fcntl
 import io
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import msgspec
 import numpy as np
 
 from bench.corpus import CORPUS_PATH
-from bench.peers import free_port
+from bench.daemon import LocalDaemon
 from bench.tokens import package_model_dir
 
 MSGPACK = "application/msgpack"
@@ -103,43 +102,6 @@ def make_jpegs(n: int) -> list[bytes]:
         Image.fromarray(img).save(buf, format="JPEG", quality=85)
         out.append(buf.getvalue())
     return out
-
-
-class Serve:
-    """`fleetctl serve --workers 1` on a free loopback port over `home`; stopped by PID."""
-
-    def __init__(self, home: str, timeout_s: float = 300.0) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "FLEET_HOME": home, "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1"}
-        env.pop("FLEET_URL", None)
-        self.log_path = Path(home) / "daemon.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve", "--workers", "1"], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"fleetctl serve exited {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def pull(home: str, folder: Path, name: str, runtime: str) -> None:
@@ -208,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             [enc({"model": CLIP, "inputs": [{"image": jpegs[(i + j) % len(jpegs)]} for j in range(IMAGES_PER_REQUEST)]})
              for i in range(len(jpegs))], IMAGES_PER_REQUEST),
     }
-    daemon = Serve(home)
+    daemon = LocalDaemon(home, args=("--workers", "1"))
     try:
         for kind, (bodies, _) in kinds.items():  # warm-up: loads every model, pays first shapes
             for body in bodies[:2]:

@@ -26,7 +26,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.peers import free_port
+from bench.daemon import LocalDaemon
 
 BASE = "bench-llama"
 LORAS = [f"bench-lora-{i}" for i in range(10)]
@@ -64,46 +63,6 @@ def build_models(root: Path) -> tuple[Path, list[Path]]:
 
     base = build_llama(root / BASE, seed=0, hidden=256, layers=4, max_positions=512)
     return base, [build_lora(base, root / name, seed=100 + i, r=8) for i, name in enumerate(LORAS)]
-
-
-class Daemon:
-    """`fleetctl serve` with one CPU worker on a free loopback port, FLEET_HOME = `home`."""
-
-    def __init__(self, home: Path, threads: int, timeout_s: float = 300.0) -> None:
-        self.home = home
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "FLEET_HOME": str(home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
-               "FLEET_PRELOAD": "", "FLEET_CPU_THREADS": str(threads), "FLEET_TIMEOUT_MS": "600000"}
-        env.pop("FLEET_URL", None)
-        self.log = open(home / "daemon.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve", "--workers", "1"], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fleetctl serve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return (self.home / "daemon.log").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def pull(home: Path, folder: Path, name: str, *extra: str) -> None:
@@ -202,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, folder in zip(LORAS, loras):
         pull(home, folder, name, "--base", BASE)
     local = InProcess(base, args.threads)
-    daemon = Daemon(home, args.threads)
+    daemon = LocalDaemon(home, args=("--workers", "1"),
+                         env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": str(args.threads), "FLEET_TIMEOUT_MS": "600000"})
     rows: dict[str, list[dict]] = {}
     try:
         # Warm-up: the base loads, then the adapters attach (memory measured in between).

