@@ -21,7 +21,7 @@ from fleetctl.protocol import ExtractRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
-    micro_batches, to_device,
+    micro_batches, to_device, split_refused,
 )
 from runtimes.messages import EntitySpan, ExtractResult, WorkError
 
@@ -108,12 +108,7 @@ class TokenClassifier(Adapter):
 
     def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
         # 1. Requests this model cannot serve as asked fail alone.
-        results: list[Any] = [None] * len(requests)
-        live: list[int] = []
-        for i, req in enumerate(requests):
-            results[i] = self._refusal(req)
-            if results[i] is None:
-                live.append(i)
+        results, live = split_refused(requests, self._refusal)
         if not live:
             return results
         texts = [t for i in live for t in requests[i].inputs]

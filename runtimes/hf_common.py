@@ -99,6 +99,13 @@ def to_device(features: dict[str, Any], device: str) -> dict[str, Any]:
 
 # ---- batching -------------------------------------------------------------------
 
+def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tuple[list[Any], list[int]]:
+    """Step 1 of every batch: (results with each refused request's WorkError in
+    its place, indices of the requests that run). A refused request fails alone."""
+    results = [refuse(r) for r in requests]
+    return results, [i for i, r in enumerate(results) if r is None]
+
+
 def micro_batches(lengths: np.ndarray, step: int) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 

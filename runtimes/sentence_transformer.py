@@ -10,7 +10,8 @@ from fleetctl.errors import FleetError, ModelLoadFailed
 from fleetctl.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, micro_batches, min_cosine, offsets, to_device,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, micro_batches, min_cosine, offsets, split_refused,
+    to_device,
 )
 from runtimes.messages import EmbedResult, TokenEmbedResult, WorkError
 
@@ -95,12 +96,7 @@ class SentenceTransformerEmbedder(Adapter):
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
         # 1. Requests this model cannot answer (images, sparse, too long with
         #    truncate=false) fail alone.
-        results: list[Any] = [None] * len(requests)
-        live = []
-        for i, req in enumerate(requests):
-            results[i] = self.refuse(req)
-            if results[i] is None:
-                live.append(i)
+        results, live = split_refused(requests, self.refuse)
         if not live:
             return results
         texts = [t for i in live for t in requests[i].inputs]

@@ -24,7 +24,7 @@ from fleetctl.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
-    min_cosine, offsets, to_device,
+    min_cosine, offsets, to_device, split_refused,
 )
 from runtimes.messages import SparseEmbedResult, SparseVec, WorkError
 
@@ -75,8 +75,7 @@ class SpladeEmbedder(Adapter):
 
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
         # 1. Requests this model cannot answer fail alone.
-        results: list[Any] = [self.refuse(r) for r in requests]
-        live = [i for i, r in enumerate(results) if r is None]
+        results, live = split_refused(requests, self.refuse)
         if not live:
             return results
         texts = [t for i in live for t in requests[i].inputs]
