@@ -239,6 +239,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
+    if isinstance(top.get("profile"), dict) and isinstance(out.get("profiles"), dict):
+        # Keys the user sets in `profile` are explicit choices: they win over the
+        # shipped file's tuned classes too (the user's own `profiles` win over both).
+        out["profiles"] = {cls: ({**prof, **top["profile"]} if isinstance(prof, dict) else prof)
+                           for cls, prof in out["profiles"].items()}
     for key, value in top.items():
         if key == "profile" and isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}

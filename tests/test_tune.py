@@ -306,3 +306,17 @@ def test_cli_refuses_unknown_models_bad_options_and_unbenchable_tasks(tmp_path: 
     r = _tune(home, classify)
     assert r.returncode == 1 and "the bench measures" in r.stderr
     assert not (home / "models.toml").exists()
+
+
+def test_user_profile_keys_win_over_shipped_tuned_classes(tmp_path: Path):
+    """An overlay's explicit `profile` keys apply on top of the shipped file's tuned classes."""
+    home = tmp_path / "home"
+    home.mkdir()
+    shipped = tmp_path / "shipped.toml"
+    shipped.write_text('[models."m"]\nsource = "path:/x"\ntask = "embed"\nruntime = "sentence-transformers"\n'
+                       '[models."m".profile]\ndtype = "auto"\n'
+                       '[models."m".profiles."cpu-x"]\ndtype = "bfloat16"\nmax_batch_items = 32\n')
+    assert load_catalog(home, shipped=shipped).get("m").profiles["cpu-x"].dtype == "bfloat16"
+    (home / "models.toml").write_text('[models."m".profile]\ndtype = "float32"\n')
+    entry = load_catalog(home, shipped=shipped).get("m")
+    assert entry.profiles["cpu-x"].dtype == "float32" and entry.profiles["cpu-x"].max_batch_items == 32
