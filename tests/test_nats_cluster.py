@@ -241,8 +241,16 @@ def test_nats_restart_mid_run_loses_no_accepted_request(boxes: Boxes, references
     results = asyncio.run(run())
     assert restarted.is_set()
     assert_all_correct(results, references)
-    view = httpx.get(boxes.a.url + "/v1/cluster", timeout=10).json()
-    me = next(b for b in view["boxes"] if b["box"] == "box-a")
+    # The heartbeat bucket lives on the restarted server: box A's entry is back at
+    # its next heartbeat after the reconnect, so wait for it (bounded) before reading.
+    deadline = time.monotonic() + 20.0
+    me = None
+    while me is None and time.monotonic() < deadline:
+        view = httpx.get(boxes.a.url + "/v1/cluster", timeout=10).json()
+        me = next((b for b in view["boxes"] if b["box"] == "box-a"), None)
+        if me is None:
+            time.sleep(0.5)
+    assert me is not None, f"box-a never reappeared in the cluster view: {view}"
     assert me["reconnects"] >= 1
 
 
