@@ -35,7 +35,7 @@ def phases(home: Path) -> dict[str, float]:
     import torch  # noqa: F401  (imports are not part of a load)
     from sentence_transformers import SentenceTransformer
 
-    from fleetctl.config import load_settings
+    from fleet.config import load_settings
     from runtimes.resolve import store_resolver
     from runtimes.sentence_transformer import SentenceTransformerEmbedder
 

@@ -35,7 +35,7 @@ def resolve_model_dir(model: str, model_dir: str | None = None) -> Path:
     if model_dir:
         path = Path(model_dir)
     else:
-        from fleetctl.catalog import load_catalog
+        from fleet.catalog import load_catalog
 
         entry = load_catalog().get(model)
         source = entry.parsed_source

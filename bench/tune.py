@@ -306,7 +306,7 @@ class DaemonMeasurer:
         shutil.rmtree(self.work, ignore_errors=True)
 
     def _write_overlay(self, c: Candidate) -> None:
-        from fleetctl.catalog import Profile, TunedInfo, write_tuned_profile
+        from fleet.catalog import Profile, TunedInfo, write_tuned_profile
 
         overlay = self.home / "models.toml"
         user = self.user_home / "models.toml"

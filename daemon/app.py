@@ -12,7 +12,7 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
-from fleetctl.errors import FleetError
+from fleet.errors import FleetError
 
 from daemon.controllers.admin import AdminController
 from daemon.controllers.classify import ClassifyController

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from fleetctl.errors import Unauthorized
+from fleet.errors import Unauthorized
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from fleetctl.errors import FleetError, InferenceFailed, Overloaded, Timeout, from_code
-from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, LocalQueue, QueueFull
-from runtimes.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
+from fleet.errors import FleetError, InferenceFailed, Overloaded, PayloadTooLarge, Timeout, from_code
+from fleet.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
+from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, QueueError, QueueFull
 
 log = logging.getLogger("fleet.daemon")
 
@@ -128,9 +128,11 @@ class Broker:
             self._partials[request_id] = on_partial
         try:
             item_id = self.queue.put(lane, payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns)
-        except QueueFull as exc:
+        except QueueError as exc:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)
+            if isinstance(exc, ItemTooLarge):
+                raise PayloadTooLarge(exc.message) from None
             raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
         self._items[request_id] = item_id
         try:

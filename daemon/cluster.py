@@ -18,7 +18,7 @@ store) with its annotation in headers, so a puller decides without decoding it:
 Nats-Msg-Id (JetStream dedup), Fleet-Request-Id, Fleet-Model, Fleet-Task,
 Fleet-Tokens, Fleet-Deadline-Ms (Unix ms: boxes share wall time, not monotonic
 time), Fleet-Reply-To, Fleet-Object. A reply is the worker's result exactly as it
-wrote it (`runtimes.messages.Envelope` bytes) with Fleet-Request-Id and Fleet-Status.
+wrote it (`fleet.messages.Envelope` bytes) with Fleet-Request-Id and Fleet-Status.
 
 Invariants:
 1. A work message is acked only after its reply was published (or, for this box's
@@ -48,11 +48,11 @@ from typing import Any
 
 import msgspec
 
-from fleetctl.config import Settings
-from fleetctl.errors import BadRequest, FleetError, ModelNotFound, Overloaded, Timeout, Unavailable
-from fleetctl.store import Store
+from fleet.config import Settings
+from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded, Timeout, Unavailable
+from fleet.store import Store
 from local_queue import STATUS_POISON, Done
-from runtimes.messages import STATUS_ERROR, Envelope, WorkError
+from fleet.messages import STATUS_ERROR, Envelope, WorkError
 
 from daemon.broker import Answer, Broker
 

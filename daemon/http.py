@@ -8,7 +8,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from fleetctl.errors import BY_CODE, FleetError, Overloaded
+from fleet.errors import BY_CODE, FleetError, Overloaded
 from daemon import codec
 
 log = logging.getLogger("fleet.daemon")

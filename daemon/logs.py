@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import msgspec
 
-from fleetctl.errors import BadRequest
+from fleet.errors import BadRequest
 
 #: The id of the request being handled in this context, or None outside one.
 REQUEST_ID: ContextVar[str | None] = ContextVar("fleet_request_id", default=None)

@@ -26,7 +26,7 @@ import logging
 from types import FrameType
 from typing import Any
 
-from fleetctl.config import Settings
+from fleet.config import Settings
 
 from daemon.core import Daemon
 

@@ -9,6 +9,7 @@ watcher also expires leases of workers that are alive but stuck.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from fleetctl.config import Settings
-from fleetctl.errors import BadRequest
+from fleet.config import Settings
+from fleet.errors import BadRequest
 from local_queue import LocalQueue
 
 log = logging.getLogger("fleet.daemon")
@@ -104,9 +105,20 @@ def detect_devices(device: str, workers: int, *, gpu_count: Callable[[], int] = 
     return ["cpu"] * max(1, workers)
 
 
+#: What a worker process runs. By name, so that the API process never imports the
+#: worker's modules (and torch with them): only the spawned child does.
+WORKER_ENTRY = "runtimes.process:run"
+
+
+def run_entry(entry: str, *args) -> None:
+    """The spawned child's first frame: import `module:function` here and run it."""
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
+
+
 class Supervisor:
     def __init__(self, settings: Settings, queue: LocalQueue, devices: list[str], *,
-                 target: Callable[[str, int, str, bytes], None] | None = None,
+                 target: str = WORKER_ENTRY,
                  on_restart: Callable[[Slot], None] | None = None) -> None:
         self.settings = settings
         self.queue = queue
@@ -114,8 +126,8 @@ class Supervisor:
         self._blob = msgspec.msgpack.encode(settings)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: The worker's entry point, `(queue name, index, device, settings blob)`:
-        #: `runtimes.process.run` unless a test passes its own (a spawn-importable function).
+        #: The worker's entry point by dotted name, `module:function` taking
+        #: `(queue name, index, device, settings blob)`; imported only in the child.
         self._target = target
         self._on_restart = on_restart
 
@@ -126,12 +138,8 @@ class Supervisor:
         self._thread.start()
 
     def _spawn(self, slot: Slot) -> None:
-        target = self._target
-        if target is None:
-            from runtimes.process import run as target
-
         proc = _ctx.Process(
-            target=target, args=(self.queue.name, slot.index, slot.device, self._blob),
+            target=run_entry, args=(self._target, self.queue.name, slot.index, slot.device, self._blob),
             name=f"fleet-worker-{slot.index}", daemon=False,
         )
         proc.start()

@@ -1,10 +1,11 @@
-"""fleet: serve a fleet of small open models from one box.
+"""fleetctl: the CLI verbs and the Python client of fleet.
 
-This package is the client side (CLI, store, catalog, contract types). It must
-stay light: importing it never imports torch or transformers.
+What every process shares (errors, settings, contract types, catalog, store) is
+the kernel package `fleet`. This package must stay light: importing it never
+imports torch or transformers.
 """
 
-__version__ = "0.1.0"
+from fleet import __version__
 
 #: Imported on first use (module `__getattr__`), so `import fleetctl` stays light:
 #: the client pulls in httpx and the contract types only when asked for.

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fleetctl.errors import FleetError
+from fleet.errors import FleetError
 
 #: Verb modules, in the order `fleetctl --help` lists them.
 VERBS = ("pull", "list", "rm", "serve", "ps", "pin", "bench", "tune", "service", "config")

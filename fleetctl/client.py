@@ -15,7 +15,7 @@ keep one per process (or per thread for `Client`) rather than one per call.
 Retries: a 429 (`overloaded`) or 503 (`unavailable`) answer is retried up to
 `retries` times, after the server's `Retry-After` seconds (capped at
 `max_retry_wait_s`; 0.5 s doubling when the header is missing). Other errors
-raise at once as their `fleetctl.errors` class (`ModelNotFound`, `BadRequest`, ...).
+raise at once as their `fleet.errors` class (`ModelNotFound`, `BadRequest`, ...).
 A streamed generation is retried only before its first event.
 """
 
@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 import httpx
 import msgspec
 
-from fleetctl.config import client_url
-from fleetctl.errors import FleetError, Overloaded, Unavailable, from_code
-from fleetctl.protocol import (
+from fleet.config import client_url
+from fleet.errors import FleetError, Overloaded, Unavailable, from_code
+from fleet.protocol import (
     ClassifyReply, EmbedReplyMsgpack, EmbedSparseReply, EmbedTokensReplyMsgpack, Entity, ErrorBody, ErrorReply,
     ExtractReply, GenerateChunkReply, GenerateReply, LabelScore, ModelList, RerankHit, RerankReply, Usage,
 )

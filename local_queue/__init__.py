@@ -11,6 +11,7 @@ from local_queue.queue import (
     ItemTooLarge,
     LaneStats,
     LocalQueue,
+    QueueError,
     QueueFull,
     QueueUsage,
     UnknownWorker,
@@ -20,5 +21,5 @@ from local_queue.queue import (
 
 __all__ = [
     "STATUS_EXPIRED", "STATUS_POISON", "Claim", "Done", "ItemTooLarge", "LaneStats", "LocalQueue",
-    "QueueFull", "QueueUsage", "UnknownWorker", "WorkerInfo", "put_id",
+    "QueueError", "QueueFull", "QueueUsage", "UnknownWorker", "WorkerInfo", "put_id",
 ]

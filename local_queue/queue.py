@@ -100,7 +100,6 @@ import _posixshmem
 import numpy as np
 import posix_ipc
 
-from fleetctl.errors import Overloaded, PayloadTooLarge
 from local_queue.slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
 
 STATUS_EXPIRED = 250  # deadline passed before a worker took the item
@@ -159,11 +158,21 @@ WF = 8
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 
-class QueueFull(Overloaded):
-    """No slot, slab space, lane or worker record left right now (HTTP 429)."""
+class QueueError(Exception):
+    """A refusal of the queue, raised before anything changed. `local_queue` knows no
+    HTTP or product vocabulary: its users map these (the daemon: QueueFull ->
+    overloaded, ItemTooLarge -> payload_too_large)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
-class ItemTooLarge(PayloadTooLarge):
+class QueueFull(QueueError):
+    """No slot, slab space, lane or worker record left right now (retry later)."""
+
+
+class ItemTooLarge(QueueError):
     """A payload or result larger than the slab's largest block: it can never fit."""
 
 

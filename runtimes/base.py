@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from fleetctl.errors import ModelLoadFailed
+from fleet.errors import ModelLoadFailed
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.protocol import ClassifyRequest
+from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
     micro_batches, offsets, to_device,
 )
-from runtimes.messages import ClassifyResult, WorkError
+from fleet.messages import ClassifyResult, WorkError
 
 
 class SequenceClassifier(Adapter):

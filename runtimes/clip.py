@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
-from fleetctl.protocol import EmbedRequest, ImageInput
+from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
+from fleet.protocol import EmbedRequest, ImageInput
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
     min_cosine, offsets, to_device,
 )
-from runtimes.messages import EmbedResult, WorkError
+from fleet.messages import EmbedResult, WorkError
 
 #: Pixels (width x height) an image may have: 40 M is a 7300 x 5500 photo. The
 #: size is read from the file header, so a small file that would decode into

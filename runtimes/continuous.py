@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from fleetctl.errors import FleetError
+from fleet.errors import FleetError
 from local_queue import QueueFull
-from runtimes.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+from runtimes.state import BatchStats
 
 if TYPE_CHECKING:
-    from runtimes.worker import Resident, WorkerCore
+    from runtimes.state import Resident
+    from runtimes.worker import WorkerCore
 
 log = logging.getLogger("fleet.worker")
 
@@ -124,8 +126,6 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
         resident.served += len(finished)
         answered += len(finished)
     resident.last_used = time.time()
-    from runtimes.worker import BatchStats  # (runtimes.worker imports this module)
-
     ms = (time.perf_counter() - t0) * 1e3
     core.last_batch = BatchStats(name, adapter.active_count() + len(finished), 0, 0, ms, time.time(), 0)
     if finished:

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import ModelLoadFailed
-from fleetctl.protocol import ExtractRequest
+from fleet.errors import ModelLoadFailed
+from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
     micro_batches, to_device, split_refused,
 )
-from runtimes.messages import EntitySpan, ExtractResult, WorkError
+from fleet.messages import EntitySpan, ExtractResult, WorkError
 
 
 def tag_tables(labels: list[str]) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:

@@ -31,10 +31,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetctl.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed
-from fleetctl.protocol import GenerateRequest
+from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed
+from fleet.protocol import GenerateRequest
 from runtimes.base import Adapter, ModelSpec
-from runtimes.messages import GenerateChunk, GenerateResult, WorkError
+from fleet.messages import GenerateChunk, GenerateResult, WorkError
 
 log = logging.getLogger("fleet.worker")
 

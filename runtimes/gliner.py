@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import FleetError, ModelLoadFailed
-from fleetctl.protocol import ExtractRequest
+from fleet.errors import FleetError, ModelLoadFailed
+from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import footprint_bytes, micro_batches
-from runtimes.messages import EntitySpan, ExtractResult, WorkError
+from fleet.messages import EntitySpan, ExtractResult, WorkError
 
 #: Entity types one request may ask for (each is part of every text's prompt).
 MAX_LABELS = 64

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import FleetError, ModelLoadFailed
+from fleet.errors import FleetError, ModelLoadFailed
 from runtimes.base import ModelSpec
 from runtimes.device import fast_dtypes
 

@@ -323,7 +323,7 @@ def too_large_reason(name: str, incoming: Footprint, holders: list[ResidentView]
 
 def load_error(name: str, device: str, exc: BaseException) -> Exception:
     """The error a failed load answers its waiting requests with."""
-    from fleetctl.errors import FleetError, ModelLoadFailed, ModelTooLarge
+    from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 
     if isinstance(exc, FleetError):
         return exc

@@ -14,7 +14,7 @@ import threading
 import msgspec
 import posix_ipc
 
-from fleetctl.config import Settings
+from fleet.config import Settings
 
 
 def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
@@ -30,7 +30,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     # Heavy imports happen here, in the worker, never in the API process.
     import torch
 
-    from daemon.pins import PinStore
+    from fleet.pins import PinStore
     from local_queue import LocalQueue
     from runtimes.memory import LoadLock, device_budget, device_used_bytes
     from runtimes.resolve import store_resolver

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from fleetctl.errors import ModelLoadFailed
+from fleet.errors import ModelLoadFailed
 from runtimes.base import Adapter
 
 ADAPTERS: dict[tuple[str, str], str] = {

@@ -23,14 +23,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fleetctl.errors import FleetError, ModelLoadFailed
-from fleetctl.protocol import RerankRequest
+from fleet.errors import FleetError, ModelLoadFailed
+from fleet.protocol import RerankRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
     offsets, scores_agree, to_device,
 )
-from runtimes.messages import RerankResult, WorkError
+from fleet.messages import RerankResult, WorkError
 
 log = logging.getLogger("fleet.worker")
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from fleetctl.catalog import load_catalog, select_profile
-from fleetctl.config import Settings
-from fleetctl.store import Store
+from fleet.catalog import load_catalog, select_profile
+from fleet.config import Settings
+from fleet.store import Store
 from runtimes.base import ModelSpec, Profile
 
 

@@ -6,14 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import FleetError, ModelLoadFailed
-from fleetctl.protocol import EmbedRequest
+from fleet.errors import FleetError, ModelLoadFailed
+from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, micro_batches, min_cosine, offsets, split_refused,
     to_device,
 )
-from runtimes.messages import EmbedResult, TokenEmbedResult, WorkError
+from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
 
 #: A dtype is kept only if every check-set row stays this close to fp32 (cosine).
 MIN_COSINE = 0.9999

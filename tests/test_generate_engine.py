@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.protocol import GenerateRequest
+from fleet.protocol import GenerateRequest
 from runtimes.base import ModelSpec, Profile
 from runtimes.generate import BASE_ROW, CausalLM, stop_cut, streamable_end
-from runtimes.messages import GenerateChunk, GenerateResult, WorkError
+from fleet.messages import GenerateChunk, GenerateResult, WorkError
 from tests.gen_models import Reference, build_llama, build_lora
 
 MODEL = "tiny"

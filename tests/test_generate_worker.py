@@ -10,11 +10,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fleetctl.errors import ModelNotFound
-from fleetctl.protocol import GenerateRequest
+from fleet.errors import ModelNotFound
+from fleet.protocol import GenerateRequest
 from local_queue import LocalQueue
 from runtimes.base import ModelSpec, Profile
-from runtimes.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, EnvelopeIn, GenerateChunk, GenerateResult, \
+from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, EnvelopeIn, GenerateChunk, GenerateResult, \
     WorkError
 from runtimes.worker import WorkerCore
 from tests.gen_models import Reference, build_llama, build_lora

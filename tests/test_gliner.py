@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.protocol import ExtractRequest
+from fleet.protocol import ExtractRequest
 from runtimes.base import ModelSpec, Profile
-from runtimes.messages import EntitySpan, ExtractResult, WorkError
+from fleet.messages import EntitySpan, ExtractResult, WorkError
 
 #: What the fake model knows per entity type.
 LEXICON = {"person": ["Angela Merkel", "José Núñez", "Ada"], "city": ["Berlin", "São Paulo", "Paris"],

@@ -19,10 +19,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fleetctl.protocol import EmbedRequest
+from fleet.protocol import EmbedRequest
 from local_queue import LocalQueue
 from runtimes.base import Adapter, ModelSpec, Profile
-from runtimes.messages import EmbedResult
+from fleet.messages import EmbedResult
 from runtimes.worker import WorkerCore
 
 _encode = msgspec.msgpack.Encoder().encode

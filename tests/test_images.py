@@ -232,9 +232,9 @@ def test_bad_image_requests_fail_alone(fleet, images, case):
 def test_one_batch_with_a_bad_image_answers_the_others(folder, ref, images):
     """The worker's call: a request with an undecodable image fails alone; the
     others of its batch (texts, images, normalize=false) are answered."""
-    from fleetctl.protocol import EmbedRequest, ImageInput
+    from fleet.protocol import EmbedRequest, ImageInput
     from runtimes.base import ModelSpec, Profile
-    from runtimes.messages import EmbedResult, WorkError
+    from fleet.messages import EmbedResult, WorkError
     from runtimes.registry import adapter_class
 
     spec = ModelSpec(name=NAME, path=folder, task="embed", runtime="clip",

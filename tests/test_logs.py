@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from daemon.logs import REQUEST_ID, bind_request_id, new_request_id, setup_logging
-from fleetctl.errors import BadRequest
+from fleet.errors import BadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 

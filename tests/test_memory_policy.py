@@ -1,5 +1,5 @@
 """Memory policy as tables (runtimes.memory): fits, evict, plan, estimate, OOM split;
-pins on disk (daemon.pins); the per-device view of `fleetctl ps`; worker choice
+pins on disk (fleet.pins); the per-device view of `fleetctl ps`; worker choice
 for admin calls. Pure functions and real files: milliseconds."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from daemon.controllers.admin import choose_worker, device_room
-from daemon.pins import PinStore
-from fleetctl.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
+from fleet.pins import PinStore
+from fleet.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
 from fleetctl.residency import device_rows
 from runtimes.memory import (
     LOAD, TOO_LARGE, WAIT, DeviceMemory, Estimates, Footprint, LoadLock, LoadPlan, ResidentView, device_budget,

@@ -17,12 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fleetctl.config import load_settings
-from fleetctl.protocol import EmbedRequest
+from fleet.config import load_settings
+from fleet.protocol import EmbedRequest
 from local_queue import LocalQueue
-from runtimes.control import Command, CommandDone, control_lane
+from fleet.control import Command, CommandDone, control_lane
 from runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
-from runtimes.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
+from fleet.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
 from runtimes.resolve import store_resolver
 from runtimes.worker import WorkerCore
 from tests.conftest import default_model_dir

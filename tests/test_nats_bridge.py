@@ -13,8 +13,8 @@ import pytest
 
 from daemon.cluster import box_token, connect_options, consumer_name, work_subject
 from daemon.controllers.cluster import public_url
-from fleetctl.config import Settings
-from fleetctl.errors import BadRequest
+from fleet.config import Settings
+from fleet.errors import BadRequest
 from tests.nats_fixture import NatsServer
 
 pytestmark = pytest.mark.nats

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from daemon.supervisor import detect_devices
-from fleetctl.errors import BadRequest
+from fleet.errors import BadRequest
 from runtimes.policy import (
     MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies,
     form_batch, linger_left_ms, padded_tokens, should_load_copy,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.config import load_settings
+from fleet.config import load_settings
 
 FLEETCTL = str(Path(sys.executable).parent / "fleetctl")
 SECRET = "s3cret-key-never-printed-0123456789"

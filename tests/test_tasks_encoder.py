@@ -567,8 +567,8 @@ def test_one_rerank_batch_answers_each_request_as_if_alone(folders):
     """Requests of one model run in one batch (pairs flattened, length-sorted into
     micro-batches of 3); each answer equals the request run alone, and a request
     that fails (too long, truncate=false) fails alone."""
-    from fleetctl.protocol import RerankRequest
-    from runtimes.messages import RerankResult, WorkError
+    from fleet.protocol import RerankRequest
+    from fleet.messages import RerankResult, WorkError
 
     a = adapter(folders, "reranker", "rerank", "transformers")
     batch = [
@@ -588,7 +588,7 @@ def test_one_rerank_batch_answers_each_request_as_if_alone(folders):
 
 
 def test_one_classify_and_extract_batch_split_back(folders):
-    from fleetctl.protocol import ClassifyRequest, ExtractRequest
+    from fleet.protocol import ClassifyRequest, ExtractRequest
 
     clf = adapter(folders, "classifier", "classify", "transformers")
     batch = [ClassifyRequest(model="m", inputs=TEXTS, top_k=2), ClassifyRequest(model="m", inputs=TEXTS[:1],

@@ -18,8 +18,8 @@ import pytest
 from bench.tune import (
     DIMS, Candidate, Measurement, Space, coordinate_search, default_space, dtype_checks, start_point,
 )
-from fleetctl.catalog import Profile, TunedInfo, load_catalog, select_profile, write_tuned_profile
-from fleetctl.errors import BadRequest, ModelNotFound
+from fleet.catalog import Profile, TunedInfo, load_catalog, select_profile, write_tuned_profile
+from fleet.errors import BadRequest, ModelNotFound
 
 MODEL = "all-minilm-l6-v2"
 
@@ -230,14 +230,15 @@ def test_shipped_catalog_has_a_tuned_profile_for_this_cpu_class():
 
 def test_resolver_picks_the_worker_device_class(tmp_path: Path):
     """runtimes.resolve on a real store: the profile of the worker's class, reported as such."""
-    from fleetctl.config import load_settings
-    from fleetctl.store import Store
+    from fleet.config import load_settings
+    from fleet.pull import ensure_model
+    from fleet.store import Store
     from runtimes.device import device_class
     from runtimes.resolve import store_resolver
 
     home = tmp_path / "home"
     settings = load_settings(home=str(home))
-    Store(settings.store_path).ensure(MODEL, catalog=load_catalog(home))
+    ensure_model(Store(settings.store_path), MODEL, catalog=load_catalog(home))
     default_spec = store_resolver(settings, "cpu")(MODEL)
     klass = device_class("cpu")
     write_tuned_profile(home, MODEL, klass, Profile(max_batch_items=48, max_batch_tokens=6144, dtype="float32",

@@ -18,12 +18,12 @@ import msgspec
 import posix_ipc
 import pytest
 
-from fleetctl.config import Settings
-from fleetctl.errors import ModelLoadFailed
-from fleetctl.protocol import EmbedRequest
+from fleet.config import Settings
+from fleet.errors import ModelLoadFailed
+from fleet.protocol import EmbedRequest
 from local_queue import STATUS_POISON, LocalQueue
 from runtimes.base import Adapter, ModelSpec, Profile
-from runtimes.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
+from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
 from runtimes.worker import WorkerCore
 
 POISON = "POISON"
@@ -312,7 +312,7 @@ def test_poison_request_fails_after_max_attempts_and_the_rest_are_served(tmp_pat
 
     q = LocalQueue.create(slots=256, slab_bytes=1 << 20)
     settings = Settings(home=str(tmp_path), lease_ms=5_000, max_attempts=3)
-    sup = Supervisor(settings, q, ["cpu", "cpu"], target=dying_worker_main)
+    sup = Supervisor(settings, q, ["cpu", "cpu"], target=f"{__name__}:dying_worker_main")
     try:
         texts = {rid: f"good-{rid}" for rid in range(1, 25)}
         texts[12] = POISON
@@ -345,7 +345,7 @@ def test_frozen_worker_loses_its_lease_and_its_late_ack_is_refused(tmp_path):
     # Two device names: one copy of a model per device is the memory manager's
     # rule, and a frozen holder keeps its copy "held" until its heartbeat goes
     # stale; this test is about the lease, so the other worker holds its own copy.
-    sup = Supervisor(settings, q, ["cpu-a", "cpu-b"], target=dying_worker_main)
+    sup = Supervisor(settings, q, ["cpu-a", "cpu-b"], target=f"{__name__}:dying_worker_main")
     flag = tmp_path / "stalled"
     try:
         sup.start()

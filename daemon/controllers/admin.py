@@ -1,7 +1,7 @@
 """Model residency admin: `POST|DELETE /v1/models/{name}/pin`, `POST /v1/models/{name}/load|unload`.
 
 The daemon never loads a model itself: it picks the worker (`choose_worker`)
-and sends it a command through its control lane (protocol: runtimes.control),
+and sends it a command through its control lane (protocol: fleet.control),
 then waits for the ack like any request. A worker's error (`model_too_large`,
 `model_load_failed`, ...) comes back with its contract code.
 
@@ -17,14 +17,14 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, Response, delete, post
 
-from fleetctl.catalog import validate_name
-from fleetctl.errors import BadRequest, ModelNotFound, Unavailable
-from runtimes.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
+from fleet.catalog import validate_name
+from fleet.errors import BadRequest, ModelNotFound, Unavailable
+from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
 
 from daemon import codec
 from daemon.core import Daemon
 from daemon.http import reply
-from daemon.pins import PinStore
+from fleet.pins import PinStore
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 from litestar import Controller, Request, Response, post
 
-from fleetctl.errors import BadRequest
-from fleetctl.protocol import ClassifyReply, ClassifyRequest, LabelScore, Usage
-from runtimes.messages import ClassifyResult
+from fleet.errors import BadRequest
+from fleet.protocol import ClassifyReply, ClassifyRequest, LabelScore, Usage
+from fleet.messages import ClassifyResult
 
 from daemon.controllers.common import decode_request
 from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens

@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 from litestar import Controller, Request, Response, get
 
-from fleetctl.errors import BadRequest
+from fleet.errors import BadRequest
 
 from daemon.core import Daemon
 from daemon.http import reply

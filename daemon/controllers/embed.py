@@ -8,13 +8,13 @@ import msgspec
 import numpy as np
 from litestar import Controller, Request, Response, post
 
-from fleetctl.errors import BadRequest
-from fleetctl.protocol import (
+from fleet.errors import BadRequest
+from fleet.protocol import (
     EmbedReplyJson, EmbedReplyMsgpack, EmbedRequest, EmbedRequestJson, EmbedSparseReply, EmbedTokensReplyJson,
     EmbedTokensReplyMsgpack, ImageInput, ImageInputJson, OpenAIEmbedding, OpenAIEmbeddingsReply,
     OpenAIEmbeddingsRequest, OpenAIUsage, SparseVector, Usage,
 )
-from runtimes.messages import (
+from fleet.messages import (
     EmbedResult, EmbedResultRaw, SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
 )
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 from litestar import Controller, Request, Response, post
 
-from fleetctl.protocol import Entity, ExtractReply, ExtractRequest, Usage
-from runtimes.messages import ExtractResult
+from fleet.protocol import Entity, ExtractReply, ExtractRequest, Usage
+from fleet.messages import ExtractResult
 
 from daemon.controllers.common import decode_request
 from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens

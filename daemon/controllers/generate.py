@@ -1,8 +1,8 @@
 """`POST /v1/generate` (native) and OpenAI `POST /v1/completions`, `/v1/chat/completions`.
 
-All three queue one `fleetctl.protocol.GenerateRequest` per completion. With
+All three queue one `fleet.protocol.GenerateRequest` per completion. With
 `stream: true` the reply is server-sent events: the worker publishes partial
-results (runtimes.messages.GenerateChunk) while the item stays claimed, the
+results (fleet.messages.GenerateChunk) while the item stays claimed, the
 broker hands them to this request's `asyncio.Queue`, and the final result
 (the whole text) ends the stream, filling in any piece that did not arrive.
 Errors before the first piece of text answer with their status; later ones
@@ -20,14 +20,14 @@ import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
-from fleetctl.errors import BadRequest, FleetError, ModelNotFound
-from fleetctl.protocol import (
+from fleet.errors import BadRequest, FleetError, ModelNotFound
+from fleet.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest,
     ChatDelta, CompletionChoice, CompletionReply, CompletionRequest, ErrorBody, ErrorReply, GenerateChunkReply,
     GenerateReply, GenerateRequest, OpenAICompletionUsage, Usage,
 )
 from local_queue import Done
-from runtimes.messages import GenerateChunk, GenerateResult
+from fleet.messages import GenerateChunk, GenerateResult
 
 from daemon import codec
 from daemon.broker import Answer

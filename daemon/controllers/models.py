@@ -7,8 +7,8 @@ import time
 
 from litestar import Controller, Request, Response, get
 
-from fleetctl import __version__
-from fleetctl.protocol import ModelCard, ModelList
+from fleet import __version__
+from fleet.protocol import ModelCard, ModelList
 
 from daemon.core import Daemon
 from daemon.http import reply

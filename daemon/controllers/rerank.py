@@ -1,7 +1,7 @@
 """`POST /v1/rerank`: a query against documents with a cross-encoder, best first.
 
 Takes the native / Cohere fields (`documents`, `top_n`, `return_documents`) and
-TEI's (`texts`, `raw_scores`, `return_text`); see `fleetctl.protocol.RerankRequest`.
+TEI's (`texts`, `raw_scores`, `return_text`); see `fleet.protocol.RerankRequest`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 from litestar import Controller, Request, Response, post
 
-from fleetctl.errors import BadRequest
-from fleetctl.protocol import RerankHit, RerankReply, RerankRequest, Usage
-from runtimes.messages import RerankResult
+from fleet.errors import BadRequest
+from fleet.protocol import RerankHit, RerankReply, RerankRequest, Usage
+from fleet.messages import RerankResult
 
 from daemon.controllers.common import decode_request
 from daemon.controllers.embed import answer_headers, estimate_tokens

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from fleetctl.errors import BadRequest, Unavailable
+from fleet.errors import BadRequest, Unavailable
 
 COMPARE_DEFAULT = "fleet,infinity,st-fp32,st-bf16"
 
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
         from bench.sampler import Sampler, describe_gpus
         from bench.targets import KINDS, TASKS
         from bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
-        from fleetctl.config import client_url
+        from fleet.config import client_url
 
         # Tables are data: when piped, keep them whole instead of squeezing to 80 columns.
         err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)

@@ -1,6 +1,6 @@
 """`fleetctl config show | path`: the settings a `fleetctl serve` here would use, and why.
 
-Values come from `fleetctl.config.load_settings` itself (one resolver); this
+Values come from `fleet.config.load_settings` itself (one resolver); this
 module only works out which layer each one came from. The API key is never
 printed: only whether it is set, and from where.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 import typer
 
-from fleetctl.config import Settings, default_home, load_settings
-from fleetctl.errors import BadRequest
+from fleet.config import Settings, default_home, load_settings
+from fleet.errors import BadRequest
 
 SECRET = "api_key"
 #: Secrets that may be set in the file but are shown only as set/unset (NATS auth).

@@ -20,10 +20,10 @@ def register(app: typer.Typer) -> None:
         import msgspec
         from rich.table import Table
 
-        from fleetctl.catalog import load_catalog
+        from fleet.catalog import load_catalog
         from fleetctl.commands.pull import human_size
-        from fleetctl.config import load_settings
-        from fleetctl.store import Store
+        from fleet.config import load_settings
+        from fleet.store import Store
 
         settings = load_settings()
         store = Store(settings.store_path)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fleetctl.store import Progress
+from fleet.store import Progress
 
 
 class RichProgress(Progress):
@@ -67,14 +67,16 @@ def register(app: typer.Typer) -> None:
         """Pull a model into the store (FLEET_HOME/models); a no-op if it is up to date."""
         import msgspec
 
-        from fleetctl.config import load_settings
-        from fleetctl.store import Store
+        from fleet.config import load_settings
+        from fleet.pull import pull_model
+        from fleet.store import Store
 
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         progress = RichProgress(err)
         try:
-            result = Store(load_settings().store_path).pull(
-                target, name=name, task=task, runtime=runtime, base=base, force=force, progress=progress,
+            result = pull_model(
+                Store(load_settings().store_path), target,
+                name=name, task=task, runtime=runtime, base=base, force=force, progress=progress,
             )
         finally:
             progress.finish()

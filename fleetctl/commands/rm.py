@@ -17,9 +17,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Remove a model from the store (a running daemon keeps what it has loaded)."""
         from fleetctl.commands.pull import human_size
-        from fleetctl.config import load_settings
-        from fleetctl.errors import BadRequest, IntegrityError, ModelNotFound
-        from fleetctl.store import Store
+        from fleet.config import load_settings
+        from fleet.errors import BadRequest, IntegrityError, ModelNotFound
+        from fleet.store import Store
 
         store = Store(load_settings().store_path)
         err = Console(stderr=True, highlight=False, soft_wrap=True)

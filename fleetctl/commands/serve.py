@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
         nats: str = typer.Option(None, help="NATS URL to join a cluster, e.g. nats://127.0.0.1:4222"),
     ) -> None:
         """Start the daemon: HTTP API plus worker processes."""
-        from fleetctl.config import load_settings
+        from fleet.config import load_settings
         from daemon.logs import setup_logging
         from daemon.server import serve as run
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from fleetctl.config import DEFAULT_PORT
-from fleetctl.errors import BadRequest, FleetError
+from fleet.config import DEFAULT_PORT
+from fleet.errors import BadRequest, FleetError
 
 UNIT_NAME = "fleetd.service"
 SYSUSERS_NAME = "fleet.conf"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import typer
 
-from fleetctl.errors import BadRequest
+from fleet.errors import BadRequest
 
 
 def _model_params(folder: Path) -> int:
@@ -83,9 +83,9 @@ def register(app: typer.Typer) -> None:
         from bench.tune import (
             BenchKnobs, Candidate, DaemonMeasurer, better, coordinate_search, default_space, start_point, trial_doc,
         )
-        from fleetctl.catalog import Profile, TunedInfo, load_catalog, validate_name, write_tuned_profile
-        from fleetctl.config import load_settings
-        from fleetctl.store import Store
+        from fleet.catalog import Profile, TunedInfo, load_catalog, validate_name, write_tuned_profile
+        from fleet.config import load_settings
+        from fleet.store import Store
         from runtimes.device import device_class
 
         validate_name(model)

@@ -5,7 +5,7 @@ Protocol (through `local_queue`, no extra IPC):
 * Each worker has a control lane named `ctl:<w>`, where `w` is its worker
   record index (`worker_id & 0xFFFF`, stable while it lives; a restarted
   worker that gets the same record serves what was left there). Model names
-  cannot contain `:` (fleetctl.catalog.NAME_RE), so a control lane never
+  cannot contain `:` (fleet.catalog.NAME_RE), so a control lane never
   collides with a model's lane.
 * An item is a MessagePack `Command` (array-like, a few dozen bytes), put by
   the daemon with `Broker.submit` (the same future and timeout as a request).

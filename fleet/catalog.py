@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from fleetctl.errors import BadRequest, ModelNotFound
+from fleet.errors import BadRequest, ModelNotFound
 
 Task = Literal["embed", "rerank", "classify", "extract", "generate"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -290,7 +290,7 @@ def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
 def load_catalog(home: str | Path | None = None, *, shipped: Path = SHIPPED_CATALOG) -> Catalog:
     """The shipped catalog overlaid by `<home>/models.toml` (home defaults to FLEET_HOME)."""
     if home is None:
-        from fleetctl.config import default_home
+        from fleet.config import default_home
 
         home = default_home()
     tables: dict[str, tuple[dict[str, Any], str]] = {}

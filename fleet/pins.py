@@ -24,8 +24,8 @@ from pathlib import Path
 
 import msgspec
 
-from fleetctl.catalog import validate_name
-from fleetctl.errors import BadRequest
+from fleet.catalog import validate_name
+from fleet.errors import BadRequest
 
 PINS_FILE = "pins.json"
 PINS_FORMAT = 1

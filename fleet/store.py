@@ -34,15 +34,11 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from fleetctl.catalog import Catalog, Profile, validate_name
-from fleetctl.errors import BadRequest, IntegrityError, ModelNotFound
-
-if TYPE_CHECKING:
-    from fleetctl.pull import PullResult
+from fleet.catalog import Profile, validate_name
+from fleet.errors import BadRequest, IntegrityError, ModelNotFound
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -199,7 +195,7 @@ class Store:
     @classmethod
     def default(cls) -> Store:
         """The store of this process's settings (`FLEET_HOME/models`)."""
-        from fleetctl.config import load_settings
+        from fleet.config import load_settings
 
         return cls(load_settings().store_path)
 
@@ -421,25 +417,3 @@ class Store:
     def dependents(self, name: str) -> list[str]:
         """Stored models (LoRA adapters) whose base is `name`."""
         return [m.name for m in self.list() if m.base == name]
-
-    # ---- pulling ---------------------------------------------------------------
-
-    def pull(self, target: str, **options) -> PullResult:
-        """See `fleetctl.pull.pull_model` (same keyword options)."""
-        from fleetctl.pull import pull_model
-
-        return pull_model(self, target, **options)
-
-    def ensure(
-        self, name: str, *, catalog: Catalog | None = None, progress: Progress = NO_PROGRESS,
-    ) -> Manifest:
-        """The manifest of `name`, pulling it from the catalog first if it is not stored.
-
-        The daemon calls this at start-up for its preloaded models: with a `pkg:`
-        source it works offline on a fresh machine. Files are not re-hashed here
-        (`open` does that on load).
-        """
-        if self.exists(name):
-            return self.get(name)
-        return self.pull(name, catalog=catalog, progress=progress).manifest
-

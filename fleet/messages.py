@@ -1,6 +1,6 @@
 """What workers write back through `local_queue` (results), per task.
 
-A queue item's payload is the task's request Struct from `fleetctl.protocol`,
+A queue item's payload is the task's request Struct from `fleet.protocol`,
 MessagePack-encoded (for MessagePack clients: the very bytes they sent). Its
 result is one of the Structs below, chosen by the item's status. Tensors are raw
 little-endian bytes with a shape, never lists.
@@ -74,7 +74,7 @@ class TokenEmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
 
 class SparseVec(msgspec.Struct, frozen=True):
     """One input's sparse weights, encoded exactly as the reply's
-    `fleetctl.protocol.SparseVector` (a map), so the daemon splices them into
+    `fleet.protocol.SparseVector` (a map), so the daemon splices them into
     MessagePack replies undecoded."""
 
     indices: bytes  # int32, little-endian, ascending vocabulary ids

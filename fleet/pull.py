@@ -28,14 +28,14 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from fleetctl.catalog import (
+from fleet.catalog import (
     RUNTIME_RE, TASKS, Catalog, CatalogEntry, Profile, Source, derive_name, load_catalog,
     parse_source, validate_name,
 )
-from fleetctl.errors import (
+from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
-from fleetctl.store import (
+from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, safe_relpath, utc_now,
 )
 
@@ -593,3 +593,16 @@ def _pull_hub(
         )
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
+
+
+def ensure_model(store: Store, name: str, *, catalog: Catalog | None = None,
+                 progress: Progress = NO_PROGRESS) -> Manifest:
+    """The manifest of `name`, pulling it from the catalog first if it is not stored.
+
+    The daemon calls this at start-up for its preloaded models: with a `pkg:`
+    source it works offline on a fresh machine. Files are not re-hashed here
+    (`Store.open` does that on load).
+    """
+    if store.exists(name):
+        return store.get(name)
+    return pull_model(store, name, catalog=catalog, progress=progress).manifest

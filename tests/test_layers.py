@@ -1,0 +1,166 @@
+"""The house rules: imports run one way, and the API process never maps libtorch.
+
+Every `import` of every project module is read (module level, inside functions,
+under `if TYPE_CHECKING`) and checked against the allowed directions of
+DESIGN.md / docs/architecture.md:
+
+    fleetctl, bench  ->  daemon, runtimes  ->  local_queue, fleet
+
+A second check forbids import circles among the imports that run (module level
+or inside functions; those under TYPE_CHECKING never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fleet", "fleetctl", "daemon", "local_queue", "runtimes", "bench")
+
+#: package -> packages it may import (itself always allowed).
+ALLOWED = {
+    "fleet": set(),
+    "local_queue": set(),
+    "runtimes": {"fleet", "local_queue"},
+    "daemon": {"fleet", "local_queue"},
+    "bench": {"fleet", "local_queue", "daemon", "runtimes"},
+    "fleetctl": {"fleet", "local_queue", "daemon", "runtimes"},
+}
+#: Only the CLI verbs may import the bench (it is a tool of theirs, not a layer).
+BENCH_IMPORTERS = "fleetctl.commands"
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = project_modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+MODULE, LAZY, TYPING = "module", "lazy", "typing"
+
+
+def imports_of(module: str, path: Path) -> list[tuple[str, int, str]]:
+    """(imported project module, line, kind) for each import in the file; kind is
+    MODULE (runs on import), LAZY (inside a function) or TYPING (never runs)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found: list[tuple[str, int, str]] = []
+
+    def resolve(base: str, names: list[str]) -> list[str]:
+        # `from pkg import sub` names a module when pkg/sub.py exists, else an attribute of pkg.
+        out = []
+        for name in names:
+            candidate = f"{base}.{name}" if base else name
+            out.append(candidate if candidate in MODULES else base)
+        return out
+
+    def visit(node: ast.AST, kind: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, TYPING if kind == TYPING else LAZY)
+                continue
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.body:
+                    visit(ast.Module(body=[sub], type_ignores=[]), TYPING)
+                for sub in child.orelse:
+                    visit(ast.Module(body=[sub], type_ignores=[]), kind)
+                continue
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    anchor = module.split(".")
+                    anchor = anchor if is_package else anchor[:-1]
+                    anchor = anchor[: len(anchor) - (child.level - 1)]
+                    base = ".".join(anchor + ([child.module] if child.module else []))
+                else:
+                    base = child.module or ""
+                targets = resolve(base, [a.name for a in child.names])
+            else:
+                visit(child, kind)
+                continue
+            for target in dict.fromkeys(targets):
+                if target.split(".")[0] in PACKAGES:
+                    found.append((target, child.lineno, kind))
+
+    visit(tree, MODULE)
+    return found
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for module, path in MODULES.items():
+        package = module.split(".")[0]
+        for target, line, _ in imports_of(module, path):
+            other = target.split(".")[0]
+            if other == package:
+                continue
+            if other == "bench" and not module.startswith(BENCH_IMPORTERS):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (only {BENCH_IMPORTERS} may import bench)")
+            elif other != "bench" and other not in ALLOWED[package]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({package} may import "
+                             f"{sorted(ALLOWED[package]) or 'no other project package'})")
+    assert not wrong, "imports against the house rules:\n" + "\n".join(wrong)
+
+
+def test_no_import_circles():
+    graph = {m: sorted({t for t, _, kind in imports_of(m, p) if kind != TYPING and t != m and t in MODULES})
+             for m, p in MODULES.items()}
+    circles, state = [], {}
+
+    def walk(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt]) if nxt in stack
+                               else f"{node} -> {nxt}")
+            elif nxt not in state:
+                walk(nxt, stack + [node])
+        state[node] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [])
+    assert not circles, "module-level import circles:\n" + "\n".join(circles)
+
+
+def test_the_layer_check_sees_imports_inside_functions(tmp_path):
+    """The walker must see a lazy import as well as a top-level one (else the rules hold by luck)."""
+    path = tmp_path / "probe.py"
+    path.write_text("import fleet.errors\n\ndef f():\n    from runtimes.process import run\n"
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from daemon.core import Core\n")
+    got = imports_of("fleet.probe", path)
+    assert ("fleet.errors", 1, MODULE) in got
+    assert ("runtimes.process", 4, LAZY) in got
+    assert ("daemon.core", 7, TYPING) in got
+
+
+@pytest.mark.slow
+def test_the_api_process_maps_no_libtorch(daemon):
+    """A running daemon's API process (not its workers) has no libtorch mapped."""
+    httpx.post(f"{daemon.url}/v1/embed", json={"model": "all-minilm-l6-v2", "inputs": ["warm"]},
+               timeout=60).raise_for_status()
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the API process mapped libtorch"
+    # ... while its worker does: the check would see it if the API process did.
+    workers = httpx.get(f"{daemon.url}/v1/ps", timeout=10).json()["workers"]
+    pids = [w["pid"] for w in workers if w.get("pid")]
+    assert pids and any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
