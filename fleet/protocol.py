@@ -279,11 +279,20 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     content: str | list[dict] | None = None
 
 
+#: Structured output of a generation: "json" = the text is one JSON object; a
+#: dict = a JSON Schema the text must match. Enforced while decoding (a grammar
+#: masks the tokens that cannot continue valid output), not checked afterwards.
+GenerateFormat = Literal["json"] | dict
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """One generation: a `prompt`, or chat `messages` rendered with the model's
     chat template. `model` may name a LoRA adapter directly, or the base with
     the adapter in `adapter`. `temperature` 0 is greedy; `seed` makes sampling
-    reproducible; the text is cut before the first `stop` string."""
+    reproducible; the text is cut before the first `stop` string. `format`
+    constrains the output (GenerateFormat); `logprobs` returns each generated
+    token's log-probability and, with `top_logprobs` = k, the k most likely
+    tokens at each step."""
 
     model: str
     prompt: str | None = None
@@ -296,6 +305,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: str | list[str] | None = None
     stream: bool = False
     timeout_ms: int | None = None
+    format: GenerateFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class GenerateReply(msgspec.Struct, frozen=True):
