@@ -77,10 +77,6 @@ class Adapter(abc.ABC):
     def run_batch(self, requests: list[Any]) -> list[msgspec.Struct]:
         """Run decoded requests together; one result (or WorkError) per request, in order."""
 
-    def estimate_tokens(self, request: Any) -> int:
-        """Tokens a request will cost (used for batch budgets); refined per task."""
-        return 1
-
     def unload(self) -> None:
         """Release device memory. Default: drop references."""
 

@@ -16,8 +16,8 @@ import numpy as np
 from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
-    micro_batches, offsets, to_device,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, labels_agree, load_transformers,
+    max_length, micro_batches, offsets, split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
 
@@ -50,23 +50,16 @@ class SequenceClassifier(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: ClassifyRequest) -> int:
-        return sum(map(len, request.inputs)) // 4 + 2 * len(request.inputs)
+    def refuse(self, req: ClassifyRequest) -> WorkError | None:
+        """Why this model cannot answer `req` (it fails alone), or None."""
+        too_long = None if req.truncate else self._first_too_long(req.inputs)
+        if too_long is not None:
+            return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
+        return None
 
     def run_batch(self, requests: list[ClassifyRequest]) -> list[Any]:
         # 1. Requests that refuse truncation and have an input over the limit fail alone.
-        results: list[Any] = [None] * len(requests)
-        live: list[int] = []
-        for i, req in enumerate(requests):
-            too_long = None if req.truncate else self._first_too_long(req.inputs)
-            if too_long is not None:
-                results[i] = WorkError(
-                    "input_too_long",
-                    f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
-                    f"{self.max_seq_len} (send truncate=true to cut it)",
-                )
-            else:
-                live.append(i)
+        results, live = split_refused(requests, self.refuse)
         if not live:
             return results
         texts = [t for i in live for t in requests[i].inputs]

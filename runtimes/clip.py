@@ -23,8 +23,8 @@ from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
-    min_cosine, offsets, to_device,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
+    micro_batches, min_cosine, offsets, to_device,
 )
 from fleet.messages import EmbedResult, WorkError
 
@@ -100,9 +100,6 @@ class ClipEmbedder(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: EmbedRequest) -> int:
-        return sum(len(x) // 4 + 2 if x.__class__ is str else self.image_tokens for x in request.inputs)
-
     def prepare(self, req: EmbedRequest) -> tuple[list[Any], WorkError | None]:
         """(inputs with images decoded, None) or ([], why the request fails alone)."""
         if req.output != "dense":
@@ -123,9 +120,8 @@ class ClipEmbedder(Adapter):
             lengths = self.tokenizer([t for _, t in texts], truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
-                return [], WorkError("input_too_long", f"input {texts[too_long[0]][0]} has {too_long[1]} tokens; "
-                                                       f"{self.spec.name} takes at most {self.max_seq_len} "
-                                                       "(send truncate=true to cut it)")
+                return [], input_too_long(self.spec.name, f"input {texts[too_long[0]][0]}", too_long[1],
+                                          self.max_seq_len)
         return items, None
 
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:

@@ -20,8 +20,8 @@ from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, labels_agree, load_transformers, max_length,
-    micro_batches, to_device, split_refused,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, labels_agree, load_transformers,
+    max_length, micro_batches, split_refused, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 
@@ -103,9 +103,6 @@ class TokenClassifier(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: ExtractRequest) -> int:
-        return sum(map(len, request.inputs)) // 4 + 2 * len(request.inputs)
-
     def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
         # 1. Requests this model cannot serve as asked fail alone.
         results, live = split_refused(requests, self._refusal)
@@ -134,11 +131,7 @@ class TokenClassifier(Adapter):
             lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
-                return WorkError(
-                    "input_too_long",
-                    f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
-                    f"{self.max_seq_len} (send truncate=true to cut it)",
-                )
+                return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
     def _features(self, texts: list[str]) -> dict[str, Any]:

@@ -148,9 +148,6 @@ class CausalLM(Adapter):
     def footprint_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
 
-    def estimate_tokens(self, request: GenerateRequest) -> int:
-        return len(request.prompt or "") // 4 + request.max_tokens
-
     def unload(self) -> None:
         self.rows, self.pending = [], []
         self.cache = self.mask = self.pos = self.last = None

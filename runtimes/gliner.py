@@ -25,7 +25,7 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
-from runtimes.hf_common import footprint_bytes, micro_batches
+from runtimes.hf_common import footprint_bytes, input_too_long, micro_batches
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 
 #: Entity types one request may ask for (each is part of every text's prompt).
@@ -70,10 +70,6 @@ class GlinerExtractor(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model) if hasattr(self.model, "parameters") else 0
 
-    def estimate_tokens(self, request: ExtractRequest) -> int:
-        labels = sum(len(x) for x in request.labels or []) // 4 + len(request.labels or [])
-        return sum(map(len, request.inputs)) // 4 + len(request.inputs) * (2 + labels)
-
     def refuse(self, req: ExtractRequest) -> WorkError | None:
         if not req.labels:
             return WorkError("bad_request", f"{self.spec.name} is a zero-shot extraction model: send `labels`, "
@@ -89,8 +85,7 @@ class GlinerExtractor(Adapter):
             words = [len(t.split()) for t in req.inputs]
             over = next((i for i, n in enumerate(words) if n > self.max_words), None)
             if over is not None:
-                return WorkError("input_too_long", f"input {over} has {words[over]} words; {self.spec.name} "
-                                                   f"reads at most {self.max_words} (send truncate=true to cut it)")
+                return input_too_long(self.spec.name, f"input {over}", words[over], self.max_words, "words")
         return None
 
     def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
+from fleet.messages import WorkError
 from runtimes.base import ModelSpec
 from runtimes.device import fast_dtypes
 
@@ -98,6 +99,12 @@ def to_device(features: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 # ---- batching -------------------------------------------------------------------
+
+def input_too_long(model: str, what: str, size: int, limit: int, unit: str = "tokens") -> WorkError:
+    """The one `input_too_long` answer: which input, its size, the model's limit, the fix."""
+    return WorkError("input_too_long", f"{what} has {size} {unit}; {model} takes at most {limit} {unit} "
+                                       "(send truncate=true to cut it)")
+
 
 def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tuple[list[Any], list[int]]:
     """Step 1 of every batch: (results with each refused request's WorkError in

@@ -27,8 +27,8 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
-    offsets, scores_agree, to_device,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
+    micro_batches, offsets, scores_agree, split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
 
@@ -74,23 +74,16 @@ class CrossEncoderAdapter(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: RerankRequest) -> int:
-        return estimate_pair_tokens(request.query, request.docs)
+    def refuse(self, req: RerankRequest) -> WorkError | None:
+        """Why this model cannot answer `req` (it fails alone), or None."""
+        too_long = None if req.truncate else self._first_too_long(req.query, req.docs)
+        if too_long is not None:
+            return input_too_long(self.spec.name, f"query + document {too_long[0]}", too_long[1], self.max_seq_len)
+        return None
 
     def run_batch(self, requests: list[RerankRequest]) -> list[Any]:
         # 1. Requests that refuse truncation and have a pair over the limit fail alone.
-        results: list[Any] = [None] * len(requests)
-        live: list[int] = []
-        for i, req in enumerate(requests):
-            too_long = None if req.truncate else self._first_too_long(req.query, req.docs)
-            if too_long is not None:
-                results[i] = WorkError(
-                    "input_too_long",
-                    f"query + document {too_long[0]} is {too_long[1]} tokens; {self.spec.name} takes at most "
-                    f"{self.max_seq_len} (send truncate=true to cut it)",
-                )
-            else:
-                live.append(i)
+        results, live = split_refused(requests, self.refuse)
         if not live:
             return results
         # 2. Every pair of the batch in one list: the query repeated per document.
@@ -225,8 +218,3 @@ def config_activation(config: Any, folder: Path, name: str) -> Any:
         log.warning("%s: ignoring activation %r (not a torch class); using the sigmoid", name, path)
     return torch.sigmoid
 
-
-def estimate_pair_tokens(query: str, docs: list[str]) -> int:
-    """~4 characters per token, the query once per document, three special tokens per pair."""
-    n = len(docs)
-    return (len(query) * n + sum(map(len, docs))) // 4 + 3 * n

@@ -10,8 +10,8 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, micro_batches, min_cosine, offsets, split_refused,
-    to_device,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets,
+    split_refused, to_device,
 )
 from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
 
@@ -73,9 +73,6 @@ class SentenceTransformerEmbedder(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: EmbedRequest) -> int:
-        return sum(len(t) for t in request.inputs if t.__class__ is str) // 4 + 2 * len(request.inputs)
-
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
         if req.output == "sparse":
@@ -86,11 +83,7 @@ class SentenceTransformerEmbedder(Adapter):
                                             "(runtime clip)")
         too_long = None if req.truncate else self._first_too_long(req.inputs)
         if too_long is not None:
-            return WorkError(
-                "input_too_long",
-                f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} takes at most "
-                f"{self.max_seq_len} (send truncate=true to cut it)",
-            )
+            return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:

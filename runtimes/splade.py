@@ -23,8 +23,8 @@ import numpy as np
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, load_transformers, max_length, micro_batches,
-    min_cosine, offsets, to_device, split_refused,
+    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
+    micro_batches, min_cosine, offsets, split_refused, to_device,
 )
 from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
@@ -56,9 +56,6 @@ class SpladeEmbedder(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
-    def estimate_tokens(self, request: EmbedRequest) -> int:
-        return sum(len(t) for t in request.inputs if t.__class__ is str) // 4 + 2 * len(request.inputs)
-
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         if req.output != "sparse":
             return WorkError("bad_request", f"{self.spec.name} is a SPLADE model: it gives sparse vectors only "
@@ -69,8 +66,7 @@ class SpladeEmbedder(Adapter):
             lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
-                return WorkError("input_too_long", f"input {too_long[0]} has {too_long[1]} tokens; {self.spec.name} "
-                                                   f"takes at most {self.max_seq_len} (send truncate=true to cut it)")
+                return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
     def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
