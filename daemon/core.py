@@ -21,6 +21,7 @@ from fleet.config import Settings, load_settings
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
 from fleet.store import Manifest, Store
 from local_queue import Done, LocalQueue
+from local_queue.sweep import queue_name, sweep_stale
 
 from fleet.control import is_control_lane
 
@@ -35,6 +36,9 @@ _info_decoder = msgspec.msgpack.Decoder()
 
 #: Tasks whose runtime adapters host LoRA adapters (runtimes.base, "LoRA hosting").
 LORA_TASKS = frozenset({"generate"})
+
+#: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
+QUEUE_PREFIX = "fleet"
 
 #: A worker that has not heartbeaten for this long is not counted as up.
 HEARTBEAT_STALE_S = 30.0
@@ -79,6 +83,9 @@ class Daemon:
     reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _seen: dict[int, _WorkerSeen] = field(default_factory=dict)
+    #: Preloaded models unpinned through the API since the start: no longer kept
+    #: (nor waited for by readiness) until pinned again; a restart preloads them again.
+    _unpinned_preloads: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
@@ -97,9 +104,16 @@ class Daemon:
         catalog = load_catalog(self.settings.home)
         for name in self.settings.preload:
             ensure_model(self.store, name, catalog=catalog)
-        # 2. The queue, then the result path, then the workers that pull from it.
+        # 2. A damaged pins file is set aside now, before workers read it (fleet.pins).
+        PinStore(self.settings.home).load()
+        # 3. What killed daemons left in /dev/shm goes (never a live daemon's), then
+        #    the queue, the result path, and the workers that pull from it.
+        swept = sweep_stale(QUEUE_PREFIX)
+        if swept:
+            log.warning("removed %d shared-memory entries of dead daemons: %s", len(swept), ", ".join(swept))
         self.queue = LocalQueue.create(
-            f"fleet-{os.getpid()}", slots=self.settings.queue_slots, slab_bytes=self.settings.queue_slab_bytes,
+            queue_name(QUEUE_PREFIX, os.getpid()), slots=self.settings.queue_slots,
+            slab_bytes=self.settings.queue_slab_bytes,
         )
         self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts)
         self.broker.start(loop)
@@ -352,8 +366,20 @@ class Daemon:
         ]
 
     def pinned_models(self) -> set[str]:
-        """Models kept resident: preloaded ones and persisted pins."""
-        return set(self.settings.preload) | set(PinStore(self.settings.home).load())
+        """Models kept resident: preloaded ones (unless unpinned since) and persisted pins."""
+        return (set(self.settings.preload) - self._unpinned_preloads) | set(PinStore(self.settings.home).load())
+
+    def record_pin(self, name: str, device: str) -> None:
+        """A pin the workers honoured: persisted (it survives a restart)."""
+        PinStore(self.settings.home).add(name, device)
+        self._unpinned_preloads.discard(name)
+
+    def record_unpin(self, name: str) -> bool:
+        """Drop a pin (persisted or preloaded); True when `name` was pinned."""
+        was_preloaded = name in self.settings.preload and name not in self._unpinned_preloads
+        if name in self.settings.preload:
+            self._unpinned_preloads.add(name)
+        return PinStore(self.settings.home).remove(name) is not None or was_preloaded
 
     def loaded_models(self) -> set[str]:
         """Resident models, and the LoRA adapters attached to them."""
@@ -366,7 +392,10 @@ class Daemon:
         return bool(self.broker and self.broker.running and self.supervisor and self.supervisor.running)
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready = a worker is up, every preloaded or pinned model is resident, the queue accepts."""
+        """Ready = started (and joined, with NATS), a worker is up, and every pinned
+        model is resident: preloads not unpinned since, and the persisted pins of the
+        devices this daemon has. Nothing else: load is answered per request (429),
+        and a probe that flapped with the queue depth would pull a healthy box."""
         if self.queue is None or self.supervisor is None:
             return False, "starting"
         if self.cluster is not None and not self.cluster.joined:
@@ -374,16 +403,13 @@ class Daemon:
         workers = [w for w in self.workers() if w["up"]]
         if not workers:
             return False, "no worker is up yet"
-        # Preloaded models, and pins restored on devices this daemon has, must be resident.
         devices = {w["device"] for w in workers}
-        wanted = set(self.settings.preload) | {
+        wanted = (set(self.settings.preload) - self._unpinned_preloads) | {
             name for name, pin in PinStore(self.settings.home).load().items() if pin.device in devices
         }
         missing = wanted - {n for w in workers for n in w["models"]}
         if missing:
             return False, "loading " + ", ".join(sorted(missing))
-        if self.queue.depth() >= self.settings.queue_max_depth:
-            return False, "queue full"
         return True, "ready"
 
     def timeout_s(self, timeout_ms: int | None) -> float:

@@ -72,10 +72,13 @@ def serve(settings: Settings) -> None:
 
     from daemon.app import create_app
     from daemon.auth import check_bind
+    from daemon.home import claim_home
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
 
     check_bind(settings.host, settings.api_key)
+    # Before anything starts: a second daemon on this FLEET_HOME stops here, naming the first.
+    claim_home(settings)
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
     # Request id outermost (401s and every log line of a request carry it); auth

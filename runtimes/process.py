@@ -7,6 +7,7 @@ inherited locks, threads or CUDA state), one process per device.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -17,7 +18,33 @@ import posix_ipc
 from fleet.config import Settings
 
 
+def exit_with_parent() -> None:
+    """End this process the moment the daemon that spawned it dies, however it died.
+
+    A SIGKILLed daemon runs no cleanup: without this its workers (each holding
+    a model's memory) and, through them, its resource tracker (alive while any
+    process holds its pipe) would live on under init. The spawn start method
+    gives the child the read end of a pipe whose only write end the parent holds
+    (`multiprocessing.parent_process().sentinel`): it reads EOF exactly when the
+    parent process is gone, and at once if it already is. A blocked wait, not a
+    poll; process-wide, unlike PR_SET_PDEATHSIG, which fires when the spawning
+    *thread* ends (the supervisor restarts workers from its watcher thread).
+    Not spawned by `multiprocessing` (a test calling `run` in-process): no-op."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait_for_parent() -> None:
+        parent.join()
+        logging.getLogger("fleet.worker").warning("daemon (pid %d) is gone; worker exits", parent.pid)
+        # No cleanup to run: the queue died with its owner (the next daemon sweeps its entries).
+        os._exit(1)
+
+    threading.Thread(target=wait_for_parent, name="parent-watch", daemon=True).start()
+
+
 def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
+    exit_with_parent()
     settings = msgspec.msgpack.decode(settings_blob, type=Settings)
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -24,7 +24,6 @@ from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, contro
 from daemon import codec
 from daemon.core import Daemon
 from daemon.http import reply
-from fleet.pins import PinStore
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,16 +89,16 @@ class AdminController(Controller):
         stored(daemon, name)
         opts = await options(request)
         result = await send(daemon, choose_worker(daemon.workers(), name, opts.device), PIN, name)
-        PinStore(daemon.settings.home_path).add(name, result["device"])
+        daemon.record_pin(name, result["device"])
         return reply(request, {"model": name, "op": PIN, "results": [result]})
 
     @delete("/pin", status_code=200)
     async def unpin(self, request: Request, daemon: Daemon, name: str) -> Response:
         """Evictable again (stays resident until room is needed)."""
         stored(daemon, name)
-        removed = PinStore(daemon.settings.home_path).remove(name)
+        was_pinned = daemon.record_unpin(name)
         results = [await send(daemon, w, UNPIN, name) for w in holders(daemon, name)]
-        return reply(request, {"model": name, "op": UNPIN, "was_pinned": removed is not None, "results": results})
+        return reply(request, {"model": name, "op": UNPIN, "was_pinned": was_pinned, "results": results})
 
     @post("/load", status_code=200)
     async def load(self, request: Request, daemon: Daemon, name: str) -> Response:
@@ -111,7 +110,7 @@ class AdminController(Controller):
     @post("/unload", status_code=200)
     async def unload(self, request: Request, daemon: Daemon, name: str) -> Response:
         stored(daemon, name)
-        if name in PinStore(daemon.settings.home_path).load():
+        if name in daemon.pinned_models():
             raise BadRequest(f"{name} is pinned; unpin it first (fleetctl unpin {name})")
         results = [await send(daemon, w, UNLOAD, name) for w in holders(daemon, name)]
         return reply(request, {"model": name, "op": UNLOAD, "results": results})
