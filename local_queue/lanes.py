@@ -1,0 +1,189 @@
+"""Lanes: one doubly linked list of QUEUED slots per model, sorted by seq
+(protocol invariant 2 in `local_queue.queue`), and the done list. Every helper
+whose name starts with `_` expects the caller to hold the queue lock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from local_queue.layout import (
+    DONE, F_ATTEMPTS, F_ENQ, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_TOKENS, H_DEPTH,
+    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH, L_HEAD, L_NAME_LEN,
+    L_TAIL, L_TOKENS, LF, NAME_BYTES, QUEUED, SF, STATUS_POISON, W_CLAIMED, WF, _HEAD, _LINK, _RESULT,
+)
+from local_queue.records import LaneStats, QueueFull
+from local_queue.slab import NIL
+
+
+class Lanes:
+    """Lane and done-list operations of LocalQueue."""
+
+    def lane_id(self, model: str, *, create: bool = True) -> int:
+        """Lane of `model`, created if needed. KeyError if absent and not create."""
+        lane = self._lane_ids.get(model)
+        if lane is not None:
+            return lane
+        raw = model.encode()
+        if not 1 <= len(raw) <= NAME_BYTES:
+            raise ValueError(f"lane name must be 1..{NAME_BYTES} bytes of utf-8, got {len(raw)}")
+        with self._lock:
+            self._refresh_lane_names()
+            lane = self._lane_ids.get(model)
+            if lane is None:
+                if not create:
+                    raise KeyError(model)
+                lane = self._h[H_N_LANES]
+                if lane >= self._max_lanes:
+                    raise QueueFull(f"no lane left for {model!r} ({self._max_lanes} in use)")
+                self._names[lane * NAME_BYTES:lane * NAME_BYTES + len(raw)] = raw
+                self._L[lane * LF + L_NAME_LEN] = len(raw)
+                self._h[H_N_LANES] = lane + 1  # commit: lanes are never removed
+                self._lane_ids[model], self._lane_names[lane] = lane, model
+        return lane
+
+    def _refresh_lane_names(self) -> None:
+        for lane in range(len(self._lane_names), self._h[H_N_LANES]):
+            ln = self._L[lane * LF + L_NAME_LEN]
+            model = bytes(self._names[lane * NAME_BYTES:lane * NAME_BYTES + ln]).decode()
+            self._lane_ids[model], self._lane_names[lane] = lane, model
+
+    def lane_name(self, lane: int) -> str:
+        if lane not in self._lane_names:
+            if not 0 <= lane < self._h[H_N_LANES]:
+                raise ValueError(f"no lane {lane}")
+            with self._lock:
+                self._refresh_lane_names()
+        return self._lane_names[lane]
+
+    def _check_lane(self, lane: int) -> None:
+        if not 0 <= lane < self._h[H_N_LANES]:
+            raise ValueError(f"no lane {lane}")
+
+    def lane_stats(self) -> list[LaneStats]:
+        """Lanes with queued or claimed items, in lane order."""
+        with self._lock:
+            n = self._h[H_N_LANES]
+            if len(self._lane_names) < n:
+                self._refresh_lane_names()
+            L = self._L_np[:n]
+            busy = np.flatnonzero((L[:, L_DEPTH] > 0) | (L[:, L_CLAIMED] > 0)).tolist()
+            rows = L[busy].tolist()
+            S, out = self._S, []
+            for lane, row in zip(busy, rows):
+                head = row[L_HEAD]
+                out.append(LaneStats(lane, self._lane_names[lane], row[L_DEPTH], row[L_TOKENS],
+                                     S[head * SF + F_ENQ] if head != NIL else 0, row[L_CLAIMED]))
+            return out
+    # -- slot helpers (caller holds the lock) ----------------------------------
+    def _unlink(self, s: int) -> None:
+        S, L, b = self._S, self._L, s * SF
+        Lb = S[b + F_LANE] * LF
+        n, p = S[b + F_NEXT], S[b + F_PREV]
+        if p == NIL:
+            L[Lb + L_HEAD] = n
+        else:
+            S[p * SF + F_NEXT] = n
+        if n == NIL:
+            L[Lb + L_TAIL] = p
+        else:
+            S[n * SF + F_PREV] = p
+        L[Lb + L_DEPTH] -= 1
+        L[Lb + L_TOKENS] -= S[b + F_TOKENS]
+        self._h[H_DEPTH] -= 1
+
+    def _push_free_slot(self, s: int) -> None:
+        h = self._h
+        self._stack[h[H_FREE_TOP]] = s
+        h[H_FREE_TOP] += 1
+
+    def _append_done(self, s: int) -> None:
+        h, S = self._h, self._S
+        S[s * SF + F_NEXT] = NIL
+        tail = h[H_DONE_TAIL]
+        if tail == NIL:
+            h[H_DONE_HEAD] = s
+        else:
+            S[tail * SF + F_NEXT] = s
+        h[H_DONE_TAIL] = s
+        h[H_DONE_COUNT] += 1
+
+    def _complete_empty(self, s: int, status: int) -> None:
+        """QUEUED/CLAIMED (already unlinked and uncounted) -> DONE with an empty result."""
+        S, b = self._S, s * SF
+        _RESULT.pack_into(self._Sb, b * 8 + F_RES * 8, NIL, 0, NIL, status)
+        S[b] = DONE  # commit
+        self._free_data(s)
+        self._append_done(s)
+
+    def _insert_sorted(self, lane: int, items: list[tuple[int, int, int]]) -> None:
+        """Insert QUEUED slots, given as (seq, slot, tokens) sorted by seq, into `lane` at
+        their seq positions: one merge pass from the head (returns land near it)."""
+        S, Sb, L, Lb, link = self._S, self._Sb, self._L, lane * LF, _LINK.pack_into
+        prev, cur = NIL, L[Lb + L_HEAD]
+        cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
+        ntok = 0
+        before_cur = False  # items were inserted in front of cur: its PREV is stale
+        for sq, s, t in items:
+            while cur != NIL and cur_seq < sq:
+                if before_cur:
+                    S[cur * SF + F_PREV] = prev
+                    before_cur = False
+                prev, cur = cur, S[cur * SF + F_NEXT]
+                cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
+            link(Sb, s * SF * 8 + F_NEXT * 8, cur, prev)
+            if prev == NIL:
+                L[Lb + L_HEAD] = s
+            else:
+                S[prev * SF + F_NEXT] = s
+            prev = s
+            before_cur = True
+            ntok += t
+        if cur == NIL:
+            if items:
+                L[Lb + L_TAIL] = prev
+        elif before_cur:
+            S[cur * SF + F_PREV] = prev
+        L[Lb + L_DEPTH] += len(items)
+        L[Lb + L_TOKENS] += ntok
+        self._h[H_DEPTH] += len(items)
+
+    def _requeue(self, recs: list[tuple[int, int, int, int, int]], *, bump: bool,
+                 max_attempts: int) -> tuple[int, int]:
+        """CLAIMED slots, as (seq, slot, lane, owner, tokens), back to their lanes
+        (attempts += 1 if bump; poison at max_attempts). Returns (requeued, poisoned)."""
+        S = self._S
+        recs.sort()
+        by_lane: dict[int, list[tuple[int, int, int]]] = {}
+        poisoned = 0
+        for sq, s, lane, _, t in recs:
+            b = s * SF
+            if bump:
+                S[b + F_ATTEMPTS] += 1
+                if S[b + F_ATTEMPTS] >= max_attempts:
+                    self._complete_empty(s, STATUS_POISON)
+                    poisoned += 1
+                    continue
+            S[b] = QUEUED  # commit (F_OWNER only means something while CLAIMED)
+            by_lane.setdefault(lane, []).append((sq, s, t))
+        self._drop_claimed(Counter(r[2] for r in recs), Counter(r[3] for r in recs))
+        for lane, group in by_lane.items():
+            self._insert_sorted(lane, group)
+        return len(recs) - poisoned, poisoned
+
+    def _requeue_recs(self, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
+        Sb, unpack, out = self._Sb, _HEAD.unpack_from, []
+        for s in slots:
+            r = unpack(Sb, s * SF * 8)
+            out.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
+        return out
+
+    def _drop_claimed(self, lanes: dict[int, int], owners: dict[int, int]) -> None:
+        L, W = self._L, self._W
+        for lane, n in lanes.items():
+            L[lane * LF + L_CLAIMED] -= n
+        for wid, n in owners.items():
+            w = self._worker_index(wid)
+            if w is not None:
+                W[w * WF + W_CLAIMED] -= n

@@ -1,0 +1,61 @@
+"""The one queue lock (protocol invariants 1 and 4 in `local_queue.queue`).
+
+A per-process `threading.Lock` (flock does not exclude threads of one process),
+then `fcntl.flock` on `/dev/shm/<name>.lock` (the kernel drops it when the
+holder dies, even by SIGKILL). Lock order: thread lock, then flock. The holder
+writes its pid into `header[H_HOLDER]` on entry and clears it on a clean exit;
+a holder that finds it set repairs first (`Recovery._repair`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from typing import TYPE_CHECKING
+
+from local_queue.layout import H_HOLDER
+from local_queue.records import ItemTooLarge, QueueFull, UnknownWorker
+
+if TYPE_CHECKING:
+    from local_queue.queue import LocalQueue
+
+_forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+_CLEAN_ERRORS = (QueueFull, ItemTooLarge, UnknownWorker, ValueError, KeyError)
+
+
+class _Lock:
+    """Context manager for the queue lock (invariants 1 and 4)."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q: LocalQueue) -> None:
+        self.q = q
+
+    def __enter__(self) -> None:
+        q = self.q
+        if _forks[0] != q._fork:
+            raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
+        q._tlock.acquire()
+        try:
+            fcntl.flock(q._lock_fd, fcntl.LOCK_EX)
+            try:
+                if q._h[H_HOLDER] != 0:
+                    q._repair()
+                q._h[H_HOLDER] = q._pid
+            except BaseException:
+                fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            q._tlock.release()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        q = self.q
+        # Errors from _CLEAN_ERRORS are raised before anything is changed; any
+        # other exception may have torn a mutation: leave the holder mark so the
+        # next holder (maybe us) repairs.
+        if exc_type is None or issubclass(exc_type, _CLEAN_ERRORS):
+            q._h[H_HOLDER] = 0
+        fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+        q._tlock.release()
