@@ -1,8 +1,9 @@
 """Processes the bench starts itself: a throwaway `fleetctl serve`, and any child with a log.
 
-One implementation for every bench script that runs its own daemon
-(embed_compare --start, generate_compare, embed_kinds, nats_compare). The tests
-keep their own copy in tests/conftest.py on purpose: tests do not import bench.
+The one way to start a daemon for a test or a bench: every bench script that runs
+its own daemon (embed_compare --start, generate_compare, embed_kinds,
+nats_compare, tune's candidates) and the test suite (tests/conftest.py) use
+`LocalDaemon`; peers (infinity-emb, nats-server) run as a `Child`.
 
 Every child runs in its own session and is stopped by its PID (SIGTERM, then
 SIGKILL after 30 s), never by name.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,10 +22,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.peers import free_port
-
 #: How much of a child's log an error message carries (characters, from the end).
 TAIL_CHARS = 3000
+
+
+def free_port() -> int:
+    """A loopback port free right now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Child:
@@ -35,19 +42,23 @@ class Child:
         self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-TAIL_CHARS:]
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> None:
-        """SIGTERM, 30 s to exit, then SIGKILL; safe to call more than once."""
+    def tail(self) -> str:
+        return self.log()[-TAIL_CHARS:]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, `timeout_s` to exit, then SIGKILL; safe to call more than once. The exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
+        return self.proc.returncode
 
     def __enter__(self):
         return self
@@ -59,24 +70,28 @@ class Child:
 class LocalDaemon(Child):
     """`fleetctl serve [args]` on a free loopback port with FLEET_HOME = `home`.
 
-    The environment is this process's, plus FLEET_HOME, FLEET_PORT,
-    HF_HUB_OFFLINE=1 and `env` (which wins), minus FLEET_URL (so the daemon never
-    mistakes itself for a client of another one). The log goes to
-    `home/daemon.log`. With `wait` (the default) the constructor returns once
-    /readyz answers 200, and raises RuntimeError with the log's tail if the
-    daemon exits or is not ready within `timeout_s` (it is stopped first); with
-    `wait=False` call `wait_ready()` yourself, e.g. after starting several.
+    The environment is this process's (without its FLEET_* variables when
+    `inherit_fleet` is false), plus FLEET_HOME, FLEET_PORT, HF_HUB_OFFLINE=1 and
+    `env` (which wins), minus FLEET_URL (so the daemon never mistakes itself for a
+    client of another one). The log goes to `log` (default `home/daemon.log`).
+    With `wait` (the default) the constructor returns once /readyz answers 200,
+    and raises RuntimeError with the log's tail if the daemon exits or is not
+    ready within `timeout_s` (it is stopped first); with `wait=False` call
+    `wait_ready()` yourself, e.g. after starting several.
     """
 
     def __init__(self, home: str | Path, *, env: Mapping[str, str] | None = None, args: Sequence[str] = (),
-                 timeout_s: float = 300.0, wait: bool = True) -> None:
+                 timeout_s: float = 300.0, wait: bool = True, inherit_fleet: bool = True,
+                 log: Path | None = None) -> None:
         self.home = Path(home)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        full = {**os.environ, "FLEET_HOME": str(self.home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        base = {k: v for k, v in os.environ.items() if inherit_fleet or not k.startswith("FLEET_")}
+        full = {**base, "FLEET_HOME": str(self.home), "FLEET_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
                 **(env or {})}
         full.pop("FLEET_URL", None)
-        super().__init__([sys.executable, "-m", "fleetctl", "serve", *args], full, self.home / "daemon.log")
+        super().__init__([sys.executable, "-m", "fleetctl", "serve", *args], full, log or self.home / "daemon.log")
         if wait:
             self.wait_ready(timeout_s)
 

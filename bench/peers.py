@@ -9,25 +9,18 @@ model name, and stopped by its PID when the bench ends.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.daemon import Child, free_port
+
 INFINITY_VENV = Path(__file__).with_name(".venv-infinity")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Infinity:
+class Infinity(Child):
     def __init__(self, model_dir: Path, model_name: str, *, device: str = "cpu", batch_size: int = 32,
                  dtype: str = "auto", venv: Path = INFINITY_VENV, start_timeout_s: float = 300.0) -> None:
         exe = venv / "bin" / "infinity_emb"
@@ -35,16 +28,17 @@ class Infinity:
             raise FileNotFoundError(f"{exe} not found; build it with bench/setup_infinity.sh")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="fleet-bench-infinity-", suffix=".log", delete=False)
+        fd, log = tempfile.mkstemp(prefix="fleet-bench-infinity-", suffix=".log")
+        os.close(fd)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
         # Its venv's python must not see fleet's packages.
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
-        self.proc = subprocess.Popen(
+        super().__init__(
             [str(exe), "v2", "--model-id", str(model_dir), "--served-model-name", model_name,
              "--host", "127.0.0.1", "--port", str(self.port), "--engine", "torch", "--device", device,
              "--batch-size", str(batch_size), "--dtype", dtype, "--no-bettertransformer", "--log-level", "warning"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            env, Path(log),
         )
         self.version = _venv_version(venv, "infinity_emb")
         self.dtype = dtype
@@ -67,19 +61,6 @@ class Infinity:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"infinity-emb not ready after {timeout_s:g} s:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def _venv_version(venv: Path, dist: str) -> str:

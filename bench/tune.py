@@ -30,18 +30,16 @@ the dtype it served (and the check's log line) fixes the dtype ladder to
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from bench.daemon import LocalDaemon
 
 DIMS: tuple[str, ...] = ("dtype", "max_batch_tokens", "max_batch_items", "linger_ms", "workers")
 
@@ -254,12 +252,6 @@ def coordinate_search(
 # ---- measuring: a daemon per candidate ------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _DTYPE_LINE = re.compile(r"dtype check (\S+) (\S+): (.*) -> (keep|fp32)")
 
 
@@ -315,28 +307,13 @@ class DaemonMeasurer:
                             TunedInfo(tuned_at="candidate", knee_tokens_per_s=0.0, knee_p95_ms=0.0),
                             new_entry=self.new_entry)
 
-    def _start(self, c: Candidate) -> tuple[subprocess.Popen, str, Path]:
-        port = free_port()
+    def _start(self, c: Candidate) -> LocalDaemon:
+        """A daemon for this candidate (the user's FLEET_* settings do not leak in), not waited for."""
         threads = max(1, self.cores // c.workers) if not self.device.startswith("cuda") else 0
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        env.update({"FLEET_HOME": str(self.home), "FLEET_HOST": "127.0.0.1", "FLEET_PORT": str(port),
-                    "FLEET_PRELOAD": self.model, "FLEET_WORKERS": str(c.workers), "FLEET_DEVICE": self.device,
-                    "FLEET_CPU_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "FLEET_LOG_LEVEL": "info"})
-        log_path = self.work / f"daemon-{port}.log"
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "fleetctl", "serve"], env=env, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        return proc, f"http://127.0.0.1:{port}", log_path
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        env = {"FLEET_HOST": "127.0.0.1", "FLEET_PRELOAD": self.model, "FLEET_WORKERS": str(c.workers),
+               "FLEET_DEVICE": self.device, "FLEET_CPU_THREADS": str(threads), "FLEET_LOG_LEVEL": "info"}
+        return LocalDaemon(self.home, env=env, wait=False, inherit_fleet=False,
+                           log=self.work / f"daemon-{time.monotonic_ns()}.log")
 
     def _wait_loaded(self, proc: subprocess.Popen, url: str, log_path: Path) -> dict:
         """Until the model is resident: its /v1/ps record (dtype, profile)."""
@@ -367,7 +344,8 @@ class DaemonMeasurer:
 
         t0 = time.time()
         self._write_overlay(c)
-        proc, url, log_path = self._start(c)
+        daemon = self._start(c)
+        proc, url, log_path = daemon.proc, daemon.url, daemon.log_path
         try:
             rec = self._wait_loaded(proc, url, log_path)
             if rec.get("profile") != self.device_class:
@@ -391,7 +369,7 @@ class DaemonMeasurer:
         except RuntimeError as exc:
             return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0, note=str(exc)[:300])
         finally:
-            self._stop(proc)
+            daemon.stop()
 
 
 def trial_doc(t: Trial) -> dict:

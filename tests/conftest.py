@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from bench.daemon import LocalDaemon, free_port  # noqa: F401 (free_port: tests import it from here)
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 START_TIMEOUT_S = float(os.environ.get("FLEET_TEST_START_TIMEOUT", "180"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_model_dir() -> Path:
@@ -39,59 +28,18 @@ def default_model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-@dataclass
-class DaemonProc:
-    url: str
-    home: Path
-    proc: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
+#: A real `fleetctl serve` subprocess (bench.daemon: the one way tests and bench start one).
+DaemonProc = LocalDaemon
 
 
 def start_daemon(home: Path, *, extra_env: dict[str, str] | None = None, args: list[str] | None = None,
                  wait_ready: bool = True) -> DaemonProc:
-    port = free_port()
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_PORT": str(port), "HF_HUB_OFFLINE": "1",
-           "FLEET_CPU_THREADS": os.environ.get("FLEET_CPU_THREADS", "2"), **(extra_env or {})}
-    env.pop("FLEET_URL", None)
-    home.mkdir(parents=True, exist_ok=True)
-    log_path = home / "daemon.log"
-    log_file = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetctl", "serve", *(args or [])],
-        env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    d = DaemonProc(f"http://127.0.0.1:{port}", home, proc, log_path)
-    if wait_ready:
-        wait_until_ready(d)
-    return d
+    env = {"FLEET_CPU_THREADS": os.environ.get("FLEET_CPU_THREADS", "2"), **(extra_env or {})}
+    return LocalDaemon(home, env=env, args=args or (), wait=wait_ready, timeout_s=START_TIMEOUT_S)
 
 
 def wait_until_ready(d: DaemonProc, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if d.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {d.proc.returncode}:\n{d.log()[-4000:]}")
-        try:
-            if httpx.get(d.url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    d.stop()
-    raise RuntimeError(f"daemon not ready after {timeout_s}s:\n{d.log()[-4000:]}")
+    d.wait_ready(timeout_s)
 
 
 @pytest.fixture(scope="session")

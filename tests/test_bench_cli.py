@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import INFINITY_VENV, free_port
+from bench.daemon import free_port
+from bench.peers import INFINITY_VENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--duration", "1.5", "--batch", "4", "--max-steps", "3", "--min-requests", "5", "--warmup", "1", "--quiet"]
