@@ -22,6 +22,7 @@ from daemon.controllers.extract import ExtractController
 from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.controllers.rerank import RerankController
+from daemon.controllers.tei import TeiController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 from daemon.notify import announce_ready, notify, watchdog_loop
@@ -83,7 +84,8 @@ def create_app(daemon: Daemon) -> Litestar:
 
     return Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
-                        ModelsController, AdminController, ClusterController, MetricsController, HealthController],
+                        ModelsController, AdminController, ClusterController, MetricsController, HealthController,
+                        TeiController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -6,6 +6,7 @@ JSON. The reply follows `Accept`, else the request's Content-Type, else JSON.
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import msgspec
@@ -22,6 +23,7 @@ JSON = "application/json"
 _mp_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _decoders: dict[tuple[type, bool], Any] = {}
+_FIELD_AT = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 
 
 def media_type(header: str | None) -> str:
@@ -55,12 +57,18 @@ def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        raise BadRequest(f"invalid request: {exc}", param=field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         kind = "MessagePack" if msgpack else "JSON"
         raise BadRequest(f"malformed {kind} body: {exc}") from None
     except UnicodeDecodeError as exc:  # a msgpack str that is not valid UTF-8
         raise BadRequest(f"text is not valid UTF-8: {exc}") from None
+
+
+def field_of(message: str) -> str | None:
+    """The top-level request field a msgspec validation message points at (`... - at `$.input[0]``)."""
+    match = _FIELD_AT.search(message)
+    return match.group(1) if match else None
 
 
 def encode(obj: Any, *, msgpack: bool) -> bytes:

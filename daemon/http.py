@@ -9,6 +9,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from fleet.errors import BY_CODE, FleetError, Overloaded
+from fleet.protocol import OpenAIErrorBody, OpenAIErrorReply
 from daemon import codec
 
 log = logging.getLogger("fleet.daemon")
@@ -34,13 +35,35 @@ def reply(request: Request, obj: Any, *, status: int = 200, headers: dict[str, s
     )
 
 
+#: Routes that speak OpenAI's API: their error bodies also carry `type` and `param`.
+OPENAI_ROUTES = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
+def is_openai_route(path: str) -> bool:
+    """`/v1/models/{id}` is OpenAI's too; `/v1/models/{name}/pin` and friends are fleet's admin."""
+    return path in OPENAI_ROUTES or (path.startswith("/v1/models/") and "/" not in path[len("/v1/models/"):])
+
+
+def openai_error_type(status: int) -> str:
+    """OpenAI's `type` for an HTTP status (its SDKs pick the exception class by status)."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error")
+
+
 def error_reply(request: Request, exc: FleetError) -> Response:
     msgpack = wants_msgpack(request)
     headers = {}
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if is_openai_route(request.url.path):
+        body = codec.encode(OpenAIErrorReply(OpenAIErrorBody(exc.code, exc.message, openai_error_type(exc.status),
+                                                             exc.param)), msgpack=msgpack)
+    else:
+        body = codec.error_body(exc, msgpack=msgpack)
     return Response(
-        content=codec.error_body(exc, msgpack=msgpack),
+        content=body,
         status_code=exc.status,
         media_type=codec.MSGPACK if msgpack else codec.JSON,
         headers=headers,
@@ -53,7 +76,16 @@ def on_fleet_error(request: Request, exc: FleetError) -> Response:
 
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal")
-    err = BY_CODE.get(code, FleetError)(str(exc.detail))
+    message = str(exc.detail)
+    # Routing errors name what was asked: the first answer a misconfigured client sees.
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("allow")
+        message = f"{request.method} is not allowed on {request.url.path}"
+        if allowed:
+            message += f" (allowed: {allowed})"
+    err = BY_CODE.get(code, FleetError)(message)
     err.status = exc.status_code
     return error_reply(request, err)
 

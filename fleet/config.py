@@ -60,6 +60,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_heartbeat_ms: int = 2_000
     #: Models loaded at start-up and kept resident (besides persisted pins).
     preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_MODEL])
+    #: The model a request without `model` runs on, per task (`{embed = "all-minilm-l6-v2"}`;
+    #: FLEET_DEFAULT_MODELS="embed=NAME,rerank=NAME"). A task not listed falls back to its
+    #: only stored model; with several stored, the request must name one.
+    default_models: dict[str, str] = msgspec.field(default_factory=dict)
     max_body_bytes: int = 16 << 20
     max_inputs: int = 2048
     timeout_ms: int = 30_000
@@ -150,6 +154,9 @@ def load_settings(**overrides: Any) -> Settings:
     merged["home"] = home
     if isinstance(merged.get("preload"), str):
         merged["preload"] = [p for p in merged["preload"].split(",") if p]
+    if isinstance(merged.get("default_models"), str):
+        pairs = (p.partition("=") for p in merged["default_models"].split(","))
+        merged["default_models"] = {task.strip(): name.strip() for task, _, name in pairs if task.strip()}
     # strict=False lets env strings ("8", "true") convert to the field types.
     settings = msgspec.convert(merged, Settings, strict=False)
     if settings.api_key_file and not settings.api_key:

@@ -15,12 +15,16 @@ class FleetError(Exception):
     status = 500
     #: Hint printed by the CLI under the error line (the next command to try).
     hint: str | None = None
+    #: The request field at fault, when one is (OpenAI-shaped error bodies carry it as `param`).
+    param: str | None = None
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if hint is not None:
             self.hint = hint
+        if param is not None:
+            self.param = param
 
     def __str__(self) -> str:
         return self.message
@@ -36,6 +40,16 @@ class Unauthorized(FleetError):
 
 class ModelNotFound(FleetError):
     code, status = "model_not_found", 404
+
+
+class NotFound(FleetError):
+    """No such route (or resource other than a model)."""
+
+    code, status = "not_found", 404
+
+
+class MethodNotAllowed(FleetError):
+    code, status = "method_not_allowed", 405
 
 
 class PayloadTooLarge(FleetError):
@@ -92,7 +106,7 @@ BY_CODE: dict[str, type[FleetError]] = {
     cls.code: cls
     for cls in (
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
-        Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
+        NotFound, MethodNotAllowed, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
         Unavailable, Timeout, SourceUnreachable,
     )
 }

@@ -22,6 +22,20 @@ class ErrorReply(msgspec.Struct, frozen=True):
     error: ErrorBody
 
 
+class OpenAIErrorBody(msgspec.Struct, frozen=True):
+    """The error body on OpenAI-shaped routes: the contract's `code` and `message`
+    plus OpenAI's `type` and `param` (the field at fault, or null)."""
+
+    code: str
+    message: str
+    type: str
+    param: str | None = None
+
+
+class OpenAIErrorReply(msgspec.Struct, frozen=True):
+    error: OpenAIErrorBody
+
+
 class Usage(msgspec.Struct, frozen=True):
     input_tokens: int = 0
     output_tokens: int = 0
@@ -55,10 +69,12 @@ class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     `normalize` applies to dense and per-token vectors (each token's vector is
     cut to unit length); sparse weights are returned as the model gives them,
     cut to the `top_k` largest per input when asked.
+    `model` may be left out where the task has a default (config `default_models`,
+    else the only stored embedding model).
     """
 
-    model: str
-    inputs: list[str | ImageInput]
+    model: str = ""
+    inputs: list[str | ImageInput] = []
     normalize: bool = True
     truncate: bool = True
     output: EmbedOutput = "dense"
@@ -69,8 +85,8 @@ class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True):
     """`EmbedRequest` as a JSON body spells it (images as base64 text)."""
 
-    model: str
-    inputs: list[str | ImageInputJson]
+    model: str = ""
+    inputs: list[str | ImageInputJson] = []
     normalize: bool = True
     truncate: bool = True
     output: EmbedOutput = "dense"
@@ -134,8 +150,11 @@ class EmbedSparseReply(msgspec.Struct, frozen=True):
 # ---- OpenAI /v1/embeddings --------------------------------------------------
 
 class OpenAIEmbeddingsRequest(msgspec.Struct, frozen=True):
-    model: str
-    input: str | list[str]
+    """`input`: a text, texts, one text as token ids, or several as id lists (the
+    ids read in the model's own vocabulary); mixed lists are refused."""
+
+    model: str = ""
+    input: str | list[str | int | list[int]] = []
     encoding_format: str = "float"  # float | base64
     dimensions: int | None = None
     user: str | None = None
@@ -161,8 +180,12 @@ class OpenAIEmbeddingsReply(msgspec.Struct, frozen=True):
 
 # ---- models -----------------------------------------------------------------
 
-class ModelCard(msgspec.Struct, frozen=True, omit_defaults=True):
+class ModelCard(msgspec.Struct, frozen=True):
+    """An OpenAI model object (`id`, `object`, `created`: Unix seconds of the pull,
+    `owned_by`) with fleet's own fields after it."""
+
     id: str
+    created: int
     task: str
     runtime: str
     object: str = "model"
@@ -178,17 +201,23 @@ class ModelList(msgspec.Struct, frozen=True):
 
 # ---- /v1/rerank ---------------------------------------------------------------
 
+class RerankDocument(msgspec.Struct, frozen=True):
+    """A document as Cohere and Jina spell it, in requests and in results."""
+
+    text: str
+
+
 class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Score `documents` against `query` with a cross-encoder; best first.
 
-    Also takes the TEI spelling: `texts` for `documents`, `raw_scores`, and
-    `return_text` (the documents come back as `text`). `top_n` and
-    `return_documents` are Cohere's.
+    Documents are strings or `{text}` objects. Also takes the TEI spelling:
+    `texts` for `documents`, `raw_scores`, and `return_text` (the documents come
+    back as `text`). `top_n` and `return_documents` are Cohere's and Jina's.
     """
 
-    model: str
-    query: str
-    documents: list[str] | None = None
+    model: str = ""
+    query: str = ""
+    documents: list[str | RerankDocument] | None = None
     texts: list[str] | None = None
     top_n: int | None = None
     return_documents: bool = False
@@ -200,14 +229,20 @@ class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def docs(self) -> list[str]:
-        """The documents, whichever name carried them (the daemon refuses both or neither)."""
-        return self.documents if self.documents is not None else (self.texts or [])
+        """The documents' texts, whichever name carried them (the daemon refuses both or neither)."""
+        if self.documents is None:
+            return self.texts or []
+        return [d if d.__class__ is str else d.text for d in self.documents]
 
 
 class RerankHit(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One ranked document: `relevance_score` is Cohere's and Jina's name for `score`
+    (the same number); `document` with `return_documents`, `text` with `return_text`."""
+
     index: int
+    relevance_score: float
     score: float
-    document: str | None = None
+    document: RerankDocument | None = None
     text: str | None = None
 
 
@@ -217,11 +252,34 @@ class RerankReply(msgspec.Struct, frozen=True):
     usage: Usage
 
 
+class CohereApiVersion(msgspec.Struct, frozen=True):
+    version: str
+
+
+class CohereBilledUnits(msgspec.Struct, frozen=True):
+    search_units: int
+
+
+class CohereMeta(msgspec.Struct, frozen=True):
+    api_version: CohereApiVersion
+    billed_units: CohereBilledUnits
+
+
+class CohereRerankReply(msgspec.Struct, frozen=True):
+    """`POST /v2/rerank` as Cohere answers it (plus fleet's `model` and `usage`)."""
+
+    id: str
+    results: list[RerankHit]
+    meta: CohereMeta
+    model: str
+    usage: Usage
+
+
 # ---- /v1/classify ---------------------------------------------------------------
 
 class ClassifyRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    model: str
-    inputs: list[str]
+    model: str = ""
+    inputs: list[str] = []
     #: Labels per input, best first; None = all of the model's labels.
     top_k: int | None = None
     #: Sigmoid per label instead of softmax over labels; None = as the model's config says.
@@ -246,8 +304,8 @@ class ClassifyReply(msgspec.Struct, frozen=True):
 # ---- /v1/extract ----------------------------------------------------------------
 
 class ExtractRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    model: str
-    inputs: list[str]
+    model: str = ""
+    inputs: list[str] = []
     #: Entity types to look for: only zero-shot extraction models take them; a
     #: token-classification model tags its own fixed labels and refuses this.
     labels: list[str] | None = None

@@ -79,6 +79,14 @@ class Sparse(NamedTuple):
 
 # ---- what both clients share: building bodies, reading replies -------------------
 
+def as_list(value: Any) -> list[Any]:
+    """One `str` (or one image's bytes) where a list is expected is one input, not
+    a sequence of characters (or of byte values)."""
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        return [value]
+    return list(value)
+
+
 def image_item(item: Any) -> Any:
     """An `inputs` item as the contract spells it: text stays text, raw bytes
     (an encoded image file) become `{image: bytes}`."""
@@ -89,7 +97,7 @@ def image_item(item: Any) -> Any:
 
 def embed_body(model: str, inputs: Sequence[Any], normalize: bool, truncate: bool, output: str,
                top_k: int | None, timeout_ms: int | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "inputs": [image_item(x) for x in inputs], "normalize": normalize,
+    body: dict[str, Any] = {"model": model, "inputs": [image_item(x) for x in as_list(inputs)], "normalize": normalize,
                             "truncate": truncate}
     if output != "dense":
         body["output"] = output
@@ -119,20 +127,20 @@ def _optional(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 def rerank_body(model: str, query: str, documents: Sequence[str], top_n: int | None, return_documents: bool,
                 raw_scores: bool, truncate: bool, timeout_ms: int | None) -> dict[str, Any]:
-    return _optional({"model": model, "query": query, "documents": list(documents),
+    return _optional({"model": model, "query": query, "documents": as_list(documents),
                       "return_documents": return_documents, "raw_scores": raw_scores, "truncate": truncate},
                      top_n=top_n, timeout_ms=timeout_ms)
 
 
 def classify_body(model: str, inputs: Sequence[str], top_k: int | None, multi_label: bool | None,
                   raw_scores: bool, truncate: bool, timeout_ms: int | None) -> dict[str, Any]:
-    return _optional({"model": model, "inputs": list(inputs), "raw_scores": raw_scores, "truncate": truncate},
+    return _optional({"model": model, "inputs": as_list(inputs), "raw_scores": raw_scores, "truncate": truncate},
                      top_k=top_k, multi_label=multi_label, timeout_ms=timeout_ms)
 
 
 def extract_body(model: str, inputs: Sequence[str], labels: Sequence[str] | None, truncate: bool,
                  timeout_ms: int | None) -> dict[str, Any]:
-    return _optional({"model": model, "inputs": list(inputs), "truncate": truncate},
+    return _optional({"model": model, "inputs": as_list(inputs), "truncate": truncate},
                      labels=list(labels) if labels is not None else None, timeout_ms=timeout_ms)
 
 
@@ -247,25 +255,26 @@ class Client(_Base):
 
     # -- tasks ----------------------------------------------------------------------
 
-    def embed(self, model: str, inputs: Sequence[Any], *, normalize: bool = True, truncate: bool = True,
-              output: str = "dense", top_k: int | None = None, timeout_ms: int | None = None) -> Any:
+    def embed(self, model: str, inputs: str | bytes | Sequence[Any], *, normalize: bool = True,
+              truncate: bool = True, output: str = "dense", top_k: int | None = None,
+              timeout_ms: int | None = None) -> Any:
         """Texts (str) or images (encoded file bytes) -> see `embed_result`."""
         body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms)
         return embed_result(self.request("POST", "/v1/embed", body), output)
 
-    def rerank(self, model: str, query: str, documents: Sequence[str], *, top_n: int | None = None,
+    def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
                return_documents: bool = False, raw_scores: bool = False, truncate: bool = True,
                timeout_ms: int | None = None) -> list[RerankHit]:
         body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms)
         return _rerank.decode(self.request("POST", "/v1/rerank", body)).results
 
-    def classify(self, model: str, inputs: Sequence[str], *, top_k: int | None = None,
+    def classify(self, model: str, inputs: str | Sequence[str], *, top_k: int | None = None,
                  multi_label: bool | None = None, raw_scores: bool = False, truncate: bool = True,
                  timeout_ms: int | None = None) -> list[list[LabelScore]]:
         body = classify_body(model, inputs, top_k, multi_label, raw_scores, truncate, timeout_ms)
         return _classify.decode(self.request("POST", "/v1/classify", body)).results
 
-    def extract(self, model: str, inputs: Sequence[str], *, labels: Sequence[str] | None = None,
+    def extract(self, model: str, inputs: str | Sequence[str], *, labels: Sequence[str] | None = None,
                 truncate: bool = True, timeout_ms: int | None = None) -> list[list[Entity]]:
         body = extract_body(model, inputs, labels, truncate, timeout_ms)
         return _extract.decode(self.request("POST", "/v1/extract", body)).results
@@ -347,24 +356,25 @@ class AsyncClient(_Base):
     async def post(self, path: str, body: Any = None) -> Any:
         return _any.decode(await self.request("POST", path, body if body is not None else {}))
 
-    async def embed(self, model: str, inputs: Sequence[Any], *, normalize: bool = True, truncate: bool = True,
-                    output: str = "dense", top_k: int | None = None, timeout_ms: int | None = None) -> Any:
+    async def embed(self, model: str, inputs: str | bytes | Sequence[Any], *, normalize: bool = True,
+                    truncate: bool = True, output: str = "dense", top_k: int | None = None,
+              timeout_ms: int | None = None) -> Any:
         body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms)
         return embed_result(await self.request("POST", "/v1/embed", body), output)
 
-    async def rerank(self, model: str, query: str, documents: Sequence[str], *, top_n: int | None = None,
+    async def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, raw_scores: bool = False, truncate: bool = True,
                      timeout_ms: int | None = None) -> list[RerankHit]:
         body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms)
         return _rerank.decode(await self.request("POST", "/v1/rerank", body)).results
 
-    async def classify(self, model: str, inputs: Sequence[str], *, top_k: int | None = None,
+    async def classify(self, model: str, inputs: str | Sequence[str], *, top_k: int | None = None,
                        multi_label: bool | None = None, raw_scores: bool = False, truncate: bool = True,
                        timeout_ms: int | None = None) -> list[list[LabelScore]]:
         body = classify_body(model, inputs, top_k, multi_label, raw_scores, truncate, timeout_ms)
         return _classify.decode(await self.request("POST", "/v1/classify", body)).results
 
-    async def extract(self, model: str, inputs: Sequence[str], *, labels: Sequence[str] | None = None,
+    async def extract(self, model: str, inputs: str | Sequence[str], *, labels: Sequence[str] | None = None,
                       truncate: bool = True, timeout_ms: int | None = None) -> list[list[Entity]]:
         body = extract_body(model, inputs, labels, truncate, timeout_ms)
         return _extract.decode(await self.request("POST", "/v1/extract", body)).results
@@ -422,6 +432,7 @@ class FleetEmbeddings:
         self.normalize = normalize
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        texts = as_list(texts)
         out: list[list[float]] = []
         for lo in range(0, len(texts), self.batch_size):
             out += self.client.embed(self.model, texts[lo : lo + self.batch_size], normalize=self.normalize).tolist()

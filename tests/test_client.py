@@ -179,7 +179,8 @@ def test_rerank_classify_extract_match_the_json_api(tasks_daemon):
             fleet.extract("tiny-tagger", texts, labels=["person"])
     want = json_post(tasks_daemon, "/v1/rerank", {"model": "tiny-reranker", "query": "how do cats behave",
                                                   "documents": docs, "top_n": 3, "return_documents": True})
-    assert [(h.index, h.document) for h in hits] == [(r["index"], r["document"]) for r in want["results"]]
+    assert [(h.index, h.document.text) for h in hits] == [(r["index"], r["document"]["text"])
+                                                          for r in want["results"]]
     np.testing.assert_allclose([h.score for h in hits], [r["score"] for r in want["results"]], rtol=1e-5)
     want = json_post(tasks_daemon, "/v1/classify", {"model": "tiny-classifier", "inputs": texts, "top_k": 2})
     assert [[ls.label for ls in row] for row in classes] == [[r["label"] for r in row] for row in want["results"]]

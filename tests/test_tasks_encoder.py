@@ -268,7 +268,7 @@ def test_rerank_top_n_documents_and_tei_fields(fleet, folders):
     top = decoded(post(fleet, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS,
                                              "top_n": 3, "return_documents": True}))
     check_ranking(top["results"], reference, 3)
-    assert [r["document"] for r in top["results"]] == [DOCS[r["index"]] for r in top["results"]]
+    assert [r["document"] for r in top["results"]] == [{"text": DOCS[r["index"]]} for r in top["results"]]
     # top_n past the number of documents returns them all.
     assert len(decoded(post(fleet, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS,
                                                   "top_n": 50}))["results"]) == len(DOCS)

@@ -10,7 +10,7 @@ from fleet.errors import BadRequest
 from fleet.protocol import ClassifyReply, ClassifyRequest, LabelScore, Usage
 from fleet.messages import ClassifyResult
 
-from daemon.controllers.common import decode_request
+from daemon.controllers.common import decode_request, with_model
 from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens
 from daemon.core import Daemon
 from daemon.http import reply
@@ -23,7 +23,7 @@ class ClassifyController(Controller):
 
     @post("/classify", status_code=200)
     async def classify(self, request: Request, daemon: Daemon) -> Response:
-        req, payload = await decode_request(request, ClassifyRequest)
+        req, payload = with_model(daemon, "classify", *await decode_request(request, ClassifyRequest))
         check_inputs(daemon, req.inputs)
         if req.top_k is not None and req.top_k < 1:
             raise BadRequest(f"top_k must be at least 1, got {req.top_k}")

@@ -20,6 +20,8 @@ from fleet.messages import (
 
 from daemon import codec
 from daemon.broker import Answer
+from daemon.controllers.common import default_model, with_model
+from daemon.controllers.tokens import ids_to_texts
 from daemon.core import Daemon
 from daemon.http import reply, wants_msgpack
 
@@ -111,6 +113,7 @@ class EmbedController(Controller):
         else:
             req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
             payload = codec.encode_msgpack(req)
+        req, payload = with_model(daemon, "embed", req, payload)
         answer = await run_embed(daemon, req, payload)
         headers = answer_headers(answer)
         msgpack_out = wants_msgpack(request)
@@ -133,9 +136,10 @@ class EmbedController(Controller):
         msgpack_in = codec.is_msgpack(request.headers.get("content-type"))
         oreq = codec.decode(body, OpenAIEmbeddingsRequest, msgpack=msgpack_in)
         if oreq.encoding_format not in ("float", "base64"):
-            raise BadRequest(f"encoding_format must be 'float' or 'base64', not {oreq.encoding_format!r}")
-        inputs = [oreq.input] if isinstance(oreq.input, str) else oreq.input
-        req = EmbedRequest(model=oreq.model, inputs=inputs)
+            raise BadRequest(f"encoding_format must be 'float' or 'base64', not {oreq.encoding_format!r}",
+                             param="encoding_format")
+        model = oreq.model or default_model(daemon, "embed")
+        req = EmbedRequest(model=model, inputs=openai_texts(daemon, model, oreq.input))
         answer = await run_embed(daemon, req, codec.encode_msgpack(req))
         res = _result.decode(answer.body)
         vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
@@ -146,14 +150,30 @@ class EmbedController(Controller):
         else:
             data = [OpenAIEmbedding(row, i) for i, row in enumerate(vectors.tolist())]
         usage = OpenAIUsage(prompt_tokens=res.input_tokens, total_tokens=res.input_tokens)
-        return reply(request, OpenAIEmbeddingsReply(data, oreq.model, usage), headers=answer_headers(answer))
+        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=answer_headers(answer))
+
+
+def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:
+    """OpenAI `input` as texts: a text, texts, one text as token ids, or several as id lists."""
+    if value.__class__ is str:
+        return [value]
+    if not value:
+        raise BadRequest("`input` is empty: send at least one text", param="input")
+    kind = value[0].__class__
+    if any(x.__class__ is not kind for x in value):
+        raise BadRequest("`input` mixes texts, token ids and lists of token ids: send one kind", param="input")
+    if kind is str:
+        return value
+    ids = [value] if kind is int else value
+    return ids_to_texts(daemon.store, daemon.manifest(model, "embed"), ids)
 
 
 def shorten(vectors: np.ndarray, dimensions: int) -> np.ndarray:
     """OpenAI `dimensions`: keep the leading components and re-normalise (Matryoshka-style)."""
     full = vectors.shape[1]
     if not 1 <= dimensions <= full:
-        raise BadRequest(f"dimensions must be between 1 and {full} for this model, got {dimensions}")
+        raise BadRequest(f"dimensions must be between 1 and {full} for this model, got {dimensions}",
+                         param="dimensions")
     if dimensions == full:
         return vectors
     cut = np.ascontiguousarray(vectors[:, :dimensions])

@@ -8,7 +8,7 @@ from litestar import Controller, Request, Response, post
 from fleet.protocol import Entity, ExtractReply, ExtractRequest, Usage
 from fleet.messages import ExtractResult
 
-from daemon.controllers.common import decode_request
+from daemon.controllers.common import decode_request, with_model
 from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens
 from daemon.core import Daemon
 from daemon.http import reply
@@ -21,7 +21,7 @@ class ExtractController(Controller):
 
     @post("/extract", status_code=200)
     async def extract(self, request: Request, daemon: Daemon) -> Response:
-        req, payload = await decode_request(request, ExtractRequest)
+        req, payload = with_model(daemon, "extract", *await decode_request(request, ExtractRequest))
         check_inputs(daemon, req.inputs)
         answer = await daemon.submit("extract", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
                                      timeout_ms=req.timeout_ms)

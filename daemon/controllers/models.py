@@ -1,14 +1,17 @@
-"""`GET /v1/models` (OpenAI shape), `GET /v1/ps`, `/healthz`, `/readyz`."""
+"""`GET /v1/models` and `/v1/models/{id}` (OpenAI shape), `GET /v1/ps`, `/healthz`, `/readyz`."""
 
 from __future__ import annotations
 
 import os
 import time
+from datetime import datetime
 
 from litestar import Controller, Request, Response, get
 
 from fleet import __version__
+from fleet.errors import BadRequest, ModelNotFound
 from fleet.protocol import ModelCard, ModelList
+from fleet.store import Manifest
 
 from daemon.core import Daemon
 from daemon.http import reply
@@ -25,6 +28,19 @@ def workers_view(daemon: Daemon) -> list[dict]:
     return out
 
 
+def unix_seconds(iso: str) -> int:
+    """A manifest's `created_at` (ISO 8601, UTC) as OpenAI's `created`; 0 when unreadable."""
+    try:
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0
+
+
+def model_card(m: Manifest, loaded: set[str], pinned: set[str]) -> ModelCard:
+    return ModelCard(id=m.name, created=unix_seconds(m.created_at), task=m.task, runtime=m.runtime,
+                     loaded=m.name in loaded, pinned=m.name in pinned)
+
+
 class ModelsController(Controller):
     path = "/v1"
 
@@ -32,12 +48,18 @@ class ModelsController(Controller):
     async def models(self, request: Request, daemon: Daemon) -> Response:
         loaded = daemon.loaded_models()
         pinned = daemon.pinned_models()
-        cards = [
-            ModelCard(id=m.name, task=m.task, runtime=m.runtime, loaded=m.name in loaded,
-                      pinned=m.name in pinned)
-            for m in daemon.store.list()
-        ]
-        return reply(request, ModelList(cards))
+        return reply(request, ModelList([model_card(m, loaded, pinned) for m in daemon.store.list()]))
+
+    @get("/models/{model_id:str}")
+    async def model(self, request: Request, daemon: Daemon, model_id: str) -> Response:
+        try:
+            manifest = daemon.store.get(model_id)
+        except BadRequest:  # not a valid model name: no such model either
+            raise ModelNotFound(f"unknown model {model_id!r}", param="model") from None
+        except ModelNotFound:
+            raise ModelNotFound(f"unknown model {model_id!r}", hint="fleetctl list shows what is pulled",
+                                param="model") from None
+        return reply(request, model_card(manifest, daemon.loaded_models(), daemon.pinned_models()))
 
     @get("/ps")
     async def ps(self, request: Request, daemon: Daemon) -> Response:

@@ -1,20 +1,29 @@
-"""`POST /v1/rerank`: a query against documents with a cross-encoder, best first.
+"""`POST /v1/rerank` and Cohere's `POST /v2/rerank`: a query against documents
+with a cross-encoder, best first.
 
-Takes the native / Cohere fields (`documents`, `top_n`, `return_documents`) and
-TEI's (`texts`, `raw_scores`, `return_text`); see `fleet.protocol.RerankRequest`.
+Takes the native / Cohere / Jina fields (`documents` as strings or `{text}`,
+`top_n`, `return_documents`) and TEI's (`texts`, `raw_scores`, `return_text`);
+see `fleet.protocol.RerankRequest`. Each result carries `relevance_score`
+(Cohere's and Jina's name) and `score` (the same number).
 """
 
 from __future__ import annotations
+
+import secrets
 
 import msgspec
 import numpy as np
 from litestar import Controller, Request, Response, post
 
 from fleet.errors import BadRequest
-from fleet.protocol import RerankHit, RerankReply, RerankRequest, Usage
+from fleet.protocol import (
+    CohereApiVersion, CohereBilledUnits, CohereMeta, CohereRerankReply, RerankDocument, RerankHit, RerankReply,
+    RerankRequest, Usage,
+)
 from fleet.messages import RerankResult
 
-from daemon.controllers.common import decode_request
+from daemon.broker import Answer
+from daemon.controllers.common import decode_request, with_model
 from daemon.controllers.embed import answer_headers, estimate_tokens
 from daemon.core import Daemon
 from daemon.http import reply
@@ -38,26 +47,39 @@ def check_rerank(daemon: Daemon, req: RerankRequest) -> None:
         raise BadRequest(f"top_n must be at least 1, got {req.top_n}")
 
 
-class RerankController(Controller):
-    path = "/v1"
+async def run_rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[list[RerankHit], Usage, Answer]:
+    """Queue one rerank request; its hits, best first, with documents as asked."""
+    check_rerank(daemon, req)
+    docs = req.docs
+    # Each pair carries the query again and one more special token than a single text.
+    tokens = estimate_tokens(payload, len(docs)) + len(req.query) * (len(docs) - 1) // 4 + len(docs)
+    answer = await daemon.submit("rerank", req.model, payload, tokens=tokens, timeout_ms=req.timeout_ms)
+    res = _result.decode(answer.body)
+    index = np.frombuffer(res.index, dtype="<i4").tolist()
+    scores = np.frombuffer(res.scores, dtype="<f4").tolist()
+    if req.return_documents or req.return_text:
+        hits = [
+            RerankHit(i, s, s, RerankDocument(docs[i]) if req.return_documents else None,
+                      docs[i] if req.return_text else None)
+            for i, s in zip(index, scores)
+        ]
+    else:
+        hits = [RerankHit(i, s, s) for i, s in zip(index, scores)]
+    return hits, Usage(input_tokens=res.input_tokens), answer
 
-    @post("/rerank", status_code=200)
+
+class RerankController(Controller):
+    @post("/v1/rerank", status_code=200)
     async def rerank(self, request: Request, daemon: Daemon) -> Response:
-        req, payload = await decode_request(request, RerankRequest)
-        check_rerank(daemon, req)
-        docs = req.docs
-        # Each pair carries the query again and one more special token than a single text.
-        tokens = estimate_tokens(payload, len(docs)) + len(req.query) * (len(docs) - 1) // 4 + len(docs)
-        answer = await daemon.submit("rerank", req.model, payload, tokens=tokens, timeout_ms=req.timeout_ms)
-        res = _result.decode(answer.body)
-        index = np.frombuffer(res.index, dtype="<i4").tolist()
-        scores = np.frombuffer(res.scores, dtype="<f4").tolist()
-        if req.return_documents or req.return_text:
-            hits = [
-                RerankHit(i, s, docs[i] if req.return_documents else None, docs[i] if req.return_text else None)
-                for i, s in zip(index, scores)
-            ]
-        else:
-            hits = [RerankHit(i, s) for i, s in zip(index, scores)]
-        out = RerankReply(req.model, hits, Usage(input_tokens=res.input_tokens))
+        req, payload = with_model(daemon, "rerank", *await decode_request(request, RerankRequest))
+        hits, usage, answer = await run_rerank(daemon, req, payload)
+        return reply(request, RerankReply(req.model, hits, usage), headers=answer_headers(answer))
+
+    @post("/v2/rerank", status_code=200)
+    async def cohere_rerank(self, request: Request, daemon: Daemon) -> Response:
+        """Cohere's v2 API: the same ranking, with Cohere's `id` and `meta` (one search unit per request)."""
+        req, payload = with_model(daemon, "rerank", *await decode_request(request, RerankRequest))
+        hits, usage, answer = await run_rerank(daemon, req, payload)
+        meta = CohereMeta(CohereApiVersion("2"), CohereBilledUnits(search_units=1))
+        out = CohereRerankReply(secrets.token_hex(16), hits, meta, req.model, usage)
         return reply(request, out, headers=answer_headers(answer))

@@ -1,0 +1,356 @@
+"""Hugging Face text-embeddings-inference (TEI) routes on the same port:
+`POST /embed`, `/embed_sparse`, `/embed_all`, `/rerank`, `/predict`, `/tokenize`
+and `GET /info`, with TEI's request and reply shapes (bare lists), so TEI
+clients (`huggingface_hub.InferenceClient(model="http://HOST:7744/embed")`,
+litellm `huggingface/`, plain `requests`) work unchanged.
+
+TEI serves one model; fleet serves many. A TEI request may add `model`;
+without it the task's default runs (`choose_default_model`). `GET /info`
+takes it as `?model=`. Each route queues the same request as its native
+twin (`/v1/embed`, `/v1/rerank`, `/v1/classify`), so batching, limits and
+errors are the native ones; errors keep the contract's `{error: {code, message}}`.
+Clients that post TEI's `{"inputs", "parameters": {...}}` (huggingface_hub)
+have `normalize`, `truncate` and `dimensions` read from `parameters` too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import numpy as np
+from litestar import Controller, Request, Response, get, post
+
+from fleet import __version__
+from fleet.errors import BadRequest, ModelNotFound
+from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult
+from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
+from fleet.store import Manifest
+
+from daemon import codec
+from daemon.controllers.common import default_model
+from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens, run_embed, shorten
+from daemon.controllers.rerank import run_rerank
+from daemon.controllers.tokens import ids_to_texts, load_tokenizer
+from daemon.core import Daemon
+from daemon.http import reply
+
+_dense = msgspec.msgpack.Decoder(EmbedResult)
+_tokens = msgspec.msgpack.Decoder(TokenEmbedResult)
+_sparse = msgspec.msgpack.Decoder(SparseEmbedResult)
+_classify = msgspec.msgpack.Decoder(ClassifyResult)
+
+#: A TEI `inputs`: one text, one text as token ids, or a batch of texts and id lists.
+Inputs = str | list[str | int | list[int]]
+
+
+class TeiParameters(msgspec.Struct, frozen=True):
+    """huggingface_hub's `parameters` object (TEI itself reads these at the top level)."""
+
+    normalize: bool | None = None
+    truncate: bool | None = None
+    dimensions: int | None = None
+    prompt_name: str | None = None
+    truncation_direction: str | None = None
+
+
+class TeiEmbedRequest(msgspec.Struct, frozen=True):
+    """`/embed`, `/embed_sparse`, `/embed_all` (the last two ignore `normalize`/`dimensions` as TEI does)."""
+
+    inputs: Inputs
+    model: str = ""
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    prompt_name: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+    parameters: TeiParameters | None = None
+    timeout_ms: int | None = None
+
+
+class TeiPredictRequest(msgspec.Struct, frozen=True):
+    """`inputs`: a text, a `[text]`, or a batch `[[text], ...]` (TEI's sentence pairs are refused:
+    fleet's classifiers take one text)."""
+
+    inputs: str | list[str | list[str]]
+    model: str = ""
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    raw_scores: bool = False
+    timeout_ms: int | None = None
+
+
+class TeiTokenizeRequest(msgspec.Struct, frozen=True):
+    inputs: str | list[str]
+    model: str = ""
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+class TeiRank(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class TeiPrediction(msgspec.Struct, frozen=True):
+    score: float
+    label: str
+
+
+class TeiSparseValue(msgspec.Struct, frozen=True):
+    index: int
+    value: float
+
+
+class TeiToken(msgspec.Struct, frozen=True):
+    """`start`/`stop`: byte offsets into the UTF-8 input (TEI's); null for special tokens."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+class TeiInfo(msgspec.Struct, frozen=True):
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    served_model_name: str
+    model_type: dict[str, Any]
+    max_concurrent_requests: int
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int | None
+    max_client_batch_size: int
+    auto_truncate: bool
+    tokenization_workers: int
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+
+
+#: The TEI `model_type` key of each fleet task that /info describes.
+TASK_MODEL_TYPE = {"embed": "embedding", "rerank": "reranker", "classify": "classifier"}
+
+
+def refuse_unsupported(prompt_name: str | None, truncation_direction: str | None) -> None:
+    if prompt_name is not None:
+        raise BadRequest("prompt_name is not supported: put the prompt in front of the text")
+    if truncation_direction not in (None, "right", "Right"):
+        raise BadRequest(f"truncation_direction {truncation_direction!r} is not supported: fleet truncates on "
+                         f"the right")
+
+
+def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
+    """TEI `inputs` as texts: token-id items are read in the model's own vocabulary."""
+    if inputs.__class__ is str:
+        return [inputs]
+    if not inputs:
+        raise BadRequest("`inputs` is empty: send at least one text")
+    if all(x.__class__ is int for x in inputs):
+        return ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs])
+    if any(x.__class__ is int for x in inputs):
+        raise BadRequest("`inputs` mixes token ids with texts: send a list of id lists for several inputs")
+    at = [i for i, x in enumerate(inputs) if x.__class__ is list]
+    if not at:
+        return inputs
+    texts = list(inputs)
+    decoded = ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs[i] for i in at])
+    for i, text in zip(at, decoded):
+        texts[i] = text
+    return texts
+
+
+async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, EmbedRequest, Any]:
+    """Decode a TEI embed request, queue it as the native one, return (TEI request, native request, answer)."""
+    tei = codec.decode(await request.body(), TeiEmbedRequest, msgpack=codec.is_msgpack(
+        request.headers.get("content-type")))
+    params = tei.parameters or TeiParameters()
+    refuse_unsupported(tei.prompt_name or params.prompt_name, params.truncation_direction or tei.truncation_direction)
+    model = tei.model or default_model(daemon, "embed")
+    truncate = params.truncate if params.truncate is not None else tei.truncate
+    normalize = params.normalize if params.normalize is not None else tei.normalize
+    req = EmbedRequest(model=model, inputs=embed_texts(daemon, model, tei.inputs), normalize=normalize,
+                       truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
+    answer = await run_embed(daemon, req, codec.encode_msgpack(req))
+    return tei, req, answer
+
+
+def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
+    """(texts, whether TEI answers a batch) for TEI's `/predict` inputs."""
+    if inputs.__class__ is str:
+        return [inputs], False
+    if not inputs:
+        raise BadRequest("`inputs` is empty: send at least one text")
+    if all(x.__class__ is str for x in inputs):
+        if len(inputs) == 1:
+            return inputs, False
+        raise BadRequest("`inputs` as a list of strings is a sentence pair in TEI; fleet's classifiers take one "
+                         "text: send a text, or a batch as [[text], [text], ...]")
+    if any(x.__class__ is not list or len(x) != 1 for x in inputs):
+        raise BadRequest("each item of a batch must be [text] (sentence pairs are not supported)")
+    return [x[0] for x in inputs], True
+
+
+def byte_offsets(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character offsets (the Python tokenizers binding) as byte offsets into UTF-8 (TEI's)."""
+    if text.isascii():
+        return spans
+    at = np.concatenate(([0], np.cumsum([len(c.encode()) for c in text]))).tolist()
+    return [(at[a], at[b]) for a, b in spans]
+
+
+def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiToken]:
+    enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    raw = text.encode()
+    out = []
+    for id_, token, special, (start, stop) in zip(enc.ids, enc.tokens, enc.special_tokens_mask,
+                                                  byte_offsets(text, enc.offsets)):
+        if special:
+            out.append(TeiToken(id_, token, True, None, None))
+        else:
+            out.append(TeiToken(id_, raw[start:stop].decode(errors="replace"), False, start, stop))
+    return out
+
+
+def stored(daemon: Daemon, name: str) -> Manifest:
+    """The stored model `name`, whatever its task (the store's own error names its folder)."""
+    try:
+        return daemon.store.get(name)
+    except ModelNotFound:
+        raise ModelNotFound(f"unknown model {name!r}", hint="fleetctl list shows what is pulled") from None
+
+
+def served_dtype(daemon: Daemon, manifest: Manifest) -> str:
+    """The dtype a worker chose at load; before any load, the profile's wish."""
+    for w in daemon.workers():
+        info = w["models"].get(manifest.name)
+        if info and info.get("dtype"):
+            return str(info["dtype"])
+    return manifest.profile.dtype
+
+
+def read_json(daemon: Daemon, manifest: Manifest, rel: str) -> dict[str, Any]:
+    """A small JSON file of the stored model (config), or {} when it has none."""
+    if not any(f.path == rel for f in manifest.files):
+        return {}
+    try:
+        return json.loads((daemon.store.path(manifest.name) / rel).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_type(daemon: Daemon, manifest: Manifest) -> dict[str, Any]:
+    kind = TASK_MODEL_TYPE.get(manifest.task)
+    if kind is None:
+        raise BadRequest(f"model {manifest.name!r} serves {manifest.task!r}; TEI describes embed, rerank and "
+                         f"classify models")
+    if kind == "embedding":
+        pooling = read_json(daemon, manifest, "1_Pooling/config.json")
+        modes = [k[len("pooling_mode_"):].removesuffix("_token").removesuffix("_tokens")
+                 for k, v in pooling.items() if k.startswith("pooling_mode_") and v is True]
+        return {"embedding": {"pooling": modes[0] if modes else "cls"}}
+    id2label = {str(k): str(v) for k, v in read_json(daemon, manifest, "config.json").get("id2label", {}).items()}
+    return {kind: {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}}
+
+
+def max_input_length(daemon: Daemon, manifest: Manifest) -> int:
+    if manifest.max_seq_len:
+        return manifest.max_seq_len
+    limits = [read_json(daemon, manifest, rel).get(key) for rel, key in (
+        ("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length"),
+        ("config.json", "max_position_embeddings"))]
+    return next((int(x) for x in limits if isinstance(x, int) and 0 < x < 1_000_000), 512)
+
+
+class TeiController(Controller):
+    tags = ["TEI"]
+
+    @post("/embed", status_code=200)
+    async def embed(self, request: Request, daemon: Daemon) -> Response:
+        tei, req, answer = await tei_embed(request, daemon, "dense")
+        res = _dense.decode(answer.body)
+        vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+        dimensions = tei.parameters.dimensions if tei.parameters and tei.parameters.dimensions else tei.dimensions
+        if dimensions is not None:
+            vectors = shorten(vectors, dimensions)
+        return reply(request, vectors.tolist(), headers=answer_headers(answer))
+
+    @post("/embed_sparse", status_code=200)
+    async def embed_sparse(self, request: Request, daemon: Daemon) -> Response:
+        _, _, answer = await tei_embed(request, daemon, "sparse")
+        res = _sparse.decode(answer.body)
+        out = [
+            [TeiSparseValue(i, v) for i, v in zip(np.frombuffer(vec.indices, dtype="<i4").tolist(),
+                                                  np.frombuffer(vec.values, dtype="<f4").tolist())]
+            for vec in res.vectors
+        ]
+        return reply(request, out, headers=answer_headers(answer))
+
+    @post("/embed_all", status_code=200)
+    async def embed_all(self, request: Request, daemon: Daemon) -> Response:
+        _, _, answer = await tei_embed(request, daemon, "tokens")
+        res = _tokens.decode(answer.body)
+        out = [np.frombuffer(b, dtype="<f4").reshape(shape).tolist() for b, shape in zip(res.data, res.shapes)]
+        return reply(request, out, headers=answer_headers(answer))
+
+    @post("/rerank", status_code=200)
+    async def rerank(self, request: Request, daemon: Daemon) -> Response:
+        """TEI's rerank: `texts`, `raw_scores`, `return_text`; a bare list, best first."""
+        req = codec.decode(await request.body(), RerankRequest,
+                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        if not req.model:
+            req = msgspec.structs.replace(req, model=default_model(daemon, "rerank"))
+        hits, _, answer = await run_rerank(daemon, req, codec.encode_msgpack(req))
+        out = [TeiRank(h.index, h.score, h.text) for h in hits]
+        return reply(request, out, headers=answer_headers(answer))
+
+    @post("/predict", status_code=200)
+    async def predict(self, request: Request, daemon: Daemon) -> Response:
+        """Every label of the model, best first, per input; one list for one input, a list per input for a batch."""
+        tei = codec.decode(await request.body(), TeiPredictRequest,
+                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        refuse_unsupported(None, tei.truncation_direction)
+        texts, batch = predict_texts(tei.inputs)
+        req = ClassifyRequest(model=tei.model or default_model(daemon, "classify"), inputs=texts,
+                              raw_scores=tei.raw_scores, truncate=True if tei.truncate is None else tei.truncate,
+                              timeout_ms=tei.timeout_ms)
+        check_inputs(daemon, req.inputs)
+        payload = codec.encode_msgpack(req)
+        answer = await daemon.submit("classify", req.model, payload, tokens=estimate_tokens(payload, len(texts)),
+                                     timeout_ms=req.timeout_ms)
+        res = _classify.decode(answer.body)
+        top = np.frombuffer(res.top, dtype="<i4").reshape(res.shape).tolist()
+        scores = np.frombuffer(res.scores, dtype="<f4").reshape(res.shape).tolist()
+        rows = [[TeiPrediction(s, res.labels[j]) for j, s in zip(t, sc)] for t, sc in zip(top, scores)]
+        return reply(request, rows if batch else rows[0], headers=answer_headers(answer))
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(self, request: Request, daemon: Daemon) -> Response:
+        """Tokens of each input in the model's own vocabulary (always a list per input, as TEI answers)."""
+        tei = codec.decode(await request.body(), TeiTokenizeRequest,
+                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        refuse_unsupported(tei.prompt_name, None)
+        texts = [tei.inputs] if tei.inputs.__class__ is str else tei.inputs
+        check_inputs(daemon, texts)
+        name = tei.model or default_model(daemon, "embed")
+        manifest = stored(daemon, name) if tei.model else daemon.manifest(name, "embed")
+        tokenizer = load_tokenizer(daemon.store, manifest)
+        return reply(request, [tokens_of(tokenizer, t, tei.add_special_tokens) for t in texts])
+
+    @get("/info")
+    async def info(self, request: Request, daemon: Daemon, model: str | None = None) -> Response:
+        """TEI's model card for `?model=` (default: the embedding default)."""
+        name = model or default_model(daemon, "embed")
+        manifest = stored(daemon, name)
+        s = daemon.settings
+        return reply(request, TeiInfo(
+            model_id=manifest.name, model_sha=manifest.revision, model_dtype=served_dtype(daemon, manifest),
+            served_model_name=manifest.name, model_type=model_type(daemon, manifest),
+            max_concurrent_requests=s.queue_max_depth, max_input_length=max_input_length(daemon, manifest),
+            max_batch_tokens=manifest.profile.max_batch_tokens, max_batch_requests=None,
+            max_client_batch_size=s.max_inputs, auto_truncate=True, tokenization_workers=1, version=__version__,
+        ))
