@@ -24,9 +24,23 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 # soft_wrap: an error stays one line however narrow the terminal (scripts grep it).
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, help="Print fleet's version and exit."),
+) -> None:
+    if version:
+        from fleet import __version__
+
+        print(f"fleetctl {__version__}")
+        raise typer.Exit()
+
 
 for _verb in VERBS:
     try:

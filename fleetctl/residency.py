@@ -1,4 +1,4 @@
-"""Per-device memory view of `/v1/ps` (what `fleetctl ps` prints under "devices").
+"""Per-device memory view of `/v1/ps` (what `fleetctl ps` prints under "Devices").
 
 Each worker reports its device's budget and its own use (runtimes.memory);
 a device's `used` is the sum over its workers. Pure functions over the JSON.
@@ -6,10 +6,8 @@ a device's `used` is the sum over its workers. Pure functions over the JSON.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from rich.table import Table
 
 
 def device_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -23,32 +21,11 @@ def device_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
         d["budget_bytes"] = max(d["budget_bytes"], w.get("budget_bytes", 0))
         d["used_bytes"] += w.get("used_bytes", 0)
         for name, m in w.get("models", {}).items():
-            d["models"].append({"name": name, "worker": w.get("index", w["worker"]), "pinned": bool(m.get("pinned")),
+            d["models"].append({"name": name, "worker": w["worker"], "pinned": bool(m.get("pinned")),
                                 "bytes": m.get("bytes", 0), "last_used": m.get("last_used", 0.0),
                                 "served": m.get("served", 0)})
         if w.get("loading"):
-            d["models"].append({"name": w["loading"], "worker": w.get("index", w["worker"]), "loading": True})
+            d["models"].append({"name": w["loading"], "worker": w["worker"], "loading": True})
     for d in devices.values():
         d["models"].sort(key=lambda m: -m.get("last_used", float("inf")))
     return sorted(devices.values(), key=lambda d: d["device"])
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-def devices_table(state: dict[str, Any], now: float | None = None) -> Table:
-    now = time.time() if now is None else now
-    table = Table("device", "budget", "used", "model", "pinned", "size", "last used", "served", box=None)
-    for d in device_rows(state):
-        head = [d["device"], _mib(d["budget_bytes"]), _mib(d["used_bytes"])]
-        if not d["models"]:
-            table.add_row(*head, "-", "", "", "", "")
-        for m in d["models"]:
-            if m.get("loading"):
-                table.add_row(*head, m["name"], "", "", "loading", "")
-            else:
-                table.add_row(*head, m["name"], "yes" if m["pinned"] else "no", _mib(m["bytes"]),
-                              f"{now - m['last_used']:.0f}s ago", str(m["served"]))
-            head = ["", "", ""]
-    return table

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import typer
 
-from fleet.config import Settings, default_home, load_settings
+from fleet.config import Settings, default_home, client_url, load_settings
 from fleet.errors import BadRequest
 
 SECRET = "api_key"
@@ -50,6 +50,8 @@ def toml_value(value: Any) -> str:
         return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted, so any name is valid TOML
+        return "{" + ", ".join(f"{_toml_string(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no TOML form for setting value {value!r}: this is a bug")
 
 
@@ -100,6 +102,7 @@ def render_toml(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
         " < FLEET_* environment < flags",
         f"# home = {toml_value(settings.home)}  # {sources['home']} (set by FLEET_HOME or --home)",
         f"# api_key: {'set' if settings.api_key else 'unset'}  # {sources[SECRET]}",
+        f"# url = {toml_value(client_url())}  # {_url_source()} (FLEET_URL: where the CLI finds the daemon)",
     ]
     for field in Settings.__struct_fields__:
         if field in _MASKED:
@@ -118,7 +121,13 @@ def render_json(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
         }
         for field in Settings.__struct_fields__
     }
-    return json.dumps({"config_file": str(cfg), "config_file_found": cfg.is_file(), "settings": values}, indent=2) + "\n"
+    url = {"value": client_url(), "source": _url_source()}
+    return json.dumps({"config_file": str(cfg), "config_file_found": cfg.is_file(), "url": url, "settings": values},
+                      indent=2) + "\n"
+
+
+def _url_source() -> str:
+    return "env" if os.environ.get("FLEET_URL") else "default"
 
 
 def register(app: typer.Typer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -33,16 +34,20 @@ def register(app: typer.Typer) -> None:
         if catalog:
             entries = load_catalog(settings.home).all()
             pulled = set(store.names())
+            sizes = {e.name: known_size(e, store, pulled) for e in entries}
             if json:
-                rows = [{**msgspec.to_builtins(e), "pulled": e.name in pulled} for e in entries]
+                rows = [{**msgspec.to_builtins(e), "pulled": e.name in pulled, "size_bytes": sizes[e.name]}
+                        for e in entries]
                 sys.stdout.buffer.write(msgspec.json.encode(rows) + b"\n")
                 return
             table = Table(box=None)
             table.add_column("name", no_wrap=True, min_width=max((len(e.name) for e in entries), default=4))
-            for column in ("task", "runtime", "source", "pulled"):
+            for column in ("task", "runtime", "size", "source", "pulled"):
                 table.add_column(column, overflow="fold")
             for e in entries:
-                cells = (e.name, e.task, e.runtime, e.source, "yes" if e.name in pulled else "")
+                size = sizes[e.name]
+                cells = (e.name, e.task, e.runtime, "-" if size is None else human_size(size), e.source,
+                         "yes" if e.name in pulled else "")
                 table.add_row(*map(escape, cells))
             out.print(table)
             return
@@ -72,3 +77,27 @@ def register(app: typer.Typer) -> None:
                      m.created_at.replace("T", " ").removesuffix("Z")[:16])
             table.add_row(*map(escape, cells))
         out.print(table)
+
+
+def known_size(entry, store, pulled: set[str]) -> int | None:
+    """Bytes of a catalog model where this box can tell without a network: the stored
+    copy's, else the folder a `pkg:`/`path:` source points at; None for the hub."""
+    from fleet.catalog import parse_source
+    from fleet.errors import FleetError
+    from fleet.pull import package_folder
+
+    if entry.name in pulled:
+        return store.get(entry.name).size_bytes
+    source = parse_source(entry.source)
+    try:
+        if source.kind == "pkg":
+            folder = package_folder(source.ref)[0]
+        elif source.kind == "path":
+            folder = Path(source.ref).expanduser()
+        else:
+            return None
+    except FleetError:  # the package is not installed: unknown here
+        return None
+    if not folder.is_dir():
+        return None
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())

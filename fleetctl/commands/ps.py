@@ -1,21 +1,22 @@
-"""`fleetctl ps`: what the daemon runs now (workers, models, lanes)."""
+"""`fleetctl ps`: what the daemon runs now (workers, models, devices, lanes).
+
+Readable in an 80-column terminal: one titled table per kind, model names wrapped
+(never cut: they are what people copy into the next command), numbers never
+split over lines, sizes in MiB only, LoRA adapters under their base model, and
+the worker ids of `ps --json` and `fleetctl pin`.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from fleetctl.residency import device_rows
 
 
 def register(app: typer.Typer) -> None:
@@ -37,45 +38,114 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps(state, indent=2))
             return
-        out = Console()
-        out.print(f"[bold]{state['box']}[/] · {state['status']} · queue depth {state['queue']['depth']}"
-                  f" · in flight {state['queue']['in_flight']} · up {state['uptime_s']:.0f}s")
-        # 1. Workers: where each runs, what it claims now, its last batch.
-        workers = Table("worker", "pid", "device", "up", "restarts", "claimed", "last batch", box=None)
-        for w in state["workers"]:
-            workers.add_row(str(w.get("index", w["worker"])), str(w["pid"]), w["device"], "yes" if w["up"] else "no",
-                            str(w.get("restarts", 0)), str(w["claimed"]), _last_batch(w.get("last_batch") or {}))
-        for slot in state.get("slots", []):
-            if slot["pid"] is None:
-                workers.add_row(str(slot["index"]), "-", slot["device"], "restarting", str(slot["restarts"]),
-                                "", f"next start in {slot['restart_in_s']:.1f}s")
-        out.print(workers)
-        # 2. Models resident per worker, with the cost model fitted from its batches.
-        models = Table("worker", "model", "dtype", "profile", "size", "served", "last used", "cost (a + b/1k tok)", box=None)
-        for w in state["workers"]:
-            for name, m in sorted(w["models"].items()):
-                if not m:  # the worker's record was too small for details
-                    models.add_row(str(w.get("index", w["worker"])), name, "", "", "", "", "", "")
-                    continue
-                ago = time.time() - m["last_used"]
-                models.add_row(str(w.get("index", w["worker"])), name, m["dtype"], m.get("profile", "default"),
-                               _size(m["bytes"]),
-                               str(m["served"]), f"{ago:.0f}s ago", _cost(m.get("cost") or {}))
-        out.print(models)
-        # Device memory: budget, used and resident models per device (fleetctl.residency).
-        from fleetctl.residency import devices_table
-
-        out.print(devices_table(state))
-        # 3. Lanes: what waits, and for how long.
-        if state["lanes"]:
-            lanes = Table("lane", "depth", "tokens", "claimed", "oldest wait", box=None)
-            for lane in state["lanes"]:
-                lanes.add_row(lane["model"], str(lane["depth"]), str(lane["tokens"]), str(lane["claimed"]),
-                              f"{lane['oldest_wait_ms']:.0f} ms")
-            out.print(lanes)
+        Console(highlight=False).print(render(state))
 
 
-def _last_batch(b: dict) -> str:
+def mib(n: int | float) -> str:
+    return f"{n / (1 << 20):,.1f}"
+
+
+def table(title: str, *columns: str) -> Table:
+    """A titled table; every column keeps its numbers on one line, text columns fold."""
+    t = Table(title=title, title_justify="left", title_style="bold", box=None, pad_edge=False)
+    for name in columns:
+        t.add_column(name, no_wrap=True)
+    return t
+
+
+def text_column(t: Table, name: str, **kw: Any) -> None:
+    # fold: a long unbroken name wraps at the column edge instead of being cut with "…".
+    t.add_column(name, overflow="fold", **kw)
+
+
+def render(state: dict[str, Any], now: float | None = None) -> Group:
+    now = time.time() if now is None else now
+    q = state["queue"]
+    head = (f"[bold]{state['box']}[/] · {state['status']} · {q['depth']} waiting, {q['in_flight']} in flight"
+            f" · up {state['uptime_s']:.0f} s")
+    parts: list[Any] = [head, workers_table(state), devices_table(state), models_table(state, now)]
+    profiles = profiles_table(state)
+    if profiles.row_count:
+        parts.append(profiles)
+    if state["lanes"]:
+        parts.append(lanes_table(state))
+    return Group(*parts)
+
+
+def workers_table(state: dict[str, Any]) -> Table:
+    t = table("Workers", "worker", "pid", "device", "state", "restarts", "claimed")
+    text_column(t, "last batch", ratio=1)
+    for w in state["workers"]:
+        t.add_row(str(w["worker"]), str(w["pid"]), w["device"], "up" if w["up"] else "down",
+                  str(w.get("restarts", 0)), str(w["claimed"]), last_batch(w.get("last_batch") or {}))
+    for slot in state.get("slots", []):
+        if slot["pid"] is None:
+            t.add_row("-", "-", slot["device"], "restarting", str(slot["restarts"]), "",
+                      f"next start in {slot['restart_in_s']:.1f} s")
+    return t
+
+
+def devices_table(state: dict[str, Any]) -> Table:
+    """Budget and use per device (a device's use is the sum over its workers)."""
+    t = table("Devices", "device")
+    for name in ("budget MiB", "used MiB", "free MiB", "models"):
+        t.add_column(name, no_wrap=True, justify="right")
+    text_column(t, "loading", ratio=1)
+    for d in device_rows(state):
+        loading = ", ".join(m["name"] for m in d["models"] if m.get("loading"))
+        resident = sum(1 for m in d["models"] if not m.get("loading"))
+        t.add_row(d["device"], mib(d["budget_bytes"]), mib(d["used_bytes"]),
+                  mib(max(0, d["budget_bytes"] - d["used_bytes"])), str(resident), loading or "-")
+    return t
+
+
+def models_table(state: dict[str, Any], now: float) -> Table:
+    """Resident models per worker, LoRA adapters under their base."""
+    t = table("Models", "worker")
+    text_column(t, "model", ratio=1)
+    t.add_column("dtype", no_wrap=True)
+    t.add_column("pinned", no_wrap=True)
+    for name in ("MiB", "served", "idle s"):
+        t.add_column(name, no_wrap=True, justify="right")
+    for w in state["workers"]:
+        for name, m in sorted(w["models"].items()):
+            if not m:  # the worker's record was too small for details
+                t.add_row(str(w["worker"]), name, "", "", "", "", "")
+                continue
+            t.add_row(str(w["worker"]), name, m["dtype"], "yes" if m.get("pinned") else "no", mib(m["bytes"]),
+                      str(m["served"]), f"{now - m['last_used']:.0f}")
+            for lora in m.get("loras") or []:  # LoRA adapters attached to this base
+                t.add_row("", f"└ {lora}", "LoRA", "", "", "", "")
+    return t
+
+
+def profiles_table(state: dict[str, Any]) -> Table:
+    """Which serving profile each model runs with, and its batch cost as fitted from its batches."""
+    t = table("Profiles")
+    text_column(t, "model", ratio=1)
+    t.add_column("profile", no_wrap=True)
+    text_column(t, "batch cost (fitted)", ratio=1)
+    seen = set()
+    for w in state["workers"]:
+        for name, m in sorted(w["models"].items()):
+            if m and (name, m.get("profile")) not in seen:
+                seen.add((name, m.get("profile")))
+                t.add_row(name, m.get("profile", "default"), cost(m.get("cost") or {}))
+    return t
+
+
+def lanes_table(state: dict[str, Any]) -> Table:
+    t = table("Lanes")
+    text_column(t, "lane", ratio=1)
+    for name in ("waiting", "tokens", "claimed", "oldest ms"):
+        t.add_column(name, no_wrap=True, justify="right")
+    for lane in state["lanes"]:
+        t.add_row(lane["model"], str(lane["depth"]), str(lane["tokens"]), str(lane["claimed"]),
+                  f"{lane['oldest_wait_ms']:.0f}")
+    return t
+
+
+def last_batch(b: dict) -> str:
     if not b.get("model"):
         return "-"
     text = f"{b['model']}: {b['items']} items, {b['tokens']} tok ({b.get('padded', b['tokens'])} padded), {b['ms']:.1f} ms"
@@ -84,7 +154,7 @@ def _last_batch(b: dict) -> str:
     return text
 
 
-def _cost(c: dict) -> str:
+def cost(c: dict) -> str:
     if not c.get("samples"):
         return "-"
-    return f"{c['a_ms']:.2f} + {c['b_ms_per_1k_tokens']:.2f} ms ({c['samples']} batches)"
+    return f"{c['a_ms']:.2f} ms + {c['b_ms_per_1k_tokens']:.2f} ms/1k tok ({c['samples']} batches)"
