@@ -30,7 +30,6 @@ app = typer.Typer(
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-
 @app.callback(invoke_without_command=True)
 def _root(
     version: bool = typer.Option(False, "--version", is_eager=True, help="Print fleet's version and exit."),
