@@ -28,6 +28,9 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitab
 
 #: Shortest key accepted for a non-loopback bind: 16 characters.
 MIN_KEY_CHARS = 16
+#: Fewest distinct characters in such a key: 16 x `a`, or a repeated short word,
+#: is guessed long before any real secret.
+MIN_KEY_DISTINCT = 8
 OPEN_PATHS = ("/healthz",)
 _MSGPACK = (b"application/msgpack", b"application/x-msgpack")
 
@@ -55,11 +58,23 @@ def check_bind(host: str, api_key: str) -> None:
             f"refusing to bind {host or '0.0.0.0'} without an API key: any host that can reach it could use it",
             hint="set FLEET_API_KEY (or api_key_file in config.toml), or bind 127.0.0.1",
         )
-    if len(api_key) < MIN_KEY_CHARS:
+    weakness = key_weakness(api_key)
+    if weakness:
         raise Unauthorized(
-            f"refusing to bind {host} with an API key of {len(api_key)} characters; use at least {MIN_KEY_CHARS}",
+            f"refusing to bind {host} with a weak API key: {weakness}",
             hint='make one with: python -c "import secrets; print(secrets.token_urlsafe(32))"',
         )
+
+
+def key_weakness(api_key: str) -> str | None:
+    """Why `api_key` is too easy to guess for a non-loopback bind, or None."""
+    if len(api_key) < MIN_KEY_CHARS:
+        return f"{len(api_key)} characters; use at least {MIN_KEY_CHARS}"
+    if any(c.isspace() for c in api_key):
+        return "it contains whitespace"
+    if len(set(api_key)) < MIN_KEY_DISTINCT:
+        return f"only {len(set(api_key))} distinct characters; use at least {MIN_KEY_DISTINCT}"
+    return None
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -63,6 +63,10 @@ def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
         raise BadRequest(f"malformed {kind} body: {exc}") from None
     except UnicodeDecodeError as exc:  # a msgpack str that is not valid UTF-8
         raise BadRequest(f"text is not valid UTF-8: {exc}") from None
+    except RecursionError:
+        # msgspec stops at the interpreter's recursion limit: nesting that deep is
+        # never a valid request (deliberately not a traceback in the log per request).
+        raise BadRequest("request body is nested too deeply") from None
 
 
 def field_of(message: str) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from fleet.catalog import load_catalog
+from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
 from fleet.store import Manifest, Store
@@ -46,7 +46,7 @@ HEARTBEAT_STALE_S = 30.0
 #: Settings a SIGHUP applies to the running daemon (`Daemon.reload`); any other
 #: change in config.toml is logged as needing a restart.
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
-                 "api_key_file", "load_timeout_ms", "drain_timeout_ms")
+                 "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins")
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Daemon:
     def __post_init__(self) -> None:
         self.store = Store(self.settings.store_path)
         self.box = self.settings.box_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(known=self.knows_model)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -173,6 +173,12 @@ class Daemon:
             self.queue.unlink()
 
     # -- models ---------------------------------------------------------------------
+
+    def knows_model(self, name: str) -> bool:
+        """A model this box stores, or (with NATS) a live box of its cluster does."""
+        if NAME_RE.match(name) and self.store.exists(name):
+            return True
+        return self.cluster is not None and any(name in b["models"] for b in self.cluster.boxes())
 
     def manifest(self, name: str, task: str) -> Manifest:
         """The stored model `name`, which must serve `task`. Cached; a miss re-reads

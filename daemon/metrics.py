@@ -11,10 +11,11 @@ label set. Units: seconds and bytes, as Prometheus names them; the queue and
 inference times arrive in ms (the `X-Queue-Ms` / `X-Inference-Ms` headers) and
 are converted here.
 
-Label safety: the `model` label can come from a client's request body. Only the
-first `max_models` distinct names get their own series; later ones are counted
-under `_other`, so a client sending random names cannot grow memory without
-bound.
+Label safety: the `model` label can come from a client's request body. A name
+gets its own series only if `known(name)` (the daemon: a model it stores, or a box
+of its cluster does); any other is counted under `_unknown`, so junk names neither
+grow memory nor use up the label budget. Past `max_models` known names, the rest
+share `_other`.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 BATCH_ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 OTHER_MODEL = "_other"
+UNKNOWN_MODEL = "_unknown"
 
 
 class Metrics:
-    def __init__(self, *, max_models: int = 256, process_metrics: bool = True) -> None:
+    def __init__(self, *, max_models: int = 256, process_metrics: bool = True,
+                 known: Callable[[str], bool] = lambda name: True) -> None:
         # `*_created` series double the scrape size and no dashboard reads them.
         # The switch is process-wide in prometheus-client and must precede creation.
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.max_models = max_models
+        self.known = known
         self._models: dict[str, str] = {}
         self._request_children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         self._lane_children: dict[str, tuple[Any, Any]] = {}
@@ -85,9 +89,14 @@ class Metrics:
     def _model(self, model: str) -> str:
         label = self._models.get(model)
         if label is None:
+            if not model:
+                return "-"
+            # Unknown names are not remembered: a model pulled later gets its own series.
+            if not self.known(model):
+                return UNKNOWN_MODEL
             if len(self._models) >= self.max_models:
                 return OTHER_MODEL
-            label = self._models[model] = model or "-"
+            label = self._models[model] = model
         return label
 
     def observe_request(

@@ -73,6 +73,8 @@ def serve(settings: Settings) -> None:
     from daemon.app import create_app
     from daemon.auth import check_bind
     from daemon.home import claim_home
+    from daemon.connections import connection_limits, guarded_protocol
+    from daemon.guard import BrowserGuard
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
 
@@ -81,13 +83,17 @@ def serve(settings: Settings) -> None:
     claim_home(settings)
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
-    # Request id outermost (401s and every log line of a request carry it); auth
-    # wraps the whole app, so 404/405 answers are guarded too; /healthz stays open.
+    # Request id outermost (401s and every log line of a request carry it); the
+    # browser guard before auth (preflights carry no key); auth wraps the whole app,
+    # so 404/405 answers are guarded too; /healthz stays open.
     guarded = LiveApp(litestar_app, settings.api_key)
-    app = RequestIdMiddleware(guarded)
+    browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
+                                 cors_origins=settings.cors_origins)
+    app = RequestIdMiddleware(browser_guard)
 
     def on_reload(new: Settings) -> None:
         guarded.set_key(new.api_key)
+        browser_guard.configure(new.allowed_hosts, new.cors_origins)
         set_body_limit(litestar_app, new.max_body_bytes)
         server.config.timeout_graceful_shutdown = new.drain_timeout_ms / 1000.0 + GRACE_S
 
@@ -105,9 +111,9 @@ def serve(settings: Settings) -> None:
                 daemon._loop.call_soon_threadsafe(daemon.begin_drain, daemon.settings.drain_timeout_ms / 1000.0)
 
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+        app, host=settings.host, port=settings.port, loop="uvloop", http=guarded_protocol(connection_limits(settings)),
         lifespan="on", log_config=None, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=bound_s + GRACE_S,
+        timeout_graceful_shutdown=bound_s + GRACE_S, timeout_keep_alive=settings.keep_alive_timeout_ms / 1000.0,
     )
     server = FleetServer(config)
     daemon.is_serving = lambda: server.started

@@ -36,16 +36,18 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
 #: Lowercase, starts with a letter or digit, then letters, digits, `.`, `_`, `-`;
 #: at most 128 characters. No slashes, so a name is always one path component;
-#: `..` is refused separately (it matches the character class).
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+#: `..` is refused separately (it matches the character class). Patterns end in
+#: `\Z`, not `$`: `$` also matches before a final newline, and `nl` and `nl\n`
+#: would be two store entries that list alike.
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 #: Runtime names are registry keys (runtimes/), same alphabet as model names.
-RUNTIME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+RUNTIME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 SOURCE_KINDS: tuple[str, ...] = ("hf", "path", "pkg")
 #: `ORG/NAME` on the hub (its own rules are looser than ours; this is enough to
 #: keep the id a plain two-part path).
-_HF_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_HF_REV_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}$")
-_PKG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)*$")
+_HF_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_HF_REV_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,255}\Z")
+_PKG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)*\Z")
 
 SHIPPED_CATALOG = Path(__file__).with_name("models.toml")
 

@@ -32,6 +32,25 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     api_key: str = ""
     api_key_file: str = ""
+    #: Names this daemon is reached by besides its bind address (and, on a loopback
+    #: bind, the loopback names): any other `Host` is refused, so a web page cannot
+    #: reach a loopback daemon through DNS rebinding. A wildcard bind accepts any Host
+    #: unless names are listed here.
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    #: Browser origins allowed to call the API cross-origin (exact, or with `*`
+    #: wildcards: "https://*.example.com"); loopback origins are always allowed.
+    cors_origins: list[str] = msgspec.field(default_factory=list)
+    #: A connection must deliver a request's headers within this time (from
+    #: connecting or from its previous response), and its body with no gap longer
+    #: than `body_timeout_ms`; slower ones are closed (slowloris).
+    header_timeout_ms: int = 10_000
+    body_timeout_ms: int = 10_000
+    #: An idle keep-alive connection is closed after this long.
+    keep_alive_timeout_ms: int = 5_000
+    #: Open connections, in all and per client address; at a cap a new connection
+    #: closes the oldest idle one (waiting for headers or kept alive), else it is refused.
+    max_connections: int = 1024
+    max_connections_per_client: int = 256
     #: NATS server URL(s), comma-separated: set, the daemon joins the cluster (daemon/cluster.py).
     nats: str = ""
     #: NATS auth and TLS, passed through to the client: a .creds file (JWT + nkey seed),
@@ -152,8 +171,9 @@ def load_settings(**overrides: Any) -> Settings:
     merged.update(_env_overrides())
     merged.update({k: v for k, v in overrides.items() if v is not None})
     merged["home"] = home
-    if isinstance(merged.get("preload"), str):
-        merged["preload"] = [p for p in merged["preload"].split(",") if p]
+    for key in ("preload", "allowed_hosts", "cors_origins"):
+        if isinstance(merged.get(key), str):
+            merged[key] = [p.strip() for p in merged[key].split(",") if p.strip()]
     if isinstance(merged.get("default_models"), str):
         pairs = (p.partition("=") for p in merged["default_models"].split(","))
         merged["default_models"] = {task.strip(): name.strip() for task, _, name in pairs if task.strip()}

@@ -28,9 +28,11 @@ import msgspec
 CONTROL_PREFIX = "ctl:"
 WORKER_INDEX_MASK = 0xFFFF
 
-#: Command ops.
-LOAD, UNLOAD, PIN, UNPIN = "load", "unload", "pin", "unpin"
-OPS = (LOAD, UNLOAD, PIN, UNPIN)
+#: Command ops. `evict` is one worker asking a peer of its device for room: the
+#: peer drops the model only if it is idle and unpinned (put with request id 0:
+#: no caller waits on its reply).
+LOAD, UNLOAD, PIN, UNPIN, EVICT = "load", "unload", "pin", "unpin", "evict"
+OPS = (LOAD, UNLOAD, PIN, UNPIN, EVICT)
 #: Control items a worker takes per step (each is acked as soon as it is done).
 CONTROL_BATCH = 16
 

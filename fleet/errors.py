@@ -38,6 +38,18 @@ class Unauthorized(FleetError):
     code, status = "unauthorized", 401
 
 
+class Forbidden(FleetError):
+    """A foreign Host (DNS rebinding) or a cross-origin request from an Origin not on `cors_origins`."""
+
+    code, status = "forbidden", 403
+
+
+class UnsupportedMediaType(FleetError):
+    """A body that is neither JSON nor MessagePack (a browser form or text/plain post)."""
+
+    code, status = "unsupported_media_type", 415
+
+
 class ModelNotFound(FleetError):
     code, status = "model_not_found", 404
 
@@ -107,7 +119,7 @@ BY_CODE: dict[str, type[FleetError]] = {
     for cls in (
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
         NotFound, MethodNotAllowed, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
-        Unavailable, Timeout, SourceUnreachable,
+        Unavailable, Timeout, SourceUnreachable, Forbidden, UnsupportedMediaType,
     )
 }
 

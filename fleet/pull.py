@@ -36,7 +36,7 @@ from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
 from fleet.store import (
-    NO_PROGRESS, Manifest, Progress, Store, hash_file, safe_relpath, utc_now,
+    NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
 
 #: Weight files that unpickle on load (arbitrary code): refused unless allowed.
@@ -91,7 +91,8 @@ class _Meta(NamedTuple):
 
 # ---- choosing files --------------------------------------------------------------
 
-def select_files(paths: list[str], *, allow_pickle: bool, origin: str) -> tuple[list[str], list[str]]:
+def select_files(paths: list[str], *, allow_pickle: bool, origin: str,
+                 remote_code: bool = False) -> tuple[list[str], list[str]]:
     """(files to take, files skipped) from relative POSIX paths of a model folder or repo."""
     keep: list[str] = []
     skipped: list[str] = []
@@ -99,7 +100,8 @@ def select_files(paths: list[str], *, allow_pickle: bool, origin: str) -> tuple[
         parts = rel.split("/")
         if any(p.startswith(".") for p in parts):
             continue  # .git, .cache, .gitattributes: never model files
-        if parts[0] in FOREIGN_DIRS or rel.endswith(FOREIGN_SUFFIXES):
+        if parts[0] in FOREIGN_DIRS or rel.endswith(FOREIGN_SUFFIXES) or not (
+                needed_by_runtime(rel, remote_code=remote_code) or rel.endswith(PICKLE_SUFFIXES)):
             skipped.append(rel)
             continue
         keep.append(rel)
@@ -121,7 +123,8 @@ def select_files(paths: list[str], *, allow_pickle: bool, origin: str) -> tuple[
     return sorted(keep), sorted(skipped)
 
 
-def scan_folder(folder: Path, *, allow_pickle: bool, origin: str) -> tuple[list[tuple[str, Path]], list[str]]:
+def scan_folder(folder: Path, *, allow_pickle: bool, origin: str,
+                remote_code: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
     """[(relative path, file to read)] of a local model folder, filtered; plus skipped paths.
 
     A symlink is followed only if it resolves inside `folder`.
@@ -156,7 +159,7 @@ def scan_folder(folder: Path, *, allow_pickle: bool, origin: str) -> tuple[list[
             elif not full.is_file():
                 continue  # sockets, fifos: not model files
             found[rel] = full
-    keep, skipped_sel = select_files(list(found), allow_pickle=allow_pickle, origin=origin)
+    keep, skipped_sel = select_files(list(found), allow_pickle=allow_pickle, origin=origin, remote_code=remote_code)
     return [(rel, found[rel]) for rel in keep], sorted(skipped + skipped_sel)
 
 
@@ -392,6 +395,11 @@ def pull_model(
             raise FleetError(f"cannot pull {source} into {store.root}: {exc.strerror or exc}{where}") from exc
 
 
+def remote_code(entry: CatalogEntry | None, previous: Manifest | None) -> bool:
+    """Does the model's entry (or its stored manifest) trust its own Python code?"""
+    return entry.trust_remote_code if entry else (previous.trust_remote_code if previous else False)
+
+
 def _pull_local(
     *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
     existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
@@ -408,7 +416,8 @@ def _pull_local(
         revision = None
         source_text = f"path:{folder}"
     allow_pickle = entry.allow_pickle if entry else (previous.allow_pickle if previous else False)
-    files, skipped = scan_folder(folder, allow_pickle=allow_pickle, origin=source_text)
+    files, skipped = scan_folder(folder, allow_pickle=allow_pickle, origin=source_text,
+                                 remote_code=remote_code(entry, previous))
     meta = _metadata(entry=entry, previous=previous, folder=folder, task=task, runtime=runtime,
                      base=base, catalog=catalog, origin=source_text)
 
@@ -549,7 +558,8 @@ def _pull_hub(
     if not commit:
         raise SourceUnreachable(f"cannot pull {source}: the hub did not say which commit {revision!r} is")
     siblings = {s.rfilename: s for s in (info.siblings or [])}
-    keep, skipped = select_files(list(siblings), allow_pickle=allow_pickle, origin=source_text)
+    keep, skipped = select_files(list(siblings), allow_pickle=allow_pickle, origin=source_text,
+                                 remote_code=remote_code(entry, previous))
     for rel in keep:
         safe_relpath(rel)
     if (done := up_to_date(commit, skipped)) is not None:

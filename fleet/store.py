@@ -42,6 +42,22 @@ from fleet.errors import BadRequest, IntegrityError, ModelNotFound
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+#: Modes of store files and directories: the daemon's user reads and writes, its
+#: group reads (a service's operators), others nothing; a umask can only tighten them.
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+#: What a runtime reads from a model folder: configs and tokenizers (.json, vocab
+#: .txt, sentencepiece .model, ...), safetensors weights and chat templates. Pickle
+#: weights are decided apart (pull.select_files); Python files only for an entry that
+#: trusts remote code. The rest (README, images, scripts, other frameworks' exports)
+#: is never copied.
+RUNTIME_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken", ".spm", ".vocab")
+
+
+def needed_by_runtime(rel: str, *, remote_code: bool = False) -> bool:
+    return rel.endswith(RUNTIME_SUFFIXES) or (remote_code and rel.endswith(".py"))
+
+
 #: Read/write unit when hashing and copying (bytes).
 CHUNK_BYTES = 1 << 20
 #: Reads `Store.open` makes of a model that is being replaced under it.
@@ -135,8 +151,9 @@ def copy_hashed(src: Path, dst: Path, progress: Progress = NO_PROGRESS) -> tuple
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
     size = 0
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+    dst.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    # A new file with FILE_MODE, whatever the source's mode was.
+    with open(src, "rb", buffering=0) as fin, open(_create(dst), "wb", buffering=0, closefd=True) as fout:
         while n := fin.readinto(buf):
             chunk = view[:n]
             h.update(chunk)
@@ -145,6 +162,11 @@ def copy_hashed(src: Path, dst: Path, progress: Progress = NO_PROGRESS) -> tuple
             progress.advance(n)
         os.fsync(fout.fileno())
     return size, h.hexdigest()
+
+
+def _create(path: Path) -> int:
+    """A new file `path` (it must not exist) opened for writing, mode FILE_MODE: its fd."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -158,7 +180,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_manifest(path: Path, manifest: Manifest) -> None:
     """Write `manifest.json` into directory `path` atomically (temp file + rename)."""
     tmp = path / f".{MANIFEST}.{secrets.token_hex(4)}"
-    with open(tmp, "xb") as f:
+    with open(_create(tmp), "wb") as f:
         f.write(msgspec.json.format(_ENCODER.encode(manifest), indent=2) + b"\n")
         f.flush()
         os.fsync(f.fileno())
@@ -182,7 +204,10 @@ class Staging:
     def adopt(self, rel: str, progress: Progress = NO_PROGRESS) -> FileEntry:
         """Record a file something else (a downloader) already wrote into the staging dir."""
         rel = safe_relpath(rel)
-        size, digest = hash_file(self.path / rel, progress)
+        path = self.path / rel
+        # Downloaders write with the process umask (0644 typically): tighten to FILE_MODE.
+        os.chmod(path, path.stat().st_mode & FILE_MODE)
+        size, digest = hash_file(path, progress)
         entry = FileEntry(path=rel, size=size, sha256=digest)
         self.files.append(entry)
         return entry
@@ -222,19 +247,19 @@ class Store:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise ModelNotFound(
-                f"model {name!r} is not in the store ({self.root})",
+                f"model {name!r} is not in the store",
                 hint=f"pull it: `fleetctl pull {name}` (see `fleetctl list` or models.toml)",
             ) from None
         try:
             manifest = _MANIFEST_DECODER.decode(raw)
         except msgspec.ValidationError as exc:
             raise IntegrityError(
-                f"model {name!r}: unreadable manifest {path}: {exc}",
+                f"model {name!r}: unreadable manifest: {exc}",
                 hint=f"re-pull it: `fleetctl pull {name} --force`",
             ) from None
         if manifest.name != name:
             raise IntegrityError(
-                f"model {name!r}: manifest {path} names {manifest.name!r}",
+                f"model {name!r}: its manifest names {manifest.name!r}",
                 hint=f"re-pull it: `fleetctl pull {name} --force`",
             )
         return manifest
@@ -270,7 +295,7 @@ class Store:
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
-                raise IntegrityError(f"model {name!r}: file {f.path!r} is missing from {base}", hint=fix) from None
+                raise IntegrityError(f"model {name!r}: file {f.path!r} is missing", hint=fix) from None
             if size != f.size:
                 raise IntegrityError(
                     f"model {name!r}: file {f.path!r} is {size} bytes, its manifest says {f.size}",
@@ -358,7 +383,7 @@ class Store:
         """
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f".tmp-{validate_name(name)}-{secrets.token_hex(4)}"
-        path.mkdir()
+        path.mkdir(mode=DIR_MODE)
         staging = Staging(path)
         try:
             yield staging
@@ -409,7 +434,7 @@ class Store:
                 os.rename(self.root / name, gone)
             except FileNotFoundError:
                 raise ModelNotFound(
-                    f"model {name!r} is not in the store ({self.root})", hint="see `fleetctl list`",
+                    f"model {name!r} is not in the store", hint="see `fleetctl list`",
                 ) from None
             shutil.rmtree(gone, ignore_errors=True)
         return manifest

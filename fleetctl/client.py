@@ -31,7 +31,7 @@ import httpx
 import msgspec
 
 from fleet.config import client_url
-from fleet.errors import FleetError, Overloaded, Unavailable, from_code
+from fleet.errors import FleetError, Overloaded, Unauthorized, Unavailable, from_code
 from fleet.protocol import (
     ClassifyReply, EmbedReplyMsgpack, EmbedSparseReply, EmbedTokensReplyMsgpack, Entity, ErrorBody, ErrorReply,
     ExtractReply, GenerateChunkReply, GenerateReply, LabelScore, ModelList, RerankHit, RerankReply, Usage,
@@ -192,10 +192,25 @@ def sse_events(lines: Iterator[str]) -> Iterator[GenerateChunkReply]:
         yield GenerateChunkReply(event.model, event.text, event.finish_reason, event.usage)
 
 
+def env_api_key() -> str:
+    """The key clients send: FLEET_API_KEY, else the file FLEET_API_KEY_FILE names (the
+    systemd unit passes the key that way, as a credential), stripped like the daemon does."""
+    key = os.environ.get("FLEET_API_KEY", "")
+    path = os.environ.get("FLEET_API_KEY_FILE", "")
+    if key or not path:
+        return key
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise Unauthorized(f"cannot read FLEET_API_KEY_FILE {path}: {exc.strerror}",
+                           hint="point FLEET_API_KEY_FILE at a readable file, or set FLEET_API_KEY") from None
+
+
 class _Base:
     def __init__(self, url: str | None, api_key: str | None, retries: int, max_retry_wait_s: float) -> None:
         self.url = (url or client_url()).rstrip("/")
-        key = api_key if api_key is not None else os.environ.get("FLEET_API_KEY", "")
+        key = api_key if api_key is not None else env_api_key()
         self.headers = {"Accept": MSGPACK}
         if key:
             self.headers["Authorization"] = f"Bearer {key}"

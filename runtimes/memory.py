@@ -477,15 +477,21 @@ class LoadLock:
         return cls(run / f"load-{device.replace(':', '-')}.lock")
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, *, blocking: bool = True) -> Iterator[bool]:
+        """Hold the lock for the block; with `blocking=False` the block gets False at
+        once (holding nothing) when another process holds it."""
         if self.path is None:
-            yield
+            yield True
             return
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 

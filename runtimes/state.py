@@ -38,3 +38,12 @@ class BatchStats:
     ms: float = 0.0
     at: float = 0.0
     returned: int = 0  # over-pulled items given back when this batch was formed
+
+
+@dataclass(frozen=True)
+class NotNowMemo:
+    """A "not here, now" load verdict, kept so the lane is skipped without deciding again."""
+
+    until_ns: int  # the worker's clock
+    #: Left to the workers holding the model: the worker may block for new work.
+    left_to_holders: bool

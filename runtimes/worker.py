@@ -19,33 +19,57 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from fleet.control import (
+    CONTROL_BATCH, EVICT, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, is_control_lane,
+)
+from fleet.control import decode_command as _decode_command
 from fleet.errors import BadRequest, FleetError, ModelLoadFailed, ModelTooLarge
+from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from local_queue import QueueFull
 from local_queue.queue import INFO_BYTES
 from runtimes.base import Adapter, ModelSpec
-from fleet.control import (
-    CONTROL_BATCH, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, is_control_lane,
-)
-from fleet.control import decode_command as _decode_command
 from runtimes.continuous import abort_in_flight, busy_continuous, serve_continuous
 from runtimes.memory import (
-    EXPLICIT_DEMAND, IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, TOO_LARGE, WAIT, DeviceMemory, Estimates,
-    Footprint, LoadLock, LoadPlan, NotNow, ResidentView, estimate_footprint, load_error, plan_load, run_split_on_oom,
-    used_bytes,
+    IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
+    estimate_footprint, is_out_of_memory, load_error, run_split_on_oom, used_bytes,
 )
-from runtimes.memory import LOAD as PLAN_LOAD
-from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
+from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
+from runtimes.placement import LOAD as PLACE_LOAD
 from runtimes.policy import (
-    MIN_SAMPLES, CostModel, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms, padded_tokens,
-    should_load_copy,
+    MIN_SAMPLES, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms,
+    padded_tokens,
 )
 from runtimes.registry import adapter_class
-from runtimes.state import BATCH_RING, BatchStats, Resident
+from runtimes.state import BATCH_RING, BatchStats, NotNowMemo, Resident
 
 log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_info = msgspec.msgpack.Decoder().decode
+
+#: Out-of-memory failures in a row while loading one model before its requests are
+#: answered `model_too_large` (until then the memory is taken "for now": they wait).
+MAX_LOAD_OOMS = 3
+#: A worker asks a peer to evict one model at most once per this many seconds.
+PEER_ASK_S = 1.0
+#: How long an explicit load waits for asked peers to drop their idle models.
+PEER_EVICT_WAIT_S = 2.0
+
+
+class PeersAsked(NotNow):
+    """Idle models of other workers of this device hold the room; their holders were asked to evict them."""
+
+    def __init__(self, message: str, victims: tuple[tuple[int, str], ...]) -> None:
+        super().__init__(message)
+        self.victims = victims
+
+
+def footprint_from_headers(spec: ModelSpec) -> Footprint:
+    """A model's footprint before loading it: its safetensors headers and configs."""
+    return estimate_footprint(
+        spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
+        micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
+    )
 
 
 @dataclass
@@ -78,8 +102,14 @@ class WorkerCore:
     estimates: Estimates = field(default_factory=Estimates)
     #: Models this worker keeps resident whatever the pressure (pins, preloads).
     pinned: set[str] = field(default_factory=set)
-    #: name -> (runtime, header estimate), filled at each load attempt (lane filtering reuses it).
-    headers: dict[str, tuple[str, Footprint]] = field(default_factory=dict)
+    #: A model's footprint before it loads (headers; injected: the simulation sizes models itself).
+    estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
+    #: Models whose last load attempt here said "not here, now", while that holds (`remember`).
+    not_now: dict[str, NotNowMemo] = field(default_factory=dict)
+    #: Out-of-memory load failures in a row, per model.
+    load_ooms: dict[str, int] = field(default_factory=dict)
+    #: (worker, model) -> when this worker last asked that peer to evict it (clock_ns).
+    asked: dict[tuple[int, str], int] = field(default_factory=dict)
     #: The model being loaded now ("" when none), published so peers do not load it too.
     loading: str = ""
     #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
@@ -103,9 +133,10 @@ class WorkerCore:
     # -- residency: budget, lazy load, eviction, pins, control ---------------
     #
     # Lock order: the device's LoadLock, then the queue lock (taken inside
-    # queue calls). Under the LoadLock a worker reads its peers' info blobs,
-    # decides, evicts, loads and publishes its new info before releasing, so
-    # the next worker of the device decides on what is really resident.
+    # queue calls). Under the LoadLock a worker takes its snapshot of the
+    # device, decides once (runtimes.placement.decide_load), evicts, loads and
+    # publishes its new info before releasing, so the next worker of the
+    # device decides on what is really resident.
 
     def load(self, name: str, *, pin: bool = False, explicit: bool = False,
              evicted: list[str] | None = None) -> Resident:
@@ -113,16 +144,11 @@ class WorkerCore:
         or an explicit one (control path, `explicit=True`, which may evict
         busy unpinned models because an operator asked).
 
-        Raises `ModelTooLarge` when it cannot fit even after evicting every
-        unpinned model of this worker; `NotNow` when another worker of this
-        device is loading it (never two loads at once) or holds it and its lane
-        does not starve (a second copy on one device only when one cannot keep
-        up, and only if it fits), when its room is held by models with more
-        waiting requests (its requests wait), when a lazy load would evict
-        here while another device has room (that device's worker loads it), or
-        when a lazy load would copy a model other workers (any device) hold or
-        are loading while its queue would not keep them busy for a load's time
-        (`should_load_copy`; checked after announcing the load, see step 3).
+        One attempt: size the model up (outside the device lock), then under the
+        lock take one `snapshot` and apply the one verdict `decide_load` gives.
+        Raises `ModelTooLarge` for TOO_LARGE; `NotNow` for every "not here, now"
+        verdict (its requests stay queued), remembered for `servable`; a lazy
+        attempt that finds another load holding the device lock is NotNow too.
         """
         resident = self.models.get(name)
         if resident is not None:
@@ -130,95 +156,118 @@ class WorkerCore:
                 self.pinned.add(name)
                 self.publish_info()
             return resident
-        # 1. Resolve (re-hashes the files) and estimate, outside the device lock.
-        try:
-            spec = self.resolve(name)
-            header = estimate_footprint(
-                spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
-                micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
-            )
-        except Exception as exc:  # unreadable headers are bad weights: a load error, not a crash
-            raise load_error(name, self.device, exc) from exc
-        self.headers[name] = (spec.runtime, header)
+        spec, header = self.size_up(name)
         estimate = self.estimates.estimate(name, spec.runtime, header)
-        with self.load_lock.held():
-            # 2. Decide on the device as it is now (peers included).
-            stats = self.queue.lane_stats()
-            waiting = {s.model: s.depth for s in stats}
-            peers, peer_loading = self._peer_views(waiting)
-            if name in peer_loading:
-                raise NotNow(f"{name} is being loaded by worker {peer_loading[name]} of {self.device}")
-            held = next((v for v in peers if v.name == name), None)
-            holder = held.worker if held is not None else None
-            if held is not None and (explicit or not any(x.model == name and self._replica_wanted(x, held)
-                                                         for x in stats)):
-                raise NotNow(f"{name} is resident on worker {holder} of {self.device}")
-            plan = plan_load(
-                name, estimate, self._own_views(waiting) + peers, worker=self.worker_id, device=self.device,
-                budget_bytes=self.memory.budget_bytes, free_now_bytes=self.memory.free_now(),
-                incoming_waiting=EXPLICIT_DEMAND if explicit else waiting.get(name, 0),
-            )
-            if plan.verdict == TOO_LARGE:
-                if holder is not None:  # its holder serves it; a second copy just does not fit
-                    raise NotNow(f"no room for a second copy of {name}: {plan.reason}")
-                raise ModelTooLarge(plan.reason, hint="unpin or unload a model, or raise the device budget")
-            if plan.verdict == WAIT:
-                raise NotNow(plan.reason)
-            if plan.evict and not explicit and (roomy := self._room_elsewhere(estimate.total_bytes)):
-                raise NotNow(f"{roomy} has room for {name} without evicting; its worker loads it")
-            # 3. Announce the load (peers on every device then count this worker as a
-            #    holder), then look at the other workers again: two workers of different
-            #    devices decide without a common lock, and of two that announce the same
-            #    load the later one sees the earlier and yields (find_copies `announced`).
-            self.loading, self.loading_since_ns = name, time.monotonic_ns()
-            self.publish_info()
-            if not explicit:
-                # A lazy load with nothing queued (its lane drained meanwhile, or called
-                # directly) goes ahead only where no other worker has the model.
-                lane = next((x for x in stats if x.model == name and x.depth), None)
-                mine = (self.loading_since_ns, self.worker_id)
-                infos = self._peer_infos()
-                if not (self._copy_wanted(lane, infos, self.clock_ns(), announced=mine) if lane is not None
-                        else find_copies(infos, name, announced=mine).holders == 0):
-                    self.loading, self.loading_since_ns = "", 0
-                    self.publish_info()
-                    raise NotNow(f"{name} is held or being loaded by other workers, which keep up with its queue")
-            for victim in plan.evict:
+        with self.load_lock.held(blocking=explicit) as locked:
+            if not locked:
+                raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
+            snap = self.snapshot(self.queue.lane_stats())
+            verdict = decide_load(snap, name, estimate, explicit=explicit)
+            if verdict.kind == TOO_LARGE:
+                raise ModelTooLarge(verdict.reason, hint="unpin or unload a model, or raise the device budget")
+            if verdict.kind == ASK_PEERS:
+                self.ask_peers_to_evict(verdict.evict_peers)
+                raise self.remember(name, PeersAsked(verdict.reason, verdict.evict_peers))
+            if verdict.kind != PLACE_LOAD:
+                raise self.remember(name, NotNow(verdict.reason), left_to_holders=verdict.kind == ELSEWHERE)
+            self.announce_load(name, snap, look=not explicit)
+            for victim in verdict.evict:
                 log.info("evicting %s from %s to make room for %s", victim, self.device, name)
                 self.unload(victim, reason="lru")
                 if evicted is not None:
                     evicted.append(victim)
-            # 4. Load (`loading` still published).
-            library = RUNTIME_LIBRARIES.get(spec.runtime)
-            if library is not None:
-                importlib.import_module(library)  # before t0: load_ms is what a reload costs
-            t0 = time.perf_counter()
-            try:
-                adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
-                adapter.load()
-            except Exception as exc:
-                # Drop every reference to the half-loaded model (the traceback's frames
-                # hold it too) so its memory is free before the next decision.
-                adapter = None
-                traceback.clear_frames(exc.__traceback__)
-                self.release_memory()
-                raise load_error(name, self.device, exc) from exc
-            finally:
-                self.loading, self.loading_since_ns = "", 0
-            # 5. Measure, correct the estimate, publish (still under the lock).
-            measured = adapter.footprint_bytes()
-            self.estimates.record(name, spec.runtime, header, measured)
-            now = time.time()
-            resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
-                                footprint=Footprint(measured, estimate.activation_bytes))
-            self.models[name] = resident
-            self.loads[name] = self.loads.get(name, 0) + 1
-            if pin:
-                self.pinned.add(name)
-            log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
-                     resident.load_ms, measured, estimate.weights_bytes)
+            resident = self.load_adapter(spec, header, estimate)
+        self.not_now.pop(name, None)
+        if pin:
+            self.pinned.add(name)
             self.publish_info()
         return resident
+
+    def size_up(self, name: str) -> tuple[ModelSpec, Footprint]:
+        """Resolve `name` (re-hashes its files) and read its footprint from its headers."""
+        try:
+            spec = self.resolve(name)
+            return spec, self.estimate_footprint(spec)
+        except Exception as exc:  # unreadable headers are bad weights: a load error, not a crash
+            raise load_error(name, self.device, exc) from exc
+
+    def announce_load(self, name: str, snap: DeviceSnapshot, *, look: bool) -> None:
+        """Publish the load before paying for it (peers on every device then count this
+        worker as a holder); a lazy load then looks once more: two workers of different
+        devices decide without a common lock, and of two that announce the same load the
+        later one finds the earlier (find_copies `announced`) and yields (NotNow)."""
+        self.loading, self.loading_since_ns = name, time.monotonic_ns()
+        self.publish_info()
+        if not look:
+            return
+        mine = (self.loading_since_ns, self.worker_id)
+        if find_copies(self._peer_infos(), name, announced=mine).holders > find_copies(snap.infos, name).holders:
+            self.loading, self.loading_since_ns = "", 0
+            self.publish_info()
+            raise self.remember(name, NotNow(f"another worker announced {name} first; it loads it"))
+
+    def load_adapter(self, spec: ModelSpec, header: Footprint, estimate: Footprint) -> Resident:
+        """The load itself (`loading` published), then measure, correct the estimate
+        and publish. Out of memory while loading is "not here, now" (the memory was
+        taken meanwhile: the lane waits and the next attempt decides again) until
+        MAX_LOAD_OOMS in a row; other failures are the model's (`load_error`)."""
+        name = spec.name
+        library = RUNTIME_LIBRARIES.get(spec.runtime)
+        if library is not None:
+            importlib.import_module(library)  # before t0: load_ms is what a reload costs
+        t0 = time.perf_counter()
+        try:
+            adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+            adapter.load()
+        except Exception as exc:
+            # Drop every reference to the half-loaded model (the traceback's frames
+            # hold it too) so its memory is free before the next decision.
+            adapter = None
+            traceback.clear_frames(exc.__traceback__)
+            self.release_memory()
+            if is_out_of_memory(exc):
+                self.load_ooms[name] = self.load_ooms.get(name, 0) + 1
+                if self.load_ooms[name] < MAX_LOAD_OOMS:
+                    log.warning("out of memory loading %s on %s (%d in a row); its requests wait", name,
+                                self.device, self.load_ooms[name])
+                    raise self.remember(name, NotNow(f"out of memory loading {name} on {self.device}")) from None
+            self.load_ooms.pop(name, None)
+            raise load_error(name, self.device, exc) from exc
+        finally:
+            self.loading, self.loading_since_ns = "", 0
+        self.load_ooms.pop(name, None)
+        measured = adapter.footprint_bytes()
+        self.estimates.record(name, spec.runtime, header, measured)
+        now = time.time()
+        resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
+                            footprint=Footprint(measured, estimate.activation_bytes))
+        self.models[name] = resident
+        self.loads[name] = self.loads.get(name, 0) + 1
+        log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
+                 resident.load_ms, measured, estimate.weights_bytes)
+        self.publish_info()
+        return resident
+
+    def remember(self, name: str, exc: NotNow, *, left_to_holders: bool = False) -> NotNow:
+        """Keep a "not here, now" verdict for an IDLE_NAP_S, so that the next rounds skip
+        the lane without deciding again (a verdict left to the model's holders also lets
+        `wait_for_work` block until new work comes or that lane would starve)."""
+        self.not_now[name] = NotNowMemo(self.clock_ns() + int(IDLE_NAP_S * 1e9), left_to_holders)
+        return exc
+
+    def ask_peers_to_evict(self, victims: tuple[tuple[int, str], ...]) -> None:
+        """Put an `evict` command into each holder's control lane (fleet.control): the
+        holder drops the model only if it is still idle and unpinned. Asked at most once
+        per PEER_ASK_S for one (worker, model); the reply goes to request id 0, which no
+        caller waits on."""
+        now = self.clock_ns()
+        for wid, model in victims:
+            if now - self.asked.get((wid, model), -(1 << 62)) < PEER_ASK_S * 1e9:
+                continue
+            self.asked[(wid, model)] = now
+            log.info("asking worker %d of %s to evict idle %s", wid, self.device, model)
+            self.queue.put(self.queue.lane_id(control_lane(wid)), _encode(Command(EVICT, model)), tokens=1,
+                           request_id=0)
 
     def unload(self, name: str, reason: str = "unload") -> bool:
         """Take `name` off this worker; `reason` (lru: room for another, unload: asked)
@@ -269,25 +318,40 @@ class WorkerCore:
             for n, r in self.models.items()
         ]
 
-    def _peer_views(self, waiting: dict[str, int]) -> tuple[list[ResidentView], dict[str, int]]:
-        """Models resident on the other live workers of this device (from their
-        info blobs), and what each of them is loading right now."""
-        views, loading = [], {}
+    def snapshot(self, stats: list) -> DeviceSnapshot:
+        """One look at what a load decision reads: this worker's models, the other live
+        workers' info blobs (one read of the worker table), free memory, the lanes."""
+        demand = {s.model: LaneDemand(s.depth, s.tokens, s.oldest_enqueue_ns) for s in stats if s.depth}
+        waiting = {m: d.depth for m, d in demand.items()}
+        peers: list[ResidentView] = []
+        loading: dict[str, int] = {}
+        infos: list[tuple[int, dict]] = []
+        budget: dict[str, int] = {}
+        used: dict[str, int] = {}
         now = time.monotonic_ns()
         for w in self.queue.workers():
-            if w.wid == self.worker_id or w.device != self.device or not w.info:
-                continue
-            if now - w.last_heartbeat_ns > PEER_STALE_NS:
+            if w.wid == self.worker_id or not w.info or now - w.last_heartbeat_ns > PEER_STALE_NS:
                 continue
             info = _decode_info(w.info)
+            infos.append((w.wid, info))
+            if w.device != self.device:
+                budget[w.device] = max(budget.get(w.device, 0), int(info.get("budget_bytes", 0)))
+                used[w.device] = used.get(w.device, 0) + int(info.get("used_bytes", 0))
+                continue
             act = int(info.get("activation_bytes", 0))
             for n, m in info.get("models", {}).items():
-                views.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
+                peers.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
                                           float(m.get("last_used", 0.0)), float(m.get("load_ms", 0.0)) / 1e3,
                                           waiting.get(n, 0), float(m.get("loaded_at", 0.0))))
             if info.get("loading"):
                 loading[info["loading"]] = w.wid
-        return views, loading
+        own_costs = {n: LinearCost(*c.fit()) for n, c in self.costs.items() if c.samples >= MIN_SAMPLES}
+        return DeviceSnapshot(
+            self.worker_id, self.device, self.memory.budget_bytes, self.memory.free_now(),
+            tuple(self._own_views(waiting)), tuple(peers), loading, tuple(infos),
+            {d: budget[d] - used[d] for d in budget}, demand, own_costs,
+            self.clock_ns(), time.time(), self.max_wait_ms * 1_000_000,
+        )
 
     def _peer_infos(self) -> list[tuple[int, dict]]:
         """(wid, decoded info) of the other live workers, every device."""
@@ -295,103 +359,38 @@ class WorkerCore:
         return [(w.wid, _decode_info(w.info)) for w in self.queue.workers()
                 if w.wid != self.worker_id and w.info and now - w.last_heartbeat_ns <= PEER_STALE_NS]
 
-    def _copy_wanted(self, lane, infos: list[tuple[int, dict]], now_ns: int, *,
-                     announced: tuple[int, int] | None = None) -> bool:
-        """The herd rule for a lane whose model this worker does not hold: a starving
-        lane is served anyway (choose_lane 1); otherwise `should_load_copy` over the
-        copies the other workers publish, with the batch cost a holder fitted (this
-        worker's own fit of the model when no holder has one yet)."""
-        if now_ns - lane.oldest_enqueue_ns > self.max_wait_ms * 1_000_000:
-            return True
-        copies = find_copies(infos, lane.model, announced=announced)
-        cost = copies.cost
-        if cost is None and (own := self.costs.get(lane.model)) is not None and own.samples >= MIN_SAMPLES:
-            cost = own
-        return should_load_copy(lane.tokens, copies.holders, cost, copies.load_ms)
-
     def servable(self, stats: list) -> list:
-        """The lanes this worker may serve now, from `lane_stats()`: no control
-        lanes; no model another worker of this device is loading (never two
-        loads of it at once) or holds, unless its lane starves and a second copy
-        fits without evicting anything (its holder cannot keep up); no model
-        whose room is held by busier models (its requests wait in their lane),
-        nor one that would evict here while another device has room for it; no
-        model other workers of any device hold or are loading unless its queue
-        would keep them busy longer than a load (`_copy_wanted`; those lanes are
-        left in `self.declined`: their holders are woken by new work)."""
-        out, peers = [], None
-        self.declined = []
+        """The lanes this worker may serve now, from `lane_stats()`: no control lanes,
+        and no lane whose last load attempt here said "not here, now" in the last
+        IDLE_NAP_S (`remember`). Lanes left to the workers holding their model are also kept
+        in `self.declined` (their holders are woken by new work)."""
+        out, self.declined = [], []
+        now = self.clock_ns()
         for s in stats:
             if is_control_lane(s.model):
                 continue
-            if s.depth == 0 or s.model in self.models:
-                out.append(s)
+            memo = self.not_now.get(s.model)
+            if s.depth and s.model not in self.models and memo is not None and now < memo.until_ns:
+                if memo.left_to_holders:
+                    self.declined.append(s)
                 continue
-            if peers is None:
-                waiting = {x.model: x.depth for x in stats}
-                peers, peer_loading = self._peer_views(waiting)
-                held = {v.name: v for v in peers}
-                mine = self._own_views(waiting)
-                infos, now_ns = self._peer_infos(), self.clock_ns()
-            if s.model in peer_loading:
-                continue
-            if s.model in held:
-                # A replica's size is what its holder measured (no store read, no re-hash here).
-                if self._replica_wanted(s, held[s.model]) and plan_load(
-                    s.model, held[s.model].footprint, mine + peers, worker=self.worker_id, device=self.device,
-                    budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
-                ) == LoadPlan(PLAN_LOAD):
-                    out.append(s)
-                continue
-            if not self._copy_wanted(s, infos, now_ns):
-                self.declined.append(s)
-                continue
-            known = self.headers.get(s.model)
-            if known is not None:
-                estimate = self.estimates.estimate(s.model, known[0], known[1])
-                plan = plan_load(s.model, estimate, mine + peers, worker=self.worker_id, device=self.device,
-                                 budget_bytes=self.memory.budget_bytes, free_now_bytes=1 << 62,
-                                 incoming_waiting=s.depth)
-                if plan.verdict == WAIT or (plan.evict and self._room_elsewhere(estimate.total_bytes)):
-                    continue
             out.append(s)
         return out
-
-    def _room_elsewhere(self, need_bytes: int) -> str | None:
-        """Another device of this daemon whose budget has `need_bytes` free (its
-        workers' info blobs): a lazy load goes there rather than evicting here."""
-        budget: dict[str, int] = {}
-        used: dict[str, int] = {}
-        now = time.monotonic_ns()
-        for w in self.queue.workers():
-            if w.device == self.device or not w.info or now - w.last_heartbeat_ns > PEER_STALE_NS:
-                continue
-            info = _decode_info(w.info)
-            budget[w.device] = max(budget.get(w.device, 0), int(info.get("budget_bytes", 0)))
-            used[w.device] = used.get(w.device, 0) + int(info.get("used_bytes", 0))
-        return next((d for d in sorted(budget) if budget[d] - used[d] >= need_bytes), None)
-
-    def _replica_wanted(self, lane, held: ResidentView) -> bool:
-        """A second copy on this device helps only when its holder cannot keep up:
-        the lane starves although the holder has been serving for a whole wait
-        bound (a backlog left by the first load drains without one)."""
-        bound_ns = self.max_wait_ms * 1_000_000
-        return (lane.depth > 0 and self.clock_ns() - lane.oldest_enqueue_ns > bound_ns
-                and time.time() - held.loaded_at > bound_ns / 1e9)
 
     def wait_for_work(self, stats: list, timeout_s: float, *, since: int | None = None) -> None:
         """Nothing to serve here: block for new work; or, when all that waits was
         left to the workers holding its models (`self.declined`), block until new
         work comes after `since` (a `work_generation()` read before `stats`: every
         waiter wakes on new work, the holders too) or until the oldest declined
-        lane would starve (then it is served here); or, when other work waits that
-        is not ours now (room held by busier models, a peer of this device
-        loading), nap briefly instead of spinning."""
+        lane would starve (then it is decided again here; a lane that starves and is
+        still left to its holders is looked at again after a nap); or, when other work
+        waits that is not ours now (room held by busier models), nap briefly instead
+        of spinning."""
         waiting = sum(1 for s in stats if s.depth)
         if waiting and since is not None and len(self.declined) == waiting:
             oldest = min(s.oldest_enqueue_ns for s in self.declined)
             starve_s = (oldest + self.max_wait_ms * 1_000_000 - self.clock_ns()) / 1e9
-            self.queue.wait_for_work(max(0.0, min(timeout_s, starve_s)), since=since)
+            self.queue.wait_for_work(min(timeout_s, max(IDLE_NAP_S, starve_s)), since=since)
         elif waiting:
             time.sleep(min(timeout_s, IDLE_NAP_S))
         else:
@@ -428,7 +427,13 @@ class WorkerCore:
             was = name in self.models
             evicted: list[str] = []
             t0 = time.perf_counter()
-            resident = self.load(name, pin=op == PIN, explicit=True, evicted=evicted)
+            try:
+                resident = self.load(name, pin=op == PIN, explicit=True, evicted=evicted)
+            except PeersAsked as asked:
+                # An operator is waiting: give the peers a moment to drop their idle
+                # models (they serve their control lanes every step), then try once more.
+                self.await_peer_evictions(asked.victims)
+                resident = self.load(name, pin=op == PIN, explicit=True, evicted=evicted)
             ms = 0.0 if was else (time.perf_counter() - t0) * 1e3
             return CommandDone(op, name, self.device, True, name in self.pinned, resident.footprint.weights_bytes,
                                round(ms, 1), evicted, was)
@@ -436,6 +441,8 @@ class WorkerCore:
             if name in self.pinned:
                 raise BadRequest(f"{name} is pinned on {self.device}; unpin it first (fleetctl unpin {name})")
             return CommandDone(op, name, self.device, False, already=not self.unload(name))
+        if op == EVICT:
+            return self.evict_if_idle(name)
         if op == UNPIN:
             was = name in self.pinned
             self.pinned.discard(name)
@@ -444,6 +451,30 @@ class WorkerCore:
             return CommandDone(op, name, self.device, resident is not None, False,
                                resident.footprint.weights_bytes if resident else 0, already=not was)
         raise BadRequest(f"unknown control op {op!r} (known: {', '.join(OPS)})")
+
+    def evict_if_idle(self, name: str) -> CommandDone:
+        """A peer of this device asks for room (`ask_peers_to_evict`): drop `name` if it
+        is still unpinned, nothing waits for it and it generates nothing; else keep it
+        (the asker decides again on its next attempt)."""
+        resident = self.models.get(name)
+        if resident is None:
+            return CommandDone(EVICT, name, self.device, False, already=True)
+        busy = (name in self.pinned or (resident.adapter.continuous and resident.adapter.has_active())
+                or any(s.model == name and s.depth for s in self.queue.lane_stats()))
+        if busy:
+            return CommandDone(EVICT, name, self.device, True, name in self.pinned, resident.footprint.weights_bytes)
+        log.info("evicting idle %s from %s: a peer of the device needs the room", name, self.device)
+        self.unload(name, reason="lru")
+        return CommandDone(EVICT, name, self.device, False)
+
+    def await_peer_evictions(self, victims: tuple[tuple[int, str], ...]) -> None:
+        """Wait up to PEER_EVICT_WAIT_S for the asked peers to publish their models gone."""
+        deadline = time.monotonic() + PEER_EVICT_WAIT_S
+        while time.monotonic() < deadline:
+            infos = dict(self._peer_infos())
+            if not any(m in infos.get(w, {}).get("models", {}) for w, m in victims):
+                return
+            time.sleep(IDLE_NAP_S)
 
     def info(self) -> dict:
         return {
@@ -529,21 +560,27 @@ class WorkerCore:
         # Generation (continuous adapters) in flight steps first (runtimes.continuous).
         if (busy := busy_continuous(self, servable)) is not None:
             return serve_continuous(self, busy, stats)
-        lane = choose_lane(servable, set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
-        if lane is None:
-            self.wait_for_work(stats, timeout_s, since=since)
-            return 0
-        # 2. Make sure the model is here before claiming: while it loads, its
-        #    requests stay queued (and can time out or be cancelled there).
-        try:
-            resident = self.load(lane.model)
-        except NotNow:
-            return 0  # another worker serves it, or it waits for room: its requests stay queued
-        except FleetError as exc:
-            return self._fail_lane(lane.lane, exc)
-        except Exception as exc:  # a load that fails unexpectedly answers its lane; the worker stays up
-            log.exception("loading %s failed", lane.model)
-            return self._fail_lane(lane.lane, ModelLoadFailed(f"cannot load {lane.model!r}: {type(exc).__name__}: {exc}"))
+        # 2. Make sure the model is here before claiming: while it loads, its requests
+        #    stay queued (and can time out or be cancelled there). A lane whose load
+        #    attempt says "not here, now" is skipped (remembered) and another is chosen.
+        tried: set[str] = set()
+        while True:
+            lane = choose_lane(servable, set(self.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
+            if lane is None:
+                self.wait_for_work(stats, timeout_s, since=since)
+                return 0
+            try:
+                resident = self.load(lane.model)
+                break
+            except NotNow:  # decided once per round: the next round asks again if the verdict lapsed
+                tried.add(lane.model)
+                servable = [s for s in self.servable(stats) if s.model not in tried]
+            except FleetError as exc:
+                return self._fail_lane(lane.lane, exc)
+            except Exception as exc:  # a load that fails unexpectedly answers its lane; the worker stays up
+                log.exception("loading %s failed", lane.model)
+                return self._fail_lane(lane.lane, ModelLoadFailed(
+                    f"cannot load {lane.model!r}: {type(exc).__name__}: {exc}"))
         adapter = resident.adapter
         if adapter.continuous:
             return serve_continuous(self, resident, stats)

@@ -93,6 +93,14 @@ def test_exposed_bind_with_short_key_is_refused():
     check_bind("192.168.1.20", KEY)
 
 
+@pytest.mark.parametrize("key", [" " * 16, "a" * 16, "a" * 64, "ab" * 16, "abcabcabcabcabcabc", "\t" * 20,
+                                 "k3y-for-tests 0123456789abcdef"])
+def test_exposed_bind_with_low_entropy_key_is_refused(key):
+    with pytest.raises(Unauthorized, match="weak API key"):
+        check_bind("192.168.1.20", key)
+    check_bind("127.0.0.1", key)  # loopback: any key (or none) is the user's choice
+
+
 def test_healthz_is_open(server):
     url, _ = server
     r = httpx.get(f"{url}/healthz")

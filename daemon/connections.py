@@ -1,0 +1,195 @@
+"""Connection limits uvicorn does not have: header and body read deadlines, and caps
+on open connections per client address and in all.
+
+uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but a
+client that sends one byte at a time (slowloris), or a Content-Length larger than
+the body it sends, holds its connection, a file descriptor and a parser forever;
+enough of them exhaust the process's descriptors and every new client fails.
+
+`guarded_protocol` subclasses uvicorn's httptools protocol with:
+- a header deadline: a request's headers must be complete `header_timeout_s` after
+  the connection opened or its previous response ended;
+- a body gap: while a body is being read, `body_timeout_s` without a byte closes it
+  (a pause the server itself asked for, when the app reads slowly, does not count);
+- `ConnectionTable`: at a cap (per client address, or in all) a new connection
+  closes the oldest idle one of that scope (waiting for headers, or kept alive):
+  a slow client can never keep a quick one out; with none idle it is refused (503).
+
+Invariant: a protocol is in the table from `connection_made` (admitted) until it is
+evicted or `connection_lost`, whichever comes first; `busy` is True from headers
+complete to response complete. Everything runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("fleet.daemon")
+
+#: Descriptors kept for the daemon itself (queue, worker pipes, logs, NATS) on top of
+#: those open when serving starts, when the connection cap is fitted to RLIMIT_NOFILE.
+FD_HEADROOM = 32
+#: Closing slow connections is logged at most this often (seconds), with a count:
+#: an attack must not flood the log.
+LOG_EVERY_S = 10.0
+_REFUSED_BODY = b'{"error":{"code":"unavailable","message":"too many open connections; retry later"}}'
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    max_per_client: int
+
+
+def fit_to_descriptors(max_connections: int, soft_limit: int, open_now: int) -> int:
+    """The connection cap this process can hold without running out of descriptors."""
+    return max(1, min(max_connections, soft_limit - open_now - FD_HEADROOM))
+
+
+def connection_limits(settings: Any) -> ConnectionLimits:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
+    total = fit_to_descriptors(settings.max_connections, soft if soft > 0 else 1 << 20, open_now)
+    return ConnectionLimits(
+        header_timeout_s=settings.header_timeout_ms / 1000.0,
+        body_timeout_s=settings.body_timeout_ms / 1000.0,
+        max_connections=total,
+        max_per_client=max(1, min(settings.max_connections_per_client, total)),
+    )
+
+
+class ConnectionTable:
+    """Open connections, oldest first, in all and by client address."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self.all: dict[Any, None] = {}
+        self.by_client: dict[str, dict[Any, None]] = {}
+        self.closed_slow = 0
+        self._logged_at = 0.0
+
+    def admit(self, conn: Any, client: str) -> bool:
+        """Register `conn`; at a cap, close the oldest idle connection of that scope first.
+        False: every connection of the full scope is busy, refuse `conn`."""
+        mine = self.by_client.get(client, {})
+        if len(mine) >= self.limits.max_per_client and not self.evict_oldest_idle(mine):
+            return False
+        if len(self.all) >= self.limits.max_connections and not self.evict_oldest_idle(self.all):
+            return False
+        self.all[conn] = None
+        self.by_client.setdefault(client, {})[conn] = None
+        return True
+
+    def evict_oldest_idle(self, scope: dict[Any, None]) -> bool:
+        for conn in scope:
+            if not conn.busy:
+                self.drop(conn)
+                conn.transport.close()
+                return True
+        return False
+
+    def drop(self, conn: Any) -> None:
+        if conn in self.all:
+            del self.all[conn]
+            mine = self.by_client[conn.client_host]
+            del mine[conn]
+            if not mine:
+                del self.by_client[conn.client_host]
+
+    def note_slow_close(self, why: str) -> None:
+        self.closed_slow += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("closed a connection: %s (%d slow connections closed so far)", why, self.closed_slow)
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """An HttpToolsProtocol class bound to one ConnectionTable (one per server)."""
+    table = ConnectionTable(limits)
+
+    class GuardedProtocol(HttpToolsProtocol):
+        connections_table = table
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.busy = False
+            self.client_host = ""
+            self._deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.client_host = self.client[0] if self.client else ""
+            if not table.admit(self, self.client_host):
+                self.connections.discard(self)
+                transport.write(_REFUSED)
+                transport.close()
+                return
+            self._arm(limits.header_timeout_s, self._headers_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            table.drop(self)
+            super().connection_lost(exc)
+
+        def on_headers_complete(self) -> None:
+            self.busy = True
+            self._arm(limits.body_timeout_s, self._body_stalled)
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._arm(limits.body_timeout_s, self._body_stalled)
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            self.busy = False
+            self._arm(limits.header_timeout_s, self._headers_late)
+            super().on_response_complete()
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined request started: its headers are in.
+                self.busy = True
+                self._disarm()
+
+        def _arm(self, delay_s: float, callback: Any) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(delay_s, callback)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _headers_late(self) -> None:
+            self._deadline = None
+            if not self.busy and not self.transport.is_closing():
+                table.note_slow_close(f"request headers not received within {limits.header_timeout_s:g} s")
+                self.transport.close()
+
+        def _body_stalled(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.flow is not None and self.flow.read_paused:
+                # The app has not read what arrived yet: the wait is ours, not the client's.
+                self._arm(limits.body_timeout_s, self._body_stalled)
+                return
+            table.note_slow_close(f"no request body bytes for {limits.body_timeout_s:g} s")
+            self.transport.close()
+
+    return GuardedProtocol
