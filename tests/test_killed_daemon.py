@@ -26,7 +26,7 @@ import pytest
 
 from local_queue import LocalQueue
 from local_queue.sweep import SHM_DIR
-from tests.conftest import DaemonProc, free_port, start_daemon
+from tests.conftest import DEFAULT_MODEL, DaemonProc, free_port, start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")]
 
@@ -128,7 +128,7 @@ def test_killed_daemon_leaves_nothing_and_one_daemon_per_home(tmp_path):
         assert len(queue_entries(b.proc.pid)) == 4
         log = b.log()
         assert log.count("shared-memory entries of dead daemons") == 1 and f"fleet-{a.proc.pid}.lock" in log
-        r = httpx.post(b.url + "/v1/embed", json={"inputs": ["after the kill"]}, timeout=120)
+        r = httpx.post(b.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": ["after the kill"]}, timeout=120)
         assert r.status_code == 200 and r.json()["shape"] == [1, 384]
 
         # 4. A clean stop removes B's own entries.

@@ -1,9 +1,12 @@
-"""The service wiring end to end, with this test playing systemd.
+"""The real daemon as systemd sees it: `fleetctl serve` (real uvicorn, real worker,
+real weights), with this test playing the service manager on an abstract
+NOTIFY_SOCKET and with WATCHDOG_USEC and an API key set, as the unit sets them.
 
-A real process serves a Litestar app over uvicorn with the pieces wired the way
-the daemon wires them (JSON logs, request ids, bearer auth, /metrics, READY only
-when serving and "pinned models" are loaded, watchdog, STOPPING on SIGTERM).
-The test listens on an abstract NOTIFY_SOCKET, as systemd does.
+Readiness tells the truth: READY=1 only once the API serves and every pinned
+model is resident; a damaged pins.json (at start or while serving) is set aside
+and logged once, never an error; unpinning the preloaded model means readiness
+no longer waits for it. Then the watchdog, auth, request ids in JSON logs,
+metrics, and STOPPING=1 with a clean exit on SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,136 +14,159 @@ from __future__ import annotations
 import json
 import os
 import signal
+import queue
 import socket
-import subprocess
-import sys
+import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
+from local_queue.sweep import SHM_DIR
+from tests.conftest import DEFAULT_MODEL, START_TIMEOUT_S, DaemonProc, start_daemon
+
 KEY = "wiring-test-key-0123456789abcdef"
-
-APP = r'''
-import asyncio, logging, socket
-from contextlib import asynccontextmanager
-from litestar import Litestar, get
-from litestar.exceptions import HTTPException
-import uvicorn
-from daemon.auth import bearer_auth, check_bind
-from daemon.logs import RequestIdMiddleware, setup_logging
-from daemon.metrics import Metrics, metrics_route
-from daemon.notify import SystemdServer, announce_ready, watchdog_loop
-
-log = logging.getLogger("fleet.daemon")
-setup_logging("info")
-HOST, KEY = "127.0.0.1", __import__("os").environ["FLEET_API_KEY"]
-check_bind(HOST, KEY)
-metrics = Metrics()
-pinned_loaded = asyncio.Event()
-
-@get("/healthz", sync_to_thread=False)
-def healthz() -> dict:
-    return {"status": "ok"}
-
-@get("/readyz", sync_to_thread=False)
-def readyz() -> dict:
-    if not pinned_loaded.is_set():
-        raise HTTPException(status_code=503, detail="loading")
-    return {"status": "ready"}
-
-@get("/v1/ps", sync_to_thread=False)
-def ps() -> list:
-    log.info("ps asked")
-    metrics.observe_request("", "ps", "ok", 0.001)
-    return []
-
-async def load_pinned() -> None:
-    await asyncio.sleep(0.5)  # stands in for the workers loading pinned models
-    metrics.model_loaded("all-minilm-l6-v2")
-    pinned_loaded.set()
-
-@asynccontextmanager
-async def lifespan(app):
-    tasks = [
-        asyncio.create_task(load_pinned()),
-        asyncio.create_task(announce_ready(lambda: server.started, pinned_loaded.wait(), status=f"serving on {HOST}:{port}")),
-        asyncio.create_task(watchdog_loop(lambda: pinned_loaded.is_set())),
-    ]
-    yield
-    for t in tasks:
-        t.cancel()
-    log.info("drained")
-
-sock = socket.socket()
-sock.bind((HOST, 0))
-port = sock.getsockname()[1]
-app = RequestIdMiddleware(bearer_auth(KEY)(Litestar([healthz, readyz, ps, metrics_route(metrics)],
-                                                    lifespan=[lifespan], logging_config=None)))
-server = SystemdServer(uvicorn.Config(app, log_config=None, lifespan="on"))
-server.run(sockets=[sock])
-'''
+AUTH = {"Authorization": f"Bearer {KEY}"}
+#: A hand edit gone wrong: the device where a {device, at} record belongs.
+DAMAGED = b'{"format": 1, "pins": {"all-minilm-l6-v2": "cpu"}}'
 
 
-def recv(sock: socket.socket, timeout: float = 30.0) -> dict[str, str]:
-    sock.settimeout(timeout)
-    return dict(line.split("=", 1) for line in sock.recv(4096).decode().splitlines())
+class Systemd:
+    """The service manager's side of NOTIFY_SOCKET: it reads every datagram as it
+    comes (as PID 1 does; a reader that stopped would fill the socket's buffer)."""
+
+    def __init__(self) -> None:
+        self.name = f"fleet-service-{uuid.uuid4().hex}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(b"\0" + self.name.encode())
+        self.messages: queue.Queue[dict[str, str]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                raw = self.sock.recv(4096)
+            except OSError:  # closed
+                return
+            self.messages.put(dict(line.split("=", 1) for line in raw.decode().splitlines()))
+
+    def next(self, timeout: float) -> dict[str, str]:
+        return self.messages.get(timeout=timeout)
+
+    def until(self, key: str, timeout: float, d: DaemonProc) -> dict[str, str]:
+        """The next message carrying `key` (WATCHDOG=1 pings come in between); fails
+        at once, with the daemon's log, if the daemon exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.next(1.0)
+            except queue.Empty:
+                assert d.proc.poll() is None, f"daemon exited with {d.proc.returncode}:\n{d.log()[-3000:]}"
+                continue
+            if key in msg:
+                return msg
+        raise AssertionError(f"no {key} within {timeout} s:\n{d.log()[-3000:]}")
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
 
 
-def test_ready_watchdog_auth_logs_and_stop_as_systemd_sees_them(tmp_path):
-    script = tmp_path / "fleetd_wiring.py"
-    script.write_text(APP)
-    name = f"@fleet-wiring-{uuid.uuid4().hex}"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(b"\0" + name[1:].encode())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": name, "WATCHDOG_USEC": "400000",
-           "FLEET_API_KEY": KEY}
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+def get(url: str, path: str, request_id: str | None = None) -> httpx.Response:
+    headers = {**AUTH, **({"X-Request-Id": request_id} if request_id else {})}
+    return httpx.get(url + path, headers=headers, timeout=30)
+
+
+def resident(url: str) -> dict[str, dict]:
+    return {name: m for w in get(url, "/v1/ps").json()["workers"] for name, m in w["models"].items()}
+
+
+def card(url: str, name: str) -> tuple[bool, bool]:
+    """(loaded, pinned) of `name` in `/v1/models` (false flags are left out of the reply)."""
+    c = next(c for c in get(url, "/v1/models").json()["data"] if c["id"] == name)
+    return c.get("loaded", False), c.get("pinned", False)
+
+
+def counter(url: str, family: str, **labels: str) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(get(url, "/metrics").text)}
+    return sum(s.value for s in families[family].samples
+               if s.name == family + "_total" and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_the_real_daemon_as_systemd_sees_it(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "pins.json").write_bytes(DAMAGED)
+    systemd = Systemd()
+    d = start_daemon(home, wait_ready=False, extra_env={
+        "NOTIFY_SOCKET": "@" + systemd.name, "WATCHDOG_USEC": "400000", "FLEET_API_KEY": KEY})
     try:
-        # 1. READY arrives only when the API answers and the pinned models are in.
-        msg = recv(notify)
-        while "READY" not in msg:
-            msg = recv(notify)
-        assert time.monotonic() - started >= 0.5
-        url = "http://" + msg["STATUS"].removeprefix("serving on ")
-        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-        auth = {"Authorization": f"Bearer {KEY}"}
-        assert httpx.get(f"{url}/readyz", headers=auth, timeout=5).json() == {"status": "ready"}
+        # 1. READY arrives despite the damaged pins file, and only once the preloaded
+        #    model is resident (readiness is "every pinned model resident").
+        msg = systemd.until("READY", START_TIMEOUT_S, d)
+        assert msg["STATUS"] == f"serving on {d.url}"
+        assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
+        assert resident(d.url)[DEFAULT_MODEL]["pinned"] is True
+        (aside,) = home.glob("pins.json.damaged-*")
+        assert aside.read_bytes() == DAMAGED and not (home / "pins.json").exists()
 
-        # 2. The watchdog is fed at half the timeout while healthy.
-        pings = [recv(notify, 2) for _ in range(3)]
+        # 2. The watchdog is fed at half its timeout while healthy.
+        pings = [systemd.next(2) for _ in range(3)]
         assert pings == [{"WATCHDOG": "1"}] * 3
 
         # 3. Auth guards everything but /healthz; request ids follow the request.
-        refused = httpx.get(f"{url}/v1/ps", timeout=5)
+        assert httpx.get(d.url + "/healthz", timeout=10).status_code == 200
+        refused = httpx.get(d.url + "/v1/ps", timeout=10)
         assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 16
-        r = httpx.get(f"{url}/v1/ps", headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "req-42"}, timeout=5)
+        r = get(d.url, "/v1/ps", "req-42")
         assert r.status_code == 200 and r.headers["x-request-id"] == "req-42"
-        generated = httpx.get(f"{url}/v1/ps", headers={"Authorization": f"Bearer {KEY}",
-                                                       "X-Request-Id": "bad id\twith spaces"}, timeout=5)
-        assert len(generated.headers["x-request-id"]) == 16
-        scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).text
-        assert 'fleet_model_loads_total{model="all-minilm-l6-v2"} 1.0' in scraped
-        assert 'fleet_requests_total{model="-",status="ok",task="ps"} 2.0' in scraped
+        assert len(get(d.url, "/v1/ps", "bad id\twith spaces").headers["x-request-id"]) == 16
 
-        # 4. SIGTERM: STOPPING=1 at once, then a clean exit.
-        proc.send_signal(signal.SIGTERM)
-        msg = recv(notify, 10)
-        while "STOPPING" not in msg:
-            msg = recv(notify, 10)
+        # 4. The pins file damaged while serving: the admin and readiness endpoints
+        #    still answer 200 (a server-side problem is never a 4xx); the first reader
+        #    sets the file aside, in its request's log context.
+        (home / "pins.json").write_bytes(b"\0garbage")
+        for path in ("/v1/ps", "/v1/models", "/readyz"):
+            r = get(d.url, path, "req-43")
+            assert r.status_code == 200, (path, r.text)
+        assert get(d.url, "/v1/ps").json()["ready"] is True
+        assert len(list(home.glob("pins.json.damaged-*"))) == 2
+        r = httpx.delete(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["was_pinned"] is True  # the preload's pin
+
+        # 5. Unpinned, then unloaded: readiness no longer waits for the preloaded model.
+        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/unload", headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["results"][0]["loaded"] is False
+        assert DEFAULT_MODEL not in resident(d.url)
+        assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
+        assert card(d.url, DEFAULT_MODEL) == (False, False)
+        # Pinned again: loaded now, persisted, and readiness waits for it again.
+        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=AUTH, timeout=120)
+        assert r.status_code == 200 and r.json()["results"][0]["pinned"] is True
+        assert card(d.url, DEFAULT_MODEL) == (True, True)
+        assert DEFAULT_MODEL in json.loads((home / "pins.json").read_bytes())["pins"]
+        assert get(d.url, "/readyz").status_code == 200
+
+        # 6. Metrics count the request and both loads (the preload, the pin after the unload).
+        r = httpx.post(d.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": ["count me"]}, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["shape"] == [1, 384]
+        assert counter(d.url, "fleet_requests", model=DEFAULT_MODEL, task="embed", status="ok") == 1.0
+        assert counter(d.url, "fleet_model_loads", model=DEFAULT_MODEL) == 2.0
+
+        # 7. SIGTERM: STOPPING=1 at once, then a clean exit that removed the queue.
+        d.proc.send_signal(signal.SIGTERM)
+        msg = systemd.until("STOPPING", 10, d)
         assert msg["STATUS"] == "stopping on SIGTERM"
-        assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert d.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert not [e for e in os.listdir(SHM_DIR) if f"fleet-{d.proc.pid}" in e]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        notify.close()
-    records = [json.loads(line) for line in proc.stderr.read().splitlines()]
-    assert any(r["logger"].startswith("uvicorn") for r in records)  # uvicorn's own lines, as JSON
-    ps_lines = [r for r in records if r["msg"] == "ps asked"]
-    assert [r["request_id"] for r in ps_lines][0] == "req-42"
-    assert ps_lines[1]["request_id"] == generated.headers["x-request-id"]
-    assert "drained" in [r["msg"] for r in records]  # the lifespan shutdown ran
+        d.stop()
+        systemd.close()
+    # The daemon's own lines are JSON (not a TTY); each damaged file was logged once,
+    # the second one with the id of the request that found it.
+    records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    assert any(r["logger"] == "fleet.daemon" and r["msg"].startswith("serving on") for r in records)
+    damaged = [r for r in records if r["logger"] == "fleet.pins"]
+    assert len(damaged) == 2 and all("set aside as pins.json.damaged-" in r["msg"] for r in damaged), damaged
+    assert "request_id" not in damaged[0] and damaged[1]["request_id"] == "req-43"

@@ -1,0 +1,505 @@
+"""The Ollama API on fleet's port: `/api/version|tags|ps|show|embed|embeddings|chat|generate|pull|delete`.
+
+Apps that speak Ollama (its Python and JS clients, Open WebUI, Continue, ...)
+work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
+(ollama_wire). Every route runs on fleet's own machinery:
+
+* Generation queues one `fleet.protocol.GenerateRequest` through
+  `controllers.generate.TextStream`, streamed or not (`stream` defaults to true,
+  as in Ollama: NDJSON lines, then one with `done`, `done_reason` and the stats).
+  The worker always streams its pieces to the daemon, so both replies are built
+  the same way and the time to the first piece is measured for the stats.
+  `/api/generate` renders the model's chat template around `prompt` (and
+  `system`) unless `raw` is set or the model has none.
+* Embeddings run through `controllers.embed.run_embed` (`/api/embed` normalised,
+  the legacy `/api/embeddings` not, as in Ollama).
+* `keep_alive` maps onto the admin path (controllers.admin, fleet.control):
+  negative = pin (load now, never evicted, persisted), 0 = unload once answered
+  (a pin is released first), any other duration = fleet's LRU eviction (no timer).
+  A request with no prompt / messages / input only applies it (Ollama's
+  load/unload idiom).
+* `/api/pull` pulls catalog or stored names only (never a source given by the
+  client) through `fleet.pull`, reporting progress as Ollama's status lines;
+  `/api/delete` releases, unloads and removes a model from the store.
+
+Durations are nanoseconds: `total_duration` is the daemon's wall time,
+`load_duration` the worker's load time when this request found the model not
+resident, `prompt_eval_duration` the time to the first piece of text less queue
+and load, `eval_duration` the rest of the time in the model.
+
+Errors answer `{"error": "..."}` with the contract's status (Ollama clients read
+that field); a failure after a stream started ends it with such a line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+from litestar import Controller, Request, Response, delete, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from fleet.catalog import load_catalog
+from fleet.control import LOAD, PIN, UNLOAD, UNPIN
+from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded
+from fleet.messages import EmbedResult
+from fleet.pins import PinStore
+from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest
+from fleet.pull import pull_model
+from fleet.store import Manifest, Progress
+
+from daemon import codec
+from daemon.broker import Answer
+from daemon.controllers.admin import choose_worker, holders, send
+from daemon.controllers.embed import run_embed, shorten
+from daemon.controllers.generate import TextStream
+from daemon.controllers.ollama_facts import capabilities, details, facts
+from daemon.controllers.ollama_wire import (
+    API_VERSION, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody, EmbeddingsReply, EmbedReply,
+    ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, PsReply, ReplyMessage, RunningModel, ShowReply, Stats,
+    TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, ollama_name, output_format, read_options,
+    refuse_unsupported, sampling, store_name,
+)
+from daemon.controllers.ollama_wire import Progress as ProgressLine
+from daemon.core import Daemon
+
+log = logging.getLogger("fleet.daemon")
+
+NDJSON = "application/x-ndjson"
+_json = msgspec.json.Encoder()
+_embed_result = msgspec.msgpack.Decoder(EmbedResult)
+#: Pull progress lines are sent at most this often per file (seconds), plus each file's last.
+PROGRESS_EVERY_S = 0.1
+
+
+def line(obj: Any) -> bytes:
+    return _json.encode(obj) + b"\n"
+
+
+def json_reply(obj: Any, headers: dict[str, str] | None = None, status: int = 200) -> Response:
+    return Response(content=_json.encode(obj), status_code=status, media_type=codec.JSON, headers=headers)
+
+
+def on_error(request: Request, exc: Exception) -> Response:
+    """Every error of an /api route in Ollama's shape, with the contract's status."""
+    headers = {}
+    if isinstance(exc, FleetError):
+        status, message = exc.status, exc.message
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    elif isinstance(exc, HTTPException):
+        status, message = exc.status_code, str(exc.detail)
+    else:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        status, message = 500, f"internal error: {type(exc).__name__}"
+    return json_reply(ErrorLine(message), headers=headers, status=status)
+
+
+async def decode(request: Request, type_: type[Any]) -> Any:
+    body = await request.body()
+    if not body.strip():
+        raise BadRequest("missing request body")
+    return codec.decode(body, type_, msgpack=codec.is_msgpack(request.headers.get("content-type")))
+
+
+def stored_manifest(daemon: Daemon, ollama: str) -> Manifest:
+    name = store_name(ollama)
+    try:
+        return daemon.store.get(name)
+    except ModelNotFound:
+        raise ModelNotFound(f"model '{ollama}' not found, try pulling it first") from None
+
+
+def serving(daemon: Daemon, ollama: str, task: str) -> str:
+    """The store name of `ollama`, which must serve `task`."""
+    name = store_name(ollama)
+    try:
+        daemon.manifest(name, task)
+    except ModelNotFound:
+        raise ModelNotFound(f"model '{ollama}' not found, try pulling it first") from None
+    return name
+
+
+def ignored_header(ignored: list[str]) -> dict[str, str]:
+    return {IGNORED_OPTIONS_HEADER: ",".join(ignored)} if ignored else {}
+
+
+# ---- keep_alive on the admin path --------------------------------------------------------
+
+def check_unloadable(daemon: Daemon, name: str) -> None:
+    """keep_alive 0 is refused up front, before any work, for a model the config preloads."""
+    if name in daemon.settings.preload:
+        raise BadRequest(f"{name} is preloaded by this daemon's config (preload): keep_alive 0 cannot unload it")
+
+
+async def pin(daemon: Daemon, name: str) -> None:
+    if name in daemon.pinned_models() and name in daemon.loaded_models():
+        return
+    result = await send(daemon, choose_worker(daemon.workers(), name, None), PIN, name)
+    PinStore(daemon.settings.home_path).add(name, result["device"])
+
+
+async def unload(daemon: Daemon, name: str) -> None:
+    """Release a pin (persisted and on the workers), then unload every copy."""
+    PinStore(daemon.settings.home_path).remove(name)
+    for worker in holders(daemon, name):
+        await send(daemon, worker, UNPIN, name)
+        await send(daemon, worker, UNLOAD, name)
+
+
+async def keep_before(daemon: Daemon, name: str, keep: Keep) -> None:
+    if keep is Keep.PIN:
+        await pin(daemon, name)
+    elif keep is Keep.UNLOAD:
+        check_unloadable(daemon, name)
+
+
+async def keep_after(daemon: Daemon, name: str, keep: Keep) -> None:
+    """keep_alive 0: unload once answered. The answer is already the client's, so a
+    failure here is logged, not returned."""
+    if keep is not Keep.UNLOAD:
+        return
+    try:
+        await unload(daemon, name)
+    except FleetError as exc:
+        log.warning("keep_alive 0: unloading %s failed: %s", name, exc.message)
+
+
+async def apply_keep(daemon: Daemon, name: str, keep: Keep) -> str:
+    """A request with nothing to run: load, pin or unload; its `done_reason`."""
+    if keep is Keep.UNLOAD:
+        check_unloadable(daemon, name)
+        await unload(daemon, name)
+        return "unload"
+    if keep is Keep.PIN:
+        await pin(daemon, name)
+    elif name not in daemon.loaded_models():
+        await send(daemon, choose_worker(daemon.workers(), name, None), LOAD, name)
+    return "load"
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+class Clock:
+    """One request's timeline, for Ollama's durations (ns)."""
+
+    def __init__(self, daemon: Daemon, name: str) -> None:
+        self.t0 = time.perf_counter_ns()
+        self.name = name
+        self.was_loaded = name in daemon.loaded_models()
+        self.first = 0
+
+    def load_ns(self, daemon: Daemon) -> int:
+        if self.was_loaded:
+            return 0
+        ms = max((float(m.get("load_ms", 0.0)) for w in daemon.workers() if w["up"]
+                  for n, m in w["models"].items() if n == self.name), default=0.0)
+        return int(ms * 1e6)
+
+    def stats(self, daemon: Daemon, answer: Answer, input_tokens: int, output_tokens: int) -> Stats:
+        total = time.perf_counter_ns() - self.t0
+        load = self.load_ns(daemon)
+        inference = int(answer.inference_ms * 1e6)
+        queue = int(answer.queue_ms * 1e6)
+        prompt = min(inference, max(0, self.first - self.t0 - queue - load)) if self.first else 0
+        return Stats(total, load, input_tokens, prompt, output_tokens, max(0, inference - prompt))
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+Frame = Callable[..., Any]
+
+
+async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, stream: bool, frame: Frame,
+                   headers: dict[str, str]) -> Response | Stream:
+    """Queue one generation and answer it as NDJSON lines or one object.
+    `frame(text, done, done_reason=None, stats=None)` builds a reply object."""
+    clock = Clock(daemon, name)
+    payload = codec.encode_msgpack(req)
+    await keep_before(daemon, name, keep)
+    text = TextStream(daemon, req, payload)
+    await text.started()  # an error before any text raises here: the client gets its status
+    clock.first = time.perf_counter_ns()
+
+    def last(whole: str) -> Any:
+        res = text.result
+        return frame(whole, True, res.finish_reason,
+                     clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens))
+
+    if not stream:
+        async for _ in text.deltas():
+            pass
+        done = last(text.result.text)
+        await keep_after(daemon, name, keep)
+        return json_reply(done, headers)
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for piece in text.deltas():
+                yield line(frame(piece, False))
+            yield line(last(""))
+        except FleetError as exc:
+            yield line(ErrorLine(exc.message))
+            return
+        await keep_after(daemon, name, keep)
+
+    return Stream(lines(), media_type=NDJSON, headers=headers)
+
+
+class GenerateFrame:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None) -> Any:
+        return GenerateLine(self.label, created_at(), text, done, done_reason,
+                            **(msgspec.structs.asdict(stats) if stats else {}))
+
+
+class ChatFrame:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None) -> Any:
+        return ChatLine(self.label, created_at(), ReplyMessage("assistant", text), done, done_reason,
+                        **(msgspec.structs.asdict(stats) if stats else {}))
+
+
+def prompt_request(daemon: Daemon, name: str, body: GenerateBody, **kwargs: Any) -> GenerateRequest:
+    """`/api/generate`'s prompt as fleet sends it: through the model's chat template
+    (with `system`) unless `raw` is set or the model has no template."""
+    if body.raw:
+        if body.system:
+            raise BadRequest("raw mode does not support template, system, or context")
+        return GenerateRequest(model=name, prompt=body.prompt, **kwargs)
+    manifest = daemon.manifest(name, "generate")
+    if not facts(daemon.store, manifest).template:
+        prompt = f"{body.system}\n\n{body.prompt}" if body.system else body.prompt
+        return GenerateRequest(model=name, prompt=prompt, **kwargs)
+    messages = ([ChatMessage("system", body.system)] if body.system else []) + [ChatMessage("user", body.prompt)]
+    return GenerateRequest(model=name, messages=messages, **kwargs)
+
+
+# ---- pull ------------------------------------------------------------------------------------------
+
+class LineProgress(Progress):
+    """fleet.pull's progress as Ollama status lines, handed from the pulling
+    thread to the event loop (`call_soon_threadsafe`: the queue is the loop's)."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, out: asyncio.Queue[ProgressLine]) -> None:
+        self.name, self.loop, self.out = name, loop, out
+        self.total = self.completed = 0
+        self.sent_at = 0.0
+
+    def emit(self, status: str, **fields: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, ProgressLine(status, **fields))
+
+    def _progress(self) -> None:
+        self.sent_at = time.monotonic()
+        self.emit(f"pulling {self.name}", digest=self.name, total=self.total, completed=self.completed)
+
+    def start(self, description: str, total_bytes: int) -> None:
+        self.total, self.completed = total_bytes, 0
+        self._progress()
+
+    def advance(self, nbytes: int) -> None:
+        self.completed += nbytes
+        if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S:
+            self._progress()
+
+    def finish(self) -> None:
+        self._progress()
+
+
+# ---- the routes ------------------------------------------------------------------------------------
+
+class OllamaController(Controller):
+    path = "/api"
+    # The app's handlers are keyed by these classes: the same keys here replace them for /api.
+    exception_handlers = {FleetError: on_error, HTTPException: on_error, Exception: on_error}
+
+    @get("/version")
+    async def api_version(self) -> Response:
+        return json_reply({"version": API_VERSION})
+
+    @get("/tags")
+    async def api_tags(self, daemon: Daemon) -> Response:
+        models = []
+        for m in daemon.store.list():
+            f = facts(daemon.store, m)
+            models.append(TagModel(ollama_name(m.name), ollama_name(m.name), iso_utc(m.created_at), m.size_bytes,
+                                   f.digest, details(m, f)))
+        return json_reply(TagsReply(models))
+
+    @get("/ps")
+    async def api_ps(self, daemon: Daemon) -> Response:
+        # A model held by several workers is one entry: its bytes summed, VRAM for copies on a GPU.
+        held: dict[str, list[Any]] = {}
+        for w in daemon.workers():
+            if not w["up"]:
+                continue
+            for name, m in w["models"].items():
+                entry = held.setdefault(name, [0, 0, False])
+                size = int(m.get("bytes", 0))
+                entry[0] += size
+                entry[1] += size if w["device"].startswith("cuda") else 0
+                entry[2] = entry[2] or bool(m.get("pinned"))
+        out = []
+        for name, (size, vram, pinned) in sorted(held.items()):
+            try:
+                manifest = daemon.store.get(name)
+            except FleetError:
+                continue  # removed from the store while resident: nothing to describe it by
+            f = facts(daemon.store, manifest)
+            out.append(RunningModel(ollama_name(name), ollama_name(name), size, f.digest, details(manifest, f),
+                                    vram, f.context_length, forever() if pinned else None))
+        return json_reply(PsReply(out))
+
+    @post("/show", status_code=200)
+    async def api_show(self, request: Request, daemon: Daemon) -> Response:
+        body: NameBody = await decode(request, NameBody)
+        manifest = stored_manifest(daemon, body.target)
+        f = facts(daemon.store, manifest)
+        modelfile = f"# {manifest.name}: fleet {manifest.task} model ({manifest.runtime})\n" \
+                    f"FROM {ollama_name(manifest.name)}\n"
+        if f.template:
+            modelfile += f'TEMPLATE """{f.template}"""\n'
+        parameters = f"num_ctx {f.context_length}" if f.context_length else ""
+        return json_reply(ShowReply(modelfile, parameters, f.template, details(manifest, f), f.info,
+                                    capabilities(manifest), iso_utc(manifest.created_at)))
+
+    @post("/generate", status_code=200)
+    async def api_generate(self, request: Request, daemon: Daemon) -> Response | Stream:
+        body: GenerateBody = await decode(request, GenerateBody)
+        name = serving(daemon, body.model, "generate")
+        refuse_unsupported(body.model, {"images": body.images, "think": body.think, "suffix": body.suffix,
+                                        "template": body.template, "context": body.context,
+                                        "logprobs": body.logprobs})
+        keep = choose_keep(body.keep_alive)
+        opts, ignored = read_options(body.options)
+        frame = GenerateFrame(body.model)
+        if not body.prompt:
+            reason = await apply_keep(daemon, name, keep)
+            return json_reply(frame("", True, reason))
+        req = prompt_request(daemon, name, body, stream=True, format=output_format(body.format), **sampling(opts))
+        return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
+
+    @post("/chat", status_code=200)
+    async def api_chat(self, request: Request, daemon: Daemon) -> Response | Stream:
+        body: ChatBody = await decode(request, ChatBody)
+        name = serving(daemon, body.model, "generate")
+        messages = body.messages or []
+        refuse_unsupported(body.model, {"tools": body.tools, "think": body.think, "logprobs": body.logprobs,
+                                        "images": any(m.images for m in messages)})
+        if any(m.tool_calls for m in messages):
+            raise BadRequest(f"{body.model!r} does not support tools (a message carries tool_calls)")
+        keep = choose_keep(body.keep_alive)
+        opts, ignored = read_options(body.options)
+        frame = ChatFrame(body.model)
+        if not messages:
+            reason = await apply_keep(daemon, name, keep)
+            return json_reply(frame("", True, reason))
+        req = GenerateRequest(model=name, messages=[ChatMessage(m.role, m.content) for m in messages], stream=True,
+                              format=output_format(body.format), **sampling(opts))
+        return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
+
+    @post("/embed", status_code=200)
+    async def api_embed(self, request: Request, daemon: Daemon) -> Response:
+        body: EmbedBody = await decode(request, EmbedBody)
+        name = serving(daemon, body.model, "embed")
+        keep = choose_keep(body.keep_alive)
+        _, ignored = read_options(body.options)
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        if not inputs or inputs == [""]:
+            await apply_keep(daemon, name, keep)
+            return json_reply(EmbedReply(body.model, [], 0, 0, 0), ignored_header(ignored))
+        vectors, answer, tokens, clock = await embed_texts(daemon, name, inputs, keep, normalize=True,
+                                                           truncate=body.truncate)
+        if body.dimensions is not None:
+            vectors = shorten(vectors, body.dimensions)
+        stats = clock.stats(daemon, answer, tokens, 0)
+        return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
+                          ignored_header(ignored))
+
+    @post("/embeddings", status_code=200)
+    async def api_embeddings(self, request: Request, daemon: Daemon) -> Response:
+        body: EmbeddingsBody = await decode(request, EmbeddingsBody)
+        name = serving(daemon, body.model, "embed")
+        keep = choose_keep(body.keep_alive)
+        _, ignored = read_options(body.options)
+        if not body.prompt:
+            await apply_keep(daemon, name, keep)
+            return json_reply(EmbeddingsReply([]), ignored_header(ignored))
+        vectors, *_ = await embed_texts(daemon, name, [body.prompt], keep, normalize=False, truncate=True)
+        return json_reply(EmbeddingsReply(vectors[0].tolist()), ignored_header(ignored))
+
+    @post("/pull", status_code=200)
+    async def api_pull(self, request: Request, daemon: Daemon) -> Response | Stream:
+        body: NameBody = await decode(request, NameBody)
+        name = store_name(body.target)
+        catalog = load_catalog(daemon.settings.home)
+        # Only names fleet knows: a source (hf:, path:, pkg:) is the operator's to choose, not a client's.
+        if name not in catalog and not daemon.store.exists(name):
+            raise ModelNotFound(f"model '{body.target}' is neither in fleet's catalog (models.toml) nor stored",
+                                hint="fleetctl list --catalog shows what can be pulled")
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue[ProgressLine] = asyncio.Queue()
+
+        def work() -> None:
+            pull_model(daemon.store, name, catalog=catalog, progress=LineProgress(name, loop, progress))
+            loop.call_soon_threadsafe(progress.put_nowait, ProgressLine("verifying sha256 digest"))
+            daemon.store.verify(name)
+
+        if not body.stream:
+            await asyncio.to_thread(work)
+            daemon.forget(name)
+            return json_reply(ProgressLine("success"))
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield line(ProgressLine("pulling manifest"))
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            while not task.done() or not progress.empty():
+                nxt = asyncio.ensure_future(progress.get())
+                await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt.done():
+                    yield line(nxt.result())
+                else:
+                    nxt.cancel()
+            try:
+                task.result()
+            except FleetError as exc:
+                yield line(ErrorLine(exc.message))
+                return
+            daemon.forget(name)
+            yield line(ProgressLine("success"))
+
+        return Stream(lines(), media_type=NDJSON)
+
+    @delete("/delete", status_code=200)
+    async def api_delete(self, request: Request, daemon: Daemon) -> Response:
+        body: NameBody = await decode(request, NameBody)
+        name = stored_manifest(daemon, body.target).name
+        dependents = daemon.store.dependents(name)
+        if dependents:
+            raise BadRequest(f"{name} is the base model of {', '.join(dependents)}: delete those first")
+        check_unloadable(daemon, name)
+        await unload(daemon, name)
+        await asyncio.to_thread(daemon.store.remove, name)
+        daemon.forget(name)
+        return Response(content=b"", status_code=200)
+
+
+async def embed_texts(daemon: Daemon, name: str, inputs: list[str], keep: Keep, *, normalize: bool,
+                      truncate: bool) -> tuple[np.ndarray, Answer, int, Clock]:
+    clock = Clock(daemon, name)
+    await keep_before(daemon, name, keep)
+    req = EmbedRequest(model=name, inputs=inputs, normalize=normalize, truncate=truncate)
+    answer = await run_embed(daemon, req, codec.encode_msgpack(req))
+    res = _embed_result.decode(answer.body)
+    await keep_after(daemon, name, keep)
+    return np.frombuffer(res.data, dtype="<f4").reshape(res.shape), answer, res.input_tokens, clock
