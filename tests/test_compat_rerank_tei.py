@@ -1,0 +1,236 @@
+"""Rerank and TEI clients against a real daemon, unchanged: the Cohere SDK (v2
+and v1 clients), Jina-shaped requests, huggingface_hub's InferenceClient and
+TEI's own routes; the default-model rule; bad input on the new routes.
+
+The daemon serves all-MiniLM-L6-v2 (embed), two tiny rerankers and one tiny
+classifier (BERTs with the MiniLM tokenizer, saved with `save_pretrained` and
+pulled with `fleetctl pull path:`). Every score is checked against the native
+`/v1/rerank` or `/v1/classify` answer; every vector against `/v1/embed`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon
+from tests.gen_models import pull
+
+QUERY = "how do cats behave at home"
+DOCS = [
+    "Cats sleep for most of the day and are most active at dawn and dusk.",
+    "The stock market closed higher on Friday.",
+    "Domestic cats groom themselves and mark territory by rubbing against furniture.",
+    "Dogs need daily walks.",
+    "Kittens play to practise hunting.",
+]
+TEXTS = ["I love this product, it works perfectly.", "Terrible service, never again.", "ok"]
+LABELS = {"id2label": {0: "negative", 1: "neutral", 2: "positive"},
+          "label2id": {"negative": 0, "neutral": 1, "positive": 2}}
+
+
+@pytest.fixture(scope="module")
+def compat(tmp_path_factory: pytest.TempPathFactory):
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("compat-models")
+    home = root / "home"
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+
+    def bert(name: str, **kw) -> Path:
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128, initializer_range=0.3, **kw)
+        folder = root / name
+        BertForSequenceClassification(cfg).eval().save_pretrained(folder)
+        tok.save_pretrained(folder)
+        return folder
+
+    reranker = bert("reranker", num_labels=1)
+    pull(home, reranker, "tiny-reranker")
+    pull(home, Path(shutil.copytree(reranker, root / "reranker-b")), "tiny-reranker-b")
+    pull(home, bert("classifier", num_labels=3, **LABELS), "tiny-classifier")
+    d = start_daemon(home)
+    yield d
+    d.stop()
+
+
+def post(d: DaemonProc, path: str, body: dict) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=60)
+
+
+def ok(resp: httpx.Response):
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def native_rerank(d: DaemonProc, model: str = "tiny-reranker") -> dict[int, float]:
+    results = ok(post(d, "/v1/rerank", {"model": model, "query": QUERY, "documents": DOCS}))["results"]
+    return {r["index"]: r["score"] for r in results}
+
+
+def check_sorted(scores: list[float]) -> None:
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_cohere_v2_client_reranks_like_the_native_route(compat):
+    import cohere
+
+    want = native_rerank(compat)
+    with cohere.ClientV2(api_key="unused", base_url=compat.url) as co:
+        got = co.rerank(model="tiny-reranker", query=QUERY, documents=DOCS, top_n=3)
+    assert len(got.results) == 3 and got.id
+    check_sorted([r.relevance_score for r in got.results])
+    assert [r.index for r in got.results] == sorted(want, key=want.get, reverse=True)[:3]
+    np.testing.assert_allclose([r.relevance_score for r in got.results], [want[r.index] for r in got.results],
+                               rtol=1e-6)
+
+
+def test_cohere_v1_client_reads_relevance_score_and_documents(compat):
+    import cohere
+
+    want = native_rerank(compat)
+    co = cohere.Client(api_key="unused", base_url=compat.url)
+    got = co.rerank(model="tiny-reranker", query=QUERY, documents=[{"text": d} for d in DOCS],
+                    return_documents=True)
+    assert len(got.results) == len(DOCS)
+    check_sorted([r.relevance_score for r in got.results])
+    assert [r.document.text for r in got.results] == [DOCS[r.index] for r in got.results]
+    np.testing.assert_allclose([r.relevance_score for r in got.results], [want[r.index] for r in got.results],
+                               rtol=1e-6)
+
+
+def test_jina_shaped_request_gets_relevance_score_and_document_objects(compat):
+    want = native_rerank(compat)
+    got = ok(post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "top_n": 2,
+                                         "return_documents": True, "documents": [{"text": d} for d in DOCS]}))
+    results = got["results"]
+    assert len(results) == 2
+    check_sorted([r["relevance_score"] for r in results])
+    for r in results:
+        assert r["relevance_score"] == r["score"]
+        assert r["document"] == {"text": DOCS[r["index"]]}
+        assert r["relevance_score"] == pytest.approx(want[r["index"]], rel=1e-6)
+
+
+def test_huggingface_hub_feature_extraction_through_tei_embed(compat):
+    from huggingface_hub import InferenceClient
+
+    want = np.asarray(ok(post(compat, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": TEXTS}))["embeddings"],
+                      dtype=np.float32)
+    client = InferenceClient(model=compat.url + "/embed")
+    one = client.feature_extraction(TEXTS[0])
+    assert one.shape == (1, 384)
+    np.testing.assert_allclose(one[0], want[0], atol=1e-6)
+    raw = client.feature_extraction(TEXTS[1], normalize=False)
+    assert abs(float(np.linalg.norm(raw[0])) - 1.0) > 1e-3  # the hub's `parameters` are honoured
+    np.testing.assert_allclose(raw[0] / np.linalg.norm(raw[0]), want[1], atol=1e-5)
+
+
+def test_tei_embed_routes_answer_bare_lists(compat):
+    want = np.asarray(ok(post(compat, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": TEXTS}))["embeddings"])
+    batch = ok(post(compat, "/embed", {"inputs": TEXTS}))
+    np.testing.assert_allclose(np.asarray(batch), want, atol=1e-6)
+    ids = [t.ids for t in _tokenizer().encode_batch(TEXTS[:2], add_special_tokens=False)]
+    by_ids = ok(post(compat, "/embed", {"inputs": [TEXTS[2], *ids]}))
+    np.testing.assert_allclose(np.asarray(by_ids), want[[2, 0, 1]], atol=1e-5)
+    cut = ok(post(compat, "/embed", {"inputs": TEXTS[0], "dimensions": 64}))
+    assert np.asarray(cut).shape == (1, 64)
+    native_tokens = ok(post(compat, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": TEXTS[:2],
+                                                  "output": "tokens"}))["embeddings"]
+    every = ok(post(compat, "/embed_all", {"inputs": TEXTS[:2]}))
+    assert [np.asarray(b).shape for b in every] == [np.asarray(b).shape for b in native_tokens]
+    np.testing.assert_allclose(np.asarray(every[0]), np.asarray(native_tokens[0]), atol=1e-6)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def test_tei_rerank_predict_tokenize_and_info(compat):
+    want = native_rerank(compat)
+    ranks = ok(post(compat, "/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": DOCS,
+                                        "return_text": True}))
+    assert isinstance(ranks, list) and len(ranks) == len(DOCS)
+    check_sorted([r["score"] for r in ranks])
+    assert all(r["text"] == DOCS[r["index"]] and r["score"] == pytest.approx(want[r["index"]], rel=1e-6)
+               for r in ranks)
+    assert "text" not in ok(post(compat, "/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": DOCS}))[0]
+
+    native = ok(post(compat, "/v1/classify", {"model": "tiny-classifier", "inputs": TEXTS}))["results"]
+    single = ok(post(compat, "/predict", {"inputs": TEXTS[0]}))  # the only classifier: no model needed
+    assert [p["label"] for p in single] == [p["label"] for p in native[0]]
+    check_sorted([p["score"] for p in single])
+    batch = ok(post(compat, "/predict", {"inputs": [[t] for t in TEXTS]}))
+    assert [[p["label"] for p in row] for row in batch] == [[p["label"] for p in row] for row in native]
+
+    text = "Hello, naïve world"
+    tokens = ok(post(compat, "/tokenize", {"inputs": text}))
+    enc = _tokenizer().encode(text)
+    assert [t["id"] for t in tokens[0]] == enc.ids
+    assert tokens[0][0] == {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None}
+    raw = text.encode()
+    assert all(raw[t["start"]:t["stop"]].decode() == t["text"] for t in tokens[0] if not t["special"])
+    assert [t["text"] for t in tokens[0][1:-1]] == ["Hello", ",", "naïve", "world"]
+
+    info = ok(httpx.get(compat.url + "/info", timeout=10))
+    assert info["model_id"] == DEFAULT_MODEL and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["max_input_length"] > 0 and info["max_client_batch_size"] > 0
+    classifier = ok(httpx.get(compat.url + "/info", params={"model": "tiny-classifier"}, timeout=10))
+    assert classifier["model_type"]["classifier"]["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+
+
+def test_model_left_out_with_two_rerankers_lists_the_candidates(compat):
+    for path, body in (("/v1/rerank", {"query": QUERY, "documents": DOCS}),
+                       ("/v2/rerank", {"query": QUERY, "documents": DOCS}),
+                       ("/rerank", {"query": QUERY, "texts": DOCS})):
+        resp = post(compat, path, body)
+        assert resp.status_code == 400, (path, resp.text)
+        err = resp.json()["error"]
+        assert err["code"] == "bad_request"
+        assert "tiny-reranker" in err["message"] and "tiny-reranker-b" in err["message"]
+        assert "default_models" in err["message"]
+    # The only classifier and the only embedder are found without a name.
+    assert ok(post(compat, "/v1/classify", {"inputs": TEXTS}))["model"] == "tiny-classifier"
+    assert ok(post(compat, "/v1/embed", {"inputs": TEXTS}))["model"] == DEFAULT_MODEL
+
+
+@pytest.mark.parametrize("path,body,status,code", [
+    ("/v2/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": []}, 400, "bad_request"),
+    ("/v2/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"txt": "x"}]}, 400, "bad_request"),
+    ("/v1/rerank", {"model": "tiny-reranker", "query": "", "documents": DOCS}, 400, "bad_request"),
+    ("/v1/rerank", {"model": "no-such-model", "query": QUERY, "documents": DOCS}, 404, "model_not_found"),
+    ("/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": DOCS, "documents": DOCS}, 400, "bad_request"),
+    ("/embed", {"inputs": []}, 400, "bad_request"),
+    ("/embed", {"inputs": [1, "a"]}, 400, "bad_request"),
+    ("/embed", {"inputs": [[101, 40_000]]}, 400, "bad_request"),
+    ("/embed", {"inputs": "a", "prompt_name": "query"}, 400, "bad_request"),
+    ("/embed", {"inputs": "a", "dimensions": 0}, 400, "bad_request"),
+    ("/embed", {"inputs": "a", "model": "tiny-reranker"}, 400, "bad_request"),
+    ("/embed_sparse", {"inputs": "a"}, 400, "bad_request"),
+    ("/predict", {"inputs": ["a", "b"]}, 400, "bad_request"),
+    ("/predict", {"inputs": [["a", "b"]]}, 400, "bad_request"),
+    ("/predict", {"inputs": 5}, 400, "bad_request"),
+    ("/tokenize", {"inputs": []}, 400, "bad_request"),
+    ("/tokenize", {"inputs": "a", "model": "../etc"}, 400, "bad_request"),
+    ("/tokenize", {"inputs": "a", "model": "no-such-model"}, 404, "model_not_found"),
+    ("/info?model=no-such-model", None, 404, "model_not_found"),
+])
+def test_bad_input_on_the_new_routes_is_a_clean_4xx_and_the_daemon_keeps_serving(compat, path, body, status,
+                                                                                  code):
+    resp = httpx.get(compat.url + path, timeout=10) if body is None else post(compat, path, body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == code and err["message"]
+    assert str(compat.home) not in err["message"]  # messages name models, never paths
+    assert ok(post(compat, "/embed", {"inputs": "still serving"}))
