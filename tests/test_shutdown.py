@@ -19,6 +19,11 @@ import pytest
 
 from tests.conftest import DEFAULT_MODEL, start_daemon
 
+#: The drain bound, shortened from the default 10 s (`drain_timeout_ms`). It behaves the same
+#: at either value: it is one timer (`Daemon.begin_drain` calls `end_drain` after it) and
+#: uvicorn's own limit is derived from it (bound + GRACE_S). 2 s makes it fall while the
+#: clients' backlog is still queued on this small box, so both outcomes are exercised:
+#: 200 during the drain and `unavailable` at the bound.
 DRAIN_S = 2.0
 #: daemon.server: drain bound + uvicorn's grace + worker stop (10 s) + broker/queue teardown (2 s).
 EXIT_BOUND_S = DRAIN_S + 5.0 + 12.0
