@@ -9,15 +9,21 @@ enough of them exhaust the process's descriptors and every new client fails.
 `guarded_protocol` subclasses uvicorn's httptools protocol with:
 - a header deadline: a request's headers must be complete `header_timeout_s` after
   the connection opened or its previous response ended;
-- a body gap: while a body is being read, `body_timeout_s` without a byte closes it
-  (a pause the server itself asked for, when the app reads slowly, does not count);
+- a body rate: while a body is being read, each `body_timeout_s` window must bring at
+  least MIN_BODY_BYTES_PER_S per second of it, else the connection is closed (a pause
+  the server itself asked for, when the app reads slowly, does not count). One
+  timer per window, not per chunk;
 - `ConnectionTable`: at a cap (per client address, or in all) a new connection
-  closes the oldest idle one of that scope (waiting for headers, or kept alive):
-  a slow client can never keep a quick one out; with none idle it is refused (503).
+  closes the oldest connection of that scope that the app is not serving: one
+  waiting for headers or kept alive first, else one still sending its body. A slow
+  client can never keep a quick one out; with every connection of the scope being
+  served, the new one is refused (503).
 
-Invariant: a protocol is in the table from `connection_made` (admitted) until it is
-evicted or `connection_lost`, whichever comes first; `busy` is True from headers
-complete to response complete. Everything runs on the event loop's thread.
+Each connection is in one phase: IDLE (waiting for a request's headers, or kept
+alive), BODY (headers in, body still arriving), SERVED (whole request in, the app
+answering). Invariant: a protocol is in the table from `connection_made` (admitted)
+until it is evicted or `connection_lost`, whichever comes first. Everything runs on
+the event loop's thread.
 """
 
 from __future__ import annotations
@@ -37,12 +43,18 @@ log = logging.getLogger("fleet.daemon")
 #: Descriptors kept for the daemon itself (queue, worker pipes, logs, NATS) on top of
 #: those open when serving starts, when the connection cap is fitted to RLIMIT_NOFILE.
 FD_HEADROOM = 32
+#: Slowest body upload accepted, averaged over each `body_timeout_s` window: far
+#: below any real client, far above a byte-a-second trickle.
+MIN_BODY_BYTES_PER_S = 1024
 #: Closing slow connections is logged at most this often (seconds), with a count:
 #: an attack must not flood the log.
 LOG_EVERY_S = 10.0
 _REFUSED_BODY = b'{"error":{"code":"unavailable","message":"too many open connections; retry later"}}'
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
+
+
+IDLE, BODY, SERVED = "idle", "body", "served"
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,8 @@ def connection_limits(settings: Any) -> ConnectionLimits:
 
 
 class ConnectionTable:
-    """Open connections, oldest first, in all and by client address."""
+    """Open connections, oldest first, in all and by client address (pure policy over
+    objects with `phase`, `client_host` and `close()`)."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
@@ -80,25 +93,20 @@ class ConnectionTable:
         self.closed_slow = 0
         self._logged_at = 0.0
 
-    def admit(self, conn: Any, client: str) -> bool:
-        """Register `conn`; at a cap, close the oldest idle connection of that scope first.
-        False: every connection of the full scope is busy, refuse `conn`."""
-        mine = self.by_client.get(client, {})
-        if len(mine) >= self.limits.max_per_client and not self.evict_oldest_idle(mine):
-            return False
-        if len(self.all) >= self.limits.max_connections and not self.evict_oldest_idle(self.all):
-            return False
+    def admit(self, conn: Any) -> bool:
+        """Register `conn`; at a cap, first close the connection `find_connection_to_close`
+        picks in that scope. False: the scope is full of served connections, refuse `conn`."""
+        mine = self.by_client.get(conn.client_host, {})
+        for scope, cap in ((mine, self.limits.max_per_client), (self.all, self.limits.max_connections)):
+            if len(scope) >= cap:
+                victim = find_connection_to_close(scope)
+                if victim is None:
+                    return False
+                self.drop(victim)
+                victim.close()
         self.all[conn] = None
-        self.by_client.setdefault(client, {})[conn] = None
+        self.by_client.setdefault(conn.client_host, {})[conn] = None
         return True
-
-    def evict_oldest_idle(self, scope: dict[Any, None]) -> bool:
-        for conn in scope:
-            if not conn.busy:
-                self.drop(conn)
-                conn.transport.close()
-                return True
-        return False
 
     def drop(self, conn: Any) -> None:
         if conn in self.all:
@@ -116,6 +124,17 @@ class ConnectionTable:
             log.warning("closed a connection: %s (%d slow connections closed so far)", why, self.closed_slow)
 
 
+def find_connection_to_close(scope: dict[Any, None]) -> Any | None:
+    """The oldest idle connection, else the oldest still sending its body, else None."""
+    uploading = None
+    for conn in scope:  # oldest first (insertion order)
+        if conn.phase == IDLE:
+            return conn
+        if conn.phase == BODY and uploading is None:
+            uploading = conn
+    return uploading
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """An HttpToolsProtocol class bound to one ConnectionTable (one per server)."""
     table = ConnectionTable(limits)
@@ -125,14 +144,20 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.busy = False
+            self.phase = IDLE
             self.client_host = ""
             self._deadline: asyncio.TimerHandle | None = None
+            self._body_bytes = 0  # body bytes received in the current window
+
+        def close(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.client_host = self.client[0] if self.client else ""
-            if not table.admit(self, self.client_host):
+            if not table.admit(self):
                 self.connections.discard(self)
                 transport.write(_REFUSED)
                 transport.close()
@@ -145,26 +170,33 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
-            self.busy = True
-            self._arm(limits.body_timeout_s, self._body_stalled)
+            self.phase = BODY
+            self._body_bytes = 0
+            self._arm(limits.body_timeout_s, self._body_window_ends)
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
-            self._arm(limits.body_timeout_s, self._body_stalled)
+            self._body_bytes += len(body)
             super().on_body(body)
 
         def on_message_complete(self) -> None:
-            self._disarm()
+            if self.phase == BODY:
+                self.phase = SERVED
+                self._disarm()
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
-            self.busy = False
+            self.phase = IDLE
             self._arm(limits.header_timeout_s, self._headers_late)
             super().on_response_complete()
-            if self.cycle is not None and not self.cycle.response_complete:
-                # A pipelined request started: its headers are in.
-                self.busy = True
-                self._disarm()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # A pipelined request started: its headers (at least) are in.
+                self.phase = BODY if cycle.more_body else SERVED
+                if self.phase == SERVED:
+                    self._disarm()
+                else:
+                    self._arm(limits.body_timeout_s, self._body_window_ends)
 
         def _arm(self, delay_s: float, callback: Any) -> None:
             self._disarm()
@@ -177,19 +209,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def _headers_late(self) -> None:
             self._deadline = None
-            if not self.busy and not self.transport.is_closing():
+            if self.phase == IDLE and not self.transport.is_closing():
                 table.note_slow_close(f"request headers not received within {limits.header_timeout_s:g} s")
                 self.transport.close()
 
-        def _body_stalled(self) -> None:
+        def _body_window_ends(self) -> None:
             self._deadline = None
-            if self.transport.is_closing():
+            if self.phase != BODY or self.transport.is_closing():
                 return
-            if self.flow is not None and self.flow.read_paused:
-                # The app has not read what arrived yet: the wait is ours, not the client's.
-                self._arm(limits.body_timeout_s, self._body_stalled)
+            got, self._body_bytes = self._body_bytes, 0
+            # Paused reading means the app has not read what arrived: that wait is ours.
+            if got >= MIN_BODY_BYTES_PER_S * limits.body_timeout_s or (self.flow is not None and self.flow.read_paused):
+                self._arm(limits.body_timeout_s, self._body_window_ends)
                 return
-            table.note_slow_close(f"no request body bytes for {limits.body_timeout_s:g} s")
+            table.note_slow_close(f"request body slower than {MIN_BODY_BYTES_PER_S} bytes/s "
+                                  f"over {limits.body_timeout_s:g} s")
             self.transport.close()
 
     return GuardedProtocol
