@@ -8,9 +8,14 @@ decides; JetStream is the shared queue and fleet adds no broker of its own.
 Names (the same on every box):
     fleet.work.<model>            subjects of the work-queue stream FLEET_WORK (file storage)
     work_<model>                  its durable pull consumer per model, bound by every box holding the model
-    fleet.reply.<box>.<instance>  core-NATS inbox of one daemon process: replies to its requests
+    fleet.reply.<box>.<instance>.<n>    the reply to request n of one daemon process, kept in the
+                                  stream FLEET_REPLIES (file storage, REPLY_TTL_S) so a requester
+                                  that was away for a blip reads it after reconnecting
+    fleet.reply.<box>.<instance>.<n>.p  streamed pieces of request n (core NATS: not kept; the
+                                  final reply carries the whole text anyway)
     fleet_boxes                   KV bucket, one heartbeat entry per box (JSON), expiring after 3 periods
-    fleet_payloads                object store: bodies over `nats_large_payload_bytes`, named by request id
+    fleet_payloads                object store: request bodies over `nats_large_payload_bytes`, named by
+                                  request id, and replies over the server's max_payload (`<id>.reply`)
 Model names may contain '.', NATS's token separator: in subjects and consumer names it is '~'.
 
 A work message is the request as MessagePack (empty when the body is in the object
@@ -21,16 +26,21 @@ time), Fleet-Reply-To, Fleet-Object. A reply is the worker's result exactly as i
 wrote it (`fleet.messages.Envelope` bytes) with Fleet-Request-Id and Fleet-Status.
 
 Invariants:
-1. A work message is acked only after its reply was published (or, for this box's
-   own requests, handed to the waiting request). A box that dies before that loses
-   the message to another box once `ack_wait` passes without `in_progress()`.
+1. A work message is acked only after its reply is stored in FLEET_REPLIES (or, for
+   this box's own requests, handed to the waiting request). A box that dies before
+   that loses the message to another box once `ack_wait` passes without
+   `in_progress()`: a dead box is noticed within `nats_ack_wait_ms` (5 s), and
+   `check_settings` refuses an ack wait that leaves no time to answer elsewhere.
 2. The requester answers each request at most once: the first reply pops its
-   waiter; a later one (redelivery after a box died, re-publication after a
+   waiter; a later one (redelivery after a box died, a reply read back after a
    reconnect) finds nobody and is counted in `duplicates`, then dropped.
-3. A box holds at most `capacity` messages (fetched, not answered), give or take
-   one concurrent fetch per model: each fetch asks for `capacity - held` at most.
+3. A box holds at most `capacity` messages (fetched, not answered) over all its
+   models: its pullers share one `FetchCredit`, and each fetch asks for no more
+   than the credit it took.
 4. A request never waits past its own deadline: publishing retries until it, and
    the wait for the reply is bounded by it; pullers `term()` expired messages.
+5. NATS is not needed for what this box can do alone: while it is unreachable, a
+   request for a model in this box's store runs in the local queue.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import os
 import secrets
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,29 +61,44 @@ import msgspec
 
 from fleet.config import Settings
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded, Timeout, Unavailable
+from fleet.messages import STATUS_ERROR, STATUS_PARTIAL, Envelope, WorkError
 from fleet.store import Store
 from local_queue import STATUS_POISON, Done
-from fleet.messages import STATUS_ERROR, Envelope, WorkError
 
 from daemon.broker import Answer, Broker
 
 log = logging.getLogger("fleet.cluster")
 
 STREAM = "FLEET_WORK"
+REPLY_STREAM = "FLEET_REPLIES"
 WORK_PREFIX = "fleet.work."
 REPLY_PREFIX = "fleet.reply."
+PIECE_SUFFIX = ".p"
 BOXES_BUCKET = "fleet_boxes"
 PAYLOADS_BUCKET = "fleet_payloads"
 #: Objects outlive any request (timeout_ms is at most 600 000): a requester that died leaks nothing for long.
 PAYLOAD_TTL_S = 900.0
+#: Replies are kept past any request's deadline (timeout_ms is at most 600 000), then dropped.
+REPLY_TTL_S = 660.0
+#: Bytes of replies FLEET_REPLIES keeps (oldest dropped first); replies over the
+#: server's max_payload go through the object store, so this is thousands of replies.
+REPLY_STREAM_BYTES = 1 << 30
 #: JetStream drops a re-published message with a Nats-Msg-Id seen within this window.
 DEDUP_WINDOW_S = 120.0
-#: Long-poll of one fetch: an idle box asks again this often.
+#: Long-poll of an idle puller's one-message fetch: it asks again this often.
 FETCH_POLL_S = 1.0
+#: How long a busy puller's fetch waits for more than what is already waiting.
+FETCH_BURST_S = 0.02
 #: Bytes of a work message's max_payload kept for its headers.
 HEADER_ROOM = 4096
 #: Outgoing bytes nats.py buffers while reconnecting (replies, acks, publishes).
 PENDING_BYTES = 64 << 20
+#: The shortest ack wait `serve` accepts: a box extends what it holds every third of
+#: it from an event loop that also serves HTTP; shorter, a busy box would lose live work.
+MIN_ACK_WAIT_MS = 1_000
+#: Noticing a dead box may take at most 1/ACK_WAIT_SHARE of the request deadline
+#: (`timeout_ms`): the rest is for another box to queue and run the redelivered work.
+ACK_WAIT_SHARE = 3
 
 H_MSG_ID = "Nats-Msg-Id"
 H_RID, H_MODEL, H_TASK, H_TOKENS = "Fleet-Request-Id", "Fleet-Model", "Fleet-Task", "Fleet-Tokens"
@@ -132,15 +158,87 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     return opts
 
 
+def check_settings(settings: Settings) -> None:
+    """Refuse, before anything starts, NATS settings under which accepted requests
+    would be lost: a dead box's work redelivered too late to answer it before the
+    request's deadline, or an ack wait so short that a busy live box loses its own."""
+    connect_options(settings)
+    ack_ms, timeout_ms = settings.nats_ack_wait_ms, settings.timeout_ms
+    if ack_ms < MIN_ACK_WAIT_MS:
+        raise BadRequest(f"nats_ack_wait_ms is {ack_ms}: it must be at least {MIN_ACK_WAIT_MS} (a box extends "
+                         "the work it holds every third of it; shorter, a busy box loses work it is running)")
+    if ack_ms * ACK_WAIT_SHARE > timeout_ms:
+        raise BadRequest(
+            f"nats_ack_wait_ms ({ack_ms}) must be at most a third of timeout_ms ({timeout_ms}): a box that dies "
+            "holding a request is noticed only after the ack wait, and another box needs the rest of the "
+            "deadline to answer it",
+            hint=f"set FLEET_NATS_ACK_WAIT_MS to {timeout_ms // ACK_WAIT_SHARE} or less (default 5000)")
+    if settings.nats_fetch_per_worker < 1:
+        raise BadRequest(f"nats_fetch_per_worker must be at least 1, got {settings.nats_fetch_per_worker}")
+
+
+class FetchCredit:
+    """The work messages one box may hold, shared by the pullers of all its models.
+
+    `used` counts the messages held plus the credit taken by fetches in flight: a
+    puller takes credit before it fetches and gives back what the fetch did not fill,
+    then one per message as it is answered. Waiters get room in arrival order, so a
+    puller that gives back and takes again in a loop cannot starve another one.
+    Event loop only (no lock)."""
+
+    def __init__(self, capacity: Callable[[], int]) -> None:
+        self._capacity = capacity
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def free(self) -> int:
+        return self._capacity() - self.used
+
+    async def take(self, want: int) -> int:
+        """Wait for room (and for the pullers that waited first), then take up to
+        `want` messages' worth, at least one."""
+        front = False
+        while self.free <= 0 or (self._waiters and not front):
+            await self._wait_turn(front)
+            front = True  # woken: first in line from now on, even if someone took the room meanwhile
+        n = min(max(1, want), self.free)
+        self.used += n
+        self.wake()
+        return n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand the room to the first waiter (also when capacity grew: workers came up)."""
+        if self._waiters and self.free > 0:
+            self._waiters.popleft().set_result(None)
+
+    async def _wait_turn(self, front: bool) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if front:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+            else:
+                self.wake()  # woken and cancelled at once: pass the turn on
+            raise
+
+
 @dataclass
 class _Pending:
-    """A request of this box waiting for its reply, with what re-publishing it needs."""
+    """A request of this box waiting for its reply on `subject` (and its pieces, streaming)."""
 
     fut: asyncio.Future[Done]
     subject: str
-    body: bytes
-    headers: dict[str, str]
-    publishes: int = 1
+    on_partial: Callable[[Done], None] | None = None
 
 
 class Cluster:
@@ -154,7 +252,8 @@ class Cluster:
         self.box = settings.box_name
         self.key = box_token(self.box)
         self.instance = secrets.token_hex(4)
-        self.reply_subject = f"{REPLY_PREFIX}{self.key}.{self.instance}"
+        #: Replies to this daemon's requests arrive on <reply_prefix><n>, pieces on <...><n>.p.
+        self.reply_prefix = f"{REPLY_PREFIX}{self.key}.{self.instance}."
         #: Validated here, so bad auth/TLS settings fail `serve` at start, not in a task.
         self._options = connect_options(settings)
         self._workers_up = workers_up
@@ -163,7 +262,7 @@ class Cluster:
         self._pending: dict[str, _Pending] = {}
         #: Work messages this box holds (fetched, not answered), by stream sequence.
         self._held: dict[int, Any] = {}
-        self._room = asyncio.Event()
+        self.credit = FetchCredit(lambda: self.capacity)
         self._joined = asyncio.Event()
         self._stopping = False
         self._pulling = True
@@ -180,6 +279,7 @@ class Cluster:
         self.served = 0
         self.duplicates = 0
         self.reconnects = 0
+        self.served_locally = 0
         self._last_error_log = 0.0
 
     # -- lifecycle ------------------------------------------------------------------
@@ -187,6 +287,11 @@ class Cluster:
     @property
     def joined(self) -> bool:
         return self._joined.is_set()
+
+    @property
+    def reachable(self) -> bool:
+        """Joined and connected now: requests can be queued in JetStream."""
+        return self._joined.is_set() and self.nc is not None and self.nc.is_connected
 
     @property
     def capacity(self) -> int:
@@ -204,7 +309,7 @@ class Cluster:
             reconnected_cb=self._on_reconnected, closed_cb=self._on_closed,
         )
         self.js = self.nc.jetstream()
-        await self.nc.subscribe(self.reply_subject, cb=self._on_reply)
+        await self.nc.subscribe(self.reply_prefix + ">", cb=self._on_reply)
         while True:
             try:
                 await self._declare()
@@ -216,24 +321,31 @@ class Cluster:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="nats-heartbeat"))
         self._tasks.append(asyncio.create_task(self._extend_loop(), name="nats-in-progress"))
         self._joined.set()
-        log.info("joined the NATS cluster at %s as %s (reply subject %s)", self.settings.nats, self.box,
-                 self.reply_subject)
+        log.info("joined the NATS cluster at %s as %s (replies on %s*)", self.settings.nats, self.box,
+                 self.reply_prefix)
 
     async def _declare(self) -> None:
-        """The stream, KV bucket and object store every box shares. Declaring is
+        """The streams, KV bucket and object store every box shares. Declaring is
         idempotent; a box with other limits updates them (the last one wins)."""
         from nats.js.api import DiscardPolicy, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
         from nats.js.errors import APIError
 
-        config = StreamConfig(
+        work = StreamConfig(
             name=STREAM, subjects=[WORK_PREFIX + ">"], retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE, discard=DiscardPolicy.NEW, max_msgs=self.settings.nats_max_queued,
             duplicate_window=DEDUP_WINDOW_S,
         )
-        try:
-            await self.js.add_stream(config)
-        except APIError:
-            await self.js.update_stream(config)
+        # Final replies only (<box>.<instance>.<n>): pieces (one token more) are not kept.
+        replies = StreamConfig(
+            name=REPLY_STREAM, subjects=[REPLY_PREFIX + "*.*.*"], retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=REPLY_TTL_S,
+            max_bytes=REPLY_STREAM_BYTES, duplicate_window=DEDUP_WINDOW_S,
+        )
+        for config in (work, replies):
+            try:
+                await self.js.add_stream(config)
+            except APIError:
+                await self.js.update_stream(config)
         heartbeat_s = self.settings.nats_heartbeat_ms / 1000.0
         try:
             self.kv = await self.js.create_key_value(bucket=BOXES_BUCKET, ttl=3 * heartbeat_s, history=1,
@@ -284,21 +396,29 @@ class Cluster:
 
     # -- requester --------------------------------------------------------------------
 
-    async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int,
-                     timeout_s: float) -> Answer:
-        """Queue one request in JetStream and wait for the first reply from any box."""
+    async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
+                     local: bool = False, on_partial: Callable[[Done], None] | None = None) -> Answer:
+        """Queue one request in JetStream and wait for the first reply from any box.
+
+        `local`: this box stores the model, so while NATS is unreachable (not joined
+        yet, disconnected, or gone while queueing) it runs in this box's own queue
+        instead (invariant 5). `on_partial` gets streamed pieces, from whichever box
+        runs the request, in order; a piece lost on the way is filled in by the final reply."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
+        if local and not self.reachable:
+            return await self._run_here(model, payload, tokens, deadline, on_partial)
         if not self._joined.is_set():
             try:
                 await asyncio.wait_for(self._joined.wait(), timeout_s)
             except TimeoutError:
                 raise Timeout(f"{model}: not joined to the NATS cluster at {self.settings.nats} yet") from None
-        rid = f"{self.key}-{self.instance}-{next(self._ids)}"
+        n = next(self._ids)
+        rid, reply_to = f"{self.key}-{self.instance}-{n}", f"{self.reply_prefix}{n}"
         body = payload if type(payload) is bytes else bytes(payload)
         headers = {
             H_MSG_ID: rid, H_RID: rid, H_MODEL: model, H_TASK: task, H_TOKENS: str(tokens),
-            H_DEADLINE: str(int((time.time() + timeout_s) * 1000)), H_REPLY_TO: self.reply_subject,
+            H_DEADLINE: str(int((time.time() + timeout_s) * 1000)), H_REPLY_TO: reply_to,
         }
         # Over the threshold, or over what this server accepts in one message (max_payload, 1 MiB by default).
         large = len(body) > min(self.settings.nats_large_payload_bytes, self.nc.max_payload - HEADER_ROOM)
@@ -306,9 +426,11 @@ class Cluster:
             await self._put_object(rid, body, deadline)
             headers[H_OBJECT], body = rid, b""
         fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(fut, work_subject(model), body, headers)
+        self._pending[rid] = _Pending(fut, reply_to, on_partial)
         try:
-            await self._publish(work_subject(model), body, headers, deadline)
+            if not await self._publish(work_subject(model), body, headers, deadline, offline_gives_up=local):
+                self._pending.pop(rid, None)
+                return await self._run_here(model, payload, tokens, deadline, on_partial)
             done = await asyncio.wait_for(fut, deadline - time.monotonic())
         except TimeoutError:
             raise Timeout(f"{model}: no answer from the cluster within {timeout_s * 1000:.0f} ms") from None
@@ -321,9 +443,18 @@ class Cluster:
         waited_ms = (time.monotonic() - t0) * 1000.0 - answer.inference_ms
         return Answer(answer.body, max(answer.queue_ms, waited_ms), answer.inference_ms, answer.served_by)
 
-    async def _publish(self, subject: str, body: bytes, headers: dict[str, str], deadline: float) -> None:
-        """Publish until JetStream acks or the deadline passes. Retrying is safe:
-        the stream drops a second copy with the same Nats-Msg-Id (dedup window)."""
+    async def _run_here(self, model: str, payload: bytes | memoryview, tokens: int, deadline: float,
+                        on_partial: Callable[[Done], None] | None) -> Answer:
+        """NATS is unreachable and this box stores the model: its own queue runs the request."""
+        self.served_locally += 1
+        return await self.broker.submit(model, payload, tokens=tokens, timeout_s=max(0.001, deadline - time.monotonic()),
+                                        on_partial=on_partial)
+
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str], deadline: float, *,
+                       offline_gives_up: bool = False) -> bool:
+        """Publish until JetStream acks (True) or the deadline passes. Retrying is safe:
+        the stream drops a second copy with the same Nats-Msg-Id (dedup window).
+        With `offline_gives_up`, a failure while disconnected returns False at once."""
         import nats.errors
         from nats.js.errors import APIError, NoStreamResponseError
 
@@ -333,7 +464,7 @@ class Cluster:
                 raise Timeout("could not queue the request in JetStream before its deadline (NATS unreachable?)")
             try:
                 await self.js.publish(subject, body, headers=headers, timeout=min(left, 2.0))
-                return
+                return True
             except APIError as exc:
                 if exc.err_code == 10077 or "maximum messages" in (exc.description or ""):
                     raise Overloaded(f"the cluster queue is full ({self.settings.nats_max_queued} waiting); "
@@ -341,13 +472,15 @@ class Cluster:
                 raise Unavailable(f"JetStream refused the request: {exc.description}") from None
             except (TimeoutError, NoStreamResponseError, nats.errors.ConnectionClosedError,
                     nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError):
+                if offline_gives_up and not self.nc.is_connected:
+                    return False
                 await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     async def _put_object(self, name: str, body: bytes, deadline: float) -> None:
         try:
             await asyncio.wait_for(self.obj.put(name, body), max(0.001, deadline - time.monotonic()))
         except TimeoutError:
-            raise Timeout("could not store the request body in the JetStream object store in time") from None
+            raise Timeout("could not store a body in the JetStream object store in time") from None
 
     async def _delete_object(self, name: str) -> None:
         try:
@@ -356,8 +489,32 @@ class Cluster:
             log.warning("could not delete payload object %s: %s", name, exc)
 
     async def _on_reply(self, msg: Any) -> None:
+        """A reply or a streamed piece for one of this daemon's requests (live, or
+        read back from FLEET_REPLIES after a reconnect)."""
         h = msg.headers or {}
-        self._resolve(h.get(H_RID, ""), int(h.get(H_STATUS, STATUS_ERROR)), msg.data)
+        rid, status = h.get(H_RID, ""), int(h.get(H_STATUS, STATUS_ERROR))
+        if status == STATUS_PARTIAL:
+            pend = self._pending.get(rid)
+            if pend is not None and pend.on_partial is not None:
+                pend.on_partial(Done(0, 0, STATUS_PARTIAL, msg.data))
+            return
+        if H_OBJECT in h:
+            if rid in self._pending:
+                self._spawn(self._resolve_from_object(rid, status, h[H_OBJECT]))
+            else:
+                self.duplicates += 1
+            return
+        self._resolve(rid, status, msg.data)
+
+    async def _resolve_from_object(self, rid: str, status: int, name: str) -> None:
+        """A reply too large for one message: its body is in the object store."""
+        try:
+            data = (await self.obj.get(name)).data
+        except Exception as exc:  # the request answers `timeout` at its deadline
+            self._log_error(f"could not read reply object {name}: {type(exc).__name__}: {exc}")
+            return
+        self._resolve(rid, status, data)
+        await self._delete_object(name)
 
     def _resolve(self, rid: str, status: int, result: bytes) -> None:
         pend = self._pending.pop(rid, None)
@@ -366,20 +523,24 @@ class Cluster:
             return
         pend.fut.set_result(Done(0, 0, status, result))
 
-    async def _republish_waiting(self) -> None:
-        """After a reconnect: replies published while this box was away are lost (core
-        NATS keeps nothing for an absent subscriber), so every request still waiting
-        is queued again under a new message id. Costs duplicate work only on reconnects."""
-        for rid, pend in list(self._pending.items()):
+    async def _recover_replies(self) -> None:
+        """After a reconnect: a core subscriber misses what is published while it is
+        away, so every request still waiting reads its reply back from FLEET_REPLIES.
+        One with none there is not answered yet: its work message is still in
+        JetStream (held by a live box, or redelivered from a dead one)."""
+        from nats.js.errors import NotFoundError
+
+        for pend in list(self._pending.values()):
             if pend.fut.done():
                 continue
-            pend.publishes += 1
-            headers = {**pend.headers, H_MSG_ID: f"{rid}.{pend.publishes}"}
-            deadline = int(pend.headers[H_DEADLINE]) / 1000.0 - time.time() + time.monotonic()
             try:
-                await self._publish(pend.subject, pend.body, headers, deadline)
-            except FleetError as exc:
-                log.warning("could not re-queue %s after a reconnect: %s", rid, exc)
+                msg = await self.js.get_last_msg(REPLY_STREAM, pend.subject)
+            except NotFoundError:
+                continue
+            except Exception as exc:  # disconnected again: the next reconnect reads them
+                self._log_error(f"could not read back replies after a reconnect: {type(exc).__name__}: {exc}")
+                return
+            await self._on_reply(msg)
 
     # -- puller -------------------------------------------------------------------------
 
@@ -399,9 +560,12 @@ class Cluster:
         """Fetch work for `model` in amounts this box can take now, and serve it.
 
         1. Bind the model's durable consumer (declared here, shared by every box).
-        2. Wait for room: held < capacity.
-        3. fetch(capacity - held): JetStream hands out what is waiting, up to that.
-        4. Serve each message in its own task (it waits in local_queue like any request)."""
+        2. Take credit from the box's one `FetchCredit` (invariant 3): one message
+           while the model's subject is idle, all the room there is while it is busy.
+        3. Idle: a long poll for one message (it returns as soon as one arrives).
+           Busy: what is waiting now, up to the credit (FETCH_BURST_S at most).
+        4. Give back the credit the fetch did not fill; serve each message in its
+           own task (it waits in local_queue like any request)."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         while not self._stopping:
@@ -418,20 +582,25 @@ class Cluster:
                 await asyncio.sleep(1.0)
         else:
             return
+        busy = False
         while not self._stopping:
-            free = self.capacity - len(self._held)
-            if free <= 0:
-                self._room.clear()
-                await self._room.wait()
-                continue
+            taken = await self.credit.take(self.capacity if busy else 1)
+            msgs: list[Any] = []
+            failed = False
             try:
-                msgs = await psub.fetch(free, timeout=FETCH_POLL_S)
+                msgs = await psub.fetch(taken, timeout=FETCH_BURST_S if busy else FETCH_POLL_S)
             except TimeoutError:  # nothing waiting (nats.errors.TimeoutError is one too)
-                continue
+                pass
             except Exception as exc:  # disconnected, or the server restarting
                 self._log_error(f"fetch for {model} failed: {type(exc).__name__}: {exc}")
+                failed = True
+            finally:
+                # A fetch may return more than asked (deliveries of an earlier, expired
+                # pull request): they count too, so `used` stays exact.
+                self.credit.give(taken - len(msgs))
+            if failed:
                 await asyncio.sleep(0.5)
-                continue
+            busy = bool(msgs)
             for msg in msgs:
                 self._held[msg.metadata.sequence.stream] = msg
                 task = asyncio.create_task(self._serve(model, msg))
@@ -453,10 +622,11 @@ class Cluster:
             if left <= 0:
                 await msg.term()  # expired: its requester has answered `timeout` already
                 return
+            deadline = time.monotonic() + left
             if msg.metadata.num_delivered > self.settings.nats_max_deliver:
                 await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
                     "inference_failed", f"{model}: delivered {msg.metadata.num_delivered} times and never "
-                    "answered (boxes died running it); dropped so it cannot take down more boxes"))
+                    "answered (boxes died running it); dropped so it cannot take down more boxes"), deadline)
                 await msg.term()
                 return
             payload = msg.data
@@ -470,11 +640,12 @@ class Cluster:
                         await msg.nak(delay=1.0)  # NATS trouble: try again later, maybe elsewhere
                         return
                     await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
-                        "bad_request", f"{model}: the request body is gone from the object store"))
+                        "bad_request", f"{model}: the request body is gone from the object store"), deadline)
                     await msg.term()
                     return
             try:
-                done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left)
+                done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left,
+                                             on_partial=self._piece_sink(reply_to, rid))
             except Overloaded:
                 await msg.nak(delay=1.0)  # this box is full now; another (or this one, later) takes it
                 return
@@ -482,10 +653,10 @@ class Cluster:
                 await msg.term()  # past its deadline here: the requester answers `timeout`
                 return
             except FleetError as exc:  # it can never run here (e.g. larger than the queue's slab)
-                await self._reply(reply_to, rid, STATUS_ERROR, _work_error(exc.code, exc.message))
+                await self._reply(reply_to, rid, STATUS_ERROR, _work_error(exc.code, exc.message), deadline)
                 await msg.term()
                 return
-            await self._reply(reply_to, rid, done.status, done.result)
+            await self._reply(reply_to, rid, done.status, done.result, deadline)
             self.served += 1
             if done.status == STATUS_POISON:
                 await msg.term()  # it killed this box's workers max_attempts times: never redeliver
@@ -497,17 +668,44 @@ class Cluster:
             self._log_error(f"serving a work message for {model} failed: {exc}")
         finally:
             self._held.pop(msg.metadata.sequence.stream, None)
-            self._room.set()
+            self.credit.give(1)
 
-    async def _reply(self, reply_to: str, rid: str, status: int, result: bytes) -> None:
-        if reply_to == self.reply_subject:
+    def _is_mine(self, reply_to: str) -> bool:
+        return reply_to.startswith(self.reply_prefix)
+
+    def _piece_sink(self, reply_to: str, rid: str) -> Callable[[Done], None]:
+        """Where the streamed pieces of a work message go: this box's own waiter, or
+        the requester's piece subject (core NATS, in order; not kept)."""
+        if self._is_mine(reply_to):
+            def to_waiter(done: Done) -> None:
+                pend = self._pending.get(rid)
+                if pend is not None and pend.on_partial is not None:
+                    pend.on_partial(done)
+
+            return to_waiter
+        subject, headers = reply_to + PIECE_SUFFIX, {H_RID: rid, H_STATUS: str(STATUS_PARTIAL)}
+        # Tasks start in creation order and each publish only appends to nats.py's
+        # buffer, so pieces go out in order, and before the final reply.
+        return lambda done: self._spawn(self.nc.publish(subject, done.result, headers=headers))
+
+    async def _reply(self, reply_to: str, rid: str, status: int, result: bytes, deadline: float) -> None:
+        """Hand a result to its requester: this box's own waiter directly; another box's
+        through FLEET_REPLIES, stored (PubAck) before the caller acks (invariant 1), so
+        it survives the requester's blip. Over max_payload, the body goes to the object store."""
+        if self._is_mine(reply_to):
             self._resolve(rid, status, result)  # this box's own request: no NATS hop back
             return
-        await self.nc.publish(reply_to, result, headers={H_RID: rid, H_STATUS: str(status)})
+        headers = {H_MSG_ID: rid + ".reply", H_RID: rid, H_STATUS: str(status)}
+        if len(result) > self.nc.max_payload - HEADER_ROOM:
+            name = rid + ".reply"
+            await self._put_object(name, result, deadline)
+            headers[H_OBJECT], result = name, b""
+        await self._publish(reply_to, result, headers, deadline)
 
     async def _extend_loop(self) -> None:
         """Every ack_wait / 3, tell JetStream the held messages are still being worked
-        on (`in_progress` restarts their ack timer), so slow work is not redelivered."""
+        on (`in_progress` restarts their ack timer), so live work is not redelivered
+        while a dead box's is, within ack_wait."""
         period = self.settings.nats_ack_wait_ms / 3000.0
         while True:
             await asyncio.sleep(period)
@@ -523,6 +721,7 @@ class Cluster:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.nats_heartbeat_ms / 1000.0)
+            self.credit.wake()  # workers that came up since add room without anything given back
             try:
                 await self._beat()
             except Exception as exc:
@@ -556,7 +755,7 @@ class Cluster:
             "models": self._models, "loaded": sorted(self._loaded()), "workers": self._workers_up(),
             "capacity": self.capacity, "held": len(self._held), "local_depth": self.broker.queue.depth(),
             "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
-            "reconnects": self.reconnects, "at": time.time(),
+            "served_locally": self.served_locally, "reconnects": self.reconnects, "at": time.time(),
         }
 
     def boxes(self) -> list[dict[str, Any]]:
@@ -593,12 +792,13 @@ class Cluster:
 
     async def _on_disconnected(self) -> None:
         if not self._stopping:
-            log.warning("disconnected from NATS; reconnecting (held and waiting requests are kept)")
+            log.warning("disconnected from NATS; reconnecting (held and waiting requests are kept; "
+                        "requests for this box's own models run here meanwhile)")
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
-        self._spawn(self._republish_waiting())
+        self._spawn(self._recover_replies())
 
     async def _on_closed(self) -> None:
         if not self._stopping:

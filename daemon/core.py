@@ -91,6 +91,10 @@ class Daemon:
         self.store = Store(self.settings.store_path)
         self.box = self.settings.box_name
         self.metrics = Metrics(known=self.knows_model)
+        if self.settings.nats:
+            from daemon.cluster import check_settings
+
+            check_settings(self.settings)  # `serve` exits 1 here, before any worker starts
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -200,20 +204,21 @@ class Daemon:
         `task`, queue `payload` (the request as MessagePack), wait, record metrics.
         A LoRA adapter's requests queue in its base model's lane: the worker holding
         the base serves every adapter of it in the same batches (runtimes.continuous).
-        `on_partial` receives streamed partial results (this box only; through NATS
-        the answer comes whole)."""
+        `on_partial` receives streamed partial results, from whichever box runs it."""
         t0 = time.perf_counter()
         try:
+            local = True
             try:
                 lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:
                 if self.cluster is None:
                     raise
                 self.cluster.check_model(model, task)  # another box may have it
-                lane = model
+                lane, local = model, False
             timeout_s = self.timeout_s(timeout_ms)
             if self.cluster is not None:
-                answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s)
+                answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
+                                                   local=local, on_partial=on_partial)
             else:
                 answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
                                                   on_partial=on_partial)

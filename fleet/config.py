@@ -67,10 +67,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: work message carries a reference); smaller ones travel inline.
     nats_large_payload_bytes: int = 1 << 20
     #: A box that holds a work message this long without answering or extending it
-    #: (it died) loses it: JetStream redelivers it to another box.
-    nats_ack_wait_ms: int = 30_000
+    #: (it died) loses it: JetStream redelivers it to another box. A live box extends
+    #: what it holds every third of this (`in_progress`), so this is how fast a dead
+    #: box is noticed; `serve` refuses a value over a third of `timeout_ms` (redelivery
+    #: must leave another box time to answer before the deadline).
+    nats_ack_wait_ms: int = 5_000
     #: Work messages one box holds at most (fetched, not yet answered) per worker: the
-    #: box's free capacity is this times its workers, minus what it holds.
+    #: box's free capacity is this times its workers, minus what it holds, shared by
+    #: the pullers of all its models (one fetch credit per box).
     nats_fetch_per_worker: int = 32
     #: Work messages waiting in JetStream (all models) past which requests answer `overloaded`.
     nats_max_queued: int = 100_000

