@@ -76,7 +76,8 @@ def pid_alive(pid: int) -> bool:
 
 def sweep_stale(prefix: str, *, shm_dir: Path = SHM_DIR, alive: Callable[[int], bool] = pid_alive) -> list[str]:
     """Remove the stale entries of `prefix` queues from `shm_dir`; returns their
-    names. An entry that vanished meanwhile (another sweeper) is not an error."""
+    names. An entry that vanished meanwhile (another sweeper) or that belongs to
+    another user (/dev/shm is sticky: only its owner may remove it) is skipped."""
     try:
         entries = os.listdir(shm_dir)
     except FileNotFoundError:
@@ -85,7 +86,7 @@ def sweep_stale(prefix: str, *, shm_dir: Path = SHM_DIR, alive: Callable[[int], 
     for entry in find_stale(entries, prefix, alive):
         try:
             os.unlink(shm_dir / entry)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             continue
         removed.append(entry)
     return removed

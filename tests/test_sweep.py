@@ -97,3 +97,20 @@ def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
         live.close()
         live.unlink()
         dead.unlink()
+
+
+def test_entries_this_user_may_not_remove_are_skipped(tmp_path, monkeypatch):
+    """/dev/shm is sticky: another user's stale entries cannot be removed (EPERM),
+    and a start must not fail on them. The refusal is injected: tests run as root here."""
+    for e in (f"fleet-{DEAD}", f"fleet-{DEAD}.lock", f"fleet-{DEAD + 1}"):
+        (tmp_path / e).write_bytes(b"x")
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if str(DEAD) in str(path) and str(DEAD + 1) not in str(path):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr("local_queue.sweep.os.unlink", unlink)
+    assert sweep_stale("fleet", shm_dir=tmp_path, alive=lambda pid: False) == [f"fleet-{DEAD + 1}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"fleet-{DEAD}", f"fleet-{DEAD}.lock"]
