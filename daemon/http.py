@@ -52,9 +52,9 @@ def openai_error_type(status: int) -> str:
         status, "invalid_request_error")
 
 
-def error_reply(request: Request, exc: FleetError) -> Response:
+def error_reply(request: Request, exc: FleetError, headers: dict[str, str] | None = None) -> Response:
     msgpack = wants_msgpack(request)
-    headers = {}
+    headers = dict(headers or {})
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     if is_openai_route(request.url.path):
@@ -77,17 +77,19 @@ def on_fleet_error(request: Request, exc: FleetError) -> Response:
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal")
     message = str(exc.detail)
+    headers = {}
     # Routing errors name what was asked: the first answer a misconfigured client sees.
     if exc.status_code == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("allow")
+        allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
         message = f"{request.method} is not allowed on {request.url.path}"
         if allowed:
             message += f" (allowed: {allowed})"
+            headers["Allow"] = allowed
     err = BY_CODE.get(code, FleetError)(message)
     err.status = exc.status_code
-    return error_reply(request, err)
+    return error_reply(request, err, headers)
 
 
 def on_unexpected(request: Request, exc: Exception) -> Response:

@@ -164,3 +164,5 @@ def test_routing_errors_have_their_own_codes(daemon, method, path, status, code)
     assert resp.status_code == status
     assert resp.json()["error"]["code"] == code
     assert path in resp.json()["error"]["message"]
+    if status == 405:
+        assert "POST" in resp.headers["allow"]
