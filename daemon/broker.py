@@ -138,9 +138,13 @@ class Broker:
         try:
             done = await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            # Not started yet: drop it from its lane. Started: its result is dropped on arrival.
+            # Not started yet: drop it from its lane. Started: its worker stops at its next
+            # step (a generation) or finishes, and the result is dropped on arrival.
             self.queue.cancel(item_id)
             raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
+        except asyncio.CancelledError:
+            self.queue.cancel(item_id)  # the client went away (a stream closed): the same
+            raise
         finally:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)

@@ -64,6 +64,13 @@ class MethodNotAllowed(FleetError):
     code, status = "method_not_allowed", 405
 
 
+class Unsupported(FleetError):
+    """A request field this server knows but does not implement (OpenAI `tools`,
+    `n` > 1, ...): refused by name, never silently ignored."""
+
+    code, status = "unsupported", 400
+
+
 class PayloadTooLarge(FleetError):
     code, status = "payload_too_large", 413
 
@@ -118,7 +125,7 @@ BY_CODE: dict[str, type[FleetError]] = {
     cls.code: cls
     for cls in (
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
-        NotFound, MethodNotAllowed, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
+        NotFound, MethodNotAllowed, Unsupported, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
         Unavailable, Timeout, SourceUnreachable, Forbidden, UnsupportedMediaType,
     )
 }

@@ -128,17 +128,32 @@ class ExtractResult(msgspec.Struct, frozen=True, array_like=True):
 STATUS_PARTIAL = 2
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token (`logprobs` asked): its exact bytes (a token may hold
+    part of a UTF-8 character), its log-probability, and the most likely tokens
+    at that step, best first, with theirs."""
+
+    token: bytes
+    logprob: float
+    top_tokens: list[bytes] = []
+    top_logprobs: list[float] = []
+
+
 class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
     text: str  # the whole generated text, already cut before a stop string
     finish_reason: str  # stop | length
     input_tokens: int
     output_tokens: int
+    #: Per token of `text`, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):
     """A streamed piece of a generation: `text` starts at character `start` of
-    the final text. The final `GenerateResult` holds the whole text, so a
+    the final text; `logprobs` are those of the tokens this piece completes.
+    The final `GenerateResult` holds the whole text (and every logprob), so a
     reader that missed a chunk still ends with the right answer."""
 
     start: int
     text: str
+    logprobs: list[TokenLogprob] | None = None

@@ -368,24 +368,72 @@ class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     top_logprobs: int = 0
 
 
-class GenerateReply(msgspec.Struct, frozen=True):
+class TopLogprob(msgspec.Struct, frozen=True):
+    """A likely token at one step (OpenAI's shape): its text (a partial UTF-8
+    character shows as U+FFFD), its exact UTF-8 bytes, its log-probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One generated token with `logprobs`: OpenAI's chat shape (also the native one).
+    The log-probabilities are those of the distribution the token was picked
+    from: after a `format` grammar's mask, before temperature and top-p."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class GenerateReply(msgspec.Struct, frozen=True, omit_defaults=True):
     model: str
     text: str
     finish_reason: str  # stop | length
     usage: Usage
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One server-sent event of a native stream: text deltas, then one with
-    `finish_reason` and `usage`."""
+    """One server-sent event of a native stream: text deltas (with the logprobs
+    of the tokens they complete), then one with `finish_reason` and `usage`."""
 
     model: str
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    #: One more event before `[DONE]`: `choices: []` and the usage of the whole request.
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    """OpenAI `response_format.json_schema`: the output must match `schema`."""
+
+    name: str = ""
+    schema: dict | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """OpenAI `response_format`: `text`, `json_object` (one JSON object) or
+    `json_schema`; enforced while decoding (GenerateRequest.format)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(msgspec.Struct, frozen=True):
+    """OpenAI `/v1/completions`. Fields fleet does not implement (`echo`,
+    `best_of`, `suffix`, `logit_bias`, penalties, `n` > 1) are refused by name
+    when they ask for something, never ignored."""
+
     model: str
     prompt: str | list[str]
     max_tokens: int = 16
@@ -396,9 +444,23 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     stop: str | list[str] | None = None
     stream: bool = False
     user: str | None = None
+    #: The legacy API's top-k count (0-5): each token's logprob and the k most likely.
+    logprobs: int | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class ChatCompletionRequest(msgspec.Struct, frozen=True):
+    """OpenAI `/v1/chat/completions`. Tool calling (`tools`, `tool_choice`,
+    `functions`, `function_call`), `logit_bias`, penalties, audio output and
+    `n` > 1 are refused by name when they ask for something, never ignored."""
+
     model: str
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -410,6 +472,21 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     stop: str | list[str] | None = None
     stream: bool = False
     user: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
 
 
 class OpenAICompletionUsage(msgspec.Struct, frozen=True):
@@ -418,11 +495,21 @@ class OpenAICompletionUsage(msgspec.Struct, frozen=True):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct, frozen=True):
+    """The legacy completions shape: per token its text, logprob, the top ones as
+    {token: logprob}, and its character offset in the generated text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, frozen=True):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionReply(msgspec.Struct, frozen=True):
@@ -439,10 +526,16 @@ class AssistantMessage(msgspec.Struct, frozen=True):
     role: str = "assistant"
 
 
+class ChatLogprobs(msgspec.Struct, frozen=True):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(msgspec.Struct, frozen=True):
     index: int
     message: AssistantMessage
     finish_reason: str
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionReply(msgspec.Struct, frozen=True):
@@ -463,6 +556,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True):
@@ -470,4 +564,6 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    #: Only on the last event, with `stream_options.include_usage` (`choices` is then empty).
+    usage: OpenAICompletionUsage | None = None
     object: str = "chat.completion.chunk"

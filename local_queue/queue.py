@@ -83,7 +83,7 @@ import posix_ipc
 
 from local_queue.blocks import BLOCK_HDR, Blocks, _plan_blocks
 from local_queue.layout import (
-    CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, F_DATA, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_PREV,
+    CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_PREV,
     F_RES, F_SEQ, F_STATE, F_TOKENS, FREE, GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL,
     H_FREE_HEADS, H_FREE_TOP, H_MAGIC, H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RES_WAITERS, H_SEQ,
     H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN, H_WORK_WAITERS, HDR_FIELDS, INFO_BYTES,
@@ -356,13 +356,21 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         return ids
 
     def cancel(self, item_id: int) -> bool:
-        """Remove a still-queued item (its request timed out); no Done is produced."""
+        """Withdraw a request (it timed out, or its client went away). A still-queued
+        item is removed (True; no Done is produced). A claimed one keeps its claim but
+        its deadline becomes 1 ns, long past (False): its worker reads that between
+        steps (`deadlines`) and stops work on it."""
         s, gen = item_id & SLOT_MASK, (item_id >> SLOT_BITS) & GEN_MASK
         if s >= self._nslots:
             return False
         S, b = self._S, s * SF
         with self._lock:
-            if S[b + F_STATE] != QUEUED or S[b + F_GEN] != gen:
+            if S[b + F_GEN] != gen:
+                return False
+            if S[b + F_STATE] == CLAIMED:
+                S[b + F_DEADLINE] = 1
+                return False
+            if S[b + F_STATE] != QUEUED:
                 return False
             self._unlink(s)
             S[b + F_STATE] = FREE  # commit
@@ -371,6 +379,12 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             return True
 
     # -- consumer ----------------------------------------------------------------
+    def deadlines(self, item_ids: list[int]) -> list[int]:
+        """The deadline now (monotonic ns, 0 = none) of each item this worker holds
+        a claim on: the one it was put with, or 1 once `cancel`ed. Lock-free reads
+        (hints, invariant 1): a claim no longer held may read another item's."""
+        return self._S_np[np.asarray(item_ids, dtype=np.int64) & SLOT_MASK, F_DEADLINE].tolist()
+
     def claim(self, lane: int, *, worker: int, max_items: int, max_tokens: int, lease_ms: int) -> list[Claim]:
         """Take items from the head of `lane`, in order, within max_items and max_tokens.
 

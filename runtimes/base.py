@@ -97,7 +97,9 @@ class Adapter(abc.ABC):
 
     def admit(self, key: Any, request: Any) -> msgspec.Struct | None:
         """Start serving `request` (identified by `key` in what `step` returns).
-        Returns a WorkError when it cannot start (bad input), else None."""
+        Returns a WorkError when it cannot start (bad input), else None; raises
+        runtimes.memory.NotNow when it must wait for room (the worker returns it
+        to its lane)."""
         raise NotImplementedError(f"{type(self).__name__} is not a continuous adapter")
 
     def has_active(self) -> bool:
@@ -112,13 +114,22 @@ class Adapter(abc.ABC):
         """Requests admitted and not finished."""
         return 0
 
+    def reserved_bytes(self) -> int:
+        """Device bytes held for admitted requests beyond the weights (a generator's
+        key/value cache reserve); the worker counts them in the device budget."""
+        return 0
+
     def abort(self) -> list[Any]:
         """Drop every admitted request (after a failed step); returns their keys."""
         return []
 
     def cancel(self, keep: Callable[[Any], bool]) -> list[Any]:
-        """Drop the admitted requests whose key fails `keep` (their deadline passed);
-        returns their keys."""
+        """Drop the admitted requests whose key fails `keep` (their deadline passed,
+        or they were withdrawn); returns their keys."""
+        return []
+
+    def in_flight(self) -> list[Any]:
+        """Keys of the admitted requests."""
         return []
 
     # -- LoRA hosting ------------------------------------------------------------

@@ -7,11 +7,17 @@ lane (`busy_continuous`), taking turns with the other lanes; each round
 it, advances every sequence once, publishes partial results of streaming
 requests (`LocalQueue.emit_many`: the daemon streams them while the item stays
 claimed) and acks the requests that finished. Claims stay leased meanwhile:
-the worker's heartbeat thread renews every lease it holds.
+the worker's heartbeat thread renews every lease it holds while each step
+stays within its bound (runtimes.state.Progress).
 
 A LoRA adapter's requests wait in its base model's lane (the daemon queues
 them there), so one claim brings a mixed-adapter batch; an adapter not yet
 attached is resolved from the store and attached here, before admit.
+
+Memory: before admitting, the adapter is told how much it may reserve
+(`kv_limit_bytes`: the device budget less what every worker of the device
+holds); a request that does not fit goes back to its lane, with the claims
+after it, and waits there.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import msgspec
 from fleet.errors import FleetError
 from local_queue import QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+from runtimes.memory import PEER_STALE_NS, NotNow
+from runtimes.policy import WARMUP_STALL_MS
 from runtimes.state import BatchStats
 
 if TYPE_CHECKING:
@@ -35,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
+_decode_info = msgspec.msgpack.Decoder().decode
 
 #: Longest pause of generation for another lane's round (seconds): bounds the
 #: stall when the lane given the round turns out to run nothing (raced, loading).
@@ -79,22 +88,35 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
     lane = next((s.lane for s in stats if s.model == name and s.depth), None)
     free = adapter.free_slots()
     if lane is not None and free:
+        adapter.kv_limit_bytes = kv_limit_bytes(core, adapter)
+        reserved = adapter.reserved_bytes()
         answered += admit_claims(core, adapter, lane, free)
-    # 2. Requests whose deadline passed were answered `timeout` by the daemon: stop
-    #    generating for them (their ack frees the claim; the daemon drops it).
+        if adapter.reserved_bytes() != reserved:
+            core.publish_info()  # the other workers of the device count the new reserve
+    # 2. Requests whose deadline passed were answered `timeout` by the daemon, and
+    #    withdrawn ones (the client went away: `cancel` moved the deadline to 1 ns)
+    #    have nobody waiting: stop generating for them (their ack frees the claim;
+    #    the daemon drops it). One lock-free read of every deadline in flight.
+    keys = adapter.in_flight()
+    for k, deadline in zip(keys, core.queue.deadlines([k.item_id for k in keys])):
+        k.deadline_ns = deadline
     now = core.clock_ns()
     late = adapter.cancel(lambda k: not k.deadline_ns or k.deadline_ns > now)
     if late:
         payload = _encode(Envelope(0.0, 0.0, core.served_by,
-                                   WorkError("timeout", "the request's deadline passed while it was generating")))
+                                   WorkError("timeout", "the request's deadline passed, or its client went away, "
+                                                        "while it was generating")))
         core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in late])
         answered += len(late)
+        core.publish_info()  # their cache reserve is free
     if not adapter.has_active():
         return answered
     # 3. One step for every sequence in flight.
     t0 = time.perf_counter()
     try:
-        partials, finished = adapter.step()
+        # A step past its bound renews no lease (runtimes.state.Progress): a hung decode loses them.
+        with core.progress.running(f"a generation step of {name}", WARMUP_STALL_MS):
+            partials, finished = adapter.step()
     except Exception as exc:  # the batch is lost; every request in it is answered, the worker stays up
         log.exception("generation step failed on %s", name)
         error = WorkError(exc.code, exc.message) if isinstance(exc, FleetError) else \
@@ -133,6 +155,17 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
     return answered
 
 
+def kv_limit_bytes(core: WorkerCore, adapter) -> int:
+    """The most `adapter`'s requests may reserve now: the device budget less what
+    this worker holds besides them and what the other live workers of the device
+    publish as used (their reserves included)."""
+    now = time.monotonic_ns()
+    peers = sum(int(_decode_info(w.info).get("used_bytes", 0)) for w in core.queue.workers()
+                if w.wid != core.worker_id and w.device == core.device and w.info
+                and now - w.last_heartbeat_ns <= PEER_STALE_NS)
+    return core.memory.budget_bytes - peers - core.used_bytes() + adapter.reserved_bytes()
+
+
 def abort_in_flight(core: WorkerCore, adapter, error: WorkError) -> int:
     """Answer every request a continuous adapter holds with `error` (it is being
     unloaded, or its step failed), so no claim stays leased with nobody on it."""
@@ -145,7 +178,8 @@ def abort_in_flight(core: WorkerCore, adapter, error: WorkError) -> int:
 
 def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
     """Claim up to `free` items of `lane`, attach the LoRA adapters they name, admit
-    them. Returns items answered here (late, undecodable or refused ones)."""
+    them; from the first one that must wait for room on, the claims go back to the
+    lane (in order). Returns items answered here (late, undecodable or refused ones)."""
     claims = core.queue.claim(lane, worker=core.worker_id, max_items=free, max_tokens=1 << 40,
                               lease_ms=core.lease_ms)
     if not claims:
@@ -154,7 +188,7 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
     now = core.clock_ns()
     errors: list[tuple[int, WorkError]] = []
     failed_loras: dict[str, WorkError] = {}
-    for c in claims:
+    for n, c in enumerate(claims):
         if c.deadline_ns and c.deadline_ns <= now:
             errors.append((c.item_id, WorkError("timeout", "the request's deadline passed before it ran")))
             continue
@@ -172,6 +206,10 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
                 continue
         try:
             error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns), request)
+        except NotNow as exc:
+            log.info("%s; %d requests wait in the lane", exc, len(claims) - n)
+            core.queue.return_items([x.item_id for x in claims[n:]])
+            break
         except Exception as exc:  # a request the adapter chokes on fails alone; the worker stays up
             log.exception("admitting a request to %s failed", adapter.spec.name)
             error = WorkError("inference_failed", f"{adapter.spec.name}: {type(exc).__name__}: {exc}")

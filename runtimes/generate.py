@@ -20,6 +20,21 @@ LoRA adapters of this model attach to it through peft (`attach_lora`), and
 `LoraBank` applies them: each row carries its adapter's slot, and one forward
 pass runs every adapter of the batch with one gathered batched matmul pair per
 LoRA layer, whatever the mix (peft's own per-adapter loop is switched off).
+
+Memory. The padded cache of n sequences is at most n x (the longest prompt +
+max_tokens among them) tokens wide, so that is what the batch reserves
+(`reserved_bytes`, counted in the device budget by the worker). A request
+whose reserve does not fit waits in its lane (`admit` raises NotNow) until a
+sequence leaves; one that could not fit even alone fails `model_too_large`.
+A step that runs out of memory anyway (other processes share the device) is
+undone, and the newest half of the batch is shed: those sequences keep what
+they generated and wait to be prefilled again, with it, once a sequence
+leaves (`shed_count`); only a lone sequence that does not fit fails.
+
+Per-row extras: a grammar matcher (structured output, runtimes.grammar) masks
+the row's logits before its pick; `logprobs` records the chosen token's
+log-probability and the top ones, from the distribution the pick used (after
+the grammar mask, before temperature and top-p).
 """
 
 from __future__ import annotations
@@ -31,15 +46,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed
+from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
+from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
 from fleet.protocol import GenerateRequest
 from runtimes.base import Adapter, ModelSpec
-from fleet.messages import GenerateChunk, GenerateResult, WorkError
+from runtimes.grammar import Grammars
+from runtimes.memory import NotNow, is_out_of_memory
 
 log = logging.getLogger("fleet.worker")
 
 BASE_ROW = "__base__"  # a row of the base model alone (LoraBank slot 0: zeros)
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+#: Most likely tokens returned per step with `logprobs` (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+NEG_INF = float("-inf")
 
 
 @dataclass(slots=True)
@@ -53,10 +73,37 @@ class Sequence:
     stop: tuple[str, ...]
     stream: bool
     lora: str  # peft adapter name, BASE_ROW for the base model
+    matcher: Any = None  # llguidance matcher of `format`; None = free text
+    top_logprobs: int = -1  # -1: no logprobs; k >= 0: the chosen token's and the k most likely
     ids: list[int] = field(default_factory=list)  # generated tokens (no EOS)
     sent: int = 0  # characters already streamed
     finish: str = ""
     text: str = ""
+    cut: bool = False  # the text was cut before a stop string
+    step_lp: tuple | None = None  # this step's (logprob, top ids, top logprobs), kept with its token
+    lps: list = field(default_factory=list)  # (logprob, top ids, top logprobs) per token of `ids`
+    lp_bytes: list = field(default_factory=list)  # each token of `ids`, as bytes (logprob rows only)
+    lp_sent: int = 0  # logprobs already streamed
+
+    @property
+    def final_len(self) -> int:
+        """Tokens the row's cache holds at most: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.max_new
+
+    def context(self) -> list[int]:
+        """What a prefill feeds: the prompt, and what was generated before the row was shed."""
+        return self.prompt_ids + self.ids if self.ids else self.prompt_ids
+
+
+def kv_reserve(token_bytes: int, rows: int, widest: int) -> int:
+    """Bytes a padded cache of `rows` rows, each at most `widest` tokens, can reach."""
+    return token_bytes * rows * widest
+
+
+def shed_count(rows: int) -> int:
+    """Rows to shed after a decode step ran out of memory: the newest half (they
+    have the least to prefill again); none of a lone row (it fails instead)."""
+    return rows // 2
 
 
 def stop_cut(text: str, stops: tuple[str, ...], from_char: int) -> int:
@@ -120,6 +167,19 @@ class CausalLM(Adapter):
         self.eos = torch.tensor(sorted({eos} if isinstance(eos, int) else set(eos or ())), dtype=torch.long,
                                 device=self.device)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", 0) or config.vocab_size)
+        self.grammars: Grammars | None = None  # built on the first request that needs it
+        #: Bytes one token takes in the cache (all layers, keys and values), measured at warm-up.
+        self.kv_token_bytes = 0
+        #: The most the batch may reserve, set by the worker before each admission round (None: no bound).
+        self.kv_limit_bytes: int | None = None
+        #: No admission until a sequence leaves: a request did not fit (`waiting_room`),
+        #: or a step ran out of memory and shed rows (`hold`: no prefill either).
+        self.waiting_room = False
+        self.hold = False
+        #: Items per prefill after a prefill alone ran out of memory (0 = the token budget decides).
+        self.prefill_cap = 0
         # Attached LoRA adapters: store name -> peft name (peft names must be
         # identifiers; store names may hold '.' and '-'), in LRU order.
         self.loras: OrderedDict[str, str] = OrderedDict()
@@ -139,17 +199,28 @@ class CausalLM(Adapter):
         return "float32"  # CPU: fp32 keeps greedy tokens those of the reference
 
     def _warm_up(self) -> None:
-        """One short generation at load: pays kernel selection now, and refuses
-        models whose cache this batcher cannot pad and merge (sliding windows)."""
+        """One short generation at load: pays kernel selection now, refuses models
+        whose cache this batcher cannot pad and merge (sliding windows), and
+        measures what one token takes in the cache."""
         self.admit(None, GenerateRequest(model=self.spec.name, prompt="hello", max_tokens=2, temperature=0.0))
+        self.step()
+        if self.cache is not None:  # the prefill's cache holds exactly the prompt's tokens
+            held = sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+            self.kv_token_bytes = held // self.mask.numel()
         while self.has_active():
             self.step()
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            eos = [int(e) for e in self.eos.tolist()]
+            self.grammars = Grammars(self.tokenizer, self.vocab_size, eos)
+        return self.grammars
 
     def footprint_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
 
     def unload(self) -> None:
-        self.rows, self.pending = [], []
+        self.rows, self.pending, self.grammars = [], [], None
         self.cache = self.mask = self.pos = self.last = None
         self.model = self.base = None
 
@@ -214,7 +285,13 @@ class CausalLM(Adapter):
     # -- continuous batching -----------------------------------------------------
 
     def free_slots(self) -> int:
+        if self.waiting_room or self.hold:
+            return 0
         return max(0, self.spec.profile.max_batch_items - len(self.rows) - len(self.pending))
+
+    def reserved_bytes(self) -> int:
+        seqs = self.rows + self.pending
+        return kv_reserve(self.kv_token_bytes, len(seqs), max((s.final_len for s in seqs), default=0))
 
     def has_active(self) -> bool:
         return bool(self.rows or self.pending)
@@ -222,9 +299,13 @@ class CausalLM(Adapter):
     def active_count(self) -> int:
         return len(self.rows) + len(self.pending)
 
+    def in_flight(self) -> list[Any]:
+        return [s.key for s in itertools.chain(self.rows, self.pending)]
+
     def cancel(self, keep) -> list[Any]:
         dropped = [s.key for s in itertools.chain(self.rows, self.pending) if not keep(s.key)]
         if dropped:
+            self._room_freed()
             self.pending = [s for s in self.pending if keep(s.key)]
             kept = [i for i, s in enumerate(self.rows) if keep(s.key)]
             if len(kept) < len(self.rows):
@@ -235,6 +316,7 @@ class CausalLM(Adapter):
         keys = [s.key for s in itertools.chain(self.rows, self.pending)]
         self.rows, self.pending = [], []
         self.cache = self.mask = self.pos = self.last = None
+        self._room_freed()
         return keys
 
     def admit(self, key: Any, request: GenerateRequest) -> WorkError | None:
@@ -262,6 +344,12 @@ class CausalLM(Adapter):
         if not 1 <= req.max_tokens <= room:
             raise BadRequest(f"max_tokens must be between 1 and {room} for this prompt ({len(ids)} tokens; "
                              f"{self.spec.name} takes {self.max_len} in all), got {req.max_tokens}")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
+        self._check_room(len(ids) + req.max_tokens)
+        matcher = self._grammars().matcher(req.format) if req.format is not None else None
+        if req.logprobs:
+            self._grammars()  # token bytes
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         generator = None
         if req.temperature > 0:
@@ -271,7 +359,27 @@ class CausalLM(Adapter):
             else:
                 generator.seed()
         return Sequence(key, ids, req.max_tokens, req.temperature, req.top_p, generator, stop, req.stream,
-                        self.loras[lora] if lora is not None else BASE_ROW)
+                        self.loras[lora] if lora is not None else BASE_ROW, matcher,
+                        req.top_logprobs if req.logprobs else -1)
+
+    def _check_room(self, final_len: int) -> None:
+        """Does the batch's reserve, with a row of `final_len` tokens more, stay within
+        `kv_limit_bytes`? Raises NotNow (wait for a sequence to leave) or, when not
+        even this row alone fits, ModelTooLarge."""
+        if self.kv_limit_bytes is None:
+            return
+        seqs = self.rows + self.pending
+        need = kv_reserve(self.kv_token_bytes, len(seqs) + 1, max([final_len] + [s.final_len for s in seqs]))
+        if need <= self.kv_limit_bytes:
+            return
+        alone = kv_reserve(self.kv_token_bytes, 1, final_len)
+        if not seqs or alone > self.kv_limit_bytes:
+            raise ModelTooLarge(
+                f"the key/value cache of this request ({final_len} tokens: prompt + max_tokens) needs "
+                f"{alone / (1 << 20):.1f} MiB; {max(0, self.kv_limit_bytes) / (1 << 20):.1f} MiB of the {self.device} "
+                f"budget is left for {self.spec.name}'s cache", hint="send fewer max_tokens or a shorter prompt")
+        self.waiting_room = True
+        raise NotNow(f"{self.spec.name}: the cache reserve of {len(seqs)} sequences leaves no room for another")
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         """Token ids of the prompt: the text as the tokenizer encodes it, or the chat
@@ -302,14 +410,72 @@ class CausalLM(Adapter):
     def step(self) -> tuple[list, list]:
         """1. One decode step for the rows in the batch; 2. prefill the newly
         admitted ones (their first token) and merge them in; 3. finish rows that
-        hit EOS, a stop string or max_tokens, and stream what is safe to send."""
+        hit EOS, a stop string, the end of their grammar or max_tokens, and
+        stream what is safe to send. A phase that runs out of memory is undone
+        and sheds rows (module doc); other failures raise."""
         torch = self._torch
+        failed: list = []
         with torch.inference_mode():
             if self.rows:
-                self._decode()
-            if self.pending:
-                self._prefill_and_merge()
-        return self._settle()
+                try:
+                    self._decode()
+                except Exception as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    return [], self._shed_rows(exc)
+            if self.pending and not self.hold:
+                try:
+                    self._prefill_and_merge()
+                except Exception as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    failed = self._shed_prefill(exc)
+        if not self.rows:
+            return [], failed
+        partials, finished = self._settle()
+        return partials, finished + failed
+
+    def _out_of_memory(self, s: Sequence, exc: BaseException) -> tuple[Any, WorkError]:
+        log.warning("out of memory generating on %s with one sequence: %s", self.device, exc)
+        return s.key, WorkError("overloaded", f"{self.spec.name}: out of memory on {self.device} for this sequence "
+                                              "alone; retry shortly")
+
+    def _shed_rows(self, exc: BaseException) -> list:
+        """After a decode step ran out of memory (and was undone): the newest half of
+        the rows go back to wait for a prefill, keeping what they generated; a lone
+        row fails. Returns the failed rows' results."""
+        n = len(self.rows)
+        k = shed_count(n)
+        if k == 0:
+            lone = self.rows[0]
+            self._keep_rows([])
+            return [self._out_of_memory(lone, exc)]
+        shed = self.rows[n - k:]
+        self._keep_rows(list(range(n - k)))
+        self.pending = shed + self.pending
+        self.hold = True
+        log.warning("out of memory decoding %d sequences of %s on %s; %d wait to be prefilled again",
+                    n, self.spec.name, self.device, k)
+        return []
+
+    def _shed_prefill(self, exc: BaseException) -> list:
+        """After a prefill ran out of memory (undone, its group back in `pending`):
+        wait for a row to leave, or prefill fewer at once; a lone request with
+        nothing else in flight fails. Returns the failed rows' results."""
+        group = len(self.pending) if self.prefill_cap == 0 else min(self.prefill_cap, len(self.pending))
+        if self.rows:
+            self.hold = True
+        elif group > 1:
+            self.prefill_cap = group // 2
+        else:
+            return [self._out_of_memory(self.pending.pop(0), exc)]
+        log.warning("out of memory prefilling %d sequences of %s on %s; they wait", group, self.spec.name, self.device)
+        return []
+
+    def _room_freed(self) -> None:
+        """A sequence left: what waited for its room may be tried again."""
+        self.waiting_room = self.hold = False
+        self.prefill_cap = 0
 
     def _forward(self, input_ids, mask, pos, cache, loras: list[str]):
         if self.bank is not None:
@@ -326,26 +492,48 @@ class CausalLM(Adapter):
         return out.logits[:, -1, :].float(), out.cache
 
     def _decode(self) -> None:
+        """One token per row; all or nothing (a failure leaves the batch as it was)."""
         torch = self._torch
-        n = len(self.rows)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
-        logits, self.cache = self._forward(self.last[:, None], self.mask, self.pos[:, None], self.cache,
-                                           [s.lora for s in self.rows])
-        self.pos = self.pos + 1
-        self.last = self._pick(logits, self.rows)
+        n, width = self.mask.shape
+        mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        try:
+            logits, _ = self._forward(self.last[:, None], mask, self.pos[:, None], self.cache,
+                                      [s.lora for s in self.rows])
+            last = self._pick(logits, self.rows)
+        except BaseException:
+            self._truncate_cache(n, width)
+            raise
+        self.mask, self.pos, self.last = mask, self.pos + 1, last
+
+    def _truncate_cache(self, rows: int, width: int) -> None:
+        """Back to the first `rows` rows and last `width` columns: undoes a step that
+        grew some layers before it failed (views, nothing is copied)."""
+        for layer in self.cache.layers:
+            if layer.keys.shape[0] != rows or layer.keys.shape[-2] != width:
+                layer.keys = layer.keys[:rows, :, -width:]
+                layer.values = layer.values[:rows, :, -width:]
 
     def _prefill_and_merge(self) -> None:
+        new, self.pending = self._prefill_group(self.pending)
+        try:
+            self._prefill(new)
+        except BaseException:
+            self.pending = new + self.pending  # nothing of them was kept: they wait, in order
+            raise
+
+    def _prefill(self, new: list[Sequence]) -> None:
+        """Prefill `new` and merge it into the batch; all or nothing."""
         torch = self._torch
         from transformers import DynamicCache
 
-        new, self.pending = self._prefill_group(self.pending)
-        lengths = torch.tensor([len(s.prompt_ids) for s in new], dtype=torch.long)
+        contexts = [s.context() for s in new]
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
         width = int(lengths.max())
         ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
-        for i, s in enumerate(new):  # left padding: each prompt ends in the last column
-            ids[i, width - len(s.prompt_ids):] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            mask[i, width - len(s.prompt_ids):] = 1
+        for i, c in enumerate(contexts):  # left padding: each prompt ends in the last column
+            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+            mask[i, width - len(c):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp_(min=0)
         logits, cache = self._forward(ids, mask, pos, DynamicCache(), [s.lora for s in new])
@@ -356,12 +544,18 @@ class CausalLM(Adapter):
             self.cache, self.mask, self.pos, self.last, self.rows = cache, mask, lengths, first, new
             return
         # Merge: left-pad the narrower cache so both end at the same column.
-        total = max(self.mask.shape[1], width)
-        pad_old, pad_new = total - self.mask.shape[1], total - width
-        for old, add in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([pad_left(old.keys, pad_old), pad_left(add.keys, pad_new)], dim=0)
-            old.values = torch.cat([pad_left(old.values, pad_old), pad_left(add.values, pad_new)], dim=0)
-        self.mask = torch.cat([pad_left_2d(self.mask, pad_old), pad_left_2d(mask, pad_new)], dim=0)
+        n, old_width = self.mask.shape
+        total = max(old_width, width)
+        pad_old, pad_new = total - old_width, total - width
+        try:
+            for old, add in zip(self.cache.layers, cache.layers):
+                old.keys = torch.cat([pad_left(old.keys, pad_old), pad_left(add.keys, pad_new)], dim=0)
+                old.values = torch.cat([pad_left(old.values, pad_old), pad_left(add.values, pad_new)], dim=0)
+            merged = torch.cat([pad_left_2d(self.mask, pad_old), pad_left_2d(mask, pad_new)], dim=0)
+        except BaseException:
+            self._truncate_cache(n, old_width)
+            raise
+        self.mask = merged
         self.pos = torch.cat([self.pos, lengths])
         self.last = torch.cat([self.last, first])
         self.rows = self.rows + new
@@ -372,20 +566,45 @@ class CausalLM(Adapter):
         `max_batch_tokens`; always at least one, so every step makes progress."""
         budget, widest = self.spec.profile.max_batch_tokens, 0
         for n, s in enumerate(pending):
-            widest = max(widest, len(s.prompt_ids))
-            if n and (n + 1) * widest > budget:
+            widest = max(widest, len(s.prompt_ids) + len(s.ids))
+            if n and ((n + 1) * widest > budget or n == self.prefill_cap):
                 return pending[:n], pending[n:]
         return pending, []
 
     def _pick(self, logits, rows: list[Sequence]):
-        """Next token per row: argmax for greedy rows; for the others, temperature,
-        then top-p (nucleus) over the sorted distribution, then one draw from the
-        row's own generator (seeded requests repeat whatever batch they share)."""
+        """Next token per row: the grammar mask first (constrained rows); argmax for
+        greedy rows; for the others, temperature, then top-p (nucleus) over the
+        sorted distribution, then one draw from the row's own generator (seeded
+        requests repeat whatever batch they share); then the logprobs asked for."""
         torch = self._torch
+        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
+        if constrained:
+            self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
         out = logits.argmax(dim=-1)
         sampled = [i for i, s in enumerate(rows) if s.generator is not None]
-        if not sampled:
-            return out
+        if sampled:
+            self._sample(logits, rows, sampled, out)
+        wanted = [i for i, s in enumerate(rows) if s.top_logprobs >= 0]
+        if wanted:
+            self._logprobs(logits, rows, wanted, out)
+        return out
+
+    def _logprobs(self, logits, rows: list[Sequence], wanted: list[int], out) -> None:
+        """Each wanted row's chosen-token logprob and its top ones, with batch ops and
+        one transfer (set on the row as `step_lp`, kept with the token in _settle)."""
+        torch = self._torch
+        idx = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+        logp = torch.log_softmax(logits[idx], dim=-1)
+        chosen = logp.gather(1, out[idx][:, None]).squeeze(1).tolist()
+        k = max(rows[i].top_logprobs for i in wanted)
+        top_lp, top_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        top_lp, top_id = top_lp.tolist(), top_id.tolist()
+        for j, i in enumerate(wanted):  # per row: its own k of the one top-k, never a masked token
+            k_row = min(rows[i].top_logprobs, sum(lp > NEG_INF for lp in top_lp[j][:rows[i].top_logprobs]))
+            rows[i].step_lp = (chosen[j], top_id[j][:k_row], top_lp[j][:k_row])
+
+    def _sample(self, logits, rows: list[Sequence], sampled: list[int], out) -> None:
+        torch = self._torch
         idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         temps = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
         top_p = torch.tensor([rows[i].top_p for i in sampled], device=logits.device)
@@ -397,18 +616,28 @@ class CausalLM(Adapter):
         picks = torch.cat([torch.multinomial(sorted_p[j], 1, generator=rows[i].generator)
                            for j, i in enumerate(sampled)])
         out[idx] = order.gather(1, picks[:, None]).squeeze(1)
-        return out
 
     def _settle(self) -> tuple[list, list]:
         torch = self._torch
         last = self.last.tolist()
         is_eos = torch.isin(self.last, self.eos).tolist() if len(self.eos) else [False] * len(last)
-        # 1. Append each row's new token; EOS and max_tokens end a row.
+        # 1. Append each row's new token (and its logprob); EOS, the end of the row's
+        #    grammar and max_tokens end a row.
         for s, tok, eos in zip(self.rows, last, is_eos):
             if eos:
                 s.finish = "stop"
                 continue
             s.ids.append(tok)
+            if s.top_logprobs >= 0:
+                s.lps.append(s.step_lp)
+                s.lp_bytes.append(self.grammars.token_bytes([tok])[0])
+            if s.matcher is not None:
+                if not s.matcher.consume_token(tok):
+                    raise RuntimeError(f"the grammar refused token {tok}, which its own mask allowed: "
+                                       f"{s.matcher.get_error()}; this is a bug")
+                if s.matcher.is_stopped():  # the output is complete: nothing but EOS may follow
+                    s.finish = "stop"
+                    continue
             if len(s.ids) >= s.max_new:
                 s.finish = "length"
         # 2. Rows that need their text now (stop strings, streaming, finished): one batch decode.
@@ -419,26 +648,59 @@ class CausalLM(Adapter):
                 if s.stop:
                     cut = stop_cut(text, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
                     if cut != -1:
-                        text, s.finish = text[:cut], "stop"
+                        text, s.finish, s.cut = text[:cut], "stop", True
                 s.text = text
         partials, finished, keep = [], [], []
         for i, s in enumerate(self.rows):
             if s.finish:
-                finished.append((s.key, GenerateResult(s.text, s.finish, len(s.prompt_ids), len(s.ids))))
+                finished.append((s.key, GenerateResult(s.text, s.finish, len(s.prompt_ids), len(s.ids),
+                                                       self._final_logprobs(s))))
                 continue
             keep.append(i)
             if s.stream:
                 end = streamable_end(s.text, s.stop)
                 if end > s.sent:
-                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end])))
+                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end], self._streamed_logprobs(s, end))))
                     s.sent = end
         # 3. Finished rows leave the batch; leading columns that became all padding go too.
         if len(keep) < len(self.rows):
             self._keep_rows(keep)
         return partials, finished
 
+    def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
+        token_bytes = self.grammars.token_bytes
+        return [TokenLogprob(s.lp_bytes[j], lp, token_bytes(top_ids), top_lps)
+                for j, (lp, top_ids, top_lps) in enumerate(s.lps[start:stop], start)]
+
+    def _streamed_logprobs(self, s: Sequence, end: int) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens whose bytes lie within the first `end` characters
+        of the text and were not streamed yet."""
+        if s.top_logprobs < 0:
+            return None
+        limit = len(s.text[:end].encode())
+        start, done = s.lp_sent, sum(len(b) for b in s.lp_bytes[:s.lp_sent])
+        while s.lp_sent < len(s.lp_bytes) and done + len(s.lp_bytes[s.lp_sent]) <= limit:
+            done += len(s.lp_bytes[s.lp_sent])
+            s.lp_sent += 1
+        return self._token_logprobs(s, start, s.lp_sent)
+
+    def _final_logprobs(self, s: Sequence) -> list[TokenLogprob] | None:
+        """Every token's logprob; with the text cut before a stop string, the tokens
+        that begin before the cut."""
+        if s.top_logprobs < 0:
+            return None
+        n = len(s.lps)
+        if s.cut:
+            limit, done, n = len(s.text.encode()), 0, 0
+            while n < len(s.lp_bytes) and done < limit:
+                done += len(s.lp_bytes[n])
+                n += 1
+        return self._token_logprobs(s, 0, n)
+
     def _keep_rows(self, keep: list[int]) -> None:
         torch = self._torch
+        if len(keep) < len(self.rows):
+            self._room_freed()
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.cache = self.mask = self.pos = self.last = None

@@ -313,8 +313,10 @@ class WorkerCore:
 
     def _own_views(self, waiting: dict[str, int]) -> list[ResidentView]:
         return [
-            ResidentView(n, self.worker_id, r.footprint, n in self.pinned, r.last_used, r.load_ms / 1e3,
-                         waiting.get(n, 0))
+            # A generator's cache reserve counts as its own (its requests hold it).
+            ResidentView(n, self.worker_id, Footprint(r.footprint.weights_bytes + r.adapter.reserved_bytes(),
+                                                      r.footprint.activation_bytes),
+                         n in self.pinned, r.last_used, r.load_ms / 1e3, waiting.get(n, 0))
             for n, r in self.models.items()
         ]
 
@@ -489,7 +491,7 @@ class WorkerCore:
                     "task": r.adapter.spec.task,
                     "dtype": r.adapter.dtype,
                     "profile": r.adapter.spec.extra.get("profile", "default"),  # tuned device class or "default"
-                    "bytes": r.adapter.footprint_bytes(),
+                    "bytes": r.adapter.footprint_bytes() + r.adapter.reserved_bytes(),  # cache reserve included
                     "loaded_at": r.loaded_at,
                     "last_used": r.last_used,
                     "served": r.served,

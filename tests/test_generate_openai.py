@@ -1,0 +1,295 @@
+"""OpenAI generation features end to end, through the official `openai` client
+against a real `fleetctl serve` (one CPU worker) and a tiny random Llama:
+structured output (`response_format` json_object / json_schema, grammar-
+constrained decoding: the output parses and matches the schema even from
+random weights), `logprobs`/`top_logprobs` in OpenAI's shapes,
+`stream_options.include_usage`, 400 `unsupported` for what fleet does not do,
+the same knobs on the native `/v1/generate`, and a client that disconnects
+mid-stream freeing its sequence at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import DaemonProc, start_daemon
+from tests.gen_models import Reference, build_llama, pull
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+LONG = "tiny-llama-long"  # 4096 positions: a sequence that runs long enough to be cut short
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tier": {"enum": ["gold", "silver"]},
+    },
+    "required": ["name", "age", "member", "tier"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "describe a customer as JSON"}]
+
+
+def never_ending(folder: Path) -> Path:
+    """The model in `folder` with its EOS row of the LM head zeroed: the EOS logit is
+    then 0 while the best token's is far above it, so greedy decoding runs to max_tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    weights["lm_head.weight"][1] = 0.0  # eos_token_id 1 (tests.gen_models)
+    save_file(weights, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("gen-openai-models")
+    home = tmp_path_factory.mktemp("gen-openai-home")
+    folder = build_llama(root / MODEL)
+    long_folder = never_ending(build_llama(root / LONG, max_positions=4096))
+    pull(home, folder, MODEL)
+    pull(home, long_folder, LONG)
+    return home, folder, long_folder
+
+
+@pytest.fixture(scope="module")
+def gen_daemon(tiny):
+    d = start_daemon(tiny[0], extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gen_daemon: DaemonProc):
+    import openai
+
+    return openai.OpenAI(base_url=gen_daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny) -> Reference:
+    return Reference(tiny[1])
+
+
+def matches_person(value: object) -> bool:
+    return (isinstance(value, dict) and set(value) == set(PERSON["required"])
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and type(value["age"]) is int and 0 <= value["age"] <= 120
+            and type(value["member"]) is bool and value["tier"] in ("gold", "silver"))
+
+
+def joined(content) -> str:
+    """The text of a list of token logprobs, from their exact bytes."""
+    return b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")
+
+
+def person_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_json_schema_output_matches_the_schema_even_from_random_weights(client) -> None:
+    for seed in range(4):  # sampled as well as greedy: the grammar holds for every pick
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, seed=seed,
+                                              temperature=0 if seed == 0 else 1.0, response_format=person_format())
+        value = json.loads(chat.choices[0].message.content)
+        assert matches_person(value), value
+        assert chat.choices[0].finish_reason == "stop"
+
+
+def test_json_object_output_parses(client) -> None:
+    comp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=150, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert comp.choices[0].finish_reason == "stop", comp.choices[0].message.content
+    assert isinstance(json.loads(comp.choices[0].message.content), dict)
+
+
+def test_structured_output_streamed_equals_not_streamed(client) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+                                           response_format=person_format()).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0, response_format=person_format(), stream=True))
+    assert streamed == whole and matches_person(json.loads(streamed))
+    # The legacy completions route takes it too.
+    comp = client.completions.create(model=MODEL, prompt="a customer:", max_tokens=80, temperature=0,
+                                     extra_body={"response_format": person_format()})
+    assert matches_person(json.loads(comp.choices[0].text))
+
+
+def test_chat_logprobs_are_consistent_under_greedy(client, ref: Reference) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                          logprobs=True, top_logprobs=5)
+    choice = chat.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    # A token may hold part of a character: its `token` shows U+FFFD, its bytes are exact.
+    assert joined(content) == choice.message.content == ref.greedy(ref.chat_prompt(MESSAGES), 20)[0]
+    for t in content:
+        assert len(t.top_logprobs) == 5 and t.logprob <= 0
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    # Without logprobs, none come back.
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                          temperature=0).choices[0].logprobs is None
+
+
+def test_logprobs_under_a_grammar_are_those_of_the_masked_distribution(client) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+                                          response_format=person_format(), logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert joined(content) == chat.choices[0].message.content
+    for t in content:  # the chosen token is the best allowed one; disallowed tokens are never listed
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert all(x.logprob > float("-inf") for x in t.top_logprobs)
+    assert content[0].token == "{" and content[0].logprob == pytest.approx(0.0)  # the only allowed start
+
+
+def test_completion_logprobs_in_the_legacy_shape(gen_daemon: DaemonProc, client, ref: Reference) -> None:
+    prompt = "hello world"
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert comp.choices[0].text == ref.greedy(prompt, 10)[0]
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    # The same tokens as the native route's (which carries each token's exact bytes).
+    native = httpx.post(gen_daemon.url + "/v1/generate", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": True}).json()["logprobs"]
+    assert lp.tokens == [bytes(t["bytes"]).decode("utf-8", "replace") for t in native]
+    assert lp.token_logprobs == pytest.approx([t["logprob"] for t in native])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # Greedy: the chosen token is the most likely one. (Two tokens that each hold part of
+    # a character both read U+FFFD, and share one key of the legacy {token: logprob}.)
+    for chosen, top, t in zip(lp.token_logprobs, lp.top_logprobs, native):
+        assert t["top_logprobs"][0]["logprob"] == pytest.approx(chosen)
+        assert max(top.values()) <= chosen + 1e-6
+
+
+def test_streamed_logprobs_equal_the_whole_ones(client) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=25, temperature=0,
+                                           logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=25, temperature=0,
+                                                logprobs=True, top_logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+
+
+def test_include_usage_sends_the_usage_event_last(client) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content
+    comp = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert comp[-1].choices == [] and comp[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"n": 2}, "n"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+])
+def test_unsupported_chat_fields_are_refused_by_name(gen_daemon: DaemonProc, extra: dict, param: str) -> None:
+    r = httpx.post(gen_daemon.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported" and param in error["message"]
+
+
+@pytest.mark.parametrize("extra, param", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                                          ({"suffix": "x"}, "suffix"), ({"n": 3}, "n")])
+def test_unsupported_completion_fields_are_refused_by_name(gen_daemon: DaemonProc, extra: dict, param: str) -> None:
+    r = httpx.post(gen_daemon.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported" and param in r.text
+
+
+def test_unsupported_through_the_client_is_a_400(client) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert err.value.status_code == 400 and "tools" in str(err.value)
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "bad_request"),
+    ({"response_format": {"type": "xml"}}, "bad_request"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+     "bad_request"),
+    ({"logprobs": True, "top_logprobs": 21}, "bad_request"),
+    ({"top_logprobs": 2}, "bad_request"),  # without logprobs: true
+])
+def test_bad_structured_output_and_logprobs_requests_get_the_contract_error(gen_daemon: DaemonProc, body: dict,
+                                                                            code: str) -> None:
+    r = httpx.post(gen_daemon.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_native_generate_takes_format_and_logprobs(gen_daemon: DaemonProc) -> None:
+    r = httpx.post(gen_daemon.url + "/v1/generate", timeout=60, json={
+        "model": MODEL, "prompt": "a customer:", "max_tokens": 80, "temperature": 0, "format": PERSON,
+        "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert matches_person(json.loads(body["text"]))
+    assert b"".join(bytes(t["bytes"]) for t in body["logprobs"]).decode() == body["text"]
+    assert all(len(t["top_logprobs"]) <= 2 for t in body["logprobs"])
+    r = httpx.post(gen_daemon.url + "/v1/generate", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 150, "temperature": 0, "format": "json"})
+    assert r.json()["finish_reason"] == "stop" and isinstance(json.loads(r.json()["text"]), dict)
+    r = httpx.post(gen_daemon.url + "/v1/generate", timeout=60, json={
+        "model": MODEL, "prompt": "hi", "format": "xml"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+
+
+def worker_claims(d: DaemonProc) -> int:
+    return sum(w["claimed"] for w in httpx.get(d.url + "/v1/ps", timeout=10).json()["workers"])
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence(gen_daemon: DaemonProc, tiny) -> None:
+    long_ref = Reference(tiny[2])
+    # Left alone, this stream decodes 4000 tokens (the model never ends by itself),
+    # re-decoding its growing text at every step: far longer than the wait below.
+    prompt = "hello world"
+    body = {"model": LONG, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", gen_daemon.url + "/v1/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert worker_claims(gen_daemon) == 1
+        # Counted in the device memory while it runs: the cache reserve of 2000+ tokens.
+        used = httpx.get(gen_daemon.url + "/v1/ps", timeout=10).json()["workers"][0]["used_bytes"]
+    closed = time.monotonic()
+    while worker_claims(gen_daemon) and time.monotonic() - closed < 10:
+        time.sleep(0.05)
+    freed_s = time.monotonic() - closed
+    assert worker_claims(gen_daemon) == 0, "the sequence still runs after its client left"
+    # The reserve went with it.
+    assert httpx.get(gen_daemon.url + "/v1/ps", timeout=10).json()["workers"][0]["used_bytes"] < used
+    print(f"disconnect -> sequence dropped in {freed_s * 1e3:.0f} ms")
+    # The worker serves on.
+    r = httpx.post(gen_daemon.url + "/v1/generate", json={"model": LONG, "prompt": prompt, "max_tokens": 5,
+                                                          "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["text"] == long_ref.greedy(prompt, 5)[0]
