@@ -124,7 +124,7 @@ class Daemon:
         devices = detect_devices(self.settings.device, self.settings.workers)
         self.supervisor = Supervisor(
             self.settings, self.queue, devices,
-            on_restart=lambda slot: self.metrics.worker_restarted(str(slot.index)),
+            on_restart=lambda slot: self.metrics.worker_restarted(str(slot.index)), preload=self.kept_preloads,
         )
         self.supervisor.start()
         if self.settings.nats:
@@ -376,9 +376,14 @@ class Daemon:
             if not is_control_lane(s.model)
         ]
 
+    def kept_preloads(self) -> list[str]:
+        """The preloaded models still pinned (not unpinned since the start); what a
+        restarted worker preloads. Read from the supervisor's thread too."""
+        return [name for name in self.settings.preload if name not in self._unpinned_preloads]
+
     def pinned_models(self) -> set[str]:
         """Models kept resident: preloaded ones (unless unpinned since) and persisted pins."""
-        return (set(self.settings.preload) - self._unpinned_preloads) | set(PinStore(self.settings.home).load())
+        return set(self.kept_preloads()) | set(PinStore(self.settings.home).load())
 
     def record_pin(self, name: str, device: str) -> None:
         """A pin the workers honoured: persisted (it survives a restart)."""
@@ -415,7 +420,7 @@ class Daemon:
         if not workers:
             return False, "no worker is up yet"
         devices = {w["device"] for w in workers}
-        wanted = (set(self.settings.preload) - self._unpinned_preloads) | {
+        wanted = set(self.kept_preloads()) | {
             name for name, pin in PinStore(self.settings.home).load().items() if pin.device in devices
         }
         missing = wanted - {n for w in workers for n in w["models"]}

@@ -119,11 +119,16 @@ def run_entry(entry: str, *args) -> None:
 class Supervisor:
     def __init__(self, settings: Settings, queue: LocalQueue, devices: list[str], *,
                  target: str = WORKER_ENTRY,
-                 on_restart: Callable[[Slot], None] | None = None) -> None:
+                 on_restart: Callable[[Slot], None] | None = None,
+                 preload: Callable[[], list[str]] | None = None) -> None:
         self.settings = settings
         self.queue = queue
         self.slots = [Slot(i, d) for i, d in enumerate(devices)]
-        self._blob = msgspec.msgpack.encode(settings)
+        #: What every worker starts with: the settings as they were at start (a copy).
+        self._spawn_settings = msgspec.structs.replace(settings)
+        #: The models a worker started now preloads and pins (default: `settings.preload`):
+        #: a preload unpinned through the API is not pinned again by a restart.
+        self._preload = preload or (lambda: list(self._spawn_settings.preload))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: The worker's entry point by dotted name, `module:function` taking
@@ -138,8 +143,9 @@ class Supervisor:
         self._thread.start()
 
     def _spawn(self, slot: Slot) -> None:
+        blob = msgspec.msgpack.encode(msgspec.structs.replace(self._spawn_settings, preload=self._preload()))
         proc = _ctx.Process(
-            target=run_entry, args=(self._target, self.queue.name, slot.index, slot.device, self._blob),
+            target=run_entry, args=(self._target, self.queue.name, slot.index, slot.device, blob),
             name=f"fleet-worker-{slot.index}", daemon=False,
         )
         proc.start()

@@ -141,9 +141,19 @@ def test_the_real_daemon_as_systemd_sees_it(tmp_path):
         assert DEFAULT_MODEL not in resident(d.url)
         assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
         assert card(d.url, DEFAULT_MODEL) == (False, False)
-        # Pinned again: loaded now, persisted, and readiness waits for it again.
+        # A worker restarted now (killed) does not pin it again either.
+        (old,) = get(d.url, "/v1/ps").json()["workers"]
+        os.kill(old["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not [w for w in get(d.url, "/v1/ps").json()["workers"] if w["pid"] != old["pid"] and w["up"]]:
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.2)
+        assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
+        # Pinned again: loaded now (by the pin: the restart did not preload it), persisted,
+        # and readiness waits for it again.
         r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=AUTH, timeout=120)
         assert r.status_code == 200 and r.json()["results"][0]["pinned"] is True
+        assert not r.json()["results"][0].get("already") and d.log().count(f"loaded {DEFAULT_MODEL} on cpu") == 2
         assert card(d.url, DEFAULT_MODEL) == (True, True)
         assert DEFAULT_MODEL in json.loads((home / "pins.json").read_bytes())["pins"]
         assert get(d.url, "/readyz").status_code == 200
