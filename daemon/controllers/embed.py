@@ -139,7 +139,7 @@ class EmbedController(Controller):
             raise BadRequest(f"encoding_format must be 'float' or 'base64', not {oreq.encoding_format!r}",
                              param="encoding_format")
         model = oreq.model or default_model(daemon, "embed")
-        req = EmbedRequest(model=model, inputs=openai_texts(daemon, model, oreq.input))
+        req = EmbedRequest(model=model, inputs=await openai_texts(daemon, model, oreq.input))
         answer = await run_embed(daemon, req, codec.encode_msgpack(req))
         res = _result.decode(answer.body)
         vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
@@ -153,7 +153,7 @@ class EmbedController(Controller):
         return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=answer_headers(answer))
 
 
-def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:
+async def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:
     """OpenAI `input` as texts: a text, texts, one text as token ids, or several as id lists."""
     if value.__class__ is str:
         return [value]
@@ -165,7 +165,7 @@ def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:
     if kind is str:
         return value
     ids = [value] if kind is int else value
-    return ids_to_texts(daemon.store, daemon.manifest(model, "embed"), ids)
+    return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), ids)
 
 
 def shorten(vectors: np.ndarray, dimensions: int) -> np.ndarray:

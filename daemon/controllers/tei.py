@@ -15,6 +15,7 @@ have `normalize`, `truncate` and `dimensions` read from `parameters` too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -144,21 +145,21 @@ def refuse_unsupported(prompt_name: str | None, truncation_direction: str | None
                          f"the right")
 
 
-def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
+async def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
     """TEI `inputs` as texts: token-id items are read in the model's own vocabulary."""
     if inputs.__class__ is str:
         return [inputs]
     if not inputs:
         raise BadRequest("`inputs` is empty: send at least one text")
     if all(x.__class__ is int for x in inputs):
-        return ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs])
+        return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs])
     if any(x.__class__ is int for x in inputs):
         raise BadRequest("`inputs` mixes token ids with texts: send a list of id lists for several inputs")
     at = [i for i, x in enumerate(inputs) if x.__class__ is list]
     if not at:
         return inputs
     texts = list(inputs)
-    decoded = ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs[i] for i in at])
+    decoded = await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs[i] for i in at])
     for i, text in zip(at, decoded):
         texts[i] = text
     return texts
@@ -173,7 +174,7 @@ async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiE
     model = tei.model or default_model(daemon, "embed")
     truncate = params.truncate if params.truncate is not None else tei.truncate
     normalize = params.normalize if params.normalize is not None else tei.normalize
-    req = EmbedRequest(model=model, inputs=embed_texts(daemon, model, tei.inputs), normalize=normalize,
+    req = EmbedRequest(model=model, inputs=await embed_texts(daemon, model, tei.inputs), normalize=normalize,
                        truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
     answer = await run_embed(daemon, req, codec.encode_msgpack(req))
     return tei, req, answer
@@ -203,8 +204,8 @@ def byte_offsets(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int
     return [(at[a], at[b]) for a, b in spans]
 
 
-def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiToken]:
-    enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+def tokens_of(text: str, enc: Any) -> list[TeiToken]:
+    """TEI's tokens of one input from its `tokenizers.Encoding`."""
     raw = text.encode()
     out = []
     for id_, token, special, (start, stop) in zip(enc.ids, enc.tokens, enc.special_tokens_mask,
@@ -339,7 +340,9 @@ class TeiController(Controller):
         name = tei.model or default_model(daemon, "embed")
         manifest = stored(daemon, name) if tei.model else daemon.manifest(name, "embed")
         tokenizer = load_tokenizer(daemon.store, manifest)
-        return reply(request, [tokens_of(tokenizer, t, tei.add_special_tokens) for t in texts])
+        # Off the event loop: tokenizing thousands of texts must not stall other requests.
+        encodings = await asyncio.to_thread(tokenizer.encode_batch, texts, add_special_tokens=tei.add_special_tokens)
+        return reply(request, [tokens_of(t, enc) for t, enc in zip(texts, encodings)])
 
     @get("/info")
     async def info(self, request: Request, daemon: Daemon, model: str | None = None) -> Response:
