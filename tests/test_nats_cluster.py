@@ -430,6 +430,7 @@ def test_sigterm_of_box_b_under_load_hands_its_work_back(boxes: Boxes, reference
 
 
 def test_a_box_serves_its_own_models_while_nats_is_down(boxes: Boxes, references: np.ndarray) -> None:
+    before = box_entry(boxes.a.url, "box-a")
     boxes.nats.stop()
     try:
         results = asyncio.run(embed_all(boxes.a.url, list(range(24)), concurrency=4))
@@ -442,15 +443,20 @@ def test_a_box_serves_its_own_models_while_nats_is_down(boxes: Boxes, references
         assert r.status_code >= 400 and r.json()["error"]["code"] in ("model_not_found", "timeout")
     finally:
         boxes.nats.start()
-    # Back on NATS: A's requests go through JetStream again (A serves them: B is gone).
+    # Back on NATS: A's entry after the reconnect (the bucket kept the old one until its TTL).
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while True:
         view = httpx.get(boxes.a.url + "/v1/cluster", timeout=10).json()
-        if any(b["box"] == "box-a" for b in view["boxes"]):
+        me = next((b for b in view["boxes"] if b["box"] == "box-a"), None)
+        if (me is not None and me["reconnects"] > before["reconnects"]) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    served0 = next(b["served"] for b in view["boxes"] if b["box"] == "box-a")
+    assert me is not None and me["reconnects"] > before["reconnects"], f"A did not rejoin: {view}"
+    assert me["served_locally"] - before["served_locally"] == 24
+    # Its requests go through JetStream again (served by whichever box is up).
+    served0, _ = _served_and_duplicates(boxes.a.url)
+    local0 = box_entry(boxes.a.url, "box-a")["served_locally"]
     results = asyncio.run(embed_all(boxes.a.url, list(range(8)), concurrency=4))
     assert_all_correct(results, references)
     served1, _ = _served_and_duplicates(boxes.a.url)
-    assert served1 - served0 >= 8, "after NATS came back, requests did not go through JetStream"
+    assert (served1 - served0, box_entry(boxes.a.url, "box-a")["served_locally"] - local0) == (8, 0)
