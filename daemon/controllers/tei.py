@@ -57,7 +57,7 @@ class TeiParameters(msgspec.Struct, frozen=True):
 
 
 class TeiEmbedRequest(msgspec.Struct, frozen=True):
-    """`/embed`, `/embed_sparse`, `/embed_all` (the last two ignore `normalize`/`dimensions` as TEI does)."""
+    """`/embed`, `/embed_sparse`, `/embed_all` (the last two take no `normalize`/`dimensions`, as in TEI)."""
 
     inputs: Inputs
     model: str = ""
@@ -173,7 +173,8 @@ async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiE
     refuse_unsupported(tei.prompt_name or params.prompt_name, params.truncation_direction or tei.truncation_direction)
     model = tei.model or default_model(daemon, "embed")
     truncate = params.truncate if params.truncate is not None else tei.truncate
-    normalize = params.normalize if params.normalize is not None else tei.normalize
+    # TEI's /embed_all returns the token vectors as the model gives them (it has no `normalize`).
+    normalize = (params.normalize if params.normalize is not None else tei.normalize) and output == "dense"
     req = EmbedRequest(model=model, inputs=await embed_texts(daemon, model, tei.inputs), normalize=normalize,
                        truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
     answer = await run_embed(daemon, req, codec.encode_msgpack(req))
