@@ -122,6 +122,16 @@ def test_json_top_k_keeps_the_largest_terms(fleet, want):
         np.testing.assert_allclose(vec["values"], row[top], rtol=1e-5, atol=1e-6)
 
 
+def test_tei_embed_sparse_answers_index_value_pairs(fleet, want):
+    """TEI's `POST /embed_sparse`: per input, `[{index, value}]` of every non-zero term."""
+    resp = httpx.post(fleet.url + "/embed_sparse", json={"model": NAME, "inputs": TEXTS}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    for pairs, row in zip(resp.json(), want):
+        indices = [p["index"] for p in pairs]
+        np.testing.assert_array_equal(indices, np.flatnonzero(row))
+        np.testing.assert_allclose([p["value"] for p in pairs], row[indices], rtol=1e-5, atol=1e-6)
+
+
 def test_client_returns_index_and_value_arrays(fleet, want):
     from fleetctl import Client
 
