@@ -76,14 +76,19 @@ def pid_alive(pid: int) -> bool:
 
 def sweep_stale(prefix: str, *, shm_dir: Path = SHM_DIR, alive: Callable[[int], bool] = pid_alive) -> list[str]:
     """Remove the stale entries of `prefix` queues from `shm_dir`; returns their
-    names. An entry that vanished meanwhile (another sweeper) or that belongs to
-    another user (/dev/shm is sticky: only its owner may remove it) is skipped."""
+    names. Call it before creating this process's own queue: entries already
+    named after this pid are then stale too (a pid reused, as a container's
+    main process gets the same small pid at each restart), and would make the
+    create fail. An entry that vanished meanwhile (another sweeper) or that
+    belongs to another user (/dev/shm is sticky: only its owner may remove it)
+    is skipped."""
     try:
         entries = os.listdir(shm_dir)
     except FileNotFoundError:
         return []
+    me = os.getpid()
     removed = []
-    for entry in find_stale(entries, prefix, alive):
+    for entry in find_stale(entries, prefix, lambda pid: pid != me and alive(pid)):
         try:
             os.unlink(shm_dir / entry)
         except (FileNotFoundError, PermissionError):

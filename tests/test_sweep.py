@@ -74,14 +74,25 @@ def shm_entries(name: str) -> set[str]:
     return {e for e in os.listdir(SHM_DIR) if e in (name, f"{name}.lock", f"sem.{name}.work", f"sem.{name}.results")}
 
 
+def test_entries_named_after_the_sweeper_itself_are_stale(tmp_path):
+    """The sweeper has not created its queue yet: one already named after its pid
+    is a dead process's (a reused pid) and would make its own create fail."""
+    me = os.getpid()
+    for e in (f"fleet-{me}", f"fleet-{me}.lock", f"fleet-{LIVE}"):
+        (tmp_path / e).write_bytes(b"x")
+    assert sorted(sweep_stale("fleet", shm_dir=tmp_path, alive=lambda pid: True)) == [f"fleet-{me}", f"fleet-{me}.lock"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"fleet-{LIVE}"]
+
+
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
 def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
     """Real segments, locks and semaphores in /dev/shm: one queue named after a
-    process that has exited, one after this (live) test process. Only the
-    prefix of this test is swept, so no other queue on the box is touched."""
+    process that has exited, one after a process that runs. Only the prefix of
+    this test is swept, so no other queue on the box is touched."""
     prefix = f"fleetsweeptest{os.getpid()}"
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     dead = LocalQueue.create(queue_name(prefix, dead_pid()), slots=16, slab_bytes=1 << 16)
-    live = LocalQueue.create(queue_name(prefix, os.getpid()), slots=16, slab_bytes=1 << 16)
+    live = LocalQueue.create(queue_name(prefix, owner.pid), slots=16, slab_bytes=1 << 16)
     dead.close()  # the owner died: nobody holds it any more
     try:
         assert len(shm_entries(dead.name)) == 4 and len(shm_entries(live.name)) == 4
@@ -94,6 +105,8 @@ def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
             LocalQueue.attach(dead.name)
         LocalQueue.attach(live.name).close()  # the live one still works
     finally:
+        owner.kill()
+        owner.wait()
         live.close()
         live.unlink()
         dead.unlink()
