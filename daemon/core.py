@@ -46,7 +46,8 @@ HEARTBEAT_STALE_S = 30.0
 #: Settings a SIGHUP applies to the running daemon (`Daemon.reload`); any other
 #: change in config.toml is logged as needing a restart.
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
-                 "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins")
+                 "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
+                 "default_models")
 
 
 @dataclass

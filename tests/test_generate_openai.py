@@ -161,7 +161,8 @@ def test_completion_logprobs_in_the_legacy_shape(gen_daemon: DaemonProc, client,
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == comp.usage.completion_tokens
     # The same tokens as the native route's (which carries each token's exact bytes).
     native = httpx.post(gen_daemon.url + "/v1/generate", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": True}).json()["logprobs"]
+        "model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": True,
+        "top_logprobs": 3}).json()["logprobs"]
     assert lp.tokens == [bytes(t["bytes"]).decode("utf-8", "replace") for t in native]
     assert lp.token_logprobs == pytest.approx([t["logprob"] for t in native])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
