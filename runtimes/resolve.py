@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import msgspec
 
 from fleet.catalog import load_catalog, select_profile
 from fleet.config import Settings
+from fleet.errors import BadRequest
 from fleet.store import Store
 from runtimes.base import ModelSpec, Profile
+
+log = logging.getLogger("fleet.worker")
 
 
 def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], ModelSpec]:
@@ -27,7 +31,14 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
         manifest, path = store.open(name, verify=True)
         # The catalog (shipped file overlaid by FLEET_HOME/models.toml) is read at
         # each load, so a profile tuned while the daemon runs applies on next load.
-        entry = load_catalog(settings.home).find(name)
+        try:
+            entry = load_catalog(settings.home).find(name)
+        except BadRequest as exc:
+            # models.toml broken while serving is the operator's to fix, not the
+            # client's (never a 400 for a pin or a request): load with the profile
+            # recorded at pull time, and say so.
+            log.error("cannot read the model catalog (%s); loading %s with its manifest's profile", exc.message, name)
+            entry = None
         profile, which = select_profile(entry, klass) if entry is not None else (manifest.profile, "default")
         return ModelSpec(
             name=name,
