@@ -235,3 +235,25 @@ def test_bad_input_on_the_new_routes_is_a_clean_4xx_and_the_daemon_keeps_serving
     assert err["code"] == code and err["message"]
     assert str(compat.home) not in err["message"]  # messages name models, never paths
     assert ok(post(compat, "/embed", {"inputs": "still serving"}))
+
+
+def test_default_models_from_config_toml_apply_on_sighup(compat):
+    """Last in this module: it changes the daemon's config. `default_models` is a live
+    setting (SIGHUP, no restart): the rerank default then answers where the request
+    named no model and two rerankers are stored."""
+    import os
+    import signal
+    import time
+
+    assert post(compat, "/v2/rerank", {"query": QUERY, "documents": DOCS}).status_code == 400
+    (compat.home / "config.toml").write_text('[default_models]\nrerank = "tiny-reranker-b"\n')
+    os.kill(compat.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while (resp := post(compat, "/v2/rerank", {"query": QUERY, "documents": DOCS})).status_code == 400:
+        assert time.monotonic() < deadline, resp.text
+        time.sleep(0.2)
+    got = ok(resp)
+    assert got["model"] == "tiny-reranker-b"
+    want = native_rerank(compat, "tiny-reranker-b")
+    assert [r["relevance_score"] for r in got["results"]] == pytest.approx([want[r["index"]] for r in got["results"]],
+                                                                          rel=1e-6)
