@@ -47,7 +47,8 @@ class Grammars:
         self._torch = torch
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
-        self.executor = llguidance.LLExecutor()
+        # As many mask threads as torch may use here (FLEET_CPU_THREADS), not 80 % of the box.
+        self.executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
         self._bits = torch.arange(32, dtype=torch.int32)
 
     def matcher(self, fmt: str | dict) -> Any:
