@@ -217,6 +217,7 @@ def test_model_left_out_with_two_rerankers_lists_the_candidates(compat):
     ("/embed", {"inputs": [[101, 40_000]]}, 400, "bad_request"),
     ("/embed", {"inputs": "a", "prompt_name": "query"}, 400, "bad_request"),
     ("/embed", {"inputs": "a", "dimensions": 0}, 400, "bad_request"),
+    ("/embed", {"inputs": "a", "parameters": {"dimensions": 0}}, 400, "bad_request"),
     ("/embed", {"inputs": "a", "model": "tiny-reranker"}, 400, "bad_request"),
     ("/embed_sparse", {"inputs": "a"}, 400, "bad_request"),
     ("/predict", {"inputs": ["a", "b"]}, 400, "bad_request"),

@@ -276,7 +276,9 @@ class TeiController(Controller):
         tei, req, answer = await tei_embed(request, daemon, "dense")
         res = _dense.decode(answer.body)
         vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
-        dimensions = tei.parameters.dimensions if tei.parameters and tei.parameters.dimensions else tei.dimensions
+        dimensions = tei.dimensions
+        if tei.parameters is not None and tei.parameters.dimensions is not None:
+            dimensions = tei.parameters.dimensions
         if dimensions is not None:
             vectors = shorten(vectors, dimensions)
         return reply(request, vectors.tolist(), headers=answer_headers(answer))

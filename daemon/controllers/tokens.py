@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 from typing import Any
 
-from fleet.errors import BadRequest, IntegrityError
+from fleet.errors import BadRequest, IntegrityError, ModelLoadFailed
 from fleet.store import Manifest, Store
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -45,7 +45,10 @@ def load_tokenizer(store: Store, manifest: Manifest) -> Any:
     if hashlib.sha256(raw).hexdigest() != entry.sha256:
         raise IntegrityError(f"model {manifest.name!r}: {entry.path} does not match its recorded sha256",
                              hint=f"re-pull it: `fleetctl pull {manifest.name} --force`")
-    tokenizer = Tokenizer.from_str(raw.decode())
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode())
+    except Exception as exc:  # the library raises its own types for a file it cannot read
+        raise ModelLoadFailed(f"cannot read the tokenizer of {manifest.name!r}: {exc}") from None
     tokenizer.no_padding()
     tokenizer.no_truncation()
     _cache[manifest.name] = (entry.sha256, tokenizer)
