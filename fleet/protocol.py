@@ -226,6 +226,10 @@ class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     raw_scores: bool = False
     truncate: bool = True
     timeout_ms: int | None = None
+    #: Cohere's: documents are ranked on their `text` only, and no relevant spans are
+    #: found; asking otherwise is refused (`unsupported`), never silently ignored.
+    rank_fields: list[str] | None = None
+    relevant_spans: dict | None = None
 
     @property
     def docs(self) -> list[str]:

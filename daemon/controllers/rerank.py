@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 from litestar import Controller, Request, Response, post
 
-from fleet.errors import BadRequest
+from fleet.errors import BadRequest, Unsupported
 from fleet.protocol import (
     CohereApiVersion, CohereBilledUnits, CohereMeta, CohereRerankReply, RerankDocument, RerankHit, RerankReply,
     RerankRequest, Usage,
@@ -45,6 +45,10 @@ def check_rerank(daemon: Daemon, req: RerankRequest) -> None:
         raise BadRequest("`query` is empty")
     if req.top_n is not None and req.top_n < 1:
         raise BadRequest(f"top_n must be at least 1, got {req.top_n}")
+    if req.rank_fields not in (None, ["text"]):
+        raise Unsupported("rank_fields: fleet ranks documents on their `text` only", param="rank_fields")
+    if req.relevant_spans is not None and req.relevant_spans.get("mode", "disabled") != "disabled":
+        raise Unsupported("relevant_spans: fleet's rerankers score whole documents", param="relevant_spans")
 
 
 async def run_rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[list[RerankHit], Usage, Answer]:
