@@ -14,6 +14,11 @@ from daemon import codec
 
 log = logging.getLogger("fleet.daemon")
 
+#: Key in the app's `state` of the folders whose paths never reach a client (the
+#: store, FLEET_HOME) and their stand-ins: a worker's load error may quote a file
+#: path; the reply names the model and `<store>` instead, the log keeps the full text.
+PRIVATE_PATHS = "fleet_private_paths"
+
 #: Litestar's own HTTP errors (routing, limits) mapped onto contract codes.
 _HTTP_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
@@ -52,8 +57,20 @@ def openai_error_type(status: int) -> str:
         status, "invalid_request_error")
 
 
+def hide_paths(message: str, private: tuple[tuple[str, str], ...]) -> str:
+    """`message` with each private folder (most specific first) replaced by its stand-in."""
+    for path, stand_in in private:
+        if path in message:
+            message = message.replace(path, stand_in)
+    return message
+
+
 def error_reply(request: Request, exc: FleetError, headers: dict[str, str] | None = None) -> Response:
     msgpack = wants_msgpack(request)
+    shown = hide_paths(exc.message, request.app.state.get(PRIVATE_PATHS, ()))
+    if shown != exc.message:
+        log.warning("%s on %s %s: %s", exc.code, request.method, request.url.path, exc.message)
+        exc.message = shown
     headers = dict(headers or {})
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))

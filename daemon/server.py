@@ -75,6 +75,7 @@ def serve(settings: Settings) -> None:
     from daemon.home import claim_home
     from daemon.connections import connection_limits, guarded_protocol
     from daemon.guard import BrowserGuard
+    from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
 
@@ -83,6 +84,7 @@ def serve(settings: Settings) -> None:
     claim_home(settings)
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
+    litestar_app.state[PRIVATE_PATHS] = ((str(settings.store_path), "<store>"), (str(settings.home_path), "<home>"))
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,
     # so 404/405 answers are guarded too; /healthz stays open.

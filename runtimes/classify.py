@@ -16,8 +16,8 @@ import numpy as np
 from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, labels_agree, load_transformers,
-    max_length, micro_batches, offsets, split_refused, to_device,
+    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
+    load_transformers, max_length, micro_batches, offsets, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
 
@@ -52,6 +52,8 @@ class SequenceClassifier(Adapter):
 
     def refuse(self, req: ClassifyRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
+        if not req.truncate and (over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len)):
+            return over
         too_long = None if req.truncate else self._first_too_long(req.inputs)
         if too_long is not None:
             return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
@@ -62,7 +64,7 @@ class SequenceClassifier(Adapter):
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = [t for i in live for t in requests[i].inputs]
+        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
         # 2. All texts of the batch in length-sorted micro-batches: logits (n, labels).
         logits, tokens = self._logits(texts)

@@ -23,8 +23,8 @@ from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
-    micro_batches, min_cosine, offsets, to_device,
+    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
+    load_transformers, max_length, micro_batches, min_cosine, offsets, to_device,
 )
 from fleet.messages import EmbedResult, WorkError
 
@@ -117,6 +117,9 @@ class ClipEmbedder(Adapter):
                 items.append(x)
                 texts.append((i, x))
         if not req.truncate and texts:
+            bound = char_bound(self.max_seq_len)
+            if (over := next((i for i, t in texts if len(t) > bound), None)) is not None:
+                return [], input_too_long(self.spec.name, f"input {over}", len(req.inputs[over]), bound, "characters")
             lengths = self.tokenizer([t for _, t in texts], truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
@@ -166,8 +169,8 @@ class ClipEmbedder(Adapter):
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
-                enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
-                                     max_length=self.max_seq_len, return_tensors="pt")
+                enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=True,
+                                     truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).
                 enc = to_device({k: enc[k] for k in ("input_ids", "attention_mask") if k in enc}, self.device)
                 feats = features(model.get_text_features(**enc)).float().cpu().numpy()

@@ -20,8 +20,8 @@ from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, labels_agree, load_transformers,
-    max_length, micro_batches, split_refused, to_device,
+    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
+    load_transformers, max_length, micro_batches, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 
@@ -108,7 +108,7 @@ class TokenClassifier(Adapter):
         results, live = split_refused(requests, self._refusal)
         if not live:
             return results
-        texts = [t for i in live for t in requests[i].inputs]
+        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         # 2. All texts together in length-sorted micro-batches; spans per text.
         spans, tokens = self._extract(texts)
         # 3. Split back per request.
@@ -128,6 +128,8 @@ class TokenClassifier(Adapter):
                 "`labels` (entity types chosen per request) needs a zero-shot extraction model: omit it",
             )
         if not req.truncate:
+            if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
+                return over
             lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:

@@ -27,8 +27,8 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
-    micro_batches, offsets, scores_agree, split_refused, to_device,
+    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, load_transformers,
+    max_length, micro_batches, offsets, over_char_bound, scores_agree, split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
 
@@ -76,6 +76,9 @@ class CrossEncoderAdapter(Adapter):
 
     def refuse(self, req: RerankRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
+        if not req.truncate and (over := over_char_bound(self.spec.name, [req.query], self.max_seq_len, "query")
+                                 or over_char_bound(self.spec.name, req.docs, self.max_seq_len, "document")):
+            return over
         too_long = None if req.truncate else self._first_too_long(req.query, req.docs)
         if too_long is not None:
             return input_too_long(self.spec.name, f"query + document {too_long[0]}", too_long[1], self.max_seq_len)
@@ -90,8 +93,8 @@ class CrossEncoderAdapter(Adapter):
         queries: list[str] = []
         docs: list[str] = []
         for i in live:
-            req_docs = requests[i].docs
-            queries.extend([requests[i].query] * len(req_docs))
+            req_docs = cut_to_bound(requests[i].docs, self.max_seq_len)
+            queries.extend(cut_to_bound([requests[i].query], self.max_seq_len) * len(req_docs))
             docs.extend(req_docs)
         counts = np.fromiter((len(requests[i].docs) for i in live), dtype=np.int64, count=len(live))
         # 3. Score them together, length-sorted into micro-batches.

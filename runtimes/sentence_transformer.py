@@ -10,8 +10,8 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets,
-    split_refused, to_device,
+    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine,
+    offsets, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
 
@@ -81,6 +81,8 @@ class SentenceTransformerEmbedder(Adapter):
         if any(x.__class__ is not str for x in req.inputs):
             return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
                                             "(runtime clip)")
+        if not req.truncate and (over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len)):
+            return over
         too_long = None if req.truncate else self._first_too_long(req.inputs)
         if too_long is not None:
             return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
@@ -92,7 +94,7 @@ class SentenceTransformerEmbedder(Adapter):
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = [t for i in live for t in requests[i].inputs]
+        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
         want_tokens = np.repeat(np.fromiter((requests[i].output == "tokens" for i in live), dtype=bool), counts)
         # 2. Embed all texts of the batch together, length-sorted into micro-batches.

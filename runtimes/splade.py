@@ -23,8 +23,8 @@ import numpy as np
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, first_too_long, footprint_bytes, input_too_long, load_transformers, max_length,
-    micro_batches, min_cosine, offsets, split_refused, to_device,
+    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, load_transformers,
+    max_length, micro_batches, min_cosine, offsets, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
@@ -63,6 +63,8 @@ class SpladeEmbedder(Adapter):
         if any(x.__class__ is not str for x in req.inputs):
             return WorkError("bad_request", f"{self.spec.name} embeds text only")
         if not req.truncate:
+            if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
+                return over
             lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
@@ -74,7 +76,7 @@ class SpladeEmbedder(Adapter):
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = [t for i in live for t in requests[i].inputs]
+        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         counts = [len(requests[i].inputs) for i in live]
         # 2. Term weights of every text, micro-batched by length, with each
         #    request's top_k applied per row.

@@ -139,6 +139,15 @@ def test_errors_name_models_not_paths(daemon, tmp_path):
         assert "no-such-model" in message and str(daemon.home) not in message and "/" not in message
     resp = httpx.post(daemon.url + "/v1/models/no-such-model/load", timeout=60)
     assert resp.status_code == 404 and str(daemon.home) not in resp.text
+    # A stored model that fails to load: the loader's error quotes its folder.
+    src = copy_default_model(tmp_path / "broken-src")
+    (src / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
+    pull_model(Store(daemon.home / "models"), f"path:{src}", name="broken-model", task="embed",
+               runtime="sentence-transformers")
+    resp = httpx.post(daemon.url + "/v1/models/broken-model/load", timeout=120)
+    assert resp.status_code >= 400, resp.text
+    message = error_of(resp)["message"]
+    assert "broken-model" in message and str(daemon.home) not in message, message
     # The store's own errors, which the daemon passes on: a damaged model.
     store = Store(tmp_path / "models")
     pull_model(store, f"path:{copy_default_model(tmp_path / 'src')}", name="damaged")
