@@ -266,6 +266,43 @@ def test_native_generate_takes_format_and_logprobs(gen_daemon: DaemonProc) -> No
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
 
 
+def test_at_a_tight_budget_generations_wait_for_cache_room_and_all_answer(gen_daemon: DaemonProc, tiny,
+                                                                         tmp_path: Path, ref: Reference) -> None:
+    # What the worker holds with MODEL resident and idle (weights + activation
+    # allowance), read from the running daemon (its worker holds MODEL alone here).
+    httpx.post(gen_daemon.url + "/v1/generate", json={"model": MODEL, "prompt": "a", "max_tokens": 1}, timeout=60)
+    idle = httpx.get(gen_daemon.url + "/v1/ps", timeout=10).json()["workers"][0]["used_bytes"]
+    # Cache bytes per token of tests.gen_models' Llama (fp32): 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes.
+    per_token = 2 * 2 * 2 * 16 * 4
+    prompt, max_tokens = "hello world", 100
+    one = per_token * (len(ref.tokenizer(prompt)["input_ids"]) + max_tokens)
+    budget = idle + one + one // 2  # room for one sequence's cache, not two
+    home = tmp_path / "home"
+    pull(home, tiny[1], MODEL)
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1",
+                                      "FLEET_CPU_BUDGET_BYTES": str(budget)}, args=["--workers", "1"])
+    try:
+        import concurrent.futures as cf
+
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        with cf.ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(httpx.post, d.url + "/v1/generate", json=body, timeout=120) for _ in range(4)]
+            used = []
+            while not all(a.done() for a in answers):
+                used += [w["used_bytes"] for w in httpx.get(d.url + "/v1/ps", timeout=10).json()["workers"]]
+                time.sleep(0.02)
+        want = ref.greedy(prompt, max_tokens)[0]
+        assert [a.result().status_code for a in answers] == [200] * 4  # they waited; none failed
+        assert [a.result().json()["text"] for a in answers] == [want] * 4
+        assert max(used) <= budget and max(used) > idle, (idle, budget, max(used))
+        # One whose cache could never fit is refused clearly, and alone.
+        r = httpx.post(d.url + "/v1/generate", json={**body, "max_tokens": 240}, timeout=60)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "model_too_large"
+        assert "max_tokens" in r.json()["error"]["message"]
+    finally:
+        d.stop()
+
+
 def worker_claims(d: DaemonProc) -> int:
     return sum(w["claimed"] for w in httpx.get(d.url + "/v1/ps", timeout=10).json()["workers"])
 
