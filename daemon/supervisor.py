@@ -3,8 +3,11 @@
 A watcher thread blocks on the processes' sentinels (real wake-ups, not a
 sleep loop). When a worker dies, its claimed items go back to their lanes at
 once (`release_worker`), so requests it held are redelivered to whoever pulls
-next; the worker is restarted with a bounded backoff. Every `lease_ms / 2` the
-watcher also expires leases of workers that are alive but stuck.
+next; the worker is restarted with a bounded backoff. A worker that is alive
+but stuck stops heartbeating (its heartbeat thread renews nothing once a batch
+or load runs past its bound, runtimes.state.Progress): when its last heartbeat
+is older than `lease_ms` the watcher kills it, and it is handled like any dead
+worker. Every tick (at most a second apart) the watcher also expires lapsed leases.
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ class Supervisor:
         return out
 
     def _watch(self) -> None:
-        expire_every = max(0.05, self.settings.lease_ms / 2000)
+        expire_every = max(0.05, min(1.0, self.settings.lease_ms / 2000))
         while not self._stop.is_set():
             sentinels = {s.process.sentinel: s for s in self.slots if s.process is not None}
             pending = [s.next_start - time.time() for s in self.slots if s.process is None]
@@ -191,6 +194,7 @@ class Supervisor:
             try:
                 for sentinel in ready:
                     self._worker_died(sentinels[sentinel])
+                self._kill_stuck()
                 self.queue.expire_leases(max_attempts=self.settings.max_attempts)
             except Exception:
                 log.exception("worker supervision step failed; retrying")
@@ -202,6 +206,21 @@ class Supervisor:
                     except Exception:  # e.g. out of processes or memory: try again later
                         log.exception("cannot start worker %d; retrying in 5 s", slot.index)
                         slot.next_start = now + 5.0
+
+    def _kill_stuck(self) -> None:
+        """SIGKILL each live worker whose heartbeat is older than a lease: it makes no
+        progress (or is frozen), so its claims have lapsed; its sentinel then fires and
+        `_worker_died` returns them and restarts it."""
+        now = time.monotonic_ns()
+        stale = {w.pid: now - w.last_heartbeat_ns for w in self.queue.workers()}
+        for slot in self.slots:
+            proc = slot.process
+            if (proc is None or proc.pid not in stale or stale[proc.pid] <= self.settings.lease_ms * 1_000_000
+                    or not proc.is_alive()):
+                continue
+            log.error("worker %d (pid %d) has not made progress for %.1f s; killing it", slot.index, proc.pid,
+                      stale[proc.pid] / 1e9)
+            proc.kill()
 
     def _worker_died(self, slot: Slot) -> None:
         proc = slot.process

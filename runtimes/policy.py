@@ -161,6 +161,28 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
     return int(round(min(max_padded_tokens, max(room / b, a / b, 1))))
 
 
+#: No batch is declared stuck before it has run this long (ms): a device's hiccups
+#: (a neighbour process, clocks throttling, a page fault storm) are not a hang.
+STALL_FLOOR_MS = 5_000.0
+#: A batch is stuck once it has run this many times its predicted time.
+STALL_FACTOR = 20.0
+#: The bound while a model's cost is not fitted yet (its first MIN_SAMPLES batches on
+#: this worker: kernel compilation, allocator warm-up, and no prediction to scale).
+#: The default request timeout (Settings.timeout_ms): a batch still running past it
+#: answers nobody in time. A worker killed for it loses only time: its items come
+#: back as suspects and run alone, and single items are what a cost model fits first.
+WARMUP_STALL_MS = 30_000.0
+
+
+def stall_bound_ms(cost: CostModel | None, padded_tokens: int) -> float:
+    """How long a batch may run before its worker counts as stuck (its leases are
+    then no longer renewed): STALL_FACTOR x its predicted time, at least
+    STALL_FLOOR_MS; WARMUP_STALL_MS while the cost model has too few samples."""
+    if cost is None or cost.samples < MIN_SAMPLES:
+        return WARMUP_STALL_MS
+    return max(STALL_FLOOR_MS, STALL_FACTOR * cost.predict_ms(padded_tokens))
+
+
 def linger_left_ms(now_ns: int, head_enqueue_ns: int, linger_ms: float, *, items: int, max_items: int,
                    padded_tokens: int, max_padded_tokens: int, lane_drained: bool) -> float:
     """How much longer to wait for more items before running a short batch (<= 0: run now).

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import msgspec
 import posix_ipc
@@ -77,16 +78,27 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
         ),
         load_lock=LoadLock.for_device(settings.home, device),
         max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
+        load_timeout_ms=settings.load_timeout_ms,
     )
     core.publish_info()
+    log = logging.getLogger("fleet.worker")
 
     def heartbeat() -> None:
-        # Renews this worker's leases while a long batch runs on the main thread.
-        while not stop.wait(settings.lease_ms / 3000):
-            queue.heartbeat(worker_id)
+        # Marks this worker alive and renews its leases, but only while the main loop
+        # makes progress: a batch or load past its bound (core.progress) renews
+        # nothing, so its claims lapse and the supervisor restarts this worker.
+        late_logged = False
+        while not stop.wait(min(1.0, settings.lease_ms / 3000)):
+            late = core.progress.overdue(time.monotonic_ns())
+            if late is None:
+                queue.heartbeat(worker_id)
+                late_logged = False
+            elif not late_logged:
+                log.error("%s has run %.0f ms, past its bound: leases not renewed; the supervisor restarts "
+                          "this worker", *late)
+                late_logged = True
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
-    log = logging.getLogger("fleet.worker")
     # Preloads and this device's persisted pins stay resident (a failure is logged;
     # requests for that model get the error when they come).
     try:

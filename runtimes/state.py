@@ -6,6 +6,9 @@ batcher (`runtimes.continuous`), so neither imports the other at run time.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from runtimes.base import Adapter
@@ -47,3 +50,30 @@ class NotNowMemo:
     until_ns: int  # the worker's clock
     #: Left to the workers holding the model: the worker may block for new work.
     left_to_holders: bool
+
+
+@dataclass
+class Progress:
+    """What the worker's main loop runs now that may take long (a batch, a load), read by
+    its heartbeat thread: leases are renewed only while it is within its bound.
+
+    `busy` is one tuple (what, started ns, deadline ns) or None, replaced whole by the
+    main thread: the heartbeat thread never sees a torn pair. Monotonic ns."""
+
+    busy: tuple[str, int, int] | None = None
+
+    @contextlib.contextmanager
+    def running(self, what: str, bound_ms: float) -> Iterator[None]:
+        now = time.monotonic_ns()
+        self.busy = (what, now, now + int(bound_ms * 1e6))
+        try:
+            yield
+        finally:
+            self.busy = None
+
+    def overdue(self, now_ns: int) -> tuple[str, float] | None:
+        """(what, ms it has run) when the work in progress is past its bound, else None."""
+        busy = self.busy
+        if busy is None or now_ns <= busy[2]:
+            return None
+        return busy[0], (now_ns - busy[1]) / 1e6

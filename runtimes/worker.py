@@ -37,10 +37,10 @@ from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, 
 from runtimes.placement import LOAD as PLACE_LOAD
 from runtimes.policy import (
     MIN_SAMPLES, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms,
-    padded_tokens,
+    padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
-from runtimes.state import BATCH_RING, BatchStats, NotNowMemo, Resident
+from runtimes.state import BATCH_RING, BatchStats, NotNowMemo, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 
@@ -89,6 +89,10 @@ class WorkerCore:
     target_ms: float = 0.0
     #: Linger for models whose profile sets none (Settings.linger_ms).
     linger_ms: float = 0.0
+    #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
+    load_timeout_ms: float = 300_000.0
+    #: The batch or load running now and its bound, for the heartbeat thread (runtimes.process).
+    progress: Progress = field(default_factory=Progress)
     clock_ns: Callable[[], int] = time.monotonic_ns
     models: dict[str, Resident] = field(default_factory=dict)
     last_batch: BatchStats = field(default_factory=BatchStats)
@@ -158,6 +162,12 @@ class WorkerCore:
             return resident
         spec, header = self.size_up(name)
         estimate = self.estimates.estimate(name, spec.runtime, header)
+        library = RUNTIME_LIBRARIES.get(spec.runtime)
+        if library is not None:
+            # Outside the device lock, and before deciding: a worker that was told "not
+            # here" has the library ready when it takes the model over from a peer that
+            # died (a load then costs the weights only; load_ms stays what a reload costs).
+            importlib.import_module(library)
         with self.load_lock.held(blocking=explicit) as locked:
             if not locked:
                 raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
@@ -212,13 +222,11 @@ class WorkerCore:
         taken meanwhile: the lane waits and the next attempt decides again) until
         MAX_LOAD_OOMS in a row; other failures are the model's (`load_error`)."""
         name = spec.name
-        library = RUNTIME_LIBRARIES.get(spec.runtime)
-        if library is not None:
-            importlib.import_module(library)  # before t0: load_ms is what a reload costs
         t0 = time.perf_counter()
         try:
-            adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
-            adapter.load()
+            with self.progress.running(f"loading {name}", self.load_timeout_ms):
+                adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+                adapter.load()
         except Exception as exc:
             # Drop every reference to the half-loaded model (the traceback's frames
             # hold it too) so its memory is free before the next decision.
@@ -618,9 +626,13 @@ class WorkerCore:
                 error = WorkError("bad_request", f"undecodable work item: {exc}")
                 acks.append((c.item_id, _encode(Envelope(0.0, 0.0, self.served_by, error)), STATUS_ERROR))
         requests = [r for _, r in runnable]
+        tokens = [c.tokens for c, _ in runnable]
+        padded = padded_tokens(tokens)
         t0 = time.perf_counter()
         try:
-            results = run_split_on_oom(adapter.run_batch, requests, self.release_memory) if requests else []
+            # Leases are renewed only within the batch's bound (a hung forward loses them).
+            with self.progress.running(f"a batch of {len(requests)} on {lane.model}", stall_bound_ms(cost, padded)):
+                results = run_split_on_oom(adapter.run_batch, requests, self.release_memory) if requests else []
         except FleetError as exc:
             results = [WorkError(exc.code, exc.message)] * len(requests)
         except Exception as exc:  # a model failure answers this batch; the worker stays up
@@ -644,8 +656,6 @@ class WorkerCore:
             log.error("results of %d items on %s do not fit the queue: %s", len(acks), lane.model, exc.message)
             self._ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
         # 6. Learn from this batch: its padded size and measured time refine the cost model.
-        tokens = [c.tokens for c, _ in runnable]
-        padded = padded_tokens(tokens)
         if requests:
             cost.observe(padded, ms)
         resident.last_used = time.time()
