@@ -37,3 +37,20 @@ def test_default_models_from_config_toml_and_env(tmp_path, monkeypatch):
     assert load_settings(home=str(tmp_path)).default_models == {"embed": "bge-small", "rerank": "ms-marco"}
     monkeypatch.setenv("FLEET_DEFAULT_MODELS", "embed = minilm, classify=sst2")
     assert load_settings(home=str(tmp_path)).default_models == {"embed": "minilm", "classify": "sst2"}
+
+
+def test_the_stored_listing_is_read_again_after_a_pull_and_an_rm(tmp_path):
+    from daemon.controllers.common import stored_tasks
+    from fleet.pull import pull_model
+    from fleet.store import Store
+    from tests.conftest import default_model_dir
+
+    store = Store(tmp_path / "models")
+    assert stored_tasks(store) == []
+    pull_model(store, f"path:{default_model_dir()}", name="one")
+    assert stored_tasks(store) == [("one", "embed")]
+    assert stored_tasks(store) is stored_tasks(store)  # unchanged store: the cached listing
+    pull_model(store, f"path:{default_model_dir()}", name="two")
+    assert stored_tasks(store) == [("one", "embed"), ("two", "embed")]
+    store.remove("one")
+    assert stored_tasks(store) == [("two", "embed")]
