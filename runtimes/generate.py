@@ -562,8 +562,9 @@ class CausalLM(Adapter):
 
     def _prefill_group(self, pending: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(prefilled now, left for the next steps): the oldest admitted requests
-        whose padded prefill (items x longest prompt, tokens) fits
-        `max_batch_tokens`; always at least one, so every step makes progress."""
+        whose padded prefill (items x longest context, tokens) fits
+        `max_batch_tokens`, and no more than `prefill_cap` after a prefill ran
+        out of memory; always at least one, so every step makes progress."""
         budget, widest = self.spec.profile.max_batch_tokens, 0
         for n, s in enumerate(pending):
             widest = max(widest, len(s.prompt_ids) + len(s.ids))
@@ -576,7 +577,6 @@ class CausalLM(Adapter):
         greedy rows; for the others, temperature, then top-p (nucleus) over the
         sorted distribution, then one draw from the row's own generator (seeded
         requests repeat whatever batch they share); then the logprobs asked for."""
-        torch = self._torch
         constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
         if constrained:
             self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
