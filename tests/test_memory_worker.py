@@ -208,3 +208,71 @@ def test_a_lazy_load_goes_to_a_device_with_room_rather_than_evicting(queue, home
     assert a.step(0.1) == 1 and set(a.models) == {"tiny-y"}
     (done,) = results(queue, 1)
     assert done.status == STATUS_OK and done.request_id == 2
+
+
+# ---- scoped verdicts: two workers sharing one device budget ---------------------------------
+
+
+def codes(done: list) -> list[str]:
+    return [msgspec.msgpack.decode(_env.decode(d.result).body, type=WorkError).code if d.status else "ok"
+            for d in done]
+
+
+def depth(queue: LocalQueue, model: str) -> int:
+    return next((s.depth for s in queue.lane_stats() if s.model == model), 0)
+
+
+def room_for_one(home: Path) -> int:
+    """A budget with room for one tiny model and its worker's activations, not two."""
+    fp = estimate_footprint(home / "models" / "tiny-x", "sentence-transformers", dtype="float32")
+    return 2 * fp.activation_bytes + int(1.5 * fp.weights_bytes)
+
+
+def test_a_peers_idle_model_is_evicted_on_request_not_answered_model_too_large(queue, home):
+    a, b = core(queue, home, 601, room_for_one(home)), core(queue, home, 602, room_for_one(home))
+    put(queue, "tiny-x", 1)
+    assert a.step(0.1) == 1 and codes(results(queue, 1)) == ["ok"]
+    # tiny-x sits idle on a and holds the room b needs for tiny-y: b asks a (control lane)
+    # and its requests wait; they are not failed with model_too_large.
+    for rid in (2, 3):
+        put(queue, "tiny-y", rid)
+    assert b.step(0.05) == 0 and "tiny-y" not in b.models
+    assert queue.wait_results(0.1) == []
+    assert a.step(0.1) == 1 and "tiny-x" not in a.models  # the evict command (its reply goes to request id 0)
+    assert [d.request_id for d in results(queue, 1)] == [0]
+    served = sum(b.step(0.1) for _ in range(5))
+    assert served == 2 and "tiny-y" in b.models
+    assert sorted(codes(results(queue, 2))) == ["ok", "ok"]
+    assert a.evictions == {"tiny-x": {"lru": 1}}
+
+
+def test_a_peers_busy_model_makes_the_lane_wait_then_it_is_served(queue, home):
+    a, b = core(queue, home, 701, room_for_one(home)), core(queue, home, 702, room_for_one(home))
+    put(queue, "tiny-x", 1)
+    assert a.step(0.1) == 1 and codes(results(queue, 1)) == ["ok"]
+    put(queue, "tiny-x", 2)  # tiny-x has work waiting: it is not evicted for tiny-y
+    put(queue, "tiny-y", 3)
+    assert b.step(0.05) == 0 and queue.wait_results(0.1) == []
+    assert depth(queue, "tiny-x") == 1 and depth(queue, "tiny-y") == 1
+    # a serves its queue; then tiny-x is idle, b asks, a evicts, b loads and serves.
+    done = []
+    for _ in range(20):
+        a.step(0.05)
+        b.step(0.05)
+        done += queue.wait_results(0.01)
+        if {2, 3} <= {d.request_id for d in done}:
+            break
+    answers = [(d.request_id, c) for d, c in zip(done, codes(done)) if d.request_id]
+    assert sorted(answers) == [(2, "ok"), (3, "ok")] and "tiny-y" in b.models
+
+
+def test_a_model_too_large_for_the_device_still_fails_its_requests(queue, home):
+    fp = estimate_footprint(home / "models" / "tiny-x", "sentence-transformers", dtype="float32")
+    a = core(queue, home, 801, fp.total_bytes - 1)
+    core(queue, home, 802, fp.total_bytes - 1)  # a peer of the device, holding nothing
+    put(queue, "tiny-x", 1)
+    assert a.step(0.1) == 1
+    (done,) = results(queue, 1)
+    assert codes([done]) == ["model_too_large"]
+    assert "more than the whole cpu budget" in msgspec.msgpack.decode(_env.decode(done.result).body,
+                                                                        type=WorkError).message
