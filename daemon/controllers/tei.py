@@ -24,7 +24,7 @@ import numpy as np
 from litestar import Controller, Request, Response, get, post
 
 from fleet import __version__
-from fleet.errors import BadRequest, ModelNotFound
+from fleet.errors import BadRequest, ModelNotFound, Unsupported
 from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult
 from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
@@ -139,10 +139,10 @@ TASK_MODEL_TYPE = {"embed": "embedding", "rerank": "reranker", "classify": "clas
 
 def refuse_unsupported(prompt_name: str | None, truncation_direction: str | None) -> None:
     if prompt_name is not None:
-        raise BadRequest("prompt_name is not supported: put the prompt in front of the text")
+        raise Unsupported("prompt_name: put the prompt in front of the text", param="prompt_name")
     if truncation_direction not in (None, "right", "Right"):
-        raise BadRequest(f"truncation_direction {truncation_direction!r} is not supported: fleet truncates on "
-                         f"the right")
+        raise Unsupported(f"truncation_direction {truncation_direction!r}: fleet truncates on the right",
+                          param="truncation_direction")
 
 
 async def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
@@ -190,10 +190,12 @@ def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]
     if all(x.__class__ is str for x in inputs):
         if len(inputs) == 1:
             return inputs, False
-        raise BadRequest("`inputs` as a list of strings is a sentence pair in TEI; fleet's classifiers take one "
-                         "text: send a text, or a batch as [[text], [text], ...]")
-    if any(x.__class__ is not list or len(x) != 1 for x in inputs):
-        raise BadRequest("each item of a batch must be [text] (sentence pairs are not supported)")
+        raise Unsupported("`inputs` as a list of strings is a sentence pair in TEI; fleet's classifiers take one "
+                          "text: send a text, or a batch as [[text], [text], ...]", param="inputs")
+    if any(x.__class__ is not list for x in inputs):
+        raise BadRequest("`inputs` mixes texts and lists: send a text, or a batch as [[text], [text], ...]")
+    if any(len(x) != 1 for x in inputs):
+        raise Unsupported("each item of a batch must be [text] (sentence pairs are not supported)", param="inputs")
     return [x[0] for x in inputs], True
 
 
