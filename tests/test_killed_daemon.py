@@ -4,9 +4,11 @@ processes, real workers, real /dev/shm, kill -9 by PID, at the shipped settings)
 Scenario, in order (one home):
 1. Daemon A serves. A second `fleetctl serve` on the same home exits 1 at once with
    one line naming A's pid and URL, and starts nothing.
-2. `kill -9` of A's process: its worker and its multiprocessing resource tracker
-   exit by themselves within a second (measured and printed; asserted with room
-   for a loaded box). A's queue entries stay in /dev/shm (nothing ran to remove them).
+2. `kill -9` of A's process while clients keep its worker busy: every client's
+   request in flight is cut with the connection (nothing else: no hang); the worker
+   and the multiprocessing resource tracker exit by themselves within a second
+   (measured and printed; asserted with room for a loaded box). A's queue entries
+   stay in /dev/shm (nothing ran to remove them).
 3. Daemon B starts on the same home (the kernel dropped A's lock): at start it
    removes A's segment, lock and semaphores, and not those of a live owner.
 4. B stops on SIGTERM and removes its own entries.
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +38,8 @@ EXIT_TARGET_S = 1.0
 #: The assertion's bound: the target plus room for a loaded shared box (the measured
 #: time is printed; it is what the closing note reports).
 EXIT_BOUND_S = 5.0
+#: Clients keeping the worker busy when the daemon is killed.
+CLIENTS = 4
 
 
 def queue_entries(pid: int) -> set[str]:
@@ -77,6 +82,22 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def client_loop(url: str, stop: threading.Event, out: list[str]) -> None:
+    """Embed requests back to back until the daemon is gone: "200" per answer, then
+    "cut" once the connection fails (the process that held it died)."""
+    body = {"model": DEFAULT_MODEL, "inputs": [f"{i} the killed daemon's last batch" for i in range(16)]}
+    with httpx.Client(timeout=60) as client:
+        while True:
+            try:
+                r = client.post(url + "/v1/embed", json=body)
+            except httpx.TransportError:
+                out.append("cut")
+                return
+            out.append(str(r.status_code))
+            if stop.is_set() or r.status_code != 200:
+                return
+
+
 def test_killed_daemon_leaves_nothing_and_one_daemon_per_home(tmp_path):
     home = tmp_path / "home"
     a = start_daemon(home)
@@ -103,18 +124,33 @@ def test_killed_daemon_leaves_nothing_and_one_daemon_per_home(tmp_path):
         assert workers and set(workers) <= set(children), (workers, children)
         assert len(trackers) == 1, [cmdline(p) for p in children]
         assert len(queue_entries(a.proc.pid)) == 4
+        # Under load: the worker is mid-batch when its daemon dies.
+        stop = threading.Event()
+        outcomes: list[str] = []
+        clients = [threading.Thread(target=client_loop, args=(a.url, stop, outcomes)) for _ in range(CLIENTS)]
+        for t in clients:
+            t.start()
+        while outcomes.count("200") < CLIENTS and all(t.is_alive() for t in clients):
+            time.sleep(0.05)
         killed_at = time.monotonic()
         os.kill(a.proc.pid, signal.SIGKILL)
         a.proc.wait(timeout=10)
+        stop.set()
+        for t in clients:
+            t.join(timeout=60)
         exit_s: dict[int, float] = {}
         while len(exit_s) < len(children) and time.monotonic() - killed_at < 30:
             for pid in children:
                 if pid not in exit_s and gone(pid):
                     exit_s[pid] = time.monotonic() - killed_at
             time.sleep(0.01)
-        print(f"after kill -9 of the daemon: worker(s) {[round(exit_s.get(p, -1), 3) for p in workers]} s, "
+        counts = {k: outcomes.count(k) for k in sorted(set(outcomes))}
+        print(f"after kill -9 of the daemon under load: worker(s) {[round(exit_s.get(p, -1), 3) for p in workers]} s, "
               f"resource tracker {round(exit_s.get(trackers[0], -1), 3)} s (target {EXIT_TARGET_S} s); "
-              f"a second daemon on the home was refused in {refused_s:.2f} s")
+              f"client outcomes {counts}; a second daemon on the home was refused in {refused_s:.2f} s")
+        # Every client ended: answered, or cut off with the process (no hang, no other answer).
+        assert not any(t.is_alive() for t in clients)
+        assert set(outcomes) <= {"200", "cut"} and outcomes.count("cut") == CLIENTS, counts
         assert set(exit_s) == set(children), f"still running 30 s after the kill: {set(children) - set(exit_s)}"
         assert max(exit_s.values()) < EXIT_BOUND_S, exit_s
         # Nothing ran to remove A's queue: its entries are still there.
