@@ -2,12 +2,13 @@
 
 Box A and box B are real `fleetctl serve --nats` processes (own ports, FLEET_HOMEs,
 FLEET_BOX names, one CPU worker each, real all-MiniLM-L6-v2; B also stores a tiny
-generator A does not have) joined through a real `nats-server -js` on 127.0.0.1,
-at the shipped NATS settings (ack wait, heartbeat, fetch credit, timeouts). Requests
-go to A only; the scenarios check that both boxes serve them, that large bodies go
-through the object store, that pieces of a stream cross boxes, and that a NATS
-restart, a kill -9 of box B, a SIGTERM of box B and a NATS outage lose nothing.
-Run in file order: the later scenarios kill B and stop NATS.
+generator and a second embedder A does not have) joined through a real
+`nats-server -js` on 127.0.0.1, at the shipped NATS settings (ack wait, heartbeat,
+fetch credit, timeouts). Requests go to A only; the scenarios check that both boxes
+serve them, that large bodies and large replies go through the object store, that
+pieces of a stream cross boxes, that a reply survives its requester's blip, and
+that a NATS restart, a kill -9 of box B, a SIGTERM of box B and a NATS outage lose
+nothing. Run in file order: the later scenarios kill B and stop NATS.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon, wait_until_ready
+from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon, wait_until_ready
 from tests.gen_models import Reference, build_llama, pull
 from tests.nats_fixture import NatsServer, TcpCut, nats_server  # noqa: F401  (fixture)
 
@@ -35,6 +36,8 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 TEXTS = [f"request {i}: the quick brown fox number {i * 7} jumps over lazy dog {i}" for i in range(24)]
 GENERATOR = "tiny-llama"
+#: The default model's weights under another name, stored only on B.
+B_EMBEDDER = "minilm-b"
 #: Texts of 256 tokens in the slow request: it must take longer than the shipped ack wait (5 s) on one CPU thread.
 LONG_TEXTS = 160
 #: Three heartbeat periods at the shipped nats_heartbeat_ms (2 000): every box's entry is fresh.
@@ -60,6 +63,7 @@ def generator_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def boxes(nats_server: NatsServer, generator_folder: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
     root = tmp_path_factory.mktemp("boxes")
     pull(root / "b", generator_folder, GENERATOR)  # only B stores the generator
+    pull(root / "b", default_model_dir(), B_EMBEDDER)  # and this embedder
     # A reaches NATS through a forwarder, so its connection alone can be cut.
     cut = TcpCut(nats_server.port)
     cut.start()
@@ -223,6 +227,34 @@ def test_a_3_mb_request_goes_through_the_object_store(boxes: Boxes) -> None:
         time.sleep(0.2)
         _, live = asyncio.run(_object_store_state(boxes.nats.url))
     assert live == 0, "the payload object was not deleted after the answer"
+
+
+def test_a_reply_over_max_payload_comes_through_the_object_store(boxes: Boxes) -> None:
+    seq_before, _ = asyncio.run(_object_store_state(boxes.nats.url))
+    n = 720  # 720 x 384 float32: 1.05 MiB, over the server's max_payload (1 MiB)
+    texts = [TEXTS[i % len(TEXTS)] + f" copy {i}" for i in range(n)]
+    # The request's own timeout_ms is long: B loads this model first, and on a loaded
+    # 2-core box 720 texts may take more than the default 30 s; the reply path is the point.
+    r = httpx.post(boxes.a.url + "/v1/embed", content=msgspec.msgpack.encode(
+        {"model": B_EMBEDDER, "inputs": texts, "timeout_ms": 120_000}),
+        headers={"content-type": "application/msgpack"}, timeout=180)
+    assert r.status_code == 200, r.content[:300]
+    assert r.headers["x-served-by"].startswith("box-b/")  # A does not store it: the reply crossed NATS
+    body = msgspec.msgpack.decode(r.content)
+    vecs = np.frombuffer(body["embeddings"], dtype="<f4").reshape(body["shape"])
+    assert vecs.shape == (n, 384)
+    # The same weights on A, for a sample of the texts: the same vectors, in the same order.
+    sample = [0, n // 2, n - 1]
+    mine = httpx.post(boxes.a.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [texts[i] for i in sample]},
+                      timeout=60).json()["embeddings"]
+    assert np.allclose(vecs[sample], np.asarray(mine, dtype=np.float32), atol=1e-4)
+    seq_after, live = asyncio.run(_object_store_state(boxes.nats.url))
+    assert seq_after > seq_before, "the reply did not go through the object store"
+    deadline = time.monotonic() + 10
+    while live and time.monotonic() < deadline:  # the requester deletes the reply object once read
+        time.sleep(0.2)
+        _, live = asyncio.run(_object_store_state(boxes.nats.url))
+    assert live == 0, "the reply object was not deleted after the answer"
 
 
 def test_unknown_model_and_deadline_answer_without_hanging(boxes: Boxes) -> None:
