@@ -6,9 +6,10 @@
 Both schedulers drive the same simulated GPUs (`bench.sim.device`: bounded
 resident models, LRU-style eviction, swap cost, batch time a + b*tokens) with
 the same seeded open-loop trace at each offered load (`bench.sim.traffic`).
-Pull is the real `local_queue` with the real `runtimes.policy`
-(`bench.sim.pull`); push is an expected-completion router with model affinity
-and a stale view of worker load (`bench.sim.push`). The offered load is ramped
+Pull is the real `local_queue` served by real `runtimes.worker.WorkerCore`s
+whose models and device are simulated (`bench.sim.pull`); push is an
+expected-completion router with model affinity and a stale view of worker
+load (`bench.sim.push`). The offered load is ramped
 per side with `bench.knee.plan_next` (geometric, then bisection) and the knee is
 `bench.knee.find_knee`: the highest load whose throughput is within
 --keep-up of offered, with p95 under --slo-ms and under 1% errors. The two
@@ -30,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.knee import Criteria, Knee, Ramp, StepResult, find_knee, plan_next
-from bench.sim.pull import HOLDERS, PullSystem
+from bench.sim.pull import PullSystem
 from bench.sim.push import PushSystem
 from bench.sim.step import Recorder, StepOutcome, run_step
 from bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
@@ -64,9 +65,8 @@ class Config:
     min_rps: float = 10.0
     #: Keep each side's system from step to step instead of a fresh, warmed one per step.
     carry_state: bool = False
-    #: Schedulers to compare: pull (the committed policy), pull+holders (pull with the
-    #: proposed load rule, bench.sim.pull.should_load), push.
-    sides: tuple[str, ...] = ("pull", "pull+holders", "push")
+    #: Schedulers to compare: pull (the real WorkerCore), push.
+    sides: tuple[str, ...] = ("pull", "push")
 
     @classmethod
     def quick(cls, **over) -> Config:
@@ -122,8 +122,6 @@ class _Bench:
         cfg, models, rec = self.cfg, self.models, self.recorder
         if name == "pull":
             return PullSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale)
-        if name == "pull+holders":
-            return PullSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale, loading=HOLDERS)
         if name == "push":
             return PushSystem(models, cfg.workers, cfg.slots, rec, time_scale=cfg.time_scale,
                               refresh_ms=cfg.refresh_ms)
@@ -164,7 +162,7 @@ class _Bench:
             system.close()
 
 
-SIDES = ("pull", "pull+holders", "push")
+SIDES = ("pull", "push")
 
 
 def simulate(cfg: Config, console_err: Console | None = None) -> list[Side]:
@@ -356,7 +354,7 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     ):
         default = getattr(d, name.replace("-", "_"))
         p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {default})")
-    p.add_argument("--sides", default=None, help="comma-separated, from pull, pull+holders, push "
+    p.add_argument("--sides", default=None, help="comma-separated, from pull, push "
                                                  f"(default {','.join(d.sides)})")
     p.add_argument("--carry-state", action="store_true", default=None,
                    help="keep each side's system across steps (default: a fresh, warmed one per step)")

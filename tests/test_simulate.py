@@ -1,22 +1,20 @@
 """bench.simulate: the trace generator, the push router's rule, the device model,
-the pull load rule, and a real --quick run (real local_queue, real policy)."""
+pull's real WorkerCores on simulated devices, and a real --quick run."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 
 from bench.sim.device import SimDevice
-from bench.sim.pull import HOLDERS, PullSystem, should_load
+from bench.sim.pull import PullSystem
 from bench.sim.push import PushRouter, WorkerView, added_ms, assign_worker, load_penalty_ms
 from bench.sim.step import Recorder
 from bench.sim.traffic import SMALL, TrafficSpec, make_models, make_trace, zipf_weights
@@ -189,38 +187,29 @@ def test_device_keeps_exact_device_time():
     assert dev.stats.busy_ns == int(m.swap_ms * 1e6) + 5 * span
 
 
-@pytest.mark.parametrize("holders, backlog, expected", [
-    (0, 0.0, True),  # nobody holds it: someone must load it
-    (1, 50.0, False),  # the holder drains that faster than a load
-    (1, 150.0, True),  # more queued than a load takes: a second copy pays
-    (2, 150.0, False),  # ... unless two holders share it
-])
-def test_should_load(holders, backlog, expected):
-    assert should_load(holders, backlog, swap_ms=100.0) is expected
+def test_pull_runs_the_real_worker_core_on_simulated_devices():
+    from bench.sim.pull import SimWorkerCore
+    from runtimes.worker import WorkerCore
 
-
-def test_holder_rule_on_a_real_queue_skips_a_model_held_elsewhere():
-    models = make_models(3)  # 0: small (swap 50 ms), 1: base
-    system = PullSystem(models, 1, 3, Recorder(), loading=HOLDERS)  # threads not started
-    q = system.queue
+    models = make_models(3)
+    rec = Recorder()
+    rec.begin(1, 40)
+    system = PullSystem(models, 2, 1, rec)
     try:
-        other = q.register_worker(os.getpid(), "sim-gpu-other")
-        q.set_worker_info(other, msgspec.msgpack.encode({"models": {models[0].name: {}}, "loading": ""}))
-        me = q.register_worker(os.getpid(), "sim-gpu-me")
-        q.put(system.lanes[0], b"x", tokens=100, request_id=1)  # the oldest, but held by `other`
-        q.put(system.lanes[1], b"x", tokens=100, request_id=2)
-        lane = system._choose_without_needless_load(q.lane_stats(), set(), me, time.monotonic_ns())
-        assert lane.model == models[1].name
-        # 100k tokens queued for model 0: ~102 ms of work for its one holder, more than a
-        # 50 ms load, so a second copy pays and the oldest lane is eligible again.
-        q.put_many(system.lanes[0], [b"x"] * 50, tokens=[2000] * 50, request_ids=list(range(10, 60)))
-        lane = system._choose_without_needless_load(q.lane_stats(), set(), me, time.monotonic_ns())
-        assert lane.model == models[0].name
-        # A worker that holds the model serves it whatever the others hold.
-        q.put(system.lanes[2], b"x", tokens=10, request_id=99)
-        lane = system._choose_without_needless_load(q.lane_stats(), {models[2].name, models[0].name}, me,
-                                                    time.monotonic_ns())
-        assert lane.model == models[0].name  # held here and oldest
+        assert all(isinstance(c, SimWorkerCore) and isinstance(c, WorkerCore) for c in system.cores)
+        system.start()
+        payload = memoryview(b"x" * 400)
+        for rid in range(1, 41):
+            assert system.submit(rid, models[rid % 3], 100, payload)
+        end = time.monotonic() + 10
+        while rec.finished() < 40 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert rec.finished() == 40
+        # One slot per device, three models: the real core evicted to load them, and
+        # the devices hold what the cores say they hold.
+        for core, dev in zip(system.cores, system.devices):
+            assert {models[i].name for i in dev.resident} == set(core.models)
+        assert sum(dev.stats.swaps for dev in system.devices) >= 3
     finally:
         system.close()
 
@@ -239,11 +228,11 @@ def test_quick_run_reports_knees_and_answers_every_request(tmp_path):
     assert doc["kind"] == "simulate" and doc["command"][:3] == ["python", "-m", "bench.simulate"]
     assert doc["machine"]["cpus_logical"] >= 1 and "numpy" in doc["versions"]
     summary = doc["summary"]
-    for name in ("pull+holders", "push"):
+    for name in ("pull", "push"):
         knee = summary[name]["knee"]
         assert knee is not None, f"{name}: no knee"
         assert knee["throughput_rps"] >= 0.95 * knee["offered"] and knee["p95_ms"] <= doc["config"]["slo_ms"]
-    assert "pull+holders/push" in summary["ratios"]
+    assert "pull/push" in summary["ratios"]
     for name, side in doc["sides"].items():
         assert side["steps"], f"{name} ran no step"
         for step in side["steps"]:
@@ -251,4 +240,4 @@ def test_quick_run_reports_knees_and_answers_every_request(tmp_path):
             # Every request ended once: finished, rejected or dropped at the end of its step.
             assert r["ok"] + r["errors"] == r["sent"] == round(r["offered"] * doc["config"]["duration_s"])
             assert r["errors"] == step["rejected"] + step["dropped"]
-    assert "knee" in proc.stdout and "pull+holders/push" in proc.stdout
+    assert "knee" in proc.stdout and "pull/push" in proc.stdout

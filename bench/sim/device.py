@@ -1,10 +1,11 @@
 """A simulated GPU: which models it holds, what a swap and a batch cost.
 
-Which model to evict, and whether to load at all, is decided by the real
-`runtimes.memory.plan_load` (one slot = one model's footprint): evict the
-models with no waiting requests first, least recently used with the reload
-cost credited as recency; WAIT rather than evict a model busier than the one
-coming in.
+Pull's workers (real `WorkerCore`s) decide what to load and evict themselves
+and tell the device (`load`, `evict`). The push router's workers use `ensure`,
+decided by the real `runtimes.memory.plan_load` (one slot = one model's
+footprint): evict the models with no waiting requests first, least recently
+used with the reload cost credited as recency; WAIT rather than evict a model
+busier than the one coming in.
 
 Device time is spent by sleeping (`time.sleep` releases the CPU, so eight
 simulated GPUs run side by side on two cores). The device keeps its own
@@ -95,6 +96,10 @@ class SimDevice:
         self.resident[model.index] = None
         self.reload_s[model.index] = model.swap_ms / 1e3
         self._touch(model.index)
+
+    def evict(self, model: int) -> None:
+        """Take model index `model` off the device (its worker decided to)."""
+        del self.resident[model]
 
     def ensure(self, model: SimModel, waiting: Mapping[int, int]) -> bool:
         """Make `model` resident, whatever it takes (a worker that must run its head
