@@ -274,8 +274,11 @@ class WorkerCore:
                 continue
             self.asked[(wid, model)] = now
             log.info("asking worker %d of %s to evict idle %s", wid, self.device, model)
-            self.queue.put(self.queue.lane_id(control_lane(wid)), _encode(Command(EVICT, model)), tokens=1,
-                           request_id=0)
+            try:
+                self.queue.put(self.queue.lane_id(control_lane(wid)), _encode(Command(EVICT, model)), tokens=1,
+                               request_id=0)
+            except QueueFull as exc:  # asked again on a later attempt; the lane waits meanwhile
+                log.warning("cannot ask worker %d to evict %s: %s", wid, model, exc.message)
 
     def unload(self, name: str, reason: str = "unload") -> bool:
         """Take `name` off this worker; `reason` (lru: room for another, unload: asked)
