@@ -39,6 +39,27 @@ from typing import Any
 
 log = logging.getLogger("fleet.worker")
 
+_LIBC: Any = None
+
+
+def return_freed_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc `malloc_trim`). Freed
+    batch buffers (tokenizer output, activations under glibc's raised mmap threshold)
+    otherwise stay in the worker's RSS as free heap, and it climbs with every new
+    batch shape. A no-op where the C library has no malloc_trim."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
 #: safetensors dtype tag -> bytes per element.
 DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,

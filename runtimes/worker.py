@@ -31,7 +31,7 @@ from runtimes.base import Adapter, ModelSpec
 from runtimes.continuous import abort_in_flight, busy_continuous, serve_continuous
 from runtimes.memory import (
     IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
-    estimate_footprint, is_out_of_memory, load_error, run_split_on_oom, used_bytes,
+    estimate_footprint, is_out_of_memory, load_error, return_freed_heap, run_split_on_oom, used_bytes,
 )
 from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from runtimes.placement import LOAD as PLACE_LOAD
@@ -41,6 +41,9 @@ from runtimes.policy import (
 )
 from runtimes.registry import adapter_class
 from runtimes.state import BATCH_RING, BatchStats, NotNowMemo, Progress, Resident
+
+#: Heap trims (trim_if_due) at most this often: one costs a few ms on a large heap.
+TRIM_EVERY_NS = 1_000_000_000
 
 log = logging.getLogger("fleet.worker")
 
@@ -94,6 +97,10 @@ class WorkerCore:
     #: The batch or load running now and its bound, for the heartbeat thread (runtimes.process).
     progress: Progress = field(default_factory=Progress)
     clock_ns: Callable[[], int] = time.monotonic_ns
+    #: Returns freed heap to the system; run when the queue is empty after batches,
+    #: at most every TRIM_EVERY_NS (issue 16: worker RSS kept climbing under mixed load).
+    trim_heap: Callable[[], None] = return_freed_heap
+    trimmed_at: tuple[int, int] = (0, 0)  # (batch_seq, clock_ns) of the last trim
     models: dict[str, Resident] = field(default_factory=dict)
     last_batch: BatchStats = field(default_factory=BatchStats)
     #: Fitted batch cost per model on this device (kept across unloads: same model, same device).
@@ -407,7 +414,16 @@ class WorkerCore:
         elif waiting:
             time.sleep(min(timeout_s, IDLE_NAP_S))
         else:
+            self.trim_if_due()
             self.queue.wait_for_work(timeout_s)
+
+    def trim_if_due(self) -> None:
+        """Nothing waits: return the heap freed by the batches run since the last trim."""
+        seq, at = self.trimmed_at
+        now = self.clock_ns()
+        if self.batch_seq != seq and now - at >= TRIM_EVERY_NS:
+            self.trim_heap()
+            self.trimmed_at = (self.batch_seq, now)
 
     def serve_control(self, stats: list) -> int:
         """Handle the commands queued in this worker's control lane (protocol:
