@@ -83,7 +83,7 @@ def resident(url: str) -> dict[str, dict]:
 
 
 def card(url: str, name: str) -> tuple[bool, bool]:
-    """(loaded, pinned) of `name` in `/v1/models` (false flags are left out of the reply)."""
+    """(loaded, pinned) of `name` in `/v1/models`."""
     c = next(c for c in get(url, "/v1/models").json()["data"] if c["id"] == name)
     return c.get("loaded", False), c.get("pinned", False)
 
