@@ -240,7 +240,6 @@ BAD = [
     ("POST", "/api/embed", {"model": EMBEDDER, "input": [1, 2]}, 400),
     ("POST", "/api/embed", {"model": EMBEDDER, "input": "x", "dimensions": 0}, 400),
     ("POST", "/api/embed", {"model": LLM, "input": "x"}, 400),
-    ("POST", "/api/embed", {"model": EMBEDDER, "input": "x", "keep_alive": 0}, 400),  # preloaded: stays
     ("POST", "/api/embeddings", {"model": "missing", "prompt": "x"}, 404),
     ("DELETE", "/api/delete", {"model": EMBEDDER}, 400),
     ("POST", "/api/show", {"model": "missing"}, 404),
@@ -273,3 +272,43 @@ def test_the_client_raises_response_error_with_the_message(client: ollama.Client
         list(client.generate(model=LLM, prompt="hi", stream=True, options={"num_predict": 100000}))
     assert err.value.status_code == 400 and "max_tokens" in err.value.error
     assert client.embed(model=EMBEDDER, input="still serving").embeddings
+
+
+def test_format_json_and_schema_constrain_the_output(client: ollama.Client) -> None:
+    """`format` runs on the same grammar engine as OpenAI's response_format: with
+    random weights, only the constraint can make the text valid JSON."""
+    whole = client.generate(model=LLM, prompt="hello", raw=True, format="json",
+                            options={"temperature": 0, "num_predict": 48})
+    if whole.done_reason == "stop":
+        assert isinstance(json.loads(whole.response), dict)
+    else:
+        assert whole.response.lstrip().startswith("{")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = client.chat(model=LLM, messages=[{"role": "user", "content": "ok?"}], format=schema,
+                         options={"temperature": 0, "num_predict": 48})
+    assert answer.done_reason == "stop"
+    assert isinstance(json.loads(answer.message.content)["ok"], bool)
+    streamed = "".join(p.message.content for p in client.chat(
+        model=LLM, messages=[{"role": "user", "content": "ok?"}], format=schema, stream=True,
+        options={"temperature": 0, "num_predict": 48}))
+    assert streamed == answer.message.content
+
+
+def test_logprobs_streamed_and_whole(client: ollama.Client) -> None:
+    options = {"temperature": 0, "num_predict": 8}
+    whole = client.generate(model=LLM, prompt="hello world", raw=True, logprobs=True, top_logprobs=2,
+                            options=options)
+    assert len(whole.logprobs) == whole.eval_count
+    for lp in whole.logprobs:
+        assert len(lp.top_logprobs) == 2 and lp.logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert lp.top_logprobs[0].token == lp.token and lp.top_logprobs[0].logprob == pytest.approx(lp.logprob)
+    parts = list(client.chat(model=LLM, messages=[{"role": "user", "content": "hello world"}], logprobs=True,
+                             options=options, stream=True))
+    chat = client.chat(model=LLM, messages=[{"role": "user", "content": "hello world"}], logprobs=True,
+                       options=options)
+    streamed = [lp for p in parts for lp in (p.logprobs or ())]
+    assert [(lp.token, round(lp.logprob, 5)) for lp in streamed] == \
+        [(lp.token, round(lp.logprob, 5)) for lp in chat.logprobs]
+    assert "".join(lp.token for lp in chat.logprobs) == chat.message.content

@@ -15,7 +15,8 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
   the legacy `/api/embeddings` not, as in Ollama).
 * `keep_alive` maps onto the admin path (controllers.admin, fleet.control):
   negative = pin (load now, never evicted, persisted), 0 = unload once answered
-  (a pin is released first), any other duration = fleet's LRU eviction (no timer).
+  (a pin, or a preload, is released first: as `DELETE /v1/models/{name}/pin`
+  does), any other duration = fleet's LRU eviction (no timer).
   A request with no prompt / messages / input only applies it (Ollama's
   load/unload idiom).
 * `/api/pull` pulls catalog or stored names only (never a source given by the
@@ -49,8 +50,7 @@ from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded
 from fleet.messages import EmbedResult
-from fleet.pins import PinStore
-from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest
+from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest, TokenLogprob
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
 
@@ -58,13 +58,13 @@ from daemon import codec
 from daemon.broker import Answer
 from daemon.controllers.admin import choose_worker, holders, send
 from daemon.controllers.embed import run_embed, shorten
-from daemon.controllers.generate import TextStream
+from daemon.controllers.generate import TextStream, check_generate, token_logprobs
 from daemon.controllers.ollama_facts import capabilities, details, facts
 from daemon.controllers.ollama_wire import (
     API_VERSION, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody, EmbeddingsReply, EmbedReply,
     ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, PsReply, ReplyMessage, RunningModel, ShowReply, Stats,
-    TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, ollama_name, output_format, read_options,
-    refuse_unsupported, sampling, store_name,
+    TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields, ollama_name, output_format,
+    read_options, refuse_unsupported, sampling, store_name,
 )
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.core import Daemon
@@ -132,22 +132,16 @@ def ignored_header(ignored: list[str]) -> dict[str, str]:
 
 # ---- keep_alive on the admin path --------------------------------------------------------
 
-def check_unloadable(daemon: Daemon, name: str) -> None:
-    """keep_alive 0 is refused up front, before any work, for a model the config preloads."""
-    if name in daemon.settings.preload:
-        raise BadRequest(f"{name} is preloaded by this daemon's config (preload): keep_alive 0 cannot unload it")
-
-
 async def pin(daemon: Daemon, name: str) -> None:
     if name in daemon.pinned_models() and name in daemon.loaded_models():
         return
     result = await send(daemon, choose_worker(daemon.workers(), name, None), PIN, name)
-    PinStore(daemon.settings.home_path).add(name, result["device"])
+    daemon.record_pin(name, result["device"])
 
 
 async def unload(daemon: Daemon, name: str) -> None:
-    """Release a pin (persisted and on the workers), then unload every copy."""
-    PinStore(daemon.settings.home_path).remove(name)
+    """Release a pin (persisted, preloaded, and on the workers), then unload every copy."""
+    daemon.record_unpin(name)
     for worker in holders(daemon, name):
         await send(daemon, worker, UNPIN, name)
         await send(daemon, worker, UNLOAD, name)
@@ -156,8 +150,6 @@ async def unload(daemon: Daemon, name: str) -> None:
 async def keep_before(daemon: Daemon, name: str, keep: Keep) -> None:
     if keep is Keep.PIN:
         await pin(daemon, name)
-    elif keep is Keep.UNLOAD:
-        check_unloadable(daemon, name)
 
 
 async def keep_after(daemon: Daemon, name: str, keep: Keep) -> None:
@@ -174,7 +166,6 @@ async def keep_after(daemon: Daemon, name: str, keep: Keep) -> None:
 async def apply_keep(daemon: Daemon, name: str, keep: Keep) -> str:
     """A request with nothing to run: load, pin or unload; its `done_reason`."""
     if keep is Keep.UNLOAD:
-        check_unloadable(daemon, name)
         await unload(daemon, name)
         return "unload"
     if keep is Keep.PIN:
@@ -219,30 +210,31 @@ Frame = Callable[..., Any]
 async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, stream: bool, frame: Frame,
                    headers: dict[str, str]) -> Response | Stream:
     """Queue one generation and answer it as NDJSON lines or one object.
-    `frame(text, done, done_reason=None, stats=None)` builds a reply object."""
+    `frame(text, done, done_reason=None, stats=None, logprobs=None)` builds a reply object."""
     clock = Clock(daemon, name)
+    check_generate(req)  # bad input changes nothing: checked before keep_alive pins anything
     payload = codec.encode_msgpack(req)
     await keep_before(daemon, name, keep)
     text = TextStream(daemon, req, payload)
     await text.started()  # an error before any text raises here: the client gets its status
     clock.first = time.perf_counter_ns()
 
-    def last(whole: str) -> Any:
+    def last(whole: str, logprobs: list[TokenLogprob] | None = None) -> Any:
         res = text.result
         return frame(whole, True, res.finish_reason,
-                     clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens))
+                     clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs)
 
     if not stream:
         async for _ in text.deltas():
             pass
-        done = last(text.result.text)
+        done = last(text.result.text, token_logprobs(text.result.logprobs))
         await keep_after(daemon, name, keep)
         return json_reply(done, headers)
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for piece in text.deltas():
-                yield line(frame(piece, False))
+            async for piece, logprobs in text.deltas():
+                yield line(frame(piece, False, logprobs=token_logprobs(logprobs)))
             yield line(last(""))
         except FleetError as exc:
             yield line(ErrorLine(exc.message))
@@ -256,8 +248,9 @@ class GenerateFrame:
     def __init__(self, label: str) -> None:
         self.label = label
 
-    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None) -> Any:
-        return GenerateLine(self.label, created_at(), text, done, done_reason,
+    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
+                 logprobs: list[TokenLogprob] | None = None) -> Any:
+        return GenerateLine(self.label, created_at(), text, done, done_reason, logprobs=logprobs,
                             **(msgspec.structs.asdict(stats) if stats else {}))
 
 
@@ -265,9 +258,10 @@ class ChatFrame:
     def __init__(self, label: str) -> None:
         self.label = label
 
-    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None) -> Any:
+    def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
+                 logprobs: list[TokenLogprob] | None = None) -> Any:
         return ChatLine(self.label, created_at(), ReplyMessage("assistant", text), done, done_reason,
-                        **(msgspec.structs.asdict(stats) if stats else {}))
+                        logprobs=logprobs, **(msgspec.structs.asdict(stats) if stats else {}))
 
 
 def prompt_request(daemon: Daemon, name: str, body: GenerateBody, **kwargs: Any) -> GenerateRequest:
@@ -378,15 +372,15 @@ class OllamaController(Controller):
         body: GenerateBody = await decode(request, GenerateBody)
         name = serving(daemon, body.model, "generate")
         refuse_unsupported(body.model, {"images": body.images, "think": body.think, "suffix": body.suffix,
-                                        "template": body.template, "context": body.context,
-                                        "logprobs": body.logprobs})
+                                        "template": body.template, "context": body.context})
         keep = choose_keep(body.keep_alive)
         opts, ignored = read_options(body.options)
         frame = GenerateFrame(body.model)
         if not body.prompt:
             reason = await apply_keep(daemon, name, keep)
             return json_reply(frame("", True, reason))
-        req = prompt_request(daemon, name, body, stream=True, format=output_format(body.format), **sampling(opts))
+        req = prompt_request(daemon, name, body, stream=True, format=output_format(body.format),
+                             **logprob_fields(body.logprobs, body.top_logprobs), **sampling(opts))
         return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
 
     @post("/chat", status_code=200)
@@ -394,7 +388,7 @@ class OllamaController(Controller):
         body: ChatBody = await decode(request, ChatBody)
         name = serving(daemon, body.model, "generate")
         messages = body.messages or []
-        refuse_unsupported(body.model, {"tools": body.tools, "think": body.think, "logprobs": body.logprobs,
+        refuse_unsupported(body.model, {"tools": body.tools, "think": body.think,
                                         "images": any(m.images for m in messages)})
         if any(m.tool_calls for m in messages):
             raise BadRequest(f"{body.model!r} does not support tools (a message carries tool_calls)")
@@ -405,7 +399,8 @@ class OllamaController(Controller):
             reason = await apply_keep(daemon, name, keep)
             return json_reply(frame("", True, reason))
         req = GenerateRequest(model=name, messages=[ChatMessage(m.role, m.content) for m in messages], stream=True,
-                              format=output_format(body.format), **sampling(opts))
+                              format=output_format(body.format), **logprob_fields(body.logprobs, body.top_logprobs),
+                              **sampling(opts))
         return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
 
     @post("/embed", status_code=200)
@@ -454,10 +449,10 @@ class OllamaController(Controller):
             pull_model(daemon.store, name, catalog=catalog, progress=LineProgress(name, loop, progress))
             loop.call_soon_threadsafe(progress.put_nowait, ProgressLine("verifying sha256 digest"))
             daemon.store.verify(name)
+            daemon.forget(name)  # the next request reads the new manifest
 
         if not body.stream:
             await asyncio.to_thread(work)
-            daemon.forget(name)
             return json_reply(ProgressLine("success"))
 
         async def lines() -> AsyncIterator[bytes]:
@@ -475,7 +470,10 @@ class OllamaController(Controller):
             except FleetError as exc:
                 yield line(ErrorLine(exc.message))
                 return
-            daemon.forget(name)
+            except Exception as exc:  # the status line is sent: the error can only be the last line
+                log.exception("pulling %s failed", name)
+                yield line(ErrorLine(f"internal error: {type(exc).__name__}"))
+                return
             yield line(ProgressLine("success"))
 
         return Stream(lines(), media_type=NDJSON)
@@ -487,7 +485,9 @@ class OllamaController(Controller):
         dependents = daemon.store.dependents(name)
         if dependents:
             raise BadRequest(f"{name} is the base model of {', '.join(dependents)}: delete those first")
-        check_unloadable(daemon, name)
+        if name in daemon.settings.preload:
+            raise BadRequest(f"{name} is preloaded by this daemon's config (preload): take it out of preload "
+                             "before deleting it")
         await unload(daemon, name)
         await asyncio.to_thread(daemon.store.remove, name)
         daemon.forget(name)

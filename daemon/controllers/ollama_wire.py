@@ -21,6 +21,7 @@ import msgspec
 
 from fleet.catalog import validate_name
 from fleet.errors import BadRequest, ModelNotFound
+from fleet.protocol import TokenLogprob
 
 #: Ollama's sampling defaults (api/types.go `DefaultOptions`): a client that sends
 #: no options gets what it would get from Ollama.
@@ -155,6 +156,8 @@ class GenerateLine(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None
+    #: Per token, with `logprobs` (Ollama's shape: token, logprob, bytes, top_logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ChatLine(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -169,6 +172,8 @@ class ChatLine(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None
+    #: Per token, with `logprobs` (Ollama's shape: token, logprob, bytes, top_logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EmbedReply(msgspec.Struct, frozen=True):
@@ -357,6 +362,13 @@ def output_format(value: str | dict | None) -> str | dict | None:
     raise BadRequest(f"invalid format {value!r}: use \"json\" or a JSON Schema object")
 
 
+def logprob_fields(logprobs: bool | None, top_logprobs: int | None) -> dict[str, Any]:
+    """GenerateRequest's logprobs fields; Ollama reads `top_logprobs` only with `logprobs`."""
+    if not logprobs:
+        return {}
+    return {"logprobs": True, "top_logprobs": top_logprobs or 0}
+
+
 def refuse_unsupported(model: str, fields: dict[str, Any]) -> None:
     """400 naming the first field fleet's generators cannot honour (Ollama says
     the same for a model without that capability)."""
@@ -367,7 +379,6 @@ def refuse_unsupported(model: str, fields: dict[str, Any]) -> None:
         ("suffix", "does not support insert (suffix)"),
         ("template", "does not take a custom template: fleet renders the model's own chat template"),
         ("context", "does not take a context: send the conversation as /api/chat messages"),
-        ("logprobs", "does not return logprobs on /api/* routes"),
     ):
         if fields.get(field):
             raise BadRequest(f"{model!r} {why}")
