@@ -50,6 +50,7 @@ class Grammars:
         # As many mask threads as torch may use here (FLEET_CPU_THREADS), not 80 % of the box.
         self.executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._bytes: dict[int, bytes] = {}  # token id -> its bytes, filled as tokens are seen
 
     def matcher(self, fmt: str | dict) -> Any:
         """A fresh matcher for `format`; BadRequest when the schema is not one llguidance
@@ -77,10 +78,21 @@ class Grammars:
                                               self.words * 4, n)
         # `vocab_size` is the width of the model's logits (ids past the tokenizer's are never allowed).
         allowed = ((bitmask[:, :, None] >> self._bits) & 1).view(n, -1)[:, :self.vocab_size].bool()
+        blocked = ~allowed.to(logits.device)
+        if n == logits.shape[0]:  # every row constrained (`rows` ascending): in place, no gather
+            logits.masked_fill_(blocked, float("-inf"))
+            return
         idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+        logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
-        """Each token's exact bytes (a byte-level token may hold part of a character)."""
-        decode = self.tokenizer.decode_bytes
-        return [decode([i]) for i in ids]
+        """Each token's exact bytes (a byte-level token may hold part of a character);
+        kept per id, so the top tokens of every step cost a dict lookup."""
+        known, decode = self._bytes, self.tokenizer.decode_bytes
+        out = []
+        for i in ids:
+            b = known.get(i)
+            if b is None:
+                b = known[i] = decode([i])
+            out.append(b)
+        return out
