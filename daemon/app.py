@@ -17,6 +17,7 @@ from fleet.errors import FleetError
 from daemon.controllers.admin import AdminController
 from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cluster import ClusterController
+from daemon.controllers.docs import DocsController
 from daemon.controllers.embed import EmbedController
 from daemon.controllers.extract import ExtractController
 from daemon.controllers.generate import GenerateController
@@ -86,7 +87,7 @@ def create_app(daemon: Daemon) -> Litestar:
     return Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
-                        TeiController, OllamaController],
+                        TeiController, OllamaController, DocsController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -80,7 +80,13 @@ def encode(obj: Any, *, msgpack: bool) -> bytes:
 
 
 def encode_msgpack(obj: Any) -> bytes:
-    return _mp_encoder.encode(obj)
+    """MessagePack bytes of `obj` (a JSON request re-encoded for the queue, mostly). JSON
+    numbers have no size limit but MessagePack integers stop at 64 bits: a client's
+    out-of-range integer is its error, not a server fault."""
+    try:
+        return _mp_encoder.encode(obj)
+    except OverflowError:
+        raise BadRequest("a number is out of range: integers must fit in 64 bits") from None
 
 
 def error_body(exc: FleetError, *, msgpack: bool) -> bytes:

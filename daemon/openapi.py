@@ -1,0 +1,282 @@
+"""The OpenAPI 3.1 document of every route, and the offline docs page.
+
+Handlers take the raw request and decode it with msgspec themselves (bodies
+are MessagePack or JSON, replies follow `Accept`), so Litestar cannot infer
+their shapes. `OPERATIONS` says, once per route, which Struct (or JSON Schema)
+a request and its reply have; `build_document` walks the app's real routes and
+fills the document from that table and from msgspec's schemas of the Structs.
+A route missing from the table is still listed, without shapes, and
+tests/test_openapi.py fails on it.
+
+`/docs` is Swagger UI served from the `swagger-ui-py` package's files (no CDN: it
+works offline); without that package the page says so and links the JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fleet import __version__
+from fleet.catalog import NAME_RE
+from fleet.protocol import (
+    ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest, ClassifyReply, ClassifyRequest,
+    CohereRerankReply, CompletionReply, CompletionRequest, EmbedReplyJson, EmbedRequestJson, EmbedSparseReply,
+    EmbedTokensReplyJson, ErrorReply, ExtractReply, ExtractRequest, GenerateChunkReply, GenerateReply,
+    GenerateRequest, ModelCard, ModelList, OpenAIEmbeddingsReply, OpenAIEmbeddingsRequest, OpenAIErrorReply,
+    RerankReply, RerankRequest,
+)
+
+from daemon.controllers import ollama_wire as ow
+from daemon.controllers import tei
+from daemon.controllers.admin import AdminOptions
+
+JSON, MSGPACK, SSE, NDJSON, TEXT = (
+    "application/json", "application/msgpack", "text/event-stream", "application/x-ndjson", "text/plain")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One route's document: what it is for, its body and its reply (a Struct type or
+    a JSON Schema dict), and the media types they travel in."""
+
+    summary: str
+    tag: str
+    request: Any = None
+    reply: Any = None
+    #: Media types of the body (JSON and MessagePack on native and compatible routes).
+    accepts: tuple[str, ...] = (JSON, MSGPACK)
+    #: Media types of the 200 reply; a stream's pieces are described by `stream`.
+    returns: tuple[str, ...] = (JSON, MSGPACK)
+    #: With `stream: true`: (media type, schema of one piece).
+    stream: tuple[str, Any] | None = None
+    body_required: bool = True
+    errors: Any = ErrorReply
+
+
+def _array(items: Any) -> dict:
+    return {"type": "array", "items": items}
+
+
+def _object(description: str, **properties: Any) -> dict:
+    return {"type": "object", "description": description, "properties": properties}
+
+
+_NUMBER, _STRING, _INT, _BOOL = {"type": "number"}, {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+_ADMIN_REPLY = _object("What each worker that acted answered.", model=_STRING, op=_STRING,
+                       results=_array({"type": "object"}), was_pinned=_BOOL)
+_ADMIN = dict(tag="admin", request=AdminOptions, reply=_ADMIN_REPLY, body_required=False)
+_OLLAMA = dict(tag="ollama", errors=ow.ErrorLine, returns=(JSON,))
+
+OPERATIONS: dict[tuple[str, str], Op] = {
+    # -- native -----------------------------------------------------------------------------
+    ("POST", "/v1/embed"): Op(
+        "Embed texts or images: dense vectors, per-token vectors or sparse vectors.", "native",
+        EmbedRequestJson, {"oneOf": [EmbedReplyJson, EmbedTokensReplyJson, EmbedSparseReply]}),
+    ("POST", "/v1/rerank"): Op("Score documents against a query, best first (Cohere v1 / Jina shape).",
+                               "native", RerankRequest, RerankReply),
+    ("POST", "/v1/classify"): Op("Label texts with a sequence classifier.", "native", ClassifyRequest,
+                                 ClassifyReply),
+    ("POST", "/v1/extract"): Op("Named entities (token classification or zero-shot labels).", "native",
+                                ExtractRequest, ExtractReply),
+    ("POST", "/v1/generate"): Op("Generate text (continuous batching); `stream: true` answers server-sent events.",
+                                 "native", GenerateRequest, GenerateReply, stream=(SSE, GenerateChunkReply)),
+    ("GET", "/v1/ps"): Op("Workers, resident models, devices and lanes of this daemon.", "admin", None,
+                          _object("The daemon's state (see `fleetctl ps --json`).", box=_STRING, status=_STRING,
+                                  uptime_s=_NUMBER, queue={"type": "object"}, workers=_array({"type": "object"}),
+                                  slots=_array({"type": "object"}), lanes=_array({"type": "object"}))),
+    ("POST", "/v1/models/{name}/pin"): Op("Load the model and keep it resident, also after a restart.", **_ADMIN),
+    ("DELETE", "/v1/models/{name}/pin"): Op("Let the model be evicted again when room is needed.", **_ADMIN),
+    ("POST", "/v1/models/{name}/load"): Op("Load the model now (it may be evicted later).", **_ADMIN),
+    ("POST", "/v1/models/{name}/unload"): Op("Unload the model from every worker now.", **_ADMIN),
+    ("GET", "/v1/cluster"): Op("Every box of the NATS cluster, its models and its load (with --nats).", "admin",
+                               None, _object("Live heartbeat entries of the cluster's boxes.",
+                                             boxes=_array({"type": "object"}))),
+    ("GET", "/healthz"): Op("The process answers.", "health", None, _object("Liveness.", status=_STRING)),
+    ("GET", "/readyz"): Op("Every pinned model is resident (503 with the reason otherwise).", "health", None,
+                           _object("Readiness.", ready=_BOOL, status=_STRING)),
+    ("GET", "/metrics"): Op("Prometheus metrics.", "health", None, _STRING, returns=(TEXT,)),
+    # -- OpenAI ------------------------------------------------------------------------------
+    ("POST", "/v1/embeddings"): Op("OpenAI embeddings: `input` as text(s) or token ids.", "openai",
+                                   OpenAIEmbeddingsRequest, OpenAIEmbeddingsReply, errors=OpenAIErrorReply),
+    ("POST", "/v1/completions"): Op("OpenAI completions.", "openai", CompletionRequest, CompletionReply,
+                                    stream=(SSE, CompletionReply), errors=OpenAIErrorReply),
+    ("POST", "/v1/chat/completions"): Op("OpenAI chat completions.", "openai", ChatCompletionRequest,
+                                         ChatCompletionReply, stream=(SSE, ChatCompletionChunk),
+                                         errors=OpenAIErrorReply),
+    ("GET", "/v1/models"): Op("Stored models (OpenAI model objects).", "openai", None, ModelList,
+                              errors=OpenAIErrorReply),
+    ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object).", "openai", None, ModelCard,
+                                         errors=OpenAIErrorReply),
+    # -- Cohere ------------------------------------------------------------------------------
+    ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply),
+    # -- Hugging Face TEI --------------------------------------------------------------------
+    ("POST", "/embed"): Op("TEI: dense embeddings, one array per input.", "tei", tei.TeiEmbedRequest,
+                           _array(_array(_NUMBER)), returns=(JSON,)),
+    ("POST", "/embed_all"): Op("TEI: per-token embeddings of each input.", "tei", tei.TeiEmbedRequest,
+                               _array(_array(_array(_NUMBER))), returns=(JSON,)),
+    ("POST", "/embed_sparse"): Op("TEI: sparse embeddings (SPLADE models).", "tei", tei.TeiEmbedRequest,
+                                  _array(_array(tei.TeiSparseValue)), returns=(JSON,)),
+    ("POST", "/predict"): Op("TEI: sequence classification, labels with scores.", "tei", tei.TeiPredictRequest,
+                             {"oneOf": [_array(tei.TeiPrediction), _array(_array(tei.TeiPrediction))]},
+                             returns=(JSON,)),
+    ("POST", "/rerank"): Op("TEI: rerank, a bare list of {index, score[, text]}.", "tei", RerankRequest,
+                            _array(tei.TeiRank), returns=(JSON,)),
+    ("POST", "/tokenize"): Op("TEI: the tokens of each input.", "tei", tei.TeiTokenizeRequest,
+                              _array(_array(tei.TeiToken)), returns=(JSON,)),
+    ("GET", "/info"): Op("TEI: the served model and its limits.", "tei", None, tei.TeiInfo, returns=(JSON,)),
+    # -- Ollama ------------------------------------------------------------------------------
+    ("GET", "/api/version"): Op("Ollama: API version.", reply=_object("", version=_STRING), **_OLLAMA),
+    ("GET", "/api/tags"): Op("Ollama: stored models.", reply=ow.TagsReply, **_OLLAMA),
+    ("GET", "/api/ps"): Op("Ollama: loaded models.", reply=ow.PsReply, **_OLLAMA),
+    ("POST", "/api/show"): Op("Ollama: one model's details.", request=ow.NameBody, reply=ow.ShowReply, **_OLLAMA),
+    ("POST", "/api/generate"): Op("Ollama: generate (NDJSON stream unless `stream: false`).", request=ow.GenerateBody,
+                                  reply=ow.GenerateLine, stream=(NDJSON, ow.GenerateLine), **_OLLAMA),
+    ("POST", "/api/chat"): Op("Ollama: chat (NDJSON stream unless `stream: false`).", request=ow.ChatBody,
+                              reply=ow.ChatLine, stream=(NDJSON, ow.ChatLine), **_OLLAMA),
+    ("POST", "/api/embed"): Op("Ollama: embeddings.", request=ow.EmbedBody, reply=ow.EmbedReply, **_OLLAMA),
+    ("POST", "/api/embeddings"): Op("Ollama (legacy): one embedding.", request=ow.EmbeddingsBody,
+                                    reply=ow.EmbeddingsReply, **_OLLAMA),
+    ("POST", "/api/pull"): Op("Ollama: pull into the store (NDJSON progress unless `stream: false`).",
+                              request=ow.NameBody, reply=ow.Progress, stream=(NDJSON, ow.Progress), **_OLLAMA),
+    ("DELETE", "/api/delete"): Op("Ollama: remove from the store.", request=ow.NameBody, reply=None, **_OLLAMA),
+    # -- this document -----------------------------------------------------------------------
+    ("GET", "/openapi.json"): Op("This document (OpenAPI 3.1).", "docs", None, {"type": "object"}, returns=(JSON,)),
+    ("GET", "/docs"): Op("The API's docs page (Swagger UI, offline).", "docs", None, _STRING, returns=("text/html",)),
+}
+
+_PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
+_REF = "#/components/schemas/{name}"
+
+
+def openapi_path(litestar_path: str) -> str:
+    """`/v1/models/{name:str}/pin` -> `/v1/models/{name}/pin`."""
+    return _PARAM.sub(r"{\1}", litestar_path)
+
+
+def _types(schema: Any) -> list[type]:
+    """The Struct types inside a schema value (a type, or a dict/list holding types)."""
+    if isinstance(schema, type):
+        return [schema]
+    if isinstance(schema, dict):
+        return [t for v in schema.values() for t in _types(v)]
+    if isinstance(schema, list):
+        return [t for v in schema for t in _types(v)]
+    return []
+
+
+def _resolve(schema: Any, refs: dict[type, dict]) -> Any:
+    if isinstance(schema, type):
+        return refs[schema]
+    if isinstance(schema, dict):
+        return {k: _resolve(v, refs) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_resolve(v, refs) for v in schema]
+    return schema
+
+
+def routes_of(app: Any) -> list[tuple[str, str]]:
+    """(method, OpenAPI path) of every route the app serves: HEAD/OPTIONS and handlers
+    marked `include_in_schema=False` (the docs page's own files) left out; `/metrics`
+    is marked so for Litestar's sake but is documented here."""
+    out = []
+    for route in app.routes:
+        path = openapi_path(route.path)
+        for handler in getattr(route, "route_handlers", ()):
+            if handler.include_in_schema is False and path != "/metrics":
+                continue
+            out += [(m, path) for m in sorted(handler.http_methods) if m not in ("HEAD", "OPTIONS")]
+    return sorted(set(out))
+
+
+def build_document(routes: list[tuple[str, str]]) -> dict[str, Any]:
+    ops = [OPERATIONS.get(r) for r in routes]
+    types = list(dict.fromkeys(t for op in ops if op is not None
+                               for t in _types([op.request, op.reply, op.errors,
+                                                op.stream[1] if op.stream else None])))
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    refs = dict(zip(types, schemas))
+    paths: dict[str, dict[str, Any]] = {}
+    for (method, path), op in zip(routes, ops):
+        paths.setdefault(path, {})[method.lower()] = _operation(method, path, op, refs)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "fleet", "version": __version__,
+                 "description": "Serve a fleet of small open models from one box. Bodies are JSON or "
+                                "MessagePack (`application/msgpack`); replies follow `Accept`, else the "
+                                "request's type. In MessagePack replies a tensor is raw little-endian bytes "
+                                "plus `shape` and `dtype`. Off loopback, send `Authorization: Bearer <key>`."},
+        "paths": paths,
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{}, {"bearer": []}],
+    }
+
+
+def _operation(method: str, path: str, op: Op | None, refs: dict[type, dict]) -> dict[str, Any]:
+    params = [{"name": name, "in": "path", "required": True,
+               "schema": {"type": "string", "pattern": NAME_RE.pattern}}
+              for name in _PARAM.findall(path)]
+    if op is None:  # not in OPERATIONS: listed, but without shapes (tests/test_openapi.py fails on it)
+        return {"summary": "undocumented", "parameters": params, "responses": {"200": {"description": "OK"}}}
+    out: dict[str, Any] = {"summary": op.summary, "tags": [op.tag], "operationId": _operation_id(method, path)}
+    if params:
+        out["parameters"] = params
+    if op.request is not None:
+        schema = _resolve(op.request, refs)
+        out["requestBody"] = {"required": op.body_required,
+                              "content": {media: {"schema": schema} for media in op.accepts}}
+    ok: dict[str, Any] = {"description": "OK"}
+    if op.reply is not None:
+        ok["content"] = {media: {"schema": _resolve(op.reply, refs)} for media in op.returns}
+    if op.stream is not None:
+        ok.setdefault("content", {})[op.stream[0]] = {
+            "schema": _resolve(op.stream[1], refs),
+            "description": "With `stream: true`: one piece per event (SSE `data:` line) or per NDJSON line."}
+    error = {"description": "The error, in the contract's shape",
+             "content": {JSON: {"schema": _resolve(op.errors, refs)}}}
+    out["responses"] = {"200": ok, "4XX": error, "5XX": error}
+    return out
+
+
+def _operation_id(method: str, path: str) -> str:
+    return method.lower() + re.sub(r"[^A-Za-z0-9]+", "_", path).rstrip("_")
+
+
+# ---- the docs page ------------------------------------------------------------------------
+
+#: Files of swagger-ui-py the page needs (served from its package folder, never a CDN).
+UI_FILES = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui.css": "text/css"}
+
+
+def ui_folder() -> Path | None:
+    """swagger-ui-py's static folder, found without importing the package (it imports jinja2)."""
+    spec = importlib.util.find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "static"
+    return folder if all((folder / name).is_file() for name in UI_FILES) else None
+
+
+DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>fleet API</title>
+<link rel="stylesheet" href="/docs/swagger-ui.css"></head>
+<body><div id="ui"></div>
+<script src="/docs/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui", deepLinking: true});</script>
+</body></html>
+"""
+
+NO_UI_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>fleet API</title></head>
+<body><h1>fleet API</h1>
+<p>The interactive docs need the <code>swagger-ui-py</code> package, which is not installed here
+(<code>pip install swagger-ui-py</code>); this daemon loads nothing from the internet.</p>
+<p>The OpenAPI 3.1 document: <a href="/openapi.json">/openapi.json</a>.</p>
+</body></html>
+"""
