@@ -83,6 +83,7 @@ class Sequence:
     step_lp: tuple | None = None  # this step's (logprob, top ids, top logprobs), kept with its token
     lps: list = field(default_factory=list)  # (logprob, top ids, top logprobs) per token of `ids`
     lp_bytes: list = field(default_factory=list)  # each token of `ids`, as bytes (logprob rows only)
+    lp_ends: list = field(default_factory=list)  # characters of the text once each token was added
     lp_sent: int = 0  # logprobs already streamed
 
     @property
@@ -640,11 +641,15 @@ class CausalLM(Adapter):
                     continue
             if len(s.ids) >= s.max_new:
                 s.finish = "length"
-        # 2. Rows that need their text now (stop strings, streaming, finished): one batch decode.
-        need = [s for s in self.rows if s.stop or s.stream or s.finish]
+        # 2. Rows that need their text now (stop strings, streaming, logprobs, finished):
+        #    one batch decode. Logprob rows note where the text ends after their new
+        #    token (characters, before any stop cut): it places each token in the text.
+        need = [s for s in self.rows if s.stop or s.stream or s.finish or s.top_logprobs >= 0]
         if need:
             texts = self.tokenizer.batch_decode([s.ids for s in need], skip_special_tokens=True)
             for s, text in zip(need, texts):
+                if len(s.lp_ends) < len(s.lps):
+                    s.lp_ends.append(len(text))
                 if s.stop:
                     cut = stop_cut(text, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
                     if cut != -1:
@@ -673,14 +678,12 @@ class CausalLM(Adapter):
                 for j, (lp, top_ids, top_lps) in enumerate(s.lps[start:stop], start)]
 
     def _streamed_logprobs(self, s: Sequence, end: int) -> list[TokenLogprob] | None:
-        """The logprobs of the tokens whose bytes lie within the first `end` characters
-        of the text and were not streamed yet."""
+        """The logprobs of the tokens whose text ends within the first `end` characters
+        and were not streamed yet."""
         if s.top_logprobs < 0:
             return None
-        limit = len(s.text[:end].encode())
-        start, done = s.lp_sent, sum(len(b) for b in s.lp_bytes[:s.lp_sent])
-        while s.lp_sent < len(s.lp_bytes) and done + len(s.lp_bytes[s.lp_sent]) <= limit:
-            done += len(s.lp_bytes[s.lp_sent])
+        start = s.lp_sent
+        while s.lp_sent < len(s.lp_ends) and s.lp_ends[s.lp_sent] <= end:
             s.lp_sent += 1
         return self._token_logprobs(s, start, s.lp_sent)
 
@@ -691,9 +694,8 @@ class CausalLM(Adapter):
             return None
         n = len(s.lps)
         if s.cut:
-            limit, done, n = len(s.text.encode()), 0, 0
-            while n < len(s.lp_bytes) and done < limit:
-                done += len(s.lp_bytes[n])
+            n = 0
+            while n < len(s.lp_ends) and (s.lp_ends[n - 1] if n else 0) < len(s.text):
                 n += 1
         return self._token_logprobs(s, 0, n)
 

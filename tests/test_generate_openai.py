@@ -184,6 +184,30 @@ def test_streamed_logprobs_equal_the_whole_ones(client) -> None:
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
 
 
+def test_logprobs_stop_where_a_stop_string_cuts_the_text(gen_daemon: DaemonProc, ref: Reference) -> None:
+    full = ref.greedy("hello world", 30)[0]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    text = full[:full.find(stop)]
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "hello world", "max_tokens": 30, "temperature": 0, "stop": stop,
+                "logprobs": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", gen_daemon.url + "/v1/generate", json=body, timeout=60) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            got_text = "".join(e["text"] for e in events)
+            logprobs = [t for e in events for t in e.get("logprobs") or []]
+        else:
+            reply = httpx.post(gen_daemon.url + "/v1/generate", json=body, timeout=60).json()
+            got_text, logprobs = reply["text"], reply["logprobs"]
+        assert got_text == text
+        # The tokens that begin before the cut: they spell the text, the last one
+        # reaching into the stop string at most.
+        spelled = b"".join(bytes(t["bytes"]) for t in logprobs).decode("utf-8", "replace")
+        before = b"".join(bytes(t["bytes"]) for t in logprobs[:-1]).decode("utf-8", "replace")
+        assert spelled.startswith(text) and len(before) < len(text), (spelled, text)
+
+
 def test_include_usage_sends_the_usage_event_last(client) -> None:
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
