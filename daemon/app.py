@@ -22,7 +22,7 @@ from daemon.controllers.embed import EmbedController
 from daemon.controllers.extract import ExtractController
 from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
-from daemon.controllers.ollama import OllamaController
+from daemon.controllers.ollama import OllamaController, OllamaRootController
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.tei import TeiController
 from daemon.core import Daemon
@@ -87,7 +87,7 @@ def create_app(daemon: Daemon) -> Litestar:
     return Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
-                        TeiController, OllamaController, DocsController],
+                        TeiController, OllamaController, OllamaRootController, DocsController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -71,6 +71,13 @@ def v1_ps_models(d: DaemonProc) -> dict[str, dict]:
     return {name: m for w in ps["workers"] for name, m in w["models"].items()}
 
 
+def test_root_answers_as_ollama_heartbeats_expect(served: DaemonProc) -> None:
+    # Ollama's CLI sends HEAD / before each command; apps probe GET / to test a server URL.
+    assert httpx.head(served.url + "/", timeout=30).status_code == 200
+    r = httpx.get(served.url + "/", timeout=30)
+    assert r.status_code == 200 and "running" in r.text
+
+
 def test_version_tags_and_show(served: DaemonProc, client: ollama.Client) -> None:
     version = httpx.get(served.url + "/api/version", timeout=30).json()["version"]
     assert [int(x) for x in version.split(".")] >= [0, 5, 0]

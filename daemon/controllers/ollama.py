@@ -42,7 +42,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, head, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -311,6 +311,22 @@ class LineProgress(Progress):
 
 
 # ---- the routes ------------------------------------------------------------------------------------
+
+class OllamaRootController(Controller):
+    """`GET /` and `HEAD /`: Ollama's liveness answer. Its CLI checks `HEAD /` before
+    every command and desktop apps probe `GET /` to test a server URL; both only
+    read the status. Left out of the OpenAPI document, as Ollama leaves them out of its own."""
+
+    path = "/"
+
+    @get("/", include_in_schema=False)
+    async def alive(self) -> Response:
+        return Response(content=b"fleet is running (Ollama API under /api)", media_type="text/plain")
+
+    @head("/", include_in_schema=False, media_type="text/plain")
+    async def alive_head(self) -> None:
+        return None
+
 
 class OllamaController(Controller):
     path = "/api"
