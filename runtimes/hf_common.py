@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -95,7 +96,46 @@ def footprint_bytes(model: Any) -> int:
 
 
 def to_device(features: dict[str, Any], device: str) -> dict[str, Any]:
-    return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in features.items()}
+    # non_blocking: from pinned host memory (`pinned`) the copy is queued on the
+    # stream and overlaps host work; from pageable memory torch copies synchronously.
+    non_blocking = device.startswith("cuda")
+    return {k: (v.to(device, non_blocking=non_blocking) if hasattr(v, "to") else v) for k, v in features.items()}
+
+
+def pinned(features: dict[str, Any], device: str) -> dict[str, Any]:
+    """Host tensors in page-locked memory when `device` is CUDA (async copies need
+    it); unchanged elsewhere (pinning costs a copy that only pays for DMA)."""
+    if not device.startswith("cuda"):
+        return features
+    return {k: (v.pin_memory() if hasattr(v, "pin_memory") else v) for k, v in features.items()}
+
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def prefetched(items: Sequence[T], prepare: Callable[[T], U], pool: ThreadPoolExecutor | None,
+               ) -> Iterator[tuple[T, U]]:
+    """`(item, prepare(item))` in order. With `pool` (one thread), item k+1 is
+    prepared in the pool's thread while the caller works on item k: tokenizing
+    (the fast tokenizer releases the GIL) overlaps the forward pass (torch releases it too).
+
+    Closing the iterator early waits for the one pending `prepare`: the tokenizer
+    is not safe to call from two threads at once, and the caller's next batch uses it.
+    """
+    if pool is None or len(items) < 2:
+        for item in items:
+            yield item, prepare(item)
+        return
+    pending: Future | None = pool.submit(prepare, items[0])
+    try:
+        for k, item in enumerate(items):
+            ready = pending.result()
+            pending = pool.submit(prepare, items[k + 1]) if k + 1 < len(items) else None
+            yield item, ready
+    finally:
+        if pending is not None:
+            pending.exception()  # wait; its result is not wanted
 
 
 # ---- batching -------------------------------------------------------------------
@@ -241,3 +281,128 @@ def pair_order_agreement(ref: np.ndarray, got: np.ndarray) -> float:
     dg = np.sign(got[:, None] - got[None, :])
     upper = np.triu(np.ones((n, n), dtype=bool), k=1)
     return float(np.mean(((dr == dg) | (dr == 0))[upper]))
+
+
+# ---- CUDA graphs ----------------------------------------------------------------
+
+#: Micro-batch shapes (rows, tokens) captured as CUDA graphs. Small batches are
+#: launch-bound: a BERT forward is ~200 kernel launches whose CPU cost exceeds the
+#: maths below ~8 x 128 tokens; a graph replays them as one launch. A micro-batch
+#: within the largest shape is padded up to the next captured one.
+GRAPH_ROWS = (1, 2, 4, 8)
+GRAPH_TOKENS = (16, 32, 64, 128)
+
+
+def graph_shape(rows: int, tokens: int, token_sizes: Sequence[int] = GRAPH_TOKENS) -> tuple[int, int] | None:
+    """The smallest captured (rows, tokens) holding a micro-batch, or None (run it eagerly)."""
+    r = next((b for b in GRAPH_ROWS if b >= rows), None)
+    t = next((n for n in token_sizes if n >= tokens), None)
+    return None if r is None or t is None else (r, t)
+
+
+def fill_padded(static: dict[str, Any], features: dict[str, Any]) -> dict[str, Any]:
+    """Write `features` (2-D token tensors, (r, t) each) into the top-left of the
+    larger tensors in `static`, in place; the rest is padding: zero ids, mask 0.
+    Each padding row attends to its first position (a row that attends to
+    nothing gives NaN in SDPA; padding rows are dropped, real rows never see them).
+    Returns `static`."""
+    for key, buf in static.items():
+        if not hasattr(buf, "shape"):
+            continue  # a tag such as `modality`: the same for every micro-batch
+        src = features[key]
+        r, t = src.shape
+        buf.zero_()
+        buf[:r, :t].copy_(src, non_blocking=True)
+        if key == "attention_mask":
+            buf[r:, 0] = 1
+    return static
+
+
+def padded_to(features: dict[str, Any], rows: int, tokens: int) -> dict[str, Any]:
+    """`features` padded to (rows, tokens) in new tensors (what a graph's static inputs hold);
+    entries that are not tensors are kept as they are."""
+    import torch
+
+    return fill_padded({k: (torch.zeros((rows, tokens), dtype=v.dtype, device=v.device) if hasattr(v, "shape") else v)
+                        for k, v in features.items()}, features)
+
+
+def sliced(features: dict[str, Any], rows: int, tokens: int) -> dict[str, Any]:
+    """The first `rows` texts and `tokens` positions of token tensors (other entries as they are)."""
+    return {k: (v[:rows, :tokens] if hasattr(v, "shape") else v) for k, v in features.items()}
+
+
+class GraphedForward:
+    """CUDA graphs of `forward` (token tensors -> (rows, d) tensor) for every
+    shape of GRAPH_ROWS x GRAPH_TOKENS up to `max_tokens`, captured at load from
+    `example` (host token tensors of several texts: slices of it fill each shape).
+
+    Kept only if every graph's replay agrees with the eager forward on the same
+    inputs (`agree`, on unit rows); a failed capture or check leaves the model
+    eager and says why in the log. CUDA only: `device` must be a CUDA device.
+    """
+
+    def __init__(self, forward: Callable[[dict[str, Any]], Any], example: dict[str, Any], device: str,
+                 max_tokens: int, agree: Agreement, name: str) -> None:
+        import torch
+
+        self._forward = forward
+        self._device = device
+        self.token_sizes = tuple(n for n in GRAPH_TOKENS if n <= max_tokens)
+        self.graphs: dict[tuple[int, int], tuple[Any, dict[str, Any], Any]] = {}
+        try:
+            self._capture_all(torch, example, device)
+            detail = self._check(torch, example, agree)
+        except Exception as exc:  # capture refuses host syncs and some kernels: eager is always correct
+            self.graphs.clear()
+            log.warning("cuda graphs %s: capture failed (%s); running eagerly", name, exc)
+            return
+        if detail is not None:
+            self.graphs.clear()
+            log.warning("cuda graphs %s: %s", name, detail)
+            return
+        log.info("cuda graphs %s: %d shapes captured, replay agrees with eager", name, len(self.graphs))
+
+    def _capture_all(self, torch: Any, example: dict[str, Any], device: str) -> None:
+        pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
+        side = torch.cuda.Stream(device)
+        example = to_device(example, device)
+        for rows in GRAPH_ROWS:
+            for tokens in self.token_sizes:
+                static = padded_to(sliced(example, rows, tokens), rows, tokens)
+                # Warm-up on a side stream before capture (lazy init, library handles, autotuning).
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._forward(dict(static))
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(dict(static))
+                self.graphs[(rows, tokens)] = (graph, static, out)
+
+    def _check(self, torch: Any, example: dict[str, Any], agree: Agreement) -> str | None:
+        """None if every graph agrees with the eager forward, else why not."""
+        example = to_device(example, self._device)
+        for (rows, tokens), (graph, static, out) in self.graphs.items():
+            fill_padded(static, sliced(example, rows, tokens))
+            ref = torch.nn.functional.normalize(self._forward(dict(static)).float(), dim=1)
+            graph.replay()
+            got = torch.nn.functional.normalize(out.float(), dim=1)
+            ok, detail = agree(ref.cpu().numpy(), got.cpu().numpy())
+            if not ok:
+                return f"shape {rows}x{tokens} disagrees with eager ({detail}); running eagerly"
+        return None
+
+    def __call__(self, features: dict[str, Any]) -> Any | None:
+        """The forward's output for `features` (host or device tensors) by graph
+        replay, or None when no captured shape holds them."""
+        rows, tokens = features["attention_mask"].shape
+        shape = graph_shape(rows, tokens, self.token_sizes)
+        entry = self.graphs.get(shape) if shape else None
+        if entry is None:
+            return None
+        graph, static, out = entry
+        fill_padded(static, features)
+        graph.replay()
+        return out[:rows].clone()  # the graph's output buffer is overwritten by its next replay

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -10,8 +13,8 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine,
-    offsets, over_char_bound, split_refused, to_device,
+    CHECK_SET, GraphedForward, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
+    micro_batches, min_cosine, offsets, over_char_bound, pinned, prefetched, split_refused, to_device,
 )
 from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
 
@@ -21,6 +24,12 @@ MIN_COSINE = 0.9999
 
 class SentenceTransformerEmbedder(Adapter):
     request_type = EmbedRequest
+
+    #: The thread that tokenizes the next micro-batch while the current one runs
+    #: (None: tokenize in turn, e.g. to compare).
+    tokenize_ahead: ThreadPoolExecutor | None = None
+    #: CUDA graphs of the small micro-batch shapes (CUDA only; None elsewhere or when the check failed).
+    graphs: GraphedForward | None = None
 
     def load(self) -> None:
         import torch
@@ -56,6 +65,12 @@ class SentenceTransformerEmbedder(Adapter):
         self._modules = modules
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim())
+        self.tokenize_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{self.spec.name}")
+        if self.device.startswith("cuda"):
+            with torch.inference_mode():
+                graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
+                                        self.max_seq_len, min_cosine(MIN_COSINE), self.spec.name)
+            self.graphs = graphs if graphs.graphs else None
         # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
         # cuBLAS); pay it at load, not in the first client's latency.
         self._embed(CHECK_SET)
@@ -140,32 +155,75 @@ class SentenceTransformerEmbedder(Adapter):
             results[i] = TokenEmbedResult([m.astype("<f4", copy=False).tobytes() for m in blocks],
                                           [m.shape for m in blocks], int(tokens[a:b].sum()))
 
+    def _pooled(self, features: dict[str, Any]) -> Any:
+        """The pooled (rows, d) vectors of token tensors already on the device."""
+        for module in self._modules:
+            features = module(features)
+        return features["sentence_embedding"]
+
+    def _tokenized(self, texts: list[str]) -> dict[str, Any]:
+        """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
+        return pinned(self.model.preprocess(texts), self.device)
+
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None,
                ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """float32 vectors (n, d) in input order, tokens used per text, and for
         the inputs flagged in `want_tokens` their token vectors (t_i, d) without
-        padding (right-padded rows: the first `mask.sum()` positions are real)."""
+        padding (right-padded rows: the first `mask.sum()` positions are real).
+
+        1. Length-sorted micro-batches (`micro_batches`): each is padded only to
+           its own longest text.
+        2. The `tokenize_ahead` thread tokenizes micro-batch k+1 while k runs.
+        3. Each micro-batch runs by CUDA-graph replay when a captured shape holds
+           it, else eagerly; on CUDA its vectors come back by an async copy and
+           the batch synchronises once at the end, not once per micro-batch.
+        """
         torch = self._torch
         n = len(texts)
-        out = np.empty((n, self.dim), dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         per_token: dict[int, np.ndarray] = {}
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
-                features = to_device(self.model.preprocess([texts[j] for j in idx]), self.device)
-                for module in self._modules:
-                    features = module(features)
-                out[idx] = features["sentence_embedding"].float().cpu().numpy()
-                used = features["attention_mask"].sum(dim=1).cpu().numpy()
+        batches = list(micro_batches(lengths, self.spec.profile.micro_batch_items))
+        out = np.empty((n, self.dim), dtype=np.float32)
+        cuda = self.device.startswith("cuda")
+        # CUDA: vectors land in pinned host memory in sorted order by async copies,
+        # synchronised once at the end; CPU: scattered straight into `out`.
+        landing = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=True) if cuda else None
+        lo = 0
+        with torch.inference_mode(), closing(prefetched(
+                batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead)) as ready:
+            for idx, host in ready:
+                tokenized = time.monotonic_ns()
+                used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used
-                if want_tokens is not None and want_tokens[idx].any():
+                wants = want_tokens is not None and bool(want_tokens[idx].any())
+                emb = None if wants or self.graphs is None else self.graphs(host)
+                if emb is None:
+                    features = to_device(host, self.device)
+                    for module in self._modules:
+                        features = module(features)
+                    emb = features["sentence_embedding"]
+                forward = time.monotonic_ns()
+                if landing is not None:
+                    landing[lo : lo + len(idx)].copy_(emb.float(), non_blocking=True)
+                    lo += len(idx)
+                else:
+                    out[idx] = emb.float().numpy()
+                self.marks = (tokenized, forward, time.monotonic_ns())
+                if wants:
                     rows = np.flatnonzero(want_tokens[idx])
                     block = features["token_embeddings"][torch.from_numpy(rows).to(self.device)].float().cpu().numpy()
                     for r, m in zip(rows, block):
                         per_token[int(idx[r])] = m[: int(used[r])]
+        if landing is not None and n:
+            torch.cuda.current_stream(self.device).synchronize()
+            out[np.concatenate(batches)] = landing.numpy()
         return out, tokens, per_token
 
     def unload(self) -> None:
+        if self.tokenize_ahead is not None:
+            self.tokenize_ahead.shutdown(wait=True)
+        self.tokenize_ahead = None
+        self.graphs = None
         self.model = None
         self._modules = []

