@@ -51,6 +51,7 @@ from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkErro
 from fleet.protocol import GenerateRequest
 from runtimes.base import Adapter, ModelSpec
 from runtimes.grammar import Grammars
+from runtimes.hf_common import char_bound
 from runtimes.memory import NotNow, is_out_of_memory
 
 log = logging.getLogger("fleet.worker")
@@ -395,8 +396,18 @@ class CausalLM(Adapter):
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as exc:  # templates raise on what they refuse (roles, order)
                 raise BadRequest(f"the chat template of {self.spec.name} refused these messages: {exc}") from exc
+            self.check_prompt_chars(text)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.check_prompt_chars(req.prompt or "")
         return self.tokenizer(req.prompt or "")["input_ids"]
+
+    def check_prompt_chars(self, text: str) -> None:
+        """A prompt far longer than the context is refused before tokenizing it (a
+        prompt is never cut; tokenizing 15 MB would hold the worker for seconds)."""
+        bound = char_bound(self.max_len)
+        if len(text) > bound:
+            raise InputTooLong(f"the prompt has {len(text)} characters; {self.spec.name} reads at most "
+                               f"{self.max_len} tokens (at most {bound} characters)")
 
     def run_batch(self, requests: list[GenerateRequest]) -> list[Any]:
         """All requests to the end, together (the non-continuous path, and tests)."""

@@ -25,7 +25,7 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
-from runtimes.hf_common import footprint_bytes, input_too_long, micro_batches
+from runtimes.hf_common import cut_to_bound, footprint_bytes, input_too_long, micro_batches, over_char_bound
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 
 #: Entity types one request may ask for (each is part of every text's prompt).
@@ -82,6 +82,8 @@ class GlinerExtractor(Adapter):
         if len(set(req.labels)) != len(req.labels):
             return WorkError("bad_request", "`labels` has duplicates")
         if not req.truncate:
+            if over_text := over_char_bound(self.spec.name, req.inputs, self.max_words):
+                return over_text
             words = [len(t.split()) for t in req.inputs]
             over = next((i for i, n in enumerate(words) if n > self.max_words), None)
             if over is not None:
@@ -97,12 +99,12 @@ class GlinerExtractor(Adapter):
                 groups.setdefault(tuple(r.labels), []).append(i)
         # 2. One run per label list over all of its requests' texts; split back.
         for labels, members in groups.items():
-            texts = [t for i in members for t in requests[i].inputs]
+            texts = cut_to_bound([t for i in members for t in requests[i].inputs], self.max_words)
             spans = self.extract(texts, list(labels))
             at = 0
             for i in members:
                 n = len(requests[i].inputs)
-                words = sum(min(len(t.split()), self.max_words) for t in requests[i].inputs)
+                words = sum(min(len(t.split()), self.max_words) for t in texts[at : at + n])
                 results[i] = ExtractResult(spans[at : at + n], words)
                 at += n
         return results

@@ -20,6 +20,7 @@ import pytest
 
 from runtimes.hf_common import char_bound
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon
+from tests.gen_models import build_llama, pull
 
 MSGPACK = {"Content-Type": "application/msgpack", "Accept": "application/msgpack"}
 BIG_BYTES = 15_000_000
@@ -33,7 +34,10 @@ RSS_SLACK = 160 * MIB
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("fleet-big"))
+    """The default model and a tiny generator, at the shipped settings."""
+    root = tmp_path_factory.mktemp("fleet-big")
+    pull(root / "home", build_llama(root / "llama"), "big-llama")
+    d = start_daemon(root / "home")
     yield d
     d.stop()
 
@@ -73,6 +77,18 @@ def test_a_15_mb_text_without_truncation_is_refused_before_tokenizing(shipped):
     assert resp.status_code == 422
     err = msgspec.msgpack.decode(resp.content)["error"]
     assert err["code"] == "input_too_long" and "characters" in err["message"]
+
+
+def test_a_15_mb_prompt_is_refused_before_tokenizing(shipped):
+    for body in ({"prompt": big_text()}, {"messages": [{"role": "user", "content": big_text()}]}):
+        resp = httpx.post(shipped.url + "/v1/generate", json={"model": "big-llama", "max_tokens": 4, **body},
+                          timeout=120)
+        assert resp.status_code == 422, resp.text[:300]
+        err = resp.json()["error"]
+        assert err["code"] == "input_too_long" and "characters" in err["message"]
+    ok = httpx.post(shipped.url + "/v1/generate", json={"model": "big-llama", "prompt": "hello", "max_tokens": 4},
+                    timeout=120)
+    assert ok.status_code == 200, ok.text[:300]
 
 
 def test_big_texts_do_not_starve_a_small_request_nor_keep_memory(shipped):
