@@ -40,7 +40,9 @@ async def refresh_loop(daemon: Daemon) -> None:
     while True:
         await asyncio.sleep(METRICS_REFRESH_S)
         try:
-            daemon.refresh_gauges()
+            # Without waiting for the queue lock on the loop (Broker.read).
+            if daemon.broker is not None:
+                await daemon.broker.read(daemon.refresh_gauges)
         except Exception:  # metrics must never take the daemon down
             log.exception("refreshing metrics failed")
 

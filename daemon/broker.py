@@ -5,25 +5,40 @@ thread blocks on the queue's results semaphore and hands finished items to
 the loop in one `call_soon_threadsafe` per wake-up. Each request id has at
 most one waiter, removed when it is answered or times out, so a late or
 duplicate result finds nobody and is dropped: no request is answered twice.
+
+The loop never waits for the queue's cross-process lock: it tries it
+(`LocalQueue.no_wait`) and, when another thread or process holds it, hands
+the call to the broker's queue thread (puts, lanes, cancels) or tries again
+a millisecond later (the gauges' reads, which must stay on the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
 from fleet.errors import FleetError, InferenceFailed, Overloaded, PayloadTooLarge, Timeout, from_code
 from fleet.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
-from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, QueueError, QueueFull
+from daemon import timeline
+from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, LockBusy, QueueError, QueueFull
 
 log = logging.getLogger("fleet.daemon")
+
+T = TypeVar("T")
+
+#: How long the loop keeps retrying a lock it must not wait for (gauge reads), in
+#: READ_RETRY_S steps, before it gives up until the next read.
+READ_RETRY_S, READ_GIVE_UP_S = 0.001, 0.05
 
 _envelope = msgspec.msgpack.Decoder(EnvelopeIn)
 _work_error = msgspec.msgpack.Decoder(WorkError)
@@ -54,6 +69,10 @@ class Broker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: When the results thread last woke with results (CLOCK_MONOTONIC ns).
+        self.collected_ns = 0
+        #: Runs the queue calls the loop found the lock busy for, one at a time, in order.
+        self._queue_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue")
 
     # -- lifecycle (called from the app's lifespan) ----------------------------
 
@@ -66,6 +85,7 @@ class Broker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        self._queue_thread.shutdown(wait=True)
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(FleetError("daemon shutting down"))
@@ -79,7 +99,7 @@ class Broker:
         for request_id, fut in list(self._waiting.items()):
             item_id = self._items.get(request_id)
             if item_id is not None:
-                self.queue.cancel(item_id)
+                self.cancel(item_id)
             if not fut.done():
                 fut.set_exception(exc)
                 failed += 1
@@ -93,13 +113,46 @@ class Broker:
     def in_flight(self) -> int:
         return len(self._waiting)
 
+    # -- the queue lock, from the loop -------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` (a queue call) now if the queue lock is free, else on
+        the queue thread: the loop itself never waits for the lock."""
+        try:
+            with self.queue.no_wait():
+                return fn(*args, **kwargs)
+        except LockBusy:
+            return await self._loop.run_in_executor(  # type: ignore[union-attr]
+                self._queue_thread, functools.partial(fn, *args, **kwargs))
+
+    def cancel(self, item_id: int) -> None:
+        """Withdraw a queue item, now or soon (on the queue thread when the lock is busy)."""
+        try:
+            with self.queue.no_wait():
+                self.queue.cancel(item_id)
+        except LockBusy:
+            self._queue_thread.submit(self.queue.cancel, item_id)
+
+    async def read(self, fn: Callable[[], object]) -> bool:
+        """Run `fn` (reads of the queue that must stay on the loop, like the gauges'
+        bookkeeping) as soon as the lock is free, retrying each READ_RETRY_S; False
+        if it stayed busy for READ_GIVE_UP_S (the next read catches up)."""
+        for _ in range(int(READ_GIVE_UP_S / READ_RETRY_S)):
+            try:
+                with self.queue.no_wait():
+                    fn()
+                return True
+            except LockBusy:
+                await asyncio.sleep(READ_RETRY_S)
+        return False
+
     # -- request path -----------------------------------------------------------
 
-    def lane(self, model: str) -> int:
+    async def lane(self, model: str) -> int:
         lane = self._lanes.get(model)
         if lane is None:
             try:
-                lane = self._lanes[model] = self.queue.lane_id(model)
+                lane = self._lanes[model] = await self.call(self.queue.lane_id, model)
             except QueueFull as exc:
                 raise Overloaded(f"no free lane for {model!r}: {exc}") from None
         return lane
@@ -119,7 +172,7 @@ class Broker:
         in order, all of them before the final result resolves."""
         if self.queue.depth() >= self.max_depth:
             raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
-        lane = self.lane(model)
+        lane = await self.lane(model)
         request_id = next(self._ids)
         deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
         fut: asyncio.Future[Done] = self._loop.create_future()  # type: ignore[union-attr]
@@ -127,23 +180,29 @@ class Broker:
         if on_partial is not None:
             self._partials[request_id] = on_partial
         try:
-            item_id = self.queue.put(lane, payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns)
-        except QueueError as exc:
+            item_id = await self.call(self.queue.put, lane, payload, tokens=tokens, request_id=request_id,
+                                      deadline_ns=deadline_ns)
+        except BaseException as exc:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)
             if isinstance(exc, ItemTooLarge):
                 raise PayloadTooLarge(exc.message) from None
-            raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
+            if isinstance(exc, QueueError):
+                raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
+            raise
         self._items[request_id] = item_id
+        timeline.stamp("put")
         try:
             done = await asyncio.wait_for(fut, timeout_s)
+            timeline.stamp("collected", self.collected_ns)
+            timeline.stamp("resumed")
         except TimeoutError:
             # Not started yet: drop it from its lane. Started: its worker stops at its next
             # step (a generation) or finishes, and the result is dropped on arrival.
-            self.queue.cancel(item_id)
+            self.cancel(item_id)
             raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
         except asyncio.CancelledError:
-            self.queue.cancel(item_id)  # the client went away (a stream closed): the same
+            self.cancel(item_id)  # the client went away (a stream closed): the same
             raise
         finally:
             self._waiting.pop(request_id, None)
@@ -161,6 +220,7 @@ class Broker:
                 "it was dropped so it cannot crash more workers"
             )
         env = _envelope.decode(done.result)
+        timeline.worker(env.stamps)
         if done.status != STATUS_OK:
             err = _work_error.decode(env.body)
             raise from_code(err.code, err.message)
@@ -173,9 +233,10 @@ class Broker:
         while not self._stop.is_set():
             done = self.queue.wait_results(0.25)
             if done:
-                loop.call_soon_threadsafe(self._resolve, done)  # type: ignore[union-attr]
+                loop.call_soon_threadsafe(self._resolve, done, time.monotonic_ns())  # type: ignore[union-attr]
 
-    def _resolve(self, done: list[Done]) -> None:
+    def _resolve(self, done: list[Done], collected_ns: int) -> None:
+        self.collected_ns = collected_ns  # a lone request's `collected` stamp (daemon.timeline)
         for d in done:
             if d.status == STATUS_PARTIAL:
                 sink = self._partials.get(d.request_id)

@@ -11,6 +11,7 @@ from local_queue.queue import (
     ItemTooLarge,
     LaneStats,
     LocalQueue,
+    LockBusy,
     QueueError,
     QueueFull,
     QueueUsage,
@@ -20,6 +21,6 @@ from local_queue.queue import (
 )
 
 __all__ = [
-    "STATUS_EXPIRED", "STATUS_POISON", "Claim", "Done", "ItemTooLarge", "LaneStats", "LocalQueue",
+    "STATUS_EXPIRED", "STATUS_POISON", "Claim", "Done", "ItemTooLarge", "LaneStats", "LocalQueue", "LockBusy",
     "QueueError", "QueueFull", "QueueUsage", "UnknownWorker", "WorkerInfo", "put_id",
 ]

@@ -1,33 +1,50 @@
-"""Slab blocks shared by the items of one call, with a refcount in their header.
+"""Slab blocks shared by the items of one call, refcounted, and reservations.
 
-The payloads of one put_many (the results of one ack_many) are packed into
-shared blocks of up to GROUP_BYTES, each with a 16-byte header (refcount,
-order): one buddy allocation (slab.py) per block instead of one per item, and
-the last item to let go frees it. The queue lock is held by every caller.
+The payloads of one put_many (the results of one ack_many, the result space of
+one claim) are packed into shared blocks of up to GROUP_BYTES: one buddy
+allocation (slab.py) per block instead of one per item. `refs[u]` counts the
+slot records that refer to the block starting at unit u: items whose DATA or
+RES it is, and RESERVED slots. The last one to let go frees it. A block's
+bytes are all payload (no in-block header), so a block fits its bytes exactly.
+
+Reservations (protocol invariant 8 in `local_queue.queue`): a process that
+copies bytes outside the lock first takes, under the lock, a RESERVED slot
+(its pid in F_OWNER, the block in F_DATA) that holds one reference to the
+block. While it holds it nobody frees the block, so it may write or read the
+block's bytes without the lock; it commits its items (each adds a reference)
+and releases the slot, both under the lock. A reservation whose process died
+is released by `_reclaim_dead_reservations` (lease expiry, a dead worker's
+release, a failed allocation, a repair). Every method here expects the
+caller to hold the queue lock.
 """
 
 from __future__ import annotations
 
-from local_queue.layout import F_DATA, SF
+import os
+
+import numpy as np
+
+from local_queue.layout import F_DATA, F_OWNER, F_STATE, FREE, H_FREE_TOP, RESERVED, SF
 from local_queue.slab import NIL, UNIT, order_for
 
-# A block starts with BLOCK_HDR bytes: int64 refcount (items whose DATA/RES is
-# this block) and int64 buddy order.
-BLOCK_HDR = 16
 GROUP_BYTES = 64 << 10
+# A call moving at most this many bytes copies them under the lock: one more
+# lock round trip (two flock syscalls and the bookkeeping) costs more than
+# copying 64 KiB. Above it the bytes are copied outside (reserve, copy, commit).
+COPY_INLINE = GROUP_BYTES
 
 
 def _plan_blocks(lens: list[int]) -> tuple[list[tuple[int, list[tuple[int, int]]]], int]:
     """Pack items (by byte length) into blocks: ([(block bytes, [(index, offset)])], units).
 
     Items of length 0 need no block; an item over GROUP_BYTES gets its own."""
-    groups, members, used = [], [], BLOCK_HDR
+    groups, members, used = [], [], 0
     for i, ln in enumerate(lens):
         if not ln:
             continue
         if members and used + ln > GROUP_BYTES:
             groups.append((used, members))
-            members, used = [], BLOCK_HDR
+            members, used = [], 0
         members.append((i, used))
         used += ln
     if members:
@@ -35,42 +52,111 @@ def _plan_blocks(lens: list[int]) -> tuple[list[tuple[int, list[tuple[int, int]]
     return groups, sum(1 << order_for(nbytes) for nbytes, _ in groups)
 
 
-class Blocks:
-    """Block allocation and release for LocalQueue (caller holds the lock)."""
+def _copy_in(data: memoryview, buffers: list, lens: list[int], at: list[int]) -> None:
+    """Copy each buffer to its byte offset in the slab (empty ones have none)."""
+    for i, ln in enumerate(lens):
+        if ln:
+            data[at[i]:at[i] + ln] = buffers[i]
 
-    def _alloc_blocks(self, groups: list, n: int) -> tuple[list[int], list[int]] | None:
-        """Allocate planned blocks: (block, byte offset) per item, or None (nothing allocated)."""
-        slab, Q = self._slab, self._slab.links
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie has stopped running: dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Blocks:
+    """Block allocation, release and reservations for LocalQueue (caller holds the lock)."""
+
+    def _alloc_blocks(self, groups: list, n: int) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
+        """Allocate planned blocks: (block, byte offset) per item and [(block, members)],
+        or None (nothing allocated). A new block has no reference yet: the caller
+        adds one per committed item (`_add_refs`) or reserves it."""
+        slab = self._slab
         blocks, at, got = [NIL] * n, [NIL] * n, []
         for nbytes, members in groups:
             u = slab.alloc(nbytes)
             if u == NIL:
-                for v, k in got:
-                    slab.free(v, k)
+                for v, _ in got:
+                    slab.free(v)
                 return None
-            k = order_for(nbytes)
-            Q[u * 8], Q[u * 8 + 1] = len(members), k  # header: refcount, order
-            got.append((u, k))
+            self._refs[u] = 0
+            got.append((u, len(members)))
             base = u * UNIT
             for i, off in members:
                 blocks[i], at[i] = u, base + off
-        return blocks, at
+        return blocks, at, got
+
+    def _add_refs(self, units: list[tuple[int, int]]) -> None:
+        R = self._refs
+        for u, n in units:
+            R[u] += n
 
     def _unref(self, u: int) -> None:
-        """One item lets go of block u (caller holds the lock)."""
+        """One item lets go of block u."""
         self._drop_refs({u: 1})
 
     def _drop_refs(self, drops: dict[int, int]) -> None:
         """Items let go of blocks (block -> count); the last one out frees the block."""
-        Q, free = self._slab.links, self._slab.free
+        R, free = self._refs, self._slab.free
         for u, n in drops.items():
-            r = Q[u * 8] - n
-            if r:
-                Q[u * 8] = r
-            else:
-                free(u, Q[u * 8 + 1])
+            r = R[u] - n
+            R[u] = r
+            if not r:
+                free(u)
 
     def _free_data(self, s: int) -> None:
         u = self._S[s * SF + F_DATA]
         if u != NIL:
             self._unref(u)
+
+    # -- reservations ----------------------------------------------------------------
+    def _reserve_block(self, u: int) -> int:
+        """A RESERVED slot holding one reference to block u for this process.
+        The caller made sure a slot is free."""
+        h, S = self._h, self._S
+        top = h[H_FREE_TOP] - 1
+        s = self._stack[top]
+        h[H_FREE_TOP] = top
+        b = s * SF
+        S[b + F_OWNER] = self._pid
+        S[b + F_DATA] = u
+        S[b + F_STATE] = RESERVED  # commit (invariant 3)
+        self._refs[u] += 1
+        return s
+
+    def _release(self, s: int) -> None:
+        """End a reservation: the slot is free again, its block reference dropped."""
+        S, b = self._S, s * SF
+        u = S[b + F_DATA]
+        S[b + F_STATE] = FREE  # commit
+        S[b + F_DATA] = NIL
+        self._push_free_slot(s)
+        self._unref(u)
+
+    def _reserve_blocks(self, groups: list, n: int):
+        """Allocate planned blocks and reserve each: (blocks, at, units, reservation slots) or None."""
+        if self._h[H_FREE_TOP] < len(groups):
+            return None
+        placed = self._alloc_blocks(groups, n)
+        if placed is None:
+            return None
+        blocks, at, units = placed
+        return blocks, at, units, [self._reserve_block(u) for u, _ in units]
+
+    def _reclaim_dead_reservations(self) -> int:
+        """Release the reservations of processes that died between reserve and commit."""
+        S = self._S_np
+        dead = [s for s in np.flatnonzero(S[:, F_STATE] == RESERVED).tolist() if not _alive(int(S[s, F_OWNER]))]
+        for s in dead:
+            self._release(s)
+        return len(dead)

@@ -10,6 +10,7 @@ One `multiprocessing.shared_memory` segment, no Python objects in it:
     workers  int64[max_workers, WF]  gen, active, pid, heartbeat, claimed, lease, ...
     devices  u8[max_workers, 64];  infos  u8[max_workers, 4096]
     tags     u8[slab / 64]           buddy allocator tags (slab.py)
+    refs     int32[slab / 64]        refcount of the block starting at each unit (blocks.py)
     slab     bytes                   payloads and results (blocks.py)
 
 Ids. A put returns `gen << 24 | slot`; `gen` (24 bits, wrapping) is bumped
@@ -32,7 +33,7 @@ STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
 
 MAGIC = 0x464C45455451  # "FLEETQ"
-VERSION = 1
+VERSION = 2
 NAME_BYTES = 128
 DEVICE_BYTES = 64
 INFO_BYTES = 4096
@@ -44,12 +45,14 @@ EPOCH_SHIFT = SLOT_BITS + GEN_BITS
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
 WORKER_BITS = 16
 RESULT_RESERVE = 8  # 1/8 of the slab is only for results
+SLOT_RESERVE = 64  # puts leave this many slots for the reservations of claims and acks
+HOLD_NS = 2_000_000_000  # a large put's hold on merged free space, from its last try (> the daemon's retry_after)
 MAX_LEASE_MS = 1 << 40  # keeps now_ns + lease in int64
 
 # Header fields (int64 indices).
 (H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
  H_WORK_WAITERS, H_RES_WAITERS, H_SEQ, H_FREE_TOP, H_DONE_HEAD, H_DONE_TAIL, H_DONE_COUNT,
- H_N_LANES, H_REPAIRS, H_SLAB_FREE, H_WORK_GEN) = range(19)
+ H_N_LANES, H_REPAIRS, H_SLAB_FREE, H_WORK_GEN, H_HOLD_ORDER, H_HOLD_UNTIL) = range(21)
 H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
 HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 
@@ -67,9 +70,13 @@ _RESULT = struct.Struct("<4q")  # at F_RES
 _RECORD = struct.Struct("<21q")  # at F_STATE, for reads
 _HEAD = struct.Struct("<16q")  # at F_STATE: STATE..OWNER, what claim and ack read
 _LINK = struct.Struct("<2q")  # at F_NEXT: NEXT, PREV
-FREE, QUEUED, CLAIMED, DONE = 0, 1, 2, 3
+# RESERVED: a slot that owns one slab block on behalf of a live process (pid in
+# F_OWNER, block in F_DATA) while that process copies bytes outside the lock.
+FREE, QUEUED, CLAIMED, DONE, RESERVED = 0, 1, 2, 3, 4
 
-L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN = range(6)
+# L_RESULT: the largest result (bytes per item) acked in the lane so far: what a
+# claim sets aside for each item's result when its caller does not say.
+L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN, L_RESULT = range(7)
 LF = 8
 W_GEN, W_ACTIVE, W_PID, W_HEARTBEAT, W_CLAIMED, W_LEASE_MS, W_DEVICE_LEN, W_INFO_LEN = range(8)
 WF = 8
@@ -81,12 +88,14 @@ def put_id(item_id: int) -> int:
     """The put id of an item, from its put id or from any of its claim ids."""
     return item_id & PUT_MASK
 
+
 def _layout(slots: int, slab_bytes: int, max_lanes: int, max_workers: int) -> dict[str, int]:
     off, out = 0, {}
     for key, nbytes in (("hdr", HDR_FIELDS * 8), ("slots", slots * SF * 8), ("stack", slots * 8),
                         ("lanes", max_lanes * LF * 8), ("names", max_lanes * NAME_BYTES),
                         ("workers", max_workers * WF * 8), ("devices", max_workers * DEVICE_BYTES),
-                        ("infos", max_workers * INFO_BYTES), ("tags", slab_bytes // UNIT)):
+                        ("infos", max_workers * INFO_BYTES), ("tags", slab_bytes // UNIT),
+                        ("refs", slab_bytes // UNIT * 4)):
         out[key] = off
         off = (off + nbytes + 63) & ~63
     out["slab"] = (off + 4095) & ~4095

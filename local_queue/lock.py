@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from typing import TYPE_CHECKING
 
 from local_queue.layout import H_HOLDER
-from local_queue.records import ItemTooLarge, QueueFull, UnknownWorker
+from local_queue.records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
 
 if TYPE_CHECKING:
     from local_queue.queue import LocalQueue
@@ -36,9 +37,15 @@ class _Lock:
         q = self.q
         if _forks[0] != q._fork:
             raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
-        q._tlock.acquire()
+        # A thread inside no_wait() gets LockBusy instead of waiting.
+        wait = not (q._nowait_threads and threading.get_ident() in q._nowait_threads)
+        if not q._tlock.acquire(blocking=wait):
+            raise LockBusy("the queue lock is held by another thread of this process")
         try:
-            fcntl.flock(q._lock_fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(q._lock_fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LockBusy("the queue lock is held by another process") from None
             try:
                 if q._h[H_HOLDER] != 0:
                     q._repair()

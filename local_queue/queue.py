@@ -9,9 +9,12 @@ claim is a lease: if the worker dies, the items go back to their lane
 (`expire_leases`, `release_worker`) and no request is lost or answered twice.
 
 Memory: one shared segment (layout.py). Slab: a binary buddy allocator
-(slab.py) whose blocks are shared by the items of one call (blocks.py). Puts
-leave 1/8 of the slab free, so workers can always write results (which frees
-payloads) when producers fill it.
+(slab.py) whose blocks are shared by the items of one call (blocks.py) and
+fit their bytes exactly. Puts leave 1/8 of the slab free, so workers can
+always write results (which frees payloads) when producers fill it; a claim
+sets aside room for its items' results (invariant 9); a large put that finds
+the slab fragmented makes smaller puts wait behind it until its room merges
+(`_hold_for_large`).
 
 Where the code lives: layout.py (segment layout, record fields, ids),
 lock.py (the lock), blocks.py and slab.py (slab space), lanes.py (lanes and
@@ -24,6 +27,8 @@ completes it with STATUS_EXPIRED / STATUS_POISON) -> FREE (wait_results copies
 the result out). CLAIMED -> QUEUED on return / lease expiry / release; QUEUED ->
 FREE on cancel. FREE -> DONE (emit): a partial result of a CLAIMED item, in a
 slot of its own carrying the item's request id; the item stays CLAIMED.
+FREE -> RESERVED -> FREE: a slot that holds a slab block for a process copying
+bytes outside the lock (invariant 8); it never carries an item.
 
 Protocol and invariants:
 1. Every read-modify-write of shared state happens under the ONE queue lock:
@@ -67,6 +72,28 @@ Protocol and invariants:
 6. Time is `time.monotonic_ns()` everywhere (CLOCK_MONOTONIC is system-wide).
 7. Payload views handed out by claim point into the slab; they stay valid
    until the item is acked or returned (or its lease is lost).
+8. Reserve, copy, commit. A call moving more than COPY_INLINE bytes (put_many,
+   ack_many, emit_many, wait_results) never copies them under the lock:
+   (a) under the lock it allocates the blocks and takes one RESERVED slot per
+   block (F_OWNER = its pid, F_DATA = the block, one reference); (b) without
+   the lock it copies; (c) under the lock it commits its items (invariant 3;
+   each adds a reference) and releases the RESERVED slots. A reserved block is
+   never freed while its RESERVED slot lives, so (b) needs no lock. If the
+   process dies between (a) and (c), its RESERVED slots outlive it: the next
+   holder that expires leases, releases a dead worker, fails an allocation
+   or repairs finds their pid dead and releases them (their blocks return to
+   the slab, nothing was committed: the put never happened, the ack did not
+   complete and its items come back through their leases). A pid reused
+   before that keeps the space until the new process exits.
+9. Results always have room. A claim sets aside one block for its items'
+   results (`result_bytes` each, default the lane's largest result so far,
+   L_RESULT), held by a RESERVED slot of the claiming process, and takes
+   only as many items as that block fits (none when not one fits: the
+   items stay queued until results are collected). An ack copies a result
+   that fits its item's space there before it takes the lock, and needs no
+   allocation; the handle ends the reservation when the last of the claim's
+   items is acked or returned (`_let_go_areas`), held or not. Only a result
+   larger than its item's space allocates, and only that can be QueueFull.
 """
 
 from __future__ import annotations
@@ -75,37 +102,40 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing import shared_memory
 
 import _posixshmem
 import numpy as np
 import posix_ipc
 
-from local_queue.blocks import BLOCK_HDR, Blocks, _plan_blocks
+from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
 from local_queue.layout import (
-    CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_PREV,
-    F_RES, F_SEQ, F_STATE, F_TOKENS, FREE, GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL,
-    H_FREE_HEADS, H_FREE_TOP, H_MAGIC, H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RES_WAITERS, H_SEQ,
-    H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN, H_WORK_WAITERS, HDR_FIELDS, INFO_BYTES,
-    L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, MAGIC, MAX_LEASE_MS, NAME_BYTES, QUEUED, RESULT_RESERVE, SF,
-    SLOT_BITS, SLOT_MASK, STATUS_EXPIRED, STATUS_POISON, VERSION, W_CLAIMED, W_LEASE_MS, WF, WORKER_BITS,
-    _CLAIM, _HEAD, _NAME_RE, _PUT, _layout, _open_segment, put_id,
+    CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
+    F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH, H_DONE_COUNT,
+    H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC, H_MAX_LANES,
+    H_MAX_WORKERS, H_REPAIRS, H_RES_WAITERS, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
+    H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, MAGIC, MAX_LEASE_MS,
+    NAME_BYTES, QUEUED, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
+    VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
+    _open_segment,
 )
 from local_queue.lanes import Lanes
 from local_queue.lock import _forks, _Lock
 from local_queue.records import (
-    Claim, Done, ItemTooLarge, LaneStats, QueueError, QueueFull, QueueUsage, UnknownWorker, WorkerInfo,
-    _new_tuple,
+    Claim, Done, ItemTooLarge, LaneStats, LockBusy, QueueError, QueueFull, QueueUsage, UnknownWorker,
+    WorkerInfo, _new_tuple,
 )
 from local_queue.recovery import Recovery
 from local_queue.results import Results
-from local_queue.slab import MAX_ORDERS, NIL, UNIT, Slab
+from local_queue.slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
 from local_queue.workers import Workers
 
 # What `from local_queue.queue import ...` has always offered its users.
 __all__ = [
     "DEVICE_BYTES", "INFO_BYTES", "NAME_BYTES", "STATUS_EXPIRED", "STATUS_POISON", "Claim", "Done",
-    "ItemTooLarge", "LaneStats", "LocalQueue", "QueueError", "QueueFull", "QueueUsage", "UnknownWorker",
+    "ItemTooLarge", "LaneStats", "LocalQueue", "LockBusy", "QueueError", "QueueFull", "QueueUsage", "UnknownWorker",
     "WorkerInfo", "put_id",
 ]
 
@@ -209,8 +239,31 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                           h[H_FREE_HEADS:H_FREE_HEADS + MAX_ORDERS], h, H_SLAB_FREE)
         self._work_sem = posix_ipc.Semaphore(f"/{name}.work")
         self._res_sem = posix_ipc.Semaphore(f"/{name}.results")
+        self._refs = region("refs", slab_bytes // UNIT * 4).cast("i")
+        # Puts leave this many slots free for the reservations of claims and acks.
+        self._slot_reserve = min(SLOT_RESERVE, n // 8)
         self._lane_ids: dict[str, int] = {}
         self._lane_names: dict[int, str] = {}
+        # Result space set aside by this handle's claims (invariant 9):
+        # claim id -> (reservation slot, block, byte offset, bytes), and per
+        # reservation slot the claims not yet acked or returned.
+        self._areas: dict[int, tuple[int, int, int, int]] = {}
+        self._area_left: dict[int, int] = {}
+        # Threads inside `no_wait()`: they get LockBusy instead of waiting for the lock.
+        self._nowait_threads: set[int] = set()
+
+    @contextmanager
+    def no_wait(self) -> Iterator[None]:
+        """Inside, on this thread, a call that would wait for the queue lock raises
+        LockBusy instead, with nothing changed; so does a put too large to copy
+        under the lock. For an event loop, which must never block: it retries
+        such a call on a thread of its own."""
+        tid = threading.get_ident()
+        self._nowait_threads.add(tid)
+        try:
+            yield
+        finally:
+            self._nowait_threads.discard(tid)
 
     def __reduce__(self):
         return (LocalQueue.attach, (self.name,))
@@ -225,12 +278,18 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         """Drop this process's handle (the mapping itself lives while claim payload views do)."""
         if self._shm is None:
             return
+        if self._area_left:
+            with self._lock:
+                for s in self._area_left:
+                    self._release(s)
+            self._areas.clear()
+            self._area_left.clear()
         self._work_sem.close()
         self._res_sem.close()
         self._slab.release_views()
         del self._S_np, self._L_np
         for mv in (self._S, self._Sb, self._stack, self._L, self._names, self._W, self._devices, self._infos,
-                   self._data, self._h):
+                   self._refs, self._data, self._h):
             mv.release()
         try:
             self._shm.close()
@@ -297,7 +356,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                       and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63):
             raise ValueError("tokens must be in [0, 2**62), request ids and deadline_ns int64")
         self._check_lane(lane)
-        views, limit = [], self._slab.max_bytes() - BLOCK_HDR
+        views, limit = [], self._slab.max_bytes()
         for p in payloads:
             if type(p) is not bytes:
                 p = memoryview(p).cast("B")
@@ -306,54 +365,111 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             views.append(p)
         lens = [len(p) for p in views]
         groups, need = _plan_blocks(lens)
-        S, Sb, stack, data, h, L = self._S, self._Sb, self._stack, self._data, self._h, self._L
-        pack = _PUT.pack_into
-        ids = []
-        with self._lock:
-            top = h[H_FREE_TOP]
-            if top < n:
-                raise QueueFull(f"queue full: {top} free slots, {n} needed")
-            if h[H_SLAB_FREE] - need < self._reserve:
-                raise QueueFull("queue full: the payload slab is full")
-            placed = self._alloc_blocks(groups, n)
-            if placed is None:
-                raise QueueFull("queue full: no slab block big enough")
-            blocks, at = placed
-            # Slot records, committed one by one and chained behind the lane's
-            # tail: new seqs are the largest, so the lane stays sorted.
-            now = time.monotonic_ns()
-            seq = h[H_SEQ]
-            Lb = lane * LF
-            prev = L[Lb + L_TAIL]
-            for i in range(n):
-                ln = lens[i]
-                if ln:
-                    a = at[i]
-                    data[a:a + ln] = views[i]
-                s = stack[top - 1 - i]
-                b = s * SF
-                gen = S[b + F_GEN] % GEN_MASK + 1
-                seq += 1
-                pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq, tokens[i], request_ids[i], now,
-                     deadline_ns, 0, blocks[i], ln, at[i])
-                S[b] = QUEUED  # commit (invariant 3)
-                if prev == NIL:
-                    L[Lb + L_HEAD] = s
-                else:
-                    S[prev * SF + F_NEXT] = s
-                prev = s
-                ids.append(gen << SLOT_BITS | s)
-            h[H_FREE_TOP] = top - n
-            h[H_SEQ] = seq
-            if n:
-                L[Lb + L_TAIL] = prev
-            L[Lb + L_DEPTH] += n
-            L[Lb + L_TOKENS] += sum(tokens)
-            h[H_DEPTH] += n
-            h[H_WORK_GEN] += 1
-            posts = h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
+        data, h = self._data, self._h
+        if sum(lens) <= COPY_INLINE:
+            with self._lock:
+                blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
+                _copy_in(data, views, lens, at)
+                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
+                self._add_refs(units)
+        else:
+            # Reserve, copy outside the lock, commit (invariant 8): a large body
+            # never stalls the workers and the daemon while it is copied.
+            if self._nowait_threads and threading.get_ident() in self._nowait_threads:
+                raise LockBusy("a large put copies outside the lock: not on a thread that must not wait")
+            with self._lock:
+                blocks, at, units, held = self._room_for_put(groups, need, n, reserve=True)
+            try:
+                _copy_in(data, views, lens, at)
+                with self._lock:
+                    if h[H_FREE_TOP] - n < self._slot_reserve:
+                        raise QueueFull(f"queue full: {h[H_FREE_TOP]} free slots, {n} needed")
+                    ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
+                    self._add_refs(units)
+                    for s in held:
+                        self._release(s)
+                    held = []
+            finally:
+                if held:
+                    with self._lock:
+                        for s in held:
+                            self._release(s)
         self._post(self._work_sem, posts)
         return ids
+
+    def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
+        """Slots and slab blocks for a put (reserved ones if `reserve`), or QueueFull
+        with nothing changed. Puts leave the result reserve and the reservation
+        slots alone, and wait behind a larger put waiting for room (`_hold_for_large`)."""
+        h = self._h
+        top = h[H_FREE_TOP]
+        if top - n - (len(groups) if reserve else 0) < self._slot_reserve:
+            raise QueueFull(f"queue full: {top} free slots, {n} needed")
+        if h[H_SLAB_FREE] - need < self._reserve and not (
+                self._reclaim_dead_reservations() and h[H_SLAB_FREE] - need >= self._reserve):
+            raise QueueFull("queue full: the payload slab is full")
+        until = h[H_HOLD_UNTIL]
+        held = until and until > time.monotonic_ns()
+        if held and groups and max(order_for(nbytes) for nbytes, _ in groups) < h[H_HOLD_ORDER]:
+            raise QueueFull("queue full: a larger payload waits for slab room first")
+        placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
+        if placed is None and self._reclaim_dead_reservations():
+            placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
+        if placed is None:
+            self._hold_for_large(max(order_for(nbytes) for nbytes, _ in groups))
+            raise QueueFull("queue full: no slab block big enough")
+        if held:
+            h[H_HOLD_UNTIL] = 0  # the waiting payload (or a larger one) got its room
+        return placed
+
+    def _hold_for_large(self, order: int) -> None:
+        """A put found free space but no free block of `order` (the slab is fragmented):
+        until HOLD_NS after its last try, smaller puts wait behind it, so the space
+        consumers free merges into a block it can take instead of being taken by
+        small payloads first; large payloads get their turn however many small ones
+        arrive. Claims and acks go on (they free space)."""
+        h = self._h
+        now = time.monotonic_ns()
+        if h[H_HOLD_UNTIL] <= now or order < h[H_HOLD_ORDER]:
+            h[H_HOLD_ORDER] = order
+        h[H_HOLD_UNTIL] = now + HOLD_NS
+
+    def _commit_put(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
+                    deadline_ns: int, blocks: list[int], at: list[int]) -> tuple[list[int], int]:
+        """Slot records for copied payloads, committed one by one and chained behind
+        the lane's tail (new seqs are the largest, so the lane stays sorted).
+        Returns (ids, work posts)."""
+        S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
+        pack = _PUT.pack_into
+        ids = []
+        top = h[H_FREE_TOP]
+        now = time.monotonic_ns()
+        seq = h[H_SEQ]
+        Lb = lane * LF
+        prev = L[Lb + L_TAIL]
+        for i in range(n):
+            s = stack[top - 1 - i]
+            b = s * SF
+            gen = S[b + F_GEN] % GEN_MASK + 1
+            seq += 1
+            pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq, tokens[i], request_ids[i], now,
+                 deadline_ns, 0, blocks[i], lens[i], at[i])
+            S[b] = QUEUED  # commit (invariant 3)
+            if prev == NIL:
+                L[Lb + L_HEAD] = s
+            else:
+                S[prev * SF + F_NEXT] = s
+            prev = s
+            ids.append(gen << SLOT_BITS | s)
+        h[H_FREE_TOP] = top - n
+        h[H_SEQ] = seq
+        if n:
+            L[Lb + L_TAIL] = prev
+        L[Lb + L_DEPTH] += n
+        L[Lb + L_TOKENS] += sum(tokens)
+        h[H_DEPTH] += n
+        h[H_WORK_GEN] += 1
+        return ids, h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
 
     def cancel(self, item_id: int) -> bool:
         """Withdraw a request (it timed out, or its client went away). A still-queued
@@ -385,13 +501,20 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         (hints, invariant 1): a claim no longer held may read another item's."""
         return self._S_np[np.asarray(item_ids, dtype=np.int64) & SLOT_MASK, F_DEADLINE].tolist()
 
-    def claim(self, lane: int, *, worker: int, max_items: int, max_tokens: int, lease_ms: int) -> list[Claim]:
+    def claim(self, lane: int, *, worker: int, max_items: int, max_tokens: int, lease_ms: int,
+              result_bytes: int | None = None) -> list[Claim]:
         """Take items from the head of `lane`, in order, within max_items and max_tokens.
 
-        Always at least one item when the lane holds one, even over max_tokens.
-        Items past their deadline complete with STATUS_EXPIRED instead."""
+        Always at least one item when the lane holds one, even over max_tokens,
+        unless the slab has no room for its result: each claimed item gets
+        `result_bytes` of result space set aside (default: the largest result
+        acked in this lane so far), and a claim takes only as many items as
+        that space fits (invariant 9). Items past their deadline complete with
+        STATUS_EXPIRED instead."""
         if max_items < 1 or not 0 <= lease_ms < MAX_LEASE_MS:
             raise ValueError(f"max_items must be >= 1 and lease_ms in [0, {MAX_LEASE_MS})")
+        if result_bytes is not None and not 0 <= result_bytes <= self._slab.max_bytes():
+            raise ValueError(f"result_bytes must be in [0, {self._slab.max_bytes()}]")
         self._check_lane(lane)
         S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
         unpack, pack = _HEAD.unpack_from, _CLAIM.pack_into
@@ -400,6 +523,16 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             w = self._need_worker(worker)
             now = time.monotonic_ns()
             lease = now + lease_ms * 1_000_000
+            # 1. Results need room (invariant 9): take no more items than the largest
+            #    free block holds results for (0 when not one fits, or no slot is free
+            #    for the reservation).
+            size = L[Lb + L_RESULT] if result_bytes is None else result_bytes
+            if size:
+                room = self._result_room()
+                if room < size * max_items and self._reclaim_dead_reservations():
+                    room = self._result_room()
+                max_items = min(max_items, room // size)
+            # 2. Claim the head in order, expired items completing as they are met.
             s = L[Lb + L_HEAD]
             taken = ntok = expired = expired_tok = 0
             while s != NIL and taken < max_items:
@@ -432,12 +565,24 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             self._h[H_DEPTH] -= taken + expired
             self._W[w * WF + W_CLAIMED] += taken
             self._W[w * WF + W_LEASE_MS] = lease_ms
+            # 3. The results' block, exactly as large as the items taken (it fits: step 1).
+            if size and taken:
+                u = self._slab.alloc(taken * size)
+                self._refs[u] = 0
+                area, base, areas = self._reserve_block(u), u * UNIT, self._areas
+                for j, row in enumerate(taken_rows):
+                    areas[row[0]] = (area, u, base + j * size, size)
+                self._area_left[area] = taken
             posts = min(self._h[H_RES_WAITERS], 1) - self._res_sem.value if expired else 0
         self._post(self._res_sem, posts)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
         return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))
                 for cid, req, t, enq, dl, att, at, ln in taken_rows]
+
+    def _result_room(self) -> int:
+        """Bytes of the largest free slab block, 0 if no slot is free to reserve it."""
+        return self._slab.largest_free() if self._h[H_FREE_TOP] else 0
 
     def return_items(self, item_ids: list[int]) -> int:
         """Give claimed items back to the head of their lanes (in lane order, attempts unchanged).
@@ -455,6 +600,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                         seen.add(s)
                         recs.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
             moved, _ = self._requeue(recs, bump=False, max_attempts=0)
+            if self._areas:
+                self._let_go_areas(item_ids)
             self._h[H_WORK_GEN] += 1
             posts = self._h[H_WORK_WAITERS] - self._work_sem.value if moved else 0
         self._post(self._work_sem, posts)

@@ -23,6 +23,11 @@ class ItemTooLarge(QueueError):
     """A payload or result larger than the slab's largest block: it can never fit."""
 
 
+class LockBusy(Exception):
+    """Raised instead of waiting for the queue lock, inside `LocalQueue.no_wait()`;
+    nothing changed. The caller retries where waiting is allowed (a thread)."""
+
+
 class UnknownWorker(LookupError):
     """The worker id is not registered (never was, unregistered, or released as dead)."""
 

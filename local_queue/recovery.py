@@ -1,5 +1,6 @@
-"""Lease expiry, dead workers, and the repair after a death inside the lock
-(protocol invariant 4 in `local_queue.queue`); `check` verifies every invariant."""
+"""Lease expiry, dead workers and their reservations, and the repair after a
+death inside the lock (protocol invariants 4 and 8 in `local_queue.queue`);
+`check` verifies every invariant."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import numpy as np
 from local_queue.layout import (
     CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, FREE,
     H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RES_WAITERS, H_SEQ,
-    H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, SF, W_ACTIVE,
-    W_CLAIMED, WF,
+    H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
+    W_ACTIVE, W_CLAIMED, WF,
 )
-from local_queue.slab import NIL
+from local_queue.slab import ALLOCATED, NIL
 
 
 class Recovery:
@@ -21,9 +22,11 @@ class Recovery:
 
     def expire_leases(self, now_ns: int | None = None, *, max_attempts: int = 3) -> int:
         """Claimed items whose lease passed go back to their lanes (attempts += 1) or, at
-        max_attempts, complete with STATUS_POISON. Returns how many moved."""
+        max_attempts, complete with STATUS_POISON. Returns how many moved. Also
+        releases the reservations of processes that died holding one."""
         now = time.monotonic_ns() if now_ns is None else now_ns
         with self._lock:
+            self._reclaim_dead_reservations()
             S = self._S_np
             late = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_LEASE] < now)).tolist()
             moved, work_posts, res_posts = self._settle(late, max_attempts)
@@ -34,6 +37,7 @@ class Recovery:
     def release_worker(self, wid: int, *, max_attempts: int = 3) -> int:
         """A worker known dead: its claims go back now (attempts += 1) or poison; it is unregistered."""
         with self._lock:
+            self._reclaim_dead_reservations()
             S = self._S_np
             mine = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_OWNER] == wid)).tolist()
             moved, work_posts, res_posts = self._settle(mine, max_attempts)
@@ -54,21 +58,24 @@ class Recovery:
         work_posts = h[H_WORK_WAITERS] - self._work_sem.value if requeued else 0
         res_posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if poisoned else 0
         return requeued + poisoned, work_posts, res_posts
+
     # -- repair and verification --------------------------------------------------
     def _block_refs(self) -> dict[int, int]:
-        """Block -> number of items referring to it, from the slot states."""
+        """Block -> number of records referring to it, from the slot states."""
         S = self._S_np
         st = S[:, F_STATE]
-        data = S[((st == QUEUED) | (st == CLAIMED)) & (S[:, F_DATA] != NIL), F_DATA]
+        data = S[((st == QUEUED) | (st == CLAIMED) | (st == RESERVED)) & (S[:, F_DATA] != NIL), F_DATA]
         res = S[(st == DONE) & (S[:, F_RES] != NIL), F_RES]
         blocks, counts = np.unique(np.concatenate([data, res]), return_counts=True)
         return dict(zip(blocks.tolist(), counts.tolist()))
 
     def _live_blocks(self, refs: dict[int, int]) -> list[tuple[int, int]]:
-        Q, top = self._slab.links, self._slab.top_order
-        live = [(u, Q[u * 8 + 1]) for u in refs]
-        if any(not 0 <= k <= top for _, k in live):
-            raise RuntimeError("slab: a live block header has no valid order; this is a bug")
+        tags, top = self._slab.tags, self._slab.top_order
+        if any(not tags[u] & ALLOCATED for u in refs):
+            raise RuntimeError("slab: a live block is not tagged allocated; this is a bug")
+        live = [(u, tags[u] & ~ALLOCATED) for u in refs]
+        if any(k > top for _, k in live):
+            raise RuntimeError("slab: a live block has no valid order; this is a bug")
         return live
 
     def _repair(self) -> None:
@@ -82,13 +89,13 @@ class Recovery:
         S[st == FREE, F_DATA] = NIL
         S[st == FREE, F_RES] = NIL
         S[st == DONE, F_DATA] = NIL
-        S[(st == QUEUED) | (st == CLAIMED), F_RES] = NIL  # so _block_refs counts owners only
+        S[(st == QUEUED) | (st == CLAIMED) | (st == RESERVED), F_RES] = NIL  # so _block_refs counts owners only
         # Lanes: QUEUED slots grouped by lane, sorted by seq.
         q = np.flatnonzero(st == QUEUED)
         q = q[np.lexsort((S[q, F_SEQ], S[q, F_LANE]))]
         lanes = S[q, F_LANE]
-        same_next = np.append(lanes[1:] == lanes[:-1], False)
-        same_prev = np.insert(lanes[1:] == lanes[:-1], 0, False)
+        same_next = np.append(lanes[1:] == lanes[:-1], False)[:len(q)]  # (no queued item: empty)
+        same_prev = np.insert(lanes[1:] == lanes[:-1], 0, False)[:len(q)]
         S[q, F_NEXT] = np.where(same_next, np.append(q[1:], NIL), NIL)
         S[q, F_PREV] = np.where(same_prev, np.insert(q[:-1], 0, NIL), NIL)
         L[:, L_HEAD] = L[:, L_TAIL] = NIL
@@ -120,10 +127,12 @@ class Recovery:
         h[H_SEQ] = max(h[H_SEQ], int(S[:, F_SEQ].max()))
         h[H_WORK_GEN] += 1
         refs = self._block_refs()
-        Q = self._slab.links
+        R = self._refs
         for u, n in refs.items():
-            Q[u * 8] = n  # refcounts as the committed states say
+            R[u] = n  # refcounts as the committed states say
         self._slab.rebuild(self._live_blocks(refs))
+        # Reservations stay (their processes may be copying right now), unless dead.
+        self._reclaim_dead_reservations()
         h[H_REPAIRS] += 1
 
     def check(self) -> None:
@@ -165,8 +174,8 @@ class Recovery:
         if free != set(np.flatnonzero(st == FREE).tolist()) or len(free) != h[H_FREE_TOP]:
             raise RuntimeError("free slot stack and free slots disagree")
         refs = self._block_refs()
-        Q = self._slab.links
+        R = self._refs
         for u, n in refs.items():
-            if Q[u * 8] != n:
-                raise RuntimeError(f"slab block {u}: refcount {Q[u * 8]}, {n} items refer to it")
+            if R[u] != n:
+                raise RuntimeError(f"slab block {u}: refcount {R[u]}, {n} records refer to it")
         self._slab.check(self._live_blocks(refs))

@@ -1,18 +1,41 @@
-"""Results: acks and partial results in, the single consumer's collection out."""
+"""Results: acks and partial results in, the single consumer's collection out.
+
+Bytes move outside the lock where they can (invariants 8 and 9 in
+`local_queue.queue`): a result that fits the space its claim set aside is
+copied there before the ack takes the lock; other results over COPY_INLINE
+bytes are copied into reserved blocks between two short critical sections;
+wait_results copies more than COPY_INLINE bytes out of reserved blocks after
+the slots are already free.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
 
-from local_queue.blocks import BLOCK_HDR, _plan_blocks
+from local_queue.blocks import COPY_INLINE, _plan_blocks
 from local_queue.layout import (
-    DONE, EPOCH_SHIFT, F_DATA, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_REQ, F_RES, F_STATE, GEN_MASK,
-    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_RES_WAITERS, H_SEQ, H_SLAB_FREE, SF, SLOT_BITS,
-    SLOT_MASK, STATUS_EXPIRED, STATUS_POISON, _HEAD, _PUT, _RECORD, _RESULT, CLAIMED, FREE,
+    CLAIMED, DONE, EPOCH_SHIFT, F_DATA, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_REQ, F_RES, F_STATE, FREE,
+    GEN_MASK, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_RES_WAITERS, H_SEQ, H_SLAB_FREE, L_RESULT, LF,
+    SF, SLOT_BITS, SLOT_MASK, STATUS_EXPIRED, STATUS_POISON, _HEAD, _PUT, _RECORD, _RESULT,
 )
 from local_queue.records import Done, ItemTooLarge, QueueFull, _new_tuple
 from local_queue.slab import NIL
+
+
+def _as_bytes(items: list, limit: int, reserved: tuple[int, ...]) -> list:
+    """The result buffers of (id, result, status) items, checked before anything changes:
+    a status is a u8 other than the `reserved` ones."""
+    results = []
+    for _, r, st in items:
+        if type(r) is not bytes:
+            r = memoryview(r).cast("B")
+        if len(r) > limit:
+            raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
+        if not 0 <= st <= 255 or st in reserved:
+            raise ValueError(f"status must be a u8 other than {STATUS_EXPIRED} and {STATUS_POISON} (the queue's)")
+        results.append(r)
+    return results
 
 
 class Results:
@@ -24,84 +47,193 @@ class Results:
     def ack_many(self, items: list[tuple[int, bytes | memoryview, int]]) -> list[bool]:
         """Complete claimed items with results. False (nothing changed) for a claim no longer held.
 
-        Puts leave 1/8 of the slab to results. If the results still find no
-        space: QueueFull and nothing changed; the worker then acks with an error
-        status and empty results, which need no space."""
-        limit = self._slab.max_bytes() - BLOCK_HDR
-        results = []
-        for _, r, st in items:
-            if type(r) is not bytes:
-                r = memoryview(r).cast("B")
-            if len(r) > limit:
-                raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
-            if not 0 <= st <= 255 or st in (STATUS_EXPIRED, STATUS_POISON):
-                raise ValueError(f"status must be a u8 other than {STATUS_EXPIRED} and {STATUS_POISON} (the queue's)")
-            results.append(r)
-        S, Sb, data, h, nslots = self._S, self._Sb, self._data, self._h, self._nslots
+        A result no larger than the space its claim set aside (invariant 9)
+        always has room. A larger one needs a new block: if none is free,
+        QueueFull and nothing changed (the worker then acks with a short error,
+        which fits)."""
+        results = _as_bytes(items, self._slab.max_bytes(), (STATUS_EXPIRED, STATUS_POISON))
+        S, Sb, data, h, nslots, R = self._S, self._Sb, self._data, self._h, self._nslots, self._refs
         pack, unpack = _RESULT.pack_into, _HEAD.unpack_from
-        # Planned outside the lock for the usual case: every claim still held.
-        lens = [len(r) for r in results]
-        plan = _plan_blocks(lens)[0]
-        # Payload blocks, lanes and owners of the acked items, counted at the end.
-        blocks_out, lanes, owners = [], [], []
-        first = last = NIL  # acked slots, chained, appended to the done list at the end
-        with self._lock:
-            # 1. Which claims are still held (each slot once).
-            held, out = {}, []
-            for i, (cid, _, _) in enumerate(items):
-                s = cid & SLOT_MASK
-                ok = False
-                if s < nslots and s not in held:
-                    rec = unpack(Sb, s * SF * 8)
-                    ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
-                          and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
-                    if ok:
-                        held[s] = (i, rec)
-                out.append(ok)
-            # 2. Result blocks for all of them, or nothing changes.
-            order = list(held.items())
-            if len(order) != len(items):
-                lens = [len(results[i]) for _, (i, _) in order]
-                plan = _plan_blocks(lens)[0]
-            placed = self._alloc_blocks(plan, len(order))
-            if placed is None:
-                raise QueueFull("no slab space for these results; ack them with empty results")
-            blocks, at = placed
-            # 3. Per item: copy the result, commit, let go of the payload block.
-            for j, (s, (i, rec)) in enumerate(order):
-                b = s * SF
-                ln = lens[j]
+        # 1. Outside the lock: results that fit their claim's space are copied there.
+        areas = self._areas
+        where: list = [None] * len(items)  # (block, byte offset) of each result, once known
+        spill = []
+        get = areas.get
+        for i, (cid, _, _) in enumerate(items):
+            r = results[i]
+            ln = len(r)
+            a = get(cid)
+            if a is not None and ln <= a[3]:
+                _, u, at, _ = a
                 if ln:
-                    a = at[j]
-                    data[a:a + ln] = results[i]
-                pack(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
-                S[b] = DONE  # commit; from here the payload block reference is ours to drop
-                blocks_out.append(rec[F_DATA])
-                lanes.append(rec[F_LANE])
-                owners.append(rec[F_OWNER])
-                S[b + F_NEXT] = NIL
-                if last == NIL:
-                    first = s
+                    data[at:at + ln] = r
+                where[i] = (u, at)
+            elif ln:
+                spill.append(i)
+        # 2. Large results without such space: reserve, copy outside the lock.
+        held_blocks = []
+        if spill and sum(len(results[i]) for i in spill) > COPY_INLINE:
+            held_blocks = self._reserve_and_copy([results[i] for i in spill], "results", where, spill)
+        blocks_out, lanes, owners = [], [], []  # payload blocks, lanes, owners of the acked items
+        first = last = NIL  # acked slots, chained, appended to the done list at the end
+        try:
+            with self._lock:
+                # 3. Which claims are still held (each slot once).
+                held, out = {}, []
+                for i, (cid, _, _) in enumerate(items):
+                    s = cid & SLOT_MASK
+                    ok = False
+                    if s < nslots and s not in held:
+                        rec = unpack(Sb, s * SF * 8)
+                        ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
+                              and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
+                        if ok:
+                            held[s] = (i, rec)
+                    out.append(ok)
+                # 4. Small results without space: blocks for the held ones, copied here.
+                if spill and not held_blocks:
+                    rest = [i for i, _ in held.values() if where[i] is None and len(results[i])]
+                    if rest:
+                        self._place_inline([results[i] for i in rest], where, rest)
+                # 5. Per item: commit, then let go of the payload block.
+                refs_in = []  # result blocks, one entry per committed item
+                lens = []
+                for s, (i, rec) in held.items():
+                    b = s * SF
+                    ln = len(results[i])
+                    if ln:
+                        u, at = where[i]
+                        refs_in.append(u)
+                    else:
+                        u = at = NIL
+                    pack(Sb, b * 8 + F_RES * 8, u, ln, at, items[i][2])
+                    S[b] = DONE  # commit; from here the payload block reference is ours to drop
+                    blocks_out.append(rec[F_DATA])
+                    lanes.append(rec[F_LANE])
+                    lens.append(ln)
+                    owners.append(rec[F_OWNER])
+                    S[b + F_NEXT] = NIL
+                    if last == NIL:
+                        first = s
+                    else:
+                        S[last * SF + F_NEXT] = s
+                    last = s
+                if refs_in and refs_in.count(refs_in[0]) == len(refs_in):
+                    R[refs_in[0]] += len(refs_in)  # the usual case: one claim's result block
                 else:
-                    S[last * SF + F_NEXT] = s
-                last = s
-            drops = Counter(blocks_out)
-            drops.pop(NIL, None)
-            self._drop_refs(drops)
-            if first != NIL:
-                tail = h[H_DONE_TAIL]
-                if tail == NIL:
-                    h[H_DONE_HEAD] = first
+                    for u, n in Counter(refs_in).items():
+                        R[u] += n
+                self._learn_result_sizes(lanes, lens)
+                drops = Counter(blocks_out)
+                drops.pop(NIL, None)
+                self._drop_refs(drops)
+                if areas:
+                    self._let_go_areas([cid for cid, _, _ in items])
+                for s in held_blocks:
+                    self._release(s)
+                held_blocks = []
+                if first != NIL:
+                    tail = h[H_DONE_TAIL]
+                    if tail == NIL:
+                        h[H_DONE_HEAD] = first
+                    else:
+                        S[tail * SF + F_NEXT] = first
+                    h[H_DONE_TAIL] = last
+                    h[H_DONE_COUNT] += len(held)
+                    self._drop_claimed(Counter(lanes), Counter(owners))
+                    posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
                 else:
-                    S[tail * SF + F_NEXT] = first
-                h[H_DONE_TAIL] = last
-                h[H_DONE_COUNT] += len(order)
-                self._drop_claimed(Counter(lanes), Counter(owners))
-                posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
-            else:
-                posts = 0
+                    posts = 0
+        finally:
+            if held_blocks:
+                with self._lock:
+                    for s in held_blocks:
+                        self._release(s)
         self._post(self._res_sem, posts)
         return out
+
+    def _learn_result_sizes(self, lanes: list[int], lens: list[int]) -> None:
+        """Raise each lane's L_RESULT to the largest result just acked in it."""
+        L = self._L
+        if not lanes:
+            return
+        if lanes.count(lanes[0]) == len(lanes):
+            top = {lanes[0]: max(lens)}
+        else:
+            top = {}
+            for lane, ln in zip(lanes, lens):
+                if ln > top.get(lane, -1):
+                    top[lane] = ln
+        for lane, ln in top.items():
+            if ln > L[lane * LF + L_RESULT]:
+                L[lane * LF + L_RESULT] = ln
+
+    def _place_inline(self, results: list, where: list, index: list[int]) -> None:
+        """Blocks for `results`, copied under the lock; where[index[j]] = (block, offset).
+        QueueFull (nothing allocated) when they do not fit."""
+        groups = _plan_blocks([len(r) for r in results])[0]
+        placed = self._alloc_blocks(groups, len(results))
+        if placed is None and self._reclaim_dead_reservations():
+            placed = self._alloc_blocks(groups, len(results))
+        if placed is None:
+            raise QueueFull("no slab space for these results; ack them with short error results")
+        blocks, at, _ = placed
+        data = self._data
+        for j, r in enumerate(results):
+            data[at[j]:at[j] + len(r)] = r
+            where[index[j]] = (blocks[j], at[j])
+
+    def _reserve_and_copy(self, results: list, what: str, where: list, index: list[int],
+                          *, need_free: int = 0) -> list[int]:
+        """Reserve blocks for `results` under the lock, copy them outside it;
+        where[index[j]] = (block, offset). Returns the reservation slots (the caller
+        releases them after its commit). QueueFull (nothing changed) when they do
+        not fit, or would leave fewer than `need_free` units free."""
+        groups, need = _plan_blocks([len(r) for r in results])
+        with self._lock:
+            placed = None
+            if self._h[H_SLAB_FREE] - need >= need_free:
+                placed = self._reserve_blocks(groups, len(results))
+                if placed is None and self._reclaim_dead_reservations():
+                    placed = self._reserve_blocks(groups, len(results))
+            if placed is None:
+                raise QueueFull(f"no slab space for these {what}")
+        blocks, at, _, held = placed
+        try:
+            data = self._data
+            for j, r in enumerate(results):
+                data[at[j]:at[j] + len(r)] = r
+                where[index[j]] = (blocks[j], at[j])
+        except BaseException:
+            with self._lock:
+                for s in held:
+                    self._release(s)
+            raise
+        return held
+
+    def _let_go_areas(self, item_ids: list[int]) -> None:
+        """These claims no longer need the result space set aside for them (caller holds
+        the lock): a claim's reservation ends with its last item acked or returned."""
+        pop, left = self._areas.pop, self._area_left
+        ended: dict[int, int] = {}
+        last, k = NIL, 0  # runs of one reservation: the items of one claim come together
+        for cid in item_ids:
+            a = pop(cid, None)
+            if a is not None:
+                if a[0] != last:
+                    if k:
+                        ended[last] = ended.get(last, 0) + k
+                    last, k = a[0], 0
+                k += 1
+        if k:
+            ended[last] = ended.get(last, 0) + k
+        for s, k in ended.items():
+            n = left[s] - k
+            if n:
+                left[s] = n
+            else:
+                del left[s]
+                self._release(s)
 
     def emit(self, item_id: int, result: bytes | memoryview, *, status: int) -> bool:
         return self.emit_many([(item_id, result, status)])[0]
@@ -117,106 +249,144 @@ class Results:
         be touched, so final acks always find room. After a repair the done list
         is rebuilt by seq, and an item's final result (put seq) may then precede
         its partials: a reader must take the final result as the whole answer."""
-        limit = self._slab.max_bytes() - BLOCK_HDR
-        results = []
-        for _, r, st in items:
-            if type(r) is not bytes:
-                r = memoryview(r).cast("B")
-            if len(r) > limit:
-                raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
-            if not 0 <= st <= 255:
-                raise ValueError("status must be a u8")
-            results.append(r)
-        S, Sb, data, h, stack, nslots = self._S, self._Sb, self._data, self._h, self._stack, self._nslots
+        results = _as_bytes(items, self._slab.max_bytes(), ())
+        S, Sb, h, stack, nslots, R = self._S, self._Sb, self._h, self._stack, self._nslots, self._refs
         unpack = _HEAD.unpack_from
-        with self._lock:
-            # 1. Which claims are still held (a slot may emit several records in one call).
-            held, out = [], []
-            for i, (cid, _, _) in enumerate(items):
-                s = cid & SLOT_MASK
-                ok = False
-                if s < nslots:
-                    rec = unpack(Sb, s * SF * 8)
-                    ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
-                          and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
-                    if ok:
-                        held.append((i, rec))
-                out.append(ok)
-            if not held:
-                return out
-            # 2. A slot and result space for each, or nothing changes.
-            n, top = len(held), h[H_FREE_TOP]
-            if top < n:
-                raise QueueFull(f"no free slot for {n} partial results ({top} free)")
-            lens = [len(results[i]) for i, _ in held]
-            groups, need = _plan_blocks(lens)
-            if h[H_SLAB_FREE] - need < self._reserve:
-                raise QueueFull("no slab space for partial results outside the result reserve")
-            placed = self._alloc_blocks(groups, n)
-            if placed is None:
-                raise QueueFull("no slab block big enough for these partial results")
-            blocks, at = placed
-            # 3. Per record: copy, write the slot's fields, commit, chain onto the done list.
-            now, seq = time.monotonic_ns(), h[H_SEQ]
-            for j, (i, rec) in enumerate(held):
-                ln = lens[j]
-                if ln:
-                    data[at[j]:at[j] + ln] = results[i]
-                slot = stack[top - 1 - j]
-                b = slot * SF
-                seq += 1
-                _PUT.pack_into(Sb, b * 8 + F_NEXT * 8, NIL, NIL, S[b + F_GEN] % GEN_MASK + 1, rec[F_LANE], seq, 0,
-                               rec[F_REQ], now, 0, 0, NIL, 0, NIL)
-                S[b + F_OWNER] = NIL
-                _RESULT.pack_into(Sb, b * 8 + F_RES * 8, blocks[j], ln, at[j], items[i][2])
-                S[b] = DONE  # commit (invariant 3)
-                self._append_done(slot)
-            h[H_FREE_TOP] = top - n
-            h[H_SEQ] = seq
-            posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
+        where: list = [None] * len(items)
+        held_blocks = []
+        if sum(len(r) for r in results) > COPY_INLINE:
+            nonempty = [i for i, r in enumerate(results) if len(r)]
+            held_blocks = self._reserve_and_copy([results[i] for i in nonempty], "partial results outside the "
+                                                 "result reserve", where, nonempty, need_free=self._reserve)
+        try:
+            with self._lock:
+                # 1. Which claims are still held (a slot may emit several records in one call).
+                held, out = [], []
+                for i, (cid, _, _) in enumerate(items):
+                    s = cid & SLOT_MASK
+                    ok = False
+                    if s < nslots:
+                        rec = unpack(Sb, s * SF * 8)
+                        ok = (rec[F_STATE] == CLAIMED and rec[F_EPOCH] == cid >> EPOCH_SHIFT
+                              and rec[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK)
+                        if ok:
+                            held.append((i, rec))
+                    out.append(ok)
+                if not held:
+                    return out
+                # 2. A slot and result space for each, or nothing changes.
+                n, top = len(held), h[H_FREE_TOP]
+                if top - n < self._slot_reserve:
+                    raise QueueFull(f"no free slot for {n} partial results ({top} free)")
+                if not held_blocks:
+                    rest = [i for i, _ in held if len(results[i])]
+                    need = _plan_blocks([len(results[i]) for i in rest])[1]
+                    if h[H_SLAB_FREE] - need < self._reserve:
+                        raise QueueFull("no slab space for partial results outside the result reserve")
+                    if rest:
+                        self._place_inline([results[i] for i in rest], where, rest)
+                # 3. Per record: write the slot's fields, commit, chain onto the done list.
+                now, seq = time.monotonic_ns(), h[H_SEQ]
+                for j, (i, rec) in enumerate(held):
+                    ln = len(results[i])
+                    if ln:
+                        u, at = where[i]
+                        R[u] += 1
+                    else:
+                        u = at = NIL
+                    slot = stack[top - 1 - j]
+                    b = slot * SF
+                    seq += 1
+                    _PUT.pack_into(Sb, b * 8 + F_NEXT * 8, NIL, NIL, S[b + F_GEN] % GEN_MASK + 1, rec[F_LANE], seq,
+                                   0, rec[F_REQ], now, 0, 0, NIL, 0, NIL)
+                    S[b + F_OWNER] = NIL
+                    _RESULT.pack_into(Sb, b * 8 + F_RES * 8, u, ln, at, items[i][2])
+                    S[b] = DONE  # commit (invariant 3)
+                    self._append_done(slot)
+                h[H_FREE_TOP] = top - n
+                h[H_SEQ] = seq
+                for s in held_blocks:
+                    self._release(s)
+                held_blocks = []
+                posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
+        finally:
+            if held_blocks:
+                with self._lock:
+                    for s in held_blocks:
+                        self._release(s)
         self._post(self._res_sem, posts)
         return out
-    # -- results -----------------------------------------------------------------
+
+    # -- collection -----------------------------------------------------------------
     def wait_results(self, timeout_s: float) -> list[Done]:
         """Block until results exist; return all of them (copied out, space freed).
 
         Meant for one consumer (the daemon); several would split the results."""
         h = self._h
+        taken = None
         with self._lock:
             if h[H_DONE_COUNT] > 0:
-                return self._take_done()
-            h[H_RES_WAITERS] += 1
-        try:
-            self._wait(self._res_sem, lambda: h[H_DONE_COUNT] > 0, timeout_s)
-        except BaseException:
-            # Interrupted: leave the results in the queue for the next call.
+                taken = self._take_done()
+            else:
+                h[H_RES_WAITERS] += 1
+        if taken is None:
+            try:
+                self._wait(self._res_sem, lambda: h[H_DONE_COUNT] > 0, timeout_s)
+            except BaseException:
+                # Interrupted: leave the results in the queue for the next call.
+                with self._lock:
+                    h[H_RES_WAITERS] -= 1
+                raise
             with self._lock:
                 h[H_RES_WAITERS] -= 1
-            raise
-        with self._lock:
-            h[H_RES_WAITERS] -= 1
-            return self._take_done()
+                taken = self._take_done()
+        out, held = taken
+        if not held:
+            return out
+        data = self._data
+        try:
+            return [d if type(d) is Done else _new_tuple(Done, (d[0], d[1], d[2], bytes(data[d[3]:d[3] + d[4]])))
+                    for d in out]
+        finally:
+            with self._lock:
+                for s in held:
+                    self._release(s)
 
-    def _take_done(self) -> list[Done]:
+    def _take_done(self) -> tuple[list, list[int]]:
+        """Take the done list (caller holds the lock): (results, reservations). The
+        first COPY_INLINE bytes are copied here; the rest are copied by the caller
+        after it released the lock, from blocks held by the reservations taken here
+        as their slots were freed (invariant 8): those results are
+        (id, request id, status, offset, length) rows until then."""
         S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
         unpack = _RECORD.unpack_from
         blocks_out = []  # result blocks let go of, counted at the end
         out = []
+        late = False
+        budget = COPY_INLINE
         s = h[H_DONE_HEAD]
         top = h[H_FREE_TOP]
         while s != NIL:
             b = s * SF
             (_, nxt, _, gen, _, _, _, req, *_, u, ln, at, st) = unpack(Sb, b * 8)
-            out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st, bytes(data[at:at + ln]) if ln else b"")))
+            if ln <= budget:
+                budget -= ln
+                out.append(_new_tuple(Done, (gen << SLOT_BITS | s, req, st, bytes(data[at:at + ln]) if ln else b"")))
+            else:
+                late = True
+                budget = 0
+                out.append((gen << SLOT_BITS | s, req, st, at, ln))
             S[b] = FREE  # commit
             blocks_out.append(u)
             stack[top] = s
             top += 1
             s = nxt
-        drops = Counter(blocks_out)
-        drops.pop(NIL, None)
-        self._drop_refs(drops)
         h[H_FREE_TOP] = top
         h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
         h[H_DONE_COUNT] = 0
-        return out
+        drops = Counter(blocks_out)
+        drops.pop(NIL, None)
+        # Late copies: each block stays ours (one reservation) until its bytes are out.
+        held = [self._reserve_block(u) for u in drops] if late else []
+        self._drop_refs(drops)
+        return out, held

@@ -9,9 +9,10 @@ merged at once, so free space never splinters below what live blocks force.
 
 State, all inside the shared segment and only touched under the queue lock:
 - `tags[u]` (u8 per 64-byte unit) = order + 1 if unit `u` starts a free block on
-  free list `order`, else 0. Exact at all times: every push sets it, every
-  removal clears it. An allocated block carries no tag; its owner knows its
-  order (the queue keeps it in the block's own header).
+  free list `order`; ALLOCATED | order if it starts an allocated block; else 0.
+  Exact at all times: every push sets it, every removal clears it, alloc tags
+  what it hands out. So a block's bytes are all its owner's (no in-block
+  header): a payload of exactly 2**k bytes takes a 2**k block.
 - `heads[k]`: first free block of order k (NIL = -1). Free lists are doubly
   linked through the first 16 bytes of each free block (`links[u*8]` = next,
   `links[u*8+1]` = prev); a free block's bytes belong to the allocator.
@@ -35,6 +36,7 @@ import numpy as np
 UNIT = 64  # bytes in the smallest block; also the alignment of every block
 MAX_ORDERS = 48  # 64 B << 47: far above any slab we map
 NIL = -1
+ALLOCATED = 0x80  # tag bit of an allocated block's first unit (free tags are 1..MAX_ORDERS)
 
 
 def order_for(nbytes: int) -> int:
@@ -87,6 +89,14 @@ class Slab:
         heads[k] = u
         self.tags[u] = k + 1
 
+    def largest_free(self) -> int:
+        """Bytes of the largest free block (0 if none): an alloc of at most that succeeds."""
+        heads = self.heads
+        for k in range(self.top_order, -1, -1):
+            if heads[k] != NIL:
+                return UNIT << k
+        return 0
+
     # -- alloc / free ------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """Unit index of a new block of >= nbytes (> 0), or NIL if none is free."""
@@ -104,7 +114,6 @@ class Slab:
         heads[j] = n
         if n != NIL:
             links[n * 8 + 1] = NIL
-        tags[u] = 0
         # Split down to order k; the upper halves go on the (then empty) lower lists.
         while j > k:
             j -= 1
@@ -116,11 +125,14 @@ class Slab:
                 links[h * 8 + 1] = v
             heads[j] = v
             tags[v] = j + 1
+        tags[u] = ALLOCATED | k
         self.hdr[self.free_index] -= 1 << k
         return u
 
-    def free(self, u: int, k: int) -> None:
-        """Give back the block of order k at unit u."""
+    def free(self, u: int) -> None:
+        """Give back the allocated block at unit u."""
+        k = self.tags[u] & ~ALLOCATED
+        self.tags[u] = 0
         self.hdr[self.free_index] += 1 << k
         tags, units, top, links, heads = self.tags, self.units, self.top_order, self.links, self.heads
         # Merge with the buddy while it is a free block of the same order.
@@ -153,6 +165,8 @@ class Slab:
             if u & ((1 << k) - 1) or u + (1 << k) > nxt:
                 raise RuntimeError(f"slab: live block ({u}, {k}) misaligned or overlapping; this is a bug")
         np.frombuffer(self.tags, dtype=np.uint8)[:] = 0
+        for u, k in live:
+            self.tags[u] = ALLOCATED | k
         for k in range(MAX_ORDERS):
             self.heads[k] = NIL
         self.hdr[self.free_index] = 0
@@ -184,8 +198,12 @@ class Slab:
                     raise RuntimeError(f"slab: free list {k} broken at unit {u}")
                 free.append((u, k))
                 prev, u = u, self.links[u * 8]
-        if np.count_nonzero(np.frombuffer(self.tags, dtype=np.uint8)) != len(free):
+        tags = np.frombuffer(self.tags, dtype=np.uint8)
+        if np.count_nonzero((tags > 0) & (tags < ALLOCATED)) != len(free):
             raise RuntimeError("slab: stray free tags")
+        if sorted(np.flatnonzero(tags >= ALLOCATED).tolist()) != sorted(u for u, _ in live) or any(
+                tags[u] != ALLOCATED | k for u, k in live):
+            raise RuntimeError("slab: allocated tags and live blocks disagree")
         free_set = set(free)
         for u, k in free:
             b = u ^ (1 << k)

@@ -315,3 +315,151 @@ def test_many_producers_and_consumers_with_kills_deliver_each_item_exactly_once(
                 _kill(p)
         q.close()
         q.unlink()
+
+
+# -- reserve, copy, commit ----------------------------------------------------------
+
+def _put_and_stall_before_commit(name: str, conn, size: int) -> None:
+    from local_queue import queue as lq
+
+    copy_in = lq._copy_in
+
+    def copy_then_stall(*args):
+        copy_in(*args)
+        conn.send("copied")
+        time.sleep(120)
+
+    # The point between reserve and commit: blocks reserved, bytes copied, nothing committed.
+    lq._copy_in = copy_then_stall
+    q = LocalQueue.attach(name)
+    q.put(q.lane_id("m"), b"x" * size, tokens=1, request_id=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_put_killed_between_reserve_and_commit_leaves_a_state_the_next_holder_repairs():
+    size, slab = 8 << 20, 16 << 20
+    q = LocalQueue.create(slots=64, slab_bytes=slab)
+    try:
+        lane = q.lane_id("m")
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_put_and_stall_before_commit, args=(q.name, child, size))
+        proc.start()
+        assert parent.poll(30) and parent.recv() == "copied"
+        # The 8 MiB were copied outside the lock: the queue serves others meanwhile.
+        assert q.usage().slab_free_bytes == slab - size
+        q.put(lane, b"y", tokens=1, request_id=2)
+        # A live reserver keeps its space, whoever sweeps (it may still be copying).
+        q.expire_leases()
+        assert q.usage().slab_free_bytes == slab - size - 64
+        _kill(proc)
+        # The next holder that needs the space finds the reserver dead and takes it back;
+        # the dead put never happened.
+        q.put(lane, b"z" * size, tokens=1, request_id=3)
+        q.check()
+        w = q.register_worker(os.getpid(), "cpu")
+        claims = q.claim(lane, worker=w, max_items=10, max_tokens=100, lease_ms=LONG, result_bytes=0)
+        assert [c.request_id for c in claims] == [2, 3]
+        assert all(q.ack_many([(c.item_id, b"", 0) for c in claims]))
+        del claims
+        assert sorted(d.request_id for d in q.wait_results(0)) == [2, 3]
+        u = q.usage()
+        assert u.slab_free_bytes == u.slab_bytes and u.slots_free == u.slots
+        q.check()
+    finally:
+        q.close()
+        q.unlink()
+
+
+def _claim_and_hang(name: str, conn) -> None:
+    q = LocalQueue.attach(name)
+    w = q.register_worker(os.getpid(), "cpu")
+    claims = q.claim(q.lane_id("m"), worker=w, max_items=8, max_tokens=100, lease_ms=LONG, result_bytes=1 << 20)
+    conn.send(len(claims))
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_holding_result_space_gives_it_back_with_its_claims():
+    q = LocalQueue.create(slots=64, slab_bytes=8 << 20)
+    try:
+        lane = q.lane_id("m")
+        q.put_many(lane, [b"a", b"b"], tokens=[1, 1], request_ids=[0, 1])
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_claim_and_hang, args=(q.name, child))
+        proc.start()
+        assert parent.poll(30) and parent.recv() == 2
+        assert q.usage().slab_free_bytes == (8 << 20) - (2 << 20) - 64  # results set aside at claim
+        _kill(proc)
+        (wi,) = [wi for wi in q.workers() if wi.pid == proc.pid]
+        assert q.release_worker(wi.wid) == 2
+        u = q.usage()
+        assert u.slab_free_bytes == u.slab_bytes - 64 and u.slots_free == u.slots - 2 and q.depth() == 2
+        q.check()
+    finally:
+        q.close()
+        q.unlink()
+
+
+# -- the daemon's event loop never waits for the lock ----------------------------------
+
+def _hold_lock(name: str, conn) -> None:
+    q = LocalQueue.attach(name)
+    q._lock.__enter__()
+    conn.send("holding")
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_the_event_loop_never_waits_for_a_lock_another_process_holds():
+    import asyncio
+
+    from daemon.broker import Broker
+    from local_queue import LockBusy
+
+    q = LocalQueue.create(slots=64, slab_bytes=1 << 20)
+    try:
+        lane = q.lane_id("m")
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_hold_lock, args=(q.name, child))
+        proc.start()
+        assert parent.recv() == "holding"
+        t0 = time.monotonic()
+        with q.no_wait(), pytest.raises(LockBusy):
+            q.put(lane, b"p", tokens=1, request_id=1)
+        assert time.monotonic() - t0 < 0.5
+
+        async def scenario() -> tuple[int, int, bool]:
+            loop = asyncio.get_running_loop()
+            broker = Broker(q, max_depth=100, max_attempts=3)
+            broker.start(loop)
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            put = asyncio.create_task(broker.call(q.put, lane, b"p", tokens=1, request_id=7))
+            read = await broker.read(q.lane_stats)  # gives up after its bound, loop free
+            await asyncio.sleep(0.3)
+            assert not put.done()
+            ticks_while_held = ticks
+            await asyncio.to_thread(_kill, proc)
+            item_id = await asyncio.wait_for(put, 10)
+            ticker.cancel()
+            broker.stop()
+            return ticks_while_held, item_id, read
+
+        ticks, item_id, read = asyncio.run(scenario())
+        # The loop ran on (10 ms ticks) the whole time the lock was held; the put went
+        # through on the broker's queue thread once the holder was gone.
+        assert ticks >= 20 and read is False
+        assert q.depth() == 1 and q.cancel(item_id)
+        q.check()
+    finally:
+        if proc.is_alive():
+            _kill(proc)
+        q.close()
+        q.unlink()

@@ -82,7 +82,8 @@ class ModelsController(Controller):
 class MetricsController(Controller):
     @get("/metrics", include_in_schema=False)
     async def metrics(self, request: Request, daemon: Daemon) -> Response:
-        daemon.refresh_gauges()
+        if daemon.broker is not None:  # without waiting for the queue lock on the loop
+            await daemon.broker.read(daemon.refresh_gauges)
         body, content_type = daemon.metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
