@@ -20,7 +20,8 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
    for a BERT-base-class embedder (~110M, random weights of the real
    architecture, built here) and all-minilm-l6-v2; MFU = achieved FLOP/s over
    the device's peak (PEAK_TFLOPS).
-5. nvml-budget: NVML's memory view against torch.cuda.mem_get_info and the
+5. cuda-graphs: every embedder load on CUDA captured its small-shape graphs
+   and kept them (replay agreed with eager). nvml-budget: NVML's memory view against torch.cuda.mem_get_info and the
    budget the worker computes (runtimes.memory.device_budget). Runs last: it
    is the only check that opens CUDA in this process.
 6. goals: >= 1 M tokens/s at the knee for the 110M-class embedder on one H200,
@@ -477,6 +478,17 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
                  f"for this device)") + f"; errors {errors}", data)
 
 
+def graphs_check(log: str, device: str) -> Check:
+    """What the device daemon's workers said about CUDA graphs at load (runtimes.hf_common.GraphedForward)."""
+    if not device.startswith("cuda"):
+        return Check("cuda-graphs", None, "CUDA only (graph padding is tested on CPU in tests/test_encoder_paths.py)")
+    lines = [line.split("cuda graphs ", 1)[1] for line in log.splitlines() if "cuda graphs " in line]
+    captured = [line for line in lines if "shapes captured" in line]
+    return Check("cuda-graphs", bool(captured) and len(captured) == len(lines),
+                 f"{len(captured)}/{len(lines)} embedder loads captured graphs: " + "; ".join(sorted(set(lines)))[:400],
+                 {"lines": lines})
+
+
 # ---- 5. NVML vs torch -----------------------------------------------------------------
 
 def nvml_check(device: str) -> Check:
@@ -491,8 +503,11 @@ def nvml_check(device: str) -> Check:
     nv_total, nv_free = nvml_memory(index)
     t_free, t_total = torch.cuda.mem_get_info(index)
     budget = device_budget(device)
-    want = min(nv_total, t_total) - (512 << 20)
-    ok = nv_total == t_total and abs(nv_free - t_free) <= CROSS_CHECK_SLACK and budget.budget_bytes == want
+    want = min(nv_total, t_total) - (512 << 20)  # the shipped gpu_reserve_bytes
+    # NVML and CUDA count the same memory; a gap over the slack means the worker's
+    # budget would rest on a wrong view (CUDA_VISIBLE_DEVICES mapping, another process).
+    ok = (abs(nv_total - t_total) <= CROSS_CHECK_SLACK and abs(nv_free - t_free) <= CROSS_CHECK_SLACK
+          and budget.budget_bytes == want)
     return Check("nvml-budget", ok, f"total NVML {nv_total >> 20} / torch {t_total >> 20} MiB, free NVML "
                  f"{nv_free >> 20} / torch {t_free >> 20} MiB, budget {budget.budget_bytes >> 20} MiB "
                  f"(want {want >> 20})", {"nvml_total": nv_total, "torch_total": t_total, "nvml_free": nv_free,
@@ -547,6 +562,7 @@ def run(device: str, work: Path, sizes: Sizes) -> dict:
         emit(knee_base)
         cfg = json.loads((package_model_dir() / "config.json").read_text())
         emit(knee_check(dev.url, "all-minilm-l6-v2", cfg, sizes, device_name))
+        emit(graphs_check(dev.log(), device))
     finally:
         ref.stop()
         dev.stop()
