@@ -33,7 +33,8 @@ def _as_bytes(items: list, limit: int, reserved: tuple[int, ...]) -> list:
         if len(r) > limit:
             raise ItemTooLarge(f"result of {len(r)} bytes exceeds the queue's largest block ({limit})")
         if not 0 <= st <= 255 or st in reserved:
-            raise ValueError(f"status must be a u8 other than {STATUS_EXPIRED} and {STATUS_POISON} (the queue's)")
+            raise ValueError("status must be a u8" + (f" other than {STATUS_EXPIRED} and {STATUS_POISON} (the queue's)"
+                                                     if reserved else ""))
         results.append(r)
     return results
 
