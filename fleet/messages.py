@@ -38,6 +38,10 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     inference_ms: float
     served_by: str
     body: object
+    #: The worker's stage stamps for this item's batch (CLOCK_MONOTONIC ns, the
+    #: clock every process on the box shares), in WORKER_STAGES order; 0 = not
+    #: stamped. Read only for requests that ask for a timeline (`X-Fleet-Timeline`).
+    stamps: tuple[int, ...] = ()
 
 
 class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
@@ -45,6 +49,15 @@ class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
     inference_ms: float
     served_by: str
     body: msgspec.Raw
+    stamps: tuple[int, ...] = ()
+
+
+#: What `Envelope.stamps` marks, in order: the step that served the batch began
+#: (the worker woke), its head was claimed, lingering for more ended, the payloads
+#: were decoded; the adapter's last micro-batch was tokenized, through the forward
+#: and pooling, its vectors on the host (`Adapter.marks`: adapters that stamp);
+#: the batch's results were out of the adapter.
+WORKER_STAGES = ("woke", "claimed", "lingered", "decoded", "tokenized", "forward", "host", "ran")
 
 
 class EmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):

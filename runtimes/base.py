@@ -64,6 +64,11 @@ class Adapter(abc.ABC):
         self.device = device
         #: dtype chosen at load (recorded in `fleetctl ps`).
         self.dtype = "float32"
+        #: When the last `run_batch` had its last micro-batch tokenized, through the
+        #: forward (and pooling) and on the host (CLOCK_MONOTONIC ns): the request
+        #: timeline's adapter stages (fleet.messages.WORKER_STAGES). Adapters that
+        #: do not stamp leave zeros.
+        self.marks: tuple[int, int, int] = (0, 0, 0)
 
     @abc.abstractmethod
     def load(self) -> None:

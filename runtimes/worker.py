@@ -579,6 +579,7 @@ class WorkerCore:
 
     def step(self, timeout_s: float = 0.5) -> int:
         """Serve one batch if work waits (blocking up to `timeout_s` for it). Returns items answered."""
+        woke_ns = time.monotonic_ns()  # the request timeline's stamps (fleet.messages.WORKER_STAGES)
         # 1. Control commands first; then choose a lane among those this worker
         #    may serve: starving first, then models held here, then oldest.
         since = self.queue.work_generation()  # before lane_stats: work put after it ends the wait below
@@ -621,8 +622,10 @@ class WorkerCore:
         claims = self.claim_batch(lane.lane, profile.max_batch_items, cap)
         if not claims:
             return 0  # another worker took them first, or they all expired
+        claimed_ns = time.monotonic_ns()
         claims = self.linger_for_more(lane.lane, claims, profile.linger_ms or self.linger_ms,
                                       profile.max_batch_items, cap)
+        lingered_ns = time.monotonic_ns()
         keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap)
         claims, returned = self.return_overpull(claims, keep)
         # 4. Claimed items whose deadline passed were already answered `timeout`
@@ -647,7 +650,9 @@ class WorkerCore:
         requests = [r for _, r in runnable]
         tokens = [c.tokens for c, _ in runnable]
         padded = padded_tokens(tokens)
+        adapter.marks = (0, 0, 0)
         t0 = time.perf_counter()
+        decoded_ns = time.monotonic_ns()
         try:
             # Leases are renewed only within the batch's bound (a hung forward loses them).
             with self.progress.running(f"a batch of {len(requests)} on {lane.model}", stall_bound_ms(cost, padded)):
@@ -659,10 +664,11 @@ class WorkerCore:
             results = [WorkError("inference_failed", f"{lane.model}: {type(exc).__name__}: {exc}")] * len(requests)
         ms = (time.perf_counter() - t0) * 1e3
         start_ns = self.clock_ns() - int(ms * 1e6)
+        stamps = (woke_ns, claimed_ns, lingered_ns, decoded_ns, *adapter.marks, time.monotonic_ns())
         acks += [
             (
                 c.item_id,
-                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, self.served_by, r)),
+                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, self.served_by, r, stamps)),
                 STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK,
             )
             for (c, _), r in zip(runnable, results)

@@ -18,7 +18,7 @@ from fleet.messages import (
     EmbedResult, EmbedResultRaw, SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
 )
 
-from daemon import codec
+from daemon import codec, timeline
 from daemon.broker import Answer
 from daemon.controllers.common import default_model, with_model
 from daemon.controllers.tokens import ids_to_texts
@@ -106,6 +106,7 @@ class EmbedController(Controller):
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
+        timeline.begin(request.headers)
         body = await request.body()
         if codec.is_msgpack(request.headers.get("content-type")):
             req = codec.decode(body, EmbedRequest, msgpack=True)
@@ -114,6 +115,7 @@ class EmbedController(Controller):
             req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
             payload = codec.encode_msgpack(req)
         req, payload = with_model(daemon, "embed", req, payload)
+        timeline.stamp("checked")
         answer = await run_embed(daemon, req, payload)
         headers = answer_headers(answer)
         msgpack_out = wants_msgpack(request)
@@ -128,7 +130,9 @@ class EmbedController(Controller):
             res = _result.decode(answer.body)
             vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
             out = EmbedReplyJson(req.model, vectors.tolist(), res.shape, Usage(input_tokens=res.input_tokens))
-        return reply(request, out, headers=headers)
+        response = reply(request, out, headers=headers)
+        timeline.finish(response)
+        return response
 
     @post("/embeddings", status_code=200)
     async def openai_embeddings(self, request: Request, daemon: Daemon) -> Response:

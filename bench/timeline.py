@@ -1,0 +1,168 @@
+"""Where one short request's time goes: a per-stage timeline, measured on the real daemon.
+
+Sends `--requests` single-text embed requests (the shortest corpus texts, in turn),
+one at a time over one keep-alive connection, MessagePack both ways, each with
+`X-Fleet-Timeline: 1`. The daemon answers with a CLOCK_MONOTONIC stamp per stage
+(daemon/timeline.py; the worker's ride in its result envelope); this client
+runs on the same box and reads the same clock, so it adds its own send and
+receive stamps. Printed: p50 / p90 / p99 of each stage, the round trip, the
+model's own time (tokenize to vectors on the host) and what serving adds around
+it, with the machine's load average before and after.
+
+Usage:
+  flock /tmp/fleet-bench.lock python -m bench.timeline [--url URL | --start] [--requests 300]
+      [--out bench/results/timeline-<time>.json]
+`--start` runs `fleetctl serve` on a free loopback port with a temporary FLEET_HOME
+(the shipped defaults) and stops it (by PID) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench import corpus, report
+from bench.daemon import LocalDaemon
+from bench.tokens import TokenCounter, package_model_dir
+
+MODEL = "all-minilm-l6-v2"
+HEADER = "X-Fleet-Timeline"
+WARMUP = 20
+SHORT_TEXTS = 32
+
+#: (from stamp, to stamp, what happens in between), in the request's order.
+#: `sent` and `received` are this client's; the rest come from the daemon.
+STAGES = (
+    ("sent", "handler", "HTTP send, parse, route (client -> handler)"),
+    ("handler", "checked", "body read, decode, model check"),
+    ("checked", "put", "queue put"),
+    ("put", "woke", "worker wake-up"),
+    ("woke", "claimed", "lane choice + claim"),
+    ("claimed", "lingered", "linger for more"),
+    ("lingered", "decoded", "return overpull, worker decode"),
+    ("decoded", "tokenized", "tokenize"),
+    ("tokenized", "forward", "forward + pool"),
+    ("forward", "host", "vectors to host"),
+    ("host", "ran", "normalise, split, result Structs"),
+    ("ran", "collected", "result encode, ack, collector wake-up"),
+    ("collected", "resumed", "hand-off to the event loop"),
+    ("resumed", "encoded", "reply build + encode"),
+    ("encoded", "received", "reply send, client read"),
+)
+#: The model's own time: what an in-process call of the adapter pays as well.
+MODEL_SPAN = ("decoded", "host")
+
+
+def parse_stamps(value: str) -> dict[str, int]:
+    """The daemon's header as {stage: ns}."""
+    return {stage: int(ns) for stage, _, ns in (part.partition("=") for part in value.split(","))}
+
+
+def stage_table(rows: list[dict[str, int]]) -> list[dict]:
+    """Per stage: p50 / p90 / p99 in ms over the requests that have both stamps."""
+    table = []
+    for a, b, label in STAGES:
+        ms = np.array([(r[b] - r[a]) / 1e6 for r in rows if a in r and b in r], dtype=np.float64)
+        table.append({"from": a, "to": b, "stage": label, "n": int(ms.size),
+                      **({f"p{q}_ms": float(np.percentile(ms, q)) for q in (50, 90, 99)} if ms.size else {})})
+    return table
+
+
+def spans(rows: list[dict[str, int]]) -> dict[str, np.ndarray]:
+    rtt = np.array([(r["received"] - r["sent"]) / 1e6 for r in rows])
+    model = np.array([(r[MODEL_SPAN[1]] - r[MODEL_SPAN[0]]) / 1e6 if MODEL_SPAN[1] in r else np.nan for r in rows])
+    return {"round trip": rtt, "model (tokenize .. on host)": model, "added around the model": rtt - model}
+
+
+def measure(url: str, texts: list[str], requests: int) -> list[dict[str, int]]:
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port or 80), timeout=30)
+    bodies = [msgspec.msgpack.encode({"model": MODEL, "inputs": [t]}) for t in texts]
+    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", HEADER: "1"}
+    rows = []
+    try:
+        for i in range(WARMUP + requests):
+            body = bodies[i % len(bodies)]
+            sent = time.monotonic_ns()
+            conn.request("POST", "/v1/embed", body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            received = time.monotonic_ns()
+            if resp.status != 200:
+                raise RuntimeError(f"request {i} answered {resp.status}")
+            if i >= WARMUP:
+                rows.append({"sent": sent, **parse_stamps(resp.headers[HEADER]), "received": received})
+    finally:
+        conn.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
+    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+
+    texts = corpus.load()
+    lengths = TokenCounter(package_model_dir()).count(texts)
+    short = [texts[i] for i in sorted(range(len(texts)), key=lambda i: lengths[i])[:SHORT_TEXTS]]
+    load_before = os.getloadavg()
+    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
+    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    try:
+        rows = measure(url, short, args.requests)
+    finally:
+        if daemon:
+            daemon.stop()
+    load_after = os.getloadavg()
+
+    table = stage_table(rows)
+    totals = {name: {f"p{q}_ms": float(np.nanpercentile(v, q)) for q in (50, 90, 99)} for name, v in spans(rows).items()}
+    t = Table(title=f"one short request, {len(rows)} sequential (msgpack, keep-alive), per stage", title_justify="left")
+    for col in ("stage", "p50 ms", "p90 ms", "p99 ms"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for s in table:
+        if s["n"]:
+            t.add_row(s["stage"], f"{s['p50_ms']:.3f}", f"{s['p90_ms']:.3f}", f"{s['p99_ms']:.3f}")
+        else:
+            t.add_row(s["stage"], "-", "-", "-")
+    t.add_section()
+    for name, v in totals.items():
+        t.add_row(name, f"{v['p50_ms']:.3f}", f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}")
+    console.print(t)
+    console.print("stage percentiles are per stage: they do not add up to the round trip's. "
+                  f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
+                  f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} ({os.cpu_count()} CPUs)")
+
+    doc = {
+        "schema": report.SCHEMA, "kind": "timeline",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "command": [sys.executable, "-m", "bench.timeline", *(argv if argv is not None else sys.argv[1:])],
+        "machine": report.machine(), "versions": report.versions(),
+        "settings": {"url": url, "started_daemon": bool(daemon), "requests": len(rows), "warmup": WARMUP},
+        "load_before": load_before, "load_after": load_after,
+        "stages": table, "totals": totals,
+    }
+    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    out = args.out or report.RESULTS_DIR / f"{stamp}-timeline.json"
+    report.write_json(doc, out)
+    Console(stderr=True).print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""One request's timeline, on request: `X-Fleet-Timeline: 1`.
+
+A request that carries the header gets back `X-Fleet-Timeline` with a
+CLOCK_MONOTONIC stamp (ns) per stage it passed, API and worker alike: every
+process on the box reads the same clock, so a client on the box subtracts its
+own send and receive stamps too (`bench/timeline.py`). A request without the
+header pays one context-variable read per stamp point and nothing else.
+
+Daemon stages, in order: `handler` (the route's code starts: HTTP parsed and
+routed), `checked` (body read, decoded, model checked), `put` (the item is in its lane),
+then the worker's (fleet.messages.WORKER_STAGES), then `collected` (the
+results thread woke for the batch that held it), `resumed` (the request's
+coroutine runs again on the loop) and `encoded` (the reply body is built).
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+
+from fleet.messages import WORKER_STAGES
+
+HEADER = "X-Fleet-Timeline"
+
+#: The stamps of the request this task serves; None when it did not ask.
+_stamps: ContextVar[list[tuple[str, int]] | None] = ContextVar("fleet_timeline", default=None)
+
+
+def begin(headers) -> None:
+    """Start a timeline for this request when it asks for one (the `handler` stamp)."""
+    if headers.get(HEADER):
+        _stamps.set([("handler", time.monotonic_ns())])
+
+
+def stamp(stage: str, ns: int | None = None) -> None:
+    if (stamps := _stamps.get()) is not None:
+        stamps.append((stage, time.monotonic_ns() if ns is None else ns))
+
+
+def worker(stamps: tuple[int, ...]) -> None:
+    """The worker's stamps for this request's batch (zeros: stages it did not stamp)."""
+    if (own := _stamps.get()) is not None:
+        own.extend((stage, ns) for stage, ns in zip(WORKER_STAGES, stamps) if ns)
+
+
+def finish(response) -> None:
+    """Stamp `encoded` (the reply body is built) and add the header, when asked."""
+    if (stamps := _stamps.get()) is not None:
+        stamps.append(("encoded", time.monotonic_ns()))
+        response.headers[HEADER] = ",".join(f"{stage}={ns}" for stage, ns in stamps)
