@@ -45,6 +45,67 @@ class Slot:
     started_at: float = 0.0
     next_start: float = 0.0
     history: list[float] = field(default_factory=list)
+    #: CPUs the worker runs on (empty: all the daemon may use) and its intra-op threads (0: torch's default).
+    cpus: tuple[int, ...] = ()
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the processes compute: the API process's CPUs and, per worker, its
+    CPUs and intra-op threads (empty CPUs: unpinned; 0 threads: torch's default)."""
+
+    api_cpus: tuple[int, ...]
+    workers: tuple[tuple[tuple[int, ...], int], ...]
+
+
+#: From this many usable CPUs on, the API process (event loop, results and queue
+#: threads) keeps one CPU of its own and CPU workers compute on the others. Below
+#: it, a reserved CPU would take half or more of the workers' compute.
+API_CPU_FROM = 4
+
+
+def place_on_cpus(cpus: list[int], devices: list[str], *, cpu_threads: int = 0) -> Placement:
+    """Thread counts and pinning per device (pure).
+
+    CPU workers share the usable CPUs: each gets its own contiguous slice and as
+    many intra-op threads as its slice has CPUs, so workers never run more threads
+    than there are cores (two workers at torch's default would each run one per
+    core, and their OpenMP threads would wait on one another's preempted peers).
+    With API_CPU_FROM or more CPUs the API process keeps the first for itself.
+    An explicit `cpu_threads` (FLEET_CPU_THREADS) is obeyed and nothing is pinned.
+    GPU workers compute on their GPU: unpinned, torch's default threads."""
+    n_cpu = devices.count("cpu")
+    if cpu_threads or not n_cpu:
+        return Placement((), tuple(((), cpu_threads if d == "cpu" else 0) for d in devices))
+    api: tuple[int, ...] = ()
+    pool = list(cpus)
+    if len(pool) >= API_CPU_FROM:
+        api, pool = (pool[0],), pool[1:]
+    if len(pool) < n_cpu:
+        # More CPU workers than CPUs: one thread each, unpinned (the user asked for it).
+        return Placement(api, tuple(((), 1 if d == "cpu" else 0) for d in devices))
+    share, extra = divmod(len(pool), n_cpu)
+    # A lone worker with no CPU kept for the API gains nothing from a pin.
+    pin = bool(api) or n_cpu > 1
+    workers, at, k = [], 0, 0
+    for d in devices:
+        if d != "cpu":
+            workers.append(((), 0))
+            continue
+        size = share + (1 if k < extra else 0)
+        workers.append((tuple(pool[at:at + size]) if pin else (), size))
+        at, k = at + size, k + 1
+    return Placement(api, tuple(workers))
+
+
+def pin_process(cpus: tuple[int, ...]) -> None:
+    """Every thread of this process onto `cpus` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def count_gpus() -> int:
@@ -126,7 +187,8 @@ class Supervisor:
                  preload: Callable[[], list[str]] | None = None) -> None:
         self.settings = settings
         self.queue = queue
-        self.slots = [Slot(i, d) for i, d in enumerate(devices)]
+        self.placement = place_on_cpus(sorted(os.sched_getaffinity(0)), devices, cpu_threads=settings.cpu_threads)
+        self.slots = [Slot(i, d, cpus=c, threads=t) for i, (d, (c, t)) in enumerate(zip(devices, self.placement.workers))]
         #: What every worker starts with: the settings as they were at start (a copy).
         self._spawn_settings = msgspec.structs.replace(settings)
         #: The models a worker started now preloads and pins (default: `settings.preload`):
@@ -140,18 +202,25 @@ class Supervisor:
         self._on_restart = on_restart
 
     def start(self) -> None:
+        if self.placement.api_cpus:
+            pin_process(self.placement.api_cpus)
         for slot in self.slots:
             self._spawn(slot)
         self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._thread.start()
 
     def _spawn(self, slot: Slot) -> None:
-        blob = msgspec.msgpack.encode(msgspec.structs.replace(self._spawn_settings, preload=self._preload()))
+        blob = msgspec.msgpack.encode(msgspec.structs.replace(self._spawn_settings, preload=self._preload(),
+                                                              cpu_threads=slot.threads))
         proc = _ctx.Process(
             target=run_entry, args=(self._target, self.queue.name, slot.index, slot.device, blob),
             name=f"fleet-worker-{slot.index}", daemon=False,
         )
         proc.start()
+        if slot.cpus:
+            # The child is still reading its start data: its one thread takes the
+            # mask, and every thread it starts later (torch's) inherits it.
+            os.sched_setaffinity(proc.pid, slot.cpus)
         slot.process = proc
         slot.started_at = time.time()
         log.info("worker %d started on %s (pid %d)", slot.index, slot.device, proc.pid)
@@ -177,6 +246,7 @@ class Supervisor:
                 "restarts": s.restarts,
                 "up_s": round(now - s.started_at, 1) if proc is not None else 0.0,
                 "restart_in_s": round(max(0.0, s.next_start - now), 1) if proc is None else 0.0,
+                "cpus": list(s.cpus), "threads": s.threads,
             })
         return out
 

@@ -55,6 +55,14 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers stop
 
+    # OpenMP threads sleep at once when idle instead of spinning: this worker shares
+    # its cores with the API process, the clients and whatever else runs on the box,
+    # and a spinning thread waiting for a preempted peer burns the very core that peer
+    # needs (a 2-thread forward of one short text took 84-964 ms spinning vs 30-42 ms
+    # passive at load average 4-15 on the 2-core box; bench/README.md, latency).
+    # Set before torch loads its OpenMP runtime, which reads it once; a value the
+    # environment already gives is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Heavy imports happen here, in the worker, never in the API process.
     import torch
 
