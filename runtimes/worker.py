@@ -623,7 +623,7 @@ class WorkerCore:
         if not claims:
             return 0  # another worker took them first, or they all expired
         claimed_ns = time.monotonic_ns()
-        claims = self.linger_for_more(lane.lane, claims, profile.linger_ms or self.linger_ms,
+        claims = self.linger_for_more(lane.lane, claims, self.linger_ms_for(lane.model, profile),
                                       profile.max_batch_items, cap)
         lingered_ns = time.monotonic_ns()
         keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap)
@@ -703,6 +703,17 @@ class WorkerCore:
             claims += self.queue.claim(lane, worker=self.worker_id, max_items=room,
                                        max_tokens=max(1, cap - claims[0].tokens), lease_ms=self.lease_ms)
         return claims
+
+    def linger_ms_for(self, model: str, profile) -> float:
+        """How long a batch of `model` may linger for more: its profile's (else the
+        daemon's) linger, but none while its last batch held one item. A lone client
+        waits for each answer before it sends again, so lingering only adds to its
+        latency (~0.9 ms of a 1 ms linger per request, bench/timeline.py); once
+        requests overlap, batches hold several and lingering resumes."""
+        last = self.last_batch
+        if last.model == model and last.items < 2:
+            return 0.0
+        return profile.linger_ms or self.linger_ms
 
     def linger_for_more(self, lane: int, claims: list, linger_ms: float, max_items: int, cap: int) -> list:
         """While the lane is drained and the batch short, wait (on the queue's wake-ups)

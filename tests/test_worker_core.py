@@ -459,3 +459,22 @@ def test_a_hung_forward_loses_its_leases_and_the_others_are_answered(minilm_home
         assert q.wait_results(0.5) == [], "answered twice"
     finally:
         stop_all(sup, q)
+
+
+def test_a_lone_client_does_not_wait_for_the_linger(queue):
+    # One item per batch (a client that waits for each answer): no linger; once a
+    # batch held two, the next lingers for company again.
+    core = core_for(queue, {"m": Profile(linger_ms=400)})
+    put(queue, "m", "first", request_id=1)
+    core.step()  # no batch of "m" yet: lingers as configured
+    put(queue, "m", "alone", request_id=2)
+    t0 = time.monotonic()
+    assert core.step() == 1
+    assert time.monotonic() - t0 < 0.3
+    put(queue, "m", "a", request_id=3)
+    put(queue, "m", "b", request_id=4)
+    assert core.step() == 2
+    put(queue, "m", "early", request_id=5)
+    threading.Timer(0.1, lambda: put(queue, "m", "late", request_id=6)).start()
+    assert core.step() == 2
+    assert FakeEmbedder.batches[-1] == ("m", [["early"], ["late"]])
