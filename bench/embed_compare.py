@@ -8,10 +8,12 @@ the box fall on every side alike:
   (c) fleet over HTTP/MessagePack, closed loop, with clients doubled until
       throughput stops growing (the most tokens/s any client count reached);
 and the latency one short single-input request adds over encoding it
-in-process (p50, p95; fleet's sequential round trip minus `encode` of the
-same text, with the dtype fleet serves the model in).
-Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 2 ms. Ratios and the
-added latency are taken within each round, then their median across rounds.
+in-process (p50, p95, p99; fleet's sequential round trip minus `encode` of the
+same text, with the dtype fleet serves the model in), with the machine's load
+average (os.getloadavg) at the start and end of every round.
+Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 1 ms, added p99 <= 3 ms.
+Ratios and the added latency are taken within each round, then their median
+across rounds.
 
 Tokens are counted with the model's tokenizer up front (bench/tokens.py).
 
@@ -49,7 +51,8 @@ MODEL = "all-minilm-l6-v2"
 BATCH = 32
 GOAL_VS_FP32 = 2.0
 GOAL_VS_BF16 = 0.9
-GOAL_ADDED_P50_MS = 2.0
+GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P99_MS = 3.0
 #: Short-request latency: the shortest corpus texts, one per request.
 SHORT_TEXTS = 32
 
@@ -72,6 +75,7 @@ def stats(m: Merged) -> dict:
         "rps": m.ok / m.elapsed_s, "tokens_per_s": m.tokens_ok / m.elapsed_s,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "p95_ms": float(np.percentile(lat, 95)) if lat.size else None,
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
         "server_tokens": m.server_tokens, "tokens": m.tokens_ok, "generator_cpu_s": m.cpu_s,
     }
 
@@ -124,7 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         # The short-request baseline encodes in the dtype fleet serves, so the
         # difference is the serving path alone, not a dtype change.
         short_dtype = "bf16" if "bf" in fleet_dtype else "fp32"
-        st_short = LocalST(STSetup(str(model_dir), short_dtype, args.device, short_texts, short_lengths, 1))
+        # ... and runs torch as fleet's workers do (OpenMP threads sleep when idle,
+        # runtimes/process.py): with the default spin, the in-process call alone
+        # slows 3-30x whenever anything else runs on the box, and the difference
+        # would measure that, not serving. The spawned child reads it at its start.
+        spin, os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY"), "PASSIVE"
+        try:
+            st_short = LocalST(STSetup(str(model_dir), short_dtype, args.device, short_texts, short_lengths, 1))
+        finally:
+            if spin is None:
+                del os.environ["OMP_WAIT_POLICY"]
+            else:
+                os.environ["OMP_WAIT_POLICY"] = spin
         opened.append(st_short)
         gen = Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=texts, lengths=lengths,
                               batch=BATCH))
@@ -144,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 side.run(StepPlan(index=0, mode=CLOSED, offered=1, duration_s=1.0))
             for r in range(args.rounds):
                 err.print(f"round {r + 1}/{args.rounds}")
-                t0 = time.time()
+                t0, load_start = time.time(), os.getloadavg()
                 a = stats(st_fp32.run(one))
                 b = stats(st_bf16.run(one))
                 c, c_steps = saturate(gen, args.duration, r)
@@ -152,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 short_local = stats(st_short.run(one))
                 rounds.append({"a_st_fp32": a, "b_st_bf16": b, "c_fleet": c, "c_steps": c_steps,
                                "short_fleet": short_fleet, "short_local": short_local,
+                               "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                                "box": sampler.window(t0, time.time())})
     finally:
         for side in opened:
@@ -170,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     c_over_b = statistics.median(r["c_fleet"]["tokens_per_s"] / r["b_st_bf16"]["tokens_per_s"] for r in rounds)
     added_p50 = statistics.median(r["short_fleet"]["p50_ms"] - r["short_local"]["p50_ms"] for r in rounds)
     added_p95 = statistics.median(r["short_fleet"]["p95_ms"] - r["short_local"]["p95_ms"] for r in rounds)
+    added_p99 = statistics.median(r["short_fleet"]["p99_ms"] - r["short_local"]["p99_ms"] for r in rounds)
+    loads = [x for r in rounds for x in (r["load_avg_start"][0], r["load_avg_end"][0])]
     summary = {
         "a_st_fp32_tokens_per_s": a_tps, "b_st_bf16_tokens_per_s": b_tps, "c_fleet_tokens_per_s": c_tps,
         "c_over_a": c_over_a, "c_over_b": c_over_b,
@@ -177,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         "fleet_dtype": fleet_dtype, "short_baseline_dtype": short_dtype,
         "short_fleet_p50_ms": med("short_fleet", "p50_ms"), "short_fleet_p95_ms": med("short_fleet", "p95_ms"),
         "short_local_p50_ms": med("short_local", "p50_ms"), "short_local_p95_ms": med("short_local", "p95_ms"),
-        "added_p50_ms": added_p50, "added_p95_ms": added_p95,
+        "short_fleet_p99_ms": med("short_fleet", "p99_ms"), "short_local_p99_ms": med("short_local", "p99_ms"),
+        "added_p50_ms": added_p50, "added_p95_ms": added_p95, "added_p99_ms": added_p99,
+        "load_avg_1m_min": min(loads), "load_avg_1m_max": max(loads),
         "goals": {
             "c_ge_2x_a": c_over_a >= GOAL_VS_FP32,
             "c_ge_0.9x_b": c_over_b >= GOAL_VS_BF16,
-            "added_p50_le_2ms": added_p50 <= GOAL_ADDED_P50_MS,
+            "added_p50_le_1ms": added_p50 <= GOAL_ADDED_P50_MS,
+            "added_p99_le_3ms": added_p99 <= GOAL_ADDED_P99_MS,
         },
     }
     doc = {
@@ -212,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     lat = Table(title=f"one short request (1 input, {min(short_lengths)}-{max(short_lengths)} tokens), sequential",
                 title_justify="left")
-    for col in ("", "p50 ms", "p95 ms"):
+    for col in ("", "p50 ms", "p95 ms", "p99 ms"):
         lat.add_column(col, justify="right" if col else "left")
-    lat.add_row("fleet HTTP/msgpack", f"{summary['short_fleet_p50_ms']:.2f}", f"{summary['short_fleet_p95_ms']:.2f}")
-    lat.add_row(f"in-process encode ({short_dtype})", f"{summary['short_local_p50_ms']:.2f}", f"{summary['short_local_p95_ms']:.2f}")
-    lat.add_row("added by serving", f"{added_p50:.2f}", f"{added_p95:.2f}")
+    for label, key in (("fleet HTTP/msgpack", "short_fleet"), (f"in-process encode ({short_dtype})", "short_local")):
+        lat.add_row(label, *(f"{summary[f'{key}_p{q}_ms']:.2f}" for q in (50, 95, 99)))
+    lat.add_row("added by serving", f"{added_p50:.2f}", f"{added_p95:.2f}", f"{added_p99:.2f}")
     console.print(lat)
+    console.print(f"load average (1 min) during the rounds: {min(loads):.2f} .. {max(loads):.2f} "
+                  f"on {os.cpu_count()} CPUs")
     console.print(f"(c)/(a) per round: {c_over_a:.2f}x (goal >= {GOAL_VS_FP32:g}), "
                   f"(c)/(b) per round: {c_over_b:.2f}x (goal >= {GOAL_VS_BF16:g})")
     for goal, ok in summary["goals"].items():
