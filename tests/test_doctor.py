@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -74,8 +75,8 @@ def test_unit_without_gpu_access_is_named(tmp_path):
 
 
 def run_doctor(env: dict[str, str]) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env}
-    full.pop("FLEET_API_KEY", None)
+    # This process's key never leaks in: only a key the test passes in `env` is used.
+    full = {k: v for k, v in os.environ.items() if k != "FLEET_API_KEY"}
     return subprocess.run([sys.executable, "-m", "fleetctl", "doctor", "--json"], capture_output=True, text=True,
                           env={**full, **env}, timeout=120)
 
@@ -100,8 +101,6 @@ def test_doctor_on_this_box_exits_0_and_sees_the_daemon_and_its_key(tmp_path):
             except httpx.TransportError:
                 pass
             assert daemon.proc.poll() is None, daemon.tail()
-            import time
-
             time.sleep(0.3)
         no_key = run_doctor({"FLEET_HOME": str(tmp_path / "h1"), "FLEET_URL": daemon.url})
         refused = {f["check"]: f for f in json.loads(no_key.stdout)}["daemon"]
