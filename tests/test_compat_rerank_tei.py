@@ -118,8 +118,13 @@ def test_jina_shaped_request_gets_relevance_score_and_document_objects(compat):
         assert r["relevance_score"] == pytest.approx(want[r["index"]], rel=1e-6)
 
 
-def test_huggingface_hub_feature_extraction_through_tei_embed(compat):
-    from huggingface_hub import InferenceClient
+def test_huggingface_hub_feature_extraction_through_tei_embed(compat, monkeypatch):
+    from huggingface_hub import InferenceClient, constants
+
+    # CI exports HF_HUB_OFFLINE=1 so nothing reaches the hub; the library then refuses
+    # every request, a loopback daemon's too. A user pointing the client at fleet runs
+    # without it: so does this test (the client's own switch, read per request).
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
     want = np.asarray(ok(post(compat, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": TEXTS}))["embeddings"],
                       dtype=np.float32)
