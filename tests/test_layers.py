@@ -39,6 +39,8 @@ def project_modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if any(p.startswith(".") for p in parts):
+                continue  # not the project's: e.g. bench/.venv-infinity, a peer's virtualenv
             if parts[-1] == "__init__":
                 parts.pop()
             modules[".".join(parts)] = path
