@@ -1,8 +1,10 @@
 """The daemon's side of `local_queue`: put requests in, route results back.
 
-One `Broker` per daemon. The event loop calls `submit`; a single collector
-thread blocks on the queue's results semaphore and hands finished items to
-the loop in one `call_soon_threadsafe` per wake-up. Each request id has at
+One `Broker` per daemon. The event loop calls `submit`, and collects
+finished items itself: it watches the queue's results descriptor
+(`LocalQueue.results_fd`, readable when a worker acked) and takes them all at
+each wake-up; no thread stands between a worker's ack and the waiting
+request (one hop less per request than a collector thread). Each request id has at
 most one waiter, removed when it is answered or times out, so a late or
 duplicate result finds nobody and is dropped: no request is answered twice.
 
@@ -18,7 +20,6 @@ import asyncio
 import functools
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ T = TypeVar("T")
 #: How long the loop keeps retrying a lock it must not wait for (gauge reads), in
 #: READ_RETRY_S steps, before it gives up until the next read.
 READ_RETRY_S, READ_GIVE_UP_S = 0.001, 0.05
+#: A collect that failed is tried again after this long.
+RETRY_COLLECT_S = 0.01
 
 _envelope = msgspec.msgpack.Decoder(EnvelopeIn)
 _work_error = msgspec.msgpack.Decoder(WorkError)
@@ -67,9 +70,12 @@ class Broker:
         self._items: dict[int, int] = {}
         self._lanes: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        #: When the results thread last woke with results (CLOCK_MONOTONIC ns).
+        self._reading = False
+        #: A collect handed to the queue thread (the lock was busy), and whether
+        #: the descriptor woke again meanwhile.
+        self._collecting: asyncio.Future | None = None
+        self._again = False
+        #: When results were last collected (CLOCK_MONOTONIC ns).
         self.collected_ns = 0
         #: Runs the queue calls the loop found the lock busy for, one at a time, in order.
         self._queue_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue")
@@ -78,13 +84,14 @@ class Broker:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._collect, name="results", daemon=True)
-        self._thread.start()
+        loop.add_reader(self.queue.results_fd(), self._on_results)
+        self._reading = True
+        self._on_results()  # arms the wake-up (and takes anything already done)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self.queue.results_fd())  # type: ignore[union-attr]
         self._queue_thread.shutdown(wait=True)
         for fut in self._waiting.values():
             if not fut.done():
@@ -107,7 +114,7 @@ class Broker:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._reading
 
     @property
     def in_flight(self) -> int:
@@ -226,14 +233,44 @@ class Broker:
             raise from_code(err.code, err.message)
         return Answer(env.body, env.queue_ms, env.inference_ms, env.served_by)
 
-    # -- results thread -----------------------------------------------------------
+    # -- results ------------------------------------------------------------------
 
-    def _collect(self) -> None:
-        loop = self._loop
-        while not self._stop.is_set():
-            done = self.queue.wait_results(0.25)
-            if done:
-                loop.call_soon_threadsafe(self._resolve, done, time.monotonic_ns())  # type: ignore[union-attr]
+    def _on_results(self) -> None:
+        """The results descriptor woke (or the broker starts): collect on the loop when
+        the queue lock is free, else on the queue thread (one at a time; a wake-up
+        meanwhile collects again after it)."""
+        if self._collecting is not None:
+            self._again = True
+            return
+        try:
+            with self.queue.no_wait():
+                done = self.queue.collect()
+        except LockBusy:
+            self._collecting = self._loop.run_in_executor(self._queue_thread, self.queue.collect)  # type: ignore[union-attr]
+            self._collecting.add_done_callback(self._collected)
+            return
+        except Exception:
+            self._collect_failed()
+            return
+        if done:
+            self._resolve(done, time.monotonic_ns())
+
+    def _collected(self, fut: asyncio.Future) -> None:
+        self._collecting = None
+        again, self._again = self._again, False
+        if fut.cancelled() or fut.exception() is not None:
+            self._collect_failed(fut.exception() if not fut.cancelled() else None)
+            return
+        if done := fut.result():
+            self._resolve(done, time.monotonic_ns())
+        if again and self._reading:
+            self._on_results()
+
+    def _collect_failed(self, exc: BaseException | None = None) -> None:
+        """A collect that raised may not have armed the wake-up: try again shortly."""
+        log.error("collecting results failed; retrying", exc_info=exc or True)
+        if self._reading:
+            self._loop.call_later(RETRY_COLLECT_S, self._on_results)  # type: ignore[union-attr]
 
     def _resolve(self, done: list[Done], collected_ns: int) -> None:
         self.collected_ns = collected_ns  # a lone request's `collected` stamp (daemon.timeline)

@@ -3,7 +3,8 @@
 The daemon puts requests into per-model *lanes*; worker processes pull
 (`claim`) batches from the lane they choose, give back what they over-pulled
 (`return_items`, to the head, order kept) and `ack` with results, which the
-daemon collects (`wait_results`); a worker may `emit` partial results of an
+daemon collects (`wait_results`, or `collect` from an event loop woken by
+`results_fd`); a worker may `emit` partial results of an
 item it still holds (streaming), collected the same way before its ack. A
 claim is a lease: if the worker dies, the items go back to their lane
 (`expire_leases`, `release_worker`) and no request is lost or answered twice.
@@ -67,7 +68,11 @@ Protocol and invariants:
    exact: a waiter that starts waiting between a post and its consumption
    can take one of the posts, and the waiter it was meant for then wakes on
    the next work or at its timeout. The single result consumer gets one post
-   per batch of acks. A process killed while waiting leaves its count behind:
+   per batch of acks, through a FIFO rather than a semaphore, so that an
+   event loop can wait for it (`results_fd`) without a thread: the consumer
+   arms H_RES_WAITERS (under the lock) whenever it has taken the done list;
+   the first producer of results after that disarms it and writes one byte.
+   A process killed while waiting leaves its count (or the armed flag) behind:
    that costs at most spurious wake-ups.
 6. Time is `time.monotonic_ns()` everywhere (CLOCK_MONOTONIC is system-wide).
 7. Payload views handed out by claim point into the slab; they stay valid
@@ -115,7 +120,7 @@ from local_queue.layout import (
     CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
     F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH, H_DONE_COUNT,
     H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC, H_MAX_LANES,
-    H_MAX_WORKERS, H_REPAIRS, H_RES_WAITERS, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
+    H_MAX_WORKERS, H_REPAIRS, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
     H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, MAGIC, MAX_LEASE_MS,
     NAME_BYTES, QUEUED, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
     VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
@@ -164,10 +169,12 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         try:
             shm = _open_segment(name, True, lay["size"])
             made.append(lambda: (shm.close(), _posixshmem.shm_unlink(f"/{name}")))
-            for suffix in (".work", ".results"):
-                sem = posix_ipc.Semaphore(f"/{name}{suffix}", posix_ipc.O_CREX, mode=0o600, initial_value=0)
-                made.append(sem.unlink)
-                sem.close()
+            sem = posix_ipc.Semaphore(f"/{name}.work", posix_ipc.O_CREX, mode=0o600, initial_value=0)
+            made.append(sem.unlink)
+            sem.close()
+            wake = f"/dev/shm/{name}.wake"
+            os.mkfifo(wake, 0o600)
+            made.append(lambda: os.unlink(wake))
         except BaseException:
             for undo in made:
                 undo()
@@ -238,7 +245,9 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._slab = Slab(self._data, region("tags", slab_bytes // UNIT),
                           h[H_FREE_HEADS:H_FREE_HEADS + MAX_ORDERS], h, H_SLAB_FREE)
         self._work_sem = posix_ipc.Semaphore(f"/{name}.work")
-        self._res_sem = posix_ipc.Semaphore(f"/{name}.results")
+        # The results' wake-up (invariant 5): a FIFO every process opens read-write
+        # (never blocks, never ENXIO); only the result consumer reads it.
+        self._res_fd = os.open(f"/dev/shm/{name}.wake", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         self._refs = region("refs", slab_bytes // UNIT * 4).cast("i")
         # Puts leave this many slots free for the reservations of claims and acks.
         self._slot_reserve = min(SLOT_RESERVE, n // 8)
@@ -285,7 +294,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             self._areas.clear()
             self._area_left.clear()
         self._work_sem.close()
-        self._res_sem.close()
+        os.close(self._res_fd)
         self._slab.release_views()
         del self._S_np, self._L_np
         for mv in (self._S, self._Sb, self._stack, self._L, self._names, self._W, self._devices, self._infos,
@@ -301,12 +310,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._shm = None
 
     def unlink(self) -> None:
-        """Remove the segment, semaphores and lock file (the creator's job; any handle may do it)."""
-        for sem in (f"/{self.name}.work", f"/{self.name}.results"):
-            try:
-                posix_ipc.unlink_semaphore(sem)
-            except posix_ipc.ExistentialError:
-                pass
+        """Remove the segment, semaphore, wake FIFO and lock file (the creator's job; any handle may do it)."""
+        try:
+            posix_ipc.unlink_semaphore(f"/{self.name}.work")
+        except posix_ipc.ExistentialError:
+            pass
+        try:
+            os.unlink(f"/dev/shm/{self.name}.wake")
+        except FileNotFoundError:
+            pass
         try:
             # Not SharedMemory.unlink(): before 3.13 it also messages the resource
             # tracker, which never heard of this segment (see _open_segment).
@@ -573,8 +585,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 for j, row in enumerate(taken_rows):
                     areas[row[0]] = (area, u, base + j * size, size)
                 self._area_left[area] = taken
-            posts = min(self._h[H_RES_WAITERS], 1) - self._res_sem.value if expired else 0
-        self._post(self._res_sem, posts)
+            wake = self._results_wake() if expired else False
+        self._wake_results(wake)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
         return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))

@@ -10,7 +10,7 @@ import numpy as np
 
 from local_queue.layout import (
     CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, FREE,
-    H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RES_WAITERS, H_SEQ,
+    H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_SEQ,
     H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
     W_ACTIVE, W_CLAIMED, WF,
 )
@@ -29,9 +29,9 @@ class Recovery:
             self._reclaim_dead_reservations()
             S = self._S_np
             late = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_LEASE] < now)).tolist()
-            moved, work_posts, res_posts = self._settle(late, max_attempts)
+            moved, work_posts, res_wake = self._settle(late, max_attempts)
         self._post(self._work_sem, work_posts)
-        self._post(self._res_sem, res_posts)
+        self._wake_results(res_wake)
         return moved
 
     def release_worker(self, wid: int, *, max_attempts: int = 3) -> int:
@@ -40,24 +40,23 @@ class Recovery:
             self._reclaim_dead_reservations()
             S = self._S_np
             mine = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_OWNER] == wid)).tolist()
-            moved, work_posts, res_posts = self._settle(mine, max_attempts)
+            moved, work_posts, res_wake = self._settle(mine, max_attempts)
             w = self._worker_index(wid)
             if w is not None:
                 self._W[w * WF + W_ACTIVE] = 0
         self._post(self._work_sem, work_posts)
-        self._post(self._res_sem, res_posts)
+        self._wake_results(res_wake)
         return moved
 
-    def _settle(self, slots: list[int], max_attempts: int) -> tuple[int, int, int]:
-        """Lost claims back to their lanes or to poison: (moved, work posts, result posts)."""
+    def _settle(self, slots: list[int], max_attempts: int) -> tuple[int, int, bool]:
+        """Lost claims back to their lanes or to poison: (moved, work posts, wake the result consumer)."""
         if not slots:
-            return 0, 0, 0
+            return 0, 0, False
         requeued, poisoned = self._requeue(self._requeue_recs(slots), bump=True, max_attempts=max_attempts)
         h = self._h
         h[H_WORK_GEN] += 1
         work_posts = h[H_WORK_WAITERS] - self._work_sem.value if requeued else 0
-        res_posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value if poisoned else 0
-        return requeued + poisoned, work_posts, res_posts
+        return requeued + poisoned, work_posts, self._results_wake() if poisoned else False
 
     # -- repair and verification --------------------------------------------------
     def _block_refs(self) -> dict[int, int]:

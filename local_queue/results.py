@@ -10,6 +10,8 @@ the slots are already free.
 
 from __future__ import annotations
 
+import os
+import select
 import time
 from collections import Counter
 
@@ -142,15 +144,15 @@ class Results:
                     h[H_DONE_TAIL] = last
                     h[H_DONE_COUNT] += len(held)
                     self._drop_claimed(Counter(lanes), Counter(owners))
-                    posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
+                    wake = self._results_wake()
                 else:
-                    posts = 0
+                    wake = False
         finally:
             if held_blocks:
                 with self._lock:
                     for s in held_blocks:
                         self._release(s)
-        self._post(self._res_sem, posts)
+        self._wake_results(wake)
         return out
 
     def _learn_result_sizes(self, lanes: list[int], lens: list[int]) -> None:
@@ -309,38 +311,69 @@ class Results:
                 for s in held_blocks:
                     self._release(s)
                 held_blocks = []
-                posts = min(h[H_RES_WAITERS], 1) - self._res_sem.value
+                wake = self._results_wake()
         finally:
             if held_blocks:
                 with self._lock:
                     for s in held_blocks:
                         self._release(s)
-        self._post(self._res_sem, posts)
+        self._wake_results(wake)
         return out
 
     # -- collection -----------------------------------------------------------------
-    def wait_results(self, timeout_s: float) -> list[Done]:
-        """Block until results exist; return all of them (copied out, space freed).
+    def results_fd(self) -> int:
+        """A descriptor that becomes readable when results may be waiting (invariant 5):
+        an event loop watches it (`add_reader`), then calls `collect`."""
+        return self._res_fd
+
+    def collect(self) -> list[Done]:
+        """Every result now waiting (copied out, space freed), possibly none; arms the
+        wake-up, so the next result after this call makes `results_fd` readable.
 
         Meant for one consumer (the daemon); several would split the results."""
-        h = self._h
-        taken = None
+        self._drain_wake()
         with self._lock:
-            if h[H_DONE_COUNT] > 0:
-                taken = self._take_done()
-            else:
-                h[H_RES_WAITERS] += 1
-        if taken is None:
+            taken = self._take_done() if self._h[H_DONE_COUNT] > 0 else None
+            self._h[H_RES_WAITERS] = 1
+        return self._copied_out(taken) if taken is not None else []
+
+    def wait_results(self, timeout_s: float) -> list[Done]:
+        """Block until results exist (or `timeout_s` passed: then []); return all of them."""
+        h, fd = self._h, self._res_fd
+        end = time.monotonic() + timeout_s
+        while True:
+            done = self.collect()
+            if done:
+                return done
+            left = end - time.monotonic()
+            if left <= 0 or not select.select((fd,), (), (), left)[0] and h[H_DONE_COUNT] == 0:
+                return []
+
+    def _drain_wake(self) -> None:
+        try:
+            while len(os.read(self._res_fd, 4096)) == 4096:
+                pass
+        except BlockingIOError:
+            pass
+
+    def _results_wake(self) -> bool:
+        """(Under the lock, as results were added.) True when the consumer is armed:
+        the caller writes the wake-up after the lock (`_wake_results`); disarmed here,
+        so a batch of acks costs one write, not one per ack."""
+        if self._h[H_RES_WAITERS]:
+            self._h[H_RES_WAITERS] = 0
+            return True
+        return False
+
+    def _wake_results(self, wake: bool) -> None:
+        if wake:
             try:
-                self._wait(self._res_sem, lambda: h[H_DONE_COUNT] > 0, timeout_s)
-            except BaseException:
-                # Interrupted: leave the results in the queue for the next call.
-                with self._lock:
-                    h[H_RES_WAITERS] -= 1
-                raise
-            with self._lock:
-                h[H_RES_WAITERS] -= 1
-                taken = self._take_done()
+                os.write(self._res_fd, b"\1")
+            except BlockingIOError:  # 64 KiB of unread wake-ups: the consumer will wake anyway
+                pass
+
+    def _copied_out(self, taken: tuple[list, list[int]]) -> list[Done]:
+        """Results taken by `_take_done`, their late bytes copied outside the lock."""
         out, held = taken
         if not held:
             return out

@@ -2,8 +2,9 @@
 
 A queue named `<prefix>-<pid>` (the daemon names its queue after its own pid)
 is four entries in /dev/shm: the segment `<prefix>-<pid>`, its flock file
-`<prefix>-<pid>.lock` and two POSIX semaphores, `sem.<prefix>-<pid>.work` and
-`sem.<prefix>-<pid>.results` (glibc keeps named semaphores there). The owner
+`<prefix>-<pid>.lock`, the results' wake-up FIFO `<prefix>-<pid>.wake` and a
+POSIX semaphore, `sem.<prefix>-<pid>.work` (glibc keeps named semaphores
+there; queues of earlier versions also had `sem.<prefix>-<pid>.results`). The owner
 unlinks them on a clean stop; a SIGKILL leaves them behind, and nothing else
 ever would remove them.
 
@@ -25,7 +26,7 @@ SHM_DIR = Path("/dev/shm")
 
 #: The four entries of one queue, named after its owner's pid.
 _ENTRY = re.compile(r"(?:sem\.)?(?P<queue>(?P<prefix>[A-Za-z0-9_]+)-(?P<pid>[1-9][0-9]{0,9}))"
-                    r"(?P<suffix>|\.lock|\.work|\.results)")
+                    r"(?P<suffix>|\.lock|\.wake|\.work|\.results)")
 _SEM_SUFFIXES = (".work", ".results")
 
 

@@ -20,7 +20,8 @@ DEAD, LIVE = 4001, 4002
     ("fleet-4001", ("fleet-4001", 4001)),
     ("fleet-4001.lock", ("fleet-4001", 4001)),
     ("sem.fleet-4001.work", ("fleet-4001", 4001)),
-    ("sem.fleet-4001.results", ("fleet-4001", 4001)),
+    ("sem.fleet-4001.results", ("fleet-4001", 4001)),  # queues of earlier versions
+    ("fleet-4001.wake", ("fleet-4001", 4001)),
     ("fleet-4001.work", None),           # a semaphore name only under sem.
     ("sem.fleet-4001", None),            # a segment never under sem.
     ("sem.fleet-4001.lock", None),
@@ -71,7 +72,7 @@ def dead_pid() -> int:
 
 
 def shm_entries(name: str) -> set[str]:
-    return {e for e in os.listdir(SHM_DIR) if e in (name, f"{name}.lock", f"sem.{name}.work", f"sem.{name}.results")}
+    return {e for e in os.listdir(SHM_DIR) if e in (name, f"{name}.lock", f"{name}.wake", f"sem.{name}.work")}
 
 
 def test_entries_named_after_the_sweeper_itself_are_stale(tmp_path):
@@ -98,7 +99,7 @@ def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
         assert len(shm_entries(dead.name)) == 4 and len(shm_entries(live.name)) == 4
         removed = sweep_stale(prefix)
         assert sorted(removed) == sorted(
-            [dead.name, f"{dead.name}.lock", f"sem.{dead.name}.results", f"sem.{dead.name}.work"])
+            [dead.name, f"{dead.name}.lock", f"{dead.name}.wake", f"sem.{dead.name}.work"])
         assert shm_entries(dead.name) == set()
         assert len(shm_entries(live.name)) == 4
         with pytest.raises(FileNotFoundError):
