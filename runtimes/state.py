@@ -24,6 +24,16 @@ class Resident:
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
     footprint: Footprint = Footprint(0)
+    #: The bytes `info` shows (weights plus attached LoRAs), measured again only
+    #: when the attached LoRAs change: summing every tensor's size took longer
+    #: than the rest of the info blob, after every batch.
+    shown_bytes: tuple[frozenset[str], int] | None = None
+
+    def weights_shown(self) -> int:
+        loras = frozenset(self.adapter.attached_loras())
+        if self.shown_bytes is None or self.shown_bytes[0] != loras:
+            self.shown_bytes = (loras, self.adapter.footprint_bytes())
+        return self.shown_bytes[1]
 
 
 #: Batches kept in the info blob's ring (`batches`): the daemon reads it every

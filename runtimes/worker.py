@@ -518,7 +518,7 @@ class WorkerCore:
                     "task": r.adapter.spec.task,
                     "dtype": r.adapter.dtype,
                     "profile": r.adapter.spec.extra.get("profile", "default"),  # tuned device class or "default"
-                    "bytes": r.adapter.footprint_bytes() + r.adapter.reserved_bytes(),  # cache reserve included
+                    "bytes": r.weights_shown() + r.adapter.reserved_bytes(),  # cache reserve included
                     "loaded_at": r.loaded_at,
                     "last_used": r.last_used,
                     "served": r.served,
@@ -619,7 +619,7 @@ class WorkerCore:
         cap = batch_token_cap(cost, self.target_ms, profile.max_batch_tokens)
         # 3. Claim up to the budget (a sum of tokens: the padded cap bounds it),
         #    linger for more while the lane is drained, keep what fits, return the rest.
-        claims = self.claim_batch(lane.lane, profile.max_batch_items, cap)
+        claims = self.claim_batch(lane.lane, profile.max_batch_items, cap, queued=lane.depth)
         if not claims:
             return 0  # another worker took them first, or they all expired
         claimed_ns = time.monotonic_ns()
@@ -691,14 +691,17 @@ class WorkerCore:
         self.publish_info()
         return len(claims) + len(late)
 
-    def claim_batch(self, lane: int, max_items: int, cap: int) -> list:
+    def claim_batch(self, lane: int, max_items: int, cap: int, *, queued: int | None = None) -> list:
         """Claim the head, then at most as many items as a batch as wide as the head
         can hold (cap // head tokens): a long head must not pull a lane's worth of
-        short items only to return them (each return re-inserts by seq under the lock)."""
+        short items only to return them (each return re-inserts by seq under the lock).
+        `queued` (the lane's depth when it was chosen) bounds the second claim: a lone
+        request skips it (one lock round less on the latency path); items that came
+        since are claimed by the linger or the next round."""
         claims = self.queue.claim(lane, worker=self.worker_id, max_items=1, max_tokens=cap, lease_ms=self.lease_ms)
         if not claims:
             return claims
-        room = min(max_items, cap // max(1, claims[0].tokens)) - 1
+        room = min(max_items, cap // max(1, claims[0].tokens), max_items if queued is None else queued) - 1
         if room > 0:
             claims += self.queue.claim(lane, worker=self.worker_id, max_items=room,
                                        max_tokens=max(1, cap - claims[0].tokens), lease_ms=self.lease_ms)
