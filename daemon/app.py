@@ -67,12 +67,15 @@ def create_app(daemon: Daemon) -> Litestar:
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         daemon.start(loop)
+
+        async def ready() -> bool:
+            return daemon.is_serving() and (await daemon.readiness())[0]
+
         loop.add_signal_handler(signal.SIGHUP, reload_now, daemon)
         tasks = [
             asyncio.create_task(refresh_loop(daemon)),
             # READY=1 only once uvicorn listens AND the preloaded models are resident.
-            asyncio.create_task(announce_ready(lambda: daemon.is_serving() and daemon.readiness()[0],
-                                               status=f"serving on {daemon.settings.url}")),
+            asyncio.create_task(announce_ready(ready, status=f"serving on {daemon.settings.url}")),
             asyncio.create_task(watchdog_loop(daemon.healthy)),
         ]
         try:

@@ -10,8 +10,9 @@ duplicate result finds nobody and is dropped: no request is answered twice.
 
 The loop never waits for the queue's cross-process lock: it tries it
 (`LocalQueue.no_wait`) and, when another thread or process holds it, hands
-the call to the broker's queue thread (puts, lanes, cancels) or tries again
-a millisecond later (the gauges' reads, which must stay on the loop).
+the call to the broker's queue thread (puts, lanes, cancels, and the reads
+behind readiness, `/v1/ps` and the admin routes: `Daemon.workers`) or tries
+again a millisecond later (the gauges' reads, which must stay on the loop).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ import secrets
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,7 +245,7 @@ class Cluster:
     """The NATS side of one daemon: requester (`submit`) and puller (`_pull`)."""
 
     def __init__(self, settings: Settings, broker: Broker, store: Store, *,
-                 workers_up: Callable[[], int], loaded: Callable[[], set[str]]) -> None:
+                 workers_up: Callable[[], int], loaded: Callable[[], Awaitable[set[str]]]) -> None:
         self.settings = settings
         self.broker = broker
         self.store = store
@@ -733,7 +733,7 @@ class Cluster:
 
         models = await asyncio.to_thread(lambda: {m.name: m.task for m in self.store.list()})
         self._sync_pullers(models)
-        await self.kv.put(self.key, _json(self.entry()))
+        await self.kv.put(self.key, _json(await self.entry()))
         boxes: dict[str, dict[str, Any]] = {}
         try:
             keys = await self.kv.keys()
@@ -748,11 +748,11 @@ class Cluster:
                 boxes[key] = _json_decode(entry.value)
         self._boxes = boxes
 
-    def entry(self) -> dict[str, Any]:
+    async def entry(self) -> dict[str, Any]:
         """This box as others see it in `fleet_boxes`."""
         return {
             "box": self.box, "instance": self.instance, "url": self.settings.url, "pid": os.getpid(),
-            "models": self._models, "loaded": sorted(self._loaded()), "workers": self._workers_up(),
+            "models": self._models, "loaded": sorted(await self._loaded()), "workers": self._workers_up(),
             "capacity": self.capacity, "held": len(self._held), "local_depth": self.broker.queue.depth(),
             "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
             "served_locally": self.served_locally, "reconnects": self.reconnects, "at": time.time(),

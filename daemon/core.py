@@ -20,7 +20,7 @@ from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
 from fleet.store import Manifest, Store
-from local_queue import Done, LocalQueue
+from local_queue import Done, LaneStats, LocalQueue, WorkerInfo
 from local_queue.sweep import queue_name, sweep_stale
 
 from fleet.control import is_control_lane
@@ -48,6 +48,42 @@ HEARTBEAT_STALE_S = 30.0
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
                  "default_models")
+
+
+def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
+    """The workers as `/v1/ps` and the admin routes see them, from one read of the queue."""
+    out = []
+    for w in infos:
+        info = _info_decoder.decode(w.info) if w.info else {}
+        out.append({
+            "worker": w.wid,
+            "pid": w.pid,
+            "device": w.device,
+            "up": (now_ns - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S,
+            "claimed": w.claimed,
+            "models": info.get("models", {}),
+            "last_batch": info.get("last_batch", {}),
+            # Device memory as the worker sees it (runtimes.memory): its device's budget, its own use.
+            "budget_bytes": info.get("budget_bytes", 0),
+            "used_bytes": info.get("used_bytes", 0),
+            "loading": info.get("loading", ""),
+        })
+    return out
+
+
+def lane_views(stats: list[LaneStats], now_ns: int) -> list[dict[str, Any]]:
+    """The lanes with work, from one read of the queue; control lanes (admin commands
+    to one worker) are plumbing, not demand, and left out."""
+    return [
+        {
+            "model": s.model,
+            "depth": s.depth,
+            "tokens": s.tokens,
+            "claimed": s.claimed,
+            "oldest_wait_ms": round((now_ns - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
+        }
+        for s in stats if not is_control_lane(s.model)
+    ]
 
 
 @dataclass
@@ -84,6 +120,9 @@ class Daemon:
     reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _seen: dict[int, _WorkerSeen] = field(default_factory=dict)
+    #: Workers up at the last `refresh_gauges` (every METRICS_REFRESH_S): for the NATS
+    #: bridge's fetch capacity, read synchronously on the loop, where the queue is not.
+    workers_up: int = 0
     #: Preloaded models unpinned through the API since the start: no longer kept
     #: (nor waited for by readiness) until pinned again; a restart preloads them again.
     _unpinned_preloads: set[str] = field(default_factory=set)
@@ -132,7 +171,7 @@ class Daemon:
             from daemon.cluster import Cluster
 
             self.cluster = Cluster(self.settings, self.broker, self.store,
-                                   workers_up=lambda: sum(w["up"] for w in self.workers()), loaded=self.loaded_models)
+                                   workers_up=lambda: self.workers_up, loaded=self.loaded_models)
             self.cluster.start(loop)
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 
@@ -244,14 +283,18 @@ class Daemon:
         loads, evictions and batches from the workers' cumulative counters, diffed
         against the last read so no event between two reads is missed. A worker
         whose pid changed or that left the queue lost its models (`worker_exit`).
-        Runs on the event loop only (no lock needed for `_seen`)."""
-        for lane in self.lanes():
-            self.metrics.set_lane(lane["model"], lane["depth"], lane["oldest_wait_ms"] / 1000.0)
+        Runs on the event loop only (no lock needed for `_seen`), inside `Broker.read`:
+        its queue reads give up at once when a worker holds the lock."""
         if self.queue is None:
             return
+        now = time.monotonic_ns()
+        for lane in lane_views(self.queue.lane_stats(), now):
+            self.metrics.set_lane(lane["model"], lane["depth"], lane["oldest_wait_ms"] / 1000.0)
         memory: dict[str, tuple[int, int]] = {}
         current: set[int] = set()
-        for w in self.queue.workers():
+        infos = self.queue.workers()
+        self.workers_up = sum((now - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S for w in infos)
+        for w in infos:
             info = _info_decoder.decode(w.info) if w.info else {}
             current.add(w.wid)
             seen = self._seen.get(w.wid)
@@ -337,45 +380,21 @@ class Daemon:
         self._manifests.pop(name, None)
 
     # -- observation ------------------------------------------------------------------
+    # The queue's tables are read under its cross-process lock, which the workers
+    # hold too: on the event loop every read goes through `Broker.call` (now when
+    # the lock is free, else on the broker's queue thread), so a worker holding the
+    # lock delays that answer only, never the loop. Reads stay fresh (a `pin` then
+    # `ps` shows the pin): nothing here is cached except `workers_up`.
 
-    def workers(self) -> list[dict[str, Any]]:
-        if self.queue is None:
+    async def workers(self) -> list[dict[str, Any]]:
+        if self.queue is None or self.broker is None:
             return []
-        now = time.monotonic_ns()
-        out = []
-        for w in self.queue.workers():
-            info = _info_decoder.decode(w.info) if w.info else {}
-            out.append({
-                "worker": w.wid,
-                "pid": w.pid,
-                "device": w.device,
-                "up": (now - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S,
-                "claimed": w.claimed,
-                "models": info.get("models", {}),
-                "last_batch": info.get("last_batch", {}),
-                # Device memory as the worker sees it (runtimes.memory): its device's budget, its own use.
-                "budget_bytes": info.get("budget_bytes", 0),
-                "used_bytes": info.get("used_bytes", 0),
-                "loading": info.get("loading", ""),
-            })
-        return out
+        return worker_views(await self.broker.call(self.queue.workers), time.monotonic_ns())
 
-    def lanes(self) -> list[dict[str, Any]]:
-        if self.queue is None:
+    async def lanes(self) -> list[dict[str, Any]]:
+        if self.queue is None or self.broker is None:
             return []
-        now = time.monotonic_ns()
-        return [
-            {
-                "model": s.model,
-                "depth": s.depth,
-                "tokens": s.tokens,
-                "claimed": s.claimed,
-                "oldest_wait_ms": round((now - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
-            }
-            for s in self.queue.lane_stats()
-            # Control lanes (admin commands to one worker) are plumbing, not demand.
-            if not is_control_lane(s.model)
-        ]
+        return lane_views(await self.broker.call(self.queue.lane_stats), time.monotonic_ns())
 
     def kept_preloads(self) -> list[str]:
         """The preloaded models still pinned (not unpinned since the start); what a
@@ -398,9 +417,9 @@ class Daemon:
             self._unpinned_preloads.add(name)
         return PinStore(self.settings.home).remove(name) is not None or was_preloaded
 
-    def loaded_models(self) -> set[str]:
+    async def loaded_models(self) -> set[str]:
         """Resident models, and the LoRA adapters attached to them."""
-        return {n for w in self.workers() if w["up"] for name, m in w["models"].items()
+        return {n for w in await self.workers() if w["up"] for name, m in w["models"].items()
                 for n in (name, *m.get("loras", ()))}
 
     def healthy(self) -> bool:
@@ -408,7 +427,7 @@ class Daemon:
         are the supervisor's business, not a reason to restart the daemon)."""
         return bool(self.broker and self.broker.running and self.supervisor and self.supervisor.running)
 
-    def readiness(self) -> tuple[bool, str]:
+    async def readiness(self) -> tuple[bool, str]:
         """Ready = started (and joined, with NATS), a worker is up, and every pinned
         model is resident: preloads not unpinned since, and the persisted pins of the
         devices this daemon has. Nothing else: load is answered per request (429),
@@ -417,7 +436,7 @@ class Daemon:
             return False, "starting"
         if self.cluster is not None and not self.cluster.joined:
             return False, "joining the NATS cluster"
-        workers = [w for w in self.workers() if w["up"]]
+        workers = [w for w in await self.workers() if w["up"]]
         if not workers:
             return False, "no worker is up yet"
         devices = {w["device"] for w in workers}

@@ -108,16 +108,19 @@ async def watchdog_loop(is_healthy: Callable[[], bool], interval_s: float | None
         await asyncio.sleep(period_s)
 
 
-async def announce_ready(serving: Callable[[], bool], *waits: Awaitable[object], status: str = "serving") -> None:
-    """Send READY=1 once every `waits` finished and `serving()` is true.
+async def announce_ready(serving: Callable[[], Awaitable[bool]], *waits: Awaitable[object],
+                         status: str = "serving") -> None:
+    """Send READY=1 once every `waits` finished and `await serving()` is true.
 
-    `serving` is `lambda: server.started` for a uvicorn.Server: uvicorn runs the
+    `serving` checks e.g. `server.started` for a uvicorn.Server: uvicorn runs the
     app's lifespan startup *before* it listens, so READY sent from the lifespan
-    would come too early. Await the pinned-model loads in `waits`.
+    would come too early. It is awaited so that it may read the queue the way
+    the event loop must (daemon.broker.Broker.call). Await the pinned-model loads
+    in `waits`.
     """
     for waited in waits:
         await waited
-    while not serving():
+    while not await serving():
         await asyncio.sleep(0.05)
     notify(READY=1, STATUS=status)
 

@@ -76,8 +76,8 @@ async def send(daemon: Daemon, worker: dict[str, Any], op: str, name: str) -> di
     return {"worker": worker["worker"], **msgspec.structs.asdict(done)}
 
 
-def holders(daemon: Daemon, name: str) -> list[dict[str, Any]]:
-    return [w for w in daemon.workers() if w["up"] and name in w["models"]]
+async def holders(daemon: Daemon, name: str) -> list[dict[str, Any]]:
+    return [w for w in await daemon.workers() if w["up"] and name in w["models"]]
 
 
 class AdminController(Controller):
@@ -88,7 +88,7 @@ class AdminController(Controller):
         """Load now (if needed) and never evict; persisted, so it survives a restart."""
         stored(daemon, name)
         opts = await options(request)
-        result = await send(daemon, choose_worker(daemon.workers(), name, opts.device), PIN, name)
+        result = await send(daemon, choose_worker(await daemon.workers(), name, opts.device), PIN, name)
         daemon.record_pin(name, result["device"])
         return reply(request, {"model": name, "op": PIN, "results": [result]})
 
@@ -97,14 +97,14 @@ class AdminController(Controller):
         """Evictable again (stays resident until room is needed)."""
         stored(daemon, name)
         was_pinned = daemon.record_unpin(name)
-        results = [await send(daemon, w, UNPIN, name) for w in holders(daemon, name)]
+        results = [await send(daemon, w, UNPIN, name) for w in await holders(daemon, name)]
         return reply(request, {"model": name, "op": UNPIN, "was_pinned": was_pinned, "results": results})
 
     @post("/load", status_code=200)
     async def load(self, request: Request, daemon: Daemon, name: str) -> Response:
         stored(daemon, name)
         opts = await options(request)
-        result = await send(daemon, choose_worker(daemon.workers(), name, opts.device), LOAD, name)
+        result = await send(daemon, choose_worker(await daemon.workers(), name, opts.device), LOAD, name)
         return reply(request, {"model": name, "op": LOAD, "results": [result]})
 
     @post("/unload", status_code=200)
@@ -112,5 +112,5 @@ class AdminController(Controller):
         stored(daemon, name)
         if name in daemon.pinned_models():
             raise BadRequest(f"{name} is pinned; unpin it first (fleetctl unpin {name})")
-        results = [await send(daemon, w, UNLOAD, name) for w in holders(daemon, name)]
+        results = [await send(daemon, w, UNLOAD, name) for w in await holders(daemon, name)]
         return reply(request, {"model": name, "op": UNLOAD, "results": results})

@@ -17,12 +17,12 @@ from daemon.core import Daemon
 from daemon.http import reply
 
 
-def workers_view(daemon: Daemon) -> list[dict]:
+async def workers_view(daemon: Daemon) -> list[dict]:
     """Registered workers (from the queue), each with its supervisor slot index and
     restart count joined by pid; a worker restarted after a crash shows a new pid."""
     slots = {s["pid"]: s for s in daemon.supervisor.view()} if daemon.supervisor else {}
     out = []
-    for w in daemon.workers():
+    for w in await daemon.workers():
         slot = slots.get(w["pid"])
         out.append({**w, "index": slot["index"] if slot else None, "restarts": slot["restarts"] if slot else 0})
     return out
@@ -46,7 +46,7 @@ class ModelsController(Controller):
 
     @get("/models")
     async def models(self, request: Request, daemon: Daemon) -> Response:
-        loaded = daemon.loaded_models()
+        loaded = await daemon.loaded_models()
         pinned = daemon.pinned_models()
         return reply(request, ModelList([model_card(m, loaded, pinned) for m in daemon.store.list()]))
 
@@ -59,11 +59,11 @@ class ModelsController(Controller):
         except ModelNotFound:
             raise ModelNotFound(f"unknown model {model_id!r}", hint="fleetctl list shows what is pulled",
                                 param="model") from None
-        return reply(request, model_card(manifest, daemon.loaded_models(), daemon.pinned_models()))
+        return reply(request, model_card(manifest, await daemon.loaded_models(), daemon.pinned_models()))
 
     @get("/ps")
     async def ps(self, request: Request, daemon: Daemon) -> Response:
-        ready, why = daemon.readiness()
+        ready, why = await daemon.readiness()
         return reply(request, {
             "box": daemon.box,
             "pid": os.getpid(),
@@ -73,8 +73,8 @@ class ModelsController(Controller):
             "status": why,
             "queue": {"depth": daemon.queue.depth() if daemon.queue else 0,
                       "in_flight": daemon.broker.in_flight if daemon.broker else 0},
-            "lanes": daemon.lanes(),
-            "workers": workers_view(daemon),
+            "lanes": await daemon.lanes(),
+            "workers": await workers_view(daemon),
             "slots": daemon.supervisor.view() if daemon.supervisor else [],
         })
 
@@ -95,5 +95,5 @@ class HealthController(Controller):
 
     @get("/readyz")
     async def readyz(self, request: Request, daemon: Daemon) -> Response:
-        ready, why = daemon.readiness()
+        ready, why = await daemon.readiness()
         return reply(request, {"ready": ready, "status": why}, status=200 if ready else 503)

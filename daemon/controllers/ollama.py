@@ -133,16 +133,16 @@ def ignored_header(ignored: list[str]) -> dict[str, str]:
 # ---- keep_alive on the admin path --------------------------------------------------------
 
 async def pin(daemon: Daemon, name: str) -> None:
-    if name in daemon.pinned_models() and name in daemon.loaded_models():
+    if name in daemon.pinned_models() and name in await daemon.loaded_models():
         return
-    result = await send(daemon, choose_worker(daemon.workers(), name, None), PIN, name)
+    result = await send(daemon, choose_worker(await daemon.workers(), name, None), PIN, name)
     daemon.record_pin(name, result["device"])
 
 
 async def unload(daemon: Daemon, name: str) -> None:
     """Release a pin (persisted, preloaded, and on the workers), then unload every copy."""
     daemon.record_unpin(name)
-    for worker in holders(daemon, name):
+    for worker in await holders(daemon, name):
         await send(daemon, worker, UNPIN, name)
         await send(daemon, worker, UNLOAD, name)
 
@@ -170,32 +170,38 @@ async def apply_keep(daemon: Daemon, name: str, keep: Keep) -> str:
         return "unload"
     if keep is Keep.PIN:
         await pin(daemon, name)
-    elif name not in daemon.loaded_models():
-        await send(daemon, choose_worker(daemon.workers(), name, None), LOAD, name)
+    elif name not in await daemon.loaded_models():
+        await send(daemon, choose_worker(await daemon.workers(), name, None), LOAD, name)
     return "load"
 
 
 # ---- timing ----------------------------------------------------------------------------------
 
 class Clock:
-    """One request's timeline, for Ollama's durations (ns)."""
+    """One request's timeline, for Ollama's durations (ns). Start it with `Clock.start`."""
 
-    def __init__(self, daemon: Daemon, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.t0 = time.perf_counter_ns()
         self.name = name
-        self.was_loaded = name in daemon.loaded_models()
+        self.was_loaded = False
         self.first = 0
 
-    def load_ns(self, daemon: Daemon) -> int:
+    @classmethod
+    async def start(cls, daemon: Daemon, name: str) -> Clock:
+        clock = cls(name)
+        clock.was_loaded = name in await daemon.loaded_models()
+        return clock
+
+    async def load_ns(self, daemon: Daemon) -> int:
         if self.was_loaded:
             return 0
-        ms = max((float(m.get("load_ms", 0.0)) for w in daemon.workers() if w["up"]
+        ms = max((float(m.get("load_ms", 0.0)) for w in await daemon.workers() if w["up"]
                   for n, m in w["models"].items() if n == self.name), default=0.0)
         return int(ms * 1e6)
 
-    def stats(self, daemon: Daemon, answer: Answer, input_tokens: int, output_tokens: int) -> Stats:
+    async def stats(self, daemon: Daemon, answer: Answer, input_tokens: int, output_tokens: int) -> Stats:
         total = time.perf_counter_ns() - self.t0
-        load = self.load_ns(daemon)
+        load = await self.load_ns(daemon)
         inference = int(answer.inference_ms * 1e6)
         queue = int(answer.queue_ms * 1e6)
         prompt = min(inference, max(0, self.first - self.t0 - queue - load)) if self.first else 0
@@ -211,7 +217,7 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
                    headers: dict[str, str]) -> Response | Stream:
     """Queue one generation and answer it as NDJSON lines or one object.
     `frame(text, done, done_reason=None, stats=None, logprobs=None)` builds a reply object."""
-    clock = Clock(daemon, name)
+    clock = await Clock.start(daemon, name)
     check_generate(req)  # bad input changes nothing: checked before keep_alive pins anything
     payload = codec.encode_msgpack(req)
     await keep_before(daemon, name, keep)
@@ -219,15 +225,15 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
     await text.started()  # an error before any text raises here: the client gets its status
     clock.first = time.perf_counter_ns()
 
-    def last(whole: str, logprobs: list[TokenLogprob] | None = None) -> Any:
+    async def last(whole: str, logprobs: list[TokenLogprob] | None = None) -> Any:
         res = text.result
         return frame(whole, True, res.finish_reason,
-                     clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs)
+                     await clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs)
 
     if not stream:
         async for _ in text.deltas():
             pass
-        done = last(text.result.text, token_logprobs(text.result.logprobs))
+        done = await last(text.result.text, token_logprobs(text.result.logprobs))
         await keep_after(daemon, name, keep)
         return json_reply(done, headers)
 
@@ -235,7 +241,7 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
         try:
             async for piece, logprobs in text.deltas():
                 yield line(frame(piece, False, logprobs=token_logprobs(logprobs)))
-            yield line(last(""))
+            yield line(await last(""))
         except FleetError as exc:
             yield line(ErrorLine(exc.message))
             return
@@ -350,7 +356,7 @@ class OllamaController(Controller):
     async def api_ps(self, daemon: Daemon) -> Response:
         # A model held by several workers is one entry: its bytes summed, VRAM for copies on a GPU.
         held: dict[str, list[Any]] = {}
-        for w in daemon.workers():
+        for w in await daemon.workers():
             if not w["up"]:
                 continue
             for name, m in w["models"].items():
@@ -433,7 +439,7 @@ class OllamaController(Controller):
                                                            truncate=body.truncate)
         if body.dimensions is not None:
             vectors = shorten(vectors, body.dimensions)
-        stats = clock.stats(daemon, answer, tokens, 0)
+        stats = await clock.stats(daemon, answer, tokens, 0)
         return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
                           ignored_header(ignored))
 
@@ -512,7 +518,7 @@ class OllamaController(Controller):
 
 async def embed_texts(daemon: Daemon, name: str, inputs: list[str], keep: Keep, *, normalize: bool,
                       truncate: bool) -> tuple[np.ndarray, Answer, int, Clock]:
-    clock = Clock(daemon, name)
+    clock = await Clock.start(daemon, name)
     await keep_before(daemon, name, keep)
     req = EmbedRequest(model=name, inputs=inputs, normalize=normalize, truncate=truncate)
     answer = await run_embed(daemon, req, codec.encode_msgpack(req))

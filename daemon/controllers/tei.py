@@ -228,9 +228,9 @@ def stored(daemon: Daemon, name: str) -> Manifest:
         raise ModelNotFound(f"unknown model {name!r}", hint="fleetctl list shows what is pulled") from None
 
 
-def served_dtype(daemon: Daemon, manifest: Manifest) -> str:
+async def served_dtype(daemon: Daemon, manifest: Manifest) -> str:
     """The dtype a worker chose at load; before any load, the profile's wish."""
-    for w in daemon.workers():
+    for w in await daemon.workers():
         info = w["models"].get(manifest.name)
         if info and info.get("dtype"):
             return str(info["dtype"])
@@ -356,7 +356,7 @@ class TeiController(Controller):
         manifest = stored(daemon, name)
         s = daemon.settings
         return reply(request, TeiInfo(
-            model_id=manifest.name, model_sha=manifest.revision, model_dtype=served_dtype(daemon, manifest),
+            model_id=manifest.name, model_sha=manifest.revision, model_dtype=await served_dtype(daemon, manifest),
             served_model_name=manifest.name, model_type=model_type(daemon, manifest),
             max_concurrent_requests=s.queue_max_depth, max_input_length=max_input_length(daemon, manifest),
             max_batch_tokens=manifest.profile.max_batch_tokens, max_batch_requests=None,
