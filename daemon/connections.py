@@ -19,6 +19,11 @@ enough of them exhaust the process's descriptors and every new client fails.
   client can never keep a quick one out; with every connection of the scope being
   served, the new one is refused (503).
 
+And `OneWrite`: uvicorn writes a response's head and its body in two `write`
+calls, two segments on the wire; the client then wakes for the head, and again
+for the body. Writes made in one turn of the event loop go out in one call at
+the end of that turn instead.
+
 Each connection is in one phase: IDLE (waiting for a request's headers, or kept
 alive), BODY (headers in, body still arriving), SERVED (whole request in, the app
 answering). Invariant: a protocol is in the table from `connection_made` (admitted)
@@ -135,6 +140,38 @@ def find_connection_to_close(scope: dict[Any, None]) -> Any | None:
     return uploading
 
 
+class OneWrite:
+    """A transport whose writes of one event-loop turn leave in one `write` (a
+    response's head and body: one segment, one wake-up of the client). Anything
+    else goes to the transport; `close` sends what is held first."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._held.append(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """An HttpToolsProtocol class bound to one ConnectionTable (one per server)."""
     table = ConnectionTable(limits)
@@ -155,7 +192,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(OneWrite(transport, self.loop))  # type: ignore[arg-type]
             self.client_host = self.client[0] if self.client else ""
             if not table.admit(self):
                 self.connections.discard(self)
