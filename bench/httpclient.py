@@ -174,3 +174,46 @@ class Pool:
             conn.close()
         self.open -= len(self.idle)
         self.idle.clear()
+
+
+class BlockingConn:
+    """One keep-alive connection for sequential latency runs, on a blocking socket.
+
+    A lone client in a loop is what the latency goal is about; an event loop on the
+    client side would add its own wake-ups to every round trip. Replies must carry
+    Content-Length (fleet's non-streamed replies do). `exchange` returns
+    (status, headers with lower-case names, body).
+    """
+
+    def __init__(self, ep: Endpoint, timeout_s: float = 30.0) -> None:
+        import socket
+
+        self.sock = socket.create_connection((ep.host, ep.port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = b""
+
+    def exchange(self, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        self.sock.sendall(request)
+        buf = self._buf
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            buf += self._recv()
+        lines = buf[:end].split(b"\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers[b"content-length"])
+        start = end + 4
+        while len(buf) < start + length:
+            buf += self._recv()
+        self._buf = buf[start + length:]
+        return int(lines[0][9:12]), headers, buf[start:start + length]
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
