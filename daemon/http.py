@@ -65,20 +65,29 @@ def hide_paths(message: str, private: tuple[tuple[str, str], ...]) -> str:
     return message
 
 
-def error_reply(request: Request, exc: FleetError, headers: dict[str, str] | None = None) -> Response:
-    msgpack = wants_msgpack(request)
-    shown = hide_paths(exc.message, request.app.state.get(PRIVATE_PATHS, ()))
+def error_parts(exc: FleetError, *, method: str, path: str, msgpack: bool, private: tuple[tuple[str, str], ...],
+                headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, str]]:
+    """An error's reply body (the contract's shape; OpenAI's on OpenAI routes) and headers,
+    for the Litestar app and the plain-ASGI routes (daemon.hot) alike."""
+    shown = hide_paths(exc.message, private)
     if shown != exc.message:
-        log.warning("%s on %s %s: %s", exc.code, request.method, request.url.path, exc.message)
+        log.warning("%s on %s %s: %s", exc.code, method, path, exc.message)
         exc.message = shown
     headers = dict(headers or {})
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    if is_openai_route(request.url.path):
+    if is_openai_route(path):
         body = codec.encode(OpenAIErrorReply(OpenAIErrorBody(exc.code, exc.message, openai_error_type(exc.status),
                                                              exc.param)), msgpack=msgpack)
     else:
         body = codec.error_body(exc, msgpack=msgpack)
+    return body, headers
+
+
+def error_reply(request: Request, exc: FleetError, headers: dict[str, str] | None = None) -> Response:
+    msgpack = wants_msgpack(request)
+    body, headers = error_parts(exc, method=request.method, path=request.url.path, msgpack=msgpack,
+                                private=request.app.state.get(PRIVATE_PATHS, ()), headers=headers)
     return Response(
         content=body,
         status_code=exc.status,
@@ -98,6 +107,8 @@ def on_http_error(request: Request, exc: HTTPException) -> Response:
     # Routing errors name what was asked: the first answer a misconfigured client sees.
     if exc.status_code == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 413:
+        message = f"request body is over the limit of {request.app.request_max_body_size} bytes (max_body_bytes)"
     elif exc.status_code == 405:
         allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
         message = f"{request.method} is not allowed on {request.url.path}"

@@ -75,6 +75,7 @@ def serve(settings: Settings) -> None:
     from daemon.home import claim_home
     from daemon.connections import connection_limits, guarded_protocol
     from daemon.guard import BrowserGuard
+    from daemon.hot import HotRoutes
     from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
@@ -87,8 +88,9 @@ def serve(settings: Settings) -> None:
     litestar_app.state[PRIVATE_PATHS] = ((str(settings.store_path), "<store>"), (str(settings.home_path), "<home>"))
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,
-    # so 404/405 answers are guarded too; /healthz stays open.
-    guarded = LiveApp(litestar_app, settings.api_key)
+    # so 404/405 answers are guarded too; /healthz stays open. Inside auth, the hot
+    # route (daemon.hot) before the Litestar app.
+    guarded = LiveApp(HotRoutes(litestar_app, daemon), settings.api_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
                                  cors_origins=settings.cors_origins)
     app = RequestIdMiddleware(browser_guard)

@@ -26,9 +26,10 @@ HEADER = "X-Fleet-Timeline"
 _stamps: ContextVar[list[tuple[str, int]] | None] = ContextVar("fleet_timeline", default=None)
 
 
-def begin(headers) -> None:
-    """Start a timeline for this request when it asks for one (the `handler` stamp)."""
-    if headers.get(HEADER):
+def begin(asked: str | bytes | None) -> None:
+    """Start a timeline for this request when it asks for one (its `X-Fleet-Timeline`
+    header's value, None when absent): the `handler` stamp."""
+    if asked:
         _stamps.set([("handler", time.monotonic_ns())])
 
 
@@ -43,8 +44,9 @@ def worker(stamps: tuple[int, ...]) -> None:
         own.extend((stage, ns) for stage, ns in zip(WORKER_STAGES, stamps) if ns)
 
 
-def finish(response) -> None:
-    """Stamp `encoded` (the reply body is built) and add the header, when asked."""
+def finish(headers: dict[str, str]) -> None:
+    """Stamp `encoded` (the reply body is built) and add the header to the reply's
+    `headers`, when asked."""
     if (stamps := _stamps.get()) is not None:
         stamps.append(("encoded", time.monotonic_ns()))
-        response.headers[HEADER] = ",".join(f"{stage}={ns}" for stage, ns in stamps)
+        headers[HEADER] = ",".join(f"{stage}={ns}" for stage, ns in stamps)

@@ -101,38 +101,48 @@ def estimate_tokens(payload: bytes | memoryview, texts: int) -> int:
     return len(payload) // 4 + 2 * texts
 
 
+async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpack_out: bool,
+                         ) -> tuple[bytes, dict[str, str]]:
+    """`POST /v1/embed`: the reply body and headers for a request body. The one
+    implementation, for the Litestar route and for its plain-ASGI twin (daemon.hot)."""
+    if msgpack_in:
+        req = codec.decode(body, EmbedRequest, msgpack=True)
+        payload = body
+    else:
+        req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
+        payload = codec.encode_msgpack(req)
+    req, payload = with_model(daemon, "embed", req, payload)
+    timeline.stamp("checked")
+    answer = await run_embed(daemon, req, payload)
+    headers = answer_headers(answer)
+    if req.output == "tokens":
+        out = tokens_reply(req.model, answer.body, msgpack=msgpack_out)
+    elif req.output == "sparse":
+        out = sparse_reply(req.model, answer.body, msgpack=msgpack_out)
+    elif msgpack_out:
+        res = _result_raw.decode(answer.body)
+        out = EmbedReplyMsgpack(req.model, res.data, res.shape, Usage(input_tokens=res.input_tokens))
+    else:
+        res = _result.decode(answer.body)
+        vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+        out = EmbedReplyJson(req.model, vectors.tolist(), res.shape, Usage(input_tokens=res.input_tokens))
+    content = codec.encode(out, msgpack=msgpack_out)
+    timeline.finish(headers)
+    return content, headers
+
+
 class EmbedController(Controller):
     path = "/v1"
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
-        timeline.begin(request.headers)
-        body = await request.body()
-        if codec.is_msgpack(request.headers.get("content-type")):
-            req = codec.decode(body, EmbedRequest, msgpack=True)
-            payload = body
-        else:
-            req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
-            payload = codec.encode_msgpack(req)
-        req, payload = with_model(daemon, "embed", req, payload)
-        timeline.stamp("checked")
-        answer = await run_embed(daemon, req, payload)
-        headers = answer_headers(answer)
+        # Served by daemon.hot in `fleetctl serve`; this route is the same exchange
+        # for the OpenAPI document and for apps built without the hot routes.
+        timeline.begin(request.headers.get(timeline.HEADER))
         msgpack_out = wants_msgpack(request)
-        if req.output == "tokens":
-            out = tokens_reply(req.model, answer.body, msgpack=msgpack_out)
-        elif req.output == "sparse":
-            out = sparse_reply(req.model, answer.body, msgpack=msgpack_out)
-        elif msgpack_out:
-            res = _result_raw.decode(answer.body)
-            out = EmbedReplyMsgpack(req.model, res.data, res.shape, Usage(input_tokens=res.input_tokens))
-        else:
-            res = _result.decode(answer.body)
-            vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
-            out = EmbedReplyJson(req.model, vectors.tolist(), res.shape, Usage(input_tokens=res.input_tokens))
-        response = reply(request, out, headers=headers)
-        timeline.finish(response)
-        return response
+        content, headers = await embed_exchange(daemon, await request.body(), msgpack_out=msgpack_out,
+                                                msgpack_in=codec.is_msgpack(request.headers.get("content-type")))
+        return Response(content=content, media_type=codec.MSGPACK if msgpack_out else codec.JSON, headers=headers)
 
     @post("/embeddings", status_code=200)
     async def openai_embeddings(self, request: Request, daemon: Daemon) -> Response:
