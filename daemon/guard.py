@@ -37,6 +37,8 @@ Send = Callable[[Any], Awaitable[None]]
 
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 BODY_TYPES = frozenset({codec.JSON, *codec.MSGPACK_TYPES})
+#: Distinct Host headers whose verdicts are kept (BrowserGuard.host_allowed).
+HOST_CACHE = 256
 CORS_METHODS = b"GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = b"authorization, content-type, accept, x-request-id"
 #: Reply headers a browser app may read (DESIGN.md, "Names fixed for clients").
@@ -103,6 +105,18 @@ class BrowserGuard:
         """New lists (SIGHUP reload); the bind address never changes while serving."""
         self.allowed_hosts = tuple(allowed_hosts)
         self.cors_origins = tuple(cors_origins)
+        #: Host header -> allowed_host's verdict: a client sends the same Host on every
+        #: request, and parsing it as an address is most of this middleware's time.
+        #: Bounded (cleared when full): Host values are the client's to choose.
+        self._hosts: dict[str, bool] = {}
+
+    def host_allowed(self, host: str) -> bool:
+        verdict = self._hosts.get(host)
+        if verdict is None:
+            if len(self._hosts) >= HOST_CACHE:
+                self._hosts.clear()
+            verdict = self._hosts[host] = allowed_host(host, self.bind_host, self.allowed_hosts)
+        return verdict
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -110,7 +124,7 @@ class BrowserGuard:
             return
         headers = dict(scope["headers"])  # lower-cased names (ASGI); a repeated one: the last wins
         host = headers.get(b"host", b"").decode("latin-1")
-        if host and not allowed_host(host, self.bind_host, self.allowed_hosts):
+        if host and not self.host_allowed(host):
             await refuse(scope, send, headers, Forbidden(
                 f"Host {split_host(host)!r} is not a name of this daemon; add it to allowed_hosts to serve it"))
             return
