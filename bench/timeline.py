@@ -1,7 +1,7 @@
 """Where one short request's time goes: a per-stage timeline, measured on the real daemon.
 
 Sends `--requests` single-text embed requests (the shortest corpus texts, in turn),
-one at a time over one keep-alive connection, MessagePack both ways, each with
+one at a time over one keep-alive connection (a blocking client), MessagePack both ways, each with
 `X-Fleet-Timeline: 1`. The daemon answers with a CLOCK_MONOTONIC stamp per stage
 (daemon/timeline.py; the worker's ride in its result envelope); this client
 runs on the same box and reads the same clock, so it adds its own send and
@@ -19,7 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from rich.table import Table
 
 from bench import corpus, report
 from bench.daemon import LocalDaemon
+from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "all-minilm-l6-v2"
@@ -54,8 +54,8 @@ STAGES = (
     ("tokenized", "forward", "forward + pool"),
     ("forward", "host", "vectors to host"),
     ("host", "ran", "normalise, split, result Structs"),
-    ("ran", "collected", "result encode, ack, collector wake-up"),
-    ("collected", "resumed", "hand-off to the event loop"),
+    ("ran", "collected", "result encode, ack, event loop wake-up + collect"),
+    ("collected", "resumed", "future resolved, request resumes"),
     ("resumed", "encoded", "reply build + encode"),
     ("encoded", "received", "reply send, client read"),
 )
@@ -85,23 +85,24 @@ def spans(rows: list[dict[str, int]]) -> dict[str, np.ndarray]:
 
 
 def measure(url: str, texts: list[str], requests: int) -> list[dict[str, int]]:
-    host, _, port = url.removeprefix("http://").partition(":")
-    conn = http.client.HTTPConnection(host, int(port or 80), timeout=30)
-    bodies = [msgspec.msgpack.encode({"model": MODEL, "inputs": [t]}) for t in texts]
-    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", HEADER: "1"}
+    """Sequential requests on one keep-alive connection, a blocking client (a lone
+    agent: no client-side event loop in the round trip)."""
+    ep = Endpoint(url)
+    prepared = [build_request(ep, "/v1/embed", msgspec.msgpack.encode({"model": MODEL, "inputs": [t]}),
+                              "application/msgpack", "application/msgpack").replace(
+                                  b"\r\n\r\n", f"\r\n{HEADER}: 1\r\n\r\n".encode(), 1) for t in texts]
+    conn = BlockingConn(ep)
     rows = []
     try:
         for i in range(WARMUP + requests):
-            body = bodies[i % len(bodies)]
             sent = time.monotonic_ns()
-            conn.request("POST", "/v1/embed", body=body, headers=headers)
-            resp = conn.getresponse()
-            resp.read()
+            status, headers, _ = conn.exchange(prepared[i % len(prepared)])
             received = time.monotonic_ns()
-            if resp.status != 200:
-                raise RuntimeError(f"request {i} answered {resp.status}")
+            if status != 200:
+                raise RuntimeError(f"request {i} answered {status}")
             if i >= WARMUP:
-                rows.append({"sent": sent, **parse_stamps(resp.headers[HEADER]), "received": received})
+                rows.append({"sent": sent, **parse_stamps(headers[HEADER.lower().encode()].decode()),
+                             "received": received})
     finally:
         conn.close()
     return rows
