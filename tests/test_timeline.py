@@ -57,3 +57,20 @@ def test_the_bench_tool_measures_every_stage(daemon) -> None:
     assert [s["n"] for s in table] == [5] * len(bench_timeline.STAGES)
     totals = bench_timeline.spans(rows)
     assert (totals["model (tokenize .. on host)"] < totals["round trip"]).all()
+
+
+def test_the_latency_tool_alternates_fleet_and_in_process(daemon) -> None:
+    """bench.inference_compare (issue 17's added-latency figure): each pair is one
+    request to the real daemon and one encode in this process; the serving path
+    per request is the round trip minus the worker's own inference."""
+    from bench import inference_compare
+
+    runs = inference_compare.alternate(daemon.url, inference_compare.load_local(), ["hello", "a short query"],
+                                       6, warmup=2)
+    assert {k: len(v) for k, v in runs.items()} == {"rtt": 6, "inference": 6, "local": 6}
+    assert (runs["inference"] > 0).all() and (runs["local"] > 0).all()
+    assert (runs["rtt"] > runs["inference"]).all()  # the round trip holds the worker's run
+    s = inference_compare.summarize(runs)
+    assert s["path_p50_ms"] > 0 and s["n"] == 6
+    assert s["added_p50_ms"] == s["rtt_p50_ms"] - s["local_p50_ms"]
+    assert s["worker_over_local_p50"] > 0
