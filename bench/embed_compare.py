@@ -8,9 +8,10 @@ the box fall on every side alike:
   (c) fleet over HTTP/MessagePack, closed loop, with clients doubled until
       throughput stops growing (the most tokens/s any client count reached);
 and the latency one short single-input request adds over encoding it
-in-process (p50, p95, p99; fleet's sequential round trip minus `encode` of the
-same text, with the dtype fleet serves the model in), with the machine's load
-average (os.getloadavg) at the start and end of every round.
+in-process (p50, p95, p99; `bench.inference_compare.alternate`: one fleet
+request then one `encode` of the same text in this process, fp32 with the
+workers' OpenMP policy, in turn, so the box's drifts fall on both alike), with
+the machine's load average (os.getloadavg) at the start and end of every round.
 Goals: (c) >= 2.0 x (a), (c) >= 0.9 x (b), added p50 <= 1 ms, added p99 <= 3 ms.
 Ratios and the added latency are taken within each round, then their median
 across rounds.
@@ -19,7 +20,7 @@ Tokens are counted with the model's tokenizer up front (bench/tokens.py).
 
 Usage:
   flock /tmp/fleet-bench.lock python -m bench.embed_compare [--url URL | --start] [--rounds 3]
-      [--duration 8] [--out bench/results/embed-compare-<time>.json]
+      [--duration 8] [--latency-requests 300] [--out bench/results/embed-compare-<time>.json]
 `--start` runs `fleetctl serve` itself on a free loopback port with a temporary
 FLEET_HOME and stops it (by PID) at the end.
 """
@@ -39,7 +40,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, report
+from bench import corpus, inference_compare, report
 from bench.daemon import LocalDaemon
 from bench.knee import CLOSED
 from bench.loadgen import Generator, Merged, Setup, StepPlan
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--latency-requests", type=int, default=300,
+                    help="alternating pairs (fleet request, in-process encode) per round for the added latency")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 140)
     err = Console(stderr=True)
@@ -125,37 +128,23 @@ def main(argv: list[str] | None = None) -> int:
         opened.append(st_fp32)
         st_bf16 = LocalST(STSetup(str(model_dir), "bf16", args.device, texts, lengths, BATCH))
         opened.append(st_bf16)
-        # The short-request baseline encodes in the dtype fleet serves, so the
-        # difference is the serving path alone, not a dtype change.
-        short_dtype = "bf16" if "bf" in fleet_dtype else "fp32"
-        # ... and runs torch as fleet's workers do (OpenMP threads sleep when idle,
-        # runtimes/process.py): with the default spin, the in-process call alone
-        # slows 3-30x whenever anything else runs on the box, and the difference
-        # would measure that, not serving. The spawned child reads it at its start.
-        spin, os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY"), "PASSIVE"
-        try:
-            st_short = LocalST(STSetup(str(model_dir), short_dtype, args.device, short_texts, short_lengths, 1))
-        finally:
-            if spin is None:
-                del os.environ["OMP_WAIT_POLICY"]
-            else:
-                os.environ["OMP_WAIT_POLICY"] = spin
-        opened.append(st_short)
+        # The short-request baseline: the model in this process, fp32 (the dtype fleet
+        # serves on a CPU without native bf16), torch's OpenMP as fleet's workers run it
+        # (bench.inference_compare sets OMP_WAIT_POLICY=PASSIVE before torch loads).
+        short_dtype = "fp32"
+        st_short = inference_compare.load_local()
         gen = Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=texts, lengths=lengths,
                               batch=BATCH))
         opened.append(gen)
-        gen_short = Generator(Setup(kind="fleet", task="embed", url=url, model=MODEL, texts=short_texts,
-                                    lengths=short_lengths, batch=1))
-        opened.append(gen_short)
 
         rounds = []
         with Sampler() as sampler:
             sampler.track("fleet", [pid] if pid else [])
-            sampler.track("st", [st_fp32.proc.pid, st_bf16.proc.pid, st_short.proc.pid])
-            sampler.track("generator", gen.pids + gen_short.pids)
+            sampler.track("st", [st_fp32.proc.pid, st_bf16.proc.pid])
+            sampler.track("generator", gen.pids)
             one = StepPlan(index=0, mode=CLOSED, offered=1, duration_s=args.duration)
             # Warm every side once (first requests build caches), untimed.
-            for side in (st_fp32, st_bf16, st_short, gen, gen_short):
+            for side in (st_fp32, st_bf16, gen):
                 side.run(StepPlan(index=0, mode=CLOSED, offered=1, duration_s=1.0))
             for r in range(args.rounds):
                 err.print(f"round {r + 1}/{args.rounds}")
@@ -163,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 a = stats(st_fp32.run(one))
                 b = stats(st_bf16.run(one))
                 c, c_steps = saturate(gen, args.duration, r)
-                short_fleet = stats(gen_short.run(StepPlan(index=r, mode=CLOSED, offered=1, duration_s=args.duration)))
-                short_local = stats(st_short.run(one))
+                pairs = inference_compare.summarize(
+                    inference_compare.alternate(url, st_short, short_texts, args.latency_requests, warmup=10))
+                short_fleet = {f"p{q}_ms": pairs[f"rtt_p{q}_ms"] for q in (50, 95, 99)}
+                short_local = {f"p{q}_ms": pairs[f"local_p{q}_ms"] for q in (50, 95, 99)}
                 rounds.append({"a_st_fp32": a, "b_st_bf16": b, "c_fleet": c, "c_steps": c_steps,
-                               "short_fleet": short_fleet, "short_local": short_local,
+                               "short_fleet": short_fleet, "short_local": short_local, "short_pairs": pairs,
                                "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                                "box": sampler.window(t0, time.time())})
     finally:
@@ -187,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     added_p50 = statistics.median(r["short_fleet"]["p50_ms"] - r["short_local"]["p50_ms"] for r in rounds)
     added_p95 = statistics.median(r["short_fleet"]["p95_ms"] - r["short_local"]["p95_ms"] for r in rounds)
     added_p99 = statistics.median(r["short_fleet"]["p99_ms"] - r["short_local"]["p99_ms"] for r in rounds)
+    path_p50 = statistics.median(r["short_pairs"]["path_p50_ms"] for r in rounds)
+    path_p99 = statistics.median(r["short_pairs"]["path_p99_ms"] for r in rounds)
     loads = [x for r in rounds for x in (r["load_avg_start"][0], r["load_avg_end"][0])]
     summary = {
         "a_st_fp32_tokens_per_s": a_tps, "b_st_bf16_tokens_per_s": b_tps, "c_fleet_tokens_per_s": c_tps,
@@ -197,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "short_local_p50_ms": med("short_local", "p50_ms"), "short_local_p95_ms": med("short_local", "p95_ms"),
         "short_fleet_p99_ms": med("short_fleet", "p99_ms"), "short_local_p99_ms": med("short_local", "p99_ms"),
         "added_p50_ms": added_p50, "added_p95_ms": added_p95, "added_p99_ms": added_p99,
+        "path_p50_ms": path_p50, "path_p99_ms": path_p99,
         "load_avg_1m_min": min(loads), "load_avg_1m_max": max(loads),
         "goals": {
             "c_ge_2x_a": c_over_a >= GOAL_VS_FP32,
@@ -238,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in (("fleet HTTP/msgpack", "short_fleet"), (f"in-process encode ({short_dtype})", "short_local")):
         lat.add_row(label, *(f"{summary[f'{key}_p{q}_ms']:.2f}" for q in (50, 95, 99)))
     lat.add_row("added by serving", f"{added_p50:.2f}", f"{added_p95:.2f}", f"{added_p99:.2f}")
+    lat.add_row("serving path (round trip - worker inference)", f"{path_p50:.2f}", "",
+                f"{path_p99:.2f}")
     console.print(lat)
     console.print(f"load average (1 min) during the rounds: {min(loads):.2f} .. {max(loads):.2f} "
                   f"on {os.cpu_count()} CPUs")

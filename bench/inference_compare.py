@@ -22,24 +22,20 @@ Usage: flock /tmp/fleet-bench.lock python -m bench.inference_compare [--requests
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-# Before torch loads its OpenMP runtime (read once, at load).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import msgspec
+import numpy as np
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench import report  # noqa: E402
-from bench.daemon import LocalDaemon  # noqa: E402
-from bench.httpclient import BlockingConn, Endpoint, build_request  # noqa: E402
-from bench.tokens import package_model_dir  # noqa: E402
+from bench import report
+from bench.daemon import LocalDaemon
+from bench.httpclient import BlockingConn, Endpoint, build_request
+from bench.tokens import package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 TEXTS = ["How do I reset my router password?", "Best hiking trails near Lyon", "What is a tax deduction?",
@@ -49,11 +45,21 @@ GOAL_RATIO, GOAL_ADDED_P50_MS, GOAL_ADDED_P99_MS = 1.05, 1.0, 3.0
 
 
 def load_local():
-    """The in-process side: the model fleet serves, fp32, on the CPU."""
-    from sentence_transformers import SentenceTransformer
-
+    """The in-process side: the model fleet serves, fp32, on the CPU, with OpenMP's
+    threads sleeping when idle as in fleet's workers (OMP_WAIT_POLICY=PASSIVE unless
+    the environment says otherwise; read once, when torch loads, so it applies only
+    if torch is not loaded yet). The variable is put back afterwards: processes
+    started later run at their own defaults."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = before or "PASSIVE"
+    try:
+        from sentence_transformers import SentenceTransformer
+    finally:
+        if before is None:
+            del os.environ["OMP_WAIT_POLICY"]
     st = SentenceTransformer(str(package_model_dir()), device="cpu", local_files_only=True)
     st.eval()
+    st.omp_wait_policy = before or "PASSIVE"
     return st
 
 
@@ -106,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="a running daemon (default: start one)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    st = load_local()
     import torch
 
     load_before = os.getloadavg()
     daemon = None if args.url else LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-"))
     url = args.url or daemon.url  # type: ignore[union-attr]
     try:
-        st = load_local()
         runs = alternate(url, st, TEXTS, args.requests)
     finally:
         if daemon:
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{label:34s} {s[f'{key}_p50_ms']:8.2f} {s[f'{key}_p95_ms']:8.2f} {s[f'{key}_p99_ms']:8.2f}"
 
     print(f"one short request, {s['n']} alternating pairs, fp32, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+          f"OMP_WAIT_POLICY={st.omp_wait_policy}")
     print(f"{'ms':34s} {'p50':>8s} {'p95':>8s} {'p99':>8s}")
     print(row("fleet round trip (HTTP/msgpack)", "rtt"))
     print(row("in-process encode", "local"))
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": [sys.executable, "-m", "bench.inference_compare", *(argv if argv is not None else sys.argv[1:])],
         "machine": report.machine(), "versions": report.versions(),
         "settings": {"url": url, "started_daemon": daemon is not None, "requests": args.requests, "warmup": WARMUP,
-                     "threads": torch.get_num_threads(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]},
+                     "threads": torch.get_num_threads(), "omp_wait_policy": st.omp_wait_policy},
         "load_before": load_before, "load_after": load_after,
         "summary": s, "goals": goals,
         "runs_ms": {k: [round(float(x), 4) for x in v] for k, v in runs.items()},
