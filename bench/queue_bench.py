@@ -9,7 +9,20 @@ On a shared machine other jobs take CPU from the pipeline: each run reports the
 load average and `cpu_share`, the fraction of all cores the pipeline's
 processes actually got; a low share means a starved run, not a slow queue.
 
+The lone path (`--lone N`): one request at a time, as a lone client sends them.
+In this process, the median µs of each call of put(1) -> claim(1) -> ack(1)
+-> wait_results; across processes, a worker process making the queue calls of
+a worker's step (lane_stats, claim, ack, wait_for_work) answers this process's
+put + wait_results: round trip and each side's CPU µs per request.
+
+Before/after (`--against DIR`): DIR holds another tree's `local_queue/` (e.g.
+`git archive <commit> local_queue | tar -x -C DIR`); every shape runs against
+this tree (A) and DIR (B) in turn, in fresh processes, A B / B A alternating
+over `--rounds`, and the medians and A/B ratios are printed.
+
     flock /tmp/fleet-bench.lock python bench/queue_bench.py --repeat 5
+    flock /tmp/fleet-bench.lock python bench/queue_bench.py --against /tmp/q-before --rounds 5 \
+        --out bench/results/queue-bench-before-after.json
 """
 
 from __future__ import annotations
@@ -19,10 +32,14 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Which tree's local_queue to import: this repository's, or (set by --against
+# for its B runs, inherited by spawned children) another tree's.
+_LIB = os.environ.get("QUEUE_BENCH_LIB") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _LIB)
 
 from local_queue import LocalQueue, QueueFull  # noqa: E402
 
@@ -156,6 +173,182 @@ def measure_return(batch: int, rounds: int) -> dict:
         q.unlink()
 
 
+def measure_lone(rounds: int, payload_bytes: int, result_bytes: int) -> dict:
+    """One request at a time, all in this process: median µs of put(1), claim(1),
+    ack(1) and wait_results, and CPU µs of the whole cycle per request."""
+    q = LocalQueue.create(slots=1024, slab_bytes=16 << 20)
+    try:
+        lane = q.lane_id("lone")
+        wid = q.register_worker(os.getpid(), "cpu")
+        payload, result = os.urandom(payload_bytes), b"r" * result_bytes
+        clock = time.perf_counter_ns
+        ops: dict[str, list[int]] = {"put": [], "claim": [], "ack": [], "collect": []}
+        c0 = time.process_time()
+        for i in range(rounds):
+            t0 = clock()
+            q.put_many(lane, [payload], tokens=[16], request_ids=[i])
+            t1 = clock()
+            claims = q.claim(lane, worker=wid, max_items=1, max_tokens=1 << 40, lease_ms=10_000)
+            t2 = clock()
+            q.ack_many([(claims[0].item_id, result, 0)])
+            t3 = clock()
+            done = q.wait_results(1.0)
+            t4 = clock()
+            if len(done) != 1 or done[0].request_id != i:
+                raise RuntimeError(f"lone path: request {i} came back as {done!r}")
+            del claims
+            for k, dt in zip(ops, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                ops[k].append(dt)
+        cpu = time.process_time() - c0
+        q.check()
+        out = {f"{k}_us": round(statistics.median(v) / 1e3, 2) for k, v in ops.items()}
+        out["cycle_cpu_us"] = round(cpu / rounds * 1e6, 2)
+        return out
+    finally:
+        q.close()
+        q.unlink()
+
+
+def lone_worker(name: str, result_bytes: int, go, stop, cpu) -> None:
+    """The worker's side of the lone path, the queue calls of runtimes' WorkerCore.step:
+    lane_stats; a lane with work: claim the head, then up to what was queued, ack;
+    none: wait_for_work(since) for work put after the generation read before it."""
+    q = LocalQueue.attach(name)
+    lane = q.lane_id("lone")
+    wid = q.register_worker(os.getpid(), "cpu")
+    result = b"r" * result_bytes
+    go.wait()
+    c0 = time.process_time()
+    while not stop.is_set():
+        since = q.work_generation()
+        queued = sum(s.depth for s in q.lane_stats() if s.lane == lane)
+        if not queued:
+            q.wait_for_work(0.1, since=since)
+            continue
+        claims = q.claim(lane, worker=wid, max_items=1, max_tokens=1 << 40, lease_ms=10_000)
+        if claims and queued > 1:
+            claims += q.claim(lane, worker=wid, max_items=queued - 1, max_tokens=1 << 40, lease_ms=10_000)
+        if claims:
+            q.ack_many([(c.item_id, result, 0) for c in claims])
+            del claims
+    cpu[0] = time.process_time() - c0
+    q.unregister_worker(wid)
+    q.close()
+
+
+def measure_lone_procs(rounds: int, payload_bytes: int, result_bytes: int) -> dict:
+    """One request at a time across processes: this process puts one and waits for
+    its result; a worker process answers. Round trip p50/p99 and CPU µs per request
+    of each side (the worker's: wait_for_work + claim + ack)."""
+    ctx = mp.get_context("spawn")
+    q = LocalQueue.create(slots=1024, slab_bytes=16 << 20)
+    worker = None
+    try:
+        lane = q.lane_id("lone")
+        go, stop, cpu = ctx.Event(), ctx.Event(), ctx.Array("d", 1)
+        worker = ctx.Process(target=lone_worker, args=(q.name, result_bytes, go, stop, cpu))
+        worker.start()
+        while not q.workers():
+            time.sleep(0.01)
+        time.sleep(0.2)
+        payload = os.urandom(payload_bytes)
+        go.set()
+        time.sleep(0.05)  # the worker reaches wait_for_work
+        trips = []
+        c0 = time.process_time()
+        for i in range(rounds):
+            t0 = time.perf_counter_ns()
+            q.put_many(lane, [payload], tokens=[16], request_ids=[i])
+            done = []
+            while not done:
+                done = q.wait_results(1.0)
+            trips.append(time.perf_counter_ns() - t0)
+            if len(done) != 1 or done[0].request_id != i:
+                raise RuntimeError(f"lone path: request {i} came back as {done!r}")
+        here = time.process_time() - c0
+        stop.set()
+        worker.join(30)
+        q.check()
+        trips.sort()
+        return {"round_trip_p50_us": round(trips[len(trips) // 2] / 1e3, 1),
+                "round_trip_p99_us": round(trips[len(trips) * 99 // 100] / 1e3, 1),
+                "worker_cpu_us": round(cpu[0] / rounds * 1e6, 2),
+                "client_cpu_us": round(here / rounds * 1e6, 2)}
+    finally:
+        if worker is not None and worker.is_alive():
+            worker.kill()
+        q.close()
+        q.unlink()
+
+
+# Shapes for --against: payload bytes : result bytes : batch (claim max_items and
+# items per put_many) : items per run (large payloads run fewer).
+SHAPES = "1024:1536:1:20000,1024:1536:32:200000,262144:1536:1:4000,262144:1536:32:8000,262144:262144:32:4000"
+
+
+def run_child(lib: str | None, argv: list[str]) -> dict:
+    """This script in a fresh process, against this tree's local_queue (lib None) or lib's."""
+    env = dict(os.environ)
+    env.pop("QUEUE_BENCH_LIB", None)
+    if lib:
+        env["QUEUE_BENCH_LIB"] = lib
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", *argv], env=env, check=True,
+                         capture_output=True, text=True, timeout=900).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    if os.path.realpath(r["lib"]) != os.path.realpath(os.path.join(lib or _LIB, "local_queue")):
+        raise RuntimeError(f"the child imported {r['lib']}, not {lib or _LIB}")
+    return r
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def compare(a: argparse.Namespace) -> dict:
+    """Every shape and the lone path against this tree (A) and a.against (B), interleaved."""
+    sides = {"A": None, "B": os.path.abspath(a.against)}
+    shapes = [tuple(int(x) for x in spec.split(":")) for spec in a.shapes.split(",")]
+    common = ["--slots", str(a.slots), "--slab-mb", str(a.slab_mb), "--return-rounds", "0"]
+    jobs = [(f"{p}B/{r}B claim {b}", ["--repeat", "1", "--lone", "0", "--payload", str(p), "--result", str(r),
+                                       "--batch", str(b), "--put-batch", str(b), "--items", str(n)])
+            for p, r, b, n in shapes]
+    if a.lone:
+        jobs.append(("lone", ["--repeat", "0", "--lone", str(a.lone), "--payload", "1024", "--result", "1536"]))
+    got: dict[str, dict[str, list]] = {name: {"A": [], "B": []} for name, _ in jobs}
+    for rnd in range(a.rounds):
+        order = ("A", "B") if rnd % 2 == 0 else ("B", "A")
+        for name, argv in jobs:
+            for side in order:
+                r = run_child(sides[side], argv + common)
+                got[name][side].append(r)
+                print(f"round {rnd + 1} {side} {name}: " + (
+                    f"{r['runs'][0]['items_per_s']:,} items/s, consumer {r['runs'][0]['cpu_us_per_item']['consumers']}"
+                    f" CPU µs/item, load {r['runs'][0]['load_avg_1m']}" if r["runs"] else
+                    f"{r['lone']} {r['lone_procs']}"), flush=True)
+    med = statistics.median
+    table = []
+    for name, _ in jobs:
+        A, B = got[name]["A"], got[name]["B"]
+        if name == "lone":
+            row = {"shape": name}
+            for key in ("put_us", "claim_us", "ack_us", "collect_us", "cycle_cpu_us"):
+                va, vb = med(r["lone"][key] for r in A), med(r["lone"][key] for r in B)
+                row[key] = {"A": va, "B": vb, "A/B": _ratio(va, vb)}
+            for key in ("round_trip_p50_us", "round_trip_p99_us", "worker_cpu_us", "client_cpu_us"):
+                va, vb = med(r["lone_procs"][key] for r in A), med(r["lone_procs"][key] for r in B)
+                row[key] = {"A": va, "B": vb, "A/B": _ratio(va, vb)}
+        else:
+            ra, rb = [r["runs"][0] for r in A], [r["runs"][0] for r in B]
+            va, vb = med(r["items_per_s"] for r in ra), med(r["items_per_s"] for r in rb)
+            row = {"shape": name, "items_per_s": {"A": va, "B": vb, "A/B": _ratio(va, vb)},
+                   "load_avg_1m": [min(r["load_avg_1m"] for r in ra + rb), max(r["load_avg_1m"] for r in ra + rb)]}
+            for role in ("consumers", "producers", "collector"):
+                ca, cb = med(r["cpu_us_per_item"][role] for r in ra), med(r["cpu_us_per_item"][role] for r in rb)
+                row[f"{role}_cpu_us_per_item"] = {"A": ca, "B": cb, "A/B": _ratio(ca, cb)}
+        table.append(row)
+    return {"A": "this tree", "B": a.against, "rounds": a.rounds, "table": table, "raw": got}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=300_000)
@@ -169,8 +362,21 @@ def main() -> None:
     ap.add_argument("--slab-mb", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="pipeline runs; best and median are reported")
     ap.add_argument("--return-rounds", type=int, default=5000)
+    ap.add_argument("--lone", type=int, default=2000, help="rounds of the lone path (0: skip)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--against", metavar="DIR", help="compare with DIR/local_queue (see above)")
+    ap.add_argument("--rounds", type=int, default=5, help="--against: rounds of A B (B A) per shape")
+    ap.add_argument("--shapes", default=SHAPES, help="--against: payload:result:batch:items,...")
+    ap.add_argument("--out", help="--against: write the comparison JSON here")
     a = ap.parse_args()
+    if a.against:
+        summary = compare(a)
+        for row in summary["table"]:
+            print(json.dumps({k: v for k, v in row.items()}))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(summary, f, indent=1)
+        return
 
     runs = []
     for _ in range(a.repeat):
@@ -182,15 +388,25 @@ def main() -> None:
                   f"{r['each_done_once']}, cpu share {r['cpu_share']}, load {r['load_avg_1m']}, "
                   f"CPU µs/item {r['cpu_us_per_item']}", flush=True)
     rates = [r["items_per_s"] for r in runs]
-    ret = measure_return(a.batch, a.return_rounds)
+    ret = measure_return(a.batch, a.return_rounds) if a.return_rounds else {}
+    lone = measure_lone(a.lone, a.payload, a.result) if a.lone else {}
+    lone_procs = measure_lone_procs(a.lone, a.payload, a.result) if a.lone else {}
     summary = {"config": {k: v for k, v in vars(a).items() if k != "json"}, "runs": runs,
-               "items_per_s_best": max(rates), "items_per_s_median": round(statistics.median(rates)), **ret}
+               "lib": os.path.dirname(sys.modules[LocalQueue.__module__].__file__),
+               "lone": lone, "lone_procs": lone_procs, **ret}
+    if rates:
+        summary.update(items_per_s_best=max(rates), items_per_s_median=round(statistics.median(rates)))
     if a.json:
         print(json.dumps(summary))
-    else:
+        return
+    if rates:
         print(f"items/s best {max(rates):,}, median {summary['items_per_s_median']:,}")
+    if ret:
         print(f"return_items({a.batch}) {ret['return_us_median']} µs ({ret['return_us_per_item']} µs/item), "
               f"claim({a.batch}) {ret['claim_us_median']} µs (medians over {a.return_rounds} rounds)")
+    if lone:
+        print(f"lone path ({a.lone} requests, {a.payload} B / {a.result} B), median µs per call: {lone}")
+        print(f"lone path across processes: {lone_procs}")
 
 
 if __name__ == "__main__":

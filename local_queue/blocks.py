@@ -14,17 +14,18 @@ block. While it holds it nobody frees the block, so it may write or read the
 block's bytes without the lock; it commits its items (each adds a reference)
 and releases the slot, both under the lock. A reservation whose process died
 is released by `_reclaim_dead_reservations` (lease expiry, a dead worker's
-release, a failed allocation, a repair). Every method here expects the
-caller to hold the queue lock.
+release, a failed allocation, a repair), which walks the reservations' list:
+RESERVED slots are doubly linked through F_NEXT / F_PREV from
+header[H_RESERVED_HEAD] (derived data, rebuilt by a repair). Every method
+here expects the caller to hold the queue lock.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
-import numpy as np
-
-from local_queue.layout import F_DATA, F_OWNER, F_STATE, FREE, H_FREE_TOP, RESERVED, SF
+from local_queue.layout import F_DATA, F_NEXT, F_OWNER, F_PREV, F_STATE, FREE, H_FREE_TOP, H_RESERVED_HEAD, RESERVED, SF
 from local_queue.slab import NIL, UNIT, order_for
 
 GROUP_BYTES = 64 << 10
@@ -49,7 +50,18 @@ def _plan_blocks(lens: list[int]) -> tuple[list[tuple[int, list[tuple[int, int]]
         used += ln
     if members:
         groups.append((used, members))
-    return groups, sum(1 << order_for(nbytes) for nbytes, _ in groups)
+    units = 0
+    for nbytes, _ in groups:
+        units += 1 << order_for(nbytes)
+    return groups, units
+
+
+def _tally(values: list[int]) -> dict[int, int]:
+    """How many times each value occurs: one entry without Counter's cost when all
+    are equal (the usual case: one claim's items share lane, owner and blocks)."""
+    if values and values.count(values[0]) == len(values):
+        return {values[0]: len(values)}
+    return Counter(values)
 
 
 def _copy_in(data: memoryview, buffers: list, lens: list[int], at: list[int]) -> None:
@@ -68,10 +80,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, IndexError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except FileNotFoundError:
         return False
+    try:
+        stat = os.read(fd, 1024)
+    finally:
+        os.close(fd)
+    state = stat.rpartition(b")")[2].split()[:1]
+    return bool(state) and state[0] != b"Z"
 
 
 class Blocks:
@@ -102,8 +119,12 @@ class Blocks:
             R[u] += n
 
     def _unref(self, u: int) -> None:
-        """One item lets go of block u."""
-        self._drop_refs({u: 1})
+        """One record lets go of block u."""
+        R = self._refs
+        r = R[u] - 1
+        R[u] = r
+        if not r:
+            self._slab.free(u)
 
     def _drop_refs(self, drops: dict[int, int]) -> None:
         """Items let go of blocks (block -> count); the last one out frees the block."""
@@ -121,26 +142,40 @@ class Blocks:
 
     # -- reservations ----------------------------------------------------------------
     def _reserve_block(self, u: int) -> int:
-        """A RESERVED slot holding one reference to block u for this process.
-        The caller made sure a slot is free."""
+        """A RESERVED slot holding one reference to block u for this process, at the
+        head of the reservations' list. The caller made sure a slot is free."""
         h, S = self._h, self._S
         top = h[H_FREE_TOP] - 1
         s = self._stack[top]
         h[H_FREE_TOP] = top
         b = s * SF
+        head = h[H_RESERVED_HEAD]
         S[b + F_OWNER] = self._pid
         S[b + F_DATA] = u
+        S[b + F_NEXT] = head
+        S[b + F_PREV] = NIL
         S[b + F_STATE] = RESERVED  # commit (invariant 3)
+        if head != NIL:
+            S[head * SF + F_PREV] = s
+        h[H_RESERVED_HEAD] = s
         self._refs[u] += 1
         return s
 
     def _release(self, s: int) -> None:
         """End a reservation: the slot is free again, its block reference dropped."""
-        S, b = self._S, s * SF
-        u = S[b + F_DATA]
+        S, h, b = self._S, self._h, s * SF
+        u, nxt, prev = S[b + F_DATA], S[b + F_NEXT], S[b + F_PREV]
         S[b + F_STATE] = FREE  # commit
         S[b + F_DATA] = NIL
-        self._push_free_slot(s)
+        if prev == NIL:
+            h[H_RESERVED_HEAD] = nxt
+        else:
+            S[prev * SF + F_NEXT] = nxt
+        if nxt != NIL:
+            S[nxt * SF + F_PREV] = prev
+        top = h[H_FREE_TOP]
+        self._stack[top] = s
+        h[H_FREE_TOP] = top + 1
         self._unref(u)
 
     def _reserve_blocks(self, groups: list, n: int):
@@ -154,9 +189,22 @@ class Blocks:
         return blocks, at, units, [self._reserve_block(u) for u, _ in units]
 
     def _reclaim_dead_reservations(self) -> int:
-        """Release the reservations of processes that died between reserve and commit."""
-        S = self._S_np
-        dead = [s for s in np.flatnonzero(S[:, F_STATE] == RESERVED).tolist() if not _alive(int(S[s, F_OWNER]))]
+        """Release the reservations of processes that died between reserve and commit.
+
+        Called where space is short (a full put, a claim whose results fit
+        nowhere) and by the sweeps: a walk of the reservations' list (not of
+        every slot), each other process holding one looked up once."""
+        S, alive, dead = self._S, {self._pid: True}, []
+        s = self._h[H_RESERVED_HEAD]
+        while s != NIL:
+            b = s * SF
+            pid = S[b + F_OWNER]
+            ok = alive.get(pid)
+            if ok is None:
+                ok = alive[pid] = _alive(pid)
+            if not ok:
+                dead.append(s)
+            s = S[b + F_NEXT]
         for s in dead:
             self._release(s)
         return len(dead)

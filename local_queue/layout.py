@@ -33,7 +33,7 @@ STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
 
 MAGIC = 0x464C45455451  # "FLEETQ"
-VERSION = 3
+VERSION = 4
 NAME_BYTES = 128
 DEVICE_BYTES = 64
 INFO_BYTES = 4096
@@ -49,10 +49,10 @@ SLOT_RESERVE = 64  # puts leave this many slots for the reservations of claims a
 HOLD_NS = 2_000_000_000  # a large put's hold on merged free space, from its last try (> the daemon's retry_after)
 MAX_LEASE_MS = 1 << 40  # keeps now_ns + lease in int64
 
-# Header fields (int64 indices).
+# Header fields (int64 indices). H_RESERVED_HEAD: first RESERVED slot (blocks.py).
 (H_MAGIC, H_VERSION, H_SLOTS, H_SLAB_BYTES, H_MAX_LANES, H_MAX_WORKERS, H_HOLDER, H_DEPTH,
  H_WORK_WAITERS, H_RES_WAITERS, H_SEQ, H_FREE_TOP, H_DONE_HEAD, H_DONE_TAIL, H_DONE_COUNT,
- H_N_LANES, H_REPAIRS, H_SLAB_FREE, H_WORK_GEN, H_HOLD_ORDER, H_HOLD_UNTIL) = range(21)
+ H_N_LANES, H_REPAIRS, H_SLAB_FREE, H_WORK_GEN, H_HOLD_ORDER, H_HOLD_UNTIL, H_RESERVED_HEAD) = range(22)
 H_FREE_HEADS = 24  # MAX_ORDERS buddy free-list heads
 HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 

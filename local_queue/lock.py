@@ -9,12 +9,12 @@ a holder that finds it set repairs first (`Recovery._repair`).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
+from fcntl import LOCK_EX, LOCK_NB, LOCK_UN, flock
 from typing import TYPE_CHECKING
 
-from local_queue.layout import H_HOLDER
+from local_queue.layout import H_HOLDER, H_WORK_WAITERS
 from local_queue.records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
 
 if TYPE_CHECKING:
@@ -39,19 +39,25 @@ class _Lock:
             raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
         # A thread inside no_wait() gets LockBusy instead of waiting.
         wait = not (q._nowait_threads and threading.get_ident() in q._nowait_threads)
-        if not q._tlock.acquire(blocking=wait):
+        if not q._tlock.acquire(wait):
             raise LockBusy("the queue lock is held by another thread of this process")
         try:
             try:
-                fcntl.flock(q._lock_fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flock(q._lock_fd, LOCK_EX if wait else LOCK_EX | LOCK_NB)
             except BlockingIOError:
                 raise LockBusy("the queue lock is held by another process") from None
+            h = q._h
             try:
-                if q._h[H_HOLDER] != 0:
+                if h[H_HOLDER] != 0:
                     q._repair()
-                q._h[H_HOLDER] = q._pid
+                h[H_HOLDER] = q._pid
+                if q._unwaited:
+                    # Waits for work that ended since this process last held the lock
+                    # leave the waiter count here, not in a lock round trip of their own.
+                    h[H_WORK_WAITERS] -= q._unwaited
+                    q._unwaited = 0
             except BaseException:
-                fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+                flock(q._lock_fd, LOCK_UN)
                 raise
         except BaseException:
             q._tlock.release()
@@ -64,5 +70,5 @@ class _Lock:
         # next holder (maybe us) repairs.
         if exc_type is None or issubclass(exc_type, _CLEAN_ERRORS):
             q._h[H_HOLDER] = 0
-        fcntl.flock(q._lock_fd, fcntl.LOCK_UN)
+        flock(q._lock_fd, LOCK_UN)
         q._tlock.release()

@@ -67,7 +67,10 @@ Protocol and invariants:
    sleep on. Waiters re-check after waking; spurious wake-ups are fine. Not
    exact: a waiter that starts waiting between a post and its consumption
    can take one of the posts, and the waiter it was meant for then wakes on
-   the next work or at its timeout. The single result consumer gets one post
+   the next work or at its timeout. A waiter leaves the count at its
+   process's next critical section (lock.py), not in a lock round trip of its
+   own: until then a producer may post once more for it, which costs a
+   spurious wake-up at most. The single result consumer gets one post
    per batch of acks, through a FIFO rather than a semaphore, so that an
    event loop can wait for it (`results_fd`) without a thread: the consumer
    arms H_RES_WAITERS (under the lock) whenever it has taken the done list;
@@ -120,7 +123,7 @@ from local_queue.layout import (
     CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
     F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH, H_DONE_COUNT,
     H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC, H_MAX_LANES,
-    H_MAX_WORKERS, H_REPAIRS, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
+    H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
     H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, MAGIC, MAX_LEASE_MS,
     NAME_BYTES, QUEUED, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
     VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
@@ -260,6 +263,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._area_left: dict[int, int] = {}
         # Threads inside `no_wait()`: they get LockBusy instead of waiting for the lock.
         self._nowait_threads: set[int] = set()
+        # Waits for work ended here, not yet taken out of H_WORK_WAITERS (lock.py).
+        self._unwaited = 0
 
     @contextmanager
     def no_wait(self) -> Iterator[None]:
@@ -287,8 +292,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         """Drop this process's handle (the mapping itself lives while claim payload views do)."""
         if self._shm is None:
             return
-        if self._area_left:
-            with self._lock:
+        if self._area_left or self._unwaited:
+            with self._lock:  # (which also takes this process's ended waits out of the count)
                 for s in self._area_left:
                     self._release(s)
             self._areas.clear()
@@ -336,7 +341,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         S[:, F_DATA] = S[:, F_RES] = S[:, F_OWNER] = NIL
         np.frombuffer(self._stack, dtype=np.int64)[:] = np.arange(n - 1, -1, -1)
         h[H_FREE_TOP] = n
-        h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
+        h[H_DONE_HEAD] = h[H_DONE_TAIL] = h[H_RESERVED_HEAD] = NIL
         self._L_np[:] = 0
         self._L_np[:, L_HEAD] = self._L_np[:, L_TAIL] = NIL
         self._slab.format()
@@ -368,14 +373,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                       and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63):
             raise ValueError("tokens must be in [0, 2**62), request ids and deadline_ns int64")
         self._check_lane(lane)
-        views, limit = [], self._slab.max_bytes()
+        views, lens, limit = [], [], self._slab.max_bytes()
         for p in payloads:
             if type(p) is not bytes:
                 p = memoryview(p).cast("B")
-            if len(p) > limit:
-                raise ItemTooLarge(f"payload of {len(p)} bytes exceeds the queue's largest block ({limit})")
+            ln = len(p)
+            if ln > limit:
+                raise ItemTooLarge(f"payload of {ln} bytes exceeds the queue's largest block ({limit})")
             views.append(p)
-        lens = [len(p) for p in views]
+            lens.append(ln)
         groups, need = _plan_blocks(lens)
         data, h = self._data, self._h
         if sum(lens) <= COPY_INLINE:
@@ -406,7 +412,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                     with self._lock:
                         for s in held:
                             self._release(s)
-        self._post(self._work_sem, posts)
+        if posts:
+            self._post(self._work_sem, posts)
         return ids
 
     def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
@@ -529,6 +536,11 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             raise ValueError(f"result_bytes must be in [0, {self._slab.max_bytes()}]")
         self._check_lane(lane)
         S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
+        if not L[Lb + L_DEPTH]:
+            # An empty lane (a lock-free hint, invariant 1): nothing to take, no lock
+            # round trip. A put racing this claim is missed, as if it came just after.
+            self._need_worker(worker)
+            return []
         unpack, pack = _HEAD.unpack_from, _CLAIM.pack_into
         taken_rows = []
         with self._lock:
@@ -537,13 +549,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             lease = now + lease_ms * 1_000_000
             # 1. Results need room (invariant 9): take no more items than the largest
             #    free block holds results for (0 when not one fits, or no slot is free
-            #    for the reservation).
+            #    for the reservation). Dead processes' reservations are looked for
+            #    only when not one result fits.
             size = L[Lb + L_RESULT] if result_bytes is None else result_bytes
             if size:
                 room = self._result_room()
-                if room < size * max_items and self._reclaim_dead_reservations():
+                if room < size and self._reclaim_dead_reservations():
                     room = self._result_room()
-                max_items = min(max_items, room // size)
+                if room < size * max_items:
+                    max_items = room // size
             # 2. Claim the head in order, expired items completing as they are met.
             s = L[Lb + L_HEAD]
             taken = ntok = expired = expired_tok = 0
@@ -581,12 +595,14 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             if size and taken:
                 u = self._slab.alloc(taken * size)
                 self._refs[u] = 0
-                area, base, areas = self._reserve_block(u), u * UNIT, self._areas
-                for j, row in enumerate(taken_rows):
-                    areas[row[0]] = (area, u, base + j * size, size)
+                area, at, areas = self._reserve_block(u), u * UNIT, self._areas
+                for row in taken_rows:
+                    areas[row[0]] = (area, u, at, size)
+                    at += size
                 self._area_left[area] = taken
             wake = self._results_wake() if expired else False
-        self._wake_results(wake)
+        if wake:
+            self._wake_results(wake)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
         return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))

@@ -10,7 +10,7 @@ import numpy as np
 
 from local_queue.layout import (
     CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, FREE,
-    H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_SEQ,
+    H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RESERVED_HEAD, H_SEQ,
     H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
     W_ACTIVE, W_CLAIMED, WF,
 )
@@ -131,6 +131,10 @@ class Recovery:
             R[u] = n  # refcounts as the committed states say
         self._slab.rebuild(self._live_blocks(refs))
         # Reservations stay (their processes may be copying right now), unless dead.
+        r = np.flatnonzero(st == RESERVED)
+        S[r, F_NEXT] = np.append(r[1:], NIL)
+        S[r, F_PREV] = np.insert(r[:-1], 0, NIL)
+        h[H_RESERVED_HEAD] = r[0] if len(r) else NIL
         self._reclaim_dead_reservations()
         h[H_REPAIRS] += 1
 
@@ -172,6 +176,14 @@ class Recovery:
         free = set(self._stack[:h[H_FREE_TOP]].tolist())
         if free != set(np.flatnonzero(st == FREE).tolist()) or len(free) != h[H_FREE_TOP]:
             raise RuntimeError("free slot stack and free slots disagree")
+        reserved, s, prev = [], h[H_RESERVED_HEAD], NIL
+        while s != NIL and len(reserved) <= self._nslots:
+            if S[s * SF + F_STATE] != RESERVED or S[s * SF + F_PREV] != prev:
+                raise RuntimeError(f"reservations' list: slot {s} does not belong in it")
+            reserved.append(s)
+            prev, s = s, S[s * SF + F_NEXT]
+        if sorted(reserved) != np.flatnonzero(st == RESERVED).tolist():
+            raise RuntimeError("reservations' list and reserved slots disagree")
         refs = self._block_refs()
         R = self._refs
         for u, n in refs.items():

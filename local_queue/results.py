@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections import Counter
 
-from local_queue.blocks import COPY_INLINE, _plan_blocks
+from local_queue.blocks import COPY_INLINE, _plan_blocks, _tally
 from local_queue.layout import (
     CLAIMED, DONE, EPOCH_SHIFT, F_DATA, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_REQ, F_RES, F_STATE, FREE,
     GEN_MASK, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_RES_WAITERS, H_SEQ, H_SLAB_FREE, L_RESULT, LF,
@@ -121,13 +120,10 @@ class Results:
                     else:
                         S[last * SF + F_NEXT] = s
                     last = s
-                if refs_in and refs_in.count(refs_in[0]) == len(refs_in):
-                    R[refs_in[0]] += len(refs_in)  # the usual case: one claim's result block
-                else:
-                    for u, n in Counter(refs_in).items():
-                        R[u] += n
+                for u, n in _tally(refs_in).items():
+                    R[u] += n
                 self._learn_result_sizes(lanes, lens)
-                drops = Counter(blocks_out)
+                drops = _tally(blocks_out)
                 drops.pop(NIL, None)
                 self._drop_refs(drops)
                 if areas:
@@ -143,7 +139,7 @@ class Results:
                         S[tail * SF + F_NEXT] = first
                     h[H_DONE_TAIL] = last
                     h[H_DONE_COUNT] += len(held)
-                    self._drop_claimed(Counter(lanes), Counter(owners))
+                    self._drop_claimed(_tally(lanes), _tally(owners))
                     wake = self._results_wake()
                 else:
                     wake = False
@@ -152,7 +148,8 @@ class Results:
                 with self._lock:
                     for s in held_blocks:
                         self._release(s)
-        self._wake_results(wake)
+        if wake:
+            self._wake_results(wake)
         return out
 
     def _learn_result_sizes(self, lanes: list[int], lens: list[int]) -> None:
@@ -341,12 +338,18 @@ class Results:
         """Block until results exist (or `timeout_s` passed: then []); return all of them."""
         h, fd = self._h, self._res_fd
         end = time.monotonic() + timeout_s
+        woken = False
         while True:
-            done = self.collect()
-            if done:
-                return done
+            # Armed, nothing done (lock-free reads, hints) and the FIFO not readable:
+            # the next result writes it, so wait without a collect (a lock round
+            # trip) first. A readable FIFO is always collected (that drains it).
+            if woken or h[H_DONE_COUNT] or not h[H_RES_WAITERS]:
+                done = self.collect()
+                if done:
+                    return done
             left = end - time.monotonic()
-            if left <= 0 or not select.select((fd,), (), (), left)[0] and h[H_DONE_COUNT] == 0:
+            woken = left > 0 and bool(select.select((fd,), (), (), left)[0])
+            if not woken and h[H_DONE_COUNT] == 0:
                 return []
 
     def _drain_wake(self) -> None:
@@ -418,7 +421,7 @@ class Results:
         h[H_FREE_TOP] = top
         h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
         h[H_DONE_COUNT] = 0
-        drops = Counter(blocks_out)
+        drops = _tally(blocks_out)
         drops.pop(NIL, None)
         # Late copies: each block stays ours (one reservation) until its bytes are out.
         held = [self._reserve_block(u) for u in drops] if late else []

@@ -114,15 +114,13 @@ class Slab:
         heads[j] = n
         if n != NIL:
             links[n * 8 + 1] = NIL
-        # Split down to order k; the upper halves go on the (then empty) lower lists.
+        # Split down to order k; the upper halves go on the lower lists, which are
+        # empty (lists k..j-1 were found empty above): each upper half is alone on its list.
         while j > k:
             j -= 1
             v = u + (1 << j)
-            h = heads[j]
-            links[v * 8] = h
+            links[v * 8] = NIL
             links[v * 8 + 1] = NIL
-            if h != NIL:
-                links[h * 8 + 1] = v
             heads[j] = v
             tags[v] = j + 1
         tags[u] = ALLOCATED | k

@@ -135,8 +135,10 @@ class Workers:
         try:
             return self._wait(self._work_sem, ready, timeout_s)
         finally:
-            with self._lock:
-                h[H_WORK_WAITERS] -= 1
+            # Out of the count at this process's next critical section (its claim,
+            # usually), not in a lock round trip of its own (invariant 5).
+            with self._tlock:
+                self._unwaited += 1
 
     def _wait(self, sem: posix_ipc.Semaphore, ready, timeout_s: float) -> bool:
         # The caller is counted in the waiters field for the whole loop, so every

@@ -21,6 +21,7 @@ from local_queue import (
     STATUS_POISON,
     ItemTooLarge,
     LocalQueue,
+    LockBusy,
     QueueError,
     QueueFull,
     UnknownWorker,
@@ -271,6 +272,35 @@ def test_lane_names_and_limits(q):
         assert other.lane_name(lane) == name
     finally:
         other.close()
+
+
+def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
+    # A worker's follow-up claim usually finds its lane empty: it answers from a
+    # lock-free read instead of waiting for whoever holds the lock.
+    empty, busy = q.lane_id("empty"), q.lane_id("busy")
+    put_all(q, busy, [1])
+    w = q.register_worker(1, "cpu")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with q._lock:
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(5)
+        with q.no_wait():  # inside, a call that would wait for the lock raises LockBusy
+            assert take(q, empty, w) == []
+            with pytest.raises(LockBusy):
+                take(q, busy, w)
+            with pytest.raises(UnknownWorker):
+                take(q, empty, w + 1)
+    finally:
+        release.set()
+        holder.join(5)
+    assert rids_of(take(q, busy, w)) == [1]
 
 
 def test_lane_stats_report_busy_lanes(q):

@@ -79,6 +79,7 @@ def _take_lock_tear_and_hang(name: str, conn) -> None:
     q._h[lq.H_DEPTH] = 999
     q._h[lq.H_FREE_TOP] = 1
     q._h[lq.H_SEQ] -= 5  # a put that committed items but not yet its seq counter
+    q._h[lq.H_RESERVED_HEAD] = 2  # the reservations' list (there is none)
     for k in range(lq.MAX_ORDERS):
         q._h[lq.H_FREE_HEADS + k] = lq.NIL
     conn.send("holding")
@@ -366,6 +367,37 @@ def test_a_put_killed_between_reserve_and_commit_leaves_a_state_the_next_holder_
         assert u.slab_free_bytes == u.slab_bytes and u.slots_free == u.slots
         q.check()
     finally:
+        q.close()
+        q.unlink()
+
+
+@pytest.mark.timeout(60)
+def test_only_the_reservations_of_dead_processes_are_taken_back():
+    slab = 16 << 20
+    q = LocalQueue.create(slots=64, slab_bytes=slab)
+    procs = []
+    try:
+        lane = q.lane_id("m")
+        for size in (4 << 20, 8 << 20):  # two puts stalled between reserve and commit
+            parent, child = CTX.Pipe()
+            procs.append(CTX.Process(target=_put_and_stall_before_commit, args=(q.name, child, size)))
+            procs[-1].start()
+            assert parent.poll(30) and parent.recv() == "copied"
+        assert q.usage().slab_free_bytes == slab - (12 << 20)
+        _kill(procs[1])
+        # The next put that needs the space finds the 8 MiB reserver dead and takes its
+        # block back; the live one keeps its 4 MiB (it may still be copying).
+        q.put(lane, b"z" * (8 << 20), tokens=1, request_id=3)
+        assert q.usage().slab_free_bytes == slab - (12 << 20)
+        q.check()
+        _kill(procs[0])
+        assert q.expire_leases() == 0  # a sweep takes back the other one's space
+        assert q.usage().slab_free_bytes == slab - (8 << 20)
+        q.check()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                _kill(proc)
         q.close()
         q.unlink()
 
