@@ -16,14 +16,18 @@ import numpy as np
 from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
-    load_transformers, max_length, micro_batches, offsets, over_char_bound, split_refused, to_device,
+    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
+    input_too_long, labels_agree, load_transformers, max_length, micro_batches, offsets, over_char_bound,
+    split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
 
 
 class SequenceClassifier(Adapter):
     request_type = ClassifyRequest
+    #: The tokenizer's Rust tokenizer called directly, checked at load to give
+    #: what the tokenizer gives (None: the tokenizer's own call).
+    direct: DirectTokenizer | None = None
 
     def load(self) -> None:
         import torch
@@ -34,6 +38,8 @@ class SequenceClassifier(Adapter):
         self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self.multi_label = config.problem_type == "multi_label_classification"
         self.max_seq_len = max_length(self.spec, self.tokenizer, config)
+        self.direct = direct_tokenizer(self.tokenizer, self.max_seq_len, self._own_features, self.spec.name,
+                                       lengths=self._own_lengths)
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=self._check_probs, agree=labels_agree(),
@@ -102,13 +108,18 @@ class SequenceClassifier(Adapter):
         return 2 if multi else 1
 
     def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
-        lengths = self.tokenizer(inputs, truncation=False, return_length=True)["length"]
+        lengths = self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
         return first_too_long(lengths, self.max_seq_len)
 
+    def _own_lengths(self, inputs: list[str]) -> list[int]:
+        # verbose=False: counting a text over the limit is the point here, not a reason to warn.
+        return self.tokenizer(inputs, truncation=False, return_length=True, verbose=False)["length"]
+
+    def _own_features(self, texts: list[str]) -> Any:
+        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
+
     def _forward(self, model: Any, texts: list[str]) -> tuple[Any, Any]:
-        features = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len,
-                                  return_tensors="pt")
-        features = to_device(features, self.device)
+        features = to_device((self.direct or self._own_features)(texts), self.device)
         return model(**features).logits.float(), features["attention_mask"].sum(dim=1)
 
     def _logits(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -126,4 +137,5 @@ class SequenceClassifier(Adapter):
         return logits, tokens
 
     def unload(self) -> None:
+        self.direct = None
         self.model = None

@@ -216,8 +216,9 @@ class DirectTokenizer:
                        for k, v in example.items()]
 
     def __call__(self, inputs: list[Any]) -> dict[str, Any]:
-        """Features of texts, truncated to `max_tokens` and padded to the longest:
-        int64 tensors (rows, tokens) over numpy arrays."""
+        """Features of texts (or (text, text) pairs), truncated to `max_tokens`
+        (pairs: the longer side first) and padded to the longest: int64 tensors
+        (rows, tokens) over numpy arrays."""
         import torch
 
         encodings = self._encode_padded(inputs)
@@ -231,20 +232,25 @@ class DirectTokenizer:
 
 
 def direct_tokenizer(tokenizer: Any, max_tokens: int, reference: Callable[[list[Any]], dict[str, Any]], name: str,
-                     *, lengths: Callable[[list[Any]], Sequence[int]] | None = None) -> DirectTokenizer | None:
+                     *, lengths: Callable[[list[Any]], Sequence[int]] | None = None,
+                     pairs: bool = False) -> DirectTokenizer | None:
     """A DirectTokenizer that gives exactly what `reference` (the model's own
-    tokenization of a list of texts) gives, or None.
+    tokenization of a list of texts, or of (text, text) pairs with `pairs`)
+    gives, or None.
 
-    Checked on `tokenize_probes`, each alone and all in one padded batch: same
-    keys in the same order, same tensor shapes, dtypes and values; with
-    `lengths` (the model's own untruncated token counts), the same counts. Any
+    Checked on `tokenize_probes` (as pairs: each with another, and the long
+    one with itself, so both sides are cut), each alone and all in one padded
+    batch: same keys in the same order, same tensor shapes, dtypes and values;
+    with `lengths` (the model's own untruncated token counts), the same counts. Any
     difference (a tokenizer that works in Python, a module that lowercases or
     prepends in Python, other padding) keeps `reference`, said once in the log.
     """
     why = direct_refusal(tokenizer)
     direct = None
     if why is None:
-        probes = tokenize_probes(max_tokens)
+        probes: list[Any] = tokenize_probes(max_tokens)
+        if pairs:
+            probes = [*((q, probes[(i + 3) % len(probes)]) for i, q in enumerate(probes)), (probes[-1], probes[-1])]
         try:
             direct = DirectTokenizer(tokenizer, max_tokens, reference(probes[:1]))
             why = next(filter(None, (features_differ(reference(batch), direct(batch))

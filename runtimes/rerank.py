@@ -27,8 +27,9 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, load_transformers,
-    max_length, micro_batches, offsets, over_char_bound, scores_agree, split_refused, to_device,
+    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
+    input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound, scores_agree,
+    split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
 
@@ -48,10 +49,23 @@ class CrossEncoderAdapter(Adapter):
     tokenizer: Any
     model: Any
     activation: Any
+    #: The tokenizer's Rust tokenizer called directly, checked at load to give
+    #: what the model's own tokenization gives (None: the model's own).
+    direct: DirectTokenizer | None = None
 
     @abc.abstractmethod
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
         """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch."""
+
+    @abc.abstractmethod
+    def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
+        """Token tensors of (query, document) pairs by the model's own code."""
+
+    def _features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
+        """Token tensors of one micro-batch of pairs, padded to its longest pair."""
+        if self.direct is not None:
+            return self.direct(list(zip(queries, docs)))
+        return self._own_features(model, queries, docs)
 
     def _finish_load(self, model: Any) -> None:
         import torch
@@ -60,6 +74,10 @@ class CrossEncoderAdapter(Adapter):
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=self._check_scores, agree=scores_agree(),
+        )
+        self.direct = direct_tokenizer(
+            self.tokenizer, self.max_seq_len, lambda pairs: self._own_features(self.model, *unzipped(pairs)),
+            self.spec.name, lengths=lambda pairs: self._own_lengths(*unzipped(pairs)), pairs=True,
         )
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
@@ -114,8 +132,15 @@ class CrossEncoderAdapter(Adapter):
         return results
 
     def _first_too_long(self, query: str, docs: list[str]) -> tuple[int, int] | None:
-        lengths = self.tokenizer([query] * len(docs), docs, truncation=False, return_length=True)["length"]
+        if self.direct is not None:
+            lengths = self.direct.lengths([(query, d) for d in docs])
+        else:
+            lengths = self._own_lengths([query] * len(docs), docs)
         return first_too_long(lengths, self.max_seq_len)
+
+    def _own_lengths(self, queries: list[str], docs: list[str]) -> list[int]:
+        # verbose=False: counting a pair over the limit is the point here, not a reason to warn.
+        return self.tokenizer(queries, docs, truncation=False, return_length=True, verbose=False)["length"]
 
     def _score(self, queries: list[str], docs: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(logits, activated scores, tokens) per pair, float32 / float32 / int64, in input order."""
@@ -135,6 +160,7 @@ class CrossEncoderAdapter(Adapter):
         return logits, activated, tokens
 
     def unload(self) -> None:
+        self.direct = None
         self.model = None
 
 
@@ -153,10 +179,12 @@ class TransformersReranker(CrossEncoderAdapter):
         self.activation = config_activation(model.config, self.spec.path, self.spec.name)
         self._finish_load(model)
 
+    def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
+        return self.tokenizer(queries, docs, padding=True, truncation="longest_first", max_length=self.max_seq_len,
+                              return_tensors="pt")
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
-        features = self.tokenizer(queries, docs, padding=True, truncation="longest_first",
-                                  max_length=self.max_seq_len, return_tensors="pt")
-        features = to_device(features, self.device)
+        features = to_device(self._features(model, queries, docs), self.device)
         # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
         logits = model(**features).logits[:, 0].float()
         return logits, features["attention_mask"].sum(dim=1)
@@ -187,10 +215,18 @@ class SentenceTransformersReranker(CrossEncoderAdapter):
         self.activation = model.activation_fn
         self._finish_load(model)
 
+    def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
+        return model.preprocess(list(zip(queries, docs)))
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
-        features = to_device(model.preprocess(list(zip(queries, docs))), self.device)
+        features = to_device(self._features(model, queries, docs), self.device)
         scores = model(features)["scores"].float()
         return scores.reshape(len(docs)), features["attention_mask"].sum(dim=1)
+
+
+def unzipped(pairs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(queries, documents) of (query, document) pairs."""
+    return [q for q, _ in pairs], [d for _, d in pairs]
 
 
 def config_activation(config: Any, folder: Path, name: str) -> Any:

@@ -23,8 +23,9 @@ import numpy as np
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, load_transformers,
-    max_length, micro_batches, min_cosine, offsets, over_char_bound, split_refused, to_device,
+    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
+    input_too_long, load_transformers, max_length, micro_batches, min_cosine, offsets, over_char_bound,
+    split_refused, to_device,
 )
 from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
@@ -39,6 +40,9 @@ MAX_LOGIT_ELEMENTS = 64 << 20
 
 class SpladeEmbedder(Adapter):
     request_type = EmbedRequest
+    #: The tokenizer's Rust tokenizer called directly, checked at load to give
+    #: what the tokenizer gives (None: the tokenizer's own call).
+    direct: DirectTokenizer | None = None
 
     def load(self) -> None:
         import torch
@@ -46,6 +50,8 @@ class SpladeEmbedder(Adapter):
         self._torch = torch
         model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForMaskedLM")
         self.max_seq_len = max_length(self.spec, self.tokenizer, model.config)
+        self.direct = direct_tokenizer(self.tokenizer, self.max_seq_len, self._own_features, self.spec.name,
+                                       lengths=self._own_lengths)
         self.vocab = int(model.config.vocab_size)
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
@@ -65,7 +71,7 @@ class SpladeEmbedder(Adapter):
         if not req.truncate:
             if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
                 return over
-            lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
+            lengths = self.direct.lengths(req.inputs) if self.direct is not None else self._own_lengths(req.inputs)
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
                 return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
@@ -90,6 +96,13 @@ class SpladeEmbedder(Adapter):
             results[i] = SparseEmbedResult(vectors[a:b], self.vocab, int(tokens[a:b].sum()))
         return results
 
+    def _own_lengths(self, inputs: list[str]) -> list[int]:
+        # verbose=False: counting a text over the limit is the point here, not a reason to warn.
+        return self.tokenizer(inputs, truncation=False, return_length=True, verbose=False)["length"]
+
+    def _own_features(self, texts: list[str]) -> Any:
+        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
+
     def _weights_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Dense (n, V) float32 term weights (the dtype check compares these)."""
         out = np.empty((len(texts), self.vocab), dtype=np.float32)
@@ -103,8 +116,7 @@ class SpladeEmbedder(Adapter):
         torch = self._torch
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         for group in micro_batches(lengths, self.spec.profile.micro_batch_items):
-            enc = self.tokenizer([texts[j] for j in group], padding=True, truncation=True,
-                                 max_length=self.max_seq_len, return_tensors="pt")
+            enc = (self.direct or self._own_features)([texts[j] for j in group])
             rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
             for lo in range(0, len(group), rows):
                 part = {k: v[lo : lo + rows] for k, v in enc.items()}
@@ -144,6 +156,7 @@ class SpladeEmbedder(Adapter):
         return vectors, tokens
 
     def unload(self) -> None:
+        self.direct = None
         self.model = None
 
 

@@ -8,7 +8,8 @@ not checked on, and the served vectors, token counts and refusals equal the
 preprocess path's. Tiny sentence-transformers folders built from a BERT config
 show the check's other side: a module that pads in its own way keeps
 preprocess, and lowercasing that sentence-transformers puts into the tokenizer's
-normaliser is mirrored, not refused.
+normaliser is mirrored, not refused. The tiny classifier, rerankers (both
+runtimes) and SPLADE model of the task tests answer the same either way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
+from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult, WorkError
 from fleet.protocol import EmbedRequest
 from runtimes.base import ModelSpec, Profile
 from runtimes.hf_common import CHECK_SET, direct_refusal, direct_tokenizer, features_differ
@@ -67,7 +68,8 @@ def embedder():
     a.unload()
 
 
-def without_direct(a: SentenceTransformerEmbedder, requests: list[EmbedRequest]) -> list:
+def without_direct(a, requests: list) -> list:
+    """`a.run_batch(requests)` with its direct tokenizer set aside."""
     direct, a.direct = a.direct, None
     try:
         return a.run_batch(requests)
@@ -189,3 +191,61 @@ def test_a_tokenizer_that_works_in_python_is_refused(embedder, caplog):
             [t.replace("a", "b") for t in batch]), "rewriting")
     assert refused is None
     assert any("direct tokenizer rewriting: off (input_ids" in r.getMessage() for r in caplog.records)
+
+
+# ---- the other encoders: classify, rerank (both runtimes), SPLADE -------------------
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.test_sparse import build_splade
+    from tests.test_tasks_encoder import build_models
+
+    root = tmp_path_factory.mktemp("tiny-encoders")
+    return {**build_models(root), "splade": build_splade(root / "splade")}
+
+
+def scores(result) -> tuple[bytes, np.ndarray, int]:
+    """(order, float32 values, tokens) of a classify, rerank or sparse answer."""
+    if isinstance(result, SparseEmbedResult):
+        return (b"".join(v.indices for v in result.vectors),
+                np.concatenate([np.frombuffer(v.values, "<f4") for v in result.vectors]), result.input_tokens)
+    order = result.top if isinstance(result, ClassifyResult) else result.index
+    return order, np.frombuffer(result.scores, "<f4"), result.input_tokens
+
+
+LONG_PAIR_SIDE = "word " * 200  # alone over the tiny models' 128 tokens
+
+
+@pytest.mark.parametrize("key, task, runtime", [
+    ("classifier", "classify", "transformers"),
+    ("reranker", "rerank", "transformers"),
+    ("cross-encoder", "rerank", "sentence-transformers"),
+    ("splade", "embed", "splade"),
+])
+def test_other_encoders_tokenize_directly_with_the_same_answers(encoders, key, task, runtime):
+    from fleet.protocol import ClassifyRequest, RerankRequest
+    from tests.test_tasks_encoder import adapter
+
+    a = adapter(encoders, key, task, runtime)
+    assert a.direct is not None
+    batch = HOSTILE + texts(10, seed=4)
+    if task == "rerank":
+        queries, docs = [HOSTILE[1]] * len(batch) + [LONG_PAIR_SIDE], batch + [LONG_PAIR_SIDE]
+        want, got = a._own_features(a.model, queries, docs), a.direct(list(zip(queries, docs)))
+        requests = [RerankRequest(model="m", query=HOSTILE[1], documents=batch),
+                    RerankRequest(model="m", query=LONG_PAIR_SIDE, documents=batch[:5]),
+                    RerankRequest(model="m", query="q", documents=["short", LONG_PAIR_SIDE], truncate=False)]
+    else:
+        want, got = a._own_features(batch), a.direct(batch)
+        kind = (lambda **kw: ClassifyRequest(model="m", **kw)) if task == "classify" else \
+            (lambda **kw: EmbedRequest(model="m", output="sparse", **kw))
+        requests = [kind(inputs=batch), kind(inputs=HOSTILE[:3]), kind(inputs=["short", LONG_PAIR_SIDE], truncate=False)]
+    assert features_differ(want, got) is None
+    direct, own = a.run_batch(requests), without_direct(a, requests)
+    assert isinstance(direct[-1], WorkError) and direct[-1].code == "input_too_long"
+    counted = 204 if task == "rerank" else 202  # [CLS] q [SEP] ... [SEP] / [CLS] ... [SEP]
+    assert direct[-1].message == own[-1].message and f"has {counted} tokens" in direct[-1].message
+    for d, o in zip(direct[:-1], own[:-1]):
+        (d_order, d_values, d_tokens), (o_order, o_values, o_tokens) = scores(d), scores(o)
+        assert d_order == o_order and d_tokens == o_tokens
+        np.testing.assert_allclose(d_values, o_values, atol=1e-6)
