@@ -124,9 +124,12 @@ class SentenceTransformerEmbedder(Adapter):
             return results
         texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
-        want_tokens = np.repeat(np.fromiter((requests[i].output == "tokens" for i in live), dtype=bool), counts)
+        # Per-token output is rare: the common batch builds no mask for it (each numpy
+        # call costs tens of us on a cold CPU, the case of a lone client's request).
+        wants = [requests[i].output == "tokens" for i in live]
+        want_tokens = np.repeat(np.array(wants), counts) if any(wants) else None
         # 2. Embed all texts of the batch together, length-sorted into micro-batches.
-        vectors, tokens, per_token = self._embed(texts, want_tokens if want_tokens.any() else None)
+        vectors, tokens, per_token = self._embed(texts, want_tokens)
         # 3. Normalise (per request) and split back, one result per request.
         starts, ends = offsets(counts)
         if per_token:
