@@ -263,6 +263,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._area_left: dict[int, int] = {}
         # Threads inside `no_wait()`: they get LockBusy instead of waiting for the lock.
         self._nowait_threads: set[int] = set()
+        # Reservations of results already copied out, let go at the next lock (collect).
+        self._late_release: list[int] = []
         # Waits for work ended here, not yet taken out of H_WORK_WAITERS (lock.py).
         self._unwaited = 0
 
@@ -292,10 +294,11 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         """Drop this process's handle (the mapping itself lives while claim payload views do)."""
         if self._shm is None:
             return
-        if self._area_left or self._unwaited:
+        if self._area_left or self._unwaited or self._late_release:
             with self._lock:  # (which also takes this process's ended waits out of the count)
                 for s in self._area_left:
                     self._release(s)
+                self._release_late()
             self._areas.clear()
             self._area_left.clear()
         self._work_sem.close()

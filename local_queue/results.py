@@ -20,7 +20,7 @@ from local_queue.layout import (
     GEN_MASK, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_RES_WAITERS, H_SEQ, H_SLAB_FREE, L_RESULT, LF,
     SF, SLOT_BITS, SLOT_MASK, STATUS_EXPIRED, STATUS_POISON, _HEAD, _PUT, _RECORD, _RESULT,
 )
-from local_queue.records import Done, ItemTooLarge, QueueFull, _new_tuple
+from local_queue.records import Done, ItemTooLarge, LockBusy, QueueFull, _new_tuple
 from local_queue.slab import NIL
 
 
@@ -330,6 +330,8 @@ class Results:
         Meant for one consumer (the daemon); several would split the results."""
         self._drain_wake()
         with self._lock:
+            if self._late_release:
+                self._release_late()
             taken = self._take_done() if self._h[H_DONE_COUNT] > 0 else None
             self._h[H_RES_WAITERS] = 1
         return self._copied_out(taken) if taken is not None else []
@@ -385,9 +387,21 @@ class Results:
             return [d if type(d) is Done else _new_tuple(Done, (d[0], d[1], d[2], bytes(data[d[3]:d[3] + d[4]])))
                     for d in out]
         finally:
-            with self._lock:
-                for s in held:
-                    self._release(s)
+            # The results are ours already: a caller inside no_wait() (the event loop)
+            # must not lose them to LockBusy here. Their blocks are let go now if the
+            # lock is free, else at the next collect.
+            self._late_release.extend(held)
+            try:
+                with self._lock:
+                    self._release_late()
+            except LockBusy:
+                pass
+
+    def _release_late(self) -> None:
+        """(Under the lock.) Let go of the reservations of results already copied out."""
+        for s in self._late_release:
+            self._release(s)
+        self._late_release.clear()
 
     def _take_done(self) -> tuple[list, list[int]]:
         """Take the done list (caller holds the lock): (results, reservations). The

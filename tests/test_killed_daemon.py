@@ -44,7 +44,7 @@ CLIENTS = 4
 
 def queue_entries(pid: int) -> set[str]:
     name = f"fleet-{pid}"
-    wanted = {name, f"{name}.lock", f"sem.{name}.work", f"sem.{name}.results"}
+    wanted = {name, f"{name}.lock", f"{name}.wake", f"sem.{name}.work"}
     return wanted & set(os.listdir(SHM_DIR))
 
 

@@ -90,3 +90,50 @@ def test_status_and_size_are_checked_before_anything_changes(q):
     with pytest.raises(ValueError):
         q.emit(c.item_id, b"a", status=300)
     assert q.wait_results(0) == [] and q.usage().done == 0
+
+
+def test_results_copied_out_are_not_lost_when_the_lock_turns_busy():
+    """The event loop collects inside no_wait(): a result larger than COPY_INLINE is
+    taken under the lock, copied after it, and its reservation let go under the lock
+    again. If that second lock is busy, the result is still returned (it was taken
+    already: losing it would leave its request to time out) and the reservation is let
+    go at the next collect. Fault injected: the queue's lock turns busy after the take."""
+    from local_queue import LockBusy
+    from local_queue.blocks import COPY_INLINE
+
+    q = LocalQueue.create(slots=64, slab_bytes=4 << 20, max_lanes=2, max_workers=2)
+    try:
+        lane = q.lane_id("m")
+        w = q.register_worker(os.getpid(), "cpu")
+        big = os.urandom(COPY_INLINE + 4096)
+        q.put(lane, b"x", tokens=1, request_id=7)
+        (claim,) = q.claim(lane, worker=w, max_items=1, max_tokens=10, lease_ms=60_000)
+        assert q.ack_many([(claim.item_id, big, 0)]) == [True]
+        free_before = q.usage().slab_free_bytes
+
+        real, entered = q._lock, []
+
+        class TurnsBusy:
+            def __enter__(self):
+                entered.append(1)
+                if len(entered) > 1:
+                    raise LockBusy("held by another process (injected)")
+                return real.__enter__()
+
+            def __exit__(self, *exc):
+                return real.__exit__(*exc)
+
+        q._lock = TurnsBusy()
+        try:
+            with q.no_wait():
+                done = q.collect()
+        finally:
+            q._lock = real
+        assert [(d.request_id, d.result) for d in done] == [(7, big)]
+        assert len(entered) == 2 and q._late_release  # the release waited
+        assert q.collect() == [] and not q._late_release  # let go at the next collect
+        assert q.usage().slab_free_bytes > free_before
+        q.check()
+    finally:
+        q.close()
+        q.unlink()
