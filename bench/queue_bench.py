@@ -10,8 +10,8 @@ load average and `cpu_share`, the fraction of all cores the pipeline's
 processes actually got; a low share means a starved run, not a slow queue.
 
 The lone path (`--lone N`): one request at a time, as a lone client sends them.
-In this process, the median µs of each call of put(1) -> claim(1) -> ack(1)
--> wait_results; across processes, a worker process making the queue calls of
+In this process, the median and 10th-percentile µs of each call of put(1) ->
+claim(1) -> ack(1) -> wait_results; across processes, a worker process making the queue calls of
 a worker's step (lane_stats, claim, ack, wait_for_work) answers this process's
 put + wait_results: round trip and each side's CPU µs per request.
 
@@ -28,6 +28,7 @@ over `--rounds`, and the medians and A/B ratios are printed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -173,47 +174,88 @@ def measure_return(batch: int, rounds: int) -> dict:
         q.unlink()
 
 
-def measure_lone(rounds: int, payload_bytes: int, result_bytes: int) -> dict:
-    """One request at a time, all in this process: median µs of put(1), claim(1),
-    ack(1) and wait_results, and CPU µs of the whole cycle per request."""
-    q = LocalQueue.create(slots=1024, slab_bytes=16 << 20)
+def _load_local_queue(root: str) -> type:
+    """LocalQueue of root/local_queue, imported beside the one this script uses (its
+    modules live under no name in sys.modules), so that two trees run in one process."""
+    def ours(module: str) -> bool:
+        return module == "local_queue" or module.startswith("local_queue.")
+
+    mine = {k: sys.modules.pop(k) for k in [k for k in sys.modules if ours(k)]}
+    sys.path.insert(0, root)
     try:
-        lane = q.lane_id("lone")
-        wid = q.register_worker(os.getpid(), "cpu")
+        module = importlib.import_module("local_queue")
+        if not os.path.realpath(module.__file__).startswith(os.path.realpath(root) + os.sep):
+            raise RuntimeError(f"{root}: imported {module.__file__} instead")
+        return module.LocalQueue
+    finally:
+        sys.path.remove(root)
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(mine)
+
+
+def _stats_us(samples: list[int]) -> tuple[float, float]:
+    """(median, 10th percentile) of nanosecond samples, in µs. The 10th percentile is
+    the call's own cost: on a shared box the median also carries the time slices of
+    neighbours (cold caches after each switch)."""
+    samples = sorted(samples)
+    return round(samples[len(samples) // 2] / 1e3, 2), round(samples[len(samples) // 10] / 1e3, 2)
+
+
+def measure_lone(sides: dict[str, type], rounds: int, payload_bytes: int, result_bytes: int,
+                 chunk: int = 50) -> dict:
+    """One request at a time, all in this process: median and 10th-percentile µs of
+    put(1), claim(1), ack(1) and wait_results, and CPU µs of the whole cycle per request,
+    per queue implementation; several run in turns of `chunk` requests (A B, B A, ...),
+    so that whatever else the box does falls on all of them alike."""
+    queues = {side: cls.create(slots=1024, slab_bytes=16 << 20) for side, cls in sides.items()}
+    try:
+        setup = {side: (q, q.lane_id("lone"), q.register_worker(os.getpid(), "cpu")) for side, q in queues.items()}
         payload, result = os.urandom(payload_bytes), b"r" * result_bytes
         clock = time.perf_counter_ns
-        ops: dict[str, list[int]] = {"put": [], "claim": [], "ack": [], "collect": []}
-        c0 = time.process_time()
-        for i in range(rounds):
-            t0 = clock()
-            q.put_many(lane, [payload], tokens=[16], request_ids=[i])
-            t1 = clock()
-            claims = q.claim(lane, worker=wid, max_items=1, max_tokens=1 << 40, lease_ms=10_000)
-            t2 = clock()
-            q.ack_many([(claims[0].item_id, result, 0)])
-            t3 = clock()
-            done = q.wait_results(1.0)
-            t4 = clock()
-            if len(done) != 1 or done[0].request_id != i:
-                raise RuntimeError(f"lone path: request {i} came back as {done!r}")
-            del claims
-            for k, dt in zip(ops, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                ops[k].append(dt)
-        cpu = time.process_time() - c0
-        q.check()
-        out = {f"{k}_us": round(statistics.median(v) / 1e3, 2) for k, v in ops.items()}
-        out["cycle_cpu_us"] = round(cpu / rounds * 1e6, 2)
+        ops = {side: {"put": [], "claim": [], "ack": [], "collect": []} for side in queues}
+        cpu = dict.fromkeys(queues, 0.0)
+        order = list(queues)
+        for first in range(0, rounds, chunk):
+            for side in order if first // chunk % 2 == 0 else order[::-1]:
+                q, lane, wid = setup[side]
+                mine = ops[side]
+                c0 = time.process_time()
+                for i in range(first, min(rounds, first + chunk)):
+                    t0 = clock()
+                    q.put_many(lane, [payload], tokens=[16], request_ids=[i])
+                    t1 = clock()
+                    claims = q.claim(lane, worker=wid, max_items=1, max_tokens=1 << 40, lease_ms=10_000)
+                    t2 = clock()
+                    q.ack_many([(claims[0].item_id, result, 0)])
+                    t3 = clock()
+                    done = q.wait_results(1.0)
+                    t4 = clock()
+                    if len(done) != 1 or done[0].request_id != i:
+                        raise RuntimeError(f"lone path: request {i} came back as {done!r}")
+                    del claims
+                    for k, dt in zip(mine, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                        mine[k].append(dt)
+                cpu[side] += time.process_time() - c0
+        out = {}
+        for side, q in queues.items():
+            q.check()
+            out[side] = {}
+            for k, v in ops[side].items():
+                out[side][f"{k}_us"], out[side][f"{k}_us_p10"] = _stats_us(v)
+            out[side]["cycle_cpu_us"] = round(cpu[side] / rounds * 1e6, 2)
         return out
     finally:
-        q.close()
-        q.unlink()
+        for q in queues.values():
+            q.close()
+            q.unlink()
 
 
-def lone_worker(name: str, result_bytes: int, go, stop, cpu) -> None:
+def lone_worker(root: str | None, name: str, result_bytes: int, go, stop, cpu, slot: int) -> None:
     """The worker's side of the lone path, the queue calls of runtimes' WorkerCore.step:
     lane_stats; a lane with work: claim the head, then up to what was queued, ack;
     none: wait_for_work(since) for work put after the generation read before it."""
-    q = LocalQueue.attach(name)
+    q = (_load_local_queue(root) if root else LocalQueue).attach(name)
     lane = q.lane_id("lone")
     wid = q.register_worker(os.getpid(), "cpu")
     result = b"r" * result_bytes
@@ -231,54 +273,67 @@ def lone_worker(name: str, result_bytes: int, go, stop, cpu) -> None:
         if claims:
             q.ack_many([(c.item_id, result, 0) for c in claims])
             del claims
-    cpu[0] = time.process_time() - c0
+    cpu[slot] = time.process_time() - c0
     q.unregister_worker(wid)
     q.close()
 
 
-def measure_lone_procs(rounds: int, payload_bytes: int, result_bytes: int) -> dict:
-    """One request at a time across processes: this process puts one and waits for
-    its result; a worker process answers. Round trip p50/p99 and CPU µs per request
-    of each side (the worker's: wait_for_work + claim + ack)."""
+def measure_lone_procs(roots: dict[str, str | None], rounds: int, payload_bytes: int, result_bytes: int) -> dict:
+    """One request at a time across processes: this process puts one and waits for its
+    result; a worker process answers. Per queue implementation (root None: this
+    tree's), each with its own queue and worker, requests taking turns A B, B A, ...:
+    round trip p50/p99 and CPU µs per request of each side."""
     ctx = mp.get_context("spawn")
-    q = LocalQueue.create(slots=1024, slab_bytes=16 << 20)
-    worker = None
+    sides = list(roots)
+    queues = {side: (_load_local_queue(root) if root else LocalQueue).create(slots=1024, slab_bytes=16 << 20)
+              for side, root in roots.items()}
+    workers = []
     try:
-        lane = q.lane_id("lone")
-        go, stop, cpu = ctx.Event(), ctx.Event(), ctx.Array("d", 1)
-        worker = ctx.Process(target=lone_worker, args=(q.name, result_bytes, go, stop, cpu))
-        worker.start()
-        while not q.workers():
+        lanes = {side: q.lane_id("lone") for side, q in queues.items()}
+        go, stop, cpu = ctx.Event(), ctx.Event(), ctx.Array("d", len(sides))
+        for j, side in enumerate(sides):
+            workers.append(ctx.Process(target=lone_worker,
+                                       args=(roots[side], queues[side].name, result_bytes, go, stop, cpu, j)))
+            workers[-1].start()
+        while not all(q.workers() for q in queues.values()):
             time.sleep(0.01)
         time.sleep(0.2)
         payload = os.urandom(payload_bytes)
         go.set()
-        time.sleep(0.05)  # the worker reaches wait_for_work
-        trips = []
-        c0 = time.process_time()
+        time.sleep(0.05)  # the workers reach wait_for_work
+        trips = {side: [] for side in sides}
+        here = dict.fromkeys(sides, 0.0)
         for i in range(rounds):
-            t0 = time.perf_counter_ns()
-            q.put_many(lane, [payload], tokens=[16], request_ids=[i])
-            done = []
-            while not done:
-                done = q.wait_results(1.0)
-            trips.append(time.perf_counter_ns() - t0)
-            if len(done) != 1 or done[0].request_id != i:
-                raise RuntimeError(f"lone path: request {i} came back as {done!r}")
-        here = time.process_time() - c0
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                q = queues[side]
+                c0, t0 = time.process_time(), time.perf_counter_ns()
+                q.put_many(lanes[side], [payload], tokens=[16], request_ids=[i])
+                done = []
+                while not done:
+                    done = q.wait_results(1.0)
+                trips[side].append(time.perf_counter_ns() - t0)
+                here[side] += time.process_time() - c0
+                if len(done) != 1 or done[0].request_id != i:
+                    raise RuntimeError(f"lone path: request {i} came back as {done!r}")
         stop.set()
-        worker.join(30)
-        q.check()
-        trips.sort()
-        return {"round_trip_p50_us": round(trips[len(trips) // 2] / 1e3, 1),
-                "round_trip_p99_us": round(trips[len(trips) * 99 // 100] / 1e3, 1),
-                "worker_cpu_us": round(cpu[0] / rounds * 1e6, 2),
-                "client_cpu_us": round(here / rounds * 1e6, 2)}
+        for w in workers:
+            w.join(30)
+        out = {}
+        for j, side in enumerate(sides):
+            queues[side].check()
+            t = sorted(trips[side])
+            out[side] = {"round_trip_p50_us": round(t[len(t) // 2] / 1e3, 1),
+                         "round_trip_p99_us": round(t[len(t) * 99 // 100] / 1e3, 1),
+                         "worker_cpu_us": round(cpu[j] / rounds * 1e6, 2),
+                         "client_cpu_us": round(here[side] / rounds * 1e6, 2)}
+        return out
     finally:
-        if worker is not None and worker.is_alive():
-            worker.kill()
-        q.close()
-        q.unlink()
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+        for q in queues.values():
+            q.close()
+            q.unlink()
 
 
 # Shapes for --against: payload bytes : result bytes : batch (claim max_items and
@@ -305,48 +360,54 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def compare(a: argparse.Namespace) -> dict:
-    """Every shape and the lone path against this tree (A) and a.against (B), interleaved."""
-    sides = {"A": None, "B": os.path.abspath(a.against)}
+    """Every shape against this tree (A) and a.against (B) in fresh processes, A B / B A
+    alternating; the lone path with both trees loaded here, taking turns inside each
+    measurement. Medians over the rounds, and A/B."""
+    other = os.path.abspath(a.against)
+    sides = {"A": None, "B": other}
     shapes = [tuple(int(x) for x in spec.split(":")) for spec in a.shapes.split(",")]
-    common = ["--slots", str(a.slots), "--slab-mb", str(a.slab_mb), "--return-rounds", "0"]
-    jobs = [(f"{p}B/{r}B claim {b}", ["--repeat", "1", "--lone", "0", "--payload", str(p), "--result", str(r),
+    common = ["--slots", str(a.slots), "--slab-mb", str(a.slab_mb), "--return-rounds", "0", "--lone", "0"]
+    jobs = [(f"{p}B/{r}B claim {b}", ["--repeat", "1", "--payload", str(p), "--result", str(r),
                                        "--batch", str(b), "--put-batch", str(b), "--items", str(n)])
             for p, r, b, n in shapes]
-    if a.lone:
-        jobs.append(("lone", ["--repeat", "0", "--lone", str(a.lone), "--payload", "1024", "--result", "1536"]))
     got: dict[str, dict[str, list]] = {name: {"A": [], "B": []} for name, _ in jobs}
+    lone: dict[str, list] = {"A": [], "B": []}
+    classes = {"A": LocalQueue, "B": _load_local_queue(other)}
     for rnd in range(a.rounds):
         order = ("A", "B") if rnd % 2 == 0 else ("B", "A")
         for name, argv in jobs:
             for side in order:
-                r = run_child(sides[side], argv + common)
+                r = run_child(sides[side], argv + common)["runs"][0]
                 got[name][side].append(r)
-                print(f"round {rnd + 1} {side} {name}: " + (
-                    f"{r['runs'][0]['items_per_s']:,} items/s, consumer {r['runs'][0]['cpu_us_per_item']['consumers']}"
-                    f" CPU µs/item, load {r['runs'][0]['load_avg_1m']}" if r["runs"] else
-                    f"{r['lone']} {r['lone_procs']}"), flush=True)
+                print(f"round {rnd + 1} {side} {name}: {r['items_per_s']:,} items/s, CPU µs/item "
+                      f"{r['cpu_us_per_item']}, load {r['load_avg_1m']}", flush=True)
+        if a.lone:
+            load = round(os.getloadavg()[0], 2)
+            here = measure_lone({s: classes[s] for s in order}, a.lone, 1024, 1536)
+            procs = measure_lone_procs({s: sides[s] for s in order}, a.lone, 1024, 1536)
+            for side in order:
+                lone[side].append({**here[side], **procs[side], "load_avg_1m": load})
+                print(f"round {rnd + 1} {side} lone: {lone[side][-1]}", flush=True)
     med = statistics.median
     table = []
     for name, _ in jobs:
-        A, B = got[name]["A"], got[name]["B"]
-        if name == "lone":
-            row = {"shape": name}
-            for key in ("put_us", "claim_us", "ack_us", "collect_us", "cycle_cpu_us"):
-                va, vb = med(r["lone"][key] for r in A), med(r["lone"][key] for r in B)
-                row[key] = {"A": va, "B": vb, "A/B": _ratio(va, vb)}
-            for key in ("round_trip_p50_us", "round_trip_p99_us", "worker_cpu_us", "client_cpu_us"):
-                va, vb = med(r["lone_procs"][key] for r in A), med(r["lone_procs"][key] for r in B)
-                row[key] = {"A": va, "B": vb, "A/B": _ratio(va, vb)}
-        else:
-            ra, rb = [r["runs"][0] for r in A], [r["runs"][0] for r in B]
-            va, vb = med(r["items_per_s"] for r in ra), med(r["items_per_s"] for r in rb)
-            row = {"shape": name, "items_per_s": {"A": va, "B": vb, "A/B": _ratio(va, vb)},
-                   "load_avg_1m": [min(r["load_avg_1m"] for r in ra + rb), max(r["load_avg_1m"] for r in ra + rb)]}
-            for role in ("consumers", "producers", "collector"):
-                ca, cb = med(r["cpu_us_per_item"][role] for r in ra), med(r["cpu_us_per_item"][role] for r in rb)
-                row[f"{role}_cpu_us_per_item"] = {"A": ca, "B": cb, "A/B": _ratio(ca, cb)}
+        ra, rb = got[name]["A"], got[name]["B"]
+        va, vb = med(r["items_per_s"] for r in ra), med(r["items_per_s"] for r in rb)
+        row = {"shape": name, "items_per_s": {"A": va, "B": vb, "A/B": _ratio(va, vb)},
+               "load_avg_1m": [min(r["load_avg_1m"] for r in ra + rb), max(r["load_avg_1m"] for r in ra + rb)]}
+        for role in ("consumers", "producers", "collector"):
+            ca, cb = med(r["cpu_us_per_item"][role] for r in ra), med(r["cpu_us_per_item"][role] for r in rb)
+            row[f"{role}_cpu_us_per_item"] = {"A": ca, "B": cb, "A/B": _ratio(ca, cb)}
         table.append(row)
-    return {"A": "this tree", "B": a.against, "rounds": a.rounds, "table": table, "raw": got}
+    if a.lone:
+        row = {"shape": "lone (1024B/1536B)", "load_avg_1m": [min(r["load_avg_1m"] for r in lone["A"]),
+                                                              max(r["load_avg_1m"] for r in lone["A"])]}
+        for key in lone["A"][0]:
+            if key != "load_avg_1m":
+                va, vb = med(r[key] for r in lone["A"]), med(r[key] for r in lone["B"])
+                row[key] = {"A": va, "B": vb, "A/B": _ratio(va, vb)}
+        table.append(row)
+    return {"A": "this tree", "B": a.against, "rounds": a.rounds, "table": table, "raw": {**got, "lone": lone}}
 
 
 def main() -> None:
@@ -389,8 +450,8 @@ def main() -> None:
                   f"CPU µs/item {r['cpu_us_per_item']}", flush=True)
     rates = [r["items_per_s"] for r in runs]
     ret = measure_return(a.batch, a.return_rounds) if a.return_rounds else {}
-    lone = measure_lone(a.lone, a.payload, a.result) if a.lone else {}
-    lone_procs = measure_lone_procs(a.lone, a.payload, a.result) if a.lone else {}
+    lone = measure_lone({"A": LocalQueue}, a.lone, a.payload, a.result)["A"] if a.lone else {}
+    lone_procs = measure_lone_procs({"A": None}, a.lone, a.payload, a.result)["A"] if a.lone else {}
     summary = {"config": {k: v for k, v in vars(a).items() if k != "json"}, "runs": runs,
                "lib": os.path.dirname(sys.modules[LocalQueue.__module__].__file__),
                "lone": lone, "lone_procs": lone_procs, **ret}
@@ -405,7 +466,7 @@ def main() -> None:
         print(f"return_items({a.batch}) {ret['return_us_median']} µs ({ret['return_us_per_item']} µs/item), "
               f"claim({a.batch}) {ret['claim_us_median']} µs (medians over {a.return_rounds} rounds)")
     if lone:
-        print(f"lone path ({a.lone} requests, {a.payload} B / {a.result} B), median µs per call: {lone}")
+        print(f"lone path ({a.lone} requests, {a.payload} B / {a.result} B), µs per call: {lone}")
         print(f"lone path across processes: {lone_procs}")
 
 
