@@ -36,8 +36,8 @@ from runtimes.memory import (
 from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from runtimes.placement import LOAD as PLACE_LOAD
 from runtimes.policy import (
-    MIN_SAMPLES, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies, form_batch, linger_left_ms,
-    padded_tokens, stall_bound_ms,
+    MIN_SAMPLES, CostModel, LastRun, LinearCost, batch_token_cap, choose_lane, find_copies, form_batch,
+    linger_left_ms, linger_window, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.state import BATCH_RING, BatchStats, NotNowMemo, Progress, Resident
@@ -105,6 +105,8 @@ class WorkerCore:
     last_batch: BatchStats = field(default_factory=BatchStats)
     #: Fitted batch cost per model on this device (kept across unloads: same model, same device).
     costs: dict[str, CostModel] = field(default_factory=dict)
+    #: Each model's last batch here: when it was acked, its items and time (the linger rule, `linger_window`).
+    last_runs: dict[str, LastRun] = field(default_factory=dict)
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited in bare tests.
     memory: DeviceMemory = field(default_factory=DeviceMemory.unlimited)
@@ -623,8 +625,9 @@ class WorkerCore:
         if not claims:
             return 0  # another worker took them first, or they all expired
         claimed_ns = time.monotonic_ns()
-        claims = self.linger_for_more(lane.lane, claims, self.linger_ms_for(lane.model, profile),
-                                      profile.max_batch_items, cap)
+        linger_ms, since_ns = self.linger_window_for(lane.model, profile, claims[0])
+        claims = self.linger_for_more(lane.lane, claims, linger_ms, since_ns, profile.max_batch_items, cap,
+                                      answered=self.last_runs.get(lane.model))
         lingered_ns = time.monotonic_ns()
         keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap)
         claims, returned = self.return_overpull(claims, keep)
@@ -673,6 +676,7 @@ class WorkerCore:
             )
             for (c, _), r in zip(runnable, results)
         ]
+        acked_ns = self.clock_ns()  # before the ack: no answer of this batch is out yet (linger_window 1)
         try:
             self.queue.ack_many(acks)
         except QueueFull as exc:
@@ -686,6 +690,7 @@ class WorkerCore:
         resident.last_used = time.time()
         resident.served += len(claims)
         self.last_batch = BatchStats(lane.model, len(claims), sum(tokens), padded, ms, time.time(), returned)
+        self.last_runs[lane.model] = LastRun(acked_ns, len(claims), ms)
         self.batch_seq += 1
         self.batch_ring.append((lane.model, len(claims), sum(tokens)))
         self.publish_info()
@@ -707,23 +712,27 @@ class WorkerCore:
                                        max_tokens=max(1, cap - claims[0].tokens), lease_ms=self.lease_ms)
         return claims
 
-    def linger_ms_for(self, model: str, profile) -> float:
-        """How long a batch of `model` may linger for more: its profile's (else the
-        daemon's) linger, but none while its last batch held one item. A lone client
-        waits for each answer before it sends again, so lingering only adds to its
-        latency (~0.9 ms of a 1 ms linger per request, bench/timeline.py); once
-        requests overlap, batches hold several and lingering resumes."""
-        last = self.last_batch
-        if last.model == model and last.items < 2:
-            return 0.0
-        return profile.linger_ms or self.linger_ms
+    def linger_window_for(self, model: str, profile, head) -> tuple[float, int]:
+        """How long a batch of `model` headed by the claim `head` may linger for
+        company, and from when (`runtimes.policy.linger_window`): not at all for a
+        lone sequential client (each of its requests paid ~0.9 ms of a 1 ms linger,
+        bench/timeline.py); while requests overlap, the profile's (else the daemon's)
+        linger, or longer where the fitted cost says one more item pays for it."""
+        cost = self.costs.get(model)
+        fit = cost.fit() if cost is not None and cost.samples >= MIN_SAMPLES else (0.0, 0.0)
+        return linger_window(profile.linger_ms or self.linger_ms, self.last_runs.get(model), head.enqueue_ns,
+                             head.tokens, fit)
 
-    def linger_for_more(self, lane: int, claims: list, linger_ms: float, max_items: int, cap: int) -> list:
+    def linger_for_more(self, lane: int, claims: list, linger_ms: float, since_ns: int, max_items: int, cap: int,
+                        *, answered: LastRun | None = None) -> list:
         """While the lane is drained and the batch short, wait (on the queue's wake-ups)
-        up to `linger_ms` from the head's enqueue and claim what arrives in this lane."""
-        while True:
+        up to `linger_ms` from `since_ns` and claim what arrives in this lane. The wait
+        ends early once as many items came after the `answered` batch's ack as it held:
+        clients that each wait for their answer send again one each, and are all back."""
+        back = 0 if answered is None else sum(c.enqueue_ns >= answered.acked_ns for c in claims)
+        while answered is None or back < answered.items:
             left = linger_left_ms(
-                self.clock_ns(), claims[0].enqueue_ns, linger_ms, items=len(claims), max_items=max_items,
+                self.clock_ns(), since_ns, linger_ms, items=len(claims), max_items=max_items,
                 padded_tokens=padded_tokens([c.tokens for c in claims]), max_padded_tokens=cap,
                 lane_drained=not any(s.lane == lane and s.depth for s in self.queue.lane_stats()),
             ) if linger_ms > 0 else 0.0
@@ -735,6 +744,9 @@ class WorkerCore:
             if not more:
                 return claims  # the wake-up was for another lane: run now rather than hold this batch
             claims = claims + more
+            if answered is not None:
+                back += sum(c.enqueue_ns >= answered.acked_ns for c in more)
+        return claims
 
     def return_overpull(self, claims: list, keep: list[int]) -> tuple[list, int]:
         """Give back, at once, the claimed items this batch will not run (the queue puts

@@ -42,7 +42,9 @@ _info = msgspec.msgpack.Decoder()
 
 
 class FakeEmbedder(Adapter):
-    """Echoes each request's texts back as its 'vector' bytes; logs every batch it runs."""
+    """Echoes each request's texts back as its 'vector' bytes; logs every batch it runs.
+    With extra `run_ms` = (fixed, per item) a batch takes that long, like a model whose
+    every run has a fixed cost."""
 
     request_type = EmbedRequest
     batches: list[tuple[str, list[list[str]]]] = []
@@ -63,6 +65,8 @@ class FakeEmbedder(Adapter):
     def run_batch(self, requests):
         texts = [r.inputs for r in requests]
         FakeEmbedder.batches.append((self.spec.name, texts))
+        if run_ms := self.spec.extra.get("run_ms"):
+            time.sleep((run_ms[0] + run_ms[1] * len(requests)) / 1e3)
         return [EmbedResult("|".join(t).encode(), (len(t), 1), len(t)) for t in texts]
 
 
@@ -478,3 +482,58 @@ def test_a_lone_client_does_not_wait_for_the_linger(queue):
     threading.Timer(0.1, lambda: put(queue, "m", "late", request_id=6)).start()
     assert core.step() == 2
     assert FakeEmbedder.batches[-1] == ("m", [["early"], ["late"]])
+
+
+#: A model whose every run costs 200 ms plus 10 ms per item (10 tokens): once fitted,
+#: its linger window is (a - b·w) / 2 = (200 - 10) / 2 = 95 ms (runtimes.policy.linger_window).
+FIXED_COST = {"run_ms": (200, 10)}
+
+
+def fitted_core(queue) -> WorkerCore:
+    """A worker at the shipped linger (1 ms) whose cost model has fitted FIXED_COST:
+    batches of 1, 2 and 3 items."""
+    core = core_for(queue, {"m": Profile(linger_ms=1.0)}, {"m": FIXED_COST})
+    rid = 100
+    for n in (1, 2, 3):
+        for _ in range(n):
+            rid += 1
+            put(queue, "m", f"warm{rid}", request_id=rid)
+        assert core.step() == n
+    assert core.costs["m"].fit()[0] > 150
+    return core
+
+
+def test_a_lone_client_does_not_wait_even_when_the_fixed_cost_is_high(queue):
+    core = fitted_core(queue)
+    put(queue, "m", "first", request_id=1)
+    core.step()  # the last batch held three: this one may wait for company, once
+    for rid in (2, 3):  # each sent after the previous answer, as a lone agent does
+        put(queue, "m", "alone", request_id=rid)
+        t0 = time.monotonic()
+        assert core.step() == 1
+        assert time.monotonic() - t0 < 0.21 + 0.06  # its own run; no 95 ms linger
+    assert FakeEmbedder.batches[-2:] == [("m", [["alone"]]), ("m", [["alone"]])]
+
+
+def test_overlapping_requests_are_batched_together(queue):
+    # Two clients, each waiting for its answer: B sends while A's request runs; A sends
+    # again a round trip after its answer. Claimed alone, B would run alone (and the two
+    # would alternate, one item per run); the worker waits for A from the ack instead.
+    core = fitted_core(queue)
+    put(queue, "m", "a1", request_id=1)
+    core.step()  # the last batch held three: one may come back; none does
+    put(queue, "m", "a2", request_id=2)
+    threading.Timer(0.05, lambda: put(queue, "m", "b1", request_id=3)).start()  # during a2's run
+    assert core.step() == 1
+    threading.Timer(0.02, lambda: put(queue, "m", "a3", request_id=4)).start()  # A is back
+    t0 = time.monotonic()
+    assert core.step() == 2
+    assert FakeEmbedder.batches[-1] == ("m", [["b1"], ["a3"]])
+    # The wait ended when A was back, well before the 95 ms window.
+    assert time.monotonic() - t0 < 0.02 + 0.22 + 0.06
+    # Both answered together, both back a round trip later: still one batch.
+    put(queue, "m", "b2", request_id=5)
+    threading.Timer(0.02, lambda: put(queue, "m", "a4", request_id=6)).start()
+    assert core.step() == 2
+    assert FakeEmbedder.batches[-1] == ("m", [["b2"], ["a4"]])
+    assert len(results(queue, 6 + 6)) == 12
