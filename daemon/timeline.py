@@ -9,7 +9,7 @@ header pays one context-variable read per stamp point and nothing else.
 Daemon stages, in order: `handler` (the route's code starts: HTTP parsed and
 routed), `checked` (body read, decoded, model checked), `put` (the item is in its lane),
 then the worker's (fleet.messages.WORKER_STAGES), then `collected` (the
-results thread woke for the batch that held it), `resumed` (the request's
+event loop collected the batch of results that held it), `resumed` (the request's
 coroutine runs again on the loop) and `encoded` (the reply body is built).
 """
 
