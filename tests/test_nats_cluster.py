@@ -447,7 +447,13 @@ def test_kill_9_of_box_b_under_load_loses_nothing(boxes: Boxes, references: np.n
         async def later() -> None:
             await asyncio.sleep(2.0)
             loop = asyncio.get_running_loop()
-            at_kill["held_by_b"] = await loop.run_in_executor(None, held_by, boxes.b)
+            # At a moment B holds work: between two of its batches it may hold none for a
+            # few ms (what A and B hold moves with the box's timing), and killing B then
+            # would test nothing. Looked for from 2 s in, for at most 5 s.
+            deadline = time.monotonic() + 5.0
+            while (held := await loop.run_in_executor(None, held_by, boxes.b)) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            at_kill["held_by_b"] = held
             os.killpg(boxes.b.proc.pid, signal.SIGKILL)  # B and its worker, mid-batch
             at_kill["t"] = time.monotonic()
 
