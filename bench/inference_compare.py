@@ -146,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {goal}: {'met' if ok else 'missed'}")
     print(f"load average before {' / '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' / '.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs")
-    doc = {
-        "schema": report.SCHEMA, "kind": "latency",
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-        "command": [sys.executable, "-m", "bench.inference_compare", *(argv if argv is not None else sys.argv[1:])],
-        "machine": report.machine(), "versions": report.versions(),
+    doc = report.document("latency", "bench.inference_compare", argv) | {
         "settings": {"url": url, "started_daemon": daemon is not None, "requests": args.requests, "warmup": WARMUP,
                      "threads": torch.get_num_threads(), "omp_wait_policy": st.omp_wait_policy},
         "load_before": load_before, "load_after": load_after,

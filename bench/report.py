@@ -308,6 +308,17 @@ def default_out(doc: dict) -> Path:
     return RESULTS_DIR / f"{stamp}-{doc['plan']['task']}-{names}.json"
 
 
+def document(kind: str, module: str, argv: list[str] | None) -> dict:
+    """The head every result document starts with: schema, kind, when, the command
+    that made it (`python -m <module> <argv>`), the machine and the versions."""
+    return {
+        "schema": SCHEMA, "kind": kind,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "command": [sys.executable, "-m", module, *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine(), "versions": versions(),
+    }
+
+
 def write_json(doc: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_json_default) + "\n")

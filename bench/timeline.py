@@ -149,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
                   f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} ({os.cpu_count()} CPUs)")
 
-    doc = {
-        "schema": report.SCHEMA, "kind": "timeline",
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-        "command": [sys.executable, "-m", "bench.timeline", *(argv if argv is not None else sys.argv[1:])],
-        "machine": report.machine(), "versions": report.versions(),
+    doc = report.document("timeline", "bench.timeline", argv) | {
         "settings": {"url": url, "started_daemon": bool(daemon), "requests": len(rows), "warmup": WARMUP},
         "load_before": load_before, "load_after": load_after,
         "stages": table, "totals": totals,
