@@ -79,12 +79,15 @@ class HotRoutes:
                            private=self.app.state.get(PRIVATE_PATHS, ()))
 
 
+def too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is over the limit of {limit} bytes (max_body_bytes)")
+
+
 async def read_body(receive: Receive, limit: int, declared: bytes | None) -> bytes:
     """The whole request body, at most `limit` bytes (the app's `max_body_bytes`):
     refused at once when its Content-Length says more, else once more arrived."""
-    too_large = PayloadTooLarge(f"request body is over the limit of {limit} bytes (max_body_bytes)")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -95,7 +98,7 @@ async def read_body(receive: Receive, limit: int, declared: bytes | None) -> byt
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise too_large
+                raise too_large(limit)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
