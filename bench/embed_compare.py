@@ -200,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     doc = {
-        "schema": report.SCHEMA, "kind": "embed_compare",
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-        "command": [sys.executable, "-m", "bench.embed_compare", *(argv if argv is not None else sys.argv[1:])],
-        "machine": report.machine(), "versions": report.versions(),
+        **report.document("embed_compare", "bench.embed_compare", argv),
         "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
         "tokens": "counted up front with the model's tokenizer.json (special tokens included)",
         "settings": {"url": url, "started_daemon": bool(daemon), "rounds": args.rounds, "duration_s": args.duration,
