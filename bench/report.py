@@ -264,6 +264,7 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
         targets.append({
             "name": run.spec.name, "kind": run.spec.kind, "url": run.spec.url,
             "dtype": run.spec.dtype if run.spec.kind == "st" else None,
+            "process": getattr(run.driver, "info", None),  # in-process target: torch, threads, OpenMP policy
             "mode": run.mode,
             "warmup": _step_doc(run.warmup) if run.warmup else None,
             "steps": [_step_doc(r, why.get(id(r.result), ())) for r in sorted(run.steps, key=lambda r: r.result.offered)],

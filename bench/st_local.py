@@ -7,12 +7,17 @@ A step is closed loop with one caller: encode a request's inputs, record the
 latency, take the next, for the step's duration. There is no HTTP, no queue,
 no serialisation: what it reaches is what the model itself can do on this box
 with that dtype. `encode` runs with its default settings (batch_size 32,
-no normalisation) so it is "sentence-transformers as people use it".
+no normalisation) so it is "sentence-transformers as people use it"; torch's
+OpenMP threads sleep when idle as in fleet's workers (OMP_WAIT_POLICY=PASSIVE
+unless the environment sets it; runtimes/process.py): with OpenMP's default
+spin the child's threads and the bench's own processes fought over a 2-core box
+and this target measured 3-40 requests/s in one run, the scheduler, not the model.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import msgspec
@@ -37,6 +42,7 @@ class STSetup(msgspec.Struct, frozen=True):
 
 def _child_main(pipe) -> None:
     setup = msgspec.msgpack.decode(pipe.recv_bytes(), type=STSetup)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -50,7 +56,8 @@ def _child_main(pipe) -> None:
     batches = [[setup.texts[i] for i in w] for w in windows]
     tokens = [sum(setup.lengths[i] for i in w) for w in windows]
     model.encode(batches[0])  # first call builds kernels and caches
-    pipe.send_bytes(_enc.encode({"ready": True, "torch": str(torch.__version__), "threads": torch.get_num_threads()}))
+    pipe.send_bytes(_enc.encode({"ready": True, "torch": str(torch.__version__), "threads": torch.get_num_threads(),
+                                 "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}))
     j = 0
     while True:
         msg = pipe.recv_bytes()

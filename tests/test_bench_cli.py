@@ -71,6 +71,8 @@ def test_compare_runs_targets_interleaved_with_ratios(daemon, tmp_path):
         assert t["knee"]["tokens_per_s"] > 0
     fleet, st = doc["targets"]
     assert st["mode"] == "closed" and len(st["steps"]) == 3 and st["dtype"] == "fp32"
+    # The in-process target runs torch's OpenMP as fleet's workers do (bench/st_local.py).
+    assert st["process"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     # Interleaved: the in-process target's steps run between fleet's, not after them all.
     assert min(s["started_unix"] for s in st["steps"]) < max(s["started_unix"] for s in fleet["steps"])
     ratios = doc["ratios_tokens_per_s"]
