@@ -12,17 +12,29 @@ from __future__ import annotations
 import os
 import threading
 from fcntl import LOCK_EX, LOCK_NB, LOCK_UN, flock
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from local_queue.layout import H_HOLDER, H_WORK_WAITERS
 from local_queue.records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
 
-if TYPE_CHECKING:
-    from local_queue.queue import LocalQueue
-
 _forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 _CLEAN_ERRORS = (QueueFull, ItemTooLarge, UnknownWorker, ValueError, KeyError)
+
+
+class LockHolder(Protocol):
+    """What the lock reads and writes of a queue handle (`LocalQueue` is one);
+    a protocol, so that this module need not import the queue that imports it."""
+
+    _fork: int  # `_forks[0]` when the handle was made
+    _pid: int
+    _tlock: threading.Lock
+    _lock_fd: int  # the flock file, /dev/shm/<name>.lock
+    _h: memoryview  # the shared header, int64 fields
+    _nowait_threads: set[int]  # threads that get LockBusy instead of waiting
+    _unwaited: int  # waits for work ended here, not yet out of H_WORK_WAITERS
+
+    def _repair(self) -> None: ...
 
 
 class _Lock:
@@ -30,7 +42,7 @@ class _Lock:
 
     __slots__ = ("q",)
 
-    def __init__(self, q: LocalQueue) -> None:
+    def __init__(self, q: LockHolder) -> None:
         self.q = q
 
     def __enter__(self) -> None:
