@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 from bench.tune import (
-    DIMS, Candidate, Measurement, Space, coordinate_search, default_space, dtype_checks, start_point,
+    DIMS, BenchKnobs, Candidate, Measurement, Space, Target, coordinate_search, default_candidate, default_space,
+    dtype_checks, finite, keep_default_unless_beaten, model_params, over_budget, ratio_vs_default, result_doc,
+    search_profile, search_space, seed_from_default, start_point, tuned_info,
 )
 from fleet.catalog import Profile, TunedInfo, load_catalog, select_profile, write_tuned_profile
 from fleet.errors import BadRequest, ModelNotFound
@@ -145,6 +147,199 @@ def test_dtype_check_lines_are_read_from_the_daemon_log():
     log = ("INFO fleet.worker dtype check all-minilm-l6-v2 bfloat16: min cosine 0.999965 (need 0.9999) -> keep\n"
            "INFO fleet.worker dtype check other bfloat16: min cosine 0.9 (need 0.9999) -> fp32\n")
     assert dtype_checks(log, MODEL) == ["bfloat16: min cosine 0.999965 (need 0.9999) -> keep"]
+
+
+# ---- the run: the default first, the space from what it served, the choice ----------------
+
+SHIPPED = {"dtype": "auto", "max_batch_tokens": 32768, "max_batch_items": 256, "linger_ms": 1.0}
+
+
+def test_the_default_candidate_is_the_shipped_profile_on_one_worker():
+    assert default_candidate(SHIPPED) == Candidate("auto", 32768, 256, 1.0, 1)
+    assert default_candidate({**SHIPPED, "linger_ms": 2}).linger_ms == 2.0
+
+
+@pytest.mark.parametrize("device, cores, served, workers_max, dtypes, workers", [
+    ("cpu", 2, "bfloat16", None, ("bfloat16", "float32"), (1, 2)),
+    ("cpu", 8, "float32", None, ("float32",), (1, 2, 3, 4)),
+    ("cpu", 8, "float16", 2, ("float16", "float32"), (1, 2)),
+    ("cpu", 8, "float32", 0, ("float32",), (1, 2, 3, 4)),  # 0: no cap
+    ("cuda:0", 16, "bfloat16", 1, ("bfloat16", "float32"), (1,)),
+    ("cuda:0", 16, "bfloat16", None, ("bfloat16", "float32"), (1, 2)),
+])
+def test_the_space_follows_the_served_dtype_and_the_workers_cap(device, cores, served, workers_max, dtypes, workers):
+    space = search_space(device, cores, served, workers_max)
+    assert space.dtypes == dtypes and space.workers == workers
+    assert space.max_batch_tokens == default_space(device, cores).max_batch_tokens
+
+
+@pytest.mark.parametrize("default, seeded", [
+    (Candidate("auto", 32768, 256, 1.0, 1), True),
+    (Candidate("auto", 30000, 256, 1.0, 1), False),  # off the batch-tokens ladder
+    (Candidate("auto", 8192, 100, 1.0, 1), False),  # off the batch-items ladder
+    (Candidate("auto", 8192, 64, 3.0, 1), False),  # off the linger ladder
+])
+def test_the_default_seeds_the_search_only_on_the_ladders(default, seeded):
+    m = Measurement(500.0, 80.0, dtype="bfloat16")
+    point, seed = seed_from_default(search_space("cpu", 2, "bfloat16"), default, "bfloat16", m)
+    assert point == replace(default, dtype="bfloat16")
+    assert seed == ({point: m} if seeded else {})
+
+
+BEST, DEFAULT = Candidate("bfloat16", 8192, 64, 2.0, 1), Candidate("bfloat16", 32768, 256, 1.0, 1)
+
+
+@pytest.mark.parametrize("best_m, default_m, keeps_default", [
+    (Measurement(900.0, 50.0), Measurement(500.0, 80.0), False),  # beaten
+    (Measurement(500.0, 80.0), Measurement(500.0, 80.0), True),  # a tie is not a win
+    (Measurement(400.0, 80.0), Measurement(500.0, 80.0), True),  # the budget ran out on a worse point
+    (Measurement(500.0, 60.0), Measurement(500.0, 80.0), False),  # same knee, lower p95
+    (Measurement(900.0, 50.0), Measurement(0.0, math.inf, ok=False), False),  # no default knee
+    (Measurement(0.0, math.inf, ok=False), Measurement(0.0, math.inf, ok=False), False),  # nothing served
+])
+def test_the_default_is_kept_unless_beaten(best_m, default_m, keeps_default):
+    got = keep_default_unless_beaten(BEST, best_m, DEFAULT, default_m)
+    assert got == ((DEFAULT, default_m) if keeps_default else (BEST, best_m))
+
+
+@pytest.mark.parametrize("chosen, default, ratio", [
+    (Measurement(900.0, 50.0), Measurement(300.0, 80.0), 3.0),
+    (Measurement(300.0, 50.0), Measurement(300.0, 80.0), 1.0),
+    (Measurement(900.0, 50.0), Measurement(0.0, 80.0), None),
+    (Measurement(900.0, 50.0), Measurement(300.0, 80.0, ok=False), None),
+])
+def test_ratio_vs_default(chosen, default, ratio):
+    assert ratio_vs_default(chosen, default) == ratio
+
+
+@pytest.mark.parametrize("now, deadline, seconds, over", [
+    (100.0, 100.0, [], False),  # nothing measured yet: only a passed deadline stops
+    (100.1, 100.0, [], True),
+    (100.0, 150.0, [40.0], False),
+    (100.0, 150.0, [60.0], True),
+    (100.0, 150.0, [10.0, 60.0, 20.0], False),  # the median (20 s), not the slowest
+    (100.0, 150.0, [10.0, 60.0], True),  # of two, the upper one
+])
+def test_over_budget_looks_one_typical_candidate_ahead(now, deadline, seconds, over):
+    assert over_budget(now, deadline, seconds) is over
+
+
+@pytest.mark.parametrize("value, json_value", [
+    (math.inf, None), (math.nan, None), (1.5, 1.5), ("inf", "inf"),
+    ({"p95": math.inf, "n": [1.0, -math.inf]}, {"p95": None, "n": [1.0, None]}),
+])
+def test_finite_turns_inf_and_nan_into_null(value, json_value):
+    assert finite(value) == json_value
+
+
+def test_model_params_from_the_safetensors_sizes(tmp_path: Path):
+    assert model_params(tmp_path) == 1
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "extra.safetensors").write_bytes(b"\0" * 400)
+    (tmp_path / "vocab.txt").write_bytes(b"\0" * 10_000)
+    assert model_params(tmp_path) == 1100
+
+
+def target(device: str = "cpu", cores: int = 2) -> Target:
+    return Target(model=MODEL, task="embed", folder=Path("/nonexistent"), device=device, device_class="cpu-x",
+                  cores=cores, home=Path("/nonexistent"), default=dict(SHIPPED), params=22_700_000)
+
+
+def served_as_bf16(c: Candidate) -> Measurement:
+    return Measurement(synthetic(replace(c, dtype="bfloat16" if c.dtype == "auto" else c.dtype)), 100.0,
+                       dtype="bfloat16" if c.dtype == "auto" else c.dtype, seconds=2.0)
+
+
+def test_a_run_measures_the_default_first_then_searches_from_the_start_point():
+    measured, events = [], []
+
+    def measure(c):
+        measured.append(c)
+        return served_as_bf16(c)
+
+    t = search_profile(target(), measure, deadline=math.inf, max_candidates=60, min_gain=0.01,
+                       on_default=lambda c, m: events.append(("default", c)),
+                       on_trial=lambda tr: events.append(("trial", tr.candidate)))
+    assert measured[0] == Candidate("auto", 32768, 256, 1.0, 1) and events[0] == ("default", measured[0])
+    assert t.space.dtypes == ("bfloat16", "float32")
+    assert t.search.start == start_point(t.space, params=22_700_000, device="cpu",
+                                         default={**SHIPPED, "dtype": "bfloat16"})
+    assert t.chosen == OPTIMUM and t.search.stopped == "converged"
+    assert t.ratio == t.chosen_measurement.tokens_per_s / t.default_measurement.tokens_per_s > 1
+    assert t.confirm is None
+    assert [c for kind, c in events if kind == "trial"] == measured[1:]
+
+
+def test_a_run_counts_the_default_in_max_candidates():
+    measured = []
+    t = search_profile(target(), lambda c: measured.append(c) or served_as_bf16(c), deadline=math.inf,
+                       max_candidates=4, min_gain=0.01)
+    assert len(measured) == 4 and t.search.stopped == "budget"
+
+
+def test_a_run_stops_before_a_candidate_that_would_pass_the_deadline():
+    now = [0.0]
+
+    def measure(c):
+        now[0] += 30.0  # each candidate takes 30 s of the fake clock
+        return replace(served_as_bf16(c), seconds=30.0)
+
+    t = search_profile(target(), measure, deadline=100.0, max_candidates=60, min_gain=0.01, clock=lambda: now[0])
+    # The default (0-30 s), then candidates while the clock plus 30 s stays within 100 s.
+    assert len(t.search.trials) == 2 and t.search.stopped == "budget" and now[0] == 90.0
+
+
+def test_a_run_keeps_the_default_when_nothing_beats_it():
+    def measure(c):
+        m = served_as_bf16(c)
+        return replace(m, tokens_per_s=5000.0) if c.dtype == "auto" else m
+
+    t = search_profile(target(), measure, deadline=math.inf, max_candidates=60, min_gain=0.01)
+    assert t.chosen == Candidate("bfloat16", 32768, 256, 1.0, 1) and t.chosen_measurement.tokens_per_s == 5000.0
+    assert t.ratio == 1.0
+
+
+def test_a_run_refuses_a_default_that_did_not_serve():
+    with pytest.raises(BadRequest, match="the default profile did not serve: boom"):
+        search_profile(target(), lambda c: Measurement(0.0, math.inf, ok=False, note="boom"),
+                       deadline=math.inf, max_candidates=60, min_gain=0.01)
+
+
+def test_a_failed_default_that_served_a_dtype_still_searches():
+    def measure(c):
+        return Measurement(0.0, math.inf, dtype="float32", ok=False) if c.dtype == "auto" else served_as_bf16(c)
+
+    t = search_profile(target(), measure, deadline=math.inf, max_candidates=60, min_gain=0.01)
+    assert t.space.dtypes == ("float32",) and t.chosen_measurement.ok and t.ratio is None
+
+
+def test_a_confirm_run_measures_the_default_then_the_choice_outside_the_budget():
+    confirmed, events = [], []
+    t = search_profile(target(), served_as_bf16, deadline=math.inf, max_candidates=5, min_gain=0.01,
+                       confirm_with=lambda c: confirmed.append(c) or Measurement(123.0, 9.0),
+                       on_confirm=lambda: events.append("confirm"))
+    assert events == ["confirm"] and confirmed == [t.default, t.chosen]
+    assert t.confirm["default"]["tokens_per_s"] == 123.0 and t.confirm["chosen"]["p95_ms"] == 9.0
+
+
+def test_what_write_stores_and_what_the_results_hold():
+    t = search_profile(target(cores=4), served_as_bf16, deadline=math.inf, max_candidates=5, min_gain=0.01)
+    versions = {"fleet": "0.1", "torch": "2.13.0", "numpy": "2.0", "git_commit": "abc"}
+    got = tuned_info(t, device="cpu", cores=4, dtype_log=["bfloat16: ok", "bfloat16: ok", "float32: ok"],
+                     budget_minutes=8.0, versions=versions, tuned_at="2026-12-02T15:00:00Z")
+    assert got.knee_tokens_per_s == round(t.chosen_measurement.tokens_per_s, 1)
+    assert got.baseline_tokens_per_s == round(t.default_measurement.tokens_per_s, 1)
+    assert got.candidates == 5 and got.workers == 1 and got.cpu_threads == 4
+    assert got.dtype_check == "bfloat16: ok; float32: ok"
+    assert got.versions == {"fleet": "0.1", "torch": "2.13.0", "git_commit": "abc"}
+    assert tuned_info(t, device="cuda:0", cores=4, dtype_log=[], budget_minutes=8.0, versions={},
+                      tuned_at="x").cpu_threads == 0
+    doc = result_doc(target(), t, budget_minutes=8.0, knobs=BenchKnobs(), dtype_log=[], machine={}, versions={},
+                     command=["fleetctl", "tune", MODEL])
+    assert doc["kind"] == "tune" and doc["device_class"] == "cpu-x" and doc["stopped"] == "budget"
+    assert [r["index"] for r in doc["trials"]] == list(range(4))
+    assert doc["default"]["candidate"]["dtype"] == "auto" and doc["ratio_vs_default"] == t.ratio
 
 
 # ---- tuned profiles in models.toml ---------------------------------------------------------
