@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the controllers: negotiated replies and errors."""
+"""HTTP plumbing shared by the controllers: body formats, negotiated replies, the
+answer's timing headers, and errors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from litestar.exceptions import HTTPException
 from fleet.errors import BY_CODE, FleetError, Overloaded
 from fleet.protocol import OpenAIErrorBody, OpenAIErrorReply
 from daemon import codec
+from daemon.broker import Answer
 
 log = logging.getLogger("fleet.daemon")
 
@@ -26,8 +28,22 @@ _HTTP_CODES = {
 }
 
 
+def body_is_msgpack(request: Request) -> bool:
+    """The request's body is MessagePack (by its Content-Type); else it is read as JSON."""
+    return codec.is_msgpack(request.headers.get("content-type"))
+
+
 def wants_msgpack(request: Request) -> bool:
     return codec.reply_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
+
+
+def answer_headers(answer: Answer) -> dict[str, str]:
+    """`X-Queue-Ms`, `X-Inference-Ms` and `X-Served-By` of a worker's answer."""
+    return {
+        "X-Queue-Ms": f"{answer.queue_ms:.2f}",
+        "X-Inference-Ms": f"{answer.inference_ms:.2f}",
+        "X-Served-By": answer.served_by,
+    }
 
 
 def reply(request: Request, obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:

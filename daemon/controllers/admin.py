@@ -23,7 +23,7 @@ from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, contro
 
 from daemon import codec
 from daemon.core import Daemon
-from daemon.http import reply
+from daemon.http import body_is_msgpack, reply
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,7 +64,7 @@ async def options(request: Request) -> AdminOptions:
     body = await request.body()
     if not body:
         return AdminOptions()
-    return codec.decode(body, AdminOptions, msgpack=codec.is_msgpack(request.headers.get("content-type")))
+    return codec.decode(body, AdminOptions, msgpack=body_is_msgpack(request))
 
 
 async def send(daemon: Daemon, worker: dict[str, Any], op: str, name: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from fleet.store import Store
 
 from daemon import codec
 from daemon.core import Daemon
+from daemon.http import body_is_msgpack
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ async def decode_request(request: Request, type_: type[T]) -> tuple[T, bytes]:
     its task's default (`with_model`), and is then encoded once with it.
     """
     body = await request.body()
-    msgpack_in = codec.is_msgpack(request.headers.get("content-type"))
+    msgpack_in = body_is_msgpack(request)
     req = codec.decode(body, type_, msgpack=msgpack_in)
     return req, (body if msgpack_in else codec.encode_msgpack(req))
 

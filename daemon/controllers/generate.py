@@ -1,13 +1,11 @@
 """`POST /v1/generate` (native) and OpenAI `POST /v1/completions`, `/v1/chat/completions`.
 
-All three queue one `fleet.protocol.GenerateRequest` per completion. With
-`stream: true` the reply is server-sent events: the worker publishes partial
-results (fleet.messages.GenerateChunk) while the item stays claimed, the
-broker hands them to this request's `asyncio.Queue`, and the final result
-(the whole text) ends the stream, filling in any piece that did not arrive.
-Errors before the first piece of text answer with their status; later ones
-end the stream with an `error` event. A client that goes away mid-stream
-cancels its request: the worker drops the sequence at its next step.
+All three queue one `fleet.protocol.GenerateRequest` per completion through
+`daemon.tasks.generate`, or `daemon.tasks.TextStream` with `stream: true`: the
+reply is then server-sent events, one per piece the worker publishes. Errors
+before the first piece of text answer with their status; later ones end the
+stream with an `error` event. A client that goes away mid-stream cancels its
+request: the worker drops the sequence at its next step.
 
 OpenAI fields map onto the native request: `response_format` onto `format`
 (grammar-constrained decoding in the worker), `logprobs`/`top_logprobs` onto
@@ -26,61 +24,29 @@ import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
-from fleet.errors import BadRequest, FleetError, ModelNotFound, Unsupported
-from fleet.messages import GenerateChunk, GenerateResult
+from fleet.errors import BadRequest, FleetError, Unsupported
+from fleet.messages import GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest,
     ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionReply, CompletionRequest, ErrorBody,
-    ErrorReply, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage, ResponseFormat,
-    TokenLogprob, TopLogprob, Usage,
+    ErrorReply, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage, ResponseFormat, Usage,
 )
-from local_queue import Done
 
-from daemon import codec
-from daemon.broker import Answer
+from daemon import codec, tasks
 from daemon.controllers.common import decode_request
-from daemon.controllers.embed import answer_headers, estimate_tokens
 from daemon.core import Daemon
-from daemon.http import reply
+from daemon.http import answer_headers, body_is_msgpack, reply
+from daemon.tasks import TextStream, token_logprobs
 
-_result = msgspec.msgpack.Decoder(GenerateResult)
-_chunk = msgspec.msgpack.Decoder(GenerateChunk)
 _json = msgspec.json.Encoder()
 
-#: Upper bound checked here; the worker checks the model's own (prompt + max_tokens <= its context).
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_STOPS = 8
-#: Most likely tokens per step: chat and native `top_logprobs` (OpenAI's limit), legacy `logprobs`.
-MAX_TOP_LOGPROBS = 20
+#: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
 MAX_LEGACY_LOGPROBS = 5
 #: OpenAI chat fields fleet does not implement: a request that sets one is refused by name.
 UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logit_bias", "audio", "prediction")
 UNSUPPORTED_COMPLETION = ("echo", "suffix", "logit_bias")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def check_generate(req: GenerateRequest) -> None:
-    if (req.prompt is None) == (req.messages is None):
-        raise BadRequest("send exactly one of `prompt` or `messages`")
-    if req.prompt is not None and not req.prompt:
-        raise BadRequest("`prompt` is empty")
-    if req.messages is not None and not req.messages:
-        raise BadRequest("`messages` is empty: send at least one message")
-    if not 1 <= req.max_tokens <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"max_tokens must be at least 1 (and within the model's context), got {req.max_tokens}")
-    if not 0.0 <= req.temperature <= 2.0:
-        raise BadRequest(f"temperature must be between 0 and 2, got {req.temperature}")
-    if not 0.0 < req.top_p <= 1.0:
-        raise BadRequest(f"top_p must be in (0, 1], got {req.top_p}")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > MAX_STOPS or any(not s for s in stops):
-        raise BadRequest(f"`stop` takes at most {MAX_STOPS} non-empty strings")
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
-                         param="top_logprobs")
-    if req.top_logprobs and not req.logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest, fields: tuple[str, ...]) -> None:
@@ -114,18 +80,6 @@ def output_format(rf: ResponseFormat | None) -> str | dict | None:
     return rf.json_schema.schema
 
 
-def token_logprobs(wire: list[WireLogprob] | None) -> list[TokenLogprob] | None:
-    """The worker's per-token bytes and logprobs in OpenAI's chat shape."""
-    if wire is None:
-        return None
-    return [
-        TokenLogprob(t.token.decode("utf-8", "replace"), t.logprob, list(t.token),
-                     [TopLogprob(b.decode("utf-8", "replace"), lp, list(b))
-                      for b, lp in zip(t.top_tokens, t.top_logprobs)])
-        for t in wire
-    ]
-
-
 def completion_logprobs(wire: list[WireLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
     """The legacy completions shape; `offset` = characters of the text before these tokens."""
     if wire is None:
@@ -138,94 +92,6 @@ def completion_logprobs(wire: list[WireLogprob] | None, offset: int = 0) -> Comp
     return CompletionLogprobs(tokens, [t.logprob for t in wire],
                               [{b.decode("utf-8", "replace"): lp for b, lp in zip(t.top_tokens, t.top_logprobs)}
                                for t in wire], offsets)
-
-
-def target_model(daemon: Daemon, req: GenerateRequest) -> str:
-    """The store name the request runs as: the model, or its LoRA `adapter` (which
-    must be an adapter of that model)."""
-    if req.adapter is None:
-        return req.model
-    try:
-        adapter = daemon.manifest(req.adapter, "generate")
-    except ModelNotFound:
-        raise ModelNotFound(f"unknown LoRA adapter {req.adapter!r}", hint="fleetctl list shows what is pulled") \
-            from None
-    if adapter.base is None:
-        raise BadRequest(f"{req.adapter!r} is not a LoRA adapter")
-    if adapter.base != req.model:
-        raise BadRequest(f"LoRA adapter {req.adapter!r} is for base model {adapter.base!r}, not {req.model!r}")
-    return req.adapter
-
-
-async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
-    check_generate(req)
-    answer = await daemon.submit("generate", target_model(daemon, req), payload,
-                                 tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms)
-    return _result.decode(answer.body), answer
-
-
-class TextStream:
-    """One streaming generation: text deltas as the worker publishes them, then the result."""
-
-    def __init__(self, daemon: Daemon, req: GenerateRequest, payload: bytes) -> None:
-        check_generate(req)
-        self.pieces: asyncio.Queue[Done] = asyncio.Queue()
-        self.task = asyncio.ensure_future(daemon.submit(
-            "generate", target_model(daemon, req), payload, tokens=estimate_tokens(payload, 1) + req.max_tokens,
-            timeout_ms=req.timeout_ms, on_partial=self.pieces.put_nowait,
-        ))
-        self.sent = 0  # characters of the final text already sent
-        self.logprobs_sent = 0  # token logprobs already sent
-        self.result: GenerateResult | None = None
-        self._next: asyncio.Future[Done] | None = None
-
-    async def _wait(self) -> Done | None:
-        """The next partial result, or None once the final result is in (and no piece is left)."""
-        if self._next is None:
-            self._next = asyncio.ensure_future(self.pieces.get())
-        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
-        if self._next.done():
-            piece, self._next = self._next.result(), None
-            return piece
-        # The broker hands over every piece before it resolves the final result.
-        if self.pieces.empty():
-            self._next.cancel()
-            self._next = None
-            return None
-        return await self._wait()
-
-    async def started(self) -> None:
-        """Wait for the first piece or the end: an error before any text raises here,
-        so the client gets it with its HTTP status."""
-        if self._next is None:
-            self._next = asyncio.ensure_future(self.pieces.get())
-        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
-        if self.task.done() and not self._next.done():
-            self.task.result()
-
-    async def deltas(self) -> AsyncIterator[tuple[str, list[WireLogprob] | None]]:
-        """New text with the logprobs of the tokens it completes, in order; the final
-        result fills in what no piece carried."""
-        try:
-            while (done := await self._wait()) is not None:
-                piece = _chunk.decode(done.result)
-                if piece.start == self.sent and piece.text:
-                    self.sent += len(piece.text)
-                    self.logprobs_sent += len(piece.logprobs or ())
-                    yield piece.text, piece.logprobs
-            self.result = res = _result.decode(self.task.result().body)
-            rest = res.logprobs[self.logprobs_sent:] if res.logprobs is not None else None
-            if len(res.text) > self.sent or rest:
-                text = res.text[self.sent:]
-                self.sent, self.logprobs_sent = len(res.text), self.logprobs_sent + len(rest or ())
-                yield text, rest
-        finally:
-            if self._next is not None:
-                self._next.cancel()
-            if not self.task.done():
-                # The client went away: the broker cancels the queue item, and the
-                # worker drops the sequence at its next step.
-                self.task.cancel()
 
 
 def sse(obj: object) -> bytes:
@@ -263,7 +129,7 @@ class GenerateController(Controller):
     async def generate(self, request: Request, daemon: Daemon) -> Response | Stream:
         req, payload = await decode_request(request, GenerateRequest)
         if not req.stream:
-            res, answer = await generate(daemon, req, payload)
+            res, answer = await tasks.generate(daemon, req, payload)
             usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
             return reply(request, GenerateReply(req.model, res.text, res.finish_reason, usage,
                                                 token_logprobs(res.logprobs)),
@@ -283,8 +149,7 @@ class GenerateController(Controller):
 
     @post("/completions", status_code=200)
     async def completions(self, request: Request, daemon: Daemon) -> Response | Stream:
-        body = await request.body()
-        oreq = codec.decode(body, CompletionRequest, msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        oreq = codec.decode(await request.body(), CompletionRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(oreq, UNSUPPORTED_COMPLETION)
         if oreq.best_of not in (None, 1):
             raise Unsupported(f"best_of must be 1, got {oreq.best_of}", param="best_of")
@@ -301,7 +166,7 @@ class GenerateController(Controller):
                 for p in prompts]
         cid, created = completion_id("cmpl"), int(time.time())
         if not oreq.stream:
-            done = await asyncio.gather(*(generate(daemon, r, codec.encode_msgpack(r)) for r in reqs))
+            done = await asyncio.gather(*(tasks.generate(daemon, r, codec.encode_msgpack(r)) for r in reqs))
             choices = [CompletionChoice(i, res.text, res.finish_reason, completion_logprobs(res.logprobs))
                        for i, (res, _) in enumerate(done)]
             usage = OpenAICompletionUsage(
@@ -335,9 +200,7 @@ class GenerateController(Controller):
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request, daemon: Daemon) -> Response | Stream:
-        body = await request.body()
-        oreq = codec.decode(body, ChatCompletionRequest,
-                            msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        oreq = codec.decode(await request.body(), ChatCompletionRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported_chat(oreq)
         max_tokens = oreq.max_completion_tokens or oreq.max_tokens
         req = GenerateRequest(model=oreq.model, messages=oreq.messages, temperature=oreq.temperature,
@@ -348,7 +211,7 @@ class GenerateController(Controller):
         payload = codec.encode_msgpack(req)
         cid, created = completion_id("chatcmpl"), int(time.time())
         if not oreq.stream:
-            res, answer = await generate(daemon, req, payload)
+            res, answer = await tasks.generate(daemon, req, payload)
             logprobs = ChatLogprobs(token_logprobs(res.logprobs)) if oreq.logprobs else None
             choice = ChatChoice(0, AssistantMessage(res.text), res.finish_reason, logprobs)
             return reply(request, ChatCompletionReply(cid, created, oreq.model, [choice], openai_usage(res)),

@@ -5,13 +5,13 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
 (ollama_wire). Every route runs on fleet's own machinery:
 
 * Generation queues one `fleet.protocol.GenerateRequest` through
-  `controllers.generate.TextStream`, streamed or not (`stream` defaults to true,
+  `daemon.tasks.TextStream`, streamed or not (`stream` defaults to true,
   as in Ollama: NDJSON lines, then one with `done`, `done_reason` and the stats).
   The worker always streams its pieces to the daemon, so both replies are built
   the same way and the time to the first piece is measured for the stats.
   `/api/generate` renders the model's chat template around `prompt` (and
   `system`) unless `raw` is set or the model has none.
-* Embeddings run through `controllers.embed.run_embed` (`/api/embed` normalised,
+* Embeddings run through `daemon.tasks.embed` (`/api/embed` normalised,
   the legacy `/api/embeddings` not, as in Ollama).
 * `keep_alive` maps onto the admin path (controllers.admin, fleet.control):
   negative = pin (load now, never evicted, persisted), 0 = unload once answered
@@ -49,16 +49,13 @@ from litestar.response import Stream
 from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded
-from fleet.messages import EmbedResult
 from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest, TokenLogprob
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
 
-from daemon import codec
+from daemon import codec, tasks
 from daemon.broker import Answer
 from daemon.controllers.admin import choose_worker, holders, send
-from daemon.controllers.embed import run_embed, shorten
-from daemon.controllers.generate import TextStream, check_generate, token_logprobs
 from daemon.controllers.ollama_facts import capabilities, details, facts
 from daemon.controllers.ollama_wire import (
     API_VERSION, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody, EmbeddingsReply, EmbedReply,
@@ -68,12 +65,13 @@ from daemon.controllers.ollama_wire import (
 )
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.core import Daemon
+from daemon.http import body_is_msgpack
+from daemon.tasks import TextStream, check_generate, token_logprobs
 
 log = logging.getLogger("fleet.daemon")
 
 NDJSON = "application/x-ndjson"
 _json = msgspec.json.Encoder()
-_embed_result = msgspec.msgpack.Decoder(EmbedResult)
 #: Pull progress lines are sent at most this often per file (seconds), plus each file's last.
 PROGRESS_EVERY_S = 0.1
 
@@ -105,7 +103,7 @@ async def decode(request: Request, type_: type[Any]) -> Any:
     body = await request.body()
     if not body.strip():
         raise BadRequest("missing request body")
-    return codec.decode(body, type_, msgpack=codec.is_msgpack(request.headers.get("content-type")))
+    return codec.decode(body, type_, msgpack=body_is_msgpack(request))
 
 
 def stored_manifest(daemon: Daemon, ollama: str) -> Manifest:
@@ -438,7 +436,7 @@ class OllamaController(Controller):
         vectors, answer, tokens, clock = await embed_texts(daemon, name, inputs, keep, normalize=True,
                                                            truncate=body.truncate)
         if body.dimensions is not None:
-            vectors = shorten(vectors, body.dimensions)
+            vectors = tasks.shorten(vectors, body.dimensions)
         stats = await clock.stats(daemon, answer, tokens, 0)
         return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
                           ignored_header(ignored))
@@ -521,7 +519,6 @@ async def embed_texts(daemon: Daemon, name: str, inputs: list[str], keep: Keep, 
     clock = await Clock.start(daemon, name)
     await keep_before(daemon, name, keep)
     req = EmbedRequest(model=name, inputs=inputs, normalize=normalize, truncate=truncate)
-    answer = await run_embed(daemon, req, codec.encode_msgpack(req))
-    res = _embed_result.decode(answer.body)
+    res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
     await keep_after(daemon, name, keep)
-    return np.frombuffer(res.data, dtype="<f4").reshape(res.shape), answer, res.input_tokens, clock
+    return tasks.vectors(res), answer, res.input_tokens, clock

@@ -25,22 +25,15 @@ from litestar import Controller, Request, Response, get, post
 
 from fleet import __version__
 from fleet.errors import BadRequest, ModelNotFound, Unsupported
-from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult
 from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
 
-from daemon import codec
+from daemon import codec, tasks
+from daemon.broker import Answer
 from daemon.controllers.common import default_model
-from daemon.controllers.embed import answer_headers, check_inputs, estimate_tokens, run_embed, shorten
-from daemon.controllers.rerank import run_rerank
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon
-from daemon.http import reply
-
-_dense = msgspec.msgpack.Decoder(EmbedResult)
-_tokens = msgspec.msgpack.Decoder(TokenEmbedResult)
-_sparse = msgspec.msgpack.Decoder(SparseEmbedResult)
-_classify = msgspec.msgpack.Decoder(ClassifyResult)
+from daemon.http import answer_headers, body_is_msgpack, reply
 
 #: A TEI `inputs`: one text, one text as token ids, or a batch of texts and id lists.
 Inputs = str | list[str | int | list[int]]
@@ -165,10 +158,9 @@ async def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
     return texts
 
 
-async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, EmbedRequest, Any]:
-    """Decode a TEI embed request, queue it as the native one, return (TEI request, native request, answer)."""
-    tei = codec.decode(await request.body(), TeiEmbedRequest, msgpack=codec.is_msgpack(
-        request.headers.get("content-type")))
+async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, Any, Answer]:
+    """Decode a TEI embed request, queue it as the native one, return (TEI request, worker's result, answer)."""
+    tei = codec.decode(await request.body(), TeiEmbedRequest, msgpack=body_is_msgpack(request))
     params = tei.parameters or TeiParameters()
     refuse_unsupported(tei.prompt_name or params.prompt_name, params.truncation_direction or tei.truncation_direction)
     model = tei.model or default_model(daemon, "embed")
@@ -177,8 +169,8 @@ async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiE
     normalize = (params.normalize if params.normalize is not None else tei.normalize) and output == "dense"
     req = EmbedRequest(model=model, inputs=await embed_texts(daemon, model, tei.inputs), normalize=normalize,
                        truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
-    answer = await run_embed(daemon, req, codec.encode_msgpack(req))
-    return tei, req, answer
+    res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
+    return tei, res, answer
 
 
 def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
@@ -275,73 +267,56 @@ class TeiController(Controller):
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
-        tei, req, answer = await tei_embed(request, daemon, "dense")
-        res = _dense.decode(answer.body)
-        vectors = np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+        tei, res, answer = await tei_embed(request, daemon, "dense")
+        vectors = tasks.vectors(res)
         dimensions = tei.dimensions
         if tei.parameters is not None and tei.parameters.dimensions is not None:
             dimensions = tei.parameters.dimensions
         if dimensions is not None:
-            vectors = shorten(vectors, dimensions)
+            vectors = tasks.shorten(vectors, dimensions)
         return reply(request, vectors.tolist(), headers=answer_headers(answer))
 
     @post("/embed_sparse", status_code=200)
     async def embed_sparse(self, request: Request, daemon: Daemon) -> Response:
-        _, _, answer = await tei_embed(request, daemon, "sparse")
-        res = _sparse.decode(answer.body)
-        out = [
-            [TeiSparseValue(i, v) for i, v in zip(np.frombuffer(vec.indices, dtype="<i4").tolist(),
-                                                  np.frombuffer(vec.values, dtype="<f4").tolist())]
-            for vec in res.vectors
-        ]
+        _, res, answer = await tei_embed(request, daemon, "sparse")
+        out = [[TeiSparseValue(i, v) for i, v in zip(indices, values)] for indices, values in tasks.sparse_vectors(res)]
         return reply(request, out, headers=answer_headers(answer))
 
     @post("/embed_all", status_code=200)
     async def embed_all(self, request: Request, daemon: Daemon) -> Response:
-        _, _, answer = await tei_embed(request, daemon, "tokens")
-        res = _tokens.decode(answer.body)
-        out = [np.frombuffer(b, dtype="<f4").reshape(shape).tolist() for b, shape in zip(res.data, res.shapes)]
-        return reply(request, out, headers=answer_headers(answer))
+        _, res, answer = await tei_embed(request, daemon, "tokens")
+        return reply(request, tasks.token_vectors(res), headers=answer_headers(answer))
 
     @post("/rerank", status_code=200)
     async def rerank(self, request: Request, daemon: Daemon) -> Response:
         """TEI's rerank: `texts`, `raw_scores`, `return_text`; a bare list, best first."""
-        req = codec.decode(await request.body(), RerankRequest,
-                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        req = codec.decode(await request.body(), RerankRequest, msgpack=body_is_msgpack(request))
         if not req.model:
             req = msgspec.structs.replace(req, model=default_model(daemon, "rerank"))
-        hits, _, answer = await run_rerank(daemon, req, codec.encode_msgpack(req))
+        hits, _, answer = await tasks.rerank(daemon, req, codec.encode_msgpack(req))
         out = [TeiRank(h.index, h.score, h.text) for h in hits]
         return reply(request, out, headers=answer_headers(answer))
 
     @post("/predict", status_code=200)
     async def predict(self, request: Request, daemon: Daemon) -> Response:
         """Every label of the model, best first, per input; one list for one input, a list per input for a batch."""
-        tei = codec.decode(await request.body(), TeiPredictRequest,
-                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        tei = codec.decode(await request.body(), TeiPredictRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(None, tei.truncation_direction)
         texts, batch = predict_texts(tei.inputs)
         req = ClassifyRequest(model=tei.model or default_model(daemon, "classify"), inputs=texts,
                               raw_scores=tei.raw_scores, truncate=True if tei.truncate is None else tei.truncate,
                               timeout_ms=tei.timeout_ms)
-        check_inputs(daemon, req.inputs)
-        payload = codec.encode_msgpack(req)
-        answer = await daemon.submit("classify", req.model, payload, tokens=estimate_tokens(payload, len(texts)),
-                                     timeout_ms=req.timeout_ms)
-        res = _classify.decode(answer.body)
-        top = np.frombuffer(res.top, dtype="<i4").reshape(res.shape).tolist()
-        scores = np.frombuffer(res.scores, dtype="<f4").reshape(res.shape).tolist()
-        rows = [[TeiPrediction(s, res.labels[j]) for j, s in zip(t, sc)] for t, sc in zip(top, scores)]
+        results, _, answer = await tasks.classify(daemon, req, codec.encode_msgpack(req))
+        rows = [[TeiPrediction(x.score, x.label) for x in labels] for labels in results]
         return reply(request, rows if batch else rows[0], headers=answer_headers(answer))
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, request: Request, daemon: Daemon) -> Response:
         """Tokens of each input in the model's own vocabulary (always a list per input, as TEI answers)."""
-        tei = codec.decode(await request.body(), TeiTokenizeRequest,
-                           msgpack=codec.is_msgpack(request.headers.get("content-type")))
+        tei = codec.decode(await request.body(), TeiTokenizeRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(tei.prompt_name, None)
         texts = [tei.inputs] if tei.inputs.__class__ is str else tei.inputs
-        check_inputs(daemon, texts)
+        tasks.check_inputs(daemon, texts)
         name = tei.model or default_model(daemon, "embed")
         manifest = stored(daemon, name) if tei.model else daemon.manifest(name, "embed")
         tokenizer = load_tokenizer(daemon.store, manifest)

@@ -1,0 +1,332 @@
+"""One function per task: check the native request, submit it to the daemon, decode
+the worker's result.
+
+Every route of a task ends here, whatever its wire shape (native, OpenAI, Ollama,
+TEI, Cohere): a controller decodes its peer's request into the native one
+(`fleet.protocol`), calls the task's function, and shapes what comes back into its
+peer's reply. Checks that hold for every shape (input counts, `top_k`, generation
+limits) and the batch-budget token estimates live here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fleet.errors import BadRequest, ModelNotFound, Unsupported
+from fleet.messages import (
+    ClassifyResult, EmbedResult, EmbedResultRaw, ExtractResult, GenerateChunk, GenerateResult, RerankResult,
+    SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
+)
+from fleet.messages import TokenLogprob as WireLogprob
+from fleet.protocol import (
+    ClassifyRequest, EmbedRequest, Entity, ExtractRequest, GenerateRequest, ImageInput, LabelScore, RerankDocument,
+    RerankHit, RerankRequest, TokenLogprob, TopLogprob, Usage,
+)
+from local_queue import Done
+
+from daemon.broker import Answer
+from daemon.core import Daemon
+
+#: Batch-budget tokens an image costs (a ViT-B/16 at 224 px sees 197 patches;
+#: the worker counts exactly, this only sizes batches).
+IMAGE_TOKENS = 256
+#: Upper bound checked here; the worker checks the model's own (prompt + max_tokens <= its context).
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOPS = 8
+#: Most likely tokens per step: chat and native `top_logprobs` (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+#: `output` -> decoder of the worker's embed result; the `_RAW` ones leave the tensor
+#: bytes undecoded (msgspec.Raw) for MessagePack replies, which splice them in as they came.
+_EMBED = {"dense": msgspec.msgpack.Decoder(EmbedResult), "tokens": msgspec.msgpack.Decoder(TokenEmbedResult),
+          "sparse": msgspec.msgpack.Decoder(SparseEmbedResult)}
+_EMBED_RAW = {"dense": msgspec.msgpack.Decoder(EmbedResultRaw), "tokens": msgspec.msgpack.Decoder(TokenEmbedResultRaw),
+              "sparse": msgspec.msgpack.Decoder(SparseEmbedResultRaw)}
+_rerank = msgspec.msgpack.Decoder(RerankResult)
+_classify = msgspec.msgpack.Decoder(ClassifyResult)
+_extract = msgspec.msgpack.Decoder(ExtractResult)
+_generate = msgspec.msgpack.Decoder(GenerateResult)
+_chunk = msgspec.msgpack.Decoder(GenerateChunk)
+
+
+# ---- shared checks and estimates ---------------------------------------------------------
+
+def check_inputs(daemon: Daemon, inputs: list[Any]) -> None:
+    if not inputs:
+        raise BadRequest("`inputs` is empty: send at least one text")
+    if len(inputs) > daemon.settings.max_inputs:
+        raise BadRequest(f"{len(inputs)} inputs is more than the limit of {daemon.settings.max_inputs} per request")
+
+
+def estimate_tokens(payload: bytes | memoryview, texts: int) -> int:
+    """Token estimate for batch budgets: ~4 bytes of UTF-8 per token plus two
+    special tokens per text. Workers count exactly; this only sizes batches."""
+    return len(payload) // 4 + 2 * texts
+
+
+def embed_tokens(req: EmbedRequest, payload: bytes | memoryview) -> int:
+    """Batch-budget tokens: texts from the payload size (`estimate_tokens`); with
+    images, texts by their characters and each image as IMAGE_TOKENS."""
+    images = sum(1 for x in req.inputs if x.__class__ is ImageInput)
+    if not images:
+        return estimate_tokens(payload, len(req.inputs))
+    chars = sum(len(x) for x in req.inputs if x.__class__ is str)
+    return chars // 4 + 2 * (len(req.inputs) - images) + IMAGE_TOKENS * images
+
+
+# ---- embed ---------------------------------------------------------------------------------
+
+async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool = False) -> tuple[Any, Answer]:
+    """Queue an embed request; the worker's result for `req.output` (EmbedResult,
+    TokenEmbedResult or SparseEmbedResult; their `...Raw` twins with `raw`) and the answer.
+
+    `payload` is the request as MessagePack (for MessagePack clients, the body
+    exactly as received: no re-encoding; image bytes ride in it to the worker untouched)."""
+    check_inputs(daemon, req.inputs)
+    if req.top_k is not None and (req.output != "sparse" or req.top_k < 1):
+        raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
+                         f"with output {req.output!r}")
+    answer = await daemon.submit("embed", req.model, payload, tokens=embed_tokens(req, payload),
+                                 timeout_ms=req.timeout_ms)
+    return (_EMBED_RAW if raw else _EMBED)[req.output].decode(answer.body), answer
+
+
+def vectors(res: EmbedResult) -> np.ndarray:
+    """A dense result as an (inputs, dimensions) float32 array (a view of its bytes)."""
+    return np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+
+
+def token_vectors(res: TokenEmbedResult) -> list[list[list[float]]]:
+    """A per-token result as one (tokens, dimensions) nested list per input."""
+    return [np.frombuffer(b, dtype="<f4").reshape(shape).tolist() for b, shape in zip(res.data, res.shapes)]
+
+
+def sparse_vectors(res: SparseEmbedResult) -> list[tuple[list[int], list[float]]]:
+    """A sparse result as (indices, values) per input."""
+    return [(np.frombuffer(v.indices, dtype="<i4").tolist(), np.frombuffer(v.values, dtype="<f4").tolist())
+            for v in res.vectors]
+
+
+def shorten(vectors: np.ndarray, dimensions: int) -> np.ndarray:
+    """`dimensions`: keep the leading components and re-normalise (Matryoshka-style)."""
+    full = vectors.shape[1]
+    if not 1 <= dimensions <= full:
+        raise BadRequest(f"dimensions must be between 1 and {full} for this model, got {dimensions}",
+                         param="dimensions")
+    if dimensions == full:
+        return vectors
+    cut = np.ascontiguousarray(vectors[:, :dimensions])
+    norms = np.linalg.norm(cut, axis=1, keepdims=True)
+    return cut / np.maximum(norms, 1e-12)
+
+
+# ---- rerank --------------------------------------------------------------------------------
+
+def check_rerank(daemon: Daemon, req: RerankRequest) -> None:
+    if req.documents is not None and req.texts is not None:
+        raise BadRequest("send the documents as `documents` or as `texts`, not both")
+    docs = req.documents if req.documents is not None else req.texts
+    if docs is None:
+        raise BadRequest("`documents` is missing: send the texts to rank against the query")
+    if not docs:
+        raise BadRequest("`documents` is empty: send at least one document")
+    if len(docs) > daemon.settings.max_inputs:
+        raise BadRequest(f"{len(docs)} documents is more than the limit of {daemon.settings.max_inputs} per request")
+    if not req.query.strip():
+        raise BadRequest("`query` is empty")
+    if req.top_n is not None and req.top_n < 1:
+        raise BadRequest(f"top_n must be at least 1, got {req.top_n}")
+    if req.rank_fields not in (None, ["text"]):
+        raise Unsupported("rank_fields: fleet ranks documents on their `text` only", param="rank_fields")
+    if req.relevant_spans is not None and req.relevant_spans.get("mode", "disabled") != "disabled":
+        raise Unsupported("relevant_spans: fleet's rerankers score whole documents", param="relevant_spans")
+
+
+async def rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[list[RerankHit], Usage, Answer]:
+    """Queue one rerank request; its hits, best first, with documents as asked."""
+    check_rerank(daemon, req)
+    docs = req.docs
+    # Each pair carries the query again and one more special token than a single text.
+    tokens = estimate_tokens(payload, len(docs)) + len(req.query) * (len(docs) - 1) // 4 + len(docs)
+    answer = await daemon.submit("rerank", req.model, payload, tokens=tokens, timeout_ms=req.timeout_ms)
+    res = _rerank.decode(answer.body)
+    index = np.frombuffer(res.index, dtype="<i4").tolist()
+    scores = np.frombuffer(res.scores, dtype="<f4").tolist()
+    if req.return_documents or req.return_text:
+        hits = [
+            RerankHit(i, s, s, RerankDocument(docs[i]) if req.return_documents else None,
+                      docs[i] if req.return_text else None)
+            for i, s in zip(index, scores)
+        ]
+    else:
+        hits = [RerankHit(i, s, s) for i, s in zip(index, scores)]
+    return hits, Usage(input_tokens=res.input_tokens), answer
+
+
+# ---- classify and extract ------------------------------------------------------------------
+
+async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
+                   ) -> tuple[list[list[LabelScore]], Usage, Answer]:
+    """Queue one classify request; per input, its labels with scores, best first."""
+    check_inputs(daemon, req.inputs)
+    if req.top_k is not None and req.top_k < 1:
+        raise BadRequest(f"top_k must be at least 1, got {req.top_k}")
+    answer = await daemon.submit("classify", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
+                                 timeout_ms=req.timeout_ms)
+    res = _classify.decode(answer.body)
+    top = np.frombuffer(res.top, dtype="<i4").reshape(res.shape).tolist()
+    scores = np.frombuffer(res.scores, dtype="<f4").reshape(res.shape).tolist()
+    labels = res.labels
+    results = [[LabelScore(labels[j], s) for j, s in zip(row_top, row_scores)]
+               for row_top, row_scores in zip(top, scores)]
+    return results, Usage(input_tokens=res.input_tokens), answer
+
+
+async def extract(daemon: Daemon, req: ExtractRequest, payload: bytes) -> tuple[list[list[Entity]], Usage, Answer]:
+    """Queue one extract request; per input, its entity spans."""
+    check_inputs(daemon, req.inputs)
+    answer = await daemon.submit("extract", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
+                                 timeout_ms=req.timeout_ms)
+    res = _extract.decode(answer.body)
+    if len(res.spans) != len(req.inputs):
+        raise RuntimeError(f"extract: {len(res.spans)} span lists for {len(req.inputs)} inputs; this is a bug")
+    # The worker sends offsets only; the text of each span is cut here from the input as sent.
+    results = [[Entity(s.entity, text[s.start : s.end], s.start, s.end, s.score) for s in spans]
+               for text, spans in zip(req.inputs, res.spans)]
+    return results, Usage(input_tokens=res.input_tokens), answer
+
+
+# ---- generate ------------------------------------------------------------------------------
+
+def check_generate(req: GenerateRequest) -> None:
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("send exactly one of `prompt` or `messages`")
+    if req.prompt is not None and not req.prompt:
+        raise BadRequest("`prompt` is empty")
+    if req.messages is not None and not req.messages:
+        raise BadRequest("`messages` is empty: send at least one message")
+    if not 1 <= req.max_tokens <= MAX_TOKENS_LIMIT:
+        raise BadRequest(f"max_tokens must be at least 1 (and within the model's context), got {req.max_tokens}")
+    if not 0.0 <= req.temperature <= 2.0:
+        raise BadRequest(f"temperature must be between 0 and 2, got {req.temperature}")
+    if not 0.0 < req.top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {req.top_p}")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise BadRequest(f"`stop` takes at most {MAX_STOPS} non-empty strings")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                         param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def target_model(daemon: Daemon, req: GenerateRequest) -> str:
+    """The store name the request runs as: the model, or its LoRA `adapter` (which
+    must be an adapter of that model)."""
+    if req.adapter is None:
+        return req.model
+    try:
+        adapter = daemon.manifest(req.adapter, "generate")
+    except ModelNotFound:
+        raise ModelNotFound(f"unknown LoRA adapter {req.adapter!r}", hint="fleetctl list shows what is pulled") \
+            from None
+    if adapter.base is None:
+        raise BadRequest(f"{req.adapter!r} is not a LoRA adapter")
+    if adapter.base != req.model:
+        raise BadRequest(f"LoRA adapter {req.adapter!r} is for base model {adapter.base!r}, not {req.model!r}")
+    return req.adapter
+
+
+async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
+    """Queue one generation and wait for the whole text."""
+    check_generate(req)
+    answer = await daemon.submit("generate", target_model(daemon, req), payload,
+                                 tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms)
+    return _generate.decode(answer.body), answer
+
+
+def token_logprobs(wire: list[WireLogprob] | None) -> list[TokenLogprob] | None:
+    """The worker's per-token bytes and logprobs as `fleet.protocol.TokenLogprob` (OpenAI's chat shape)."""
+    if wire is None:
+        return None
+    return [
+        TokenLogprob(t.token.decode("utf-8", "replace"), t.logprob, list(t.token),
+                     [TopLogprob(b.decode("utf-8", "replace"), lp, list(b))
+                      for b, lp in zip(t.top_tokens, t.top_logprobs)])
+        for t in wire
+    ]
+
+
+class TextStream:
+    """One streaming generation: text deltas as the worker publishes them, then the result.
+
+    The worker publishes partial results (fleet.messages.GenerateChunk) while the
+    item stays claimed; the broker hands them to this stream's `asyncio.Queue`,
+    and the final result (the whole text) ends it, filling in any piece that did
+    not arrive."""
+
+    def __init__(self, daemon: Daemon, req: GenerateRequest, payload: bytes) -> None:
+        check_generate(req)
+        self.pieces: asyncio.Queue[Done] = asyncio.Queue()
+        self.task = asyncio.ensure_future(daemon.submit(
+            "generate", target_model(daemon, req), payload, tokens=estimate_tokens(payload, 1) + req.max_tokens,
+            timeout_ms=req.timeout_ms, on_partial=self.pieces.put_nowait,
+        ))
+        self.sent = 0  # characters of the final text already sent
+        self.logprobs_sent = 0  # token logprobs already sent
+        self.result: GenerateResult | None = None
+        self._next: asyncio.Future[Done] | None = None
+
+    async def _wait(self) -> Done | None:
+        """The next partial result, or None once the final result is in (and no piece is left)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.pieces.get())
+        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
+        if self._next.done():
+            piece, self._next = self._next.result(), None
+            return piece
+        # The broker hands over every piece before it resolves the final result.
+        if self.pieces.empty():
+            self._next.cancel()
+            self._next = None
+            return None
+        return await self._wait()
+
+    async def started(self) -> None:
+        """Wait for the first piece or the end: an error before any text raises here,
+        so the client gets it with its HTTP status."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.pieces.get())
+        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
+        if self.task.done() and not self._next.done():
+            self.task.result()
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[WireLogprob] | None]]:
+        """New text with the logprobs of the tokens it completes, in order; the final
+        result fills in what no piece carried."""
+        try:
+            while (done := await self._wait()) is not None:
+                piece = _chunk.decode(done.result)
+                if piece.start == self.sent and piece.text:
+                    self.sent += len(piece.text)
+                    self.logprobs_sent += len(piece.logprobs or ())
+                    yield piece.text, piece.logprobs
+            self.result = res = _generate.decode(self.task.result().body)
+            rest = res.logprobs[self.logprobs_sent:] if res.logprobs is not None else None
+            if len(res.text) > self.sent or rest:
+                text = res.text[self.sent:]
+                self.sent, self.logprobs_sent = len(res.text), self.logprobs_sent + len(rest or ())
+                yield text, rest
+        finally:
+            if self._next is not None:
+                self._next.cancel()
+            if not self.task.done():
+                # The client went away: the broker cancels the queue item, and the
+                # worker drops the sequence at its next step.
+                self.task.cancel()
