@@ -18,8 +18,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import IO, Any
 
@@ -44,16 +43,6 @@ _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 def new_request_id() -> str:
     """A fresh request id: 16 hex characters (64 random bits)."""
     return os.urandom(8).hex()
-
-
-@contextmanager
-def bind_request_id(rid: str) -> Iterator[str]:
-    """Tag every log record in this context (and tasks it spawns) with `rid`."""
-    token = REQUEST_ID.set(rid)
-    try:
-        yield rid
-    finally:
-        REQUEST_ID.reset(token)
 
 
 class RequestIdMiddleware:

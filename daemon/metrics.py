@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Request, Response, get
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 
@@ -166,19 +165,3 @@ class Metrics:
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
 
-
-def metrics_route(metrics: Metrics, path: str = "/metrics", refresh: Callable[[], None] | None = None) -> Any:
-    """A Litestar GET handler serving `metrics` (put it behind the bearer-auth middleware).
-
-    `refresh` runs before each scrape: the place to sample state-like gauges
-    (lane depths, device memory) so they are fresh without a polling task.
-    """
-
-    @get(path, sync_to_thread=False, include_in_schema=False)
-    def serve_metrics(request: Request) -> Response[bytes]:
-        if refresh is not None:
-            refresh()
-        body, content_type = metrics.render(request.headers.get("accept", ""))
-        return Response(body, media_type=content_type)
-
-    return serve_metrics

@@ -1,4 +1,7 @@
-"""Structured logs: JSON line shape off a TTY, request ids on every line of a request."""
+"""Structured logs: JSON line shape off a TTY, request ids on every line of a request.
+
+Requests are bound to their ids the way the daemon binds them: through
+`RequestIdMiddleware`, with the id sent as `X-Request-Id`."""
 
 from __future__ import annotations
 
@@ -14,10 +17,27 @@ from pathlib import Path
 
 import pytest
 
-from daemon.logs import REQUEST_ID, bind_request_id, new_request_id, setup_logging
+from daemon.logs import REQUEST_ID, RequestIdMiddleware, new_request_id, setup_logging
 from fleet.errors import BadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+async def as_request(rid: str, handle) -> list[dict]:
+    """Run `handle()` as the handler of one HTTP request carrying `X-Request-Id: rid`;
+    the messages it sent (the response start carries the echoed id)."""
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        await handle()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "headers": [(b"x-request-id", rid.encode())]}
+    await RequestIdMiddleware(app)(scope, None, send)
+    return sent
 
 
 @pytest.fixture
@@ -37,18 +57,25 @@ def test_daemon_process_writes_json_lines_to_piped_stderr():
     # A real process whose stderr is a pipe, as under systemd.
     code = textwrap.dedent(
         """
-        import logging
-        from daemon.logs import setup_logging, bind_request_id
+        import asyncio, logging
+        from daemon.logs import RequestIdMiddleware, setup_logging
         setup_logging("info")
         log = logging.getLogger("fleet.daemon")
         log.info("starting on %s", "127.0.0.1:7744")
         log.debug("hidden")
-        with bind_request_id("r-1"):
+
+        async def embed(scope, receive, send):
             log.info("embed", extra={"model": "all-minilm-l6-v2", "items": 3})
             try:
                 1 / 0
             except ZeroDivisionError:
                 log.exception("failed")
+
+        async def send(message):
+            pass
+
+        request = {"type": "http", "headers": [(b"x-request-id", b"r-1")]}
+        asyncio.run(RequestIdMiddleware(embed)(request, None, send))
         log.warning("after")
         """
     )
@@ -74,17 +101,17 @@ def test_concurrent_requests_keep_their_own_ids(restore_root):
     setup_logging("debug", stream=buf)
     log = logging.getLogger("fleet.test")
 
-    async def handle(rid: str) -> None:
-        with bind_request_id(rid):
-            log.debug("queued")
-            await asyncio.sleep(0.01)
-            await asyncio.to_thread(log.debug, "in thread")
-            log.debug("answered")
+    async def handle() -> None:
+        log.debug("queued")
+        await asyncio.sleep(0.01)
+        await asyncio.to_thread(log.debug, "in thread")
+        log.debug("answered")
 
-    async def main() -> None:
-        await asyncio.gather(*(handle(f"r{i}") for i in range(5)))
+    async def main() -> list[list[dict]]:
+        return await asyncio.gather(*(as_request(f"r{i}", handle) for i in range(5)))
 
-    asyncio.run(main())
+    replies = asyncio.run(main())
+    assert [dict(sent[0]["headers"])[b"x-request-id"] for sent in replies] == [f"r{i}".encode() for i in range(5)]
     records = [r for r in lines(buf) if r["logger"] == "fleet.test"]
     assert len(records) == 15
     by_id: dict[str, list[str]] = {}
@@ -109,8 +136,10 @@ def test_terminal_gets_rich_not_json(restore_root):
     master, slave = os.openpty()
     with os.fdopen(slave, "w") as tty:
         setup_logging("info", stream=tty)
-        with bind_request_id("r-tty"):
+        async def hello() -> None:
             logging.getLogger("fleet.test").info("hello from a terminal")
+
+        asyncio.run(as_request("r-tty", hello))
         tty.flush()
         out = os.read(master, 65536).decode()
     os.close(master)

@@ -134,9 +134,24 @@ def test_watchdog_pings_only_while_healthy(notify_socket, monkeypatch):
     assert third >= 2
 
 
-def test_watchdog_loop_returns_without_watchdog(monkeypatch):
+def test_watchdog_loop_returns_without_watchdog(notify_socket, monkeypatch):
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
-    asyncio.run(asyncio.wait_for(watchdog_loop(lambda: True), 1))
+    notify_socket.setblocking(False)
+    checks = []
+
+    def healthy() -> bool:
+        checks.append(1)
+        return True
+
+    async def scenario() -> tuple[bool, object]:
+        task = asyncio.create_task(watchdog_loop(healthy))
+        await asyncio.sleep(0.2)  # a loop that ran would have checked and pinged at once
+        return task.done(), task.result() if task.done() else None
+
+    assert asyncio.run(scenario()) == (True, None)
+    assert checks == []  # it returned before checking health even once
+    with pytest.raises(BlockingIOError):
+        notify_socket.recv(4096)  # and sent nothing
 
 
 def test_raising_health_check_stops_pings(notify_socket):
