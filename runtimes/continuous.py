@@ -15,39 +15,61 @@ them there), so one claim brings a mixed-adapter batch; an adapter not yet
 attached is resolved from the store and attached here, before admit.
 
 Memory: before admitting, the adapter is told how much it may reserve
-(`kv_limit_bytes`: the device budget less what every worker of the device
-holds); a request that does not fit goes back to its lane, with the claims
-after it, and waits there.
+(`Residency.kv_limit_bytes`: the device budget less what every worker of the
+device holds); a request that does not fit goes back to its lane, with the
+claims after it, and waits there.
+
+What a round needs from its worker comes in a `Round` (built once by
+runtimes.worker): this module does not import the worker.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from fleet.errors import FleetError
 from local_queue import QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
-from runtimes.memory import PEER_STALE_NS, NotNow
+from runtimes.memory import NotNow
 from runtimes.policy import WARMUP_STALL_MS
-from runtimes.state import BatchStats
-
-if TYPE_CHECKING:
-    from runtimes.state import Resident
-    from runtimes.worker import WorkerCore
+from runtimes.residency import Residency
+from runtimes.state import BatchStats, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode_info = msgspec.msgpack.Decoder().decode
 
 #: Longest pause of generation for another lane's round (seconds): bounds the
 #: stall when the lane given the round turns out to run nothing (raced, loading).
 YIELD_MAX_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What continuous batching needs from its worker, built once by it (the
+    worker's settings do not change after it starts)."""
+
+    queue: object  # local_queue.LocalQueue
+    residency: Residency
+    #: `<box>/<worker>` written into every result (the X-Served-By header).
+    served_by: str
+    lease_ms: int
+    #: Starvation bound for lane choice (Settings.lane_max_wait_ms): turns between generation and other lanes.
+    max_wait_ms: int
+    clock_ns: Callable[[], int]
+    #: The msgpack decoder of a request type (the worker's, cached).
+    decoder: Callable[[type], msgspec.msgpack.Decoder]
+    #: The worker's progress record: a step runs within its bound (runtimes.process heartbeat).
+    progress: Progress
+    #: Publishes the worker's info blob (the device's other workers count the cache reserve).
+    publish: Callable[[], None]
+    #: Records a generation step as the worker's last batch (`/v1/ps`, the turn rule of `busy_continuous`).
+    record: Callable[[BatchStats], None]
 
 
 @dataclass(slots=True)
@@ -60,25 +82,27 @@ class InFlight:
     deadline_ns: int  # 0 = none; past it the daemon has answered `timeout`
 
 
-def busy_continuous(core: WorkerCore, servable: list) -> Resident | None:
+def busy_continuous(rnd: Round, servable: list, last_model: str) -> Resident | None:
     """The resident continuous adapter with requests in flight, unless another lane
     gets this round: generation and the other models of this worker take turns
     (a lane of a model resident here, or one starving, is served between two
-    decode steps, never twice in a row), so neither starves the other."""
-    busy = next((r for r in core.models.values() if r.adapter.continuous and r.adapter.has_active()), None)
+    decode steps, never twice in a row), so neither starves the other. `last_model`:
+    the model of the worker's last batch."""
+    models = rnd.residency.models
+    busy = next((r for r in models.values() if r.adapter.continuous and r.adapter.has_active()), None)
     if busy is None:
         return None
     name = busy.adapter.spec.name
-    if core.last_batch.model != name or time.time() - busy.last_used > YIELD_MAX_S:
+    if last_model != name or time.time() - busy.last_used > YIELD_MAX_S:
         return busy  # another lane had the last round (or was chosen and ran nothing)
-    now, bound = core.clock_ns(), core.max_wait_ms * 1_000_000
-    if any(s.depth and s.model != name and (s.model in core.models or now - s.oldest_enqueue_ns > bound)
+    now, bound = rnd.clock_ns(), rnd.max_wait_ms * 1_000_000
+    if any(s.depth and s.model != name and (s.model in models or now - s.oldest_enqueue_ns > bound)
            for s in servable):
         return None
     return busy
 
 
-def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
+def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
     """One round for a continuous adapter. Returns items answered."""
     adapter = resident.adapter
     name = adapter.spec.name
@@ -88,104 +112,93 @@ def serve_continuous(core: WorkerCore, resident: Resident, stats: list) -> int:
     lane = next((s.lane for s in stats if s.model == name and s.depth), None)
     free = adapter.free_slots()
     if lane is not None and free:
-        adapter.kv_limit_bytes = kv_limit_bytes(core, adapter)
+        adapter.kv_limit_bytes = rnd.residency.kv_limit_bytes(adapter)
         reserved = adapter.reserved_bytes()
-        answered += admit_claims(core, adapter, lane, free)
+        answered += admit_claims(rnd, adapter, lane, free)
         if adapter.reserved_bytes() != reserved:
-            core.publish_info()  # the other workers of the device count the new reserve
+            rnd.publish()  # the other workers of the device count the new reserve
     # 2. Requests whose deadline passed were answered `timeout` by the daemon, and
     #    withdrawn ones (the client went away: `cancel` moved the deadline to 1 ns)
     #    have nobody waiting: stop generating for them (their ack frees the claim;
     #    the daemon drops it). One lock-free read of every deadline in flight.
     keys = adapter.in_flight()
-    for k, deadline in zip(keys, core.queue.deadlines([k.item_id for k in keys])):
+    for k, deadline in zip(keys, rnd.queue.deadlines([k.item_id for k in keys])):
         k.deadline_ns = deadline
-    now = core.clock_ns()
+    now = rnd.clock_ns()
     late = adapter.cancel(lambda k: not k.deadline_ns or k.deadline_ns > now)
     if late:
-        payload = _encode(Envelope(0.0, 0.0, core.served_by,
+        payload = _encode(Envelope(0.0, 0.0, rnd.served_by,
                                    WorkError("timeout", "the request's deadline passed, or its client went away, "
                                                         "while it was generating")))
-        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in late])
+        rnd.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in late])
         answered += len(late)
-        core.publish_info()  # their cache reserve is free
+        rnd.publish()  # their cache reserve is free
     if not adapter.has_active():
         return answered
     # 3. One step for every sequence in flight.
     t0 = time.perf_counter()
     try:
         # A step past its bound renews no lease (runtimes.state.Progress): a hung decode loses them.
-        with core.progress.running(f"a generation step of {name}", WARMUP_STALL_MS):
+        with rnd.progress.running(f"a generation step of {name}", WARMUP_STALL_MS):
             partials, finished = adapter.step()
     except Exception as exc:  # the batch is lost; every request in it is answered, the worker stays up
         log.exception("generation step failed on %s", name)
         error = WorkError(exc.code, exc.message) if isinstance(exc, FleetError) else \
             WorkError("inference_failed", f"{name}: {type(exc).__name__}: {exc}")
-        answered += abort_in_flight(core, adapter, error)
-        core.release_memory()
+        answered += abort_in_flight(rnd, adapter, error)
+        rnd.residency.release_memory()
         return answered
-    now = core.clock_ns()
+    now = rnd.clock_ns()
     # 4. Stream what is safe to send; ack what finished (one queue call each).
     if partials:
         try:
-            core.queue.emit_many([(k.item_id, _encode(chunk), STATUS_PARTIAL) for k, chunk in partials])
+            rnd.queue.emit_many([(k.item_id, _encode(chunk), STATUS_PARTIAL) for k, chunk in partials])
         except QueueFull as exc:  # the final result carries the whole text: a skipped chunk is caught up there
             log.warning("partial results on %s skipped: %s", name, exc.message)
     if finished:
         acks = [
             (k.item_id,
-             _encode(Envelope((k.admitted_ns - k.enqueue_ns) / 1e6, (now - k.admitted_ns) / 1e6, core.served_by, r)),
+             _encode(Envelope((k.admitted_ns - k.enqueue_ns) / 1e6, (now - k.admitted_ns) / 1e6, rnd.served_by, r)),
              STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
             for k, r in finished
         ]
         try:
-            core.queue.ack_many(acks)
+            rnd.queue.ack_many(acks)
         except QueueFull as exc:
             log.error("results of %d items on %s do not fit the queue: %s", len(acks), name, exc.message)
-            error = _encode(Envelope(0.0, 0.0, core.served_by,
+            error = _encode(Envelope(0.0, 0.0, rnd.served_by,
                                      WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
-            core.queue.ack_many([(k.item_id, error, STATUS_ERROR) for k, _ in finished])
+            rnd.queue.ack_many([(k.item_id, error, STATUS_ERROR) for k, _ in finished])
         resident.served += len(finished)
         answered += len(finished)
     resident.last_used = time.time()
     ms = (time.perf_counter() - t0) * 1e3
-    core.last_batch = BatchStats(name, adapter.active_count() + len(finished), 0, 0, ms, time.time(), 0)
+    rnd.record(BatchStats(name, adapter.active_count() + len(finished), 0, 0, ms, time.time(), 0))
     if finished:
-        core.publish_info()
+        rnd.publish()
     return answered
 
 
-def kv_limit_bytes(core: WorkerCore, adapter) -> int:
-    """The most `adapter`'s requests may reserve now: the device budget less what
-    this worker holds besides them and what the other live workers of the device
-    publish as used (their reserves included)."""
-    now = time.monotonic_ns()
-    peers = sum(int(_decode_info(w.info).get("used_bytes", 0)) for w in core.queue.workers()
-                if w.wid != core.worker_id and w.device == core.device and w.info
-                and now - w.last_heartbeat_ns <= PEER_STALE_NS)
-    return core.memory.budget_bytes - peers - core.used_bytes() + adapter.reserved_bytes()
-
-
-def abort_in_flight(core: WorkerCore, adapter, error: WorkError) -> int:
+def abort_in_flight(rnd: Round, adapter, error: WorkError) -> int:
     """Answer every request a continuous adapter holds with `error` (it is being
     unloaded, or its step failed), so no claim stays leased with nobody on it."""
     keys = adapter.abort() if adapter.continuous else []
     if keys:
-        payload = _encode(Envelope(0.0, 0.0, core.served_by, error))
-        core.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in keys if k is not None])
+        payload = _encode(Envelope(0.0, 0.0, rnd.served_by, error))
+        rnd.queue.ack_many([(k.item_id, payload, STATUS_ERROR) for k in keys if k is not None])
     return len(keys)
 
 
-def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
+def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
     """Claim up to `free` items of `lane`, attach the LoRA adapters they name, admit
     them; from the first one that must wait for room on, the claims go back to the
     lane (in order). Returns items answered here (late, undecodable or refused ones)."""
-    claims = core.queue.claim(lane, worker=core.worker_id, max_items=free, max_tokens=1 << 40,
-                              lease_ms=core.lease_ms)
+    claims = rnd.queue.claim(lane, worker=rnd.residency.worker_id, max_items=free, max_tokens=1 << 40,
+                             lease_ms=rnd.lease_ms)
     if not claims:
         return 0
-    decoder = core._decoder(adapter.request_type)
-    now = core.clock_ns()
+    decoder = rnd.decoder(adapter.request_type)
+    now = rnd.clock_ns()
     errors: list[tuple[int, WorkError]] = []
     failed_loras: dict[str, WorkError] = {}
     for n, c in enumerate(claims):
@@ -199,7 +212,7 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
             continue
         lora = adapter.lora_of(request)
         if lora is not None and not adapter.hosts(lora):
-            error = failed_loras.get(lora) or attach_lora(core, adapter, lora)
+            error = failed_loras.get(lora) or attach_lora(rnd.residency, adapter, lora)
             if error is not None:
                 failed_loras[lora] = error
                 errors.append((c.item_id, error))
@@ -208,7 +221,7 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
             error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns), request)
         except NotNow as exc:
             log.info("%s; %d requests wait in the lane", exc, len(claims) - n)
-            core.queue.return_items([x.item_id for x in claims[n:]])
+            rnd.queue.return_items([x.item_id for x in claims[n:]])
             break
         except Exception as exc:  # a request the adapter chokes on fails alone; the worker stays up
             log.exception("admitting a request to %s failed", adapter.spec.name)
@@ -216,15 +229,15 @@ def admit_claims(core: WorkerCore, adapter, lane: int, free: int) -> int:
         if error is not None:
             errors.append((c.item_id, error))
     if errors:
-        core.queue.ack_many([(i, _encode(Envelope(0.0, 0.0, core.served_by, e)), STATUS_ERROR) for i, e in errors])
+        rnd.queue.ack_many([(i, _encode(Envelope(0.0, 0.0, rnd.served_by, e)), STATUS_ERROR) for i, e in errors])
     return len(errors)
 
 
-def attach_lora(core: WorkerCore, adapter, lora: str) -> WorkError | None:
+def attach_lora(residency: Residency, adapter, lora: str) -> WorkError | None:
     """Resolve a LoRA adapter from the store (files re-hashed) and attach it to
     `adapter`'s model. A failure answers the requests that named it."""
     try:
-        adapter.attach_lora(core.resolve(lora))
+        adapter.attach_lora(residency.resolve(lora))
     except FleetError as exc:
         return WorkError(exc.code, exc.message)
     except Exception as exc:

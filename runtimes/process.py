@@ -120,7 +120,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     except Exception as exc:
         log.error("cannot read pins: %s", exc)
         pins = []
-    core.restore([*settings.preload, *pins])
+    core.residency.restore([*settings.preload, *pins])
     while not stop.is_set():
         try:
             core.step(timeout_s=0.25)

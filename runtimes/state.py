@@ -1,7 +1,8 @@
 """What a worker holds and last did: its resident models and its last batch.
 
-Plain records shared by the step loop (`runtimes.worker`) and the continuous
-batcher (`runtimes.continuous`), so neither imports the other at run time.
+Plain records shared by the step loop (`runtimes.worker`), the residency
+(`runtimes.residency`) and the continuous batcher (`runtimes.continuous`), so
+that none of them imports the step loop.
 """
 
 from __future__ import annotations

@@ -92,28 +92,28 @@ def test_kv_reserve_is_rows_times_the_widest_row() -> None:
 
 
 def test_the_cache_reserve_is_counted_in_the_worker_memory(core: WorkerCore, ref: Reference) -> None:
-    core.load(MODEL)
-    adapter = core.models[MODEL].adapter
-    idle = core.used_bytes()
+    core.residency.ensure(MODEL)
+    adapter = core.residency.models[MODEL].adapter
+    idle = core.residency.used_bytes()
     assert adapter.kv_token_bytes > 0
     put(core, 1, prompt="hello world", max_tokens=100)
     put(core, 2, prompt="a", max_tokens=20)
     core.step(timeout_s=0.01)  # admits both
     widest = prompt_len(ref, "hello world") + 100
     assert adapter.reserved_bytes() == kv_reserve(adapter.kv_token_bytes, 2, widest)
-    assert core.used_bytes() == idle + adapter.reserved_bytes()
+    assert core.residency.used_bytes() == idle + adapter.reserved_bytes()
     info = msgspec.msgpack.decode(core.queue.workers()[0].info)
-    assert info["used_bytes"] == core.used_bytes()  # published: the device's other workers count it
+    assert info["used_bytes"] == core.residency.used_bytes()  # published: the device's other workers count it
     run_until(core, {1, 2})
-    assert adapter.reserved_bytes() == 0 and core.used_bytes() == idle
+    assert adapter.reserved_bytes() == 0 and core.residency.used_bytes() == idle
 
 
 def test_a_request_whose_reserve_does_not_fit_waits_in_its_lane(core: WorkerCore, ref: Reference) -> None:
-    core.load(MODEL)
-    adapter = core.models[MODEL].adapter
+    core.residency.ensure(MODEL)
+    adapter = core.residency.models[MODEL].adapter
     # Room for one sequence of 60 new tokens, not two: the second waits for the first.
     one = kv_reserve(adapter.kv_token_bytes, 1, prompt_len(ref, PROMPTS[0]) + 60)
-    core.memory = DeviceMemory("cpu", core.used_bytes() + one + one // 2, lambda: 1 << 62)
+    core.residency.memory = DeviceMemory("cpu", core.residency.used_bytes() + one + one // 2, lambda: 1 << 62)
     put(core, 1, prompt=PROMPTS[0], max_tokens=60)
     put(core, 2, prompt=PROMPTS[0], max_tokens=60)
     core.step(timeout_s=0.01)
@@ -126,10 +126,10 @@ def test_a_request_whose_reserve_does_not_fit_waits_in_its_lane(core: WorkerCore
 
 
 def test_a_request_that_cannot_fit_even_alone_fails_clearly_and_alone(core: WorkerCore, ref: Reference) -> None:
-    core.load(MODEL)
-    adapter = core.models[MODEL].adapter
+    core.residency.ensure(MODEL)
+    adapter = core.residency.models[MODEL].adapter
     room = kv_reserve(adapter.kv_token_bytes, 1, prompt_len(ref, "a") + 40)
-    core.memory = DeviceMemory("cpu", core.used_bytes() + room, lambda: 1 << 62)
+    core.residency.memory = DeviceMemory("cpu", core.residency.used_bytes() + room, lambda: 1 << 62)
     put(core, 1, prompt="hello world", max_tokens=200)
     put(core, 2, prompt="a", max_tokens=40)
     done = run_until(core, {1, 2})
@@ -156,8 +156,8 @@ def oom_when(adapter, predicate):
 
 def test_an_out_of_memory_decode_step_sheds_sequences_that_finish_later_loses_nothing(
         core: WorkerCore, ref: Reference) -> None:
-    core.load(MODEL)
-    adapter = core.models[MODEL].adapter
+    core.residency.ensure(MODEL)
+    adapter = core.residency.models[MODEL].adapter
     # Decode steps of more than 3 rows do not fit; prefills do.
     handle, calls = oom_when(adapter, lambda ids: ids.shape[1] == 1 and ids.shape[0] > 3)
     try:
@@ -175,8 +175,8 @@ def test_an_out_of_memory_decode_step_sheds_sequences_that_finish_later_loses_no
 
 def test_an_out_of_memory_prefill_waits_and_a_lone_sequence_that_never_fits_fails_alone(
         core: WorkerCore, ref: Reference) -> None:
-    core.load(MODEL)
-    adapter = core.models[MODEL].adapter
+    core.residency.ensure(MODEL)
+    adapter = core.residency.models[MODEL].adapter
     long_prompt = " ".join(["invoices must be paid"] * 6)
     # Any forward over the long prompt runs out of memory; prefills of several rows too.
     handle, calls = oom_when(adapter, lambda ids: ids.shape[1] >= prompt_len(ref, long_prompt)
@@ -199,7 +199,7 @@ def test_a_withdrawn_request_stops_at_the_next_step(core: WorkerCore) -> None:
     put(core, 2, prompt="hello world", max_tokens=30)
     for _ in range(4):
         core.step(timeout_s=0.01)
-    adapter = core.models[MODEL].adapter
+    adapter = core.residency.models[MODEL].adapter
     assert adapter.active_count() == 2 and core.queue.lane_stats()[0].claimed == 2
     assert core.queue.cancel(item) is False  # claimed: not removed, marked
     core.step(timeout_s=0.01)

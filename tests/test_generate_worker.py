@@ -103,7 +103,7 @@ def test_unloading_mid_generation_answers_what_it_held(core: WorkerCore) -> None
     for _ in range(3):
         core.step(timeout_s=0.01)
     assert core.queue.lane_stats()[0].claimed == 3
-    assert core.unload(MODEL)
+    assert core.residency.unload(MODEL)
     done = core.queue.wait_results(0)
     assert sorted(d.request_id for d in done if d.status == STATUS_ERROR) == [0, 1, 2]
     assert {body(d, WorkError).code for d in done if d.status == STATUS_ERROR} == {"overloaded"}
@@ -114,13 +114,13 @@ def test_unloading_mid_generation_answers_what_it_held(core: WorkerCore) -> None
 def test_a_request_past_its_deadline_stops_generating(core: WorkerCore) -> None:
     import time
 
-    core.load(MODEL)  # loaded first: the deadline runs out mid-generation, not at admit
+    core.residency.ensure(MODEL)  # loaded first: the deadline runs out mid-generation, not at admit
     lane = core.queue.lane_id(MODEL)
     req = GenerateRequest(model=MODEL, prompt="hello world", max_tokens=250, temperature=0.0)
     core.queue.put(lane, _enc(req), tokens=10, request_id=1, deadline_ns=time.monotonic_ns() + 150_000_000)
     put(core, 2, prompt="hello world", max_tokens=250)
     core.step(timeout_s=0.01)  # admit both
-    resident = core.models[MODEL]
+    resident = core.residency.models[MODEL]
     assert resident.adapter.active_count() == 2
     seen = run_until(core, {1})
     late = next(d for d in seen if d.request_id == 1)

@@ -104,7 +104,7 @@ def test_a_small_queue_is_left_to_the_holder_on_another_device(queue):
     for rid in range(10, 15):  # 5 x 10 tokens: ~1.5 ms of work for a, against a 50 ms load
         put(queue, "m", 10, rid)
     assert b.step(0.05) == 0
-    assert "m" not in b.models and TimedEmbedder.loads == [("m", "dev:0")]
+    assert "m" not in b.residency.models and TimedEmbedder.loads == [("m", "dev:0")]
     assert depth(queue, "m") == 5  # nothing claimed by b: its requests wait for their holder
     assert a.step(0.1) == 5
 
@@ -115,10 +115,10 @@ def test_a_queue_longer_than_a_load_gets_a_second_copy(queue):
     for rid in range(100, 160):  # 60 x 300 tokens: ~180 ms of work for a, more than a 50 ms load
         put(queue, "m", 300, rid)
     served = b.step(0.05)
-    assert served > 0 and "m" in b.models
+    assert served > 0 and "m" in b.residency.models
     assert TimedEmbedder.loads == [("m", "dev:0"), ("m", "dev:1")]
     assert depth(queue, "m") == 60 - served
-    assert a.models["m"]  # the holder keeps its copy
+    assert a.residency.models["m"]  # the holder keeps its copy
 
 
 class Clock:
@@ -134,9 +134,9 @@ def test_a_starving_lane_is_served_whatever_holds_it(queue):
     clock = Clock()
     b = core(queue, "dev:1", clock_ns=clock, max_wait_ms=500)
     put(queue, "m", 10, 20)
-    assert b.step(0.05) == 0 and "m" not in b.models
+    assert b.step(0.05) == 0 and "m" not in b.residency.models
     clock.offset_ns = 1_000_000_000  # in b's clock the request has now waited 1 s, past the 0.5 s bound
-    assert b.step(0.05) == 1 and "m" in b.models
+    assert b.step(0.05) == 1 and "m" in b.residency.models
 
 
 def test_a_load_announced_elsewhere_counts_as_a_holder(queue):
@@ -165,4 +165,4 @@ def test_a_declining_worker_blocks_until_new_work_instead_of_polling(queue):
     t0 = time.monotonic()
     assert b.step(2.0) == 0
     assert 0.08 <= time.monotonic() - t0 < 1.0
-    assert b.step(0.1) == 1 and "n" in b.models and "m" not in b.models
+    assert b.step(0.1) == 1 and "n" in b.residency.models and "m" not in b.residency.models

@@ -101,12 +101,12 @@ def results(queue: LocalQueue, n: int) -> list:
 def test_a_second_worker_of_the_device_leaves_a_held_model_to_its_holder(queue, home):
     a, b = core(queue, home, 101), core(queue, home, 102)
     put(queue, "tiny-x", 1)
-    assert a.step(0.1) == 1 and "tiny-x" in a.models
+    assert a.step(0.1) == 1 and "tiny-x" in a.residency.models
     assert results(queue, 1)[0].status == STATUS_OK
     for rid in range(2, 6):
         put(queue, "tiny-x", rid)
     # b sees the lane but tiny-x is resident on a: b neither loads it nor claims from it.
-    assert b.step(0.05) == 0 and b.step(0.05) == 0 and "tiny-x" not in b.models
+    assert b.step(0.05) == 0 and b.step(0.05) == 0 and "tiny-x" not in b.residency.models
     assert a.step(0.1) == 4
     assert [d.status for d in results(queue, 4)] == [STATUS_OK] * 4
 
@@ -120,12 +120,12 @@ def test_a_second_copy_only_when_the_holder_cannot_keep_up(queue, home):
     put(queue, "tiny-x", 2)
     # The lane starves (in b's clock) but a has only just loaded it: no second copy.
     clock.offset_ns = 10 * 1_000_000_000
-    assert b.step(0.05) == 0 and "tiny-x" not in b.models
+    assert b.step(0.05) == 0 and "tiny-x" not in b.residency.models
     # a has held it for longer than the wait bound and the lane still starves: b loads a copy and serves.
-    a.models["tiny-x"].loaded_at -= 10
+    a.residency.models["tiny-x"].loaded_at -= 10
     a.publish_info()
     clock.offset_ns += 1_000_000_000  # past the verdict b keeps for a nap (it is decided again)
-    assert b.step(0.1) == 1 and "tiny-x" in b.models
+    assert b.step(0.1) == 1 and "tiny-x" in b.residency.models
     (done,) = results(queue, 1)
     assert done.status == STATUS_OK and done.request_id == 2
 
@@ -151,13 +151,13 @@ def test_control_commands_through_the_control_lane(queue, home):
               tokens=1, request_id=2, deadline_ns=0)
     assert b.step(0.05) == 0
     assert a.step(0.1) == 1 and not results(queue, 1)[0].status
-    assert "tiny-y" not in a.pinned
+    assert "tiny-y" not in a.residency.pinned
     assert control(queue, a, "pin", "tiny-y", 3).already is True
     refused = control(queue, a, "unload", "tiny-y", 4)
     assert refused.code == "bad_request" and "unpin it first" in refused.message
     control(queue, a, "unpin", "tiny-y", 5)
     unloaded = control(queue, a, "unload", "tiny-y", 6)
-    assert unloaded.loaded is False and "tiny-y" not in a.models
+    assert unloaded.loaded is False and "tiny-y" not in a.residency.models
     assert control(queue, a, "unload", "tiny-y", 7).already is True
     assert control(queue, a, "evaporate", "tiny-y", 8).code == "bad_request"
     missing = control(queue, a, "load", "no-such-model", 9)
@@ -167,7 +167,7 @@ def test_control_commands_through_the_control_lane(queue, home):
 
 def test_a_failed_load_answers_the_lane_and_the_core_keeps_serving(queue, home, tmp_path):
     a = core(queue, home, 401)
-    original = a.resolve
+    original = a.residency.resolve
 
     def resolve(name):
         spec = original("tiny-x" if name == "tiny-broken" else name)
@@ -181,13 +181,13 @@ def test_a_failed_load_answers_the_lane_and_the_core_keeps_serving(queue, home, 
             spec.path, spec.name = broken, name
         return spec
 
-    a.resolve = resolve
+    a.residency.resolve = resolve
     put(queue, "tiny-broken", 1)
     put(queue, "tiny-broken", 2)
     assert a.step(0.1) == 2
     errors = [msgspec.msgpack.decode(_env.decode(d.result).body, type=WorkError) for d in results(queue, 2)]
     assert {e.code for e in errors} == {"model_load_failed"} and "tiny-broken" in errors[0].message
-    assert "tiny-broken" not in a.models and a.loading == ""
+    assert "tiny-broken" not in a.residency.models and a.residency.loading == ""
     put(queue, "tiny-y", 3)
     assert a.step(0.1) == 1 and results(queue, 1)[0].status == STATUS_OK
 
@@ -202,10 +202,10 @@ def test_a_lazy_load_goes_to_a_device_with_room_rather_than_evicting(queue, home
     queue.set_worker_info(other, msgspec.msgpack.encode({"device": "cuda:9", "budget_bytes": 1 << 30,
                                                          "used_bytes": 0, "models": {}}))
     put(queue, "tiny-y", 2)
-    assert a.step(0.05) == 0 and a.step(0.05) == 0 and set(a.models) == {"tiny-x"}  # not evicted for it
+    assert a.step(0.05) == 0 and a.step(0.05) == 0 and set(a.residency.models) == {"tiny-x"}  # not evicted for it
     # That device goes away: now this worker evicts and serves it.
     queue.unregister_worker(other)
-    assert a.step(0.1) == 1 and set(a.models) == {"tiny-y"}
+    assert a.step(0.1) == 1 and set(a.residency.models) == {"tiny-y"}
     (done,) = results(queue, 1)
     assert done.status == STATUS_OK and done.request_id == 2
 
@@ -236,14 +236,14 @@ def test_a_peers_idle_model_is_evicted_on_request_not_answered_model_too_large(q
     # and its requests wait; they are not failed with model_too_large.
     for rid in (2, 3):
         put(queue, "tiny-y", rid)
-    assert b.step(0.05) == 0 and "tiny-y" not in b.models
+    assert b.step(0.05) == 0 and "tiny-y" not in b.residency.models
     assert queue.wait_results(0.1) == []
-    assert a.step(0.1) == 1 and "tiny-x" not in a.models  # the evict command (its reply goes to request id 0)
+    assert a.step(0.1) == 1 and "tiny-x" not in a.residency.models  # the evict command (its reply goes to request id 0)
     assert [d.request_id for d in results(queue, 1)] == [0]
     served = sum(b.step(0.1) for _ in range(5))
-    assert served == 2 and "tiny-y" in b.models
+    assert served == 2 and "tiny-y" in b.residency.models
     assert sorted(codes(results(queue, 2))) == ["ok", "ok"]
-    assert a.evictions == {"tiny-x": {"lru": 1}}
+    assert a.residency.evictions == {"tiny-x": {"lru": 1}}
 
 
 def test_a_peers_busy_model_makes_the_lane_wait_then_it_is_served(queue, home):
@@ -263,7 +263,7 @@ def test_a_peers_busy_model_makes_the_lane_wait_then_it_is_served(queue, home):
         if {2, 3} <= {d.request_id for d in done}:
             break
     answers = [(d.request_id, c) for d, c in zip(done, codes(done)) if d.request_id]
-    assert sorted(answers) == [(2, "ok"), (3, "ok")] and "tiny-y" in b.models
+    assert sorted(answers) == [(2, "ok"), (3, "ok")] and "tiny-y" in b.residency.models
 
 
 def test_a_model_too_large_for_the_device_still_fails_its_requests(queue, home):

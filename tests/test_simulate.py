@@ -208,7 +208,7 @@ def test_pull_runs_the_real_worker_core_on_simulated_devices():
         # One slot per device, three models: the real core evicted to load them, and
         # the devices hold what the cores say they hold.
         for core, dev in zip(system.cores, system.devices):
-            assert {models[i].name for i in dev.resident} == set(core.models)
+            assert {models[i].name for i in dev.resident} == set(core.residency.models)
         assert sum(dev.stats.swaps for dev in system.devices) >= 3
     finally:
         system.close()

@@ -159,7 +159,7 @@ def test_returned_items_are_served_next_and_keep_their_attempts(queue):
 def test_prefers_a_held_model_until_another_lane_starves(queue):
     profiles = {"a": Profile(), "b": Profile()}
     core = core_for(queue, profiles, max_wait_ms=150)
-    core.load("b")
+    core.residency.ensure("b")
     put(queue, "a", "a1", request_id=1)  # older, but its model is not held here
     put(queue, "b", "b1", request_id=2)
     core.step()
@@ -168,7 +168,7 @@ def test_prefers_a_held_model_until_another_lane_starves(queue):
     put(queue, "b", "b2", request_id=3)
     core.step()
     assert FakeEmbedder.batches[-1] == ("a", [["a1"]])
-    assert set(core.models) == {"a", "b"}
+    assert set(core.residency.models) == {"a", "b"}
     core.step()
     assert FakeEmbedder.batches[-1] == ("b", [["b2"]])
     assert len(results(queue, 3)) == 3
@@ -192,7 +192,7 @@ def test_load_failure_answers_its_lane_and_the_worker_goes_on(queue, how, code):
         err = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=WorkError)
         assert err.code == code
         assert "broken" in err.message or "loading" in err.message
-    assert "broken" not in core.models
+    assert "broken" not in core.residency.models
     put(queue, "good", "fine", request_id=4)
     assert core.step() == 1
     assert results(queue, 1)[4][0] == STATUS_OK
@@ -203,7 +203,7 @@ def test_out_of_memory_while_loading_makes_the_lane_wait_not_fail(queue):
     for rid in (1, 2):
         put(queue, "m", f"x{rid}", request_id=rid)
     # The memory was taken for now: nothing is answered, the requests stay queued...
-    assert core.step(0.05) == 0 and "m" not in core.models and queue.wait_results(0.05) == []
+    assert core.step(0.05) == 0 and "m" not in core.residency.models and queue.wait_results(0.05) == []
     # ...and the next attempt loads it and serves them.
     time.sleep(0.05)
     assert core.step(0.05) == 2
@@ -211,7 +211,7 @@ def test_out_of_memory_while_loading_makes_the_lane_wait_not_fail(queue):
 
 
 def test_out_of_memory_on_every_load_ends_as_model_too_large(queue):
-    from runtimes.worker import MAX_LOAD_OOMS
+    from runtimes.residency import MAX_LOAD_OOMS
 
     core = core_for(queue, {"m": Profile()}, {"m": {"ooms_left": [MAX_LOAD_OOMS]}})
     put(queue, "m", "x", request_id=1)

@@ -13,7 +13,7 @@ the product's own. Only its effects are simulated (STYLE.md 3, injected):
   eight simulated GPUs share two cores) and returns the batch's device end time;
 * the device memory: a budget of `slots` models, each one SLOT_BYTES (so the
   real eviction rule places them), nothing else using the device;
-* the footprint estimate (`WorkerCore.estimate_footprint`): one slot, no file read.
+* the footprint estimate (`Residency.estimate_footprint`): one slot, no file read.
 
 Times are wall time = device time x `time_scale`: the settings that are times
 (the wait bound, the batch target, step timeouts) are scaled, and the cost
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 
 import msgspec
@@ -79,11 +81,15 @@ class SimAdapter(Adapter):
         self.sim_device.evict(self.sim_models[self.spec.name].index)
 
 
+def keep_freed(device: str) -> None:
+    """A simulated device has no allocator to give memory back to."""
+
+
+@dataclass
 class SimWorkerCore(WorkerCore):
     """The real core; a simulated device has no allocator to give memory back to."""
 
-    def release_memory(self) -> None:
-        return None
+    return_freed: InitVar[Callable[[str], None]] = keep_freed
 
 
 class PullSystem:

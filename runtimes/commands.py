@@ -1,0 +1,78 @@
+"""This worker's control lane: admin commands (fleet.control) applied to its residency.
+
+The daemon's admin routes, and peers of the device asking for room
+(`Residency.ask_peers_to_evict`), put `Command`s into `ctl:<worker>`; the step
+loop serves them before any lane (`serve_control`), each acked with a
+`CommandDone` or a `WorkError` as soon as it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone
+from fleet.control import decode_command as _decode_command
+from fleet.errors import BadRequest, FleetError
+from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
+from runtimes.memory import NotNow
+from runtimes.residency import PeersAsked, Residency
+
+log = logging.getLogger("fleet.worker")
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def serve_control(queue, lane: int, residency: Residency, *, lease_ms: int, served_by: str) -> int:
+    """Handle the commands queued in this worker's control `lane` (protocol:
+    fleet.control), each acked as soon as it is done. Returns items answered."""
+    claims = queue.claim(lane, worker=residency.worker_id, max_items=CONTROL_BATCH, max_tokens=1 << 30,
+                         lease_ms=lease_ms)
+    for c in claims:
+        try:
+            body = apply_command(residency, _decode_command(c.payload))
+            status = STATUS_OK
+        except FleetError as exc:
+            body, status = WorkError(exc.code, exc.message), STATUS_ERROR
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            body, status = WorkError("bad_request", f"undecodable control command: {exc}"), STATUS_ERROR
+        except NotNow as exc:
+            body, status = WorkError("overloaded", f"{exc}; retry shortly"), STATUS_ERROR
+        except Exception as exc:  # the worker stays up; the caller learns why
+            log.exception("control command failed")
+            body, status = WorkError("internal", f"{type(exc).__name__}: {exc}"), STATUS_ERROR
+        queue.ack_many([(c.item_id, _encode(Envelope(0.0, 0.0, served_by, body)), status)])
+    return len(claims)
+
+
+def apply_command(residency: Residency, cmd: Command) -> CommandDone:
+    """Apply one control command to this worker's models."""
+    name, op, device = cmd.model, cmd.op, residency.device
+    if op in (LOAD, PIN):
+        was = name in residency.models
+        evicted: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            resident = residency.ensure(name, pin=op == PIN, explicit=True, evicted=evicted)
+        except PeersAsked as asked:
+            # An operator is waiting: give the peers a moment to drop their idle
+            # models (they serve their control lanes every step), then try once more.
+            residency.await_peer_evictions(asked.victims)
+            resident = residency.ensure(name, pin=op == PIN, explicit=True, evicted=evicted)
+        ms = 0.0 if was else (time.perf_counter() - t0) * 1e3
+        return CommandDone(op, name, device, True, name in residency.pinned, resident.footprint.weights_bytes,
+                           round(ms, 1), evicted, was)
+    if op == UNLOAD:
+        if name in residency.pinned:
+            raise BadRequest(f"{name} is pinned on {device}; unpin it first (fleetctl unpin {name})")
+        return CommandDone(op, name, device, False, already=not residency.unload(name))
+    if op == EVICT:
+        return residency.evict_if_idle(name)
+    if op == UNPIN:
+        was = residency.unpin(name)
+        resident = residency.models.get(name)
+        return CommandDone(op, name, device, resident is not None, False,
+                           resident.footprint.weights_bytes if resident else 0, already=not was)
+    raise BadRequest(f"unknown control op {op!r} (known: {', '.join(OPS)})")

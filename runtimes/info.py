@@ -1,0 +1,95 @@
+"""The worker's info blob: what the daemon (`/v1/ps`, metrics, readiness) and the
+other workers (load decisions, runtimes.placement) read about this worker.
+
+Written whole by its worker into its record of the queue's worker table
+(`LocalQueue.set_worker_info`), at most INFO_BYTES of MessagePack.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from local_queue.queue import INFO_BYTES
+from runtimes.policy import CostModel
+from runtimes.residency import Residency
+from runtimes.state import BatchStats
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: BatchStats, batch_seq: int,
+                batch_ring: deque) -> dict:
+    models = residency.models
+    return {
+        "device": residency.device,
+        "budget_bytes": residency.memory.budget_bytes,
+        "used_bytes": residency.used_bytes(),
+        "activation_bytes": max((r.footprint.activation_bytes for r in models.values()), default=0),
+        "loading": residency.loading,
+        "loading_since_ns": residency.loading_since_ns,
+        "models": {
+            name: {
+                "task": r.adapter.spec.task,
+                "dtype": r.adapter.dtype,
+                "profile": r.adapter.spec.extra.get("profile", "default"),  # tuned device class or "default"
+                "bytes": r.weights_shown() + r.adapter.reserved_bytes(),  # cache reserve included
+                "loaded_at": r.loaded_at,
+                "last_used": r.last_used,
+                "served": r.served,
+                "load_ms": round(r.load_ms, 1),
+                "pinned": name in residency.pinned,
+                "cost": cost_info(costs.get(name)),
+                "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (generation)
+            }
+            for name, r in models.items()
+        },
+        "last_batch": {
+            "model": last_batch.model,
+            "items": last_batch.items,
+            "tokens": last_batch.tokens,
+            "padded": last_batch.padded,
+            "ms": round(last_batch.ms, 2),
+            "at": last_batch.at,
+            "returned": last_batch.returned,
+        },
+        "loads": residency.loads,
+        "evictions": residency.evictions,
+        "batches": batches_info(batch_seq, batch_ring),
+    }
+
+
+def batches_info(batch_seq: int, batch_ring: deque) -> dict:
+    """The batch ring, compact (the whole blob must fit INFO_BYTES): model names
+    once, then flat [model index, items, tokens] triples, oldest first; `seq` is
+    the number of batches run so far (the last entry's sequence)."""
+    names: dict[str, int] = {}
+    flat: list[int] = []
+    for model, items, tokens in batch_ring:
+        flat += (names.setdefault(model, len(names)), items, tokens)
+    return {"seq": batch_seq, "models": list(names), "ring": flat}
+
+
+def cost_info(cost: CostModel | None) -> dict:
+    if cost is None:
+        return {"a_ms": 0.0, "b_ms_per_1k_tokens": 0.0, "samples": 0}
+    a, b = cost.fit()
+    return {"a_ms": round(a, 3), "b_ms_per_1k_tokens": round(b * 1e3, 3), "samples": cost.samples}
+
+
+def encode_info(info: dict, residency: Residency) -> bytes:
+    """`info` as MessagePack within INFO_BYTES."""
+    blob = _encode(info)
+    if len(blob) > INFO_BYTES:
+        # Too many resident models for the worker record: publish names only,
+        # most recently used first, as many as fit (the batch must not fail).
+        models = residency.models
+        names = sorted(models, key=lambda n: models[n].last_used, reverse=True)
+        while True:
+            info["models"] = {name: {} for name in names}
+            blob = _encode(info)
+            if len(blob) <= INFO_BYTES:
+                break
+            names.pop()
+    return blob

@@ -1,0 +1,406 @@
+"""The models on this worker's device: load, evict, pin, give memory back.
+
+A `Residency` owns every adapter loaded on its worker's device (STYLE.md 5):
+nothing else loads or frees models here. The step loop (runtimes.worker) asks
+`ensure` for the model of the lane it chose and learns "not here, now"
+(`NotNow`, `PeersAsked`: its requests stay queued) or "never here"
+(`ModelTooLarge`); control commands (runtimes.commands) pin, unload and evict
+through it. What it needs from the worker is passed in: a `publish` hook
+(the worker's info blob, which peers read to decide their own loads) and an
+`on_unload` hook (continuous batching answers the generation in flight).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from fleet.control import EVICT, Command, CommandDone, control_lane
+from fleet.errors import ModelTooLarge
+from local_queue import QueueFull
+from runtimes.base import Adapter, ModelSpec
+from runtimes.memory import (
+    IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
+    estimate_footprint, is_out_of_memory, load_error, used_bytes,
+)
+from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
+from runtimes.placement import LOAD as PLACE_LOAD
+from runtimes.policy import MIN_SAMPLES, CostModel, LinearCost, find_copies
+from runtimes.state import NotNowMemo, Progress, Resident
+
+log = logging.getLogger("fleet.worker")
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_info = msgspec.msgpack.Decoder().decode
+
+#: Out-of-memory failures in a row while loading one model before its requests are
+#: answered `model_too_large` (until then the memory is taken "for now": they wait).
+MAX_LOAD_OOMS = 3
+#: A worker asks a peer to evict one model at most once per this many seconds.
+PEER_ASK_S = 1.0
+#: How long an explicit load waits for asked peers to drop their idle models.
+PEER_EVICT_WAIT_S = 2.0
+
+
+class PeersAsked(NotNow):
+    """Idle models of other workers of this device hold the room; their holders were asked to evict them."""
+
+    def __init__(self, message: str, victims: tuple[tuple[int, str], ...]) -> None:
+        super().__init__(message)
+        self.victims = victims
+
+
+def footprint_from_headers(spec: ModelSpec) -> Footprint:
+    """A model's footprint before loading it: its safetensors headers and configs."""
+    return estimate_footprint(
+        spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
+        micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
+    )
+
+
+def return_freed_memory(device: str) -> None:
+    """Give freed model memory back now, so the next decision reads it as free:
+    models hold reference cycles (gc), and torch caches freed CUDA blocks."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+@dataclass(kw_only=True)
+class Residency:
+    queue: object  # local_queue.LocalQueue
+    worker_id: int
+    device: str
+    resolve: Callable[[str], ModelSpec]
+    #: (task, runtime) -> adapter class; the registry in production, fakes in tests.
+    adapter_for: Callable[[str, str], type[Adapter]]
+    #: Publishes the worker's info blob (peers decide their loads on it).
+    publish: Callable[[], None]
+    #: Called with a model about to be unloaded, before its adapter lets go (generation in flight is answered).
+    on_unload: Callable[[str, Adapter], None]
+    #: The worker's progress record: a load runs within `load_timeout_ms` (runtimes.process heartbeat).
+    progress: Progress
+    #: The worker's fitted batch costs (read: a load decision weighs them; the step loop fits them).
+    costs: dict[str, CostModel]
+    clock_ns: Callable[[], int]
+    #: Starvation bound for lane choice (Settings.lane_max_wait_ms).
+    max_wait_ms: int
+    #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
+    load_timeout_ms: float = 300_000.0
+    #: Device budget and live free memory (runtimes.memory.device_budget); unlimited in bare tests.
+    memory: DeviceMemory = field(default_factory=DeviceMemory.unlimited)
+    #: One load at a time per device, across this daemon's workers.
+    load_lock: LoadLock = field(default_factory=lambda: LoadLock(None))
+    #: A model's footprint before it loads (headers; injected: the simulation sizes models itself).
+    estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
+    #: Gives freed memory of the device back (injected: a simulated device has no allocator).
+    return_freed: Callable[[str], None] = return_freed_memory
+    models: dict[str, Resident] = field(default_factory=dict)
+    estimates: Estimates = field(default_factory=Estimates)
+    #: Models this worker keeps resident whatever the pressure (pins, preloads).
+    pinned: set[str] = field(default_factory=set)
+    #: Models whose last load attempt here said "not here, now", while that holds (`remember`).
+    not_now: dict[str, NotNowMemo] = field(default_factory=dict)
+    #: Out-of-memory load failures in a row, per model.
+    load_ooms: dict[str, int] = field(default_factory=dict)
+    #: (worker, model) -> when this worker last asked that peer to evict it (clock_ns).
+    asked: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: The model being loaded now ("" when none), published so peers do not load it too.
+    loading: str = ""
+    #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
+    loading_since_ns: int = 0
+    #: Cumulative counters for the daemon's metrics (published in the info blob; the
+    #: daemon diffs them, so no event between two reads is missed): loads per model,
+    #: evictions per model and reason.
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    # Lock order: the device's LoadLock, then the queue lock (taken inside
+    # queue calls). Under the LoadLock a worker takes its snapshot of the
+    # device, decides once (runtimes.placement.decide_load), evicts, loads and
+    # publishes its new info before releasing, so the next worker of the
+    # device decides on what is really resident.
+
+    def ensure(self, name: str, *, pin: bool = False, explicit: bool = False,
+               evicted: list[str] | None = None) -> Resident:
+        """Make `name` resident on this worker: a lazy load for a waiting lane,
+        or an explicit one (control path, `explicit=True`, which may evict
+        busy unpinned models because an operator asked).
+
+        One attempt: size the model up (outside the device lock), then under the
+        lock take one `snapshot` and apply the one verdict `decide_load` gives.
+        Raises `ModelTooLarge` for TOO_LARGE; `NotNow` for every "not here, now"
+        verdict (its requests stay queued), remembered for `not_now_for`; a lazy
+        attempt that finds another load holding the device lock is NotNow too.
+        """
+        resident = self.models.get(name)
+        if resident is not None:
+            if pin and name not in self.pinned:
+                self.pinned.add(name)
+                self.publish()
+            return resident
+        spec, header = self.size_up(name)
+        estimate = self.estimates.estimate(name, spec.runtime, header)
+        library = RUNTIME_LIBRARIES.get(spec.runtime)
+        if library is not None:
+            # Outside the device lock, and before deciding: a worker that was told "not
+            # here" has the library ready when it takes the model over from a peer that
+            # died (a load then costs the weights only; load_ms stays what a reload costs).
+            importlib.import_module(library)
+        with self.load_lock.held(blocking=explicit) as locked:
+            if not locked:
+                raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
+            snap = self.snapshot(self.queue.lane_stats())
+            verdict = decide_load(snap, name, estimate, explicit=explicit)
+            if verdict.kind == TOO_LARGE:
+                raise ModelTooLarge(verdict.reason, hint="unpin or unload a model, or raise the device budget")
+            if verdict.kind == ASK_PEERS:
+                self.ask_peers_to_evict(verdict.evict_peers)
+                raise self.remember(name, PeersAsked(verdict.reason, verdict.evict_peers))
+            if verdict.kind != PLACE_LOAD:
+                raise self.remember(name, NotNow(verdict.reason), left_to_holders=verdict.kind == ELSEWHERE)
+            self.announce_load(name, snap, look=not explicit)
+            for victim in verdict.evict:
+                log.info("evicting %s from %s to make room for %s", victim, self.device, name)
+                self.unload(victim, reason="lru")
+                if evicted is not None:
+                    evicted.append(victim)
+            resident = self.load_adapter(spec, header, estimate)
+        self.not_now.pop(name, None)
+        if pin:
+            self.pinned.add(name)
+            self.publish()
+        return resident
+
+    def size_up(self, name: str) -> tuple[ModelSpec, Footprint]:
+        """Resolve `name` (re-hashes its files) and read its footprint from its headers."""
+        try:
+            spec = self.resolve(name)
+            return spec, self.estimate_footprint(spec)
+        except Exception as exc:  # unreadable headers are bad weights: a load error, not a crash
+            raise load_error(name, self.device, exc) from exc
+
+    def announce_load(self, name: str, snap: DeviceSnapshot, *, look: bool) -> None:
+        """Publish the load before paying for it (peers on every device then count this
+        worker as a holder); a lazy load then looks once more: two workers of different
+        devices decide without a common lock, and of two that announce the same load the
+        later one finds the earlier (find_copies `announced`) and yields (NotNow)."""
+        self.loading, self.loading_since_ns = name, time.monotonic_ns()
+        self.publish()
+        if not look:
+            return
+        mine = (self.loading_since_ns, self.worker_id)
+        if find_copies(self.peer_infos(), name, announced=mine).holders > find_copies(snap.infos, name).holders:
+            self.loading, self.loading_since_ns = "", 0
+            self.publish()
+            raise self.remember(name, NotNow(f"another worker announced {name} first; it loads it"))
+
+    def load_adapter(self, spec: ModelSpec, header: Footprint, estimate: Footprint) -> Resident:
+        """The load itself (`loading` published), then measure, correct the estimate
+        and publish. Out of memory while loading is "not here, now" (the memory was
+        taken meanwhile: the lane waits and the next attempt decides again) until
+        MAX_LOAD_OOMS in a row; other failures are the model's (`load_error`)."""
+        name = spec.name
+        t0 = time.perf_counter()
+        try:
+            with self.progress.running(f"loading {name}", self.load_timeout_ms):
+                adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+                adapter.load()
+        except Exception as exc:
+            # Drop every reference to the half-loaded model (the traceback's frames
+            # hold it too) so its memory is free before the next decision.
+            adapter = None
+            traceback.clear_frames(exc.__traceback__)
+            self.release_memory()
+            if is_out_of_memory(exc):
+                self.load_ooms[name] = self.load_ooms.get(name, 0) + 1
+                if self.load_ooms[name] < MAX_LOAD_OOMS:
+                    log.warning("out of memory loading %s on %s (%d in a row); its requests wait", name,
+                                self.device, self.load_ooms[name])
+                    raise self.remember(name, NotNow(f"out of memory loading {name} on {self.device}")) from None
+            self.load_ooms.pop(name, None)
+            raise load_error(name, self.device, exc) from exc
+        finally:
+            self.loading, self.loading_since_ns = "", 0
+        self.load_ooms.pop(name, None)
+        measured = adapter.footprint_bytes()
+        self.estimates.record(name, spec.runtime, header, measured)
+        now = time.time()
+        resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
+                            footprint=Footprint(measured, estimate.activation_bytes))
+        self.models[name] = resident
+        self.loads[name] = self.loads.get(name, 0) + 1
+        log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
+                 resident.load_ms, measured, estimate.weights_bytes)
+        self.publish()
+        return resident
+
+    def remember(self, name: str, exc: NotNow, *, left_to_holders: bool = False) -> NotNow:
+        """Keep a "not here, now" verdict for an IDLE_NAP_S, so that the next rounds skip
+        the lane without deciding again (a verdict left to the model's holders also lets
+        `wait_for_work` block until new work comes or that lane would starve)."""
+        self.not_now[name] = NotNowMemo(self.clock_ns() + int(IDLE_NAP_S * 1e9), left_to_holders)
+        return exc
+
+    def not_now_for(self, name: str, now_ns: int) -> NotNowMemo | None:
+        """The remembered "not here, now" verdict for `name` while it holds and the
+        model is not resident here, else None (the lane may be served)."""
+        memo = self.not_now.get(name)
+        if name in self.models or memo is None or now_ns >= memo.until_ns:
+            return None
+        return memo
+
+    def ask_peers_to_evict(self, victims: tuple[tuple[int, str], ...]) -> None:
+        """Put an `evict` command into each holder's control lane (fleet.control): the
+        holder drops the model only if it is still idle and unpinned. Asked at most once
+        per PEER_ASK_S for one (worker, model); the reply goes to request id 0, which no
+        caller waits on."""
+        now = self.clock_ns()
+        for wid, model in victims:
+            if now - self.asked.get((wid, model), -(1 << 62)) < PEER_ASK_S * 1e9:
+                continue
+            self.asked[(wid, model)] = now
+            log.info("asking worker %d of %s to evict idle %s", wid, self.device, model)
+            try:
+                self.queue.put(self.queue.lane_id(control_lane(wid)), _encode(Command(EVICT, model)), tokens=1,
+                               request_id=0)
+            except QueueFull as exc:  # asked again on a later attempt; the lane waits meanwhile
+                log.warning("cannot ask worker %d to evict %s: %s", wid, model, exc.message)
+
+    def unload(self, name: str, reason: str = "unload") -> bool:
+        """Take `name` off this worker; `reason` (lru: room for another, unload: asked)
+        is counted for the daemon's eviction metrics."""
+        resident = self.models.pop(name, None)
+        if resident is None:
+            return False
+        by_reason = self.evictions.setdefault(name, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        self.pinned.discard(name)
+        # Generation in flight on it is answered now, not left leased (runtimes.continuous).
+        self.on_unload(name, resident.adapter)
+        resident.adapter.unload()
+        del resident
+        self.release_memory()
+        self.publish()
+        return True
+
+    def unpin(self, name: str) -> bool:
+        """Let `name` be evicted again (it stays resident). Returns whether it was pinned."""
+        was = name in self.pinned
+        self.pinned.discard(name)
+        self.publish()
+        return was
+
+    def release_memory(self) -> None:
+        """Give freed model memory back now, so the next decision reads it as free."""
+        self.return_freed(self.device)
+
+    def restore(self, names: list[str]) -> None:
+        """Load and pin what this worker must keep (preloads, persisted pins of its
+        device). A model another worker of the device holds is left to it; one that
+        fails is logged, and requests for it get the error when they come."""
+        for name in dict.fromkeys(names):
+            try:
+                self.ensure(name, pin=True, explicit=True)
+            except NotNow as exc:
+                log.info("not loading %s here: %s", name, exc)
+            except Exception as exc:
+                log.error("cannot keep %s resident on %s: %s", name, self.device, exc)
+
+    def evict_if_idle(self, name: str) -> CommandDone:
+        """A peer of this device asks for room (`ask_peers_to_evict`): drop `name` if it
+        is still unpinned, nothing waits for it and it generates nothing; else keep it
+        (the asker decides again on its next attempt)."""
+        resident = self.models.get(name)
+        if resident is None:
+            return CommandDone(EVICT, name, self.device, False, already=True)
+        busy = (name in self.pinned or (resident.adapter.continuous and resident.adapter.has_active())
+                or any(s.model == name and s.depth for s in self.queue.lane_stats()))
+        if busy:
+            return CommandDone(EVICT, name, self.device, True, name in self.pinned, resident.footprint.weights_bytes)
+        log.info("evicting idle %s from %s: a peer of the device needs the room", name, self.device)
+        self.unload(name, reason="lru")
+        return CommandDone(EVICT, name, self.device, False)
+
+    def await_peer_evictions(self, victims: tuple[tuple[int, str], ...]) -> None:
+        """Wait up to PEER_EVICT_WAIT_S for the asked peers to publish their models gone."""
+        deadline = time.monotonic() + PEER_EVICT_WAIT_S
+        while time.monotonic() < deadline:
+            infos = dict(self.peer_infos())
+            if not any(m in infos.get(w, {}).get("models", {}) for w, m in victims):
+                return
+            time.sleep(IDLE_NAP_S)
+
+    # -- what the device holds: own views, peers' blobs, one snapshot ----------
+
+    def used_bytes(self) -> int:
+        return used_bytes(self._own_views({}))
+
+    def kv_limit_bytes(self, adapter: Adapter) -> int:
+        """The most `adapter`'s requests may reserve now: the device budget less what
+        this worker holds besides them and what the other live workers of the device
+        publish as used (their reserves included)."""
+        now = time.monotonic_ns()
+        peers = sum(int(_decode_info(w.info).get("used_bytes", 0)) for w in self.queue.workers()
+                    if w.wid != self.worker_id and w.device == self.device and w.info
+                    and now - w.last_heartbeat_ns <= PEER_STALE_NS)
+        return self.memory.budget_bytes - peers - self.used_bytes() + adapter.reserved_bytes()
+
+    def _own_views(self, waiting: dict[str, int]) -> list[ResidentView]:
+        return [
+            # A generator's cache reserve counts as its own (its requests hold it).
+            ResidentView(n, self.worker_id, Footprint(r.footprint.weights_bytes + r.adapter.reserved_bytes(),
+                                                      r.footprint.activation_bytes),
+                         n in self.pinned, r.last_used, r.load_ms / 1e3, waiting.get(n, 0))
+            for n, r in self.models.items()
+        ]
+
+    def snapshot(self, stats: list) -> DeviceSnapshot:
+        """One look at what a load decision reads: this worker's models, the other live
+        workers' info blobs (one read of the worker table), free memory, the lanes."""
+        demand = {s.model: LaneDemand(s.depth, s.tokens, s.oldest_enqueue_ns) for s in stats if s.depth}
+        waiting = {m: d.depth for m, d in demand.items()}
+        peers: list[ResidentView] = []
+        loading: dict[str, int] = {}
+        infos: list[tuple[int, dict]] = []
+        budget: dict[str, int] = {}
+        used: dict[str, int] = {}
+        now = time.monotonic_ns()
+        for w in self.queue.workers():
+            if w.wid == self.worker_id or not w.info or now - w.last_heartbeat_ns > PEER_STALE_NS:
+                continue
+            info = _decode_info(w.info)
+            infos.append((w.wid, info))
+            if w.device != self.device:
+                budget[w.device] = max(budget.get(w.device, 0), int(info.get("budget_bytes", 0)))
+                used[w.device] = used.get(w.device, 0) + int(info.get("used_bytes", 0))
+                continue
+            act = int(info.get("activation_bytes", 0))
+            for n, m in info.get("models", {}).items():
+                peers.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
+                                          float(m.get("last_used", 0.0)), float(m.get("load_ms", 0.0)) / 1e3,
+                                          waiting.get(n, 0), float(m.get("loaded_at", 0.0))))
+            if info.get("loading"):
+                loading[info["loading"]] = w.wid
+        own_costs = {n: LinearCost(*c.fit()) for n, c in self.costs.items() if c.samples >= MIN_SAMPLES}
+        return DeviceSnapshot(
+            self.worker_id, self.device, self.memory.budget_bytes, self.memory.free_now(),
+            tuple(self._own_views(waiting)), tuple(peers), loading, tuple(infos),
+            {d: budget[d] - used[d] for d in budget}, demand, own_costs,
+            self.clock_ns(), time.time(), self.max_wait_ms * 1_000_000,
+        )
+
+    def peer_infos(self) -> list[tuple[int, dict]]:
+        """(wid, decoded info) of the other live workers, every device."""
+        now = time.monotonic_ns()
+        return [(w.wid, _decode_info(w.info)) for w in self.queue.workers()
+                if w.wid != self.worker_id and w.info and now - w.last_heartbeat_ns <= PEER_STALE_NS]
