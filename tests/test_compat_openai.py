@@ -2,8 +2,11 @@
 LangChain's `OpenAIEmbeddings` (with its defaults, which send token ids) and
 LlamaIndex's `OpenAILikeEmbedding`; fleet's own Python client; error codes.
 
-Every vector is checked against the native `/v1/embed` answer for the same text
-(same daemon, same model, same dtype: equal to float32 rounding).
+Every vector is checked against the native `/v1/embed` answer for the same texts
+in the same batch shape (same daemon, same model, same dtype: equal to float32
+rounding). A text sent alone is compared with the native answer for it alone: in
+bfloat16 (the tuned dtype on a CPU with avx512_bf16) a padded batch rounds
+differently from one unpadded row, by up to ~1e-3.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def test_langchain_defaults_get_the_clear_400_and_text_mode_matches(daemon, tikt
                                  check_embedding_ctx_length=False, max_retries=0)
     want = native(daemon.url, TEXTS)
     np.testing.assert_allclose(np.array(text_mode.embed_documents(TEXTS)), want, atol=1e-6)
-    np.testing.assert_allclose(np.array(text_mode.embed_query(TEXTS[1])), want[1], atol=1e-6)
+    np.testing.assert_allclose(np.array(text_mode.embed_query(TEXTS[1])), native(daemon.url, TEXTS[1:2])[0], atol=1e-6)
 
 
 def test_llamaindex_openai_like_embedding_matches_the_native_route(daemon):
@@ -126,7 +129,7 @@ def test_llamaindex_openai_like_embedding_matches_the_native_route(daemon):
                               max_retries=0)
     want = native(daemon.url, TEXTS)
     np.testing.assert_allclose(np.array(emb.get_text_embedding_batch(TEXTS)), want, atol=1e-6)
-    np.testing.assert_allclose(np.array(emb.get_query_embedding(TEXTS[2])), want[2], atol=1e-6)
+    np.testing.assert_allclose(np.array(emb.get_query_embedding(TEXTS[2])), native(daemon.url, TEXTS[2:3])[0], atol=1e-6)
 
 
 def test_python_client_reads_a_str_as_one_input(daemon):
@@ -148,7 +151,7 @@ def test_model_may_be_left_out_when_one_model_of_the_task_is_stored(daemon):
     assert resp.status_code == 200, resp.text
     assert resp.json()["model"] == DEFAULT_MODEL
     np.testing.assert_array_equal(np.asarray(resp.json()["embeddings"], dtype=np.float32), named)
-    oai = httpx.post(daemon.url + "/v1/embeddings", json={"input": TEXTS[0]}, timeout=60).json()
+    oai = httpx.post(daemon.url + "/v1/embeddings", json={"input": TEXTS[0]}, timeout=60).json()  # alone, as `named`
     assert oai["model"] == DEFAULT_MODEL
     np.testing.assert_allclose(np.asarray(oai["data"][0]["embedding"]), named[0], atol=1e-6)
 
