@@ -32,7 +32,7 @@ from daemon.notify import announce_ready, notify, watchdog_loop
 log = logging.getLogger("fleet.daemon")
 
 #: How often worker-side metrics are read between scrapes (Daemon.refresh_gauges):
-#: a worker's batch ring (runtimes.worker.BATCH_RING) must not wrap in between.
+#: a worker's batch ring (runtimes.state.BATCH_RING) must not wrap in between.
 METRICS_REFRESH_S = 0.5
 
 
