@@ -160,11 +160,24 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allow_pickle: bool = False
     #: Tokens per input the model accepts; None = the model's own config decides.
     max_seq_len: int | None = None
+    #: Zero-shot extraction (runtime gliner): the score a span must exceed; None = 0.5.
+    threshold: float | None = None
     profile: Profile = msgspec.field(default_factory=Profile)
     #: Device class -> tuned profile (missing keys filled from `profile` at load).
     profiles: dict[str, Profile] = msgspec.field(default_factory=dict)
     #: Device class -> how its profile was measured.
     tuned: dict[str, TunedInfo] = msgspec.field(default_factory=dict)
+    #: Embedders: instruction prompts by name (sentence-transformers' `prompts`), over
+    #: those in the model's own config_sentence_transformers.json (a name set here wins).
+    prompts: dict[str, str] | None = None
+    #: The prompt a request gets when it names none (default: the folder's, else none).
+    default_prompt_name: str | None = None
+    #: Embedders: the widths the model was trained to be cut to (Matryoshka), largest
+    #: first; None = unknown. Informational: a request may ask any `dimensions` up to
+    #: the model's width, as sentence-transformers' `truncate_dim` and OpenAI allow.
+    matryoshka_dims: list[int] | None = None
+    #: Or, for models trained for any width in a range: [smallest, largest]. Informational too.
+    matryoshka_range: tuple[int, int] | None = None
 
     @property
     def parsed_source(self) -> Source:
@@ -286,6 +299,9 @@ def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
         raise BadRequest(f"{where}: {exc.message}") from None
     if not RUNTIME_RE.match(entry.runtime):
         raise BadRequest(f"{where}: invalid runtime {entry.runtime!r}")
+    if any(d < 1 for d in entry.matryoshka_dims or ()) or (
+            entry.matryoshka_range is not None and not 1 <= entry.matryoshka_range[0] <= entry.matryoshka_range[1]):
+        raise BadRequest(f"{where}: matryoshka_dims and matryoshka_range take widths >= 1 (range: [smallest, largest])")
     return entry
 
 
