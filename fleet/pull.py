@@ -41,6 +41,12 @@ from fleet.store import (
 
 #: Weight files that unpickle on load (arbitrary code): refused unless allowed.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+#: Head files at a folder's root that are torch pickles but are only ever read with
+#: torch's weights-only unpickler (tensors and plain containers; any other global is
+#: refused, no code runs): bge-m3's sparse and ColBERT heads (runtimes/bge_m3.py).
+#: Taken whatever `allow_pickle` says and beside safetensors; every other pickle
+#: follows the rule above.
+WEIGHTS_ONLY_HEADS = ("sparse_linear.pt", "colbert_linear.pt")
 #: Formats no fleet runtime loads; skipped so a hub pull does not fetch, e.g.,
 #: an ONNX export that doubles its size.
 FOREIGN_SUFFIXES = (".onnx", ".onnx_data", ".h5", ".msgpack", ".ot", ".tflite", ".gguf", ".mlmodel")
@@ -105,7 +111,7 @@ def select_files(paths: list[str], *, allow_pickle: bool, origin: str,
             skipped.append(rel)
             continue
         keep.append(rel)
-    pickles = [p for p in keep if p.endswith(PICKLE_SUFFIXES)]
+    pickles = [p for p in keep if p.endswith(PICKLE_SUFFIXES) and p not in WEIGHTS_ONLY_HEADS]
     if pickles:
         if any(p.endswith(".safetensors") for p in keep):
             keep = [p for p in keep if p not in pickles]
@@ -202,6 +208,10 @@ def detect_kind(folder: Path) -> Kind | None:
     if adapter is not None:
         task = PEFT_TASKS.get(str(adapter.get("task_type", "")).upper(), "generate")
         return Kind(task, "peft", adapter.get("base_model_name_or_path") or None)
+    if all((folder / head).is_file() for head in WEIGHTS_ONLY_HEADS):
+        # bge-m3 (FlagEmbedding's M3): its dense/sparse/ColBERT heads beside the
+        # encoder; its sentence-transformers files would say dense only.
+        return Kind("embed", "bge-m3")
     # sentence-transformers writes its model type here; a CrossEncoder folder also
     # has modules.json, so the type is read before modules.json decides "embed".
     st = _read_json(folder / "config_sentence_transformers.json")

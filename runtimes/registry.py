@@ -15,6 +15,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     ("embed", "sentence-transformers"): "runtimes.sentence_transformer:SentenceTransformerEmbedder",
     ("embed", "splade"): "runtimes.splade:SpladeEmbedder",
     ("embed", "clip"): "runtimes.clip:ClipEmbedder",
+    ("embed", "bge-m3"): "runtimes.bge_m3:BgeM3Embedder",
     ("rerank", "sentence-transformers"): "runtimes.rerank:SentenceTransformersReranker",
     ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
     ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
