@@ -6,13 +6,14 @@ JSON. The reply follows `Accept`, else the request's Content-Type, else JSON.
 
 from __future__ import annotations
 
-import re
 from typing import Any, TypeVar
 
 import msgspec
 
 from fleet.errors import BadRequest, FleetError
 from fleet.protocol import ErrorBody, ErrorReply
+
+from daemon import fields
 
 T = TypeVar("T")
 
@@ -23,7 +24,6 @@ JSON = "application/json"
 _mp_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _decoders: dict[tuple[type, bool], Any] = {}
-_FIELD_AT = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 
 
 def media_type(header: str | None) -> str:
@@ -47,7 +47,33 @@ def reply_is_msgpack(accept: str | None, content_type: str | None) -> bool:
 
 
 def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
-    """Decode and validate a request body in one pass; errors become `bad_request`."""
+    """Decode and validate a request body in one pass; errors become `bad_request`,
+    naming the field at fault (an unknown one with the closest known one: the
+    request Structs forbid unknown fields, daemon.fields)."""
+    try:
+        return validate(body, type_, msgpack=msgpack)
+    except msgspec.ValidationError as exc:
+        raise fields.invalid(exc, type_, body, msgpack=msgpack) from None
+
+
+def decode_lenient(body: bytes, type_: type[T], *, msgpack: bool) -> tuple[T, list[str]]:
+    """(request, paths of the unknown fields it dropped) for routes whose original
+    server ignores unknown fields (Ollama, TEI): they name them in the
+    `X-Fleet-Ignored-Fields` header. A body without unknown fields costs what `decode`
+    costs; one with them is read once more as plain data, stripped and decoded again."""
+    try:
+        return validate(body, type_, msgpack=msgpack), []
+    except msgspec.ValidationError as exc:
+        if not fields.names_unknown(exc):
+            raise fields.invalid(exc, type_, body, msgpack=msgpack) from None
+    obj = validate(body, Any, msgpack=msgpack)
+    dropped = fields.strip(obj, fields.type_tree(type_))
+    return decode(encode(obj, msgpack=msgpack), type_, msgpack=msgpack), [u.path for u in dropped]
+
+
+def validate(body: bytes, type_: type[T], *, msgpack: bool) -> T:
+    """`decode`'s one pass: a body that does not parse is a `bad_request`; msgspec's
+    ValidationError (the body parses, its fields do not fit) is left to the caller."""
     key = (type_, msgpack)
     decoder = _decoders.get(key)
     if decoder is None:
@@ -56,8 +82,8 @@ def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
         raise BadRequest("empty request body")
     try:
         return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}", param=field_of(str(exc))) from None
+    except msgspec.ValidationError:
+        raise
     except msgspec.DecodeError as exc:
         kind = "MessagePack" if msgpack else "JSON"
         raise BadRequest(f"malformed {kind} body: {exc}") from None
@@ -67,12 +93,6 @@ def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
         # msgspec stops at the interpreter's recursion limit: nesting that deep is
         # never a valid request (deliberately not a traceback in the log per request).
         raise BadRequest("request body is nested too deeply") from None
-
-
-def field_of(message: str) -> str | None:
-    """The top-level request field a msgspec validation message points at (`... - at `$.input[0]``)."""
-    match = _FIELD_AT.search(message)
-    return match.group(1) if match else None
 
 
 def encode(obj: Any, *, msgpack: bool) -> bytes:

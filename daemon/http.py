@@ -9,9 +9,9 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from fleet.errors import BY_CODE, FleetError, Overloaded
+from fleet.errors import BY_CODE, FleetError, Overloaded, UnknownFields
 from fleet.protocol import OpenAIErrorBody, OpenAIErrorReply
-from daemon import codec
+from daemon import codec, fields
 from daemon.broker import Answer
 
 log = logging.getLogger("fleet.daemon")
@@ -93,7 +93,9 @@ def error_parts(exc: FleetError, *, method: str, path: str, msgpack: bool, priva
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     if is_openai_route(path):
-        body = codec.encode(OpenAIErrorReply(OpenAIErrorBody(exc.code, exc.message, openai_error_type(exc.status),
+        # OpenAI's own words for arguments it does not know, so clients match them.
+        message = fields.openai_message(exc.fields) if isinstance(exc, UnknownFields) else exc.message
+        body = codec.encode(OpenAIErrorReply(OpenAIErrorBody(exc.code, message, openai_error_type(exc.status),
                                                              exc.param)), msgpack=msgpack)
     else:
         body = codec.error_body(exc, msgpack=msgpack)

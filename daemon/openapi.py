@@ -6,7 +6,10 @@ their shapes. `OPERATIONS` says, once per route, which Struct (or JSON Schema)
 a request and its reply have; `build_document` walks the app's real routes and
 fills the document from that table and from msgspec's schemas of the Structs.
 A route missing from the table is still listed, without shapes, and
-tests/test_openapi.py fails on it.
+tests/test_openapi.py fails on it. Request Structs forbid unknown fields
+(`additionalProperties: false`); on the routes whose original server ignores
+them (Ollama, TEI: `Op.unknown_fields`) the document says they are allowed, and
+every route that names what it did not apply documents `X-Fleet-Ignored-Fields`.
 
 `/docs` is Swagger UI served from the `swagger-ui-py` package's files (no CDN: it
 works offline); without that package the page says so and links the JSON.
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 
 from fleet import __version__
 from fleet.catalog import NAME_RE
@@ -35,6 +39,7 @@ from fleet.protocol import (
 from daemon.controllers import ollama_wire as ow
 from daemon.controllers import tei
 from daemon.controllers.admin import AdminOptions
+from daemon.fields import IGNORED_FIELDS_HEADER
 
 JSON, MSGPACK, SSE, NDJSON, TEXT = (
     "application/json", "application/msgpack", "text/event-stream", "application/x-ndjson", "text/plain")
@@ -57,6 +62,12 @@ class Op:
     stream: tuple[str, Any] | None = None
     body_required: bool = True
     errors: Any = ErrorReply
+    #: What the route does with a field its request does not have: "refused" (400 naming
+    #: it and the closest known one) or "ignored" (as the original server does; named
+    #: in `X-Fleet-Ignored-Fields`).
+    unknown_fields: str = "refused"
+    #: The reply may carry `X-Fleet-Ignored-Fields` (fields accepted and not applied).
+    names_ignored: bool = False
 
 
 def _array(items: Any) -> dict:
@@ -71,7 +82,9 @@ _NUMBER, _STRING, _INT, _BOOL = {"type": "number"}, {"type": "string"}, {"type":
 _ADMIN_REPLY = _object("What each worker that acted answered.", model=_STRING, op=_STRING,
                        results=_array({"type": "object"}), was_pinned=_BOOL)
 _ADMIN = dict(tag="admin", request=AdminOptions, reply=_ADMIN_REPLY, body_required=False)
-_OLLAMA = dict(tag="ollama", errors=ow.ErrorLine, returns=(JSON,))
+_OLLAMA = dict(tag="ollama", errors=ow.ErrorLine, returns=(JSON,), unknown_fields="ignored")
+_TEI = dict(returns=(JSON,), unknown_fields="ignored")
+_OPENAI = dict(errors=OpenAIErrorReply, names_ignored=True)
 
 OPERATIONS: dict[tuple[str, str], Op] = {
     # -- native -----------------------------------------------------------------------------
@@ -79,7 +92,7 @@ OPERATIONS: dict[tuple[str, str], Op] = {
         "Embed texts or images: dense vectors, per-token vectors or sparse vectors.", "native",
         EmbedRequestJson, {"oneOf": [EmbedReplyJson, EmbedTokensReplyJson, EmbedSparseReply]}),
     ("POST", "/v1/rerank"): Op("Score documents against a query, best first (Cohere v1 / Jina shape).",
-                               "native", RerankRequest, RerankReply),
+                               "native", RerankRequest, RerankReply, names_ignored=True),
     ("POST", "/v1/classify"): Op("Label texts with a sequence classifier.", "native", ClassifyRequest,
                                  ClassifyReply),
     ("POST", "/v1/extract"): Op("Named entities (token classification or zero-shot labels).", "native",
@@ -103,32 +116,30 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("GET", "/metrics"): Op("Prometheus metrics.", "health", None, _STRING, returns=(TEXT,)),
     # -- OpenAI ------------------------------------------------------------------------------
     ("POST", "/v1/embeddings"): Op("OpenAI embeddings: `input` as text(s) or token ids.", "openai",
-                                   OpenAIEmbeddingsRequest, OpenAIEmbeddingsReply, errors=OpenAIErrorReply),
+                                   OpenAIEmbeddingsRequest, OpenAIEmbeddingsReply, **_OPENAI),
     ("POST", "/v1/completions"): Op("OpenAI completions.", "openai", CompletionRequest, CompletionReply,
-                                    stream=(SSE, CompletionReply), errors=OpenAIErrorReply),
+                                    stream=(SSE, CompletionReply), **_OPENAI),
     ("POST", "/v1/chat/completions"): Op("OpenAI chat completions.", "openai", ChatCompletionRequest,
-                                         ChatCompletionReply, stream=(SSE, ChatCompletionChunk),
-                                         errors=OpenAIErrorReply),
+                                         ChatCompletionReply, stream=(SSE, ChatCompletionChunk), **_OPENAI),
     ("GET", "/v1/models"): Op("Stored models (OpenAI model objects).", "openai", None, ModelList,
                               errors=OpenAIErrorReply),
     ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object).", "openai", None, ModelCard,
                                          errors=OpenAIErrorReply),
     # -- Cohere ------------------------------------------------------------------------------
-    ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply),
+    ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
     # -- Hugging Face TEI --------------------------------------------------------------------
     ("POST", "/embed"): Op("TEI: dense embeddings, one array per input.", "tei", tei.TeiEmbedRequest,
-                           _array(_array(_NUMBER)), returns=(JSON,)),
+                           _array(_array(_NUMBER)), **_TEI),
     ("POST", "/embed_all"): Op("TEI: per-token embeddings of each input.", "tei", tei.TeiEmbedRequest,
-                               _array(_array(_array(_NUMBER))), returns=(JSON,)),
+                               _array(_array(_array(_NUMBER))), **_TEI),
     ("POST", "/embed_sparse"): Op("TEI: sparse embeddings (SPLADE models).", "tei", tei.TeiEmbedRequest,
-                                  _array(_array(tei.TeiSparseValue)), returns=(JSON,)),
+                                  _array(_array(tei.TeiSparseValue)), **_TEI),
     ("POST", "/predict"): Op("TEI: sequence classification, labels with scores.", "tei", tei.TeiPredictRequest,
-                             {"oneOf": [_array(tei.TeiPrediction), _array(_array(tei.TeiPrediction))]},
-                             returns=(JSON,)),
-    ("POST", "/rerank"): Op("TEI: rerank, a bare list of {index, score[, text]}.", "tei", RerankRequest,
-                            _array(tei.TeiRank), returns=(JSON,)),
+                             {"oneOf": [_array(tei.TeiPrediction), _array(_array(tei.TeiPrediction))]}, **_TEI),
+    ("POST", "/rerank"): Op("TEI: rerank, a bare list of {index, score[, text]}.", "tei", tei.TeiRerankRequest,
+                            _array(tei.TeiRank), **_TEI),
     ("POST", "/tokenize"): Op("TEI: the tokens of each input.", "tei", tei.TeiTokenizeRequest,
-                              _array(_array(tei.TeiToken)), returns=(JSON,)),
+                              _array(_array(tei.TeiToken)), **_TEI),
     ("GET", "/info"): Op("TEI: the served model and its limits.", "tei", None, tei.TeiInfo, returns=(JSON,)),
     # -- Ollama ------------------------------------------------------------------------------
     ("GET", "/api/version"): Op("Ollama: API version.", reply=_object("", version=_STRING), **_OLLAMA),
@@ -194,12 +205,46 @@ def routes_of(app: Any) -> list[tuple[str, str]]:
     return sorted(set(out))
 
 
+def structs_in(types: list[type]) -> set[type]:
+    """Every Struct type a value of `types` can hold, at any depth."""
+    found: set[type] = set()
+
+    def walk(t: Any) -> None:
+        if isinstance(t, mi.StructType):
+            if t.cls in found:
+                return
+            found.add(t.cls)
+            for f in t.fields:
+                walk(f.type)
+        for name in ("type", "item_type", "key_type", "value_type"):
+            if hasattr(t, name):
+                walk(getattr(t, name))
+        for inner in getattr(t, "types", ()) + getattr(t, "item_types", ()):
+            walk(inner)
+
+    for t in mi.multi_type_info(types):
+        walk(t)
+    return found
+
+
+def allow_unknown_fields(ops: list[Op | None], components: dict[str, Any]) -> None:
+    """Request components used only by routes that ignore unknown fields (Ollama, TEI)
+    say so: without `additionalProperties: false`."""
+    def requests(rule: str) -> set[type]:
+        return structs_in([t for op in ops if op is not None and op.unknown_fields == rule
+                           for t in _types(op.request)])
+
+    for cls in requests("ignored") - requests("refused"):
+        components.get(cls.__name__, {}).pop("additionalProperties", None)
+
+
 def build_document(routes: list[tuple[str, str]]) -> dict[str, Any]:
     ops = [OPERATIONS.get(r) for r in routes]
     types = list(dict.fromkeys(t for op in ops if op is not None
                                for t in _types([op.request, op.reply, op.errors,
                                                 op.stream[1] if op.stream else None])))
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    allow_unknown_fields(ops, components)
     refs = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for (method, path), op in zip(routes, ops):
@@ -210,7 +255,11 @@ def build_document(routes: list[tuple[str, str]]) -> dict[str, Any]:
                  "description": "Serve a fleet of small open models from one box. Bodies are JSON or "
                                 "MessagePack (`application/msgpack`); replies follow `Accept`, else the "
                                 "request's type. In MessagePack replies a tensor is raw little-endian bytes "
-                                "plus `shape` and `dtype`. Off loopback, send `Authorization: Bearer <key>`."},
+                                "plus `shape` and `dtype`. Off loopback, send `Authorization: Bearer <key>`. "
+                                "Requests are understood or refused: native, OpenAI and Cohere routes answer 400 "
+                                "to an unknown field, naming it and the closest known one; Ollama and TEI routes "
+                                "ignore it, as those servers do. A field accepted and not applied, and an "
+                                f"ignored unknown one, is named in the `{IGNORED_FIELDS_HEADER}` reply header."},
         "paths": paths,
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
@@ -232,6 +281,15 @@ def _operation(method: str, path: str, op: Op | None, refs: dict[type, dict]) ->
         out["requestBody"] = {"required": op.body_required,
                               "content": {media: {"schema": schema} for media in op.accepts}}
     ok: dict[str, Any] = {"description": "OK"}
+    if op.unknown_fields == "ignored" or op.names_ignored:
+        ok["headers"] = {IGNORED_FIELDS_HEADER: {
+            "description": "Fields of the request that were not applied (comma-separated paths): unknown ones "
+                           "(where this route ignores them) and known ones fleet accepts and does not apply.",
+            "schema": {"type": "string"}}}
+    if op.request is not None:
+        out["description"] = ("Unknown fields are ignored, as the original server does, and named in "
+                              f"`{IGNORED_FIELDS_HEADER}`." if op.unknown_fields == "ignored" else
+                              "Unknown fields are refused: 400 naming each and the closest known field.")
     if op.reply is not None:
         ok["content"] = {media: {"schema": _resolve(op.reply, refs)} for media in op.returns}
     if op.stream is not None:

@@ -34,6 +34,17 @@ class BadRequest(FleetError):
     code, status = "bad_request", 400
 
 
+class UnknownFields(BadRequest):
+    """A request names fields its shape does not have. `fields` holds each one's path
+    (`max_token`, `inputs[0].imgae`) and the closest known field, or None. The message
+    is the native routes' wording; OpenAI-shaped routes word it as OpenAI does
+    (daemon.http.error_parts)."""
+
+    def __init__(self, message: str, fields: list[tuple[str, str | None]]) -> None:
+        super().__init__(message, param=fields[0][0])
+        self.fields = fields
+
+
 class Unauthorized(FleetError):
     code, status = "unauthorized", 401
 

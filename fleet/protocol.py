@@ -3,7 +3,9 @@
 Shared by the daemon (decode requests, encode replies) and the Python client.
 Requests are plain msgspec Structs so decoding validates types in one pass; a
 request decoded from a MessagePack body is forwarded to the worker as the very
-same bytes (no re-encoding).
+same bytes (no re-encoding). Request Structs forbid unknown fields (STYLE.md 10a):
+a misspelled field is refused while decoding, at no cost to a well-formed
+request; daemon.fields names it and the closest known one.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ class Usage(msgspec.Struct, frozen=True):
 
 # ---- /v1/embed -------------------------------------------------------------
 
-class ImageInput(msgspec.Struct, frozen=True):
+class ImageInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An image item of `/v1/embed` `inputs`: the encoded file (PNG, JPEG, WebP, ...)
     as MessagePack bin. It travels to the worker as sent; only the worker decodes it."""
 
     image: bytes
 
 
-class ImageInputJson(msgspec.Struct, frozen=True):
+class ImageInputJson(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`ImageInput` in a JSON body: base64, or a data URL (`data:image/png;base64,...`)."""
 
     image: str
@@ -61,7 +63,7 @@ class ImageInputJson(msgspec.Struct, frozen=True):
 EmbedOutput = Literal["dense", "sparse", "tokens"]
 
 
-class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """`inputs` items are texts or `{image: bytes}` (image models only).
 
     A `str | Struct` union: msgspec tells the two apart by MessagePack type (str
@@ -82,7 +84,7 @@ class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     timeout_ms: int | None = None
 
 
-class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True):
+class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """`EmbedRequest` as a JSON body spells it (images as base64 text)."""
 
     model: str = ""
@@ -149,9 +151,10 @@ class EmbedSparseReply(msgspec.Struct, frozen=True):
 
 # ---- OpenAI /v1/embeddings --------------------------------------------------
 
-class OpenAIEmbeddingsRequest(msgspec.Struct, frozen=True):
+class OpenAIEmbeddingsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`input`: a text, texts, one text as token ids, or several as id lists (the
-    ids read in the model's own vocabulary); mixed lists are refused."""
+    ids read in the model's own vocabulary); mixed lists are refused. `user` is
+    accepted and named in `X-Fleet-Ignored-Fields`."""
 
     model: str = ""
     input: str | list[str | int | list[int]] = []
@@ -201,13 +204,13 @@ class ModelList(msgspec.Struct, frozen=True):
 
 # ---- /v1/rerank ---------------------------------------------------------------
 
-class RerankDocument(msgspec.Struct, frozen=True):
+class RerankDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A document as Cohere and Jina spell it, in requests and in results."""
 
     text: str
 
 
-class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Score `documents` against `query` with a cross-encoder; best first.
 
     Documents are strings or `{text}` objects. Also takes the TEI spelling:
@@ -230,6 +233,11 @@ class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     #: found; asking otherwise is refused (`unsupported`), never silently ignored.
     rank_fields: list[str] | None = None
     relevant_spans: dict | None = None
+    #: Cohere's, accepted and named in `X-Fleet-Ignored-Fields`: documents are cut at
+    #: the model's own length, and requests have no priorities.
+    max_tokens_per_doc: int | None = None
+    max_chunks_per_doc: int | None = None
+    priority: int | None = None
 
     @property
     def docs(self) -> list[str]:
@@ -281,7 +289,7 @@ class CohereRerankReply(msgspec.Struct, frozen=True):
 
 # ---- /v1/classify ---------------------------------------------------------------
 
-class ClassifyRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class ClassifyRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     model: str = ""
     inputs: list[str] = []
     #: Labels per input, best first; None = all of the model's labels.
@@ -307,7 +315,7 @@ class ClassifyReply(msgspec.Struct, frozen=True):
 
 # ---- /v1/extract ----------------------------------------------------------------
 
-class ExtractRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class ExtractRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     model: str = ""
     inputs: list[str] = []
     #: Entity types to look for: only zero-shot extraction models take them; a
@@ -335,7 +343,7 @@ class ExtractReply(msgspec.Struct, frozen=True):
 
 # ---- /v1/generate, OpenAI /v1/completions and /v1/chat/completions -------------
 
-class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     role: str
     #: Text, or OpenAI content parts (only `{"type": "text", "text": ...}` parts are taken).
     content: str | list[dict] | None = None
@@ -347,7 +355,7 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
 GenerateFormat = Literal["json"] | dict
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation: a `prompt`, or chat `messages` rendered with the model's
     chat template. `model` may name a LoRA adapter directly, or the base with
     the adapter in `adapter`. `temperature` 0 is greedy; `seed` makes sampling
@@ -411,12 +419,12 @@ class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: One more event before `[DONE]`: `choices: []` and the usage of the whole request.
     include_usage: bool = False
 
 
-class JsonSchemaFormat(msgspec.Struct, frozen=True):
+class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """OpenAI `response_format.json_schema`: the output must match `schema`."""
 
     name: str = ""
@@ -425,7 +433,7 @@ class JsonSchemaFormat(msgspec.Struct, frozen=True):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, frozen=True):
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """OpenAI `response_format`: `text`, `json_object` (one JSON object) or
     `json_schema`; enforced while decoding (GenerateRequest.format)."""
 
@@ -433,10 +441,11 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class CompletionRequest(msgspec.Struct, frozen=True):
+class CompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """OpenAI `/v1/completions`. Fields fleet does not implement (`echo`,
     `best_of`, `suffix`, `logit_bias`, penalties, `n` > 1) are refused by name
-    when they ask for something, never ignored."""
+    when they ask for something, never ignored; `user` is accepted and named in
+    `X-Fleet-Ignored-Fields`."""
 
     model: str
     prompt: str | list[str]
@@ -460,13 +469,32 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
 
 
-class ChatCompletionRequest(msgspec.Struct, frozen=True):
+class OpenAIChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A message of OpenAI `/v1/chat/completions`: `role` and `content` go to the
+    model's chat template; `name` and `refusal` are accepted and named in
+    `X-Fleet-Ignored-Fields`; tool calls and audio are refused (no tool calling)."""
+
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """OpenAI `/v1/chat/completions`. Tool calling (`tools`, `tool_choice`,
-    `functions`, `function_call`), `logit_bias`, penalties, audio output and
-    `n` > 1 are refused by name when they ask for something, never ignored."""
+    `functions`, `function_call`), `logit_bias`, penalties, audio output,
+    reasoning and verbosity controls, web search, moderation, `store` and
+    `n` > 1 are refused by name when they ask for something, never ignored;
+    `user`, `metadata`, `service_tier`, the prompt-cache hints,
+    `safety_identifier` and `parallel_tool_calls` are accepted and named in
+    `X-Fleet-Ignored-Fields`."""
 
     model: str
-    messages: list[ChatMessage]
+    messages: list[OpenAIChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = 1.0
@@ -491,6 +519,17 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     audio: dict | None = None
     modalities: list[str] | None = None
     prediction: dict | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
 
 
 class OpenAICompletionUsage(msgspec.Struct, frozen=True):

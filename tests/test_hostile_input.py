@@ -131,9 +131,8 @@ def test_cli_reads_the_key_file(tmp_path, monkeypatch):
 
 
 def test_errors_name_models_not_paths(daemon, tmp_path):
-    for path in ("/v1/embed", "/v1/rerank"):
-        resp = httpx.post(daemon.url + path, json={"model": "no-such-model", "inputs": ["a"], "query": "q",
-                                                   "documents": ["d"]}, timeout=60)
+    for path, body in (("/v1/embed", {"inputs": ["a"]}), ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        resp = httpx.post(daemon.url + path, json={"model": "no-such-model", **body}, timeout=60)
         assert resp.status_code == 404
         message = error_of(resp)["message"]
         assert "no-such-model" in message and str(daemon.home) not in message and "/" not in message

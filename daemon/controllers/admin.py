@@ -6,8 +6,9 @@ then waits for the ack like any request. A worker's error (`model_too_large`,
 `model_load_failed`, ...) comes back with its contract code.
 
 Optional body (JSON or MessagePack): `{"device": "cpu" | "cuda:K"}` for pin and
-load. Replies: `{model, op, results: [{worker, device, loaded, pinned, bytes,
-load_ms, evicted, already}]}`, one entry per worker that acted.
+load (unpin and unload act on every copy and refuse it). Replies: `{model, op,
+results: [{worker, device, loaded, pinned, bytes, load_ms, evicted, already}]}`,
+one entry per worker that acted.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ async def options(request: Request) -> AdminOptions:
     return codec.decode(body, AdminOptions, msgpack=body_is_msgpack(request))
 
 
+def every_copy(opts: AdminOptions, op: str) -> None:
+    """unpin and unload act on every worker holding the model: a `device` would not be applied."""
+    if opts.device is not None:
+        raise BadRequest(f"{op} acts on every worker that holds the model: `device` is not taken here",
+                         param="device")
+
+
 async def send(daemon: Daemon, worker: dict[str, Any], op: str, name: str) -> dict[str, Any]:
     """One command to one worker, through its control lane; its answer as a dict."""
     timeout_s = daemon.settings.load_timeout_ms / 1000.0 if op in (LOAD, PIN) else daemon.timeout_s(None)
@@ -96,6 +104,7 @@ class AdminController(Controller):
     async def unpin(self, request: Request, daemon: Daemon, name: str) -> Response:
         """Evictable again (stays resident until room is needed)."""
         stored(daemon, name)
+        every_copy(await options(request), UNPIN)
         was_pinned = daemon.record_unpin(name)
         results = [await send(daemon, w, UNPIN, name) for w in await holders(daemon, name)]
         return reply(request, {"model": name, "op": UNPIN, "was_pinned": was_pinned, "results": results})
@@ -110,6 +119,7 @@ class AdminController(Controller):
     @post("/unload", status_code=200)
     async def unload(self, request: Request, daemon: Daemon, name: str) -> Response:
         stored(daemon, name)
+        every_copy(await options(request), UNLOAD)
         if name in daemon.pinned_models():
             raise BadRequest(f"{name} is pinned; unpin it first (fleetctl unpin {name})")
         results = [await send(daemon, w, UNLOAD, name) for w in await holders(daemon, name)]

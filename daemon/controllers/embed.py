@@ -13,11 +13,14 @@ from fleet.protocol import (
     OpenAIEmbeddingsRequest, OpenAIUsage, SparseVector, Usage,
 )
 
-from daemon import codec, tasks, timeline
+from daemon import codec, fields, tasks, timeline
 from daemon.controllers.common import default_model, with_model
 from daemon.controllers.tokens import ids_to_texts
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+
+#: OpenAI embeddings fields accepted and not applied: named in `X-Fleet-Ignored-Fields`.
+IGNORED_OPENAI = ("user",)
 
 
 def from_json(jreq: EmbedRequestJson) -> EmbedRequest:
@@ -102,7 +105,8 @@ class EmbedController(Controller):
         else:
             data = [OpenAIEmbedding(row, i) for i, row in enumerate(vectors.tolist())]
         usage = OpenAIUsage(prompt_tokens=res.input_tokens, total_tokens=res.input_tokens)
-        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=answer_headers(answer))
+        ignored = fields.ignored_header(fields.set_fields(oreq, IGNORED_OPENAI))
+        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers={**answer_headers(answer), **ignored})
 
 
 async def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:

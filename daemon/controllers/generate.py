@@ -10,7 +10,9 @@ request: the worker drops the sequence at its next step.
 OpenAI fields map onto the native request: `response_format` onto `format`
 (grammar-constrained decoding in the worker), `logprobs`/`top_logprobs` onto
 the same; `stream_options.include_usage` adds the usage event. Fields fleet
-does not implement answer 400 `unsupported` naming the field.
+does not implement answer 400 `unsupported` naming the field when they ask for
+something; those that ask for nothing fleet could honour (`user`, `metadata`,
+cache hints) are named in the `X-Fleet-Ignored-Fields` reply header.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from fleet.messages import GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest,
-    ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionReply, CompletionRequest, ErrorBody,
-    ErrorReply, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage, ResponseFormat, Usage,
+    ChatDelta, ChatLogprobs, ChatMessage, CompletionChoice, CompletionLogprobs, CompletionReply, CompletionRequest,
+    ErrorBody, ErrorReply, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage,
+    ResponseFormat, Usage,
 )
 
-from daemon import codec, tasks
+from daemon import codec, fields, tasks
 from daemon.controllers.common import decode_request
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
@@ -44,8 +47,17 @@ _json = msgspec.json.Encoder()
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
 MAX_LEGACY_LOGPROBS = 5
 #: OpenAI chat fields fleet does not implement: a request that sets one is refused by name.
-UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logit_bias", "audio", "prediction")
+UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logit_bias", "audio", "prediction", "store",
+                    "reasoning_effort", "verbosity", "web_search_options", "moderation")
 UNSUPPORTED_COMPLETION = ("echo", "suffix", "logit_bias")
+#: Message fields that belong to tool calling and audio, which fleet does not do.
+UNSUPPORTED_MESSAGE = ("tool_calls", "tool_call_id", "function_call", "audio")
+#: OpenAI fields accepted and not applied (they ask for nothing fleet could honour):
+#: named in the reply's `X-Fleet-Ignored-Fields`.
+IGNORED_CHAT = ("user", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                "prompt_cache_options", "safety_identifier", "parallel_tool_calls")
+IGNORED_MESSAGE = ("name", "refusal")
+IGNORED_COMPLETION = ("user",)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -67,6 +79,17 @@ def refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise Unsupported("`tool_choice` is not supported by this server (no tool calling)", param="tool_choice")
     if req.modalities not in (None, ["text"]):
         raise Unsupported("only text output is supported: `modalities` may be [\"text\"]", param="modalities")
+    for i, message in enumerate(req.messages):
+        asked = fields.set_fields(message, UNSUPPORTED_MESSAGE)
+        if asked:
+            raise Unsupported(f"`messages[{i}].{asked[0]}` is not supported by this server (no tool calling or audio)",
+                              param=f"messages[{i}].{asked[0]}")
+
+
+def ignored_chat_fields(req: ChatCompletionRequest) -> list[str]:
+    """What a chat request sets that fleet accepts and does not apply (the header's names)."""
+    return fields.set_fields(req, IGNORED_CHAT) + [
+        f"messages[{i}].{name}" for i, m in enumerate(req.messages) for name in fields.set_fields(m, IGNORED_MESSAGE)]
 
 
 def output_format(rf: ResponseFormat | None) -> str | dict | None:
@@ -110,8 +133,8 @@ async def error_events(stream: TextStream, events: AsyncIterator[bytes]) -> Asyn
         yield sse(ErrorReply(ErrorBody(exc.code, exc.message)))
 
 
-def event_stream(events: AsyncIterator[bytes]) -> Stream:
-    return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS)
+def event_stream(events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> Stream:
+    return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
 def completion_id(prefix: str) -> str:
@@ -159,6 +182,7 @@ class GenerateController(Controller):
         prompts = [oreq.prompt] if isinstance(oreq.prompt, str) else oreq.prompt
         if not prompts:
             raise BadRequest("`prompt` is empty")
+        ignored = fields.ignored_header(fields.set_fields(oreq, IGNORED_COMPLETION))
         fmt = output_format(oreq.response_format)
         reqs = [GenerateRequest(model=oreq.model, prompt=p, max_tokens=oreq.max_tokens, temperature=oreq.temperature,
                                 top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream, format=fmt,
@@ -174,7 +198,7 @@ class GenerateController(Controller):
                 sum(r.input_tokens + r.output_tokens for r, _ in done),
             )
             return reply(request, CompletionReply(cid, created, oreq.model, choices, usage),
-                         headers=answer_headers(done[0][1]))
+                         headers={**answer_headers(done[0][1]), **ignored})
         if len(reqs) != 1:
             raise BadRequest("streaming takes one prompt per request")
         stream = TextStream(daemon, reqs[0], codec.encode_msgpack(reqs[0]))
@@ -196,14 +220,16 @@ class GenerateController(Controller):
                 yield sse(CompletionReply(cid, created, oreq.model, [], openai_usage(res)))
             yield SSE_DONE
 
-        return event_stream(error_events(stream, events()))
+        return event_stream(error_events(stream, events()), ignored)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request, daemon: Daemon) -> Response | Stream:
         oreq = codec.decode(await request.body(), ChatCompletionRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported_chat(oreq)
+        ignored = fields.ignored_header(ignored_chat_fields(oreq))
         max_tokens = oreq.max_completion_tokens or oreq.max_tokens
-        req = GenerateRequest(model=oreq.model, messages=oreq.messages, temperature=oreq.temperature,
+        messages = [ChatMessage(m.role, m.content) for m in oreq.messages]
+        req = GenerateRequest(model=oreq.model, messages=messages, temperature=oreq.temperature,
                               top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream,
                               format=output_format(oreq.response_format), logprobs=oreq.logprobs,
                               top_logprobs=oreq.top_logprobs or 0,
@@ -215,7 +241,7 @@ class GenerateController(Controller):
             logprobs = ChatLogprobs(token_logprobs(res.logprobs)) if oreq.logprobs else None
             choice = ChatChoice(0, AssistantMessage(res.text), res.finish_reason, logprobs)
             return reply(request, ChatCompletionReply(cid, created, oreq.model, [choice], openai_usage(res)),
-                         headers=answer_headers(answer))
+                         headers={**answer_headers(answer), **ignored})
         stream = TextStream(daemon, req, payload)
         await stream.started()
         include_usage = oreq.stream_options is not None and oreq.stream_options.include_usage
@@ -233,4 +259,4 @@ class GenerateController(Controller):
                 yield sse(ChatCompletionChunk(cid, created, oreq.model, [], openai_usage(res)))
             yield SSE_DONE
 
-        return event_stream(error_events(stream, events()))
+        return event_stream(error_events(stream, events()), ignored)

@@ -30,6 +30,11 @@ and load, `eval_duration` the rest of the time in the model.
 
 Errors answer `{"error": "..."}` with the contract's status (Ollama clients read
 that field); a failure after a stream started ends it with such a line.
+
+Unknown fields are ignored, as Ollama ignores them, and named in the
+`X-Fleet-Ignored-Fields` reply header with the known fields fleet accepts and
+does not apply (`messages[i].thinking`, `verbose`, ...); options fleet does not
+apply are named in `X-Fleet-Ignored-Options`.
 """
 
 from __future__ import annotations
@@ -53,15 +58,15 @@ from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest, TokenLogp
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
 
-from daemon import codec, tasks
+from daemon import codec, fields, tasks
 from daemon.broker import Answer
 from daemon.controllers.admin import choose_worker, holders, send
 from daemon.controllers.ollama_facts import capabilities, details, facts
 from daemon.controllers.ollama_wire import (
-    API_VERSION, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody, EmbeddingsReply, EmbedReply,
-    ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, PsReply, ReplyMessage, RunningModel, ShowReply, Stats,
-    TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields, ollama_name, output_format,
-    read_options, refuse_unsupported, sampling, store_name,
+    API_VERSION, IGNORED_MESSAGE, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody,
+    EmbeddingsReply, EmbedReply, ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, PsReply, ReplyMessage,
+    RunningModel, ShowReply, Stats, TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields,
+    ollama_name, output_format, read_options, refuse_unsupported, sampling, store_name,
 )
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.core import Daemon
@@ -99,11 +104,12 @@ def on_error(request: Request, exc: Exception) -> Response:
     return json_reply(ErrorLine(message), headers=headers, status=status)
 
 
-async def decode(request: Request, type_: type[Any]) -> Any:
+async def decode(request: Request, type_: type[Any]) -> tuple[Any, list[str]]:
+    """(request, the unknown fields it dropped): Ollama ignores unknown fields."""
     body = await request.body()
     if not body.strip():
         raise BadRequest("missing request body")
-    return codec.decode(body, type_, msgpack=body_is_msgpack(request))
+    return codec.decode_lenient(body, type_, msgpack=body_is_msgpack(request))
 
 
 def stored_manifest(daemon: Daemon, ollama: str) -> Manifest:
@@ -124,8 +130,18 @@ def serving(daemon: Daemon, ollama: str, task: str) -> str:
     return name
 
 
-def ignored_header(ignored: list[str]) -> dict[str, str]:
-    return {IGNORED_OPTIONS_HEADER: ",".join(ignored)} if ignored else {}
+def ignored_headers(options: list[str], dropped: list[str]) -> dict[str, str]:
+    """`X-Fleet-Ignored-Options` (options fleet does not apply) and `X-Fleet-Ignored-Fields`
+    (unknown fields, and known ones fleet does not apply)."""
+    headers = fields.ignored_header(dropped)
+    if options:
+        headers[IGNORED_OPTIONS_HEADER] = ",".join(fields.shown(o) for o in options)
+    return headers
+
+
+def message_fields(messages: list[Any]) -> list[str]:
+    """Message fields fleet accepts and does not apply (earlier thinking, a tool's name)."""
+    return [f"messages[{i}].{name}" for i, m in enumerate(messages) for name in fields.set_fields(m, IGNORED_MESSAGE)]
 
 
 # ---- keep_alive on the admin path --------------------------------------------------------
@@ -376,7 +392,7 @@ class OllamaController(Controller):
 
     @post("/show", status_code=200)
     async def api_show(self, request: Request, daemon: Daemon) -> Response:
-        body: NameBody = await decode(request, NameBody)
+        body, dropped = await decode(request, NameBody)
         manifest = stored_manifest(daemon, body.target)
         f = facts(daemon.store, manifest)
         modelfile = f"# {manifest.name}: fleet {manifest.task} model ({manifest.runtime})\n" \
@@ -385,27 +401,29 @@ class OllamaController(Controller):
             modelfile += f'TEMPLATE """{f.template}"""\n'
         parameters = f"num_ctx {f.context_length}" if f.context_length else ""
         return json_reply(ShowReply(modelfile, parameters, f.template, details(manifest, f), f.info,
-                                    capabilities(manifest), iso_utc(manifest.created_at)))
+                                    capabilities(manifest), iso_utc(manifest.created_at)),
+                          ignored_headers([], dropped + fields.set_fields(body, ("verbose",))))
 
     @post("/generate", status_code=200)
     async def api_generate(self, request: Request, daemon: Daemon) -> Response | Stream:
-        body: GenerateBody = await decode(request, GenerateBody)
+        body, dropped = await decode(request, GenerateBody)
         name = serving(daemon, body.model, "generate")
         refuse_unsupported(body.model, {"images": body.images, "think": body.think, "suffix": body.suffix,
                                         "template": body.template, "context": body.context})
         keep = choose_keep(body.keep_alive)
         opts, ignored = read_options(body.options)
         frame = GenerateFrame(body.model)
+        headers = ignored_headers(ignored, dropped)
         if not body.prompt:
             reason = await apply_keep(daemon, name, keep)
-            return json_reply(frame("", True, reason))
+            return json_reply(frame("", True, reason), headers)
         req = prompt_request(daemon, name, body, stream=True, format=output_format(body.format),
                              **logprob_fields(body.logprobs, body.top_logprobs), **sampling(opts))
-        return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
+        return await run_text(daemon, name, req, keep, body.stream, frame, headers)
 
     @post("/chat", status_code=200)
     async def api_chat(self, request: Request, daemon: Daemon) -> Response | Stream:
-        body: ChatBody = await decode(request, ChatBody)
+        body, dropped = await decode(request, ChatBody)
         name = serving(daemon, body.model, "generate")
         messages = body.messages or []
         refuse_unsupported(body.model, {"tools": body.tools, "think": body.think,
@@ -415,48 +433,52 @@ class OllamaController(Controller):
         keep = choose_keep(body.keep_alive)
         opts, ignored = read_options(body.options)
         frame = ChatFrame(body.model)
+        headers = ignored_headers(ignored, dropped + message_fields(messages))
         if not messages:
             reason = await apply_keep(daemon, name, keep)
-            return json_reply(frame("", True, reason))
+            return json_reply(frame("", True, reason), headers)
         req = GenerateRequest(model=name, messages=[ChatMessage(m.role, m.content) for m in messages], stream=True,
                               format=output_format(body.format), **logprob_fields(body.logprobs, body.top_logprobs),
                               **sampling(opts))
-        return await run_text(daemon, name, req, keep, body.stream, frame, ignored_header(ignored))
+        return await run_text(daemon, name, req, keep, body.stream, frame, headers)
 
     @post("/embed", status_code=200)
     async def api_embed(self, request: Request, daemon: Daemon) -> Response:
-        body: EmbedBody = await decode(request, EmbedBody)
+        body, dropped = await decode(request, EmbedBody)
         name = serving(daemon, body.model, "embed")
         keep = choose_keep(body.keep_alive)
         _, ignored = read_options(body.options)
+        headers = ignored_headers(ignored, dropped)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         if not inputs or inputs == [""]:
             await apply_keep(daemon, name, keep)
-            return json_reply(EmbedReply(body.model, [], 0, 0, 0), ignored_header(ignored))
+            return json_reply(EmbedReply(body.model, [], 0, 0, 0), headers)
         vectors, answer, tokens, clock = await embed_texts(daemon, name, inputs, keep, normalize=True,
                                                            truncate=body.truncate)
         if body.dimensions is not None:
             vectors = tasks.shorten(vectors, body.dimensions)
         stats = await clock.stats(daemon, answer, tokens, 0)
         return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
-                          ignored_header(ignored))
+                          headers)
 
     @post("/embeddings", status_code=200)
     async def api_embeddings(self, request: Request, daemon: Daemon) -> Response:
-        body: EmbeddingsBody = await decode(request, EmbeddingsBody)
+        body, dropped = await decode(request, EmbeddingsBody)
         name = serving(daemon, body.model, "embed")
         keep = choose_keep(body.keep_alive)
         _, ignored = read_options(body.options)
+        headers = ignored_headers(ignored, dropped)
         if not body.prompt:
             await apply_keep(daemon, name, keep)
-            return json_reply(EmbeddingsReply([]), ignored_header(ignored))
+            return json_reply(EmbeddingsReply([]), headers)
         vectors, *_ = await embed_texts(daemon, name, [body.prompt], keep, normalize=False, truncate=True)
-        return json_reply(EmbeddingsReply(vectors[0].tolist()), ignored_header(ignored))
+        return json_reply(EmbeddingsReply(vectors[0].tolist()), headers)
 
     @post("/pull", status_code=200)
     async def api_pull(self, request: Request, daemon: Daemon) -> Response | Stream:
-        body: NameBody = await decode(request, NameBody)
+        body, dropped = await decode(request, NameBody)
         name = store_name(body.target)
+        headers = ignored_headers([], dropped + fields.set_fields(body, ("insecure",)))
         catalog = load_catalog(daemon.settings.home)
         # Only names fleet knows: a source (hf:, path:, pkg:) is the operator's to choose, not a client's.
         if name not in catalog and not daemon.store.exists(name):
@@ -473,7 +495,7 @@ class OllamaController(Controller):
 
         if not body.stream:
             await asyncio.to_thread(work)
-            return json_reply(ProgressLine("success"))
+            return json_reply(ProgressLine("success"), headers)
 
         async def lines() -> AsyncIterator[bytes]:
             yield line(ProgressLine("pulling manifest"))
@@ -496,11 +518,11 @@ class OllamaController(Controller):
                 return
             yield line(ProgressLine("success"))
 
-        return Stream(lines(), media_type=NDJSON)
+        return Stream(lines(), media_type=NDJSON, headers=headers)
 
     @delete("/delete", status_code=200)
     async def api_delete(self, request: Request, daemon: Daemon) -> Response:
-        body: NameBody = await decode(request, NameBody)
+        body, dropped = await decode(request, NameBody)
         name = stored_manifest(daemon, body.target).name
         dependents = daemon.store.dependents(name)
         if dependents:
@@ -511,7 +533,7 @@ class OllamaController(Controller):
         await unload(daemon, name)
         await asyncio.to_thread(daemon.store.remove, name)
         daemon.forget(name)
-        return Response(content=b"", status_code=200)
+        return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
 
 
 async def embed_texts(daemon: Daemon, name: str, inputs: list[str], keep: Keep, *, normalize: bool,

@@ -2,11 +2,14 @@
 
 Field names follow Ollama's own document (docs/api.md) and its Go types
 (api/types.go). Requests are decoded leniently, as Ollama's Go server does:
-unknown fields are ignored. What fleet cannot honour is refused by name
-(`refuse_unsupported`), never dropped in silence; the one exception is
-`options`, where Ollama itself accepts and ignores what a model has no use
-for: fleet applies temperature, top_p, seed, num_predict and stop, and names
-the rest in the `X-Fleet-Ignored-Options` reply header.
+unknown fields are ignored (the Structs forbid them, so msgspec finds one at no
+cost to a request without; `codec.decode_lenient` then drops them). What fleet
+cannot honour is refused by name (`refuse_unsupported`), never dropped in
+silence: unknown fields and known ones fleet does not apply are named in the
+`X-Fleet-Ignored-Fields` reply header (daemon.fields). In `options`, where Ollama itself accepts and ignores
+what a model has no use for, fleet applies temperature, top_p, seed,
+num_predict and stop, and names the rest in the `X-Fleet-Ignored-Options`
+reply header.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ API_VERSION = "0.32.15"
 IGNORED_OPTIONS_HEADER = "X-Fleet-Ignored-Options"
 #: Options fleet applies (the rest are accepted and ignored, as Ollama does for options a runner does not use).
 APPLIED_OPTIONS = frozenset({"temperature", "top_p", "seed", "num_predict", "stop"})
+#: Message fields accepted and not applied (the chat template gets role and content).
+IGNORED_MESSAGE = ("tool_name", "thinking")
 
 
 # ---- requests ------------------------------------------------------------------------
 
-class OllamaMessage(msgspec.Struct, frozen=True):
+class OllamaMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     content: str = ""
     images: list[str] | None = None
@@ -61,7 +66,7 @@ class Options(msgspec.Struct, frozen=True):
 KeepAliveValue = float | str | None
 
 
-class GenerateBody(msgspec.Struct, frozen=True):
+class GenerateBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     prompt: str | None = None
     suffix: str | None = None
@@ -79,7 +84,7 @@ class GenerateBody(msgspec.Struct, frozen=True):
     top_logprobs: int | None = None
 
 
-class ChatBody(msgspec.Struct, frozen=True):
+class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     messages: list[OllamaMessage] | None = None
     tools: list[Any] | None = None
@@ -92,7 +97,7 @@ class ChatBody(msgspec.Struct, frozen=True):
     top_logprobs: int | None = None
 
 
-class EmbedBody(msgspec.Struct, frozen=True):
+class EmbedBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     input: str | list[str] = ""
     truncate: bool = True
@@ -101,7 +106,7 @@ class EmbedBody(msgspec.Struct, frozen=True):
     keep_alive: KeepAliveValue = None
 
 
-class EmbeddingsBody(msgspec.Struct, frozen=True):
+class EmbeddingsBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The legacy `/api/embeddings` (one `prompt`, one unnormalised vector)."""
 
     model: str = ""
@@ -110,7 +115,7 @@ class EmbeddingsBody(msgspec.Struct, frozen=True):
     keep_alive: KeepAliveValue = None
 
 
-class NameBody(msgspec.Struct, frozen=True):
+class NameBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`/api/show`, `/api/delete`, `/api/pull`: `model` (older clients send `name`)."""
 
     model: str = ""

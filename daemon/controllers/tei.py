@@ -11,6 +11,11 @@ twin (`/v1/embed`, `/v1/rerank`, `/v1/classify`), so batching, limits and
 errors are the native ones; errors keep the contract's `{error: {code, message}}`.
 Clients that post TEI's `{"inputs", "parameters": {...}}` (huggingface_hub)
 have `normalize`, `truncate` and `dimensions` read from `parameters` too.
+
+TEI's request types do not deny unknown fields (serde ignores them), so these
+routes ignore them too, and name them in the `X-Fleet-Ignored-Fields` reply
+header with the fields a route accepts and does not apply (`normalize` and
+`dimensions` on `/embed_sparse` and `/embed_all`, which TEI does not take there).
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ from fleet.errors import BadRequest, ModelNotFound, Unsupported
 from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
 
-from daemon import codec, tasks
-from daemon.broker import Answer
+from daemon import codec, fields, tasks
 from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon
@@ -39,7 +43,7 @@ from daemon.http import answer_headers, body_is_msgpack, reply
 Inputs = str | list[str | int | list[int]]
 
 
-class TeiParameters(msgspec.Struct, frozen=True):
+class TeiParameters(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """huggingface_hub's `parameters` object (TEI itself reads these at the top level)."""
 
     normalize: bool | None = None
@@ -49,21 +53,22 @@ class TeiParameters(msgspec.Struct, frozen=True):
     truncation_direction: str | None = None
 
 
-class TeiEmbedRequest(msgspec.Struct, frozen=True):
-    """`/embed`, `/embed_sparse`, `/embed_all` (the last two take no `normalize`/`dimensions`, as in TEI)."""
+class TeiEmbedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`/embed`, `/embed_sparse`, `/embed_all` (the last two take no `normalize`/`dimensions`, as in TEI:
+    there they are named in `X-Fleet-Ignored-Fields`). `normalize` None = true."""
 
     inputs: Inputs
     model: str = ""
     truncate: bool | None = None
     truncation_direction: str = "right"
     prompt_name: str | None = None
-    normalize: bool = True
+    normalize: bool | None = None
     dimensions: int | None = None
     parameters: TeiParameters | None = None
     timeout_ms: int | None = None
 
 
-class TeiPredictRequest(msgspec.Struct, frozen=True):
+class TeiPredictRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`inputs`: a text, a `[text]`, or a batch `[[text], ...]` (TEI's sentence pairs are refused:
     fleet's classifiers take one text)."""
 
@@ -75,7 +80,23 @@ class TeiPredictRequest(msgspec.Struct, frozen=True):
     timeout_ms: int | None = None
 
 
-class TeiTokenizeRequest(msgspec.Struct, frozen=True):
+class TeiRerankRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`/rerank`: `texts` against `query` (`documents` and `top_n`, Cohere's and
+    Infinity's spelling, are taken too)."""
+
+    query: str = ""
+    texts: list[str] | None = None
+    documents: list[str] | None = None
+    top_n: int | None = None
+    model: str = ""
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    raw_scores: bool = False
+    return_text: bool = False
+    timeout_ms: int | None = None
+
+
+class TeiTokenizeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inputs: str | list[str]
     model: str = ""
     add_special_tokens: bool = True
@@ -158,19 +179,31 @@ async def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
     return texts
 
 
-async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, Any, Answer]:
-    """Decode a TEI embed request, queue it as the native one, return (TEI request, worker's result, answer)."""
-    tei = codec.decode(await request.body(), TeiEmbedRequest, msgpack=body_is_msgpack(request))
+def not_applied(tei: TeiEmbedRequest, output: str) -> list[str]:
+    """`normalize` and `dimensions` where TEI does not take them (`/embed_sparse`, `/embed_all`)."""
+    if output == "dense":
+        return []
+    names = ("normalize", "dimensions")
+    out = fields.set_fields(tei, names)
+    if tei.parameters is not None:
+        out += [f"parameters.{n}" for n in fields.set_fields(tei.parameters, names)]
+    return out
+
+
+async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, Any, dict[str, str]]:
+    """Decode a TEI embed request, queue it as the native one, return (TEI request, worker's result,
+    reply headers)."""
+    tei, dropped = codec.decode_lenient(await request.body(), TeiEmbedRequest, msgpack=body_is_msgpack(request))
     params = tei.parameters or TeiParameters()
     refuse_unsupported(tei.prompt_name or params.prompt_name, params.truncation_direction or tei.truncation_direction)
     model = tei.model or default_model(daemon, "embed")
     truncate = params.truncate if params.truncate is not None else tei.truncate
     # TEI's /embed_all returns the token vectors as the model gives them (it has no `normalize`).
-    normalize = (params.normalize if params.normalize is not None else tei.normalize) and output == "dense"
+    normalize = (params.normalize if params.normalize is not None else tei.normalize) is not False and output == "dense"
     req = EmbedRequest(model=model, inputs=await embed_texts(daemon, model, tei.inputs), normalize=normalize,
                        truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
     res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
-    return tei, res, answer
+    return tei, res, {**answer_headers(answer), **fields.ignored_header(dropped + not_applied(tei, output))}
 
 
 def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
@@ -267,40 +300,43 @@ class TeiController(Controller):
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
-        tei, res, answer = await tei_embed(request, daemon, "dense")
+        tei, res, headers = await tei_embed(request, daemon, "dense")
         vectors = tasks.vectors(res)
         dimensions = tei.dimensions
         if tei.parameters is not None and tei.parameters.dimensions is not None:
             dimensions = tei.parameters.dimensions
         if dimensions is not None:
             vectors = tasks.shorten(vectors, dimensions)
-        return reply(request, vectors.tolist(), headers=answer_headers(answer))
+        return reply(request, vectors.tolist(), headers=headers)
 
     @post("/embed_sparse", status_code=200)
     async def embed_sparse(self, request: Request, daemon: Daemon) -> Response:
-        _, res, answer = await tei_embed(request, daemon, "sparse")
+        _, res, headers = await tei_embed(request, daemon, "sparse")
         out = [[TeiSparseValue(i, v) for i, v in zip(indices, values)] for indices, values in tasks.sparse_vectors(res)]
-        return reply(request, out, headers=answer_headers(answer))
+        return reply(request, out, headers=headers)
 
     @post("/embed_all", status_code=200)
     async def embed_all(self, request: Request, daemon: Daemon) -> Response:
-        _, res, answer = await tei_embed(request, daemon, "tokens")
-        return reply(request, tasks.token_vectors(res), headers=answer_headers(answer))
+        _, res, headers = await tei_embed(request, daemon, "tokens")
+        return reply(request, tasks.token_vectors(res), headers=headers)
 
     @post("/rerank", status_code=200)
     async def rerank(self, request: Request, daemon: Daemon) -> Response:
         """TEI's rerank: `texts`, `raw_scores`, `return_text`; a bare list, best first."""
-        req = codec.decode(await request.body(), RerankRequest, msgpack=body_is_msgpack(request))
-        if not req.model:
-            req = msgspec.structs.replace(req, model=default_model(daemon, "rerank"))
+        tei, dropped = codec.decode_lenient(await request.body(), TeiRerankRequest, msgpack=body_is_msgpack(request))
+        refuse_unsupported(None, tei.truncation_direction)
+        req = RerankRequest(model=tei.model or default_model(daemon, "rerank"), query=tei.query,
+                            documents=tei.documents, texts=tei.texts, top_n=tei.top_n, return_text=tei.return_text,
+                            raw_scores=tei.raw_scores, truncate=True if tei.truncate is None else tei.truncate,
+                            timeout_ms=tei.timeout_ms)
         hits, _, answer = await tasks.rerank(daemon, req, codec.encode_msgpack(req))
         out = [TeiRank(h.index, h.score, h.text) for h in hits]
-        return reply(request, out, headers=answer_headers(answer))
+        return reply(request, out, headers={**answer_headers(answer), **fields.ignored_header(dropped)})
 
     @post("/predict", status_code=200)
     async def predict(self, request: Request, daemon: Daemon) -> Response:
         """Every label of the model, best first, per input; one list for one input, a list per input for a batch."""
-        tei = codec.decode(await request.body(), TeiPredictRequest, msgpack=body_is_msgpack(request))
+        tei, dropped = codec.decode_lenient(await request.body(), TeiPredictRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(None, tei.truncation_direction)
         texts, batch = predict_texts(tei.inputs)
         req = ClassifyRequest(model=tei.model or default_model(daemon, "classify"), inputs=texts,
@@ -308,12 +344,13 @@ class TeiController(Controller):
                               timeout_ms=tei.timeout_ms)
         results, _, answer = await tasks.classify(daemon, req, codec.encode_msgpack(req))
         rows = [[TeiPrediction(x.score, x.label) for x in labels] for labels in results]
-        return reply(request, rows if batch else rows[0], headers=answer_headers(answer))
+        return reply(request, rows if batch else rows[0],
+                     headers={**answer_headers(answer), **fields.ignored_header(dropped)})
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, request: Request, daemon: Daemon) -> Response:
         """Tokens of each input in the model's own vocabulary (always a list per input, as TEI answers)."""
-        tei = codec.decode(await request.body(), TeiTokenizeRequest, msgpack=body_is_msgpack(request))
+        tei, dropped = codec.decode_lenient(await request.body(), TeiTokenizeRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(tei.prompt_name, None)
         texts = [tei.inputs] if tei.inputs.__class__ is str else tei.inputs
         tasks.check_inputs(daemon, texts)
@@ -322,7 +359,8 @@ class TeiController(Controller):
         tokenizer = load_tokenizer(daemon.store, manifest)
         # Off the event loop: tokenizing thousands of texts must not stall other requests.
         encodings = await asyncio.to_thread(tokenizer.encode_batch, texts, add_special_tokens=tei.add_special_tokens)
-        return reply(request, [tokens_of(t, enc) for t, enc in zip(texts, encodings)])
+        return reply(request, [tokens_of(t, enc) for t, enc in zip(texts, encodings)],
+                     headers=fields.ignored_header(dropped))
 
     @get("/info")
     async def info(self, request: Request, daemon: Daemon, model: str | None = None) -> Response:
