@@ -229,6 +229,9 @@ class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     raw_scores: bool = False
     truncate: bool = True
     timeout_ms: int | None = None
+    #: LLM rerankers (runtime llm-rerank) only: the task instruction their prompt
+    #: carries, instead of the model's default; a cross-encoder refuses it.
+    instruction: str | None = None
     #: Cohere's: documents are ranked on their `text` only, and no relevant spans are
     #: found; asking otherwise is refused (`unsupported`), never silently ignored.
     rank_fields: list[str] | None = None

@@ -59,6 +59,9 @@ DEFAULT_RUNTIME = {
     "extract": "transformers",
     "generate": "transformers",
 }
+#: (task the folder looks like, task it is pulled as) -> runtime: a causal LM
+#: pulled with --task rerank is an LLM reranker (its prompt asks for a yes/no token).
+OTHER_TASK_RUNTIME = {("generate", "rerank"): "llm-rerank"}
 #: peft's `task_type` -> fleet task.
 PEFT_TASKS = {
     "FEATURE_EXTRACTION": "embed",
@@ -269,7 +272,11 @@ def _metadata(
             )
         known_task = kind.task
     if known_runtime is None:
-        known_runtime = kind.runtime if kind is not None and kind.task == known_task else DEFAULT_RUNTIME[known_task]
+        if kind is not None and kind.task == known_task:
+            known_runtime = kind.runtime
+        else:
+            known_runtime = OTHER_TASK_RUNTIME.get((kind.task if kind else None, known_task),
+                                                   DEFAULT_RUNTIME[known_task])
     if known_base is None and kind is not None and kind.base_ref:
         known_base = _base_name(kind.base_ref, catalog)
     if known_runtime == "peft" and known_base is None:

@@ -126,10 +126,11 @@ def _optional(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 
 def rerank_body(model: str, query: str, documents: Sequence[str], top_n: int | None, return_documents: bool,
-                raw_scores: bool, truncate: bool, timeout_ms: int | None) -> dict[str, Any]:
+                raw_scores: bool, truncate: bool, timeout_ms: int | None,
+                instruction: str | None = None) -> dict[str, Any]:
     return _optional({"model": model, "query": query, "documents": as_list(documents),
                       "return_documents": return_documents, "raw_scores": raw_scores, "truncate": truncate},
-                     top_n=top_n, timeout_ms=timeout_ms)
+                     top_n=top_n, timeout_ms=timeout_ms, instruction=instruction)
 
 
 def classify_body(model: str, inputs: Sequence[str], top_k: int | None, multi_label: bool | None,
@@ -279,8 +280,10 @@ class Client(_Base):
 
     def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
                return_documents: bool = False, raw_scores: bool = False, truncate: bool = True,
-               timeout_ms: int | None = None) -> list[RerankHit]:
-        body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms)
+               timeout_ms: int | None = None, instruction: str | None = None) -> list[RerankHit]:
+        """Documents best first; `instruction`: an LLM reranker's task instruction."""
+        body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms,
+                           instruction)
         return _rerank.decode(self.request("POST", "/v1/rerank", body)).results
 
     def classify(self, model: str, inputs: str | Sequence[str], *, top_k: int | None = None,
@@ -379,8 +382,9 @@ class AsyncClient(_Base):
 
     async def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, raw_scores: bool = False, truncate: bool = True,
-                     timeout_ms: int | None = None) -> list[RerankHit]:
-        body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms)
+                     timeout_ms: int | None = None, instruction: str | None = None) -> list[RerankHit]:
+        body = rerank_body(model, query, documents, top_n, return_documents, raw_scores, truncate, timeout_ms,
+                           instruction)
         return _rerank.decode(await self.request("POST", "/v1/rerank", body)).results
 
     async def classify(self, model: str, inputs: str | Sequence[str], *, top_k: int | None = None,

@@ -18,6 +18,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     ("embed", "bge-m3"): "runtimes.bge_m3:BgeM3Embedder",
     ("rerank", "sentence-transformers"): "runtimes.rerank:SentenceTransformersReranker",
     ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
+    ("rerank", "llm-rerank"): "runtimes.llm_rerank:LlmReranker",
     ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
     ("extract", "transformers"): "runtimes.extract:TokenClassifier",
     ("extract", "gliner"): "runtimes.gliner:GlinerExtractor",

@@ -94,6 +94,9 @@ class CrossEncoderAdapter(Adapter):
 
     def refuse(self, req: RerankRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
+        if req.instruction is not None:
+            return WorkError("bad_request", f"{self.spec.name} is a cross-encoder: it takes no `instruction` "
+                                            "(LLM rerankers, runtime llm-rerank, do)")
         if not req.truncate and (over := over_char_bound(self.spec.name, [req.query], self.max_seq_len, "query")
                                  or over_char_bound(self.spec.name, req.docs, self.max_seq_len, "document")):
             return over
