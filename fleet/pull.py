@@ -224,6 +224,9 @@ def detect_kind(folder: Path) -> Kind | None:
         return Kind("embed", "sentence-transformers")
     if st is not None and st.get("model_type", "SentenceTransformer") == "SentenceTransformer":
         return Kind("embed", "sentence-transformers")
+    if (folder / "gliner_config.json").is_file():
+        # GLiNER's own layout (GLiNER.save_pretrained): no transformers config.json.
+        return Kind("extract", "gliner")
     config = _read_json(folder / "config.json")
     if config is None:
         return None

