@@ -30,6 +30,8 @@ import msgspec
 from fleet.errors import BadRequest, ModelNotFound
 
 Task = Literal["embed", "rerank", "classify", "extract", "generate"]
+#: LLM rerankers' prompt formats (runtimes/llm_rerank.FORMATS).
+RerankPrompt = Literal["qwen3", "mxbai-v2"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -172,6 +174,13 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompts: dict[str, str] | None = None
     #: The prompt a request gets when it names none (default: the folder's, else none).
     default_prompt_name: str | None = None
+    #: LLM rerankers (runtime llm-rerank): the prompt format (None = qwen3), the
+    #: instruction a request gets when it sends none (None = the format's), the
+    #: answer tokens, vocabulary entries (None = the format's: yes/no, 1/0).
+    prompt_format: RerankPrompt | None = None
+    default_instruction: str | None = None
+    true_token: str | None = None
+    false_token: str | None = None
     #: Embedders: the widths the model was trained to be cut to (Matryoshka), largest
     #: first; None = unknown. Informational: a request may ask any `dimensions` up to
     #: the model's width, as sentence-transformers' `truncate_dim` and OpenAI allow.

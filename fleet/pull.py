@@ -239,7 +239,7 @@ def detect_kind(folder: Path) -> Kind | None:
             return Kind("extract", "transformers")
         if arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
             return Kind("generate", "transformers")
-        if arch in ("CLIPModel", "SiglipModel"):
+        if arch in ("CLIPModel", "SiglipModel", "Siglip2Model"):
             # Text and image towers into one space: the image-capable embedder.
             return Kind("embed", "clip")
         if arch.endswith("Model"):

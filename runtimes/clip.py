@@ -1,10 +1,20 @@
 """Image and text embeddings in one space (task `embed`, runtime `clip`).
 
 Any transformers folder whose model has `get_image_features` and
-`get_text_features` (CLIPModel; SigLIP and other dual encoders of that shape)
-with its tokenizer and image processor (`preprocessor_config.json`). An item of
-`inputs` is a text or `{image: bytes}`; both kinds of one batch run in the same
-`run_batch`, texts through the text tower and images through the vision tower.
+`get_text_features` (CLIPModel, SiglipModel, Siglip2Model and other dual
+encoders of that shape) with its tokenizer and image processor
+(`preprocessor_config.json`). An item of `inputs` is a text or `{image: bytes}`;
+both kinds of one batch run in the same `run_batch`, texts through the text
+tower and images through the vision tower.
+
+SigLIP and SigLIP 2 (model types `siglip`, which SigLIP 2's fixed-resolution
+checkpoints use too, and `siglip2`, the NaFlex ones) read the text vector at
+the last position, which is padding for a short text: they were trained with
+every text padded to the text tower's length (64), so texts are padded to
+`max_length`, never to the batch's longest. Images get what the model's image
+processor returns (NaFlex: patches, `pixel_attention_mask` and
+`spatial_shapes` at the processor's `max_num_patches`), as
+`get_image_features` takes them.
 
 Images arrive as the encoded file the client sent (the queue payload carries
 it untouched); they are decoded here, with Pillow, never in the API process.
@@ -14,6 +24,7 @@ MAX_IMAGE_PIXELS fails it with `payload_too_large` before any pixel is decoded.
 
 from __future__ import annotations
 
+import inspect
 import io
 from typing import Any
 
@@ -22,11 +33,12 @@ import numpy as np
 from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
 from runtimes.base import Adapter
+from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
     CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
-    load_transformers, max_length, micro_batches, min_cosine, offsets, to_device,
+    load_transformers, max_length, micro_batches, min_cosine, to_device,
 )
-from fleet.messages import EmbedResult, WorkError
+from fleet.messages import WorkError
 
 #: Pixels (width x height) an image may have: 40 M is a 7300 x 5500 photo. The
 #: size is read from the file header, so a small file that would decode into
@@ -34,6 +46,10 @@ from fleet.messages import EmbedResult, WorkError
 MAX_IMAGE_PIXELS = 40_000_000
 #: A reduced dtype is kept when every check text and image keeps this cosine to fp32.
 MIN_COSINE = 0.999
+#: Model types whose text vector depends on padding every text to the text tower's length.
+PAD_TO_MAX_LENGTH = frozenset({"siglip", "siglip2"})
+#: What an image processor may return that `get_image_features` takes.
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 
 
 def check_images() -> list[np.ndarray]:
@@ -82,9 +98,14 @@ class ClipEmbedder(Adapter):
             raise ModelLoadFailed(f"cannot load the image processor of {self.spec.name!r}: {exc}") from exc
         text_config = getattr(model.config, "text_config", model.config)
         self.max_seq_len = max_length(self.spec, self.tokenizer, text_config)
-        vision = getattr(model.config, "vision_config", None)
-        #: Vision positions per image (patches + class token), reported as its input tokens.
-        self.image_tokens = ((vision.image_size // vision.patch_size) ** 2 + 1) if vision is not None else 1
+        #: `padding` of every text batch: the model's length for SigLIP, else the batch's longest.
+        self.padding = "max_length" if model.config.model_type in PAD_TO_MAX_LENGTH else True
+        takes = inspect.signature(model.get_image_features).parameters
+        self.image_inputs = [k for k in IMAGE_INPUTS if k in takes]
+        embeddings = getattr(getattr(model, "vision_model", None), "embeddings", None)
+        #: Vision positions per image (CLIP: patches + class token; SigLIP: patches), reported
+        #: as its input tokens; a NaFlex model counts each image's real patches instead.
+        self.image_tokens = int(getattr(embeddings, "num_positions", 1))
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=self._check_vectors, agree=min_cosine(MIN_COSINE),
@@ -93,7 +114,7 @@ class ClipEmbedder(Adapter):
 
     def _check_vectors(self, model: Any) -> np.ndarray:
         texts, _ = self._texts(model, CHECK_SET)
-        images = self._images(model, check_images())
+        images, _ = self._images(model, check_images())
         rows = np.concatenate([texts, images])
         return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
@@ -105,6 +126,11 @@ class ClipEmbedder(Adapter):
         if req.output != "dense":
             return [], WorkError("bad_request", f"{self.spec.name} gives one dense vector per input "
                                                 f"(output 'dense'), not {req.output!r}")
+        if req.prompt or req.prompt_name is not None:
+            return [], WorkError("bad_request", f"{self.spec.name} (runtime clip) takes no prompts: put the text "
+                                                "you mean in the input")
+        if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
+            return [], wide
         items: list[Any] = []
         texts = []
         for i, x in enumerate(req.inputs):
@@ -149,17 +175,9 @@ class ClipEmbedder(Adapter):
         if len(text_at):
             vectors[text_at], tokens[text_at] = self._texts(self.model, [items[j] for j in text_at])
         if len(image_at):
-            vectors[image_at] = self._images(self.model, [items[j] for j in image_at])
-        # 3. Normalise per request and split back.
-        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
-        want_norm = np.repeat(np.fromiter((requests[i].normalize for i in live), dtype=bool), counts)
-        if want_norm.any():
-            norms = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-            vectors = np.where(want_norm[:, None], vectors / norms, vectors)
-        starts, ends = offsets(counts)
-        for k, i in enumerate(live):
-            a, b = int(starts[k]), int(ends[k])
-            results[i] = EmbedResult(vectors[a:b].tobytes(), (b - a, self.dim), int(tokens[a:b].sum()))
+            vectors[image_at], tokens[image_at] = self._images(self.model, [items[j] for j in image_at])
+        # 3. Cut, normalise and convert per request, and split back (runtimes.dense).
+        finish_dense(vectors, tokens, requests, live, results)
         return results
 
     def _texts(self, model: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +187,7 @@ class ClipEmbedder(Adapter):
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
-                enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=True,
+                enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=self.padding,
                                      truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).
                 enc = to_device({k: enc[k] for k in ("input_ids", "attention_mask") if k in enc}, self.device)
@@ -180,19 +198,24 @@ class ClipEmbedder(Adapter):
                 used[idx] = enc["attention_mask"].sum(dim=1).cpu().numpy()
         return out, used
 
-    def _images(self, model: Any, images: list[Any]) -> np.ndarray:
-        """(n, d) float32 image features, in order (images are resized to one
-        shape, so micro-batches need no length sort)."""
+    def _images(self, model: Any, images: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(n, d) float32 image features in order, vision positions per image
+        (images are resized to one shape or patch budget, so micro-batches need
+        no length sort)."""
         torch = self._torch
         step = max(1, self.spec.profile.micro_batch_items)
         parts = []
+        used = np.full(len(images), self.image_tokens, dtype=np.int64)
+        dtype = next(model.parameters()).dtype
         with torch.inference_mode():
             for lo in range(0, len(images), step):
-                pixels = self.processor(images=images[lo : lo + step], return_tensors="pt")["pixel_values"]
-                dtype = next(model.parameters()).dtype
-                feats = model.get_image_features(pixel_values=pixels.to(self.device, dtype=dtype))
-                parts.append(features(feats).float().cpu().numpy())
-        return np.concatenate(parts)
+                out = self.processor(images=images[lo : lo + step], return_tensors="pt")
+                inputs = to_device({k: out[k] for k in self.image_inputs if k in out}, self.device)
+                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                if "pixel_attention_mask" in inputs:
+                    used[lo : lo + step] = out["pixel_attention_mask"].sum(dim=1).numpy()
+                parts.append(features(model.get_image_features(**inputs)).float().cpu().numpy())
+        return np.concatenate(parts), used
 
     def unload(self) -> None:
         self.model = None

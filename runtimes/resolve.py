@@ -49,7 +49,10 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             trust_remote_code=manifest.trust_remote_code,
             max_seq_len=manifest.max_seq_len,
             extra={"base": manifest.base, "profile": which,
-                   "threshold": entry.threshold if entry is not None else None},
+                   "threshold": entry.threshold if entry is not None else None,
+                   # LLM rerankers' prompt settings (runtimes/llm_rerank.py); None: the format's.
+                   **{k: getattr(entry, k, None) for k in ("prompt_format", "default_instruction", "true_token",
+                                                          "false_token")}},
         )
 
     return resolve

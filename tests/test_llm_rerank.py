@@ -9,8 +9,9 @@ reference code run in-process on the same folders:
   6.3's CrossEncoder (`LogitScore(yes, no)` + sigmoid) on the same folder, which
   renders the pair through the folder's chat template (written here to give the
   README's prompt).
-- mxbai-rerank-v2: a tiny random `Qwen2ForCausalLM`, same tokenizer, loaded with
-  `prompt_format = "mxbai-v2"` (the worker's call). Reference: `MxbaiRerankV2.prepare_inputs`
+- mxbai-rerank-v2: a tiny random `Qwen2ForCausalLM`, same tokenizer, with
+  `prompt_format = "mxbai-v2"` (in the worker's call, and in a catalog entry
+  over HTTP). Reference: `MxbaiRerankV2.prepare_inputs`
   and `forward` (mixedbread-ai/mxbai-rerank@8e709dca mxbai_rerank/mxbai_rerank_v2.py,
   copied below: the package needs `batched`, which this project does not carry).
 
@@ -21,6 +22,9 @@ head gives near-ties everywhere, which would hide swapped answer tokens.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +334,16 @@ def fleet(folders: dict[str, Path]):
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     home = folders["root"] / "home"
+    home.mkdir()
+    # The mxbai model as a catalog entry names it: its prompt format and a default instruction.
+    (home / "models.toml").write_text(
+        f'[models."{MXBAI}"]\nsource = "path:{folders["mxbai"].resolve()}"\ntask = "rerank"\n'
+        f'runtime = "llm-rerank"\nprompt_format = "mxbai-v2"\ndefault_instruction = "{INSTRUCTION}"\n')
     pull(home, folders["qwen"], QWEN, "--task", "rerank", "--runtime", "llm-rerank")
+    done = subprocess.run([sys.executable, "-m", "fleetctl", "pull", MXBAI],
+                          env={**os.environ, "FLEET_HOME": str(home)}, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)
     cross = folders["root"] / "cross"
@@ -486,6 +499,27 @@ def test_mxbai_long_document_is_cut_as_the_library_cuts_it(mxbai, folders):
     docs = [LONG_DOC, DOCS[1]]
     want = ref.predict([QUERIES[0]] * 2, docs)
     np.testing.assert_allclose(run(mxbai, query=QUERIES[0], documents=docs, raw_scores=True), want, atol=1e-4)
+
+
+def test_mxbai_over_http_takes_its_catalog_entrys_format_and_instruction(fleet, folders):
+    ref = MxbaiV2(folders["mxbai"])
+    want = ref.predict([QUERIES[0]] * len(DOCS), DOCS, instruction=INSTRUCTION)
+    got = by_index(rerank(fleet, {"model": MXBAI, "query": QUERIES[0], "documents": DOCS, "raw_scores": True},
+                          msgpack=True))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # An empty instruction is none (the library's `if instruction`), not the entry's.
+    plain = ref.predict([QUERIES[0]] * len(DOCS), DOCS)
+    got = by_index(rerank(fleet, {"model": MXBAI, "query": QUERIES[0], "documents": DOCS, "instruction": ""}))
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-plain)), atol=1e-5)
+
+
+def test_the_catalog_knows_every_prompt_format():
+    from typing import get_args
+
+    from fleet.catalog import RerankPrompt
+    from runtimes.llm_rerank import FORMATS
+
+    assert set(get_args(RerankPrompt)) == set(FORMATS)
 
 
 # ---- the worker's call, and the pull -----------------------------------------------------
