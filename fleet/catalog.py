@@ -23,7 +23,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -32,6 +32,9 @@ from fleet.errors import BadRequest, ModelNotFound
 Task = Literal["embed", "rerank", "classify", "extract", "generate"]
 #: LLM rerankers' prompt formats (runtimes/llm_rerank.FORMATS).
 RerankPrompt = Literal["qwen3", "mxbai-v2"]
+#: sentence-transformers' pooling modes (1_Pooling/config.json), as catalog facts.
+Pooling = Literal["cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -187,6 +190,25 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     matryoshka_dims: list[int] | None = None
     #: Or, for models trained for any width in a range: [smallest, largest]. Informational too.
     matryoshka_range: tuple[int, int] | None = None
+    # Facts from the model's card and hub repository: shown by `fleetctl list --catalog`
+    # and README's "Models" table, never applied (the model's folder decides how it
+    # runs). A fact nobody could check is left out and reads "unknown".
+    #: config.json `model_type`: the architecture tests/arch_models.PARITY proves.
+    model_type: str | None = None
+    #: Embedders: how token vectors are pooled (the folder's 1_Pooling/config.json).
+    pooling: Pooling | None = None
+    #: Embedders: the width of the vectors.
+    dimensions: Positive | None = None
+    #: The licence as the hub's `license:` tag names it (apache-2.0, mit, gemma, ...).
+    license: str | None = None
+    #: Parameter count.
+    params: Positive | None = None
+    #: Bytes of weights a pull downloads (approximate: from the card or hub listing).
+    size_bytes: Positive | None = None
+    #: The hub asks for its terms to be accepted first (a pull needs HF_TOKEN).
+    gated: bool = False
+    #: What to know before deploying it, in a line.
+    note: str | None = None
 
     @property
     def parsed_source(self) -> Source:
