@@ -9,6 +9,8 @@ hub folder layout, over HTTP and compares it with its reference library.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -109,3 +111,30 @@ def test_a_stale_table_is_found_and_rewritten(entries):
     for e in entries:
         assert f"| `{e.name}` | {e.task} | {e.runtime} |" in fresh
 
+
+def fleetctl(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLEET_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env.pop("FLEET_URL", None)
+    return subprocess.run([sys.executable, "-m", "fleetctl", *args], env=env, capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_list_catalog_shows_license_params_size_and_unknowns(tmp_path):
+    # A user entry that states no facts: every one of them reads "unknown".
+    (tmp_path / "models.toml").write_text(
+        '[models."mine"]\nsource = "hf:org/mine"\ntask = "classify"\nruntime = "transformers"\n')
+    rows = {r["name"]: r for r in json.loads(fleetctl(tmp_path, "list", "--catalog", "--json").stdout)}
+    qwen = rows["qwen3-embedding-0.6b"]
+    assert (qwen["license"], qwen["params"], qwen["size_bytes"], qwen["size_from"]) == \
+        ("apache-2.0", 595_776_512, 1_191_182_336, "catalog")
+    assert qwen["pulled"] is False and qwen["model_type"] == "qwen3" and qwen["pooling"] == "lasttoken"
+    mine = rows["mine"]
+    assert (mine["license"], mine["params"], mine["size_bytes"], mine["size_from"]) == (None, None, None, None)
+    # The default model's size is measured from its package, not taken from the card.
+    assert rows["all-minilm-l6-v2"]["size_from"] == "package"
+    table = fleetctl(tmp_path, "list", "--catalog")
+    assert table.returncode == 0, table.stderr
+    lines = {line.split()[0]: line.split() for line in table.stdout.splitlines()[1:] if line.strip()}
+    assert lines["qwen3-embedding-0.6b"][:6] == ["qwen3-embedding-0.6b", "embed", "sentence-transformers",
+                                                 "apache-2.0", "596M", "~1.2"]
+    assert lines["mine"][3:7] == ["unknown", "unknown", "unknown", "no"]

@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
         catalog: Annotated[bool, typer.Option("--catalog", help="List the catalog (models.toml) instead of the store.")] = False,
         json: Annotated[bool, typer.Option("--json", help="Print a JSON array on stdout.")] = False,
     ) -> None:
-        """List pulled models: name, task, runtime, size, source, revision, pulled at."""
+        """List pulled models: name, task, runtime, size, source, revision, pulled at (with --catalog:
+        name, task, runtime, license, parameters, size, pulled, source)."""
         import msgspec
         from rich.table import Table
 
@@ -32,22 +33,28 @@ def register(app: typer.Typer) -> None:
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 4096)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         if catalog:
+            from fleetctl.catalog_table import UNKNOWN, format_count, format_size
+
             entries = load_catalog(settings.home).all()
             pulled = set(store.names())
             sizes = {e.name: known_size(e, store, pulled) for e in entries}
             if json:
-                rows = [{**msgspec.to_builtins(e), "pulled": e.name in pulled, "size_bytes": sizes[e.name]}
-                        for e in entries]
+                # size_bytes: measured here when this box holds the files (size_from "store",
+                # "package", "folder"), else the catalog's figure ("catalog"), else null.
+                rows = [{**msgspec.to_builtins(e), "pulled": e.name in pulled, "size_bytes": sizes[e.name][0],
+                         "size_from": sizes[e.name][1]} for e in entries]
                 sys.stdout.buffer.write(msgspec.json.encode(rows) + b"\n")
                 return
             table = Table(box=None)
             table.add_column("name", no_wrap=True, min_width=max((len(e.name) for e in entries), default=4))
-            for column in ("task", "runtime", "size", "source", "pulled"):
+            for column in ("task", "runtime", "license", "params", "size", "pulled", "source"):
                 table.add_column(column, overflow="fold")
             for e in entries:
-                size = sizes[e.name]
-                cells = (e.name, e.task, e.runtime, "-" if size is None else human_size(size), e.source,
-                         "yes" if e.name in pulled else "")
+                size, size_from = sizes[e.name]
+                # "~": the catalog's figure, not measured on this box.
+                shown = format_size(size) if size_from != "catalog" else "~" + format_size(size)
+                cells = (e.name, e.task, e.runtime, e.license or UNKNOWN, format_count(e.params), shown,
+                         "yes" if e.name in pulled else "no", e.source)
                 table.add_row(*map(escape, cells))
             out.print(table)
             return
@@ -79,25 +86,26 @@ def register(app: typer.Typer) -> None:
         out.print(table)
 
 
-def known_size(entry, store, pulled: set[str]) -> int | None:
-    """Bytes of a catalog model where this box can tell without a network: the stored
-    copy's, else the folder a `pkg:`/`path:` source points at; None for the hub."""
+def known_size(entry, store, pulled: set[str]) -> tuple[int | None, str | None]:
+    """(bytes, where from) of a catalog model: measured where this box can tell without
+    a network (the stored copy, else the folder a `pkg:`/`path:` source points at), else
+    the catalog's `size_bytes`; (None, None) when nobody knows."""
     from fleet.catalog import parse_source
     from fleet.errors import FleetError
     from fleet.pull import package_folder
 
     if entry.name in pulled:
-        return store.get(entry.name).size_bytes
+        return store.get(entry.name).size_bytes, "store"
     source = parse_source(entry.source)
+    folder = None
     try:
         if source.kind == "pkg":
             folder = package_folder(source.ref)[0]
         elif source.kind == "path":
             folder = Path(source.ref).expanduser()
-        else:
-            return None
-    except FleetError:  # the package is not installed: unknown here
-        return None
-    if not folder.is_dir():
-        return None
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    except FleetError:  # the package is not installed: not measurable here
+        folder = None
+    if folder is not None and folder.is_dir():
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()), \
+            "package" if source.kind == "pkg" else "folder"
+    return (entry.size_bytes, "catalog") if entry.size_bytes is not None else (None, None)
