@@ -471,4 +471,19 @@ PARITY: dict[tuple[str, str, str], list[str]] = {
         "tests/test_bge_m3.py::test_sparse_is_flagembeddings_lexical_weights",
         "tests/test_bge_m3.py::test_tokens_are_flagembeddings_colbert_vectors",
     ],
+    ("embed", "clip", "siglip"): [
+        "tests/test_siglip.py::test_texts_and_images_equal_transformers[siglip]",
+        "tests/test_siglip.py::test_texts_and_images_equal_transformers[siglip2-fixres]",
+    ],
+    ("embed", "clip", "siglip2"): ["tests/test_siglip.py::test_texts_and_images_equal_transformers[siglip2-naflex]"],
+    ("rerank", "llm-rerank", "qwen3"): [
+        "tests/test_llm_rerank.py::test_qwen3_scores_equal_the_readme",
+        "tests/test_llm_rerank.py::test_qwen3_scores_equal_sentence_transformers_logit_score",
+    ],
+    ("rerank", "llm-rerank", "qwen2"): [
+        "tests/test_llm_rerank.py::test_mxbai_scores_equal_the_library",
+        "tests/test_llm_rerank.py::test_mxbai_over_http_takes_its_catalog_entrys_format_and_instruction",
+    ],
+    # GLiNER entries name their backbone's model_type (gliner_config.json's encoder).
+    ("extract", "gliner", "deberta-v2"): ["tests/test_gliner.py::test_answers_equal_the_gliner_package[gliner-deberta]"],
 }
