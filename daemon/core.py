@@ -18,7 +18,7 @@ import msgspec
 
 from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
-from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
+from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, Unavailable
 from fleet.store import Manifest, Store
 from local_queue import Done, LaneStats, LocalQueue, WorkerInfo
 from local_queue.sweep import queue_name, sweep_stale
@@ -145,9 +145,14 @@ class Daemon:
         #    its Python package, offline, on a fresh machine.
         from fleet.pull import ensure_model
 
+        #    A stored preload whose manifest is damaged is logged and stops nothing
+        #    (requests for it get the integrity error).
         catalog = load_catalog(self.settings.home)
         for name in self.settings.preload:
-            ensure_model(self.store, name, catalog=catalog)
+            try:
+                ensure_model(self.store, name, catalog=catalog)
+            except IntegrityError as exc:
+                log.error("preload %s cannot be served: %s", name, exc.message)
         # 2. A damaged pins file is set aside now, before workers read it (fleet.pins).
         PinStore(self.settings.home).load()
         # 3. What killed daemons left in /dev/shm goes (never a live daemon's), then

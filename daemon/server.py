@@ -79,8 +79,12 @@ def serve(settings: Settings) -> None:
     from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
     from daemon.notify import SystemdServer
+    from fleet.catalog import load_catalog
 
     check_bind(settings.host, settings.api_key)
+    # A models.toml that does not load stops `serve` here with one line naming it (the
+    # app's start would read it too, as a traceback in the log).
+    load_catalog(settings.home)
     # Before anything starts: a second daemon on this FLEET_HOME stops here, naming the first.
     claim_home(settings)
     daemon = Daemon(settings)

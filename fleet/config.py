@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from fleet.errors import BadRequest
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7744
 DEFAULT_MODEL = "all-minilm-l6-v2"
@@ -171,8 +173,14 @@ def load_settings(**overrides: Any) -> Settings:
     merged: dict[str, Any] = {}
     cfg = Path(home) / "config.toml"
     if cfg.is_file():
-        with cfg.open("rb") as f:
-            merged.update(tomllib.load(f))
+        try:
+            with cfg.open("rb") as f:
+                merged.update(tomllib.load(f))
+        except tomllib.TOMLDecodeError as exc:
+            raise BadRequest(f"{cfg} is not valid TOML: {exc}",
+                             hint=f"fix it, or move it away: mv {cfg} {cfg}.bad") from None
+        except OSError as exc:
+            raise BadRequest(f"cannot read {cfg}: {exc.strerror}") from None
     merged.update(_env_overrides())
     merged.update({k: v for k, v in overrides.items() if v is not None})
     merged["home"] = home
@@ -183,9 +191,18 @@ def load_settings(**overrides: Any) -> Settings:
         pairs = (p.partition("=") for p in merged["default_models"].split(","))
         merged["default_models"] = {task.strip(): name.strip() for task, _, name in pairs if task.strip()}
     # strict=False lets env strings ("8", "true") convert to the field types.
-    settings = msgspec.convert(merged, Settings, strict=False)
+    try:
+        settings = msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        keys = ", ".join(f for f in Settings.__struct_fields__ if f != "home")
+        raise BadRequest(f"bad setting in {cfg} or a FLEET_* variable: {exc}",
+                         hint=f"valid keys: {keys}" if "unknown field" in str(exc) else None) from None
     if settings.api_key_file and not settings.api_key:
-        settings.api_key = Path(settings.api_key_file).read_text().strip()
+        try:
+            settings.api_key = Path(settings.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise BadRequest(f"cannot read {settings.api_key_file}: {exc.strerror}",
+                             hint="check api_key_file / FLEET_API_KEY_FILE") from None
     return settings
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -39,6 +40,11 @@ import msgspec
 
 from fleet.catalog import Profile, validate_name
 from fleet.errors import BadRequest, IntegrityError, ModelNotFound
+
+log = logging.getLogger("fleet.store")
+# The CLI prints its own line for a damaged model (fleetctl list, doctor); a daemon's
+# handlers, on the root logger, still receive these records.
+log.addHandler(logging.NullHandler())
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -111,6 +117,15 @@ NO_PROGRESS = Progress()
 
 _ENCODER = msgspec.json.Encoder()
 _MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
+
+
+#: (manifest path, its mtime in ns) of damage already logged: once per damage, not per listing.
+_logged_damage: set[tuple[str, int]] = set()
+
+
+def damage_fix(name: str) -> str:
+    """What to run for a stored model whose manifest cannot be read."""
+    return f"`fleetctl rm {name}`, then pull it again (`fleetctl pull {name}` for a catalog model)"
 
 
 def utc_now() -> str:
@@ -250,37 +265,60 @@ class Store:
                 f"model {name!r} is not in the store",
                 hint=f"pull it: `fleetctl pull {name}` (see `fleetctl list` or models.toml)",
             ) from None
+        except OSError as exc:  # a directory in its place, no permission, an I/O error
+            raise IntegrityError(f"model {name!r}: unreadable manifest: {exc.strerror}", hint=damage_fix(name)) from None
         try:
             manifest = _MANIFEST_DECODER.decode(raw)
-        except msgspec.ValidationError as exc:
-            raise IntegrityError(
-                f"model {name!r}: unreadable manifest: {exc}",
-                hint=f"re-pull it: `fleetctl pull {name} --force`",
-            ) from None
+        except msgspec.DecodeError as exc:  # truncated or not JSON (DecodeError), or wrong types (ValidationError)
+            raise IntegrityError(f"model {name!r}: unreadable manifest: {exc}", hint=damage_fix(name)) from None
         if manifest.name != name:
-            raise IntegrityError(
-                f"model {name!r}: its manifest names {manifest.name!r}",
-                hint=f"re-pull it: `fleetctl pull {name} --force`",
-            )
+            raise IntegrityError(f"model {name!r}: its manifest names {manifest.name!r}", hint=damage_fix(name))
         return manifest
 
     def list(self) -> list[Manifest]:
-        """Manifests of all stored models, by name; unreadable ones are in `damaged()`."""
+        """Manifests of all stored models, by name. A folder whose manifest is missing or
+        unreadable is left out (it is in `damaged()`) and logged once: one damaged model
+        never breaks the listing of the others."""
         out = []
         for name in self.names():
-            with contextlib.suppress(ModelNotFound, IntegrityError, BadRequest):
+            try:
                 out.append(self.get(name))
+            except ModelNotFound:
+                if (self.root / name).is_dir():  # else removed meanwhile: not damage
+                    self._log_damage(name, f"{MANIFEST} is missing")
+            except IntegrityError as exc:
+                self._log_damage(name, exc.message)
+            except BadRequest:  # not a model name: never one of ours
+                pass
         return out
 
     def damaged(self) -> list[str]:
         """Names of store directories whose manifest is missing or unreadable."""
+        return [name for name, _ in self.damage()]
+
+    def damage(self) -> list[tuple[str, str]]:
+        """(name, what is wrong) of each store directory whose manifest is missing or unreadable."""
         bad = []
         for name in self.names():
             try:
                 self.get(name)
-            except (ModelNotFound, IntegrityError, BadRequest):
-                bad.append(name)
+            except ModelNotFound:
+                bad.append((name, f"model {name!r} has no readable manifest ({MANIFEST} is missing)"))
+            except (IntegrityError, BadRequest) as exc:
+                bad.append((name, exc.message))
         return bad
+
+    def _log_damage(self, name: str, why: str) -> None:
+        path = self.root / name / MANIFEST
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            stamp = 0
+        if (str(path), stamp) in _logged_damage:
+            return
+        _logged_damage.add((str(path), stamp))
+        log.error("%s is damaged (%s): model %r is listed nowhere and not served; fix: %s", path, why, name,
+                  damage_fix(name))
 
     def verify(self, name: str, manifest: Manifest | None = None) -> Manifest:
         """Re-hash every file of `name` against its manifest; `IntegrityError` on a mismatch."""

@@ -14,7 +14,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import typer
 
 from fleet.config import Settings, default_home, client_url, load_settings
@@ -71,15 +70,7 @@ def resolve(flags: dict[str, Any]) -> tuple[Settings, dict[str, str], Path]:
     home = flags.get("home") or default_home()
     cfg = Path(home) / "config.toml"
     file_layer = read_file_layer(cfg)
-    try:
-        settings = load_settings(**flags)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(
-            f"bad setting in {cfg} or a FLEET_* variable: {exc}",
-            hint="valid keys: " + ", ".join(f for f in Settings.__struct_fields__ if f != "home"),
-        ) from None
-    except OSError as exc:  # api_key_file that cannot be read
-        raise BadRequest(f"cannot read {exc.filename}: {exc.strerror}", hint="check api_key_file / FLEET_API_KEY_FILE") from None
+    settings = load_settings(**flags)  # a bad file or value: BadRequest, one line
 
     sources: dict[str, str] = {}
     for field in Settings.__struct_fields__:

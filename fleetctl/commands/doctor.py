@@ -219,6 +219,29 @@ def _can_open_gpu(user: str) -> bool:
     return pw.pw_uid == st.st_uid or (st.st_gid in groups and bool(st.st_mode & 0o060))
 
 
+# ---- FLEET_HOME's files ---------------------------------------------------------------------
+
+def check_store(store: Any) -> list[Finding]:
+    """Stored models whose manifest cannot be read: listed nowhere and not served; the others serve."""
+    from fleet.store import damage_fix
+
+    found = [Finding("store", WARN, f"{why}: it is neither listed nor served ({store.root / name})",
+                     damage_fix(name)) for name, why in store.damage()]
+    return found or [Finding("store", OK, f"{len(store.names())} model(s) stored, every manifest readable")]
+
+
+def check_catalog(home: Path) -> Finding:
+    """FLEET_HOME/models.toml, the catalog override: `serve`, `pull` and `tune` stop on one that does not load."""
+    from fleet.catalog import load_catalog
+    from fleet.errors import FleetError
+
+    try:
+        catalog = load_catalog(home)
+    except FleetError as exc:
+        return Finding("catalog", FAIL, exc.message, f"fix {home / 'models.toml'}, or move it away")
+    return Finding("catalog", OK, f"{len(catalog.all())} catalog entries ({', '.join(map(str, catalog.files))})")
+
+
 # ---- the daemon -----------------------------------------------------------------------------
 
 def check_daemon(url: str, key: str | None, get: Callable[..., Any] | None = None) -> list[Finding]:
@@ -260,7 +283,16 @@ def run_checks() -> list[Finding]:
     from fleetctl.commands.service import SYSTEM_UNIT_DIRS
     from runtimes.device import device_class
 
-    settings = load_settings()
+    from fleet.config import Settings, default_home
+    from fleet.errors import FleetError
+    from fleet.store import Store
+
+    config: list[Finding] = []
+    try:
+        settings = load_settings()
+    except FleetError as exc:  # the checks below run on the defaults
+        config.append(Finding("config", FAIL, exc.message, exc.hint or "fix config.toml, or move it away"))
+        settings = Settings(home=default_home())
     nvml = read_nvml()
     gpus = len(nvml.get("gpus", []))
     findings = check_gpus(nvml, read_torch() if gpus else {}, device_class("cpu"))
@@ -269,6 +301,7 @@ def run_checks() -> list[Finding]:
     findings.append(check_disk(settings.home_path))
     findings.append(check_files(settings.max_connections + 64))
     findings.append(check_unit(SYSTEM_UNIT_DIRS, gpus))
+    findings += config + [check_catalog(settings.home_path)] + check_store(Store(settings.store_path))
     findings += check_daemon(client_url(), os.environ.get("FLEET_API_KEY") or _key_file())
     return findings
 

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         from fleet.catalog import load_catalog
         from fleetctl.commands.pull import human_size
         from fleet.config import load_settings
-        from fleet.store import Store
+        from fleet.store import Store, damage_fix
 
         settings = load_settings()
         store = Store(settings.store_path)
@@ -60,9 +60,9 @@ def register(app: typer.Typer) -> None:
             return
 
         manifests = store.list()
-        for name in store.damaged():
-            err.print(f"[yellow]warning[/]: {escape(str(store.root / name))} has no readable manifest; "
-                      f"re-pull it (`fleetctl pull {name} --force`) or remove it (`fleetctl rm {name}`)")
+        for name, why in store.damage():
+            err.print(f"[yellow]damaged[/]: {escape(why)} ({escape(str(store.root / name))}); it is neither listed "
+                      f"nor served. fix: {escape(damage_fix(name))}")
         if json:
             rows = [{**msgspec.to_builtins(m), "size_bytes": m.size_bytes, "path": str(store.path(m.name))}
                     for m in manifests]
@@ -95,7 +95,10 @@ def known_size(entry, store, pulled: set[str]) -> tuple[int | None, str | None]:
     from fleet.pull import package_folder
 
     if entry.name in pulled:
-        return store.get(entry.name).size_bytes, "store"
+        try:
+            return store.get(entry.name).size_bytes, "store"
+        except FleetError:  # a damaged manifest (`fleetctl list` reports it): measured as if not pulled
+            pass
     source = parse_source(entry.source)
     folder = None
     try:
