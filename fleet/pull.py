@@ -35,6 +35,7 @@ from fleet.catalog import (
 from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
+from fleet.lora import check_adapter
 from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
@@ -275,7 +276,8 @@ def _metadata(
             )
         known_task = kind.task
     if known_runtime is None:
-        if kind is not None and kind.task == known_task:
+        # A folder with adapter_config.json is a LoRA adapter whatever task is asked of it.
+        if kind is not None and (kind.task == known_task or kind.runtime == "peft"):
             known_runtime = kind.runtime
         else:
             known_runtime = OTHER_TASK_RUNTIME.get((kind.task if kind else None, known_task),
@@ -293,6 +295,19 @@ def _metadata(
         return _Meta(known_task, known_runtime, known_base, previous.trust_remote_code,
                      previous.allow_pickle, previous.max_seq_len, previous.profile)
     return _Meta(known_task, known_runtime, known_base, False, False, None, Profile())
+
+
+def _checked_adapter(store: Store, meta: _Meta, folder: Path, *, task: str | None, origin: str) -> _Meta:
+    """`meta` once a LoRA adapter in `folder` is checked against its stored base
+    (`fleet.lora.check_adapter`): its task is its base's. Other models pass as they are."""
+    if meta.runtime != "peft":
+        return meta
+    if meta.base is None or not store.exists(meta.base):
+        raise BadRequest(f"{origin} is a LoRA adapter of {meta.base!r}, which is not stored",
+                         hint=f"pull the base first (fleetctl pull {meta.base}), or name a stored one with --base")
+    base = store.get(meta.base)
+    return meta._replace(task=check_adapter(folder, base=base, base_folder=store.path(base.name), task=task,
+                                            origin=origin))
 
 
 def _refresh(manifest: Manifest, meta: _Meta, source: str, revision: str | None) -> Manifest:
@@ -440,6 +455,7 @@ def _pull_local(
                                  remote_code=remote_code(entry, previous))
     meta = _metadata(entry=entry, previous=previous, folder=folder, task=task, runtime=runtime,
                      base=base, catalog=catalog, origin=source_text)
+    meta = _checked_adapter(store, meta, folder, task=task or (entry.task if entry else None), origin=source_text)
 
     if existing is not None and _same_files(existing, files) and _intact(store, existing):
         fresh = _refresh(existing, meta, source_text, revision)
@@ -548,6 +564,8 @@ def _pull_hub(
             return None
         meta = _metadata(entry=entry, previous=previous, folder=store.path(name), task=task,
                          runtime=runtime, base=base, catalog=catalog, origin=source_text)
+        meta = _checked_adapter(store, meta, store.path(name), task=task or (entry.task if entry else None),
+                                origin=source_text)
         fresh = _refresh(existing, meta, source_text, commit)
         status = "up_to_date"
         if fresh != existing:
@@ -615,6 +633,8 @@ def _pull_hub(
                 )
         meta = _metadata(entry=entry, previous=previous, folder=staging.path, task=task,
                          runtime=runtime, base=base, catalog=catalog, origin=source_text)
+        meta = _checked_adapter(store, meta, staging.path, task=task or (entry.task if entry else None),
+                                origin=source_text)
         manifest = Manifest(
             name=name, source=source_text, revision=commit, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),

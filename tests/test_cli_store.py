@@ -264,7 +264,10 @@ def test_rm_refuses_a_base_that_adapters_need(home: Path, tmp_path: Path) -> Non
     from safetensors.numpy import save_file
     import numpy as np
 
-    save_file({"lora_A": np.zeros((4, 8), dtype=np.float32)}, str(adapter / "adapter_model.safetensors"))
+    layer = "base_model.model.encoder.layer.0.attention.self.query"  # all-MiniLM: 384 features
+    save_file({f"{layer}.lora_A.weight": np.zeros((4, 384), dtype=np.float32),
+               f"{layer}.lora_B.weight": np.zeros((384, 4), dtype=np.float32)},
+              str(adapter / "adapter_model.safetensors"))
     assert fleetctl(home, "pull", f"path:{base}").returncode == 0
     pulled = fleetctl(home, "pull", f"path:{adapter}", "--json")
     assert pulled.returncode == 0, pulled.stderr
