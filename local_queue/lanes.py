@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 from local_queue.layout import (
-    DONE, F_ATTEMPTS, F_ENQ, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_TOKENS, H_DEPTH,
-    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH, L_HEAD, L_NAME_LEN,
-    L_TAIL, L_TOKENS, LF, NAME_BYTES, QUEUED, SF, STATUS_POISON, W_CLAIMED, WF, _HEAD, _LINK, _RESULT,
+    BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_GEN, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
+    GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH, L_HEAD,
+    L_NAME_LEN, L_TAIL, L_TOKENS, LF, NAME_BYTES, QUEUED, SF, SLOT_BITS, SLOT_MASK, STATUS_POISON, W_CLAIMED, WF,
+    _HEAD, _LINK, _RESULT,
 )
 from local_queue.records import LaneStats, QueueFull
 from local_queue.slab import NIL
@@ -74,9 +75,33 @@ class Lanes:
                 if depth[lane] or claimed[lane]:
                     b = lane * LF
                     head = L[b + L_HEAD]
-                    out.append(LaneStats(lane, names[lane], depth[lane], L[b + L_TOKENS],
-                                         S[head * SF + F_ENQ] if head != NIL else 0, claimed[lane]))
+                    if head == NIL:
+                        out.append(LaneStats(lane, names[lane], 0, L[b + L_TOKENS], 0, claimed[lane]))
+                    else:
+                        out.append(LaneStats(lane, names[lane], depth[lane], L[b + L_TOKENS], S[head * SF + F_ENQ],
+                                             claimed[lane], S[head * SF + F_SEQ] >= BATCH_SEQ))
             return out
+
+    def promote(self, item_ids: list[int]) -> int:
+        """Queued batch items become interactive (a batch item waited past its bound:
+        `daemon.broker`): each goes to its place by put order among the interactive
+        items of its lane (invariant 2). Ids of items no longer queued, or not batch
+        work, are skipped. Returns how many moved."""
+        S, nslots = self._S, self._nslots
+        with self._lock:
+            by_lane: dict[int, list[tuple[int, int, int]]] = {}
+            for item_id in item_ids:
+                s, gen = item_id & SLOT_MASK, (item_id >> SLOT_BITS) & GEN_MASK
+                b = s * SF
+                if s >= nslots or S[b + F_GEN] != gen or S[b + F_STATE] != QUEUED or S[b + F_SEQ] < BATCH_SEQ:
+                    continue
+                self._unlink(s)
+                S[b + F_SEQ] -= BATCH_SEQ
+                by_lane.setdefault(S[b + F_LANE], []).append((S[b + F_SEQ], s, S[b + F_TOKENS]))
+            for lane, items in by_lane.items():
+                items.sort()
+                self._insert_sorted(lane, items)
+            return sum(len(items) for items in by_lane.values())
     # -- slot helpers (caller holds the lock) ----------------------------------
     def _unlink(self, s: int) -> None:
         S, L, b = self._S, self._L, s * SF

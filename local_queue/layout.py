@@ -47,6 +47,9 @@ WORKER_BITS = 16
 RESULT_RESERVE = 8  # 1/8 of the slab is only for results
 SLOT_RESERVE = 64  # puts leave this many slots for the reservations of claims and acks
 HOLD_NS = 2_000_000_000  # a large put's hold on merged free space, from its last try (> the daemon's retry_after)
+#: A batch item's seq carries this bit (invariant 2): it sorts after every interactive
+#: item of its lane, and among batch items by put order. `promote` clears it.
+BATCH_SEQ = 1 << 61
 MAX_LEASE_MS = 1 << 40  # keeps now_ns + lease in int64
 
 # Header fields (int64 indices). H_RESERVED_HEAD: first RESERVED slot (blocks.py).

@@ -42,6 +42,13 @@ Protocol and invariants:
    counter assigned at put, under the lock, so it follows enqueue time). Put
    appends at the tail; claim takes a prefix; returns and expiries insert back
    by `seq`, so a lane's order is always enqueue order, whoever returns first.
+   Batch work (`put_many(batch=True)`) carries BATCH_SEQ in its seq: a lane is
+   its interactive items in enqueue order, then its batch items in enqueue
+   order, so a claim takes interactive work first and fills the rest of its
+   budget with batch work. An interactive put into a lane whose tail is batch
+   work is inserted in front of it (a walk over the interactive items only);
+   `promote` clears the bit of a queued batch item and moves it to its place
+   among the interactive ones (its seq is its enqueue order).
    DONE slots form one FIFO list (singly linked through F_NEXT).
 3. A slot's `state` field is its commit point and is written last: all other
    fields of the new state (and its block bytes, fully copied) are written
@@ -120,7 +127,7 @@ import posix_ipc
 
 from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
 from local_queue.layout import (
-    CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
+    BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
     F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH, H_DONE_COUNT,
     H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC, H_MAX_LANES,
     H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
@@ -361,13 +368,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
 
     # -- producer ----------------------------------------------------------------
     def put(self, lane: int, payload: bytes | memoryview, *, tokens: int, request_id: int,
-            deadline_ns: int = 0) -> int:
+            deadline_ns: int = 0, batch: bool = False) -> int:
         return self.put_many(lane, [payload], tokens=[tokens], request_ids=[request_id],
-                             deadline_ns=deadline_ns)[0]
+                             deadline_ns=deadline_ns, batch=batch)[0]
 
     def put_many(self, lane: int, payloads: list, *, tokens: list[int], request_ids: list[int],
-                 deadline_ns: int = 0) -> list[int]:
-        """Enqueue at the tail of `lane`, all or nothing (QueueFull leaves the queue unchanged)."""
+                 deadline_ns: int = 0, batch: bool = False) -> list[int]:
+        """Enqueue in `lane`, all or nothing (QueueFull leaves the queue unchanged):
+        interactive items behind the lane's interactive items, batch items (`batch`)
+        at its tail, behind everything (invariant 2)."""
         n = len(payloads)
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
@@ -391,7 +400,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             with self._lock:
                 blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
                 _copy_in(data, views, lens, at)
-                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
+                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch)
                 self._add_refs(units)
         else:
             # Reserve, copy outside the lock, commit (invariant 8): a large body
@@ -405,7 +414,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 with self._lock:
                     if h[H_FREE_TOP] - n < self._slot_reserve:
                         raise QueueFull(f"queue full: {h[H_FREE_TOP]} free slots, {n} needed")
-                    ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
+                    ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at,
+                                                  batch)
                     self._add_refs(units)
                     for s in held:
                         self._release(s)
@@ -457,9 +467,11 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         h[H_HOLD_UNTIL] = now + HOLD_NS
 
     def _commit_put(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                    deadline_ns: int, blocks: list[int], at: list[int]) -> tuple[list[int], int]:
+                    deadline_ns: int, blocks: list[int], at: list[int], batch: bool) -> tuple[list[int], int]:
         """Slot records for copied payloads, committed one by one and chained behind
-        the lane's tail (new seqs are the largest, so the lane stays sorted).
+        the lane's tail (new seqs are the largest, so the lane stays sorted); an
+        interactive put into a lane whose tail is batch work goes in front of the
+        batch items instead (`_insert_sorted`, a walk over the interactive ones).
         Returns (ids, work posts)."""
         S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
         pack = _PUT.pack_into
@@ -469,12 +481,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         seq = h[H_SEQ]
         Lb = lane * LF
         prev = L[Lb + L_TAIL]
+        if not batch and prev != NIL and S[prev * SF + F_SEQ] >= BATCH_SEQ:
+            return self._commit_put_ahead(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
+        flag = BATCH_SEQ if batch else 0
         for i in range(n):
             s = stack[top - 1 - i]
             b = s * SF
             gen = S[b + F_GEN] % GEN_MASK + 1
             seq += 1
-            pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq, tokens[i], request_ids[i], now,
+            pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq | flag, tokens[i], request_ids[i], now,
                  deadline_ns, 0, blocks[i], lens[i], at[i])
             S[b] = QUEUED  # commit (invariant 3)
             if prev == NIL:
@@ -492,6 +507,32 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         h[H_DEPTH] += n
         h[H_WORK_GEN] += 1
         return ids, h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
+
+    def _commit_put_ahead(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
+                          deadline_ns: int, blocks: list[int], at: list[int]) -> tuple[list[int], int]:
+        """`_commit_put` of interactive items into a lane that holds batch work: committed
+        unlinked, then inserted at their seq places, ahead of every batch item."""
+        S, Sb, stack, h = self._S, self._Sb, self._stack, self._h
+        pack = _PUT.pack_into
+        ids, placed = [], []
+        top = h[H_FREE_TOP]
+        now = time.monotonic_ns()
+        seq = h[H_SEQ]
+        for i in range(n):
+            s = stack[top - 1 - i]
+            b = s * SF
+            gen = S[b + F_GEN] % GEN_MASK + 1
+            seq += 1
+            pack(Sb, b * 8 + F_NEXT * 8, NIL, NIL, gen, lane, seq, tokens[i], request_ids[i], now,
+                 deadline_ns, 0, blocks[i], lens[i], at[i])
+            S[b] = QUEUED  # commit (invariant 3); a repair links it if we die before the insert
+            placed.append((seq, s, tokens[i]))
+            ids.append(gen << SLOT_BITS | s)
+        h[H_FREE_TOP] = top - n
+        h[H_SEQ] = seq
+        self._insert_sorted(lane, placed)
+        h[H_WORK_GEN] += 1
+        return ids, h[H_WORK_WAITERS] - self._work_sem.value
 
     def cancel(self, item_id: int) -> bool:
         """Withdraw a request (it timed out, or its client went away). A still-queued
@@ -566,7 +607,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             taken = ntok = expired = expired_tok = 0
             while s != NIL and taken < max_items:
                 b = s * SF
-                (_, nxt, _, gen, _, _, t, req, enq, dl, att, _, ln, at, epoch, _) = unpack(Sb, b * 8)
+                (_, nxt, _, gen, _, sq, t, req, enq, dl, att, _, ln, at, epoch, _) = unpack(Sb, b * 8)
                 if dl and dl <= now:
                     expired += 1
                     expired_tok += t
@@ -578,7 +619,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 epoch = epoch % EPOCH_MASK + 1
                 pack(Sb, b * 8 + F_EPOCH * 8, epoch, worker, lease)
                 S[b] = CLAIMED  # commit
-                taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, at, ln))
+                taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, at, ln,
+                                   sq >= BATCH_SEQ))
                 taken += 1
                 ntok += t
                 s = nxt
@@ -608,8 +650,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             self._wake_results(wake)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
-        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty))
-                for cid, req, t, enq, dl, att, at, ln in taken_rows]
+        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty, bt))
+                for cid, req, t, enq, dl, att, at, ln, bt in taken_rows]
 
     def _result_room(self) -> int:
         """Bytes of the largest free slab block, 0 if no slot is free to reserve it."""

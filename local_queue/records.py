@@ -41,6 +41,7 @@ class Claim(NamedTuple):
     deadline_ns: int
     attempts: int
     payload: memoryview  # into the slab; valid until this item is acked or returned
+    batch: bool = False  # put as batch work (below interactive items in its lane; `put_many(batch=True)`)
 
 
 class Done(NamedTuple):
@@ -57,6 +58,8 @@ class LaneStats(NamedTuple):
     tokens: int
     oldest_enqueue_ns: int  # of the head item; 0 when the lane has no queued item
     claimed: int
+    #: The head is batch work, so every queued item of the lane is (invariant 2).
+    head_batch: bool = False
 
 
 class WorkerInfo(NamedTuple):

@@ -9,8 +9,8 @@ import time
 import numpy as np
 
 from local_queue.layout import (
-    CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, FREE,
-    H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RESERVED_HEAD, H_SEQ,
+    BATCH_SEQ, CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
+    FREE, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RESERVED_HEAD, H_SEQ,
     H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
     W_ACTIVE, W_CLAIMED, WF,
 )
@@ -123,7 +123,7 @@ class Recovery:
         h[H_DONE_COUNT] = len(d)
         # A put torn after some commits had not yet advanced the seq counter,
         # nor told `since` waiters that there is new work.
-        h[H_SEQ] = max(h[H_SEQ], int(S[:, F_SEQ].max()))
+        h[H_SEQ] = max(h[H_SEQ], int((S[:, F_SEQ] & (BATCH_SEQ - 1)).max()))
         h[H_WORK_GEN] += 1
         refs = self._block_refs()
         R = self._refs

@@ -107,6 +107,38 @@ def test_returned_items_go_back_to_the_head_in_lane_order(q):
     assert q.lane_stats()[0].claimed == 8
 
 
+def test_batch_work_queues_behind_interactive_work_and_fills_the_rest(q):
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    q.put_many(lane, [b"b"] * 3, tokens=[1] * 3, request_ids=[10, 11, 12], batch=True)
+    assert q.lane_stats()[0].head_batch
+    put_all(q, lane, [0, 1])  # interactive, after the batch items were put: ahead of them
+    q.put(lane, b"b", tokens=1, request_id=13, batch=True)
+    put_all(q, lane, [2])
+    assert not q.lane_stats()[0].head_batch
+    first = take(q, lane, w, n=4)
+    assert rids_of(first) == [0, 1, 2, 10] and [c.batch for c in first] == [False, False, False, True]
+    # A returned interactive item goes back ahead of the batch items still queued.
+    assert q.return_items([first[1].item_id, first[3].item_id]) == 2
+    assert rids_of(take(q, lane, w)) == [1, 10, 11, 12, 13]
+    q.check()
+
+
+def test_promote_moves_a_batch_item_among_interactive_ones_by_put_order(q):
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    put_all(q, lane, [0])
+    [b1, b2] = q.put_many(lane, [b"b", b"b"], tokens=[1, 1], request_ids=[10, 11], batch=True)
+    put_all(q, lane, [1, 2])
+    assert q.promote([b2, b2 + (1 << 24)]) == 1  # a wrong generation is skipped
+    assert q.promote([b2]) == 0  # no longer batch work
+    got = take(q, lane, w)
+    assert rids_of(got) == [0, 11, 1, 2, 10]  # 11 was put before 1 and 2
+    assert [c.batch for c in got] == [False, False, False, False, True]
+    assert q.promote([b1]) == 0  # claimed, not queued
+    q.check()
+
+
 def test_cancel_removes_only_queued_items(q):
     lane = q.lane_id("m")
     ids = put_all(q, lane, range(3), size=1000)
@@ -528,8 +560,8 @@ class QueueModel(RuleBasedStateMachine):
 
     @rule(lane=st.integers(0, 2), sizes=st.lists(st.one_of(st.integers(0, 300), st.integers(1000, 20000)),
                                                 min_size=1, max_size=6),
-          tokens=st.integers(1, 40), expired=st.booleans())
-    def put(self, lane, sizes, tokens, expired):
+          tokens=st.integers(1, 40), expired=st.booleans(), batch=st.booleans())
+    def put(self, lane, sizes, tokens, expired, batch):
         lane = self.lanes[lane]
         u = self.q.usage()
         rids = list(range(self.next_rid, self.next_rid + len(sizes)))
@@ -543,14 +575,32 @@ class QueueModel(RuleBasedStateMachine):
             return
         try:
             ids = self.q.put_many(lane, payloads, tokens=[tokens] * len(sizes), request_ids=rids,
-                                  deadline_ns=1 if expired else 0)
+                                  deadline_ns=1 if expired else 0, batch=batch)
         except QueueFull:  # too few slots, or no block big enough
             assert self.q.usage() == u
             return
         self.next_rid += len(sizes)
         for r, p, i in zip(rids, payloads, ids):
-            self.items[r] = dict(lane=lane, payload=p, tokens=tokens, expired=expired, attempts=0, put_id=i)
+            self.items[r] = dict(lane=lane, payload=p, tokens=tokens, expired=expired, attempts=0, put_id=i,
+                                 batch=batch)
             self.queued[lane].append(r)
+        self._sort(lane)
+
+    def _sort(self, lane):
+        """A lane's order (invariant 2): interactive items by put order, then batch items by put order."""
+        self.queued[lane].sort(key=lambda r: (self.items[r]["batch"], r))
+
+    @rule(which=st.lists(st.integers(0, 10**6), min_size=1, max_size=4))
+    def promote(self, which):
+        live = [r for r in self.items if r not in self.finished]
+        if not live:
+            return
+        rids = list(dict.fromkeys(live[w % len(live)] for w in which))
+        want = [r for r in rids if self.items[r]["batch"] and r in self.queued[self.items[r]["lane"]]]
+        assert self.q.promote([self.items[r]["put_id"] for r in rids]) == len(want)
+        for r in want:
+            self.items[r]["batch"] = False
+            self._sort(self.items[r]["lane"])
 
     @rule(lane=st.integers(0, 2), max_items=st.integers(1, 8), max_tokens=st.integers(1, 120),
           short=st.booleans())
@@ -576,14 +626,15 @@ class QueueModel(RuleBasedStateMachine):
         assert rids_of(got) == want, (rids_of(got), want, self.q.usage())
         for c in got:
             it = self.items[c.request_id]
-            assert bytes(c.payload) == it["payload"] and c.attempts == it["attempts"]
+            assert bytes(c.payload) == it["payload"] and c.attempts == it["attempts"] and c.batch == it["batch"]
             assert put_id(c.item_id) == it["put_id"]
             self.held[c.item_id] = (c.request_id, short)
         self.queued[lane] = left
 
     def _requeue(self, rid):
         lane = self.items[rid]["lane"]
-        self.queued[lane] = sorted(self.queued[lane] + [rid])
+        self.queued[lane].append(rid)
+        self._sort(lane)
 
     @precondition(lambda self: self.held)
     @rule(pick=st.lists(st.booleans(), min_size=1, max_size=20))
@@ -671,6 +722,8 @@ class QueueModel(RuleBasedStateMachine):
             claimed = sum(1 for rid, _ in self.held.values() if self.items[rid]["lane"] == lane)
             s = stats.get(lane)
             assert (s.depth, s.claimed) == (depth, claimed) if s else depth == claimed == 0
+            if depth:
+                assert s.head_batch == self.items[self.queued[lane][0]]["batch"]
 
 
 QueueModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
