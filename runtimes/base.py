@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, ClassVar
 
 import msgspec
@@ -142,10 +142,18 @@ class Adapter(abc.ABC):
     # A LoRA adapter's requests queue in its base model's lane; the base's
     # adapter serves them in the same batches as its own (`lora_of` says which
     # adapter a request wants; the worker resolves and attaches it first).
+    # Runtimes that host adapters implement the three methods after `lora_of`
+    # (runtimes.lora.LoraHost); the others refuse every adapter at attach.
 
     def lora_of(self, request: Any) -> str | None:
-        """The LoRA adapter (store name) `request` runs with; None = this model alone."""
-        return None
+        """The LoRA adapter (store name) `request` runs with: its `adapter`, or its
+        `model` when that names another model than this one (an adapter named as
+        the model, queued in its base's lane); None = this model alone."""
+        adapter = getattr(request, "adapter", None)
+        if adapter:
+            return adapter
+        model = getattr(request, "model", None)
+        return model if model and model != self.spec.name else None
 
     def hosts(self, lora: str) -> bool:
         return False
@@ -154,6 +162,8 @@ class Adapter(abc.ABC):
         """Store names of the LoRA adapters attached now, least recently used first."""
         return []
 
-    def attach_lora(self, spec: ModelSpec) -> None:
-        """Attach a LoRA adapter of this model (evicting an idle one past `max_loras`)."""
+    def attach_lora(self, spec: ModelSpec, keep: Collection[str] = ()) -> None:
+        """Attach a LoRA adapter of this model, detaching the least recently used
+        idle one past `max_loras` (never one of `keep`: adapters the batch about to
+        run names)."""
         raise ModelLoadFailed(f"{self.spec.name} ({self.spec.runtime}) does not serve LoRA adapters")

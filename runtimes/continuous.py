@@ -35,6 +35,7 @@ import msgspec
 from fleet.errors import FleetError
 from local_queue import QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+from runtimes.lora import attach_lora
 from runtimes.memory import NotNow
 from runtimes.policy import WARMUP_STALL_MS
 from runtimes.residency import Residency
@@ -212,7 +213,7 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
             continue
         lora = adapter.lora_of(request)
         if lora is not None and not adapter.hosts(lora):
-            error = failed_loras.get(lora) or attach_lora(rnd.residency, adapter, lora)
+            error = failed_loras.get(lora) or attach_lora(adapter, lora, rnd.residency.resolve)
             if error is not None:
                 failed_loras[lora] = error
                 errors.append((c.item_id, error))
@@ -231,16 +232,3 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
     if errors:
         rnd.queue.ack_many([(i, _encode(Envelope(0.0, 0.0, rnd.served_by, e)), STATUS_ERROR) for i, e in errors])
     return len(errors)
-
-
-def attach_lora(residency: Residency, adapter, lora: str) -> WorkError | None:
-    """Resolve a LoRA adapter from the store (files re-hashed) and attach it to
-    `adapter`'s model. A failure answers the requests that named it."""
-    try:
-        adapter.attach_lora(residency.resolve(lora))
-    except FleetError as exc:
-        return WorkError(exc.code, exc.message)
-    except Exception as exc:
-        log.exception("attaching %s failed", lora)
-        return WorkError("model_load_failed", f"cannot attach LoRA adapter {lora!r}: {type(exc).__name__}: {exc}")
-    return None

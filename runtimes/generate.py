@@ -16,10 +16,10 @@ Invariants kept after every step:
   tokens are those of the row decoded alone).
 - no column is padding in every row (leading all-pad columns are cut).
 
-LoRA adapters of this model attach to it through peft (`attach_lora`), and
-`LoraBank` applies them: each row carries its adapter's slot, and one forward
-pass runs every adapter of the batch with one gathered batched matmul pair per
-LoRA layer, whatever the mix (peft's own per-adapter loop is switched off).
+LoRA adapters of this model attach to it (`attach_lora`) and run per row
+(runtimes.lora, shared with the encoders): each row carries its adapter, and
+one forward pass runs every adapter of the batch with one gathered batched
+matmul pair per LoRA layer, whatever the mix.
 
 Memory. The padded cache of n sequences is at most n x (the longest prompt +
 max_tokens among them) tokens wide, so that is what the batch reserves
@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +51,11 @@ from fleet.protocol import GenerateRequest
 from runtimes.base import Adapter, ModelSpec
 from runtimes.grammar import Grammars
 from runtimes.hf_common import char_bound
+from runtimes.lora import BASE_ROW, Loras, LoraHost
 from runtimes.memory import NotNow, is_out_of_memory
 
 log = logging.getLogger("fleet.worker")
 
-BASE_ROW = "__base__"  # a row of the base model alone (LoraBank slot 0: zeros)
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 #: Most likely tokens returned per step with `logprobs` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -133,7 +132,7 @@ def streamable_end(text: str, stops: tuple[str, ...]) -> int:
     return end - hold
 
 
-class CausalLM(Adapter):
+class CausalLM(LoraHost, Adapter):
     request_type = GenerateRequest
     continuous = True
 
@@ -157,7 +156,6 @@ class CausalLM(Adapter):
         except Exception as exc:  # the library raises many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r}: {exc}") from exc
         self.base = model.to(self.device).eval()
-        self.model = self.base
         self.dtype = dtype
         config = model.config
         # Context (prompt + generated tokens): the store's limit, never past the model's positions.
@@ -182,11 +180,7 @@ class CausalLM(Adapter):
         self.hold = False
         #: Items per prefill after a prefill alone ran out of memory (0 = the token budget decides).
         self.prefill_cap = 0
-        # Attached LoRA adapters: store name -> peft name (peft names must be
-        # identifiers; store names may hold '.' and '-'), in LRU order.
-        self.loras: OrderedDict[str, str] = OrderedDict()
-        self._lora_ids = itertools.count(1)
-        self.bank: LoraBank | None = None
+        self.loras = Loras(self.spec.name, self.base, self.spec.profile.max_loras)
         self.rows: list[Sequence] = []
         self.pending: list[Sequence] = []
         self.cache = self.mask = self.pos = self.last = None
@@ -219,70 +213,21 @@ class CausalLM(Adapter):
         return self.grammars
 
     def footprint_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        held = sum(t.numel() * t.element_size() for t in itertools.chain(self.base.parameters(), self.base.buffers()))
+        return held + self.lora_bytes()
 
     def unload(self) -> None:
         self.rows, self.pending, self.grammars = [], [], None
         self.cache = self.mask = self.pos = self.last = None
-        self.model = self.base = None
+        self.base = self.loras = None
 
     # -- LoRA --------------------------------------------------------------------
 
-    def lora_of(self, request: GenerateRequest) -> str | None:
-        if request.adapter:
-            return request.adapter
-        return request.model if request.model != self.spec.name else None
-
-    def hosts(self, lora: str) -> bool:
-        return lora in self.loras
-
-    def attached_loras(self) -> list[str]:
-        return list(self.loras)
-
-    def attach_lora(self, spec: ModelSpec) -> None:
-        if spec.runtime != "peft":
-            raise BadRequest(f"{spec.name!r} is not a LoRA adapter (runtime {spec.runtime!r})")
-        base = spec.extra.get("base")
-        if base != self.spec.name:
-            raise BadRequest(f"LoRA adapter {spec.name!r} is for base model {base!r}, not {self.spec.name!r}")
-        from peft import PeftModel
-
-        name = f"lora{next(self._lora_ids)}"
-        t0 = time.perf_counter()
-        try:
-            if isinstance(self.model, PeftModel):
-                self.model.load_adapter(str(spec.path), adapter_name=name, is_trainable=False)
-            else:
-                self.model = PeftModel.from_pretrained(self.base, str(spec.path), adapter_name=name,
-                                                       is_trainable=False)
-        except Exception as exc:
-            raise ModelLoadFailed(f"cannot attach LoRA adapter {spec.name!r} to {self.spec.name!r}: {exc}") from exc
-        self.model.to(self.device).eval()
-        self.loras[spec.name] = name
-        self._evict_loras()
-        if self.bank is None:
-            self.bank = LoraBank(self._torch)
-        try:
-            self.bank.rebuild(self.model, list(self.loras.values()))
-        except FleetError:
-            self.model.delete_adapter(name)
-            del self.loras[spec.name]
-            self.bank.rebuild(self.model, list(self.loras.values()))
-            raise
-        log.info("attached LoRA %s to %s in %.0f ms", spec.name, self.spec.name, (time.perf_counter() - t0) * 1e3)
-
-    def _evict_loras(self) -> None:
-        """Past `max_loras`, detach the least recently used adapters no sequence uses."""
+    def attach_lora(self, spec: ModelSpec, keep: Collection[str] = ()) -> None:
+        """Attach `spec`; the adapters of sequences in flight stay attached."""
         busy = {s.lora for s in itertools.chain(self.rows, self.pending)}
-        for store_name in list(self.loras):
-            if len(self.loras) <= max(1, self.spec.profile.max_loras):
-                return
-            peft_name = self.loras[store_name]
-            if peft_name in busy or store_name == next(reversed(self.loras)):
-                continue
-            self.model.delete_adapter(peft_name)
-            del self.loras[store_name]
-            log.info("detached LoRA %s from %s", store_name, self.spec.name)
+        keep = {*keep, *(n for n, a in self.loras.attached.items() if a.peft_name in busy)}
+        super().attach_lora(spec, keep)
 
     # -- continuous batching -----------------------------------------------------
 
@@ -331,11 +276,7 @@ class CausalLM(Adapter):
 
     def _sequence(self, key: Any, req: GenerateRequest) -> Sequence:
         torch = self._torch
-        lora = self.lora_of(req)
-        if lora is not None and lora not in self.loras:
-            raise RuntimeError(f"LoRA {lora!r} was not attached before admit; this is a bug")
-        if lora is not None:
-            self.loras.move_to_end(lora)
+        lora = self.loras.peft_name(self.lora_of(req))  # marks it recently used
         ids = self.prompt_ids(req)
         if not ids:
             raise BadRequest("the prompt is empty")
@@ -361,7 +302,7 @@ class CausalLM(Adapter):
             else:
                 generator.seed()
         return Sequence(key, ids, req.max_tokens, req.temperature, req.top_p, generator, stop, req.stream,
-                        self.loras[lora] if lora is not None else BASE_ROW, matcher,
+                        lora, matcher,
                         req.top_logprobs if req.logprobs else -1)
 
     def _check_room(self, final_len: int) -> None:
@@ -490,8 +431,7 @@ class CausalLM(Adapter):
         self.prefill_cap = 0
 
     def _forward(self, input_ids, mask, pos, cache, loras: list[str]):
-        if self.bank is not None:
-            self.bank.select(loras, self.device)
+        self.loras.bank.select(loras, self.device)
         try:
             # The base module itself (peft's wrapper adds nothing once its LoRA
             # layers are off); logits_to_keep=1: the LM head runs on the last
@@ -499,8 +439,7 @@ class CausalLM(Adapter):
             out = self.base(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
                             use_cache=True, logits_to_keep=1)
         finally:
-            if self.bank is not None:
-                self.bank.select(None, self.device)
+            self.loras.bank.select(None, self.device)
         return out.logits[:, -1, :].float(), out.cache
 
     def _decode(self) -> None:
@@ -726,87 +665,6 @@ class CausalLM(Adapter):
             layer.keys = layer.keys[idx, :, lead:]
             layer.values = layer.values[idx, :, lead:]
         self.mask = self.mask[:, lead:]
-
-
-class LoraBank:
-    """The attached LoRA adapters of one model, stacked per LoRA layer: A as
-    (slots, r, in), B as (slots, out, r), slot 0 all zeros for base rows, ranks
-    padded with zeros. A forward hook on each LoRA layer adds, per row,
-    scale[slot] * B[slot] @ A[slot] @ x: one gathered `bmm` pair per layer for a
-    mixed batch, plain matmuls when every row shares one adapter, nothing when
-    none uses one. peft loads the weights (its parameters become views into the
-    stacks, so they are held once) and its own LoRA computation is disabled."""
-
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
-        self.slot: dict[str, int] = {BASE_ROW: 0}
-        self.stacks: dict[Any, tuple[Any, Any, Any]] = {}  # layer -> (A, B, scale per slot)
-        self.hooked: set[Any] = set()
-        self.rows = None  # slot per row (tensor) for the forward in progress
-        self.single: int | None = None  # the one slot every row uses, if so
-
-    def rebuild(self, model: Any, names: list[str]) -> None:
-        """Restack after an adapter was attached or detached (`names`: peft names, slot order)."""
-        from peft.tuners.lora.layer import Linear as LoraLinear
-
-        torch = self.torch
-        self.slot = {BASE_ROW: 0, **{n: i + 1 for i, n in enumerate(names)}}
-        for m in model.modules():
-            if not isinstance(m, LoraLinear):
-                continue
-            have = [n for n in names if n in m.lora_A]
-            if any(n in m.lora_variant for n in have) or any(m.lora_B[n].bias is not None for n in have):
-                raise ModelLoadFailed("LoRA variants (DoRA, ...) and LoRA biases are not served; plain LoRA only")
-            if m not in self.hooked:
-                m.register_forward_hook(self._apply)
-                self.hooked.add(m)
-            m.enable_adapters(False)  # peft computes the base layer only; the hook adds the adapters
-            if not have:
-                self.stacks.pop(m, None)
-                continue
-            weight = m.get_base_layer().weight
-            rank = max(m.lora_A[n].weight.shape[0] for n in have)
-            in_f, out_f = m.lora_A[have[0]].in_features, m.lora_B[have[0]].out_features
-            slots = len(names) + 1
-            a = torch.zeros((slots, rank, in_f), dtype=weight.dtype, device=weight.device)
-            b = torch.zeros((slots, out_f, rank), dtype=weight.dtype, device=weight.device)
-            scale = torch.zeros(slots, dtype=weight.dtype, device=weight.device)
-            for n in have:
-                k, r = self.slot[n], m.lora_A[n].weight.shape[0]
-                a[k, :r] = m.lora_A[n].weight
-                b[k, :, :r] = m.lora_B[n].weight
-                scale[k] = m.scaling[n]
-                # peft's copies become views of the stacks: each adapter's weights are held once.
-                m.lora_A[n].weight = torch.nn.Parameter(a[k, :r], requires_grad=False)
-                m.lora_B[n].weight = torch.nn.Parameter(b[k, :, :r], requires_grad=False)
-            self.stacks[m] = (a, b, scale)
-
-    def select(self, loras: list[str] | None, device: str) -> None:
-        """The rows of the next forward (peft names or BASE_ROW per row); None after it."""
-        self.rows, self.single = None, None
-        if not loras:
-            return
-        slots = [self.slot[n] for n in loras]
-        if not any(slots):
-            return
-        if all(k == slots[0] for k in slots):
-            self.single, self.rows = slots[0], True
-        else:
-            self.rows = self.torch.tensor(slots, dtype=self.torch.long, device=device)
-
-    def _apply(self, module: Any, args: tuple, output: Any) -> Any:
-        if self.rows is None or module not in self.stacks:
-            return None
-        torch = self.torch
-        a, b, scale = self.stacks[module]
-        x = args[0].to(a.dtype)
-        if self.single is not None:
-            k = self.single
-            delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a[k]), b[k]) * scale[k]
-        else:  # x: (rows, tokens, in) -> (rows, tokens, r) -> (rows, tokens, out)
-            delta = torch.bmm(torch.bmm(x, a[self.rows].transpose(1, 2)), b[self.rows].transpose(1, 2))
-            delta = delta * scale[self.rows][:, None, None]
-        return output + delta.to(output.dtype)
 
 
 def message_text(content: str | list[dict] | None) -> str:

@@ -41,7 +41,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "load_ms": round(r.load_ms, 1),
                 "pinned": name in residency.pinned,
                 "cost": cost_info(costs.get(name)),
-                "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (generation)
+                "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (runtimes.lora)
             }
             for name, r in models.items()
         },

@@ -28,6 +28,7 @@ from runtimes.base import Adapter, ModelSpec
 from runtimes.commands import serve_control
 from runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
 from runtimes.info import encode_info, worker_info
+from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
     MIN_SAMPLES, CostModel, LastRun, batch_token_cap, choose_lane, form_batch, linger_left_ms, linger_window,
@@ -248,6 +249,12 @@ class WorkerCore:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 error = WorkError("bad_request", f"undecodable work item: {exc}")
                 acks.append((c.item_id, _encode(Envelope(0.0, 0.0, self.served_by, error)), STATUS_ERROR))
+        # The LoRA adapters the batch names are attached first (runtimes.lora); a
+        # request whose adapter cannot be fails alone.
+        if failed := attach_batch(adapter, [r for _, r in runnable], self.residency.resolve):
+            acks += [(runnable[i][0].item_id, _encode(Envelope(0.0, 0.0, self.served_by, e)), STATUS_ERROR)
+                     for i, e in failed.items()]
+            runnable = [x for i, x in enumerate(runnable) if i not in failed]
         requests = [r for _, r in runnable]
         tokens = [c.tokens for c, _ in runnable]
         padded = padded_tokens(tokens)

@@ -78,7 +78,7 @@ def test_mixed_adapter_forward_equals_each_adapter_alone(folders, ref: Reference
     ids = torch.tensor([ref.tokenizer(prompt)["input_ids"]] * len(names))
     mask = torch.ones_like(ids)
     pos = (mask.cumsum(1) - 1)
-    rows = [adapter.loras[n] if n else BASE_ROW for n in names]
+    rows = [adapter.loras.peft_name(n) if n else BASE_ROW for n in names]
     with torch.inference_mode():
         mixed, _ = adapter._forward(ids, mask, pos, DynamicCache(), rows)
     for i, name in enumerate(names):
