@@ -5,10 +5,17 @@ labels, or a sigmoid per label for multi-label models (`config.problem_type ==
 "multi_label_classification"`, or `multi_label: true` in the request);
 `raw_scores: true` returns the logits. Each input's labels come back best first,
 cut to `top_k`.
+
+LoRA adapters of the model (runtimes.lora) run in the same batches, each row
+with its own: an adapter that trained its own head answers with its own labels
+(its folder's `config.json` `id2label` and `problem_type`, else the base's
+when the widths agree, else `LABEL_<i>`); one of another width than the base
+gives its rows -inf past their own width, which no row's answer includes.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -21,9 +28,10 @@ from runtimes.hf_common import (
     split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
+from runtimes.lora import Loras, LoraHost
 
 
-class SequenceClassifier(Adapter):
+class SequenceClassifier(LoraHost, Adapter):
     request_type = ClassifyRequest
     #: The tokenizer's Rust tokenizer called directly, checked at load to give
     #: what the tokenizer gives (None: the tokenizer's own call).
@@ -44,6 +52,9 @@ class SequenceClassifier(Adapter):
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=self._check_probs, agree=labels_agree(),
         )
+        self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
+        #: Per bank slot: (labels, multi-label?) of the rows of that adapter (slot 0: the base's).
+        self.label_sets: list[tuple[list[str], bool]] = [(self.labels, self.multi_label)]
         self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
 
     def _check_probs(self, model: Any) -> np.ndarray:
@@ -54,7 +65,31 @@ class SequenceClassifier(Adapter):
         return probs.cpu().numpy()
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model)
+        return footprint_bytes(self.model) + self.lora_bytes()
+
+    def loras_changed(self) -> None:
+        for slot, adapter in enumerate(self.loras.by_slot):
+            if adapter is not None and adapter.info is None:
+                adapter.info = self._adapter_labels(slot)
+        self.label_sets = [(self.labels, self.multi_label), *(a.info for a in self.loras.by_slot[1:])]
+
+    def _adapter_labels(self, slot: int) -> tuple[list[str], bool]:
+        """(labels, multi-label?) of the rows of bank slot `slot`: a probe forward
+        says how many outputs its head gives."""
+        adapter = self.loras.adapter_at(slot)
+        if adapter is None:
+            return self.labels, self.multi_label
+        with self._torch.inference_mode():
+            width = int(self._forward(self.model, CHECK_SET[:1], np.array([slot]))[0].shape[1])
+        own = adapter.config.get("id2label") or {}
+        if len(own) == width:
+            labels = [str(own.get(str(i), own.get(i))) for i in range(width)]
+        elif width == len(self.labels):
+            labels = self.labels
+        else:
+            labels = [f"LABEL_{i}" for i in range(width)]
+        problem = adapter.config.get("problem_type")
+        return labels, self.multi_label if problem is None else problem == "multi_label_classification"
 
     def refuse(self, req: ClassifyRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
@@ -72,10 +107,16 @@ class SequenceClassifier(Adapter):
             return results
         texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
-        # 2. All texts of the batch in length-sorted micro-batches: logits (n, labels).
-        logits, tokens = self._logits(texts)
+        # 2. All texts of the batch in length-sorted micro-batches, each row with its
+        #    LoRA adapter (bank slot): logits (n, widest label set of the batch).
+        slots = self.row_slots(requests, live, counts)
+        request_slots = np.zeros(len(live), dtype=np.int64) if slots is None else slots[offsets(counts)[0]]
+        sets = [self.label_sets[k] for k in request_slots.tolist()]
+        width = max(len(labels) for labels, _ in sets)
+        logits, tokens = self._logits(texts, slots, width)
         # 3. Every row's scores in each form, then each row takes the one its request asked for.
-        mode = np.repeat(np.fromiter((self._mode(requests[i]) for i in live), dtype=np.int8, count=len(live)), counts)
+        mode = np.repeat(np.fromiter((self._mode(requests[i], multi) for i, (_, multi) in zip(live, sets)),
+                                     dtype=np.int8, count=len(live)), counts)
         scores = np.where((mode == 0)[:, None], logits, 0.0).astype(np.float32)
         if (mode == 1).any():
             shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -84,27 +125,29 @@ class SequenceClassifier(Adapter):
             with np.errstate(over="ignore"):  # exp(-x) overflows for x < -88: the sigmoid is then 0, as it should be
                 scores = np.where((mode == 2)[:, None], 1.0 / (1.0 + np.exp(-logits)), scores)
         scores = scores.astype(np.float32, copy=False)
-        # 4. Labels best first (stable: equal scores keep label order), cut per request.
+        # 4. Labels best first (stable: equal scores keep label order, and the -inf
+        #    columns past a row's own labels come last), cut per request.
         order = np.argsort(-scores, axis=1, kind="stable").astype("<i4")
         ranked = np.take_along_axis(scores, order, axis=1)
         starts, ends = offsets(counts)
         token_sums = np.add.reduceat(tokens, starts)
         for k, i in enumerate(live):
+            labels = sets[k][0]
             top_k = requests[i].top_k
-            keep = len(self.labels) if top_k is None else min(top_k, len(self.labels))
+            keep = len(labels) if top_k is None else min(top_k, len(labels))
             a, b = int(starts[k]), int(ends[k])
             top = np.ascontiguousarray(order[a:b, :keep])
             results[i] = ClassifyResult(
-                self.labels, top.tobytes(), np.ascontiguousarray(ranked[a:b, :keep]).tobytes(), (b - a, keep),
+                labels, top.tobytes(), np.ascontiguousarray(ranked[a:b, :keep]).tobytes(), (b - a, keep),
                 int(token_sums[k]),
             )
         return results
 
-    def _mode(self, req: ClassifyRequest) -> int:
-        """0 = logits, 1 = softmax, 2 = sigmoid."""
+    def _mode(self, req: ClassifyRequest, multi_label: bool) -> int:
+        """0 = logits, 1 = softmax, 2 = sigmoid (`multi_label`: the model's, or its adapter's, default)."""
         if req.raw_scores:
             return 0
-        multi = self.multi_label if req.multi_label is None else req.multi_label
+        multi = multi_label if req.multi_label is None else req.multi_label
         return 2 if multi else 1
 
     def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
@@ -118,21 +161,27 @@ class SequenceClassifier(Adapter):
     def _own_features(self, texts: list[str]) -> Any:
         return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
 
-    def _forward(self, model: Any, texts: list[str]) -> tuple[Any, Any]:
+    def _forward(self, model: Any, texts: list[str], slots: np.ndarray | None = None) -> tuple[Any, Any]:
+        """(logits, tokens per text) of one micro-batch, each row with its LoRA slot (None: the base alone)."""
         features = to_device((self.direct or self._own_features)(texts), self.device)
-        return model(**features).logits.float(), features["attention_mask"].sum(dim=1)
+        with self.loras.rows(slots, self.device) if slots is not None else nullcontext():
+            logits = model(**features).logits.float()
+        return logits, features["attention_mask"].sum(dim=1)
 
-    def _logits(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """float32 logits (n, labels) and tokens per text, in input order."""
+    def _logits(self, texts: list[str], slots: np.ndarray | None = None,
+                width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """float32 logits (n, width) and tokens per text, in input order; a row's
+        columns past its own head's width are -inf."""
         torch = self._torch
         n = len(texts)
-        logits = np.empty((n, len(self.labels)), dtype=np.float32)
+        logits = np.full((n, width or len(self.labels)), -np.inf, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
-                raw, used = self._forward(self.model, [texts[j] for j in idx])
-                logits[idx] = raw.cpu().numpy()
+                raw, used = self._forward(self.model, [texts[j] for j in idx],
+                                          None if slots is None else slots[idx])
+                logits[idx, : raw.shape[1]] = raw.cpu().numpy()
                 tokens[idx] = used.cpu().numpy()
         return logits, tokens
 

@@ -8,10 +8,18 @@ the mean of its tokens' scores, its type the first token's label without the
 `B-`/`I-` prefix; spans of type `O` are dropped. Offsets come from the fast
 tokenizer's offset mapping: characters into the text as sent (Python str
 indices), so `text[start:end]` is the span.
+
+LoRA adapters of the model (runtimes.lora) run in the same batches, each row
+with its own; an adapter that trained its own head tags with its own labels
+(its folder's `config.json` `id2label`, else the base's when the widths
+agree, else `LABEL_<i>`). The label tables of every attached adapter are laid
+end to end (`tag_tables` over all of them), so a token's label id is its
+row's offset plus its argmax.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -24,6 +32,7 @@ from runtimes.hf_common import (
     load_transformers, max_length, micro_batches, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
+from runtimes.lora import Loras, LoraHost
 
 
 def tag_tables(labels: list[str]) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
@@ -69,7 +78,7 @@ def group_spans(rows: np.ndarray, label: np.ndarray, score: np.ndarray, group: n
     return first, last, mean.astype(np.float32)
 
 
-class TokenClassifier(Adapter):
+class TokenClassifier(LoraHost, Adapter):
     request_type = ExtractRequest
 
     def load(self) -> None:
@@ -83,13 +92,40 @@ class TokenClassifier(Adapter):
             )
         config = model.config
         self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
-        self.group, self.begins, self.names, self.outside = tag_tables(self.labels)
+        self._set_tables([self.labels])
         self.max_seq_len = max_length(self.spec, self.tokenizer, config)
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=self._check_probs, agree=labels_agree(max_prob_diff=0.02),
         )
+        self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
         self._extract(CHECK_SET)  # warm-up: pay kernel selection at load
+
+    def _set_tables(self, label_sets: list[list[str]]) -> None:
+        """The tag tables of every bank slot's labels laid end to end; `offset[slot]`
+        is where the slot's label ids start."""
+        self.label_sets = label_sets
+        self.offset = np.cumsum([0, *map(len, label_sets[:-1])]).astype(np.int64)
+        self.group, self.begins, self.names, self.outside = tag_tables([lab for s in label_sets for lab in s])
+
+    def loras_changed(self) -> None:
+        for slot, adapter in enumerate(self.loras.by_slot):
+            if adapter is not None and adapter.info is None:
+                adapter.info = self._adapter_labels(slot)
+        self._set_tables([self.labels, *(a.info for a in self.loras.by_slot[1:])])
+
+    def _adapter_labels(self, slot: int) -> list[str]:
+        """The labels of the rows of bank slot `slot`: a probe forward says how many
+        outputs its head gives."""
+        adapter = self.loras.adapter_at(slot)
+        if adapter is None:
+            return self.labels
+        with self._torch.inference_mode():
+            width = int(self._logits(self.model, self._features(CHECK_SET[:1]), np.array([slot])).shape[-1])
+        own = adapter.config.get("id2label") or {}
+        if len(own) == width:
+            return [str(own.get(str(i), own.get(i))) for i in range(width)]
+        return self.labels if width == len(self.labels) else [f"LABEL_{i}" for i in range(width)]
 
     def _check_probs(self, model: Any) -> np.ndarray:
         """Label probabilities (tokens, labels) of every real token of the check set."""
@@ -101,7 +137,7 @@ class TokenClassifier(Adapter):
         return probs[real].cpu().numpy()
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model)
+        return footprint_bytes(self.model) + self.lora_bytes()
 
     def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
         # 1. Requests this model cannot serve as asked fail alone.
@@ -109,8 +145,10 @@ class TokenClassifier(Adapter):
         if not live:
             return results
         texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
-        # 2. All texts together in length-sorted micro-batches; spans per text.
-        spans, tokens = self._extract(texts)
+        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        # 2. All texts together in length-sorted micro-batches, each row with its LoRA
+        #    adapter (bank slot); spans per text.
+        spans, tokens = self._extract(texts, self.row_slots(requests, live, counts))
         # 3. Split back per request.
         at = 0
         for i in live:
@@ -121,7 +159,8 @@ class TokenClassifier(Adapter):
 
     def _refusal(self, req: ExtractRequest) -> WorkError | None:
         if req.labels is not None:
-            kinds = ", ".join(sorted({n for n, o in zip(self.names, self.outside) if not o}))
+            base = len(self.labels)  # the base's labels lead the tables
+            kinds = ", ".join(sorted({n for n, o in zip(self.names[:base], self.outside[:base]) if not o}))
             return WorkError(
                 "bad_request",
                 f"{self.spec.name} is a token-classification model with fixed entity types ({kinds}); "
@@ -143,12 +182,16 @@ class TokenClassifier(Adapter):
         )
         return to_device(features, self.device)
 
-    def _logits(self, model: Any, features: dict[str, Any]) -> Any:
+    def _logits(self, model: Any, features: dict[str, Any], slots: np.ndarray | None = None) -> Any:
+        """Label logits (rows, tokens, labels), each row with its LoRA slot (None: the base alone)."""
         inputs = {k: v for k, v in features.items() if k not in ("offset_mapping", "special_tokens_mask")}
-        return model(**inputs).logits.float()
+        with self.loras.rows(slots, self.device) if slots is not None else nullcontext():
+            return model(**inputs).logits.float()
 
-    def _extract(self, texts: list[str]) -> tuple[list[list[EntitySpan]], np.ndarray]:
-        """Entity spans per text and tokens per text, in input order."""
+    def _extract(self, texts: list[str], slots: np.ndarray | None = None,
+                 ) -> tuple[list[list[EntitySpan]], np.ndarray]:
+        """Entity spans per text and tokens per text, in input order (`slots`: the
+        LoRA bank slot per text, None: all the base's)."""
         torch = self._torch
         n = len(texts)
         spans: list[list[EntitySpan]] = [[] for _ in range(n)]
@@ -157,13 +200,17 @@ class TokenClassifier(Adapter):
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
                 features = self._features([texts[j] for j in idx])
-                score, label = torch.softmax(self._logits(self.model, features), dim=-1).max(dim=-1)
+                row_slots = None if slots is None else slots[idx]
+                # Softmax over the row's own labels: a narrower head's -inf columns get 0.
+                score, label = torch.softmax(self._logits(self.model, features, row_slots), dim=-1).max(dim=-1)
                 mask = features["attention_mask"]
                 real = mask.bool() & ~features["special_tokens_mask"].bool()
                 tokens[idx] = mask.sum(dim=1).cpu().numpy()
                 # Real tokens of the micro-batch, flattened row-major (nonzero's order).
                 rows = real.nonzero(as_tuple=True)[0].cpu().numpy()
                 label_np = label[real].cpu().numpy()
+                if row_slots is not None:  # per-slot label ids -> ids into the tables laid end to end
+                    label_np = label_np + self.offset[row_slots[rows]]
                 score_np = score[real].cpu().numpy()
                 char = features["offset_mapping"][real].cpu().numpy()
                 first, last, mean = group_spans(rows, label_np, score_np, self.group, self.begins)

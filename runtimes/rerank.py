@@ -10,6 +10,10 @@ Scores are what `CrossEncoder.predict` returns by default: the model's
 activation applied to its logit, which is the sigmoid for a one-label model
 unless the folder names another (`activation_fn` as sentence-transformers saves
 it; torch activations only). `raw_scores: true` returns the logit itself.
+
+LoRA adapters of the model (runtimes.lora) run in the same batches, each
+(query, document) pair with its request's adapter; an adapter's own head must
+give one output, as the base's does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ from runtimes.hf_common import (
     split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
+from runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")
 
@@ -40,7 +46,7 @@ log = logging.getLogger("fleet.worker")
 CHECK_PAIRS = [(CHECK_SET[i], CHECK_SET[(i + k) % len(CHECK_SET)]) for k in (0, 1, 3, 7) for i in range(len(CHECK_SET))]
 
 
-class CrossEncoderAdapter(Adapter):
+class CrossEncoderAdapter(LoraHost, Adapter):
     request_type = RerankRequest
 
     #: Set by `load`: tokens per pair the model takes, the tokenizer, the model,
@@ -61,6 +67,10 @@ class CrossEncoderAdapter(Adapter):
     def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
         """Token tensors of (query, document) pairs by the model's own code."""
 
+    @abc.abstractmethod
+    def _transformers_model(self) -> Any:
+        """The transformers module of the served model (LoRA adapters attach to it), or None."""
+
     def _features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
         """Token tensors of one micro-batch of pairs, padded to its longest pair."""
         if self.direct is not None:
@@ -79,6 +89,8 @@ class CrossEncoderAdapter(Adapter):
             self.tokenizer, self.max_seq_len, lambda pairs: self._own_features(self.model, *unzipped(pairs)),
             self.spec.name, lengths=lambda pairs: self._own_lengths(*unzipped(pairs)), pairs=True,
         )
+        target = self._transformers_model()
+        self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
 
@@ -90,7 +102,14 @@ class CrossEncoderAdapter(Adapter):
         return scores.cpu().numpy()
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model)
+        return footprint_bytes(self.model) + self.lora_bytes()
+
+    def loras_changed(self) -> None:
+        """A new adapter must score with one output, as the base does (`_forward` checks)."""
+        for slot, adapter in enumerate(self.loras.by_slot):
+            if adapter is not None and adapter.info is None:
+                self._score(*map(list, zip(*CHECK_PAIRS[:1])), np.array([slot]))
+                adapter.info = True
 
     def refuse(self, req: RerankRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
@@ -118,8 +137,9 @@ class CrossEncoderAdapter(Adapter):
             queries.extend(cut_to_bound([requests[i].query], self.max_seq_len) * len(req_docs))
             docs.extend(req_docs)
         counts = np.fromiter((len(requests[i].docs) for i in live), dtype=np.int64, count=len(live))
-        # 3. Score them together, length-sorted into micro-batches.
-        logits, activated, tokens = self._score(queries, docs)
+        # 3. Score them together, length-sorted into micro-batches, each pair with its
+        #    request's LoRA adapter (bank slot).
+        logits, activated, tokens = self._score(queries, docs, self.row_slots(requests, live, counts))
         # 4. Per request: its scores (raw or activated), best first, cut to top_n.
         starts, ends = offsets(counts)
         token_sums = np.add.reduceat(tokens, starts)
@@ -145,8 +165,10 @@ class CrossEncoderAdapter(Adapter):
         # verbose=False: counting a pair over the limit is the point here, not a reason to warn.
         return self.tokenizer(queries, docs, truncation=False, return_length=True, verbose=False)["length"]
 
-    def _score(self, queries: list[str], docs: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(logits, activated scores, tokens) per pair, float32 / float32 / int64, in input order."""
+    def _score(self, queries: list[str], docs: list[str], slots: np.ndarray | None = None,
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logits, activated scores, tokens) per pair, float32 / float32 / int64, in
+        input order (`slots`: the LoRA bank slot per pair; None: all the base's)."""
         torch = self._torch
         n = len(docs)
         logits = np.empty(n, dtype=np.float32)
@@ -156,7 +178,8 @@ class CrossEncoderAdapter(Adapter):
                    + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
-                raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx])
+                with self.loras.rows(slots[idx], self.device) if slots is not None else nullcontext():
+                    raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx])
                 logits[idx] = raw.cpu().numpy()
                 activated[idx] = (self.activation(raw) if self.activation is not None else raw).cpu().numpy()
                 tokens[idx] = used.cpu().numpy()
@@ -186,11 +209,13 @@ class TransformersReranker(CrossEncoderAdapter):
         return self.tokenizer(queries, docs, padding=True, truncation="longest_first", max_length=self.max_seq_len,
                               return_tensors="pt")
 
+    def _transformers_model(self) -> Any:
+        return self.model
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
         # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
-        logits = model(**features).logits[:, 0].float()
-        return logits, features["attention_mask"].sum(dim=1)
+        return one_score(model(**features).logits.float(), self.spec.name), features["attention_mask"].sum(dim=1)
 
 
 class SentenceTransformersReranker(CrossEncoderAdapter):
@@ -221,10 +246,21 @@ class SentenceTransformersReranker(CrossEncoderAdapter):
     def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
         return model.preprocess(list(zip(queries, docs)))
 
+    def _transformers_model(self) -> Any:
+        return getattr(self.model[0], "auto_model", None)
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
         scores = model(features)["scores"].float()
-        return scores.reshape(len(docs)), features["attention_mask"].sum(dim=1)
+        return one_score(scores.reshape(len(docs), -1), self.spec.name), features["attention_mask"].sum(dim=1)
+
+
+def one_score(logits: Any, name: str) -> Any:
+    """The (pairs,) relevance logits of a (pairs, outputs) tensor with one output
+    (a LoRA adapter's own head must keep to one, as the base's)."""
+    if logits.shape[1] != 1:
+        raise ModelLoadFailed(f"{name}: a LoRA adapter's head gives {logits.shape[1]} outputs; a reranker gives one")
+    return logits[:, 0]
 
 
 def unzipped(pairs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:

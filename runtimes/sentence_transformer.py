@@ -1,11 +1,17 @@
-"""sentence-transformers embedding adapter (task `embed`)."""
+"""sentence-transformers embedding adapter (task `embed`).
+
+LoRA adapters of the model (runtimes.lora) attach to its transformers module
+(the first module's `auto_model`) and run in the same batches, each text with
+its request's adapter; a micro-batch with adapter rows runs eagerly (the CUDA
+graphs hold the base's forward).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, nullcontext
 from typing import Any
 
 import numpy as np
@@ -19,6 +25,7 @@ from runtimes.hf_common import (
     split_refused, to_device,
 )
 from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
+from runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")
 
@@ -26,7 +33,7 @@ log = logging.getLogger("fleet.worker")
 MIN_COSINE = 0.9999
 
 
-class SentenceTransformerEmbedder(Adapter):
+class SentenceTransformerEmbedder(LoraHost, Adapter):
     request_type = EmbedRequest
 
     #: The thread that tokenizes the next micro-batch while the current one runs
@@ -84,6 +91,8 @@ class SentenceTransformerEmbedder(Adapter):
                 graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
                                         self.max_seq_len, min_cosine(MIN_COSINE), self.spec.name)
             self.graphs = graphs if graphs.graphs else None
+        target = getattr(modules[0], "auto_model", None) if modules else None
+        self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
         # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
         # cuBLAS); pay it at load, not in the first client's latency.
         self._embed(CHECK_SET)
@@ -99,7 +108,7 @@ class SentenceTransformerEmbedder(Adapter):
         return emb.cpu().numpy()
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model)
+        return footprint_bytes(self.model) + self.lora_bytes()
 
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
@@ -128,8 +137,9 @@ class SentenceTransformerEmbedder(Adapter):
         # call costs tens of us on a cold CPU, the case of a lone client's request).
         wants = [requests[i].output == "tokens" for i in live]
         want_tokens = np.repeat(np.array(wants), counts) if any(wants) else None
-        # 2. Embed all texts of the batch together, length-sorted into micro-batches.
-        vectors, tokens, per_token = self._embed(texts, want_tokens)
+        # 2. Embed all texts of the batch together, length-sorted into micro-batches,
+        #    each text with its request's LoRA adapter (bank slot).
+        vectors, tokens, per_token = self._embed(texts, want_tokens, self.row_slots(requests, live, counts))
         # 3. Normalise (per request) and split back, one result per request.
         starts, ends = offsets(counts)
         if per_token:
@@ -187,7 +197,7 @@ class SentenceTransformerEmbedder(Adapter):
         """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
         return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
-    def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None,
+    def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, slots: np.ndarray | None = None,
                ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """float32 vectors (n, d) in input order, tokens used per text, and for
         the inputs flagged in `want_tokens` their token vectors (t_i, d) without
@@ -219,11 +229,13 @@ class SentenceTransformerEmbedder(Adapter):
                 used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used
                 wants = want_tokens is not None and bool(want_tokens[idx].any())
-                emb = None if wants or self.graphs is None else self.graphs(host)
+                lora_rows = slots[idx] if slots is not None and slots[idx].any() else None
+                emb = None if wants or lora_rows is not None or self.graphs is None else self.graphs(host)
                 if emb is None:
                     features = to_device(host, self.device)
-                    for module in self._modules:
-                        features = module(features)
+                    with self.loras.rows(lora_rows, self.device) if lora_rows is not None else nullcontext():
+                        for module in self._modules:
+                            features = module(features)
                     emb = features["sentence_embedding"]
                 forward = time.monotonic_ns()
                 if landing is not None:
