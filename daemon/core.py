@@ -19,6 +19,7 @@ import msgspec
 from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, Unavailable
+from fleet.lora import LORA_TASKS
 from fleet.store import Manifest, Store
 from local_queue import Done, LaneStats, LocalQueue, WorkerInfo
 from local_queue.sweep import queue_name, sweep_stale
@@ -33,9 +34,6 @@ from daemon.supervisor import Supervisor, detect_devices
 log = logging.getLogger("fleet.daemon")
 
 _info_decoder = msgspec.msgpack.Decoder()
-
-#: Tasks whose runtime adapters host LoRA adapters (runtimes.base, "LoRA hosting").
-LORA_TASKS = frozenset({"generate"})
 
 #: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
 QUEUE_PREFIX = "fleet"

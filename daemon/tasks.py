@@ -91,8 +91,8 @@ async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool 
     if req.top_k is not None and (req.output != "sparse" or req.top_k < 1):
         raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
                          f"with output {req.output!r}")
-    answer = await daemon.submit("embed", req.model, payload, tokens=embed_tokens(req, payload),
-                                 timeout_ms=req.timeout_ms)
+    answer = await daemon.submit("embed", target_model(daemon, "embed", req.model, req.adapter), payload,
+                                 tokens=embed_tokens(req, payload), timeout_ms=req.timeout_ms)
     return (_EMBED_RAW if raw else _EMBED)[req.output].decode(answer.body), answer
 
 
@@ -153,7 +153,8 @@ async def rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[li
     docs = req.docs
     # Each pair carries the query again and one more special token than a single text.
     tokens = estimate_tokens(payload, len(docs)) + len(req.query) * (len(docs) - 1) // 4 + len(docs)
-    answer = await daemon.submit("rerank", req.model, payload, tokens=tokens, timeout_ms=req.timeout_ms)
+    answer = await daemon.submit("rerank", target_model(daemon, "rerank", req.model, req.adapter), payload,
+                                 tokens=tokens, timeout_ms=req.timeout_ms)
     res = _rerank.decode(answer.body)
     index = np.frombuffer(res.index, dtype="<i4").tolist()
     scores = np.frombuffer(res.scores, dtype="<f4").tolist()
@@ -176,8 +177,8 @@ async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
     check_inputs(daemon, req.inputs)
     if req.top_k is not None and req.top_k < 1:
         raise BadRequest(f"top_k must be at least 1, got {req.top_k}")
-    answer = await daemon.submit("classify", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
-                                 timeout_ms=req.timeout_ms)
+    answer = await daemon.submit("classify", target_model(daemon, "classify", req.model, req.adapter), payload,
+                                 tokens=estimate_tokens(payload, len(req.inputs)), timeout_ms=req.timeout_ms)
     res = _classify.decode(answer.body)
     top = np.frombuffer(res.top, dtype="<i4").reshape(res.shape).tolist()
     scores = np.frombuffer(res.scores, dtype="<f4").reshape(res.shape).tolist()
@@ -190,8 +191,8 @@ async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
 async def extract(daemon: Daemon, req: ExtractRequest, payload: bytes) -> tuple[list[list[Entity]], Usage, Answer]:
     """Queue one extract request; per input, its entity spans."""
     check_inputs(daemon, req.inputs)
-    answer = await daemon.submit("extract", req.model, payload, tokens=estimate_tokens(payload, len(req.inputs)),
-                                 timeout_ms=req.timeout_ms)
+    answer = await daemon.submit("extract", target_model(daemon, "extract", req.model, req.adapter), payload,
+                                 tokens=estimate_tokens(payload, len(req.inputs)), timeout_ms=req.timeout_ms)
     res = _extract.decode(answer.body)
     if len(res.spans) != len(req.inputs):
         raise RuntimeError(f"extract: {len(res.spans)} span lists for {len(req.inputs)} inputs; this is a bug")
@@ -226,27 +227,31 @@ def check_generate(req: GenerateRequest) -> None:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def target_model(daemon: Daemon, req: GenerateRequest) -> str:
-    """The store name the request runs as: the model, or its LoRA `adapter` (which
-    must be an adapter of that model)."""
-    if req.adapter is None:
-        return req.model
+def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> str:
+    """The store name a request runs as: `model`, or its LoRA `adapter`, which must
+    be a stored adapter of that model (400 naming it and the model's adapters)."""
+    if adapter is None:
+        return model
     try:
-        adapter = daemon.manifest(req.adapter, "generate")
-    except ModelNotFound:
-        raise ModelNotFound(f"unknown LoRA adapter {req.adapter!r}", hint="fleetctl list shows what is pulled") \
-            from None
-    if adapter.base is None:
-        raise BadRequest(f"{req.adapter!r} is not a LoRA adapter")
-    if adapter.base != req.model:
-        raise BadRequest(f"LoRA adapter {req.adapter!r} is for base model {adapter.base!r}, not {req.model!r}")
-    return req.adapter
+        found = daemon.manifest(adapter, task)
+    except (ModelNotFound, BadRequest):
+        found = None
+    if found is not None and found.base == model:
+        return adapter
+    base = daemon.manifest(model, task)  # an unknown model is 404; one of another task 400
+    if base.base is not None:
+        raise BadRequest(f"{model!r} is itself a LoRA adapter (of {base.base!r}): send `model: {base.base!r}` with "
+                         f"`adapter: {adapter!r}`, or the adapter alone as `model`", param="adapter")
+    own = sorted(daemon.store.dependents(model))
+    raise BadRequest(f"{model!r} has no LoRA adapter {adapter!r}; its adapters: {', '.join(own) or 'none'}",
+                     param="adapter", hint="fleetctl list shows what is pulled; fleetctl pull DIR --base MODEL "
+                                           "adds an adapter")
 
 
 async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
     """Queue one generation and wait for the whole text."""
     check_generate(req)
-    answer = await daemon.submit("generate", target_model(daemon, req), payload,
+    answer = await daemon.submit("generate", target_model(daemon, "generate", req.model, req.adapter), payload,
                                  tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms)
     return _generate.decode(answer.body), answer
 
@@ -275,8 +280,9 @@ class TextStream:
         check_generate(req)
         self.pieces: asyncio.Queue[Done] = asyncio.Queue()
         self.task = asyncio.ensure_future(daemon.submit(
-            "generate", target_model(daemon, req), payload, tokens=estimate_tokens(payload, 1) + req.max_tokens,
-            timeout_ms=req.timeout_ms, on_partial=self.pieces.put_nowait,
+            "generate", target_model(daemon, "generate", req.model, req.adapter), payload,
+            tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms,
+            on_partial=self.pieces.put_nowait,
         ))
         self.sent = 0  # characters of the final text already sent
         self.logprobs_sent = 0  # token logprobs already sent

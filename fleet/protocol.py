@@ -82,6 +82,8 @@ class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     output: EmbedOutput = "dense"
     top_k: int | None = None
     timeout_ms: int | None = None
+    #: A LoRA adapter of `model` to embed with (or name the adapter as `model`).
+    adapter: str | None = None
 
 
 class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -94,6 +96,8 @@ class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True, forbid_u
     output: EmbedOutput = "dense"
     top_k: int | None = None
     timeout_ms: int | None = None
+    #: A LoRA adapter of `model` to embed with (or name the adapter as `model`).
+    adapter: str | None = None
 
 
 class EmbedReplyMsgpack(msgspec.Struct, frozen=True):
@@ -241,6 +245,8 @@ class RerankRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     max_tokens_per_doc: int | None = None
     max_chunks_per_doc: int | None = None
     priority: int | None = None
+    #: A LoRA adapter of `model` to score with (or name the adapter as `model`).
+    adapter: str | None = None
 
     @property
     def docs(self) -> list[str]:
@@ -303,6 +309,8 @@ class ClassifyRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_un
     raw_scores: bool = False
     truncate: bool = True
     timeout_ms: int | None = None
+    #: A LoRA adapter of `model` to classify with (or name the adapter as `model`).
+    adapter: str | None = None
 
 
 class LabelScore(msgspec.Struct, frozen=True):
@@ -326,6 +334,8 @@ class ExtractRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     labels: list[str] | None = None
     truncate: bool = True
     timeout_ms: int | None = None
+    #: A LoRA adapter of `model` to tag with (or name the adapter as `model`).
+    adapter: str | None = None
 
 
 class Entity(msgspec.Struct, frozen=True):

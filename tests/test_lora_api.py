@@ -134,7 +134,7 @@ def test_adapter_of_another_base_runs_on_its_own_base(lora_daemon: DaemonProc, m
 
 
 @pytest.mark.parametrize("model, adapter, status, code", [
-    (BASE, "no-such-adapter", 404, "model_not_found"),
+    (BASE, "no-such-adapter", 400, "bad_request"),  # named, with the base's adapters listed
     (BASE, "lora-other", 400, "bad_request"),  # an adapter of another base
     (BASE, OTHER, 400, "bad_request"),  # not an adapter at all
     ("no-such-model", None, 404, "model_not_found"),

@@ -29,7 +29,8 @@ def from_json(jreq: EmbedRequestJson) -> EmbedRequest:
     inputs = jreq.inputs
     if any(x.__class__ is ImageInputJson for x in inputs):
         inputs = [image_bytes(i, x) if x.__class__ is ImageInputJson else x for i, x in enumerate(inputs)]
-    return EmbedRequest(jreq.model, inputs, jreq.normalize, jreq.truncate, jreq.output, jreq.top_k, jreq.timeout_ms)
+    return EmbedRequest(jreq.model, inputs, jreq.normalize, jreq.truncate, jreq.output, jreq.top_k, jreq.timeout_ms,
+                        adapter=jreq.adapter)
 
 
 def image_bytes(index: int, item: ImageInputJson) -> ImageInput:

@@ -34,9 +34,12 @@ def tokenizer_file(manifest: Manifest) -> Any:
 
 
 def load_tokenizer(store: Store, manifest: Manifest) -> Any:
-    """The model's tokenizer, unpadded and untruncated (callers decide both)."""
+    """The model's tokenizer, unpadded and untruncated (callers decide both); a
+    LoRA adapter's is its base's (its runtime reads text with it)."""
     from tokenizers import Tokenizer
 
+    if manifest.base:
+        manifest = store.get(manifest.base)
     entry = tokenizer_file(manifest)
     cached = _cache.get(manifest.name)
     if cached is not None and cached[0] == entry.sha256:
