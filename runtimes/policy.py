@@ -19,23 +19,36 @@ class LaneView(Protocol):
     model: str
     depth: int
     oldest_enqueue_ns: int
+    #: Only batch work is queued (local_queue invariant 2: its head is batch work).
+    head_batch: bool
 
 
 def choose_lane(lanes: Iterable[LaneView], held: set[str], now_ns: int, max_wait_ns: int) -> LaneView | None:
     """The lane this worker should serve next, or None when nothing waits.
 
-    1. A lane whose oldest item has waited past `max_wait_ns` is starving: serve
-       the most starved one, held or not (bounded wait, no lane starves).
-    2. Otherwise prefer lanes of models this worker already holds (no load).
-    3. Among those (or among all, if it holds none of them), the lane whose
-       oldest item has waited longest.
+    1. A lane whose oldest interactive item has waited past `max_wait_ns` is
+       starving: serve the most starved one, held or not (bounded wait, no lane starves).
+    2. Otherwise lanes with interactive work before lanes with batch work only
+       (a lane's batch work runs after its interactive work anyway: the queue
+       keeps it behind), and among those, lanes of models this worker already
+       holds (no load).
+    3. Among those (or among all of the kind, if it holds none of them), the lane
+       whose oldest item has waited longest.
+    Batch work never starves a lane's interactive work here; its own wait is
+    bounded where it is queued: past `batch_max_wait_ms` the daemon promotes it to
+    interactive at its enqueue time (`LocalQueue.promote`), and rule 1 applies.
     """
     waiting = [lane for lane in lanes if lane.depth > 0]
     if not waiting:
         return None
-    oldest = min(waiting, key=lambda lane: lane.oldest_enqueue_ns)
-    if now_ns - oldest.oldest_enqueue_ns > max_wait_ns:
-        return oldest
+    interactive = [lane for lane in waiting if not lane.head_batch]
+    if interactive:
+        oldest = min(interactive, key=lambda lane: lane.oldest_enqueue_ns)
+        if now_ns - oldest.oldest_enqueue_ns > max_wait_ns:
+            return oldest
+        waiting = interactive
+    else:
+        oldest = min(waiting, key=lambda lane: lane.oldest_enqueue_ns)
     mine = [lane for lane in waiting if lane.model in held]
     return min(mine, key=lambda lane: lane.oldest_enqueue_ns) if mine else oldest
 
@@ -46,8 +59,9 @@ MAX_PAD_RATIO = 4
 
 
 def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, max_padded_tokens: int,
-               max_pad_ratio: float = MAX_PAD_RATIO) -> list[int]:
-    """Indices (ascending, so lane order) of the claimed items to run now; the rest go back.
+               max_pad_ratio: float = MAX_PAD_RATIO, *, batch: Sequence[bool] | None = None,
+               max_fill_tokens: int | None = None) -> list[int]:
+    """Indices (ascending, so claim order) of the claimed items to run now; the rest go back.
 
     1. The head (the oldest claimed item) always runs, even alone over budget:
        every round makes progress, and an item sent back is at its lane's head
@@ -63,6 +77,11 @@ def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, m
        narrower `w` (less padding). Items outside the band go back: a long one
        does not widen a batch of short ones, short ones are not padded to a
        long head's width.
+    4. Batch work (`batch[i]`, local_queue's batch items) fills what interactive
+       work leaves: the band is chosen for the most interactive items first,
+       then the most items; batch items join only while the batch stays within
+       `max_fill_tokens` padded tokens (`batch_fill_cap`; default: the whole
+       budget). A batch head runs all the same (rule 1).
     """
     n = len(tokens)
     if n == 0:
@@ -73,14 +92,30 @@ def form_batch(tokens: Sequence[int], attempts: Sequence[int], max_items: int, m
     ok = np.asarray(attempts, dtype=np.int64) == 0
     head = int(t[0])
     widths = np.unique(t[ok & (t >= head) & (t < head * max_pad_ratio)])
-    fits = np.sort(t[ok])
-    # Items in each candidate band, capped by the item and padded budgets.
-    in_band = np.searchsorted(fits, widths, side="right") - np.searchsorted(fits, widths / max_pad_ratio, side="right")
-    counts = np.minimum(in_band, np.minimum(max_items, np.maximum(1, max_padded_tokens // widths)))
-    best = int(np.argmax(counts))  # argmax takes the first max: the narrowest width
-    w = int(widths[best])
-    chosen = np.flatnonzero(ok & (t <= w) & (t * max_pad_ratio > w))[:int(counts[best])]
-    return chosen.tolist()
+    room = np.minimum(max_items, np.maximum(1, max_padded_tokens // widths))  # items a batch of each width holds
+    if batch is None or not any(batch):
+        fits = np.sort(t[ok])
+        # Items in each candidate band, capped by the item and padded budgets.
+        in_band = (np.searchsorted(fits, widths, side="right")
+                   - np.searchsorted(fits, widths / max_pad_ratio, side="right"))
+        counts = np.minimum(in_band, room)
+        best = int(np.argmax(counts))  # argmax takes the first max: the narrowest width
+        w = int(widths[best])
+        chosen = np.flatnonzero(ok & (t <= w) & (t * max_pad_ratio > w))[:int(counts[best])]
+        return chosen.tolist()
+    is_batch = np.asarray(batch, dtype=bool)
+    # (candidate widths x items): which items fall in each width's band.
+    band = ok & (t <= widths[:, None]) & (t * max_pad_ratio > widths[:, None])
+    inter = np.minimum((band & ~is_batch).sum(axis=1), room)
+    fill = room if max_fill_tokens is None else np.minimum(room, np.maximum(1, max_fill_tokens // widths))
+    extra = np.clip(fill - inter, 0, (band & is_batch).sum(axis=1))
+    if is_batch[0]:
+        extra = np.maximum(extra, 1)  # a batch head runs (rule 1), and it is the band's first batch item
+    best = int(np.argmax(inter * (n + 1) + extra))  # most interactive, then most items, then narrowest
+    row = band[best]
+    chosen = np.concatenate([np.flatnonzero(row & ~is_batch)[:int(inter[best])],
+                             np.flatnonzero(row & is_batch)[:int(extra[best])]])
+    return np.sort(chosen).tolist()
 
 
 #: Batches a cost model must have seen before it sizes batches.
@@ -159,6 +194,46 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
     # fitted `a` is large, would shrink every batch to one item and collapse
     # throughput exactly when it is needed most.
     return int(round(min(max_padded_tokens, max(room / b, a / b, 1))))
+
+
+#: While a model has interactive work, batch work may make its batches this much
+#: longer (a fraction of the interactive batch's predicted time).
+FILL_SLACK = 0.25
+#: A model's interactive work counts as current this long after its last batch
+#: with interactive items (ns); after that batch work alone fills whole budgets.
+INTERACTIVE_QUIET_NS = 1_000_000_000
+
+
+def batch_fill_cap(cap: int, interactive_padded: int, recent_padded: int, fit: tuple[float, float] | None) -> int:
+    """Padded tokens a batch may reach when batch work fills it (`form_batch` 4).
+
+    1. No interactive work in this batch and none of this model lately
+       (`recent_padded` 0, see INTERACTIVE_QUIET_NS): `cap`, the whole budget.
+       Batch work alone runs in batches as large as interactive work would.
+    2. With interactive items in the batch (`interactive_padded`): batch work
+       may add FILL_SLACK of their predicted time. An interactive request pays
+       that much at most in its own batch, and one that arrives meanwhile waits
+       for a batch at most that much longer than one without batch work.
+    3. A batch of batch work only, while interactive work is current: FILL_SLACK
+       of a recent interactive batch's predicted time (`recent_padded`): what an
+       interactive request arriving now waits for before its own turn.
+    A batch's time is the model's fitted cost `fit` = (a ms, b ms per padded
+    token): on a GPU, whose fixed cost a dominates, 2 lets batch work ride along
+    in most of the budget; on a CPU, whose time grows with tokens, about a quarter
+    of the interactive tokens, and 3 leaves room for one item (`form_batch` always
+    runs the head). Without a fit (None), by tokens alone. Never more than `cap`,
+    never less than the interactive part.
+    """
+    if interactive_padded <= 0 and recent_padded <= 0:
+        return cap
+    factor = 1.0 + FILL_SLACK if interactive_padded > 0 else FILL_SLACK
+    ref = interactive_padded if interactive_padded > 0 else recent_padded
+    if fit is None:
+        return max(interactive_padded, min(cap, int(ref * factor)))
+    a, b = fit
+    if b <= 0:  # time does not grow with tokens: batch work is free in a batch that runs anyway
+        return cap if interactive_padded > 0 else 0
+    return max(interactive_padded, min(cap, int((factor * (a + b * ref) - a) / b + 1e-6)))
 
 
 #: No batch is declared stuck before it has run this long (ms): a device's hiccups

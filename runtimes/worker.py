@@ -31,8 +31,8 @@ from runtimes.info import encode_info, worker_info
 from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
-    MIN_SAMPLES, CostModel, LastRun, batch_token_cap, choose_lane, form_batch, linger_left_ms, linger_window,
-    padded_tokens, stall_bound_ms,
+    INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap, batch_token_cap, choose_lane, form_batch,
+    linger_left_ms, linger_window, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -79,6 +79,9 @@ class WorkerCore:
     costs: dict[str, CostModel] = field(default_factory=dict)
     #: Each model's last batch here: when it was acked, its items and time (the linger rule, `linger_window`).
     last_runs: dict[str, LastRun] = field(default_factory=dict)
+    #: Each model's last batch here with interactive items: (acked at, their padded tokens)
+    #: (how much batch work may fill its batches: `batch_fill_cap`).
+    recent_interactive: dict[str, tuple[int, int]] = field(default_factory=dict)
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
     memory: InitVar[DeviceMemory | None] = None
@@ -218,9 +221,14 @@ class WorkerCore:
         profile = adapter.spec.profile
         cost = self.costs.setdefault(lane.model, CostModel())
         cap = batch_token_cap(cost, self.target_ms, profile.max_batch_tokens)
-        # 3. Claim up to the budget (a sum of tokens: the padded cap bounds it),
-        #    linger for more while the lane is drained, keep what fits, return the rest.
-        claims = self.claim_batch(lane.lane, profile.max_batch_items, cap, queued=lane.depth)
+        # 3. Claim up to the budget (a sum of tokens: the padded cap bounds it; a lane
+        #    of batch work only, to what batch work may take while interactive work is
+        #    current), linger for more while the lane is drained, keep what fits
+        #    (interactive work first, batch work filling the rest), return the rest.
+        fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
+        recent = self.recent_interactive_padded(lane.model)
+        claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
+        claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
             return 0  # another worker took them first, or they all expired
         claimed_ns = time.monotonic_ns()
@@ -228,7 +236,9 @@ class WorkerCore:
         claims = self.linger_for_more(lane.lane, claims, linger_ms, since_ns, profile.max_batch_items, cap,
                                       answered=self.last_runs.get(lane.model))
         lingered_ns = time.monotonic_ns()
-        keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap)
+        fill = batch_fill_cap(cap, padded_tokens([c.tokens for c in claims if not c.batch]), recent, fit)
+        keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap,
+                          batch=[c.batch for c in claims], max_fill_tokens=fill)
         claims, returned = self.return_overpull(claims, keep)
         # 4. Claimed items whose deadline passed were already answered `timeout`
         #    by the daemon: drop them unrun (their ack is then discarded there).
@@ -297,10 +307,19 @@ class WorkerCore:
         resident.served += len(claims)
         self.last_batch = BatchStats(lane.model, len(claims), sum(tokens), padded, ms, time.time(), returned)
         self.last_runs[lane.model] = LastRun(acked_ns, len(claims), ms)
+        if interactive := [c.tokens for c in claims if not c.batch]:
+            self.recent_interactive[lane.model] = (acked_ns, padded_tokens(interactive))
         self.batch_seq += 1
         self.batch_ring.append((lane.model, len(claims), sum(tokens)))
         self.publish_info()
         return len(claims) + len(late)
+
+    def recent_interactive_padded(self, model: str) -> int:
+        """Padded tokens of the interactive part of `model`'s last batch here with
+        interactive work in it, if that was within INTERACTIVE_QUIET_NS; else 0
+        (`batch_fill_cap`: batch work alone fills whole budgets)."""
+        at, padded = self.recent_interactive.get(model, (0, 0))
+        return padded if padded and self.clock_ns() - at < INTERACTIVE_QUIET_NS else 0
 
     def claim_batch(self, lane: int, max_items: int, cap: int, *, queued: int | None = None) -> list:
         """Claim the head, then at most as many items as a batch as wide as the head

@@ -13,8 +13,8 @@ import pytest
 from daemon.supervisor import detect_devices
 from fleet.errors import BadRequest
 from runtimes.policy import (
-    MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_token_cap, choose_lane, find_copies,
-    form_batch, linger_left_ms, padded_tokens, should_load_copy,
+    FILL_SLACK, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_fill_cap, batch_token_cap,
+    choose_lane, find_copies, form_batch, linger_left_ms, padded_tokens, should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -26,6 +26,7 @@ class Lane:
     model: str
     depth: int
     oldest_enqueue_ns: int
+    head_batch: bool = False
 
 
 NOW = 10_000 * MS
@@ -52,6 +53,16 @@ BOUND = 2_000 * MS
                       Lane(2, "c", 1, NOW - 10 * MS)], {"a", "c"}, 1, id="most-starved-first"),
         pytest.param([Lane(0, "a", 0, NOW - 9_000 * MS), Lane(1, "b", 2, NOW - 10 * MS)], {"a"}, 1,
                      id="drained-lane-ignored"),
+        pytest.param([Lane(0, "a", 5, NOW - 500 * MS, True), Lane(1, "b", 1, NOW - 10 * MS)], {"a"}, 1,
+                     id="interactive-beats-held-batch-work"),
+        pytest.param([Lane(0, "a", 5, NOW - 9_000 * MS, True), Lane(1, "b", 1, NOW - 10 * MS)], set(), 1,
+                     id="batch-work-waiting-past-the-bound-is-not-starving"),
+        pytest.param([Lane(0, "a", 5, NOW - 900 * MS, True), Lane(1, "b", 5, NOW - 10 * MS, True)], {"b"}, 1,
+                     id="batch-work-only-held-first"),
+        pytest.param([Lane(0, "a", 5, NOW - 900 * MS, True), Lane(1, "b", 5, NOW - 10 * MS, True)], set(), 0,
+                     id="batch-work-only-oldest-first"),
+        pytest.param([Lane(0, "a", 1, NOW - 2_500 * MS), Lane(1, "b", 5, NOW - 10 * MS, True)], {"b"}, 0,
+                     id="starving-interactive-beats-held-batch-work"),
     ],
 )
 def test_choose_lane(lanes, held, expected):
@@ -98,6 +109,50 @@ def test_form_batch(tokens, attempts, max_items, max_padded, expected):
     keep = form_batch(tokens, attempts, max_items, max_padded)
     assert keep == expected
     assert keep == sorted(keep)
+
+
+I, B = False, True  # an interactive item, a batch item
+
+
+@pytest.mark.parametrize(
+    "tokens, batch, max_items, max_padded, max_fill, expected",
+    [
+        pytest.param([10, 10, 10, 10], [I, I, B, B], 8, 1_000, None, [0, 1, 2, 3], id="batch-fills-the-rest"),
+        pytest.param([10, 10, 10, 10], [I, B, B, I], 3, 1_000, None, [0, 1, 3], id="interactive-first-at-item-cap"),
+        pytest.param([10, 10, 10, 10, 10], [I, I, B, B, B], 8, 1_000, 30, [0, 1, 2], id="fill-cap-bounds-batch-work"),
+        pytest.param([10, 10, 10], [I, I, B], 8, 1_000, 5, [0, 1], id="fill-cap-never-drops-interactive"),
+        pytest.param([10, 30, 30, 5, 5, 5, 5, 5], [I, I, I, B, B, B, B, B], 8, 1_000, None, [0, 1, 2],
+                     id="band-with-most-interactive-beats-more-items"),
+        pytest.param([10, 10, 10], [B, B, B], 8, 1_000, 0, [0], id="batch-head-runs-under-a-zero-fill"),
+        pytest.param([10, 10, 10], [B, B, B], 8, 1_000, None, [0, 1, 2], id="batch-work-alone-takes-the-budget"),
+        pytest.param([10, 10, 10], [I, B, B], 8, 1_000, 20, [0, 1], id="padded-fill"),
+    ],
+)
+def test_form_batch_with_batch_work(tokens, batch, max_items, max_padded, max_fill, expected):
+    assert form_batch(tokens, [0] * len(tokens), max_items, max_padded, batch=batch,
+                      max_fill_tokens=max_fill) == expected
+
+
+@pytest.mark.parametrize(
+    "cap, interactive, recent, fit, expected",
+    [
+        pytest.param(4_096, 0, 0, (1.0, 0.05), 4_096, id="batch-work-alone-whole-budget"),
+        pytest.param(4_096, 0, 0, None, 4_096, id="batch-work-alone-unfitted"),
+        # CPU-like (time grows with tokens): 40 interactive tokens cost 3 ms; 1.25 x 3 ms = 3.75 ms -> 55 tokens.
+        pytest.param(4_096, 40, 0, (1.0, 0.05), 55, id="cpu-fill-a-quarter-more-time"),
+        # GPU-like (fixed cost dominates): 5.04 ms -> 6.3 ms -> 1 300 tokens.
+        pytest.param(4_096, 40, 0, (5.0, 0.001), 1_300, id="gpu-fill-rides-along"),
+        pytest.param(1_000, 40, 0, (5.0, 0.001), 1_000, id="never-past-the-cap"),
+        pytest.param(4_096, 0, 40, (1.0, 0.05), 0, id="cpu-batch-only-round-head-only"),
+        pytest.param(4_096, 0, 400, (1.0, 0.05), 85, id="cpu-batch-only-quarter-of-a-big-interactive-batch"),
+        pytest.param(4_096, 40, 0, None, 50, id="unfitted-by-tokens"),
+        pytest.param(4_096, 40, 0, (3.0, 0.0), 4_096, id="flat-cost-interactive-batch-takes-all"),
+        pytest.param(4_096, 0, 40, (3.0, 0.0), 0, id="flat-cost-batch-only-head-only"),
+    ],
+)
+def test_batch_fill_cap(cap, interactive, recent, fit, expected):
+    assert batch_fill_cap(cap, interactive, recent, fit) == expected
+    assert FILL_SLACK == 0.25  # the table's numbers
 
 
 def test_form_batch_stays_within_budget_unless_alone():

@@ -25,7 +25,7 @@ from fleet.protocol import EmbedRequest
 from local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from runtimes.base import Adapter, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from runtimes.policy import WARMUP_STALL_MS
+from runtimes.policy import INTERACTIVE_QUIET_NS, WARMUP_STALL_MS
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from runtimes.worker import WorkerCore
 
@@ -103,9 +103,11 @@ def core_for(queue, profiles, extra=None, **kw) -> WorkerCore:
                       served_by="box/0", **kw)
 
 
-def put(queue, model: str, text: str, *, request_id: int, tokens: int = 10, deadline_ns: int = 0) -> int:
+def put(queue, model: str, text: str, *, request_id: int, tokens: int = 10, deadline_ns: int = 0,
+        batch: bool = False) -> int:
     payload = _encode(EmbedRequest(model=model, inputs=[text]))
-    return queue.put(queue.lane_id(model), payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns)
+    return queue.put(queue.lane_id(model), payload, tokens=tokens, request_id=request_id, deadline_ns=deadline_ns,
+                     batch=batch)
 
 
 def results(queue, n: int, timeout_s: float = 5.0) -> dict[int, tuple[int, object]]:
@@ -154,6 +156,26 @@ def test_returned_items_are_served_next_and_keep_their_attempts(queue):
     core.step()  # 3, alone at the head
     assert FakeEmbedder.batches == [("m", [["t1"], ["t2"], ["t4"], ["t5"]]), ("m", [["t3"]])]
     assert all(st == STATUS_OK for st, _ in results(queue, 5).values())
+
+
+def test_batch_work_steps_aside_while_interactive_work_is_current(queue):
+    core = core_for(queue, {"m": Profile(max_batch_items=8, max_batch_tokens=1_000)})
+    for rid in range(1, 7):
+        put(queue, "m", f"b{rid}", request_id=rid, batch=True)
+    put(queue, "m", "i1", request_id=11)
+    put(queue, "m", "i2", request_id=12)
+    # 1. The interactive items run first; batch work may add a quarter of their
+    #    tokens (no fitted cost yet): not one more item of 10 tokens.
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["i1"], ["i2"]])
+    # 2. Batch work only, while interactive work is current: one item per round.
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["b1"]])
+    # 3. Once interactive work has been quiet for a while, batch work takes whole budgets.
+    time.sleep(INTERACTIVE_QUIET_NS / 1e9 + 0.05)
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["b2"], ["b3"], ["b4"], ["b5"], ["b6"]])
+    assert len(results(queue, 8)) == 8
 
 
 def test_prefers_a_held_model_until_another_lane_starves(queue):
