@@ -92,6 +92,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     default_models: dict[str, str] = msgspec.field(default_factory=dict)
     max_body_bytes: int = 16 << 20
     max_inputs: int = 2048
+    #: Text the API process itself tokenizes for one request (TEI `/tokenize`), in UTF-8
+    #: bytes over all its inputs; more is refused (413) before any is tokenized. While
+    #: tokenized, a text takes ~250x its size in memory (~500 bytes per token in the Rust
+    #: encoding, ~300 in TEI's reply objects): 256 KiB is ~65 MiB, about 50 000 words.
+    max_tokenize_bytes: int = 256 << 10
+    #: Token ids one request may send in place of text (OpenAI `input`, TEI `inputs`), all
+    #: inputs together (OpenAI's own bound per request); the API process decodes them to text.
+    max_token_ids: int = 300_000
     timeout_ms: int = 30_000
     #: Shared-memory queue geometry.
     queue_slots: int = 16384

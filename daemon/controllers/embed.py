@@ -122,4 +122,4 @@ async def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[st
     if kind is str:
         return value
     ids = [value] if kind is int else value
-    return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), ids)
+    return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), ids, daemon.settings.max_token_ids)

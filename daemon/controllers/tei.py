@@ -20,7 +20,6 @@ header with the fields a route accepts and does not apply (`normalize` and
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -37,7 +36,8 @@ from daemon import codec, fields, tasks
 from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
+from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from daemon.offload import off_loop, text_bytes_over, too_large
 
 #: A TEI `inputs`: one text, one text as token ids, or a batch of texts and id lists.
 Inputs = str | list[str | int | list[int]]
@@ -166,14 +166,16 @@ async def embed_texts(daemon: Daemon, model: str, inputs: Inputs) -> list[str]:
     if not inputs:
         raise BadRequest("`inputs` is empty: send at least one text")
     if all(x.__class__ is int for x in inputs):
-        return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs])
+        return await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs],
+                                  daemon.settings.max_token_ids)
     if any(x.__class__ is int for x in inputs):
         raise BadRequest("`inputs` mixes token ids with texts: send a list of id lists for several inputs")
     at = [i for i, x in enumerate(inputs) if x.__class__ is list]
     if not at:
         return inputs
     texts = list(inputs)
-    decoded = await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs[i] for i in at])
+    decoded = await ids_to_texts(daemon.store, daemon.manifest(model, "embed"), [inputs[i] for i in at],
+                                 daemon.settings.max_token_ids)
     for i, text in zip(at, decoded):
         texts[i] = text
     return texts
@@ -354,13 +356,23 @@ class TeiController(Controller):
         refuse_unsupported(tei.prompt_name, None)
         texts = [tei.inputs] if tei.inputs.__class__ is str else tei.inputs
         tasks.check_inputs(daemon, texts)
+        limit = daemon.settings.max_tokenize_bytes
+        if (size := text_bytes_over(texts, limit)) is not None:
+            raise too_large("the UTF-8 bytes of `inputs`", size, "max_tokenize_bytes", limit, param="inputs")
         name = tei.model or default_model(daemon, "embed")
         manifest = stored(daemon, name) if tei.model else daemon.manifest(name, "embed")
-        tokenizer = load_tokenizer(daemon.store, manifest)
-        # Off the event loop: tokenizing thousands of texts must not stall other requests.
-        encodings = await asyncio.to_thread(tokenizer.encode_batch, texts, add_special_tokens=tei.add_special_tokens)
-        return reply(request, [tokens_of(t, enc) for t, enc in zip(texts, encodings)],
-                     headers=fields.ignored_header(dropped))
+        msgpack = wants_msgpack(request)
+
+        def tokenize() -> bytes:
+            tokenizer = load_tokenizer(daemon.store, manifest)
+            encodings = tokenizer.encode_batch(texts, add_special_tokens=tei.add_special_tokens)
+            return codec.encode([tokens_of(t, enc) for t, enc in zip(texts, encodings)], msgpack=msgpack)
+
+        # Tokenizing, TEI's token objects and their encoding (~250x the text in memory) run
+        # off the event loop, at most API_WORK_THREADS at once (daemon.offload).
+        content = await off_loop(sum(map(len, texts)), tokenize)
+        return Response(content=content, media_type=codec.MSGPACK if msgpack else codec.JSON,
+                        headers=fields.ignored_header(dropped))
 
     @get("/info")
     async def info(self, request: Request, daemon: Daemon, model: str | None = None) -> Response:

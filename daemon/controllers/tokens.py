@@ -12,12 +12,13 @@ normalise.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from typing import Any
 
 from fleet.errors import BadRequest, IntegrityError, ModelLoadFailed
 from fleet.store import Manifest, Store
+
+from daemon.offload import off_loop, too_large
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -74,10 +75,19 @@ def check_ids(ids: list[list[int]], vocab_size: int, model: str) -> None:
             f"check_embedding_ctx_length=False so it sends the text", param="input")
 
 
-async def ids_to_texts(store: Store, manifest: Manifest, ids: list[list[int]]) -> list[str]:
-    """The texts the id lists spell. Decoding costs ~0.1-0.3 ms per input (WordPiece
-    joins and cleans up pieces), so it runs off the event loop: a request of a few
-    hundred inputs must not stall every other request's I/O."""
-    tokenizer = load_tokenizer(store, manifest)
-    check_ids(ids, tokenizer.get_vocab_size(with_added_tokens=True), manifest.name)
-    return await asyncio.to_thread(tokenizer.decode_batch, ids, skip_special_tokens=True)
+async def ids_to_texts(store: Store, manifest: Manifest, ids: list[list[int]], max_ids: int) -> list[str]:
+    """The texts the id lists spell, at most `max_ids` ids in all (`max_token_ids`,
+    checked first). Loading the tokenizer, checking the ids and decoding (~0.1-0.3 ms
+    per input: WordPiece joins and cleans up pieces) run off the event loop
+    (daemon.offload): a request of a few hundred inputs must not stall every other
+    request's I/O."""
+    count = sum(map(len, ids))
+    if count > max_ids:
+        raise too_large("the token ids sent", count, "max_token_ids", max_ids, param="input")
+
+    def decode() -> list[str]:
+        tokenizer = load_tokenizer(store, manifest)
+        check_ids(ids, tokenizer.get_vocab_size(with_added_tokens=True), manifest.name)
+        return tokenizer.decode_batch(ids, skip_special_tokens=True)
+
+    return await off_loop(count, decode)

@@ -1,0 +1,126 @@
+"""Bounded work in the API process (issue 25, deliverable 3).
+
+A real daemon at the shipped settings. What the API process does itself (TEI's
+`/tokenize`, token-id inputs decoded back to text) is bounded before it starts
+(`max_tokenize_bytes`, `max_token_ids`: 413 `payload_too_large` naming the
+setting and its value) and runs off the event loop, so other requests are
+answered meanwhile. Before: one 15 MB `/tokenize` took the API process from
+81 MB to 2.8 GB; three at once to 7.4 GB.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from fleet.config import Settings
+from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon
+
+MIB = 1 << 20
+#: The reproduction: 15 MB of text, under max_body_bytes (16 MiB).
+BIG_TEXT = "word " * 3_000_000
+#: Peak RSS of the API process while three such requests run (issue 25).
+RSS_GOAL = 600 * MIB
+DEFAULTS = Settings()
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path_factory.mktemp("fleet-bounds") / "home")
+    yield d
+    d.stop()
+
+
+class PeakRss:
+    """The API process's largest RSS while the block runs (sampled every 10 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def concurrently(url: str, path: str, bodies: list[dict], small: list[tuple[str, str, dict | None]]
+                 ) -> tuple[list[httpx.Response], list[tuple[int, bool]]]:
+    """Post `bodies` at once; while they run, send the `small` requests one after another.
+    Returns the big answers and, per small request, (status, whether a big one was still running)."""
+    big: list[httpx.Response | None] = [None] * len(bodies)
+
+    def post(i: int) -> None:
+        big[i] = httpx.post(url + path, json=bodies[i], timeout=300)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    seen: list[tuple[int, bool]] = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for method, small_path, body in small:
+            status = client.request(method, small_path, json=body).status_code
+            seen.append((status, any(t.is_alive() for t in threads)))
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in big)
+    return big, seen  # type: ignore[return-value]
+
+
+SMALL = [("GET", "/healthz", None), ("POST", "/v1/embed", {"model": DEFAULT_MODEL, "inputs": ["a short text"]}),
+         ("POST", "/tokenize", {"inputs": "a short text"})] * 3
+
+
+def test_three_15_mb_tokenize_requests_are_refused_naming_the_limit(shipped: DaemonProc) -> None:
+    with PeakRss(shipped.proc.pid) as rss:
+        big, small = concurrently(shipped.url, "/tokenize", [{"inputs": BIG_TEXT}] * 3, SMALL)
+    for r in big:
+        assert r.status_code == 413, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "payload_too_large"
+        assert f"max_tokenize_bytes = {DEFAULTS.max_tokenize_bytes}" in err["message"]
+        assert str(len(BIG_TEXT)) in err["message"]
+    assert [status for status, _ in small] == [200] * len(SMALL)
+    assert rss.peak <= RSS_GOAL, f"API RSS peaked at {rss.peak / MIB:.0f} MiB"
+
+
+def test_tokenize_at_the_bound_runs_off_the_loop(shipped: DaemonProc) -> None:
+    words = DEFAULTS.max_tokenize_bytes // len("word ")
+    with PeakRss(shipped.proc.pid) as rss:
+        big, small = concurrently(shipped.url, "/tokenize", [{"inputs": "word " * words}] * 3, SMALL)
+    for r in big:
+        assert r.status_code == 200, r.text[:300]
+        tokens = r.json()[0]
+        assert len(tokens) == words + 2  # [CLS] word ... [SEP]
+        assert tokens[1] == {"id": tokens[1]["id"], "text": "word", "special": False, "start": 0, "stop": 4}
+    assert [status for status, _ in small] == [200] * len(SMALL)
+    # Other requests are answered while the big ones are still being tokenized.
+    assert any(running for _, running in small), small
+    assert rss.peak <= RSS_GOAL, f"API RSS peaked at {rss.peak / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"), ("/embed", "inputs")])
+def test_token_ids_over_the_bound_are_refused_before_decoding(shipped: DaemonProc, path: str, field: str) -> None:
+    half = DEFAULTS.max_token_ids // 2
+    at_bound = httpx.post(shipped.url + path, json={field: [[2773] * half] * 2}, timeout=120)
+    assert at_bound.status_code == 200, at_bound.text[:300]
+    over = httpx.post(shipped.url + path, json={field: [[2773] * half] * 2 + [[2773]]}, timeout=120)
+    assert over.status_code == 413, over.text[:300]
+    err = over.json()["error"]
+    assert err["code"] == "payload_too_large"
+    assert f"max_token_ids = {DEFAULTS.max_token_ids}" in err["message"]
+    assert str(2 * half + 1) in err["message"]
