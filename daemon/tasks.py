@@ -225,6 +225,8 @@ def check_generate(req: GenerateRequest) -> None:
                          param="top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.regex is not None and req.format is not None:
+        raise BadRequest("send one of `format` or `regex`, not both", param="regex")
 
 
 def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> str:

@@ -10,7 +10,7 @@ request; daemon.fields names it and the closest known one.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -391,6 +391,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_un
     format: GenerateFormat | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    #: The text must match this regular expression (enforced while decoding, as `format`;
+    #: TGI's `grammar` of type regex). Not with `format`.
+    regex: str | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -448,10 +451,13 @@ class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """OpenAI `response_format`: `text`, `json_object` (one JSON object) or
-    `json_schema`; enforced while decoding (GenerateRequest.format)."""
+    `json_schema`; enforced while decoding (GenerateRequest.format). TGI's kinds too:
+    `{"type": "json_object" | "json", "value": schema}` (huggingface_hub's
+    chat_completion sends its schema so) and `{"type": "regex", "value": pattern}`."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: Any = None
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -290,7 +290,8 @@ class CausalLM(LoraHost, Adapter):
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
         self._check_room(len(ids) + req.max_tokens)
-        matcher = self._grammars().matcher(req.format) if req.format is not None else None
+        matcher = self._grammars().matcher(req.format, req.regex) \
+            if req.format is not None or req.regex is not None else None
         if req.logprobs:
             self._grammars()  # token bytes
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())

@@ -52,9 +52,14 @@ class Grammars:
         self._bits = torch.arange(32, dtype=torch.int32)
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes, filled as tokens are seen
 
-    def matcher(self, fmt: str | dict) -> Any:
-        """A fresh matcher for `format`; BadRequest when the schema is not one llguidance
-        can enforce (the message says which part)."""
+    def matcher(self, fmt: str | dict | None, regex: str | None = None) -> Any:
+        """A fresh matcher for `format` (or a `regex` the whole text must match);
+        BadRequest when the schema or pattern is not one llguidance can enforce (the
+        message says which part)."""
+        if regex is not None:
+            if len(regex) > MAX_SCHEMA_BYTES:
+                raise BadRequest(f"`regex` is {len(regex)} characters; at most {MAX_SCHEMA_BYTES} are taken")
+            return self._checked(self._llg.LLMatcher.grammar_from_regex(regex), "`regex`")
         schema = ANY_OBJECT if fmt == "json" else fmt
         text = json.dumps(schema)
         if len(text) > MAX_SCHEMA_BYTES:
@@ -63,9 +68,12 @@ class Grammars:
             grammar = self._llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise BadRequest(f"`format` is not a usable JSON Schema: {exc}") from None
+        return self._checked(grammar, "`format`")
+
+    def _checked(self, grammar: str, field: str) -> Any:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise BadRequest(f"`format` is not a JSON Schema this server can enforce: {matcher.get_error()}")
+            raise BadRequest(f"{field} is not one this server can enforce: {matcher.get_error()}")
         return matcher
 
     def mask(self, logits: Any, rows: list[int], matchers: list[Any]) -> None:

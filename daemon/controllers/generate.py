@@ -93,14 +93,29 @@ def ignored_chat_fields(req: ChatCompletionRequest) -> list[str]:
 
 
 def output_format(rf: ResponseFormat | None) -> str | dict | None:
-    """OpenAI `response_format` as the native `format`."""
-    if rf is None or rf.type == "text":
+    """OpenAI `response_format` as the native `format` (TGI's `json_object`/`json` with a
+    schema in `value` as that schema; its `regex` is `output_regex`'s)."""
+    if rf is None or rf.type in ("text", "regex"):
         return None
-    if rf.type == "json_object":
-        return "json"
+    if rf.type in ("json_object", "json"):
+        if rf.value is None:
+            return "json"
+        if not isinstance(rf.value, dict):
+            raise BadRequest("response_format `value` must be a JSON Schema object", param="response_format")
+        return rf.value
     if rf.json_schema is None or rf.json_schema.schema is None:
         raise BadRequest("response_format of type json_schema needs `json_schema.schema`", param="response_format")
     return rf.json_schema.schema
+
+
+def output_regex(rf: ResponseFormat | None) -> str | None:
+    """TGI's `response_format` `{"type": "regex", "value": pattern}` as the native `regex`."""
+    if rf is None or rf.type != "regex":
+        return None
+    if not isinstance(rf.value, str) or not rf.value:
+        raise BadRequest("response_format of type regex needs `value`: the regular expression",
+                         param="response_format")
+    return rf.value
 
 
 def completion_logprobs(wire: list[WireLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
@@ -186,6 +201,7 @@ class GenerateController(Controller):
         fmt = output_format(oreq.response_format)
         reqs = [GenerateRequest(model=oreq.model, prompt=p, max_tokens=oreq.max_tokens, temperature=oreq.temperature,
                                 top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream, format=fmt,
+                                regex=output_regex(oreq.response_format),
                                 logprobs=oreq.logprobs is not None, top_logprobs=oreq.logprobs or 0)
                 for p in prompts]
         cid, created = completion_id("cmpl"), int(time.time())
@@ -231,7 +247,8 @@ class GenerateController(Controller):
         messages = [ChatMessage(m.role, m.content) for m in oreq.messages]
         req = GenerateRequest(model=oreq.model, messages=messages, temperature=oreq.temperature,
                               top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream,
-                              format=output_format(oreq.response_format), logprobs=oreq.logprobs,
+                              format=output_format(oreq.response_format),
+                              regex=output_regex(oreq.response_format), logprobs=oreq.logprobs,
                               top_logprobs=oreq.top_logprobs or 0,
                               **({"max_tokens": max_tokens} if max_tokens is not None else {}))
         payload = codec.encode_msgpack(req)
