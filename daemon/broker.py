@@ -59,10 +59,15 @@ class Answer:
 
 
 class Broker:
-    def __init__(self, queue: LocalQueue, *, max_depth: int, max_attempts: int) -> None:
+    def __init__(self, queue: LocalQueue, *, max_depth: int, max_attempts: int, batch_max_wait_ms: int = 0) -> None:
         self.queue = queue
         self.max_depth = max_depth
         self.max_attempts = max_attempts
+        #: Batch work queued longer than this is promoted to interactive (0: never).
+        self.batch_max_wait_ms = batch_max_wait_ms
+        #: request id -> (queue item, put at: monotonic ns) of batch work still queued or running.
+        self._batch_items: dict[int, tuple[int, int]] = {}
+        self._promoting: asyncio.Task | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Done]] = {}
         #: request id -> where its partial results go (streaming requests only).
@@ -88,8 +93,12 @@ class Broker:
         loop.add_reader(self.queue.results_fd(), self._on_results)
         self._reading = True
         self._on_results()  # arms the wake-up (and takes anything already done)
+        if self.batch_max_wait_ms > 0:
+            self._promoting = loop.create_task(self.promote_loop())
 
     def stop(self) -> None:
+        if self._promoting is not None:
+            self._promoting.cancel()
         if self._reading:
             self._reading = False
             self._loop.remove_reader(self.queue.results_fd())  # type: ignore[union-attr]
@@ -166,18 +175,20 @@ class Broker:
         return lane
 
     async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                     on_partial: Callable[[Done], None] | None = None) -> Answer:
+                     on_partial: Callable[[Done], None] | None = None, batch: bool = False) -> Answer:
         """Queue one work item and wait for its result (or raise its error)."""
         return self.answer(model, await self.run(model, payload, tokens=tokens, timeout_s=timeout_s,
-                                                 on_partial=on_partial))
+                                                 on_partial=on_partial, batch=batch))
 
     async def run(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                  on_partial: Callable[[Done], None] | None = None) -> Done:
+                  on_partial: Callable[[Done], None] | None = None, batch: bool = False) -> Done:
         """Queue one work item and wait for its raw result, as the worker wrote it.
         Raises only for what happened on this box's side (queue full, no answer in time);
         the NATS bridge forwards the `Done` to the requesting box as it is.
         `on_partial` gets the item's partial results (STATUS_PARTIAL), on the loop,
-        in order, all of them before the final result resolves."""
+        in order, all of them before the final result resolves. `batch`: the item is
+        batch work (local_queue invariant 2: behind its lane's interactive work),
+        promoted to interactive once queued `batch_max_wait_ms` (`promote_loop`)."""
         if self.queue.depth() >= self.max_depth:
             raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
         lane = await self.lane(model)
@@ -189,7 +200,7 @@ class Broker:
             self._partials[request_id] = on_partial
         try:
             item_id = await self.call(self.queue.put, lane, payload, tokens=tokens, request_id=request_id,
-                                      deadline_ns=deadline_ns)
+                                      deadline_ns=deadline_ns, batch=batch)
         except BaseException as exc:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)
@@ -199,6 +210,8 @@ class Broker:
                 raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
             raise
         self._items[request_id] = item_id
+        if batch:
+            self._batch_items[request_id] = (item_id, time.monotonic_ns())
         timeline.stamp("put")
         try:
             done = await asyncio.wait_for(fut, timeout_s)
@@ -216,7 +229,26 @@ class Broker:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)
             self._items.pop(request_id, None)
+            self._batch_items.pop(request_id, None)
         return done
+
+    async def promote_loop(self) -> None:
+        """Batch work's starvation bound: every quarter of `batch_max_wait_ms`, batch
+        items queued longer than that become interactive at their enqueue time
+        (`LocalQueue.promote`; claimed or answered ones are skipped there), so batch
+        work waits at most about 1.25 x the bound behind interactive work."""
+        bound_ns = self.batch_max_wait_ms * 1_000_000
+        while True:
+            await asyncio.sleep(self.batch_max_wait_ms / 4000.0)
+            now = time.monotonic_ns()
+            due = [rid for rid, (_, at) in self._batch_items.items() if now - at > bound_ns]
+            if not due:
+                continue
+            items = [self._batch_items.pop(rid)[0] for rid in due]
+            try:
+                await self.call(self.queue.promote, items)
+            except Exception:  # the bound is best effort; the next round tries the rest
+                log.exception("promoting %d batch items failed", len(items))
 
     def answer(self, model: str, done: Done) -> Answer:
         """The client's answer from a raw result (here, or from the box that ran it)."""

@@ -7,6 +7,7 @@ path) and the supervisor (worker processes). Handlers only read from it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -37,6 +38,21 @@ _info_decoder = msgspec.msgpack.Decoder()
 
 #: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
 QUEUE_PREFIX = "fleet"
+
+@dataclass(frozen=True)
+class BatchWork:
+    """Requests made while `BATCH_WORK` holds one of these are batch work: they queue
+    behind interactive work (local_queue invariant 2) and may wait until `deadline_s`
+    (time.monotonic()) unless they set their own `timeout_ms`. Set by a job's producer
+    (daemon.batches) around the requests it makes through the routes."""
+
+    deadline_s: float
+
+    def left_s(self) -> float:
+        return max(0.001, self.deadline_s - time.monotonic())
+
+
+BATCH_WORK: contextvars.ContextVar[BatchWork | None] = contextvars.ContextVar("fleet_batch_work", default=None)
 
 #: A worker that has not heartbeaten for this long is not counted as up.
 HEARTBEAT_STALE_S = 30.0
@@ -105,6 +121,11 @@ class Daemon:
     supervisor: Supervisor | None = None
     #: The NATS bridge (daemon/cluster.py), only with `--nats`: requests then go through JetStream.
     cluster: Any = None
+    #: Offline jobs (daemon/batches.py: the Files and Batches API), started in the app's lifespan.
+    batches: Any = None
+    #: The ASGI app a batch's lines go through, as HTTP requests do (set by the server:
+    #: the hot routes in front of the Litestar app; else the Litestar app itself).
+    dispatch: Any = None
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False
@@ -162,7 +183,8 @@ class Daemon:
             queue_name(QUEUE_PREFIX, os.getpid()), slots=self.settings.queue_slots,
             slab_bytes=self.settings.queue_slab_bytes,
         )
-        self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts)
+        self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts,
+                             batch_max_wait_ms=self.settings.batch_max_wait_ms)
         self.broker.start(loop)
         devices = detect_devices(self.settings.device, self.settings.workers)
         self.supervisor = Supervisor(
@@ -191,6 +213,8 @@ class Daemon:
         self.draining = True
         if self.cluster is not None:
             self.cluster.stop_pulling()
+        if self.batches is not None:
+            self.batches.drain()  # no new batch lines; the ones not answered run again after the restart
         log.info("draining: %d request(s) in flight; answering the rest unavailable in %.1f s",
                  self.broker.in_flight if self.broker else 0, bound_s)
         if self._loop is not None:
@@ -247,7 +271,10 @@ class Daemon:
         `task`, queue `payload` (the request as MessagePack), wait, record metrics.
         A LoRA adapter's requests queue in its base model's lane: the worker holding
         the base serves every adapter of it in the same batches (runtimes.continuous).
-        `on_partial` receives streamed partial results, from whichever box runs it."""
+        `on_partial` receives streamed partial results, from whichever box runs it.
+        Inside a job's producer (`BATCH_WORK` set) the request is batch work: behind
+        interactive work in its lane, waiting until the job's deadline unless it sets
+        its own `timeout_ms`."""
         t0 = time.perf_counter()
         try:
             local = True
@@ -258,13 +285,14 @@ class Daemon:
                     raise
                 self.cluster.check_model(model, task)  # another box may have it
                 lane, local = model, False
-            timeout_s = self.timeout_s(timeout_ms)
+            work = BATCH_WORK.get()
+            timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
             if self.cluster is not None:
                 answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
                                                    local=local, on_partial=on_partial)
             else:
                 answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
-                                                  on_partial=on_partial)
+                                                  on_partial=on_partial, batch=work is not None)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
             raise

@@ -135,6 +135,21 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: On SIGTERM, how long requests in flight may take to finish; those still
     #: unanswered then get `unavailable` (503) and the workers stop (each finishes its batch).
     drain_timeout_ms: int = 10_000
+    #: Offline jobs (the Files and Batches API, daemon/batches.py): the largest input
+    #: file a `POST /v1/files` takes, and its most request lines.
+    batch_max_file_bytes: int = 4 << 30
+    batch_max_lines: int = 1_000_000
+    #: Input, output and error files of batches are deleted this long after they were
+    #: created (OpenAI's default for batch files; a file's own `expires_after` wins).
+    batch_retention_days: float = 30.0
+    #: A batch line queued this long behind interactive work is promoted to
+    #: interactive (its starvation bound; 0 = never).
+    batch_max_wait_ms: int = 60_000
+    #: Lines of all running batches in flight at once, and their request bytes:
+    #: enough to keep every worker's batches full, bounded so batches never fill the
+    #: queue (`queue_max_depth`) or the API process's memory.
+    batch_inflight: int = 512
+    batch_inflight_bytes: int = 64 << 20
 
     @property
     def home_path(self) -> Path:
