@@ -56,6 +56,10 @@ class Answer:
     queue_ms: float
     inference_ms: float
     served_by: str
+    #: The batch it ran in (fleet.messages.Envelope): items, tokens, LoRA adapters mixed in.
+    batch_items: int = 0
+    batch_tokens: int = 0
+    loras: tuple[str, ...] = ()
 
 
 class Broker:
@@ -264,7 +268,8 @@ class Broker:
         if done.status != STATUS_OK:
             err = _work_error.decode(env.body)
             raise from_code(err.code, err.message)
-        return Answer(env.body, env.queue_ms, env.inference_ms, env.served_by)
+        return Answer(env.body, env.queue_ms, env.inference_ms, env.served_by, env.batch_items, env.batch_tokens,
+                      env.loras)
 
     # -- results ------------------------------------------------------------------
 

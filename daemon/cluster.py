@@ -46,6 +46,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -441,7 +442,7 @@ class Cluster:
         answer = self.broker.answer(model, done)
         # Waiting, as the client sees it, includes the NATS hops and the time in JetStream.
         waited_ms = (time.monotonic() - t0) * 1000.0 - answer.inference_ms
-        return Answer(answer.body, max(answer.queue_ms, waited_ms), answer.inference_ms, answer.served_by)
+        return dataclasses.replace(answer, queue_ms=max(answer.queue_ms, waited_ms))
 
     async def _run_here(self, model: str, payload: bytes | memoryview, tokens: int, deadline: float,
                         on_partial: Callable[[Done], None] | None) -> Answer:

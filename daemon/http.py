@@ -38,12 +38,19 @@ def wants_msgpack(request: Request) -> bool:
 
 
 def answer_headers(answer: Answer) -> dict[str, str]:
-    """`X-Queue-Ms`, `X-Inference-Ms` and `X-Served-By` of a worker's answer."""
-    return {
+    """`X-Queue-Ms`, `X-Inference-Ms` and `X-Served-By` of a worker's answer, and the
+    batch it ran in: `X-Batch-Items`, `X-Batch-Tokens`, `X-Batch-Adapters` (the LoRA
+    adapters mixed into it, comma-separated; absent when none was)."""
+    headers = {
         "X-Queue-Ms": f"{answer.queue_ms:.2f}",
         "X-Inference-Ms": f"{answer.inference_ms:.2f}",
         "X-Served-By": answer.served_by,
+        "X-Batch-Items": str(answer.batch_items),
+        "X-Batch-Tokens": str(answer.batch_tokens),
     }
+    if answer.loras:
+        headers["X-Batch-Adapters"] = ",".join(answer.loras)
+    return headers
 
 
 def reply(request: Request, obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:

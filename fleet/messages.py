@@ -44,6 +44,13 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     stamps: tuple[int, ...] = ()
 
 
+    #: The batch this item ran in (the `X-Batch-*` reply headers): its items, its
+    #: tokens (the batch budget's count; generation: prompt and generated tokens of
+    #: the sequences in the step that finished it) and the LoRA adapters mixed into
+    #: it (store names; empty: the base model alone). 0 = not a batch (errors).
+    batch_items: int = 0
+    batch_tokens: int = 0
+    loras: tuple[str, ...] = ()
 class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
     queue_ms: float
     inference_ms: float
@@ -52,6 +59,9 @@ class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
     stamps: tuple[int, ...] = ()
 
 
+    batch_items: int = 0
+    batch_tokens: int = 0
+    loras: tuple[str, ...] = ()
 #: What `Envelope.stamps` marks, in order: the step that served the batch began
 #: (the worker woke), its head was claimed, lingering for more ended, the payloads
 #: were decoded; the adapter's last micro-batch was tokenized, through the forward

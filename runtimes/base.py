@@ -137,6 +137,11 @@ class Adapter(abc.ABC):
         """Keys of the admitted requests."""
         return []
 
+    def round_tokens(self) -> tuple[int, int]:
+        """(prompt tokens, tokens generated so far) of the admitted requests: the
+        batch a step ran, as `/v1/ps` and the `X-Batch-Tokens` header show it."""
+        return 0, 0
+
     # -- LoRA hosting ------------------------------------------------------------
     #
     # A LoRA adapter's requests queue in its base model's lane; the base's

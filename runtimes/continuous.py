@@ -34,7 +34,7 @@ import msgspec
 
 from fleet.errors import FleetError
 from local_queue import QueueFull
-from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, WorkError
+from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, GenerateResult, WorkError
 from runtimes.lora import attach_lora
 from runtimes.memory import NotNow
 from runtimes.policy import WARMUP_STALL_MS
@@ -81,6 +81,7 @@ class InFlight:
     enqueue_ns: int
     admitted_ns: int
     deadline_ns: int  # 0 = none; past it the daemon has answered `timeout`
+    lora: str | None = None  # the LoRA adapter it runs with (store name)
 
 
 def busy_continuous(rnd: Round, servable: list, last_model: str) -> Resident | None:
@@ -150,16 +151,26 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
         rnd.residency.release_memory()
         return answered
     now = rnd.clock_ns()
-    # 4. Stream what is safe to send; ack what finished (one queue call each).
+    # 4. Stream what is safe to send; ack what finished (one queue call each), each
+    #    result naming the step's batch: its sequences, their prompt and generated
+    #    tokens, the LoRA adapters among them.
     if partials:
         try:
             rnd.queue.emit_many([(k.item_id, _encode(chunk), STATUS_PARTIAL) for k, chunk in partials])
         except QueueFull as exc:  # the final result carries the whole text: a skipped chunk is caught up there
             log.warning("partial results on %s skipped: %s", name, exc.message)
+    prompt, generated = adapter.round_tokens()
+    done = [r for _, r in finished if isinstance(r, GenerateResult)]
+    prompt += sum(r.input_tokens for r in done)
+    generated += sum(r.output_tokens for r in done)
+    items = adapter.active_count() + len(finished)
+    loras = tuple(sorted({lora for k in (*adapter.in_flight(), *(k for k, _ in finished))
+                          if (lora := getattr(k, "lora", None))}))
     if finished:
         acks = [
             (k.item_id,
-             _encode(Envelope((k.admitted_ns - k.enqueue_ns) / 1e6, (now - k.admitted_ns) / 1e6, rnd.served_by, r)),
+             _encode(Envelope((k.admitted_ns - k.enqueue_ns) / 1e6, (now - k.admitted_ns) / 1e6, rnd.served_by, r,
+                              (), items, prompt + generated, loras)),
              STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
             for k, r in finished
         ]
@@ -171,10 +182,11 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
                                      WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
             rnd.queue.ack_many([(k.item_id, error, STATUS_ERROR) for k, _ in finished])
         resident.served += len(finished)
+        resident.tokens += sum(r.input_tokens + r.output_tokens for r in done)
         answered += len(finished)
     resident.last_used = time.time()
     ms = (time.perf_counter() - t0) * 1e3
-    rnd.record(BatchStats(name, adapter.active_count() + len(finished), 0, 0, ms, time.time(), 0))
+    rnd.record(BatchStats(name, items, prompt + generated, 0, ms, time.time(), 0, loras, prompt, generated))
     if finished:
         rnd.publish()
     return answered
@@ -219,7 +231,7 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
                 errors.append((c.item_id, error))
                 continue
         try:
-            error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns), request)
+            error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns, lora), request)
         except NotNow as exc:
             log.info("%s; %d requests wait in the lane", exc, len(claims) - n)
             rnd.queue.return_items([x.item_id for x in claims[n:]])

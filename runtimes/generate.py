@@ -249,6 +249,10 @@ class CausalLM(LoraHost, Adapter):
     def in_flight(self) -> list[Any]:
         return [s.key for s in itertools.chain(self.rows, self.pending)]
 
+    def round_tokens(self) -> tuple[int, int]:
+        seqs = (*self.rows, *self.pending)
+        return sum(len(s.prompt_ids) for s in seqs), sum(len(s.ids) for s in seqs)
+
     def cancel(self, keep) -> list[Any]:
         dropped = [s.key for s in itertools.chain(self.rows, self.pending) if not keep(s.key)]
         if dropped:

@@ -38,6 +38,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "loaded_at": r.loaded_at,
                 "last_used": r.last_used,
                 "served": r.served,
+                "tokens": r.tokens,
                 "load_ms": round(r.load_ms, 1),
                 "pinned": name in residency.pinned,
                 "cost": cost_info(costs.get(name)),
@@ -53,6 +54,9 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
             "ms": round(last_batch.ms, 2),
             "at": last_batch.at,
             "returned": last_batch.returned,
+            "loras": last_batch.loras,
+            **({"prompt_tokens": last_batch.prompt_tokens, "generated_tokens": last_batch.generated_tokens}
+               if last_batch.prompt_tokens or last_batch.generated_tokens else {}),
         },
         "loads": residency.loads,
         "evictions": residency.evictions,

@@ -22,6 +22,9 @@ class Resident:
     loaded_at: float
     last_used: float
     served: int = 0
+    #: Tokens of the requests it answered (encoders: the batch budget's count; generation:
+    #: prompt and generated), cumulative: the daemon turns differences into tokens/s (`fleetctl top`).
+    tokens: int = 0
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
     footprint: Footprint = Footprint(0)
@@ -52,6 +55,10 @@ class BatchStats:
     ms: float = 0.0
     at: float = 0.0
     returned: int = 0  # over-pulled items given back when this batch was formed
+    loras: tuple[str, ...] = ()  # LoRA adapters mixed into it (store names)
+    #: Generation: the prompt and generated tokens of the sequences in the step (`tokens` is their sum).
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 @dataclass(frozen=True)

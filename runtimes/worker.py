@@ -268,6 +268,7 @@ class WorkerCore:
         requests = [r for _, r in runnable]
         tokens = [c.tokens for c, _ in runnable]
         padded = padded_tokens(tokens)
+        loras = batch_loras(adapter, requests)
         adapter.marks = (0, 0, 0)
         t0 = time.perf_counter()
         decoded_ns = time.monotonic_ns()
@@ -284,10 +285,12 @@ class WorkerCore:
         ms = (time.perf_counter() - t0) * 1e3
         start_ns = self.clock_ns() - int(ms * 1e6)
         stamps = (woke_ns, claimed_ns, lingered_ns, decoded_ns, *adapter.marks, time.monotonic_ns())
+        batch_tokens = sum(tokens)
         acks += [
             (
                 c.item_id,
-                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, self.served_by, r, stamps)),
+                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, self.served_by, r, stamps, len(requests),
+                                 batch_tokens, loras)),
                 STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK,
             )
             for (c, _), r in zip(runnable, results)
@@ -305,12 +308,13 @@ class WorkerCore:
             cost.observe(padded, ms)
         resident.last_used = time.time()
         resident.served += len(claims)
-        self.last_batch = BatchStats(lane.model, len(claims), sum(tokens), padded, ms, time.time(), returned)
+        resident.tokens += batch_tokens
+        self.last_batch = BatchStats(lane.model, len(claims), batch_tokens, padded, ms, time.time(), returned, loras)
         self.last_runs[lane.model] = LastRun(acked_ns, len(claims), ms)
         if interactive := [c.tokens for c in claims if not c.batch]:
             self.recent_interactive[lane.model] = (acked_ns, padded_tokens(interactive))
         self.batch_seq += 1
-        self.batch_ring.append((lane.model, len(claims), sum(tokens)))
+        self.batch_ring.append((lane.model, len(claims), batch_tokens))
         self.publish_info()
         return len(claims) + len(late)
 
@@ -398,3 +402,8 @@ class WorkerCore:
         if decoder is None:
             decoder = self._decoders[request_type] = msgspec.msgpack.Decoder(request_type)
         return decoder
+
+
+def batch_loras(adapter: Adapter, requests: list) -> tuple[str, ...]:
+    """The LoRA adapters a batch mixes (store names, sorted): its replies' `X-Batch-Adapters`."""
+    return tuple(sorted({lora for r in requests if (lora := adapter.lora_of(r)) is not None}))

@@ -147,3 +147,26 @@ def test_wrong_adapters_get_clear_errors(lora_daemon: DaemonProc, model: str, ad
     assert r.json()["error"]["code"] == code
     if adapter:
         assert adapter in r.json()["error"]["message"]
+
+
+def test_replies_and_ps_name_the_batch_and_its_adapters(lora_daemon: DaemonProc) -> None:
+    # Concurrent requests of three adapters and the base, several decode steps each:
+    # each reply names the step that finished it (its sequences, their prompt and
+    # generated tokens, the adapters among them), and ps the last step.
+    jobs = [(name, prompt, 8) for prompt in PROMPTS[:2] for name in [*LORAS, BASE]]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: generate(lora_daemon, *j), jobs))
+    assert all(r.status_code == 200 for r in got), [r.text for r in got if r.status_code != 200]
+    for (name, _, _), r in zip(jobs, got):
+        usage = r.json()["usage"]
+        adapters = r.headers.get("x-batch-adapters", "").split(",") if "x-batch-adapters" in r.headers else []
+        assert set(adapters) <= set(LORAS) and (name == BASE or name in adapters), (name, r.headers)
+        # Its own tokens are part of its batch's.
+        assert int(r.headers["x-batch-tokens"]) >= usage["input_tokens"] + usage["output_tokens"]
+        assert int(r.headers["x-batch-items"]) >= 1
+    assert max(len(r.headers.get("x-batch-adapters", "").split(",")) for r in got) >= 2  # they shared steps
+    ps = httpx.get(lora_daemon.url + "/v1/ps", timeout=10).json()
+    last = next(w["last_batch"] for w in ps["workers"] if w["last_batch"].get("model") == BASE)
+    assert last["prompt_tokens"] > 0 and last["generated_tokens"] > 0
+    assert last["tokens"] == last["prompt_tokens"] + last["generated_tokens"]
+    assert set(last["loras"]) <= set(LORAS)

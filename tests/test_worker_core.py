@@ -145,7 +145,7 @@ def test_overpull_goes_back_to_the_head_in_order(queue):
     assert lane_order(queue, "m") == [2, 4, 5, 6]
     info = _info.decode(queue.workers()[0].info)
     assert info["last_batch"] | {"ms": 0, "at": 0} == {
-        "model": "m", "items": 2, "tokens": 20, "padded": 20, "ms": 0, "at": 0, "returned": 2}
+        "model": "m", "items": 2, "tokens": 20, "padded": 20, "ms": 0, "at": 0, "returned": 2, "loras": []}
 
 
 def test_returned_items_are_served_next_and_keep_their_attempts(queue):

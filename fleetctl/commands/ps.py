@@ -148,9 +148,16 @@ def lanes_table(state: dict[str, Any]) -> Table:
 def last_batch(b: dict) -> str:
     if not b.get("model"):
         return "-"
-    text = f"{b['model']}: {b['items']} items, {b['tokens']} tok ({b.get('padded', b['tokens'])} padded), {b['ms']:.1f} ms"
+    if "generated_tokens" in b:  # a generation step: its sequences' prompt and generated tokens
+        text = (f"{b['model']}: {b['items']} seqs, {b['prompt_tokens']} prompt + {b['generated_tokens']} generated tok,"
+                f" {b['ms']:.1f} ms")
+    else:
+        text = (f"{b['model']}: {b['items']} items, {b['tokens']} tok ({b.get('padded', b['tokens'])} padded), "
+                f"{b['ms']:.1f} ms")
     if b.get("returned"):
         text += f", {b['returned']} returned"
+    if b.get("loras"):
+        text += f", LoRA {', '.join(b['loras'])}"
     return text
 
 
