@@ -209,7 +209,7 @@ def test_completions_with_several_prompts(gen_daemon: DaemonProc, ref: Reference
     ({"prompt": "hi", "top_p": 0}, 400, "bad_request"),
     ({"prompt": "hi", "stop": [""]}, 400, "bad_request"),
     ({"prompt": "hi", "model": "no-such-model"}, 404, "model_not_found"),
-    ({"prompt": "hi", "adapter": "no-such-adapter"}, 404, "model_not_found"),
+    ({"prompt": "hi", "adapter": "no-such-adapter"}, 400, "bad_request"),  # named, with the model's adapters
     ({"prompt": "hi " * 300, "max_tokens": 1}, 422, "input_too_long"),
 ])
 def test_bad_input_gets_the_contract_error(gen_daemon: DaemonProc, body: dict, status: int, code: str) -> None:
