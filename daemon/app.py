@@ -14,12 +14,15 @@ from litestar.exceptions import HTTPException
 
 from fleet.errors import FleetError
 
+from daemon.batches import Batches
 from daemon.controllers.admin import AdminController
+from daemon.controllers.batches import BatchesController
 from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cluster import ClusterController
 from daemon.controllers.docs import DocsController
 from daemon.controllers.embed import EmbedController
 from daemon.controllers.extract import ExtractController
+from daemon.controllers.files import FilesController
 from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.controllers.ollama import OllamaController, OllamaRootController
@@ -64,9 +67,12 @@ def reload_now(daemon: Daemon) -> None:
 
 def create_app(daemon: Daemon) -> Litestar:
     @asynccontextmanager
-    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         daemon.start(loop)
+        # Offline jobs: batches left unfinished by the last stop resume now.
+        daemon.batches = Batches(daemon, daemon.dispatch or app)
+        await daemon.batches.start()
 
         async def ready() -> bool:
             return daemon.is_serving() and (await daemon.readiness())[0]
@@ -86,10 +92,11 @@ def create_app(daemon: Daemon) -> Litestar:
             loop.remove_signal_handler(signal.SIGHUP)
             for task in tasks:
                 task.cancel()
+            await daemon.batches.stop()
             await daemon.leave_cluster()
             daemon.stop()
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController],
@@ -102,3 +109,6 @@ def create_app(daemon: Daemon) -> Litestar:
         logging_config=None,
         debug=False,
     )
+    for controller in (FilesController, BatchesController):  # offline jobs (daemon/batches.py)
+        app.register(controller)
+    return app

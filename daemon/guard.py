@@ -13,7 +13,9 @@ keep it out (DESIGN.md, "Safety defaults"):
   preflight answers, others 403. Clients that are not browsers send no Origin.
 - A body must be JSON or MessagePack (`accepts_body_type`): a page may post
   `text/plain`, form or multipart bodies cross-origin with no preflight at all, so
-  those are refused with 415 before anything decodes them.
+  those are refused with 415 before anything decodes them. One exception: a file
+  upload (`POST /v1/files`, OpenAI's SDKs send multipart/form-data); a page's
+  cross-origin post carries an Origin, refused above unless listed.
 
 Plain ASGI, outside the bearer-auth wrapper: a preflight carries no credentials,
 and a foreign page must not learn whether its key would have worked.
@@ -37,6 +39,8 @@ Send = Callable[[Any], Awaitable[None]]
 
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 BODY_TYPES = frozenset({codec.JSON, *codec.MSGPACK_TYPES})
+#: (method, path) -> the body types it takes besides BODY_TYPES.
+UPLOAD_TYPES = {("POST", "/v1/files"): frozenset({"multipart/form-data"})}
 #: Distinct Host headers whose verdicts are kept (BrowserGuard.host_allowed).
 HOST_CACHE = 256
 CORS_METHODS = b"GET, POST, DELETE, OPTIONS"
@@ -81,8 +85,9 @@ def allowed_origin(origin: str, host_header: str, patterns: Iterable[str]) -> bo
     return is_loopback(split_host(parts.netloc))
 
 
-def accepts_body_type(content_type: str) -> bool:
-    return codec.media_type(content_type) in BODY_TYPES
+def accepts_body_type(content_type: str, method: str = "POST", path: str = "") -> bool:
+    kind = codec.media_type(content_type)
+    return kind in BODY_TYPES or kind in UPLOAD_TYPES.get((method, path), ())
 
 
 def has_body(headers: dict[bytes, bytes]) -> bool:
@@ -141,7 +146,7 @@ class BrowserGuard:
             send = with_cors(send, origin)
         if scope["type"] == "http" and has_body(headers) and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
             content_type = headers.get(b"content-type", b"").decode("latin-1")
-            if not accepts_body_type(content_type):
+            if not accepts_body_type(content_type, scope["method"], scope["path"]):
                 await refuse(scope, send, headers, UnsupportedMediaType(
                     f"request bodies must be application/json or application/msgpack, "
                     f"not {codec.media_type(content_type) or 'untyped'}"))

@@ -68,8 +68,10 @@ OPENAI_ROUTES = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/comple
 
 
 def is_openai_route(path: str) -> bool:
-    """`/v1/models/{id}` is OpenAI's too; `/v1/models/{name}/pin` and friends are fleet's admin."""
-    return path in OPENAI_ROUTES or (path.startswith("/v1/models/") and "/" not in path[len("/v1/models/"):])
+    """`/v1/models/{id}` is OpenAI's too; `/v1/models/{name}/pin` and friends are fleet's admin.
+    The Files and Batches API (`/v1/files...`, `/v1/batches...`) is OpenAI's."""
+    return (path in OPENAI_ROUTES or path.startswith(("/v1/files", "/v1/batches"))
+            or (path.startswith("/v1/models/") and "/" not in path[len("/v1/models/"):]))
 
 
 def openai_error_type(status: int) -> str:

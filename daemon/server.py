@@ -90,6 +90,8 @@ def serve(settings: Settings) -> None:
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
     litestar_app.state[PRIVATE_PATHS] = ((str(settings.store_path), "<store>"), (str(settings.home_path), "<home>"))
+    # A batch's lines take the routes HTTP requests take, in this process (daemon.batches).
+    daemon.dispatch = HotRoutes(litestar_app, daemon)
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,
     # so 404/405 answers are guarded too; /healthz stays open. Inside auth, the hot

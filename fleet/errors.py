@@ -102,6 +102,12 @@ class ModelTooLarge(FleetError):
     code, status = "model_too_large", 507
 
 
+class InsufficientStorage(FleetError):
+    """The disk that holds FLEET_HOME is full (an upload, a batch's results)."""
+
+    code, status = "insufficient_storage", 507
+
+
 class ModelLoadFailed(FleetError):
     code, status = "model_load_failed", 500
 
@@ -137,7 +143,7 @@ BY_CODE: dict[str, type[FleetError]] = {
     for cls in (
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
         NotFound, MethodNotAllowed, Unsupported, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
-        Unavailable, Timeout, SourceUnreachable, Forbidden, UnsupportedMediaType,
+        Unavailable, Timeout, SourceUnreachable, Forbidden, UnsupportedMediaType, InsufficientStorage,
     )
 }
 

@@ -1,0 +1,292 @@
+"""OpenAI's Files and Batches API, through the official `openai` SDK unchanged,
+against a real `fleetctl serve` (real worker, real all-MiniLM-L6-v2, a tiny random
+Llama in its hub layout): upload, create, retrieve, list (cursor pages), cancel,
+file content and delete; answers equal to the same requests sent alone; bad lines
+refused at upload by line number; a model or url that cannot run fails the batch
+before any work; per-line errors in the error file while the rest runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon
+from tests.gen_models import build_llama, pull
+
+pytestmark = pytest.mark.slow
+
+LLAMA = "tiny-llama"
+#: A small body limit and line count, so the limits are cheap to reach.
+MAX_BODY = 64 << 10
+MAX_LINES = 500
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("batches-home")
+    pull(home, build_llama(tmp_path_factory.mktemp("batches-models") / LLAMA), LLAMA)
+    return home
+
+
+@pytest.fixture(scope="module")
+def fleet(home: Path):
+    d = start_daemon(home, extra_env={"FLEET_MAX_BODY_BYTES": str(MAX_BODY), "FLEET_BATCH_MAX_LINES": str(MAX_LINES)})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: DaemonProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+
+
+def jsonl(path: Path, lines: list[dict | str]) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def line(custom_id: str, url: str, body: dict) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def wait_final(client: openai.OpenAI, batch_id: str, timeout_s: float = 120.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        b = client.batches.retrieve(batch_id)
+        if b.status in FINAL:
+            return b
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} not final after {timeout_s} s: {b}")
+
+
+def results(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def run_batch(client: openai.OpenAI, tmp_path: Path, endpoint: str, lines: list[dict], **kw):
+    f = client.files.create(file=jsonl(tmp_path / "in.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h", **kw)
+    assert b.status == "validating" and b.input_file_id == f.id and b.request_counts.total == len(lines)
+    return wait_final(client, b.id)
+
+
+def test_embeddings_batch_answers_as_the_route_does(client, tmp_path):
+    texts = [f"a batch line about topic {i}" for i in range(40)]
+    lines = [line(f"e{i}", "/v1/embeddings", {"model": DEFAULT_MODEL, "input": t, "encoding_format": "float"})
+             for i, t in enumerate(texts)]
+    lines.insert(7, line("bad", "/v1/embeddings", {"model": DEFAULT_MODEL, "inputs": "typo"}))
+    b = run_batch(client, tmp_path, "/v1/embeddings", lines, metadata={"job": "nightly"})
+    assert b.status == "completed" and b.errors is None and b.metadata == {"job": "nightly"}
+    assert b.model == DEFAULT_MODEL
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (41, 40, 1)
+    assert b.in_progress_at and b.finalizing_at and b.completed_at and b.expires_at - b.created_at == 86_400
+    out, err = results(client, b.output_file_id), results(client, b.error_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"e{i}" for i in range(40))
+    assert len({r["id"] for r in out + err}) == 41
+    # The route's own answer: each vector equals the same request sent alone.
+    alone = client.embeddings.create(model=DEFAULT_MODEL, input=texts[:5], encoding_format="float")
+    by_id = {r["custom_id"]: r for r in out}
+    for i in range(5):
+        r = by_id[f"e{i}"]
+        assert r["error"] is None and r["response"]["status_code"] == 200 and r["response"]["request_id"]
+        got = np.array(r["response"]["body"]["data"][0]["embedding"])
+        assert np.allclose(got, alone.data[i].embedding, atol=1e-3)
+    assert b.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out) > 0
+    # A bad body: OpenAI's 400 for it, in the error file, naming the field; the rest ran.
+    [bad] = err
+    assert bad["custom_id"] == "bad" and bad["error"] is None and bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["param"] == "inputs"
+    # The result files are files of the Files API.
+    f = client.files.retrieve(b.output_file_id)
+    assert f.purpose == "batch_output" and f.bytes == len(client.files.content(b.output_file_id).content)
+
+
+def test_chat_batch_answers_each_line_as_sent_alone(client, tmp_path):
+    prompts = [f"say something about {w}" for w in ("dogs", "cats", "invoices", "the sea", "paris")]
+    lines = [line(f"c{i}", "/v1/chat/completions",
+                  {"model": LLAMA, "messages": [{"role": "user", "content": p}], "max_tokens": 8, "temperature": 0,
+                   "user": "someone"})
+             for i, p in enumerate(prompts)]
+    lines.append(line("streamed", "/v1/chat/completions",
+                      {"model": LLAMA, "messages": [{"role": "user", "content": "x"}], "stream": True}))
+    b = run_batch(client, tmp_path, "/v1/chat/completions", lines)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (5, 1)
+    out = {r["custom_id"]: r for r in results(client, b.output_file_id)}
+    for i, p in enumerate(prompts):
+        alone = client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": p}], max_tokens=8,
+                                               temperature=0)
+        body = out[f"c{i}"]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        assert body["object"] == "chat.completion"
+        # Accepted and not applied: said in the line, as the route's header says it.
+        assert out[f"c{i}"]["response"]["headers"] == {"x-fleet-ignored-fields": "user"}
+    assert b.usage.output_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in out.values())
+    [streamed] = results(client, b.error_file_id)
+    assert streamed["response"]["status_code"] == 400 and streamed["response"]["body"]["error"]["param"] == "stream"
+
+
+def test_native_endpoint_batch_with_a_bad_line(client, tmp_path):
+    lines = [line(f"n{i}", "/v1/embed", {"model": DEFAULT_MODEL, "inputs": [f"text {i}", "two"]}) for i in range(6)]
+    lines.append(line("unknown-field", "/v1/embed", {"model": DEFAULT_MODEL, "inputs": ["x"], "normalise": True}))
+    b = run_batch(client, tmp_path, "/v1/embed", lines)
+    assert (b.request_counts.completed, b.request_counts.failed) == (6, 1)
+    out = results(client, b.output_file_id)
+    assert all(r["response"]["body"]["shape"] == [2, 384] for r in out)
+    [bad] = results(client, b.error_file_id)
+    body = bad["response"]["body"]["error"]
+    assert bad["response"]["status_code"] == 400 and "normalise" in body["message"] and "normalize" in body["message"]
+
+
+@pytest.mark.parametrize(
+    "lines, words",
+    [
+        pytest.param([line("a", "/v1/embed", {"inputs": ["x"]}), '{"custom_id": "b", "method": "POST"}'],
+                     ["line 2", "url"], id="missing-field"),
+        pytest.param([line("a", "/v1/embed", {"inputs": ["x"]}) | {"extra": 1}], ["line 1", "extra"],
+                     id="unknown-field"),
+        pytest.param(["", "not json"], ["line 2", "JSON"], id="not-json-after-a-blank-line"),
+        pytest.param([line("a", "/v1/embed", {"inputs": ["x"]}) | {"method": "GET"}], ["line 1", "POST"],
+                     id="method"),
+        pytest.param([line("a", "/v1/moderations", {"input": "x"})], ["line 1", "/v1/moderations"], id="url"),
+        pytest.param([line("a", "/v1/embed", {"inputs": ["x"]}), line("b", "/v1/embed", {"inputs": ["y"]}),
+                      line("a", "/v1/embed", {"inputs": ["z"]})], ["line 3", "'a'", "line 1"], id="duplicate-custom-id"),
+        pytest.param([line("", "/v1/embed", {"inputs": ["x"]})], ["line 1", "custom_id"], id="empty-custom-id"),
+        pytest.param([line("a", "/v1/embed", ["x"])], ["line 1", "object"], id="body-not-an-object"),
+        pytest.param([""], ["no request lines"], id="empty-file"),
+    ],
+)
+def test_a_bad_line_is_refused_at_upload_by_its_number(client, tmp_path, lines, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.files.create(file=jsonl(tmp_path / "bad.jsonl", lines).open("rb"), purpose="batch")
+    message = err.value.body["message"]
+    assert all(w in message for w in words), message
+    assert all(f.filename != "bad.jsonl" for f in client.files.list())
+
+
+def test_limits_on_a_line_and_on_lines(client, tmp_path):
+    big = line("big", "/v1/embed", {"inputs": ["x" * (MAX_BODY + 10)]})
+    with pytest.raises(openai.APIStatusError) as err:
+        client.files.create(file=jsonl(tmp_path / "big.jsonl", [line("a", "/v1/embed", {"inputs": ["x"]}), big])
+                            .open("rb"), purpose="batch")
+    assert err.value.status_code == 413 and "line 2" in err.value.body["message"]
+    many = [line(f"m{i}", "/v1/embed", {"inputs": ["x"]}) for i in range(MAX_LINES + 1)]
+    with pytest.raises(openai.APIStatusError) as err:
+        client.files.create(file=jsonl(tmp_path / "many.jsonl", many).open("rb"), purpose="batch")
+    assert err.value.status_code == 413 and f"line {MAX_LINES + 1}" in err.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "endpoint, lines, code, param, at_line",
+    [
+        pytest.param("/v1/embeddings", [line("a", "/v1/embeddings", {"model": DEFAULT_MODEL, "input": "x"}),
+                                        line("b", "/v1/embeddings", {"model": "no-such-model", "input": "y"})],
+                     "model_not_found", "body.model", 2, id="unknown-model"),
+        pytest.param("/v1/rerank", [line("a", "/v1/rerank", {"model": DEFAULT_MODEL, "query": "q",
+                                                             "documents": ["d"]})],
+                     "invalid_model", "body.model", 1, id="model-of-another-task"),
+        pytest.param("/v1/embeddings", [line("a", "/v1/embeddings", {"model": DEFAULT_MODEL, "input": "x"}),
+                                        line("b", "/v1/embed", {"model": DEFAULT_MODEL, "inputs": ["y"]})],
+                     "invalid_url", "url", 2, id="url-not-the-endpoint"),
+    ],
+)
+def test_a_line_that_cannot_run_fails_the_batch_before_any_work(client, tmp_path, endpoint, lines, code, param,
+                                                                at_line):
+    b = run_batch(client, tmp_path, endpoint, lines)
+    assert b.status == "failed" and b.failed_at and b.in_progress_at is None
+    [error] = b.errors.data
+    assert (error.code, error.param, error.line) == (code, param, at_line) and f"line {at_line}" in error.message
+    assert b.output_file_id is None and b.error_file_id is None and b.request_counts.completed == 0
+
+
+def test_create_refuses_what_it_cannot_take(client, tmp_path):
+    f = client.files.create(file=jsonl(tmp_path / "ok.jsonl", [line("a", "/v1/embed", {"inputs": ["x"]})]).open("rb"),
+                            purpose="batch")
+    cases = [
+        ({"endpoint": "/v1/moderations"}, "endpoint"),
+        ({"completion_window": "forever"}, "completion_window"),
+        ({"input_file_id": "file-000000000000000000000000"}, "input_file_id"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"extra_body": {"priority": "high"}}, "priority"),
+    ]
+    for change, param in cases:
+        args = {"input_file_id": f.id, "endpoint": "/v1/embed", "completion_window": "24h", **change}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.batches.create(**args)
+        assert err.value.body["param"] == param, err.value.body
+
+
+def test_lists_page_by_cursor(client, tmp_path):
+    ids = []
+    for i in range(3):
+        f = client.files.create(file=jsonl(tmp_path / f"p{i}.jsonl", [line("a", "/v1/embed", {"inputs": ["x"]})])
+                                .open("rb"), purpose="batch")
+        ids.append(client.batches.create(input_file_id=f.id, endpoint="/v1/embed", completion_window="1h").id)
+    page = client.batches.list(limit=2)  # newest first
+    assert page.has_more and [b.id for b in page.data] == [ids[2], ids[1]]
+    assert client.batches.list(limit=1, after=ids[1]).data[0].id == ids[0]
+    every = [b.id for b in client.batches.list(limit=2)]  # the SDK follows the cursor over every page
+    assert every[:3] == ids[::-1] and len(every) == len(set(every))
+    newest_first = [x.id for x in client.files.list(purpose="batch", limit=1)]
+    oldest_first = [x.id for x in client.files.list(purpose="batch", order="asc", limit=2)]
+    assert oldest_first == newest_first[::-1] and len(oldest_first) >= 3
+    raw = httpx.get(str(client.base_url) + "batches", params={"limit": 1}).json()
+    assert set(raw) == {"object", "data", "first_id", "last_id", "has_more"} and raw["first_id"] == ids[-1]
+
+
+def test_files_retrieve_delete_and_content(client, tmp_path):
+    path = jsonl(tmp_path / "del.jsonl", [line("a", "/v1/embed", {"inputs": ["x"]})])
+    f = client.files.create(file=path.open("rb"), purpose="batch", expires_after={"anchor": "created_at",
+                                                                                  "seconds": 3600})
+    assert f.expires_at == f.created_at + 3600 and f.filename == "del.jsonl" and f.bytes == path.stat().st_size
+    assert client.files.content(f.id).content == path.read_bytes()
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(f.id)
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=path.open("rb"), purpose="fine-tune")
+
+
+def test_cancel_keeps_what_is_done_and_answers_the_rest(client, tmp_path):
+    lines = [line(f"g{i}", "/v1/chat/completions",
+                  {"model": LLAMA, "messages": [{"role": "user", "content": f"go {i}"}], "max_tokens": 48})
+             for i in range(MAX_LINES)]
+    f = client.files.create(file=jsonl(tmp_path / "long.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while client.batches.retrieve(b.id).request_counts.completed < 10:
+        time.sleep(0.1)
+    with pytest.raises(openai.BadRequestError):
+        client.files.delete(f.id)  # the input of a batch still running
+    t0 = time.monotonic()
+    cancelled = client.batches.cancel(b.id)
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at
+    b = wait_final(client, b.id, timeout_s=30)
+    took = time.monotonic() - t0
+    assert b.status == "cancelled" and b.cancelled_at
+    out, err = results(client, b.output_file_id), results(client, b.error_file_id)
+    done = b.request_counts.completed
+    assert len(out) == done and 10 <= done < MAX_LINES
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"g{i}" for i in range(MAX_LINES))
+    assert {r["error"]["code"] for r in err} == {"batch_cancelled"}
+    print(f"cancel: {done} lines done, {len(err)} answered batch_cancelled, final after {took:.2f} s")
+    assert took < 5.0
+    done_batch = run_batch(client, tmp_path, "/v1/embed", [line("a", "/v1/embed", {"inputs": ["x"]})])
+    with pytest.raises(openai.BadRequestError):
+        client.batches.cancel(done_batch.id)  # completed: nothing to cancel
+
+
+def test_uploads_are_guarded_as_every_body_is(fleet):
+    form = {"files": {"file": ("x.jsonl", json.dumps(line("a", "/v1/embed", {"inputs": ["x"]})).encode())},
+            "data": {"purpose": "batch"}}
+    assert httpx.post(fleet.url + "/v1/embed", **form).status_code == 415  # multipart only where a file goes
+    assert httpx.post(fleet.url + "/v1/files", headers={"Origin": "https://evil.example"}, **form).status_code == 403
+    assert httpx.post(fleet.url + "/v1/files", **form).status_code == 200
