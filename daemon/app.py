@@ -18,6 +18,7 @@ from daemon.batches import Batches
 from daemon.controllers.admin import AdminController
 from daemon.controllers.batches import BatchesController
 from daemon.controllers.classify import ClassifyController
+from daemon.controllers.cohere import CohereEmbedController
 from daemon.controllers.cluster import ClusterController
 from daemon.controllers.docs import DocsController
 from daemon.controllers.embed import EmbedController
@@ -99,7 +100,8 @@ def create_app(daemon: Daemon) -> Litestar:
     app = Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
-                        TeiController, OllamaController, OllamaRootController, DocsController],
+                        TeiController, OllamaController, OllamaRootController, DocsController,
+                        CohereEmbedController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

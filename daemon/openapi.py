@@ -36,8 +36,8 @@ from fleet.protocol import (
     RerankReply, RerankRequest,
 )
 
-from daemon.controllers import ollama_wire as ow
 from daemon.controllers import tei
+from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
 
@@ -89,7 +89,9 @@ _OPENAI = dict(errors=OpenAIErrorReply, names_ignored=True)
 OPERATIONS: dict[tuple[str, str], Op] = {
     # -- native -----------------------------------------------------------------------------
     ("POST", "/v1/embed"): Op(
-        "Embed texts or images: dense vectors, per-token vectors or sparse vectors.", "native",
+        "Embed texts or images: dense vectors (with the model's prompts, Matryoshka `dimensions` and compact "
+        "`output_dtype`s), per-token vectors or sparse vectors. A Cohere v1 body (`texts`, no `inputs`) is "
+        "answered in Cohere's v1 shape.", "native",
         EmbedRequestJson, {"oneOf": [EmbedReplyJson, EmbedTokensReplyJson, EmbedSparseReply]}),
     ("POST", "/v1/rerank"): Op("Score documents against a query, best first (Cohere v1 / Jina shape).",
                                "native", RerankRequest, RerankReply, names_ignored=True),
@@ -127,6 +129,9 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                          errors=OpenAIErrorReply),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
+    ("POST", "/v2/embed"): Op("Cohere v2 embed: `input_type` picks the model's prompt, `embedding_types` float, "
+                              "int8, uint8, binary, ubinary, base64.", "cohere", cohere.CohereEmbedRequest,
+                              cohere.CohereEmbedReply),
     # -- Hugging Face TEI --------------------------------------------------------------------
     ("POST", "/embed"): Op("TEI: dense embeddings, one array per input.", "tei", tei.TeiEmbedRequest,
                            _array(_array(_NUMBER)), **_TEI),

@@ -18,6 +18,8 @@ import msgspec
 import numpy as np
 
 from fleet.errors import BadRequest, ModelNotFound, Unsupported
+from fleet.prompts import first_prompt, folder_prompts, prompt_table, resolve_prompt
+from fleet.vectors import SCALAR, from_wire
 from fleet.messages import (
     ClassifyResult, EmbedResult, EmbedResultRaw, ExtractResult, GenerateChunk, GenerateResult, RerankResult,
     SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
@@ -91,14 +93,69 @@ async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool 
     if req.top_k is not None and (req.output != "sparse" or req.top_k < 1):
         raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
                          f"with output {req.output!r}")
+    check_embed_controls(daemon, req)
     answer = await daemon.submit("embed", target_model(daemon, "embed", req.model, req.adapter), payload,
                                  tokens=embed_tokens(req, payload), timeout_ms=req.timeout_ms)
     return (_EMBED_RAW if raw else _EMBED)[req.output].decode(answer.body), answer
 
 
+def check_embed_controls(daemon: Daemon, req: EmbedRequest) -> None:
+    """`dimensions`, `output_dtype` and `prompt_name`, checked before queueing (the
+    worker checks what only the loaded model knows: its width)."""
+    if req.output != "dense":
+        asked = [("dimensions", req.dimensions is not None), ("output_dtype", req.output_dtype != "float32")]
+        for field in (f for f, given in asked if given):
+            raise BadRequest(f"{field} applies to dense vectors (output 'dense'), not to output {req.output!r}",
+                             param=field)
+    if req.dimensions is not None and req.dimensions < 1:
+        raise BadRequest(f"dimensions must be at least 1, got {req.dimensions}", param="dimensions")
+    if req.output_dtype in SCALAR and not req.normalize:
+        raise BadRequest(f"output_dtype {req.output_dtype!r} quantizes unit vectors on the fixed range [-1, 1]: "
+                         "send normalize: true (binary, ubinary and float16 take any vector)", param="output_dtype")
+    if req.prompt is None and req.prompt_name is not None:
+        table, default = embed_prompts(daemon, req.model)
+        resolve_prompt(req.model, table, default, None, req.prompt_name)
+
+
+def embed_prompts(daemon: Daemon, model: str) -> tuple[dict[str, str], str | None]:
+    """A stored embedder's prompt names -> texts, and its default prompt name (fleet.prompts)."""
+    manifest = daemon.manifest(model, "embed")
+    if manifest.base:  # a LoRA adapter embeds with its base's prompts
+        manifest = daemon.manifest(manifest.base, "embed")
+        model = manifest.name
+    prompts, default = manifest.prompts, manifest.default_prompt_name
+    if prompts is None:  # pulled before manifests kept prompts: its folder says, as the worker reads it
+        prompts, default = folder_prompts(daemon.store.path(model))
+    return prompt_table(manifest.runtime, prompts), default
+
+
+def mapped_prompt(daemon: Daemon, model: str, field: str, value: str | None, meanings: dict[str, tuple[str, ...]],
+                  prompt: str | None, prompt_name: str | None) -> tuple[str | None, list[str]]:
+    """(prompt_name to send, fields not applied) for a route's own task field
+    (Cohere `input_type`, Jina `task`) whose values mean the prompt names in
+    `meanings`, best first (fleet.prompts.first_prompt). An explicit `prompt` or
+    `prompt_name` wins over it; a model with no prompt for it embeds as sent."""
+    if value is None:
+        return prompt_name, []
+    names = meanings.get(value)
+    if names is None:
+        raise BadRequest(f"{field} must be one of {', '.join(meanings)}, not {value!r}", param=field)
+    if prompt is not None or prompt_name is not None:
+        return prompt_name, [field]
+    table, _ = embed_prompts(daemon, model)
+    name, applies = first_prompt(table, names)
+    return name, [] if applies else [field]
+
+
+def ignored_fields(req: EmbedRequest) -> list[str]:
+    """Fields of an embed request that were accepted and not applied: `prompt_name`
+    next to `prompt` (the text wins, as in sentence-transformers)."""
+    return ["prompt_name"] if req.prompt is not None and req.prompt_name is not None else []
+
+
 def vectors(res: EmbedResult) -> np.ndarray:
-    """A dense result as an (inputs, dimensions) float32 array (a view of its bytes)."""
-    return np.frombuffer(res.data, dtype="<f4").reshape(res.shape)
+    """A dense result as an (inputs, values per row) array of its dtype (a view of its bytes)."""
+    return from_wire(res.data, res.shape, res.dtype)
 
 
 def token_vectors(res: TokenEmbedResult) -> list[list[list[float]]]:
@@ -110,19 +167,6 @@ def sparse_vectors(res: SparseEmbedResult) -> list[tuple[list[int], list[float]]
     """A sparse result as (indices, values) per input."""
     return [(np.frombuffer(v.indices, dtype="<i4").tolist(), np.frombuffer(v.values, dtype="<f4").tolist())
             for v in res.vectors]
-
-
-def shorten(vectors: np.ndarray, dimensions: int) -> np.ndarray:
-    """`dimensions`: keep the leading components and re-normalise (Matryoshka-style)."""
-    full = vectors.shape[1]
-    if not 1 <= dimensions <= full:
-        raise BadRequest(f"dimensions must be between 1 and {full} for this model, got {dimensions}",
-                         param="dimensions")
-    if dimensions == full:
-        return vectors
-    cut = np.ascontiguousarray(vectors[:, :dimensions])
-    norms = np.linalg.norm(cut, axis=1, keepdims=True)
-    return cut / np.maximum(norms, 1e-12)
 
 
 # ---- rerank --------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ class WorkError(msgspec.Struct, frozen=True, array_like=True):
 
 
 class EmbedResult(msgspec.Struct, frozen=True, array_like=True):
-    data: bytes  # float32, C order, little-endian
-    shape: tuple[int, int]
+    data: bytes  # `dtype` values (fleet.vectors.WIRE_DTYPES), C order, little-endian
+    shape: tuple[int, int]  # (inputs, values per row: bytes for binary and ubinary)
     input_tokens: int
+    dtype: str = "float32"
+    dimensions: int = 0  # each vector's length (after `dimensions`); 0 = shape[1]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
@@ -76,6 +78,8 @@ class EmbedResultRaw(msgspec.Struct, frozen=True, array_like=True):
     data: msgspec.Raw
     shape: tuple[int, int]
     input_tokens: int
+    dtype: str = "float32"
+    dimensions: int = 0
 
 
 class TokenEmbedResult(msgspec.Struct, frozen=True, array_like=True):

@@ -62,6 +62,11 @@ class ImageInputJson(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 #: (sparse: `{indices, values}`), or one vector per token (tokens, ColBERT-style).
 EmbedOutput = Literal["dense", "sparse", "tokens"]
 
+#: The values of dense vectors (fleet.vectors): float32 as computed, float16, int8 and
+#: uint8 on the fixed range [-1, 1] (unit vectors only), binary and ubinary one bit per
+#: dimension (x > 0), packed eight to a byte.
+EmbedDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
+
 
 class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """`inputs` items are texts or `{image: bytes}` (image models only).
@@ -82,6 +87,13 @@ class EmbedRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     output: EmbedOutput = "dense"
     top_k: int | None = None
     timeout_ms: int | None = None
+    #: The instruction before every input: one of the model's prompt names, or the
+    #: text itself (`prompt` wins; `prompt: ""` is none). Neither: the model's default prompt.
+    prompt_name: str | None = None
+    prompt: str | None = None
+    #: Matryoshka: keep the first `dimensions` values of each vector (then normalise).
+    dimensions: int | None = None
+    output_dtype: EmbedDtype = "float32"
     #: A LoRA adapter of `model` to embed with (or name the adapter as `model`).
     adapter: str | None = None
 
@@ -96,25 +108,40 @@ class EmbedRequestJson(msgspec.Struct, frozen=True, omit_defaults=True, forbid_u
     output: EmbedOutput = "dense"
     top_k: int | None = None
     timeout_ms: int | None = None
+    #: The instruction before every input: one of the model's prompt names, or the
+    #: text itself (`prompt` wins; `prompt: ""` is none). Neither: the model's default prompt.
+    prompt_name: str | None = None
+    prompt: str | None = None
+    #: Matryoshka: keep the first `dimensions` values of each vector (then normalise).
+    dimensions: int | None = None
+    output_dtype: EmbedDtype = "float32"
     #: A LoRA adapter of `model` to embed with (or name the adapter as `model`).
     adapter: str | None = None
 
 
 class EmbedReplyMsgpack(msgspec.Struct, frozen=True):
-    """Tensor as raw little-endian float32 bytes plus shape and dtype."""
+    """The vectors as raw little-endian bytes of `dtype`, `shape` = [inputs, values
+    per row]: for binary and ubinary a row is ceil(dimensions / 8) bytes, so
+    `dimensions` (the vector's own length) says how many of its bits count."""
 
     model: str
     embeddings: bytes | msgspec.Raw
     shape: tuple[int, int]
     usage: Usage
     dtype: str = "float32"
+    dimensions: int | None = None
 
 
 class EmbedReplyJson(msgspec.Struct, frozen=True):
+    """As the MessagePack reply, with the vectors as lists: numbers for float32 and
+    float16, integers for int8, uint8 and the packed bytes of binary and ubinary."""
+
     model: str
     embeddings: list[list[float]]
     shape: tuple[int, int]
     usage: Usage
+    dtype: str = "float32"
+    dimensions: int | None = None
 
 
 class EmbedTokensReplyMsgpack(msgspec.Struct, frozen=True):
@@ -158,13 +185,22 @@ class EmbedSparseReply(msgspec.Struct, frozen=True):
 class OpenAIEmbeddingsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`input`: a text, texts, one text as token ids, or several as id lists (the
     ids read in the model's own vocabulary); mixed lists are refused. `user` is
-    accepted and named in `X-Fleet-Ignored-Fields`."""
+    accepted and named in `X-Fleet-Ignored-Fields`.
+
+    Beyond OpenAI's fields (the openai SDK sends them with `extra_body`):
+    fleet's `prompt_name`, `prompt` and `output_dtype` (with `encoding_format`
+    float only: base64 is read as float32 by OpenAI clients), and Jina's `task`
+    (mapped to the model's prompt of that meaning)."""
 
     model: str = ""
     input: str | list[str | int | list[int]] = []
     encoding_format: str = "float"  # float | base64
     dimensions: int | None = None
     user: str | None = None
+    prompt_name: str | None = None
+    prompt: str | None = None
+    task: str | None = None
+    output_dtype: EmbedDtype = "float32"
 
 
 class OpenAIEmbedding(msgspec.Struct, frozen=True):

@@ -36,6 +36,7 @@ from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
 from fleet.lora import check_adapter
+from fleet.prompts import check_default, merged_prompts, prompt_table
 from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
@@ -97,6 +98,9 @@ class _Meta(NamedTuple):
     allow_pickle: bool
     max_seq_len: int | None
     profile: Profile
+    prompts: dict[str, str] | None = None
+    default_prompt_name: str | None = None
+    matryoshka_dims: list[int] | None = None
 
 
 # ---- choosing files --------------------------------------------------------------
@@ -289,12 +293,24 @@ def _metadata(
     if known_base is not None:
         validate_name(known_base)
     if entry is not None:
-        return _Meta(known_task, known_runtime, known_base, entry.trust_remote_code,
-                     entry.allow_pickle, entry.max_seq_len, entry.profile)
-    if previous is not None:
-        return _Meta(known_task, known_runtime, known_base, previous.trust_remote_code,
-                     previous.allow_pickle, previous.max_seq_len, previous.profile)
-    return _Meta(known_task, known_runtime, known_base, False, False, None, Profile())
+        meta = _Meta(known_task, known_runtime, known_base, entry.trust_remote_code,
+                     entry.allow_pickle, entry.max_seq_len, entry.profile, entry.prompts, entry.default_prompt_name,
+                     entry.matryoshka_dims)
+    elif previous is not None:
+        meta = _Meta(known_task, known_runtime, known_base, previous.trust_remote_code,
+                     previous.allow_pickle, previous.max_seq_len, previous.profile, previous.prompts,
+                     previous.default_prompt_name, previous.matryoshka_dims)
+    else:
+        meta = _Meta(known_task, known_runtime, known_base, False, False, None, Profile())
+    return _with_prompts(meta, folder, origin) if known_task == "embed" else meta
+
+
+def _with_prompts(meta: _Meta, folder: Path | None, origin: str) -> _Meta:
+    """An embedder's prompts as the manifest keeps them: the folder's own with the
+    entry's (or the earlier manifest's) over them; a default that names none is refused."""
+    prompts, default = merged_prompts(folder, meta.prompts, meta.default_prompt_name)
+    check_default(origin, prompt_table(meta.runtime, prompts), default)
+    return meta._replace(prompts=prompts, default_prompt_name=default)
 
 
 def _checked_adapter(store: Store, meta: _Meta, folder: Path, *, task: str | None, origin: str) -> _Meta:
@@ -314,7 +330,8 @@ def _refresh(manifest: Manifest, meta: _Meta, source: str, revision: str | None)
     return msgspec.structs.replace(
         manifest, source=source, revision=revision, task=meta.task, runtime=meta.runtime,
         base=meta.base, trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-        max_seq_len=meta.max_seq_len, profile=meta.profile,
+        max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
+        default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
     )
 
 
@@ -473,7 +490,8 @@ def _pull_local(
             name=name, source=source_text, revision=revision, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),
             trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-            max_seq_len=meta.max_seq_len, profile=meta.profile,
+            max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
+            default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
         )
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
@@ -639,7 +657,8 @@ def _pull_hub(
             name=name, source=source_text, revision=commit, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),
             trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-            max_seq_len=meta.max_seq_len, profile=meta.profile,
+            max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
+            default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
         )
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)

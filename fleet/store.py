@@ -94,6 +94,13 @@ class Manifest(msgspec.Struct, kw_only=True):
     allow_pickle: bool = False
     max_seq_len: int | None = None
     profile: Profile = msgspec.field(default_factory=Profile)
+    #: Embedders: the model's prompts (its folder's config_sentence_transformers.json
+    #: with its catalog entry's over them) and default prompt name, as pulled; None
+    #: = pulled before fleet recorded them (readers then read the folder).
+    prompts: dict[str, str] | None = None
+    default_prompt_name: str | None = None
+    #: Matryoshka widths from the catalog entry (None = unknown).
+    matryoshka_dims: list[int] | None = None
 
     @property
     def size_bytes(self) -> int:

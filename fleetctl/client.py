@@ -96,16 +96,19 @@ def image_item(item: Any) -> Any:
 
 
 def embed_body(model: str, inputs: Sequence[Any], normalize: bool, truncate: bool, output: str,
-               top_k: int | None, timeout_ms: int | None) -> dict[str, Any]:
+               top_k: int | None, timeout_ms: int | None, **controls: Any) -> dict[str, Any]:
+    """`controls`: prompt_name, prompt, dimensions, output_dtype (None = the server's default)."""
     body: dict[str, Any] = {"model": model, "inputs": [image_item(x) for x in as_list(inputs)], "normalize": normalize,
                             "truncate": truncate}
     if output != "dense":
         body["output"] = output
-    return _optional(body, top_k=top_k, timeout_ms=timeout_ms)
+    return _optional(body, top_k=top_k, timeout_ms=timeout_ms, **controls)
 
 
 def embed_result(raw: bytes, output: str) -> Any:
-    """Dense: one (n, d) float32 array. Tokens: a list of (t_i, d) arrays. Sparse: a list of `Sparse`."""
+    """Dense: one (n, d) array of the reply's dtype (float32 unless `output_dtype` said
+    otherwise; binary and ubinary: (n, ceil(d / 8)) packed bytes). Tokens: a list of
+    (t_i, d) arrays. Sparse: a list of `Sparse`."""
     import numpy as np
 
     if output == "tokens":
@@ -115,8 +118,10 @@ def embed_result(raw: bytes, output: str) -> Any:
         reply = _sparse.decode(raw)
         return [Sparse(np.frombuffer(v.indices, dtype="<i4"), np.frombuffer(v.values, dtype="<f4"))
                 for v in reply.embeddings]
+    from fleet.vectors import from_wire
+
     reply = _dense.decode(raw)
-    return np.frombuffer(reply.embeddings, dtype="<f4").reshape(reply.shape)
+    return from_wire(reply.embeddings, reply.shape, reply.dtype)
 
 
 def _optional(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -273,9 +278,11 @@ class Client(_Base):
 
     def embed(self, model: str, inputs: str | bytes | Sequence[Any], *, normalize: bool = True,
               truncate: bool = True, output: str = "dense", top_k: int | None = None,
-              timeout_ms: int | None = None) -> Any:
+              timeout_ms: int | None = None, prompt_name: str | None = None, prompt: str | None = None,
+              dimensions: int | None = None, output_dtype: str | None = None) -> Any:
         """Texts (str) or images (encoded file bytes) -> see `embed_result`."""
-        body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms)
+        body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms, prompt_name=prompt_name,
+                          prompt=prompt, dimensions=dimensions, output_dtype=output_dtype)
         return embed_result(self.request("POST", "/v1/embed", body), output)
 
     def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
@@ -376,8 +383,10 @@ class AsyncClient(_Base):
 
     async def embed(self, model: str, inputs: str | bytes | Sequence[Any], *, normalize: bool = True,
                     truncate: bool = True, output: str = "dense", top_k: int | None = None,
-              timeout_ms: int | None = None) -> Any:
-        body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms)
+                    timeout_ms: int | None = None, prompt_name: str | None = None, prompt: str | None = None,
+                    dimensions: int | None = None, output_dtype: str | None = None) -> Any:
+        body = embed_body(model, inputs, normalize, truncate, output, top_k, timeout_ms, prompt_name=prompt_name,
+                          prompt=prompt, dimensions=dimensions, output_dtype=output_dtype)
         return embed_result(await self.request("POST", "/v1/embed", body), output)
 
     async def rerank(self, model: str, query: str, documents: str | Sequence[str], *, top_n: int | None = None,

@@ -50,6 +50,10 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             max_seq_len=manifest.max_seq_len,
             extra={"base": manifest.base, "profile": which,
                    "threshold": entry.threshold if entry is not None else None,
+                   # Prompts as pulled (None: a manifest from before fleet recorded them;
+                   # the adapter reads the folder then); the source names INSTRUCTOR hub ids.
+                   "source": manifest.source, "prompts": manifest.prompts,
+                   "default_prompt_name": manifest.default_prompt_name,
                    # LLM rerankers' prompt settings (runtimes/llm_rerank.py); None: the format's.
                    **{k: getattr(entry, k, None) for k in ("prompt_format", "default_instruction", "true_token",
                                                           "false_token")}},

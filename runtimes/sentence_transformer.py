@@ -16,21 +16,29 @@ from typing import Any
 
 import numpy as np
 
-from fleet.errors import FleetError, ModelLoadFailed
+from fleet.errors import BadRequest, FleetError, ModelLoadFailed
+from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
+from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
     footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned, prefetched,
     split_refused, to_device,
 )
-from fleet.messages import EmbedResult, TokenEmbedResult, WorkError
+from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")
 
 #: A dtype is kept only if every check-set row stays this close to fp32 (cosine).
 MIN_COSINE = 0.9999
+#: Hub ids sentence-transformers loads with `include_prompt=False` pooling whatever
+#: their folder says (`SentenceTransformer.__init__`); fleet loads from a folder, so
+#: it reads the id from the model's source.
+INSTRUCTOR_SOURCES = tuple(f"hf:hkunlp/instructor-{size}" for size in ("base", "large", "xl"))
+#: Prompt texts whose token length is kept (models that pool without the prompt).
+PROMPT_LENGTHS_KEPT = 256
 
 
 class SentenceTransformerEmbedder(LoraHost, Adapter):
@@ -44,6 +52,13 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     #: The model's Rust tokenizer called directly, checked at load to give what
     #: `model.preprocess` gives (None: preprocess, e.g. a module that works in Python).
     direct: DirectTokenizer | None = None
+    #: Prompt name -> text (fleet.prompts.prompt_table) and the default name.
+    prompts: dict[str, str] = {}
+    default_prompt: str | None = None
+    #: The pooling leaves prompt tokens out (`include_prompt: false`): each row's prompt length is needed.
+    exclude_prompt: bool = False
+    #: The input module reads chat messages (a prompt would be a system message there): prompts are refused.
+    chat_inputs: bool = False
 
     def load(self) -> None:
         import torch
@@ -62,6 +77,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         except Exception as exc:  # the library raises many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r}: {exc}") from exc
         model.eval()
+        if str(self.spec.extra.get("source", "")).lower().startswith(INSTRUCTOR_SOURCES):
+            model.set_pooling_include_prompt(False)
         if self.spec.max_seq_len:
             model.max_seq_length = self.spec.max_seq_len
         self.max_seq_len = int(model.max_seq_length)
@@ -77,6 +94,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if modules and isinstance(modules[-1], Normalize):
             modules = modules[:-1]
         self._modules = modules
+        self._load_prompts(modules)
         if modules and isinstance(modules[0], Transformer):
             self.direct = direct_tokenizer(self.model.tokenizer, self.max_seq_len, self.model.preprocess,
                                            self.spec.name, lengths=self._own_lengths)
@@ -107,8 +125,33 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             emb = torch.nn.functional.normalize(emb, dim=1)
         return emb.cpu().numpy()
 
+    def _load_prompts(self, modules: list[Any]) -> None:
+        """The model's prompts (recorded at pull; read from its folder when the
+        manifest predates that) and how its pooling treats them."""
+        from sentence_transformers.sentence_transformer.modules import Pooling
+
+        prompts, default = self.spec.extra.get("prompts"), self.spec.extra.get("default_prompt_name")
+        if prompts is None:
+            prompts, default = folder_prompts(self.spec.path)
+        self.prompts = prompt_table(self.spec.runtime, prompts)
+        self.default_prompt = default
+        self.exclude_prompt = any(isinstance(m, Pooling) and not m.include_prompt for m in modules)
+        self.chat_inputs = bool(modules) and "message" in (getattr(modules[0], "modality_config", None) or {})
+        self._prompt_lengths: dict[str, int] = {}
+
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model) + self.lora_bytes()
+
+    def prompt_of(self, req: EmbedRequest) -> str | WorkError:
+        """The text `req` puts before each input ('' = none), or why it cannot."""
+        try:
+            prompt = resolve_prompt(self.spec.name, self.prompts, self.default_prompt, req.prompt, req.prompt_name)
+        except BadRequest as exc:
+            return WorkError(exc.code, exc.message)
+        if prompt and self.chat_inputs:
+            return WorkError("bad_request", f"{self.spec.name} reads its inputs as chat messages; fleet applies "
+                                            "no prompts to it")
+        return prompt
 
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
@@ -118,9 +161,17 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if any(x.__class__ is not str for x in req.inputs):
             return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
                                             "(runtime clip)")
-        if not req.truncate and (over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len)):
+        prompt = self.prompt_of(req)
+        if prompt.__class__ is WorkError:
+            return prompt
+        if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
+            return wide
+        if req.truncate:
+            return None
+        texts = prompted(req.inputs, prompt)
+        if over := over_char_bound(self.spec.name, texts, self.max_seq_len):
             return over
-        too_long = None if req.truncate else self._first_too_long(req.inputs)
+        too_long = self._first_too_long(texts)
         if too_long is not None:
             return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
@@ -131,16 +182,25 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
+        # Each text with its request's prompt in front, tokenized together (as sentence-transformers does).
+        prompts = [self.prompt_of(requests[i]) for i in live]
+        texts = cut_to_bound([t for i, p in zip(live, prompts) for t in prompted(requests[i].inputs, p)],
+                             self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        prompt_tokens = None
+        if self.exclude_prompt and any(prompts):
+            prompt_tokens = np.repeat(np.fromiter(map(self._prompt_length, prompts), dtype=np.int64,
+                                                  count=len(live)), counts)
         # Per-token output is rare: the common batch builds no mask for it (each numpy
         # call costs tens of us on a cold CPU, the case of a lone client's request).
         wants = [requests[i].output == "tokens" for i in live]
         want_tokens = np.repeat(np.array(wants), counts) if any(wants) else None
         # 2. Embed all texts of the batch together, length-sorted into micro-batches,
         #    each text with its request's LoRA adapter (bank slot).
-        vectors, tokens, per_token = self._embed(texts, want_tokens, self.row_slots(requests, live, counts))
-        # 3. Normalise (per request) and split back, one result per request.
+        vectors, tokens, per_token = self._embed(texts, want_tokens, prompt_tokens,
+                                                 self.row_slots(requests, live, counts))
+        # 3. Split back, one result per request: per-token blocks, then dense vectors
+        #    (cut, normalised and converted per request: runtimes.dense).
         starts, ends = offsets(counts)
         if per_token:
             self._split_tokens(requests, live, starts, ends, per_token, tokens, results)
@@ -149,18 +209,22 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 return results
             keep = ~want_tokens
             vectors, tokens = vectors[keep], tokens[keep]
-            counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
-            starts, ends = offsets(counts)
-        want_norm = np.repeat(np.fromiter((requests[i].normalize for i in live), dtype=bool), counts)
-        if want_norm.any():
-            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-            np.maximum(norms, 1e-12, out=norms)
-            vectors = np.where(want_norm[:, None], vectors / norms, vectors)
-        token_sums = np.add.reduceat(tokens, starts) if len(texts) else tokens
-        for k, i in enumerate(live):
-            a, b = int(starts[k]), int(ends[k])
-            results[i] = EmbedResult(vectors[a:b].tobytes(), (b - a, self.dim), int(token_sums[k]))
+        finish_dense(vectors, tokens, requests, live, results)
         return results
+
+    def _prompt_length(self, prompt: str) -> int:
+        """Tokens of `prompt` alone without a trailing special token (sentence-transformers'
+        `Transformer._get_prompt_length`): the positions pooling leaves out."""
+        if not prompt:
+            return 0
+        length = self._prompt_lengths.get(prompt)
+        if length is None:
+            ids = self.model.preprocess([prompt])["input_ids"][0]
+            length = len(ids) - (1 if int(ids[-1]) in self.tokenizer.all_special_ids else 0)
+            if len(self._prompt_lengths) >= PROMPT_LENGTHS_KEPT:
+                self._prompt_lengths.clear()  # raw prompts come from clients: keep the memo bounded
+            self._prompt_lengths[prompt] = length
+        return length
 
     def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
         lengths = self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
@@ -197,11 +261,14 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
         return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
-    def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, slots: np.ndarray | None = None,
-               ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
+               slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """float32 vectors (n, d) in input order, tokens used per text, and for
         the inputs flagged in `want_tokens` their token vectors (t_i, d) without
         padding (right-padded rows: the first `mask.sum()` positions are real).
+        `prompt_tokens`: per text, the prompt tokens its pooling leaves out (models
+        with `include_prompt: false`; None = none). `slots`: per text, its LoRA
+        bank slot (runtimes.lora; None = all the base's).
 
         1. Length-sorted micro-batches (`micro_batches`): each is padded only to
            its own longest text.
@@ -229,14 +296,19 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used
                 wants = want_tokens is not None and bool(want_tokens[idx].any())
+                exclude = prompt_tokens is not None and bool(prompt_tokens[idx].any())
                 lora_rows = slots[idx] if slots is not None and slots[idx].any() else None
-                emb = None if wants or lora_rows is not None or self.graphs is None else self.graphs(host)
+                eager = wants or exclude or lora_rows is not None
+                emb = None if eager or self.graphs is None else self.graphs(host)
                 if emb is None:
                     features = to_device(host, self.device)
                     with self.loras.rows(lora_rows, self.device) if lora_rows is not None else nullcontext():
-                        for module in self._modules:
-                            features = module(features)
-                    emb = features["sentence_embedding"]
+                        if exclude:
+                            emb, features = self._pooled_without_prompts(features, prompt_tokens[idx])
+                        else:
+                            for module in self._modules:
+                                features = module(features)
+                            emb = features["sentence_embedding"]
                 forward = time.monotonic_ns()
                 if landing is not None:
                     landing[lo : lo + len(idx)].copy_(emb.float(), non_blocking=True)
@@ -254,6 +326,29 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             out[np.concatenate(batches)] = landing.numpy()
         return out, tokens, per_token
 
+    def _pooled_without_prompts(self, features: dict[str, Any], lengths: np.ndarray) -> tuple[Any, dict[str, Any]]:
+        """(pooled vectors, the encoder's features) of a micro-batch whose rows carry
+        prompts its pooling leaves out: the encoder runs once; the modules after it
+        run once per prompt length on those rows, with `prompt_length` set as
+        sentence-transformers sets it for a batch of one prompt."""
+        torch = self._torch
+        features = self._modules[0](features)
+        rows = features["attention_mask"].shape[0]
+        out = None
+        for length in np.unique(lengths):
+            at = torch.from_numpy(np.flatnonzero(lengths == length)).to(self.device)
+            part = {k: (v[at] if hasattr(v, "shape") and v.ndim and v.shape[0] == rows else v)
+                    for k, v in features.items()}
+            if length:
+                part["prompt_length"] = int(length)
+            for module in self._modules[1:]:
+                part = module(part)
+            emb = part["sentence_embedding"]
+            if out is None:
+                out = emb.new_empty((rows, *emb.shape[1:]))
+            out[at] = emb
+        return out, features
+
     def unload(self) -> None:
         if self.tokenize_ahead is not None:
             self.tokenize_ahead.shutdown(wait=True)
@@ -262,3 +357,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         self.direct = None
         self.model = None
         self._modules = []
+
+
+def prompted(texts: list[str], prompt: str) -> list[str]:
+    """`texts` with `prompt` in front of each (the same list when there is none)."""
+    return [prompt + t for t in texts] if prompt else texts

@@ -68,6 +68,9 @@ class SpladeEmbedder(Adapter):
                                             "(send output 'sparse')")
         if any(x.__class__ is not str for x in req.inputs):
             return WorkError("bad_request", f"{self.spec.name} embeds text only")
+        if req.prompt or req.prompt_name is not None:
+            return WorkError("bad_request", f"{self.spec.name} (runtime splade) takes no prompts: put the text you "
+                                            "mean in the input")
         if not req.truncate:
             if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
                 return over

@@ -226,7 +226,7 @@ def test_model_left_out_with_two_rerankers_lists_the_candidates(compat):
     ("/embed", {"inputs": []}, 400, "bad_request"),
     ("/embed", {"inputs": [1, "a"]}, 400, "bad_request"),
     ("/embed", {"inputs": [[101, 40_000]]}, 400, "bad_request"),
-    ("/embed", {"inputs": "a", "prompt_name": "query"}, 400, "unsupported"),
+    ("/embed", {"inputs": "a", "prompt_name": "querry"}, 400, "bad_request"),
     ("/embed", {"inputs": "a", "truncation_direction": "left"}, 400, "unsupported"),
     ("/embed", {"inputs": "a", "dimensions": 0}, 400, "bad_request"),
     ("/embed", {"inputs": "a", "parameters": {"dimensions": 0}}, 400, "bad_request"),

@@ -1,4 +1,5 @@
-"""`POST /v1/embed` (native) and `POST /v1/embeddings` (OpenAI shape)."""
+"""`POST /v1/embed` (native; a Cohere v1 body is answered as Cohere: controllers.cohere)
+and `POST /v1/embeddings` (OpenAI shape, with Jina's `task`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fleet.protocol import (
 )
 
 from daemon import codec, fields, tasks, timeline
+from daemon.controllers import cohere
 from daemon.controllers.common import default_model, with_model
 from daemon.controllers.tokens import ids_to_texts
 from daemon.core import Daemon
@@ -23,6 +25,17 @@ from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 IGNORED_OPENAI = ("user",)
 
 
+#: Jina's `task` (on `/v1/embeddings`) -> the prompt names it means, best first
+#: (jina-embeddings-v3 names its task adapters so; other models by their own prompt names).
+JINA_PROMPTS: dict[str, tuple[str, ...]] = {
+    "retrieval.query": ("retrieval.query", "query", "search_query"),
+    "retrieval.passage": ("retrieval.passage", "passage", "document", "search_document", "corpus"),
+    "text-matching": ("text-matching",),
+    "classification": ("classification",),
+    "separation": ("separation", "clustering"),
+}
+
+
 def from_json(jreq: EmbedRequestJson) -> EmbedRequest:
     """The request with JSON's base64 images (plain or data URLs) as bytes. Only
     base64 is undone here; the image itself is decoded in the worker."""
@@ -30,7 +43,8 @@ def from_json(jreq: EmbedRequestJson) -> EmbedRequest:
     if any(x.__class__ is ImageInputJson for x in inputs):
         inputs = [image_bytes(i, x) if x.__class__ is ImageInputJson else x for i, x in enumerate(inputs)]
     return EmbedRequest(jreq.model, inputs, jreq.normalize, jreq.truncate, jreq.output, jreq.top_k, jreq.timeout_ms,
-                        adapter=jreq.adapter)
+                        prompt_name=jreq.prompt_name, prompt=jreq.prompt, dimensions=jreq.dimensions,
+                        output_dtype=jreq.output_dtype, adapter=jreq.adapter)
 
 
 def image_bytes(index: int, item: ImageInputJson) -> ImageInput:
@@ -53,13 +67,23 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
         req = codec.decode(body, EmbedRequest, msgpack=True)
         payload = body
     else:
-        req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
+        # A body with Cohere's `texts` and no `inputs` is Cohere v1's (looked at only
+        # when the native reading fails or finds no inputs).
+        try:
+            req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
+        except BadRequest:
+            if (creq := cohere.v1_body(body)) is None:
+                raise
+            return await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
+        if not req.inputs and (creq := cohere.v1_body(body)) is not None:
+            return await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
         payload = codec.encode_msgpack(req)
     req, payload = with_model(daemon, "embed", req, payload)
     timeline.stamp("checked")
     # MessagePack replies splice the worker's tensor bytes in undecoded (raw).
     res, answer = await tasks.embed(daemon, req, payload, raw=msgpack_out)
     headers = answer_headers(answer)
+    headers.update(fields.ignored_header(tasks.ignored_fields(req)))
     usage = Usage(input_tokens=res.input_tokens)
     if req.output == "tokens":
         out = (EmbedTokensReplyMsgpack(req.model, res.data, res.shapes, usage) if msgpack_out else
@@ -68,9 +92,10 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
         out = EmbedSparseReply(req.model, res.vectors if msgpack_out else
                                [SparseVector(i, v) for i, v in tasks.sparse_vectors(res)], res.dimension, usage)
     elif msgpack_out:
-        out = EmbedReplyMsgpack(req.model, res.data, res.shape, usage)
+        out = EmbedReplyMsgpack(req.model, res.data, res.shape, usage, res.dtype, res.dimensions or res.shape[1])
     else:
-        out = EmbedReplyJson(req.model, tasks.vectors(res).tolist(), res.shape, usage)
+        out = EmbedReplyJson(req.model, tasks.vectors(res).tolist(), res.shape, usage, res.dtype,
+                             res.dimensions or res.shape[1])
     content = codec.encode(out, msgpack=msgpack_out)
     timeline.finish(headers)
     return content, headers
@@ -95,19 +120,25 @@ class EmbedController(Controller):
         if oreq.encoding_format not in ("float", "base64"):
             raise BadRequest(f"encoding_format must be 'float' or 'base64', not {oreq.encoding_format!r}",
                              param="encoding_format")
+        if oreq.encoding_format == "base64" and oreq.output_dtype != "float32":
+            # The openai SDK asks base64 unless told otherwise and reads it as float32.
+            raise BadRequest(f"output_dtype {oreq.output_dtype!r} needs encoding_format 'float' (integers in "
+                             "JSON): OpenAI clients read base64 as float32", param="output_dtype")
         model = oreq.model or default_model(daemon, "embed")
-        req = EmbedRequest(model=model, inputs=await openai_texts(daemon, model, oreq.input))
+        prompt_name, ignored = tasks.mapped_prompt(daemon, model, "task", oreq.task, JINA_PROMPTS, oreq.prompt,
+                                                   oreq.prompt_name)
+        req = EmbedRequest(model=model, inputs=await openai_texts(daemon, model, oreq.input), prompt_name=prompt_name,
+                           prompt=oreq.prompt, dimensions=oreq.dimensions, output_dtype=oreq.output_dtype)
         res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
         vectors = tasks.vectors(res)
-        if oreq.dimensions is not None:
-            vectors = tasks.shorten(vectors, oreq.dimensions)
         if oreq.encoding_format == "base64":
             data = [OpenAIEmbedding(base64.b64encode(row.tobytes()).decode(), i) for i, row in enumerate(vectors)]
         else:
             data = [OpenAIEmbedding(row, i) for i, row in enumerate(vectors.tolist())]
         usage = OpenAIUsage(prompt_tokens=res.input_tokens, total_tokens=res.input_tokens)
-        ignored = fields.ignored_header(fields.set_fields(oreq, IGNORED_OPENAI))
-        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers={**answer_headers(answer), **ignored})
+        not_applied = [*ignored, *tasks.ignored_fields(req), *fields.set_fields(oreq, IGNORED_OPENAI)]
+        headers = {**answer_headers(answer), **fields.ignored_header(not_applied)}
+        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=headers)
 
 
 async def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:

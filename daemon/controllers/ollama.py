@@ -448,18 +448,16 @@ class OllamaController(Controller):
         name = serving(daemon, body.model, "embed")
         keep = choose_keep(body.keep_alive)
         _, ignored = read_options(body.options)
-        headers = ignored_headers(ignored, dropped)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         if not inputs or inputs == [""]:
             await apply_keep(daemon, name, keep)
-            return json_reply(EmbedReply(body.model, [], 0, 0, 0), headers)
-        vectors, answer, tokens, clock = await embed_texts(daemon, name, inputs, keep, normalize=True,
-                                                           truncate=body.truncate)
-        if body.dimensions is not None:
-            vectors = tasks.shorten(vectors, body.dimensions)
+            return json_reply(EmbedReply(body.model, [], 0, 0, 0), ignored_headers(ignored, dropped))
+        req = EmbedRequest(model=name, inputs=inputs, truncate=body.truncate, prompt_name=body.prompt_name,
+                           prompt=body.prompt, dimensions=body.dimensions, output_dtype=body.output_dtype)
+        vectors, answer, tokens, clock = await embed_texts(daemon, req, keep)
         stats = await clock.stats(daemon, answer, tokens, 0)
         return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
-                          headers)
+                          ignored_headers(ignored, dropped + tasks.ignored_fields(req)))
 
     @post("/embeddings", status_code=200)
     async def api_embeddings(self, request: Request, daemon: Daemon) -> Response:
@@ -471,7 +469,9 @@ class OllamaController(Controller):
         if not body.prompt:
             await apply_keep(daemon, name, keep)
             return json_reply(EmbeddingsReply([]), headers)
-        vectors, *_ = await embed_texts(daemon, name, [body.prompt], keep, normalize=False, truncate=True)
+        req = EmbedRequest(model=name, inputs=[body.prompt], normalize=False, prompt_name=body.prompt_name,
+                           dimensions=body.dimensions)
+        vectors, *_ = await embed_texts(daemon, req, keep)
         return json_reply(EmbeddingsReply(vectors[0].tolist()), headers)
 
     @post("/pull", status_code=200)
@@ -536,11 +536,10 @@ class OllamaController(Controller):
         return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
 
 
-async def embed_texts(daemon: Daemon, name: str, inputs: list[str], keep: Keep, *, normalize: bool,
-                      truncate: bool) -> tuple[np.ndarray, Answer, int, Clock]:
+async def embed_texts(daemon: Daemon, req: EmbedRequest, keep: Keep) -> tuple[np.ndarray, Answer, int, Clock]:
+    name = req.model
     clock = await Clock.start(daemon, name)
     await keep_before(daemon, name, keep)
-    req = EmbedRequest(model=name, inputs=inputs, normalize=normalize, truncate=truncate)
     res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
     await keep_after(daemon, name, keep)
     return tasks.vectors(res), answer, res.input_tokens, clock

@@ -24,7 +24,7 @@ import msgspec
 
 from fleet.catalog import validate_name
 from fleet.errors import BadRequest, ModelNotFound
-from fleet.protocol import TokenLogprob
+from fleet.protocol import EmbedDtype, TokenLogprob
 
 #: Ollama's sampling defaults (api/types.go `DefaultOptions`): a client that sends
 #: no options gets what it would get from Ollama.
@@ -98,21 +98,30 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EmbedBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`/api/embed`, plus fleet's `prompt_name`, `prompt` and `output_dtype` (as on `/v1/embed`)."""
+
     model: str = ""
     input: str | list[str] = ""
     truncate: bool = True
     dimensions: int | None = None
     options: dict[str, Any] | None = None
     keep_alive: KeepAliveValue = None
+    prompt_name: str | None = None
+    prompt: str | None = None
+    output_dtype: EmbedDtype = "float32"
 
 
 class EmbeddingsBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The legacy `/api/embeddings` (one `prompt`, one unnormalised vector)."""
+    """The legacy `/api/embeddings` (one `prompt`, one unnormalised vector), plus fleet's
+    `prompt_name` and `dimensions` (its `prompt` is the text to embed, Ollama's name:
+    an instruction text goes through `/api/embed`)."""
 
     model: str = ""
     prompt: str = ""
     options: dict[str, Any] | None = None
     keep_alive: KeepAliveValue = None
+    prompt_name: str | None = None
+    dimensions: int | None = None
 
 
 class NameBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

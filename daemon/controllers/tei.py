@@ -51,11 +51,13 @@ class TeiParameters(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dimensions: int | None = None
     prompt_name: str | None = None
     truncation_direction: str | None = None
+    prompt: str | None = None
 
 
 class TeiEmbedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`/embed`, `/embed_sparse`, `/embed_all` (the last two take no `normalize`/`dimensions`, as in TEI:
-    there they are named in `X-Fleet-Ignored-Fields`). `normalize` None = true."""
+    there they are named in `X-Fleet-Ignored-Fields`). `normalize` None = true.
+    `prompt_name` is TEI's (one of the model's prompts); `prompt` (the text itself) is fleet's."""
 
     inputs: Inputs
     model: str = ""
@@ -66,6 +68,7 @@ class TeiEmbedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dimensions: int | None = None
     parameters: TeiParameters | None = None
     timeout_ms: int | None = None
+    prompt: str | None = None
 
 
 class TeiPredictRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -192,20 +195,25 @@ def not_applied(tei: TeiEmbedRequest, output: str) -> list[str]:
     return out
 
 
-async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[TeiEmbedRequest, Any, dict[str, str]]:
-    """Decode a TEI embed request, queue it as the native one, return (TEI request, worker's result,
+async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[EmbedRequest, Any, dict[str, str]]:
+    """Decode a TEI embed request, queue it as the native one, return (native request, worker's result,
     reply headers)."""
     tei, dropped = codec.decode_lenient(await request.body(), TeiEmbedRequest, msgpack=body_is_msgpack(request))
     params = tei.parameters or TeiParameters()
-    refuse_unsupported(tei.prompt_name or params.prompt_name, params.truncation_direction or tei.truncation_direction)
+    refuse_unsupported(None, params.truncation_direction or tei.truncation_direction)
     model = tei.model or default_model(daemon, "embed")
     truncate = params.truncate if params.truncate is not None else tei.truncate
     # TEI's /embed_all returns the token vectors as the model gives them (it has no `normalize`).
     normalize = (params.normalize if params.normalize is not None else tei.normalize) is not False and output == "dense"
     req = EmbedRequest(model=model, inputs=await embed_texts(daemon, model, tei.inputs), normalize=normalize,
-                       truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms)
+                       truncate=True if truncate is None else truncate, output=output, timeout_ms=tei.timeout_ms,
+                       prompt_name=params.prompt_name or tei.prompt_name, prompt=params.prompt or tei.prompt,
+                       # /embed_sparse and /embed_all take no dimensions (named as not applied above).
+                       dimensions=None if output != "dense" else
+                       params.dimensions if params.dimensions is not None else tei.dimensions)
     res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
-    return tei, res, {**answer_headers(answer), **fields.ignored_header(dropped + not_applied(tei, output))}
+    not_used = dropped + not_applied(tei, output) + tasks.ignored_fields(req)
+    return req, res, {**answer_headers(answer), **fields.ignored_header(not_used)}
 
 
 def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
