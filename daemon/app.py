@@ -29,6 +29,7 @@ from daemon.controllers.models import HealthController, MetricsController, Model
 from daemon.controllers.ollama import OllamaController, OllamaRootController
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.tei import TeiController
+from daemon.controllers.tgi import TgiController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 from daemon.notify import announce_ready, notify, watchdog_loop
@@ -101,7 +102,7 @@ def create_app(daemon: Daemon) -> Litestar:
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
-                        CohereEmbedController],
+                        CohereEmbedController, TgiController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -36,7 +36,7 @@ from fleet.protocol import (
     RerankReply, RerankRequest,
 )
 
-from daemon.controllers import tei
+from daemon.controllers import tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
@@ -146,6 +146,19 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/tokenize"): Op("TEI: the tokens of each input.", "tei", tei.TeiTokenizeRequest,
                               _array(_array(tei.TeiToken)), **_TEI),
     ("GET", "/info"): Op("TEI: the served model and its limits.", "tei", None, tei.TeiInfo, returns=(JSON,)),
+    ("POST", "/similarity"): Op("TEI: cosine of `source_sentence` with each of `sentences`.", "tei",
+                                tgi.SimilarityRequest, _array(_NUMBER), **_TEI),
+    ("POST", "/decode"): Op("TEI: token ids to text in the model's own vocabulary.", "tei", tgi.DecodeRequest,
+                            _array(_STRING), **_TEI),
+    ("POST", "/pipeline/token-classification"): Op(
+        "Hugging Face token classification: entities as {entity_group, score, word, start, end}.", "tei",
+        tgi.TokenClassificationRequest, {"oneOf": [_array(tgi.HfEntity), _array(_array(tgi.HfEntity))]}, **_TEI),
+    # -- Hugging Face TGI --------------------------------------------------------------------
+    ("POST", "/generate"): Op("TGI: generate (`stream: true` as /generate_stream).", "tgi", tgi.TgiGenerateRequest,
+                              tgi.TgiGenerateReply, stream=("text/event-stream", tgi.TgiStreamReply), **_TEI),
+    ("POST", "/generate_stream"): Op("TGI: server-sent events, one per token; the last has the whole text.", "tgi",
+                                     tgi.TgiGenerateRequest, tgi.TgiStreamReply, unknown_fields="ignored",
+                                     returns=("text/event-stream",)),
     # -- Ollama ------------------------------------------------------------------------------
     ("GET", "/api/version"): Op("Ollama: API version.", reply=_object("", version=_STRING), **_OLLAMA),
     ("GET", "/api/tags"): Op("Ollama: stored models.", reply=ow.TagsReply, **_OLLAMA),

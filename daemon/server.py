@@ -78,6 +78,7 @@ def serve(settings: Settings) -> None:
     from daemon.hot import HotRoutes
     from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
+    from daemon.model_urls import ModelUrls
     from daemon.notify import SystemdServer
     from fleet.catalog import load_catalog
 
@@ -95,8 +96,9 @@ def serve(settings: Settings) -> None:
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,
     # so 404/405 answers are guarded too; /healthz stays open. Inside auth, the hot
-    # route (daemon.hot) before the Litestar app.
-    guarded = LiveApp(HotRoutes(litestar_app, daemon), settings.api_key)
+    # route (daemon.hot) before the Litestar app, and before it the per-model URLs and
+    # the root dispatch (daemon.model_urls), which rewrite a request for either.
+    guarded = LiveApp(ModelUrls(HotRoutes(litestar_app, daemon), daemon), settings.api_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
                                  cors_origins=settings.cors_origins)
     app = RequestIdMiddleware(browser_guard)

@@ -164,6 +164,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_tokens: list[bytes] = []
     top_logprobs: list[float] = []
+    #: The token's id in the model's vocabulary, and those of `top_tokens` (TGI's details).
+    id: int = -1
+    top_ids: list[int] = []
 
 
 class GenerateResult(msgspec.Struct, frozen=True, array_like=True):

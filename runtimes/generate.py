@@ -629,7 +629,7 @@ class CausalLM(LoraHost, Adapter):
 
     def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
         token_bytes = self.grammars.token_bytes
-        return [TokenLogprob(s.lp_bytes[j], lp, token_bytes(top_ids), top_lps)
+        return [TokenLogprob(s.lp_bytes[j], lp, token_bytes(top_ids), top_lps, s.ids[j], top_ids)
                 for j, (lp, top_ids, top_lps) in enumerate(s.lps[start:stop], start)]
 
     def _streamed_logprobs(self, s: Sequence, end: int) -> list[TokenLogprob] | None:

@@ -15,6 +15,7 @@ from fleet.store import Manifest
 
 from daemon.core import Daemon
 from daemon.http import reply
+from daemon.model_urls import SCOPE_MODEL
 
 
 async def workers_view(daemon: Daemon) -> list[dict]:
@@ -48,7 +49,9 @@ class ModelsController(Controller):
     async def models(self, request: Request, daemon: Daemon) -> Response:
         loaded = await daemon.loaded_models()
         pinned = daemon.pinned_models()
-        return reply(request, ModelList([model_card(m, loaded, pinned) for m in daemon.store.list()]))
+        only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
+        return reply(request, ModelList([model_card(m, loaded, pinned) for m in daemon.store.list()
+                                         if only is None or m.name == only]))
 
     @get("/models/{model_id:str}")
     async def model(self, request: Request, daemon: Daemon, model_id: str) -> Response:
