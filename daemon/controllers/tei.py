@@ -310,14 +310,8 @@ class TeiController(Controller):
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
-        tei, res, headers = await tei_embed(request, daemon, "dense")
-        vectors = tasks.vectors(res)
-        dimensions = tei.dimensions
-        if tei.parameters is not None and tei.parameters.dimensions is not None:
-            dimensions = tei.parameters.dimensions
-        if dimensions is not None:
-            vectors = tasks.shorten(vectors, dimensions)
-        return reply(request, vectors.tolist(), headers=headers)
+        _, res, headers = await tei_embed(request, daemon, "dense")
+        return reply(request, tasks.vectors(res).tolist(), headers=headers)
 
     @post("/embed_sparse", status_code=200)
     async def embed_sparse(self, request: Request, daemon: Daemon) -> Response:
