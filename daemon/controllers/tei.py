@@ -21,6 +21,8 @@ header with the fields a route accepts and does not apply (`normalize` and
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from typing import Any
 
 import msgspec
@@ -97,6 +99,8 @@ class TeiRerankRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     raw_scores: bool = False
     return_text: bool = False
     timeout_ms: int | None = None
+    #: Infinity's: the documents' texts in its results (a `documents` body is answered in its shape).
+    return_documents: bool = False
 
 
 class TeiTokenizeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -104,6 +108,28 @@ class TeiTokenizeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     model: str = ""
     add_special_tokens: bool = True
     prompt_name: str | None = None
+
+
+class InfinityRank(msgspec.Struct, frozen=True):
+    relevance_score: float
+    index: int
+    document: str | None = None
+
+
+class InfinityUsage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class InfinityRerankReply(msgspec.Struct, frozen=True):
+    """Infinity's (and vLLM's) `/rerank` answer, to a body with `documents`."""
+
+    results: list[InfinityRank]
+    model: str
+    usage: InfinityUsage
+    id: str
+    created: int
+    object: str = "rerank"
 
 
 class TeiRank(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -326,16 +352,23 @@ class TeiController(Controller):
 
     @post("/rerank", status_code=200)
     async def rerank(self, request: Request, daemon: Daemon) -> Response:
-        """TEI's rerank: `texts`, `raw_scores`, `return_text`; a bare list, best first."""
+        """TEI's rerank: `texts`, `raw_scores`, `return_text`; a bare list, best first. A body
+        with `documents` (Infinity's, vLLM's) is answered in Infinity's shape."""
         tei, dropped = codec.decode_lenient(await request.body(), TeiRerankRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(None, tei.truncation_direction)
         req = RerankRequest(model=tei.model or default_model(daemon, "rerank"), query=tei.query,
                             documents=tei.documents, texts=tei.texts, top_n=tei.top_n, return_text=tei.return_text,
                             raw_scores=tei.raw_scores, truncate=True if tei.truncate is None else tei.truncate,
-                            timeout_ms=tei.timeout_ms)
-        hits, _, answer = await tasks.rerank(daemon, req, codec.encode_msgpack(req))
+                            timeout_ms=tei.timeout_ms, return_documents=tei.return_documents)
+        hits, usage, answer = await tasks.rerank(daemon, req, codec.encode_msgpack(req))
+        headers = {**answer_headers(answer), **fields.ignored_header(dropped)}
+        if tei.documents is not None:
+            results = [InfinityRank(h.score, h.index, h.document.text if h.document else None) for h in hits]
+            tokens = usage.input_tokens or 0
+            return reply(request, InfinityRerankReply(results, req.model, InfinityUsage(tokens, tokens),
+                                                      secrets.token_hex(16), int(time.time())), headers=headers)
         out = [TeiRank(h.index, h.score, h.text) for h in hits]
-        return reply(request, out, headers={**answer_headers(answer), **fields.ignored_header(dropped)})
+        return reply(request, out, headers=headers)
 
     @post("/predict", status_code=200)
     async def predict(self, request: Request, daemon: Daemon) -> Response:
