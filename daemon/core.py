@@ -21,11 +21,12 @@ from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, Unavailable
 from fleet.lora import LORA_TASKS
+from fleet.protocol import ProfileView
 from fleet.store import Manifest, Store
 from local_queue import Done, LaneStats, LocalQueue, WorkerInfo
 from local_queue.sweep import queue_name, sweep_stale
 
-from fleet.control import is_control_lane
+from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
 
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
@@ -83,6 +84,14 @@ def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
             "loading": info.get("loading", ""),
         })
     return out
+
+
+def live_profiles(workers: list[dict[str, Any]], name: str) -> list[ProfileView]:
+    """The serving profile `name` runs with on each live worker holding it (their info
+    blobs, as `worker_views` reads them): the settings in force and where each came from."""
+    return [ProfileView(w["worker"], w["device"], m.get("profile", "default"), m.get("settings", {}),
+                        m.get("profile_from", {}))
+            for w in workers if w["up"] and (m := w["models"].get(name))]
 
 
 def lane_views(stats: list[LaneStats], now_ns: int) -> list[dict[str, Any]]:
@@ -403,9 +412,32 @@ class Daemon:
             hook(self.settings)
         # The key's value is a secret: logged by name only.
         log.info("reloaded models.toml and config.toml: applied %s", ", ".join(applied) or "no changes")
+        if self._loop is not None and self.broker is not None:
+            self._loop.create_task(self.reprofile_workers())
         if restart:
             log.warning("config.toml changes that need a restart (not applied): %s", ", ".join(restart))
         return applied, restart
+
+    async def reprofile_workers(self) -> list[str]:
+        """After a SIGHUP: every worker gives its resident models the profiles the
+        catalog names now (fleet.control PROFILE: `fleetctl tune --write` while serving,
+        an edited models.toml), logged per model; returns those lines."""
+        async def one(wid: int) -> list[str]:
+            try:
+                answer = await self.broker.submit(control_lane(wid), msgspec.msgpack.encode(Command(PROFILE, "")),
+                                                  tokens=1, timeout_s=self.settings.load_timeout_ms / 1000.0)
+            except FleetError as exc:
+                log.error("reload: worker %d kept its profiles: %s", wid, exc.message)
+                return []
+            return decode_done(bytes(answer.body)).changed
+
+        changed = [line for lines in await asyncio.gather(*(one(w["worker"]) for w in await self.workers() if w["up"]))
+                   for line in lines]
+        for line in changed:
+            log.info("reload: profile of %s", line)
+        if not changed:
+            log.info("reload: the resident models' profiles are unchanged")
+        return changed
 
     def forget(self, name: str) -> None:
         self._manifests.pop(name, None)

@@ -224,6 +224,48 @@ def select_profile(entry: CatalogEntry, device_class: str) -> tuple[Profile, str
     return entry.profile, "default"
 
 
+#: Where a live profile setting came from (`profile_sources`): the shipped catalog's
+#: `profile`, a tuned device-class profile (shipped, or `fleetctl tune --write`), the
+#: user's `FLEET_HOME/models.toml` `profile`, the manifest (no catalog entry), or the
+#: built-in default (set nowhere).
+PROFILE_SOURCES = ("shipped", "tuned", "config", "manifest", "default")
+
+
+def profile_sources(home: str | Path, name: str, device_class: str, *,
+                    shipped: Path | None = None) -> dict[str, str]:
+    """Per `Profile` setting, where the value `select_profile` gives a worker of
+    `device_class` came from (PROFILE_SOURCES), by the precedence of `_merge`: the
+    user's own tuned class wins, then the user's `profile` keys, then a shipped tuned
+    class, then the shipped `profile`. Reads the two files' tables, not the merged entry."""
+    shipped_tables = _read_toml(shipped or SHIPPED_CATALOG)
+    user_path = Path(home) / "models.toml"
+    user_tables = _read_toml(user_path) if user_path.is_file() else {}
+    ship, user = shipped_tables.get(name), user_tables.get(name)
+    keys = Profile.__struct_fields__
+    if not isinstance(ship, dict) and not isinstance(user, dict):
+        return dict.fromkeys(keys, "manifest")
+
+    def table(t: Any, *path: str) -> dict[str, Any]:
+        for key in path:
+            t = t.get(key) if isinstance(t, dict) else None
+        return t if isinstance(t, dict) else {}
+
+    user_tuned, ship_tuned = table(user, "profiles", device_class), table(ship, "profiles", device_class)
+    out = {}
+    for key in keys:
+        if key in user_tuned:
+            out[key] = "tuned"
+        elif key in table(user, "profile"):
+            out[key] = "config"
+        elif not user_tuned and key in ship_tuned:
+            out[key] = "tuned"
+        elif key in table(ship, "profile"):
+            out[key] = "shipped"
+        else:
+            out[key] = "default"
+    return out
+
+
 class Catalog:
     """Entries by name, shipped file first, user overlay second."""
 

@@ -32,7 +32,10 @@ WORKER_INDEX_MASK = 0xFFFF
 #: peer drops the model only if it is idle and unpinned (put with request id 0:
 #: no caller waits on its reply).
 LOAD, UNLOAD, PIN, UNPIN, EVICT = "load", "unload", "pin", "unpin", "evict"
-OPS = (LOAD, UNLOAD, PIN, UNPIN, EVICT)
+#: `profile`: read the resident models' profiles again (a SIGHUP; `model` is ""): batch
+#: settings apply from the next batch, a new dtype at the next load.
+PROFILE = "profile"
+OPS = (LOAD, UNLOAD, PIN, UNPIN, EVICT, PROFILE)
 #: Control items a worker takes per step (each is acked as soon as it is done).
 CONTROL_BATCH = 16
 
@@ -57,6 +60,8 @@ class CommandDone(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     evicted: list[str] = []
     #: Nothing to do: it was already in the asked state.
     already: bool = False
+    #: `profile`: what changed, one line per model ("<model>: max_batch_tokens 16384 -> 8192").
+    changed: list[str] = []
 
 
 def control_lane(worker_id: int) -> str:

@@ -237,6 +237,25 @@ class ModelCard(msgspec.Struct, frozen=True):
     pinned: bool = False
 
 
+class ProfileView(msgspec.Struct, frozen=True):
+    """A live serving profile: the worker and device running it, the profile's name
+    (a tuned device class or "default"), its settings, and each setting's source
+    (shipped, tuned, config, manifest or default: fleet.catalog.PROFILE_SOURCES)."""
+
+    worker: int
+    device: str
+    name: str
+    settings: dict[str, Any]
+    sources: dict[str, str]
+
+
+class ModelDetail(ModelCard, frozen=True):
+    """`GET /v1/models/{id}`: the model card and the live serving profile of each worker
+    that holds the model (empty when none does)."""
+
+    profiles: list[ProfileView] = []
+
+
 class ModelList(msgspec.Struct, frozen=True):
     data: list[ModelCard]
     object: str = "list"

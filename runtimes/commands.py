@@ -8,12 +8,13 @@ loop serves them before any lane (`serve_control`), each acked with a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import msgspec
 
-from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, UNLOAD, UNPIN, Command, CommandDone
+from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, PROFILE, UNLOAD, UNPIN, Command, CommandDone
 from fleet.control import decode_command as _decode_command
 from fleet.errors import BadRequest, FleetError
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
@@ -75,4 +76,31 @@ def apply_command(residency: Residency, cmd: Command) -> CommandDone:
         resident = residency.models.get(name)
         return CommandDone(op, name, device, resident is not None, False,
                            resident.footprint.weights_bytes if resident else 0, already=not was)
+    if op == PROFILE:
+        return CommandDone(op, name, device, bool(residency.models), changed=reprofile(residency))
     raise BadRequest(f"unknown control op {op!r} (known: {', '.join(OPS)})")
+
+
+def reprofile(residency: Residency) -> list[str]:
+    """Give each resident model the profile its catalog entry names now (a tuned profile
+    written while serving, an edited models.toml): the worker reads `spec.profile` at
+    every batch, so batch settings apply from the next one; the weights keep the dtype
+    they were loaded in until the next load. Returns what changed, per model."""
+    if residency.profile_of is None:
+        return []
+    changed = []
+    for name, r in residency.models.items():
+        spec = r.adapter.spec
+        profile, which, sources = residency.profile_of(name)
+        if profile == spec.profile and which == spec.extra.get("profile") and sources == spec.extra.get("profile_from"):
+            continue
+        diffs = [f"{k} {getattr(spec.profile, k)} -> {getattr(profile, k)}"
+                 for k in profile.__dataclass_fields__ if getattr(profile, k) != getattr(spec.profile, k)]
+        if profile.dtype != spec.profile.dtype:
+            diffs.append("(dtype at the next load)")
+        r.adapter.spec = dataclasses.replace(spec, profile=profile,
+                                             extra={**spec.extra, "profile": which, "profile_from": sources})
+        changed.append(f"{name}: profile {which}" + (": " + ", ".join(diffs) if diffs else ""))
+    if changed:
+        residency.publish()
+    return changed

@@ -7,6 +7,7 @@ Written whole by its worker into its record of the queue's worker table
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import msgspec
@@ -34,6 +35,10 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "task": r.adapter.spec.task,
                 "dtype": r.adapter.dtype,
                 "profile": r.adapter.spec.extra.get("profile", "default"),  # tuned device class or "default"
+                # The live settings (a SIGHUP may have changed them since the load) and each one's
+                # source (fleet.catalog.PROFILE_SOURCES).
+                "settings": dataclasses.asdict(r.adapter.spec.profile),
+                "profile_from": r.adapter.spec.extra.get("profile_from", {}),
                 "bytes": r.weights_shown() + r.adapter.reserved_bytes(),  # cache reserve included
                 "loaded_at": r.loaded_at,
                 "last_used": r.last_used,

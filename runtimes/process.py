@@ -75,7 +75,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     from fleet.pins import PinStore
     from local_queue import LocalQueue
     from runtimes.memory import LoadLock, device_budget, device_used_bytes
-    from runtimes.resolve import store_resolver
+    from runtimes.resolve import store_profiles, store_resolver
     from runtimes.worker import WorkerCore
 
     if settings.cpu_threads:
@@ -94,6 +94,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
         max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
         load_timeout_ms=settings.load_timeout_ms,
     )
+    core.residency.profile_of = store_profiles(settings, device)  # a SIGHUP's `profile` command
     core.publish_info()
     log = logging.getLogger("fleet.worker")
 

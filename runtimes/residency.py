@@ -25,7 +25,7 @@ import msgspec
 from fleet.control import EVICT, Command, CommandDone, control_lane
 from fleet.errors import ModelTooLarge
 from local_queue import QueueFull
-from runtimes.base import Adapter, ModelSpec
+from runtimes.base import Adapter, ModelSpec, Profile
 from runtimes.memory import (
     IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
     estimate_footprint, is_out_of_memory, load_error, used_bytes,
@@ -104,6 +104,9 @@ class Residency:
     estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
     #: Gives freed memory of the device back (injected: a simulated device has no allocator).
     return_freed: Callable[[str], None] = return_freed_memory
+    #: A model's profile as the catalog names it now (runtimes.resolve.store_profiles): a
+    #: SIGHUP's `profile` command applies it to resident models. None: not re-read (bare tests).
+    profile_of: Callable[[str], tuple[Profile, str, dict[str, str]]] | None = None
     models: dict[str, Resident] = field(default_factory=dict)
     estimates: Estimates = field(default_factory=Estimates)
     #: Models this worker keeps resident whatever the pressure (pins, preloads).

@@ -7,13 +7,18 @@ from collections.abc import Callable
 
 import msgspec
 
-from fleet.catalog import load_catalog, select_profile
+from fleet.catalog import Profile as CatalogProfile
+from fleet.catalog import load_catalog, profile_sources, select_profile
 from fleet.config import Settings
 from fleet.errors import BadRequest
 from fleet.store import Store
 from runtimes.base import ModelSpec, Profile
 
 log = logging.getLogger("fleet.worker")
+
+
+#: Every setting's source when a model has no catalog entry (fleet.catalog.profile_sources).
+MANIFEST_SOURCES = dict.fromkeys(CatalogProfile.__struct_fields__, "manifest")
 
 
 def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], ModelSpec]:
@@ -40,6 +45,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             log.error("cannot read the model catalog (%s); loading %s with its manifest's profile", exc.message, name)
             entry = None
         profile, which = select_profile(entry, klass) if entry is not None else (manifest.profile, "default")
+        sources = profile_sources(settings.home, name, klass) if entry is not None else MANIFEST_SOURCES
         return ModelSpec(
             name=name,
             path=path,
@@ -48,7 +54,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             profile=Profile.from_mapping(msgspec.structs.asdict(profile)),
             trust_remote_code=manifest.trust_remote_code,
             max_seq_len=manifest.max_seq_len,
-            extra={"base": manifest.base, "profile": which,
+            extra={"base": manifest.base, "profile": which, "profile_from": sources,
                    "threshold": entry.threshold if entry is not None else None,
                    # Prompts as pulled (None: a manifest from before fleet recorded them;
                    # the adapter reads the folder then); the source names INSTRUCTOR hub ids.
@@ -60,3 +66,24 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
         )
 
     return resolve
+
+
+def store_profiles(settings: Settings, device: str = "cpu") -> Callable[[str], tuple[Profile, str, dict[str, str]]]:
+    """What a model's profile is now for a worker on `device` (`store_resolver`'s choice,
+    read again from the catalog and the manifest, files not re-hashed): (profile, its
+    name, each setting's source). A SIGHUP applies it to resident models (runtimes.commands)."""
+    from runtimes.device import device_class
+
+    store = Store(settings.store_path)
+    klass = device_class(device)
+
+    def profile_of(name: str) -> tuple[Profile, str, dict[str, str]]:
+        manifest = store.get(name)
+        entry = load_catalog(settings.home).find(name)  # a broken models.toml raises: nothing is changed
+        if entry is None:
+            return Profile.from_mapping(msgspec.structs.asdict(manifest.profile)), "default", MANIFEST_SOURCES
+        profile, which = select_profile(entry, klass)
+        return (Profile.from_mapping(msgspec.structs.asdict(profile)), which,
+                profile_sources(settings.home, name, klass))
+
+    return profile_of

@@ -6,14 +6,15 @@ import os
 import time
 from datetime import datetime
 
+import msgspec
 from litestar import Controller, Request, Response, get
 
 from fleet import __version__
 from fleet.errors import BadRequest, ModelNotFound
-from fleet.protocol import ModelCard, ModelList
+from fleet.protocol import ModelCard, ModelDetail, ModelList
 from fleet.store import Manifest
 
-from daemon.core import Daemon
+from daemon.core import Daemon, live_profiles
 from daemon.http import reply
 from daemon.model_urls import SCOPE_MODEL
 
@@ -62,7 +63,9 @@ class ModelsController(Controller):
         except ModelNotFound:
             raise ModelNotFound(f"unknown model {model_id!r}", hint="fleetctl list shows what is pulled",
                                 param="model") from None
-        return reply(request, model_card(manifest, await daemon.loaded_models(), daemon.pinned_models()))
+        card = model_card(manifest, await daemon.loaded_models(), daemon.pinned_models())
+        profiles = live_profiles(await daemon.workers(), manifest.name)
+        return reply(request, ModelDetail(**msgspec.structs.asdict(card), profiles=profiles))
 
     @get("/ps")
     async def ps(self, request: Request, daemon: Daemon) -> Response:

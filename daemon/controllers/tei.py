@@ -37,7 +37,7 @@ from fleet.store import Manifest
 from daemon import codec, fields, tasks
 from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
-from daemon.core import Daemon
+from daemon.core import Daemon, live_profiles
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.offload import off_loop, text_bytes_over, too_large
 
@@ -296,6 +296,19 @@ async def served_dtype(daemon: Daemon, manifest: Manifest) -> str:
         if info and info.get("dtype"):
             return str(info["dtype"])
     return manifest.profile.dtype
+
+
+async def batch_budget(daemon: Daemon, manifest: Manifest) -> dict[str, Any]:
+    """The batch budget a worker serves the model with now (its live profile, after any
+    SIGHUP); before any load, the catalog entry's default profile, else the manifest's."""
+    for view in live_profiles(await daemon.workers(), manifest.name):
+        if "max_batch_tokens" in view.settings:
+            return view.settings
+    try:
+        entry = load_catalog(daemon.settings.home).find(manifest.name)
+    except BadRequest:
+        entry = None
+    return msgspec.structs.asdict(entry.profile if entry is not None else manifest.profile)
 
 
 def read_json(daemon: Daemon, manifest: Manifest, rel: str) -> dict[str, Any]:

@@ -120,18 +120,31 @@ def models_table(state: dict[str, Any], now: float) -> Table:
 
 
 def profiles_table(state: dict[str, Any]) -> Table:
-    """Which serving profile each model runs with, and its batch cost as fitted from its batches."""
+    """Which serving profile each model runs with, its settings in force and where each
+    came from, and its batch cost as fitted from its batches."""
     t = table("Profiles")
     text_column(t, "model", ratio=1)
     t.add_column("profile", no_wrap=True)
+    text_column(t, "settings (from)", ratio=2)
     text_column(t, "batch cost (fitted)", ratio=1)
     seen = set()
     for w in state["workers"]:
         for name, m in sorted(w["models"].items()):
             if m and (name, m.get("profile")) not in seen:
                 seen.add((name, m.get("profile")))
-                t.add_row(name, m.get("profile", "default"), cost(m.get("cost") or {}))
+                t.add_row(name, m.get("profile", "default"), settings(m), cost(m.get("cost") or {}))
     return t
+
+
+#: Profile settings as `ps` names them, in this order.
+SETTING_NAMES = {"max_batch_items": "items", "max_batch_tokens": "tokens", "linger_ms": "linger ms", "dtype": "dtype"}
+
+
+def settings(m: dict) -> str:
+    """"items 64 (shipped), tokens 16384 (tuned), ...": the live profile's batch settings."""
+    values, sources = m.get("settings") or {}, m.get("profile_from") or {}
+    return ", ".join(f"{label} {values[key]} ({sources.get(key, 'default')})"
+                     for key, label in SETTING_NAMES.items() if key in values) or "-"
 
 
 def lanes_table(state: dict[str, Any]) -> Table:
