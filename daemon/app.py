@@ -27,6 +27,7 @@ from daemon.controllers.files import FilesController
 from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.controllers.ollama import OllamaController, OllamaRootController
+from daemon.controllers.ollama_create import OllamaCreateController
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.tei import TeiController
 from daemon.controllers.tgi import TgiController
@@ -102,7 +103,7 @@ def create_app(daemon: Daemon) -> Litestar:
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
-                        CohereEmbedController, TgiController],
+                        CohereEmbedController, TgiController, OllamaCreateController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -109,5 +109,12 @@ def encode_msgpack(obj: Any) -> bytes:
         raise BadRequest("a number is out of range: integers must fit in 64 bits") from None
 
 
-def error_body(exc: FleetError, *, msgpack: bool) -> bytes:
+#: Ollama's routes: errors there are Ollama's `{"error": "message"}` (its clients show
+#: an object in that field as a dict), whatever refuses the request.
+OLLAMA_PREFIX = "/api/"
+
+
+def error_body(exc: FleetError, *, msgpack: bool, path: str = "") -> bytes:
+    if path.startswith(OLLAMA_PREFIX):
+        return encode({"error": exc.message}, msgpack=msgpack)
     return encode(ErrorReply(ErrorBody(exc.code, exc.message)), msgpack=msgpack)

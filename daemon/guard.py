@@ -17,6 +17,10 @@ keep it out (DESIGN.md, "Safety defaults"):
   upload (`POST /v1/files`, OpenAI's SDKs send multipart/form-data); a page's
   cross-origin post carries an Origin, refused above unless listed.
 
+On Ollama's `/api/*` (Ollama reads every body as JSON) an untyped, form or text
+body is read as JSON when the request carries no `Origin` (`ollama_lenient`):
+browsers add one to those posts.
+
 Plain ASGI, outside the bearer-auth wrapper: a preflight carries no credentials,
 and a foreign page must not learn whether its key would have worked.
 """
@@ -39,6 +43,8 @@ Send = Callable[[Any], Awaitable[None]]
 
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 BODY_TYPES = frozenset({codec.JSON, *codec.MSGPACK_TYPES})
+#: Body types read as JSON on Ollama's routes when no browser sent them (`ollama_lenient`).
+OLLAMA_BODY_TYPES = frozenset({"", "application/x-www-form-urlencoded", "text/plain", "application/octet-stream"})
 #: (method, path) -> the body types it takes besides BODY_TYPES.
 UPLOAD_TYPES = {("POST", "/v1/files"): frozenset({"multipart/form-data"})}
 #: Distinct Host headers whose verdicts are kept (BrowserGuard.host_allowed).
@@ -88,6 +94,14 @@ def allowed_origin(origin: str, host_header: str, patterns: Iterable[str]) -> bo
 def accepts_body_type(content_type: str, method: str = "POST", path: str = "") -> bool:
     kind = codec.media_type(content_type)
     return kind in BODY_TYPES or kind in UPLOAD_TYPES.get((method, path), ())
+
+
+def ollama_lenient(path: str, content_type: str, origin: bytes | None) -> bool:
+    """Ollama reads any body as JSON: clients that send none or a form type (litellm's
+    `ollama/`, `curl -d`) are read so on `/api/*` too, but only when no browser sent
+    them (no `Origin`): a page's form post carries one, and stays refused."""
+    return (origin is None and path.startswith(codec.OLLAMA_PREFIX)
+            and codec.media_type(content_type) in OLLAMA_BODY_TYPES)
 
 
 def has_body(headers: dict[bytes, bytes]) -> bool:
@@ -146,7 +160,8 @@ class BrowserGuard:
             send = with_cors(send, origin)
         if scope["type"] == "http" and has_body(headers) and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
             content_type = headers.get(b"content-type", b"").decode("latin-1")
-            if not accepts_body_type(content_type, scope["method"], scope["path"]):
+            if not accepts_body_type(content_type, scope["method"], scope["path"]) \
+                    and not ollama_lenient(scope["path"], content_type, origin):
                 await refuse(scope, send, headers, UnsupportedMediaType(
                     f"request bodies must be application/json or application/msgpack, "
                     f"not {codec.media_type(content_type) or 'untyped'}"))
@@ -186,7 +201,7 @@ async def refuse(scope: Scope, send: Send, headers: dict[bytes, bytes], exc: Fle
         return
     msgpack = codec.reply_is_msgpack(headers.get(b"accept", b"").decode("latin-1"),
                                      headers.get(b"content-type", b"").decode("latin-1"))
-    body = codec.error_body(exc, msgpack=msgpack)
+    body = codec.error_body(exc, msgpack=msgpack, path=scope["path"])
     await send({"type": "http.response.start", "status": exc.status, "headers": [
         (b"content-type", (codec.MSGPACK if msgpack else codec.JSON).encode()),
         (b"content-length", str(len(body)).encode()),

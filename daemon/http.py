@@ -107,7 +107,7 @@ def error_parts(exc: FleetError, *, method: str, path: str, msgpack: bool, priva
         body = codec.encode(OpenAIErrorReply(OpenAIErrorBody(exc.code, message, openai_error_type(exc.status),
                                                              exc.param)), msgpack=msgpack)
     else:
-        body = codec.error_body(exc, msgpack=msgpack)
+        body = codec.error_body(exc, msgpack=msgpack, path=path)
     return body, headers
 
 

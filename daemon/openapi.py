@@ -36,7 +36,7 @@ from fleet.protocol import (
     RerankReply, RerankRequest,
 )
 
-from daemon.controllers import tei, tgi
+from daemon.controllers import ollama_create, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
@@ -174,6 +174,14 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/api/pull"): Op("Ollama: pull into the store (NDJSON progress unless `stream: false`).",
                               request=ow.NameBody, reply=ow.Progress, stream=(NDJSON, ow.Progress), **_OLLAMA),
     ("DELETE", "/api/delete"): Op("Ollama: remove from the store.", request=ow.NameBody, reply=None, **_OLLAMA),
+    ("POST", "/api/blobs/{digest}"): Op("Ollama: upload one file (checked against its sha256 digest).",
+                                        request=None, reply=None, body_required=False, **_OLLAMA),
+    ("POST", "/api/create"): Op("Ollama: a LoRA model from `from` (a stored model) and `adapters` (uploaded blobs).",
+                                request=ollama_create.CreateBody, reply=ow.Progress, **_OLLAMA),
+    ("POST", "/api/copy"): Op("Ollama: copy a stored model under a new name.", request=ollama_create.CopyBody,
+                              reply=None, **_OLLAMA),
+    ("POST", "/api/push"): Op("Ollama: refused (fleet has no registry).", request=None, reply=None,
+                              body_required=False, **_OLLAMA),
     # -- this document -----------------------------------------------------------------------
     ("GET", "/openapi.json"): Op("This document (OpenAPI 3.1).", "docs", None, {"type": "object"}, returns=(JSON,)),
     ("GET", "/docs"): Op("The API's docs page (Swagger UI, offline).", "docs", None, _STRING, returns=("text/html",)),

@@ -8,6 +8,13 @@ but stuck stops heartbeating (its heartbeat thread renews nothing once a batch
 or load runs past its bound, runtimes.state.Progress): when its last heartbeat
 is older than `lease_ms` the watcher kills it, and it is handled like any dead
 worker. Every tick (at most a second apart) the watcher also expires lapsed leases.
+
+A paused box is not a hung worker: when every process stops (a VM stall, a frozen
+cgroup, SIGSTOP) and resumes, every heartbeat and lease is as old as the pause.
+The watcher tells that from a hang by its own clock: a tick that comes more than
+PAUSE_S later than due means the watcher itself did not run, so it gives every
+worker a fresh lease (heartbeat and claims) before judging any; a worker that
+really hangs stops heartbeating again and is killed a lease later.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from local_queue import LocalQueue
 log = logging.getLogger("fleet.daemon")
 
 _ctx = mp.get_context("spawn")
+
+#: A watcher tick this much later than due (seconds) means the watcher did not run
+#: meanwhile (the process or the whole box was paused): workers get a fresh lease.
+PAUSE_S = 1.0
 
 
 @dataclass
@@ -252,6 +263,8 @@ class Supervisor:
 
     def _watch(self) -> None:
         expire_every = max(0.05, min(1.0, self.settings.lease_ms / 2000))
+        # When the last tick judged workers: its decisions used this clock reading.
+        last_ns = time.monotonic_ns()
         while not self._stop.is_set():
             sentinels = {s.process.sentinel: s for s in self.slots if s.process is not None}
             pending = [s.next_start - time.time() for s in self.slots if s.process is None]
@@ -259,13 +272,21 @@ class Supervisor:
             ready = mp.connection.wait(list(sentinels), timeout=timeout)
             if self._stop.is_set():
                 return
+            # One clock reading judges this tick: a pause after it shows in the next tick's gap.
+            now_ns = time.monotonic_ns()
+            late_s = (now_ns - last_ns) / 1e9 - timeout
+            last_ns = now_ns
             # The watcher must outlive any one failure: if it stopped, dead workers
             # would never be restarted nor their items returned.
             try:
+                if late_s > PAUSE_S:
+                    self._renew_after_pause(late_s)
                 for sentinel in ready:
                     self._worker_died(sentinels[sentinel])
-                self._kill_stuck()
-                self.queue.expire_leases(max_attempts=self.settings.max_attempts)
+                self._kill_stuck(now_ns)
+                if moved := self.queue.expire_leases(now_ns, max_attempts=self.settings.max_attempts):
+                    log.warning("%d claimed item(s) lost their lease: back to their lanes (or poison at %d "
+                                "attempts)", moved, self.settings.max_attempts)
             except Exception:
                 log.exception("worker supervision step failed; retrying")
             now = time.time()
@@ -276,12 +297,26 @@ class Supervisor:
                     except Exception:  # e.g. out of processes or memory: try again later
                         log.exception("cannot start worker %d; retrying in 5 s", slot.index)
                         slot.next_start = now + 5.0
+            if ready or any(s.started_at >= now for s in self.slots):
+                # A death handled (its join waits up to 2 s) or a start took this tick's
+                # time, not a pause: the next gap counts from here.
+                last_ns = time.monotonic_ns()
 
-    def _kill_stuck(self) -> None:
-        """SIGKILL each live worker whose heartbeat is older than a lease: it makes no
-        progress (or is frozen), so its claims have lapsed; its sentinel then fires and
-        `_worker_died` returns them and restarts it."""
-        now = time.monotonic_ns()
+    def _renew_after_pause(self, late_s: float) -> None:
+        """The watcher did not run for `late_s` (the box was paused, or this process):
+        its workers' heartbeats and leases are that old through no fault of theirs.
+        Each live worker of this supervisor gets a fresh lease now (heartbeat and
+        claims, `LocalQueue.heartbeat`), so none is killed nor has its items expire
+        and go to another worker for the pause alone."""
+        ours = {s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()}
+        renewed = [w.pid for w in self.queue.workers() if w.pid in ours and self.queue.heartbeat(w.wid)]
+        log.warning("the daemon did not run for %.1f s (the box or this process was paused): worker(s) %s get a "
+                    "fresh lease", late_s, ", ".join(map(str, renewed)) or "none")
+
+    def _kill_stuck(self, now: int) -> None:
+        """SIGKILL each live worker whose heartbeat is older than a lease at `now`
+        (monotonic ns): it makes no progress (or is frozen), so its claims have lapsed;
+        its sentinel then fires and `_worker_died` returns them and restarts it."""
         stale = {w.pid: now - w.last_heartbeat_ns for w in self.queue.workers()}
         for slot in self.slots:
             proc = slot.process

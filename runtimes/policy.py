@@ -249,6 +249,23 @@ STALL_FACTOR = 20.0
 WARMUP_STALL_MS = 30_000.0
 
 
+#: A heartbeat tick this much later than due (ns) may be a pause of the whole process.
+PAUSE_SLACK_NS = 1_000_000_000
+
+
+def paused_ns(gap_ns: int, cpu_ns: int, period_ns: int) -> int:
+    """How much of a heartbeat gap this process was paused (ns): `gap_ns` between two
+    ticks due `period_ns` apart, during which the process (all its threads) used
+    `cpu_ns` of CPU. A gap more than PAUSE_SLACK_NS late in which the process computed
+    less than half the time is a pause (the box or its cgroup stopped, the VM stalled,
+    SIGSTOP): its lateness counts against no batch or load. A late tick of a process
+    that computed (a call holding the GIL) is the work's own time: 0."""
+    late = gap_ns - period_ns
+    if late <= PAUSE_SLACK_NS or 2 * cpu_ns >= gap_ns:
+        return 0
+    return late
+
+
 def stall_bound_ms(cost: CostModel | None, padded_tokens: int) -> float:
     """How long a batch may run before its worker counts as stuck (its leases are
     then no longer renewed): STALL_FACTOR x its predicted time, at least

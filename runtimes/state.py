@@ -75,23 +75,34 @@ class Progress:
     """What the worker's main loop runs now that may take long (a batch, a load), read by
     its heartbeat thread: leases are renewed only while it is within its bound.
 
-    `busy` is one tuple (what, started ns, deadline ns) or None, replaced whole by the
-    main thread: the heartbeat thread never sees a torn pair. Monotonic ns."""
+    `busy` is one tuple (what, started ns, deadline ns, `paused_ns` at the start) or
+    None, replaced whole by the main thread: the heartbeat thread never sees a torn
+    record. `paused_ns` is written by the heartbeat thread only (`excuse`): time this
+    process did not run at all (a paused box: runtimes.policy.paused_ns), which no
+    work's bound counts. Monotonic ns."""
 
-    busy: tuple[str, int, int] | None = None
+    busy: tuple[str, int, int, int] | None = None
+    paused_ns: int = 0
 
     @contextlib.contextmanager
     def running(self, what: str, bound_ms: float) -> Iterator[None]:
         now = time.monotonic_ns()
-        self.busy = (what, now, now + int(bound_ms * 1e6))
+        self.busy = (what, now, now + int(bound_ms * 1e6), self.paused_ns)
         try:
             yield
         finally:
             self.busy = None
 
+    def excuse(self, ns: int) -> None:
+        """`ns` of the last heartbeat gap this process was paused: not the work's time."""
+        self.paused_ns += ns
+
     def overdue(self, now_ns: int) -> tuple[str, float] | None:
-        """(what, ms it has run) when the work in progress is past its bound, else None."""
+        """(what, ms it has run, pauses left out) when the work in progress is past its bound, else None."""
         busy = self.busy
-        if busy is None or now_ns <= busy[2]:
+        if busy is None:
             return None
-        return busy[0], (now_ns - busy[1]) / 1e6
+        ran_ns = now_ns - busy[1] - (self.paused_ns - busy[3])
+        if busy[1] + ran_ns <= busy[2]:
+            return None
+        return busy[0], ran_ns / 1e6

@@ -374,20 +374,19 @@ class OllamaController(Controller):
             if not w["up"]:
                 continue
             for name, m in w["models"].items():
-                entry = held.setdefault(name, [0, 0, False])
+                entry = held.setdefault(name, [0, 0])
                 size = int(m.get("bytes", 0))
                 entry[0] += size
                 entry[1] += size if w["device"].startswith("cuda") else 0
-                entry[2] = entry[2] or bool(m.get("pinned"))
         out = []
-        for name, (size, vram, pinned) in sorted(held.items()):
+        for name, (size, vram) in sorted(held.items()):
             try:
                 manifest = daemon.store.get(name)
             except FleetError:
                 continue  # removed from the store while resident: nothing to describe it by
             f = facts(daemon.store, manifest)
             out.append(RunningModel(ollama_name(name), ollama_name(name), size, f.digest, details(manifest, f),
-                                    vram, f.context_length, forever() if pinned else None))
+                                    vram, forever(), f.context_length))
         return json_reply(PsReply(out))
 
     @post("/show", status_code=200)

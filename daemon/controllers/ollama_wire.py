@@ -230,10 +230,12 @@ class RunningModel(msgspec.Struct, frozen=True, omit_defaults=True):
     size: int
     digest: str
     details: Details
-    size_vram: int = 0
+    #: Bytes of the model's copies on GPUs (0 on CPU): always sent, as Ollama does.
+    size_vram: int
+    #: fleet has no unload timer: a model stays until its memory is needed (or keep_alive 0
+    #: unloads it), so every entry says Ollama's "forever".
+    expires_at: str
     context_length: int | None = None
-    #: Only for pinned models (Ollama's "forever"): the others stay until memory is needed, no timer.
-    expires_at: str | None = None
 
 
 class PsReply(msgspec.Struct, frozen=True):

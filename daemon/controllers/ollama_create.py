@@ -1,0 +1,186 @@
+"""Ollama's model-making routes: `HEAD|POST /api/blobs/{digest}`, `POST /api/create`,
+`/api/copy`, `/api/push`, with the shapes the `ollama` clients send (docs/api.md).
+
+- `/api/create` with `from` (a stored model) and `adapters` (file name -> blob
+  digest, the files of a peft LoRA folder uploaded first with
+  `POST /api/blobs/sha256:...`, as `ollama create` with `ADAPTER ./dir` and the
+  Python client's `create_blob` do) pulls the folder as a LoRA adapter of that
+  model: `fleetctl pull path:DIR --base FROM` through `fleet.pull`, which checks
+  the adapter against its base. The older Modelfile string (`modelfile`) is
+  refused with what to send instead (its `ADAPTER` names a folder on the client's
+  machine). A `from` alone, `files` (GGUF) and `quantize` are refused: fleet
+  serves Hugging Face folders. `template`, `system`, `parameters`, `license` and
+  `messages` are not applied (named in `X-Fleet-Ignored-Fields`).
+- Blobs are checked against their sha256 digest while they arrive and kept in
+  `FLEET_HOME/blobs/`; at most `max_body_bytes` each (a LoRA adapter is small).
+- `/api/copy` copies a stored model under a new name (its files are pulled
+  again, re-hashed: the copy stays if the original is removed).
+- `/api/push`: fleet has no registry to push to; a 400 says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, head, post
+from litestar.exceptions import HTTPException
+
+from fleet.catalog import validate_name
+from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
+from fleet.pull import pull_model
+
+from daemon import codec, fields
+from daemon.controllers.ollama import decode, ignored_headers, json_reply, on_error, stored_manifest
+from daemon.controllers.ollama_wire import Progress as ProgressLine
+from daemon.controllers.ollama_wire import store_name
+from daemon.core import Daemon
+
+_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+#: File names a LoRA folder's blobs may take (no folders, no hidden files).
+_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+IGNORED_CREATE = ("template", "system", "parameters", "license", "messages")
+
+
+class CreateBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"from_": "from"}):
+    model: str = ""
+    name: str = ""
+    from_: str | None = None
+    adapters: dict[str, str] | None = None
+    files: dict[str, str] | None = None
+    quantize: str | None = None
+    modelfile: str | None = None
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    license: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool = True
+
+
+class CopyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    source: str
+    destination: str
+
+
+def blob_path(daemon: Daemon, digest: str) -> Path:
+    m = _DIGEST.match(digest)
+    if m is None:
+        raise BadRequest(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
+    return daemon.settings.home_path / "blobs" / f"sha256-{m.group(1)}"
+
+
+def new_name(daemon: Daemon, ollama: str) -> str:
+    name = store_name(ollama)
+    validate_name(name)
+    if daemon.store.exists(name):
+        raise BadRequest(f"model '{ollama}' already exists: delete it first (ollama rm / fleetctl rm {name})")
+    return name
+
+
+def adapter_folder(daemon: Daemon, adapters: dict[str, str], into: Path) -> None:
+    """The adapter's files, from their blobs, as one folder (hard links where they can be)."""
+    for file, digest in adapters.items():
+        if not _FILE.match(file):
+            raise BadRequest(f"invalid adapter file name {file!r}: plain file names only")
+        blob = blob_path(daemon, digest)
+        if not blob.is_file():
+            raise BadRequest(f"adapter file {file!r}: blob {digest} was not uploaded (POST /api/blobs/{digest})")
+        try:
+            (into / file).hardlink_to(blob)
+        except OSError:
+            shutil.copyfile(blob, into / file)
+
+
+class OllamaCreateController(Controller):
+    path = "/api"
+    exception_handlers = {FleetError: on_error, HTTPException: on_error, Exception: on_error}
+
+    @head("/blobs/{digest:str}", status_code=200)
+    async def blob_exists(self, daemon: Daemon, digest: str) -> None:
+        if not blob_path(daemon, digest).is_file():
+            raise NotFound(f"blob {digest} not found")
+
+    @post("/blobs/{digest:str}", status_code=201)
+    async def blob_upload(self, request: Request, daemon: Daemon, digest: str) -> Response:
+        """The bytes are hashed as they arrive; a blob that does not match its digest is dropped."""
+        path = blob_path(daemon, digest)
+        if path.is_file():
+            return Response(content=b"", status_code=200)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{id(request)}.part")
+        sha = hashlib.sha256()
+        try:
+            with part.open("wb") as out:
+                async for chunk in request.stream():
+                    sha.update(chunk)
+                    out.write(chunk)
+            if f"sha256:{sha.hexdigest()}" != digest.replace("sha256-", "sha256:"):
+                raise BadRequest(f"digest mismatch: the body's sha256 is {sha.hexdigest()}, not {digest}")
+            part.replace(path)
+        finally:
+            part.unlink(missing_ok=True)
+        return Response(content=b"", status_code=201)
+
+    @post("/create", status_code=200)
+    async def create(self, request: Request, daemon: Daemon) -> Response:
+        body, dropped = await decode(request, CreateBody)
+        if body.modelfile is not None:
+            raise Unsupported("a Modelfile string is the old /api/create: send `from` (a stored model) and "
+                              "`adapters` (file name -> digest of each file of the LoRA folder, uploaded with "
+                              "POST /api/blobs/sha256:...), as current ollama clients do", param="modelfile")
+        for field, value in (("files", body.files), ("quantize", body.quantize)):
+            if value:
+                raise Unsupported(f"`{field}`: fleet serves Hugging Face folders, not GGUF files", param=field)
+        if not body.from_:
+            raise BadRequest("`from` is required: the stored model the adapter is for", param="from")
+        if not body.adapters:
+            raise Unsupported("fleet creates LoRA models only: send `adapters` with `from`", param="adapters")
+        name = new_name(daemon, body.model or body.name)
+        base = stored_manifest(daemon, body.from_).name
+
+        def work() -> None:
+            with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
+                adapter_folder(daemon, body.adapters or {}, Path(tmp))
+                pull_model(daemon.store, f"path:{tmp}", name=name, base=base)
+            daemon.forget(name)
+
+        await asyncio.to_thread(work)
+        headers = ignored_headers([], dropped + fields.set_fields(body, IGNORED_CREATE))
+        if body.stream:
+            return Response(content=codec.encode(ProgressLine("success"), msgpack=False) + b"\n",
+                            media_type="application/x-ndjson", headers=headers)
+        return json_reply(ProgressLine("success"), headers)
+
+    @post("/copy", status_code=200)
+    async def copy(self, request: Request, daemon: Daemon) -> Response:
+        body, dropped = await decode(request, CopyBody)
+        source = stored_manifest(daemon, body.source)
+        name = new_name(daemon, body.destination)
+
+        def work() -> None:
+            # The model's own files (not its manifest), linked into a folder that is pulled as a new model.
+            folder = daemon.store.path(source.name)
+            with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
+                for f in source.files:
+                    (Path(tmp) / f.path).parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        (Path(tmp) / f.path).hardlink_to(folder / f.path)
+                    except OSError:
+                        shutil.copyfile(folder / f.path, Path(tmp) / f.path)
+                pull_model(daemon.store, f"path:{tmp}", name=name, task=source.task, runtime=source.runtime,
+                           base=source.base)
+
+        await asyncio.to_thread(work)
+        return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
+
+    @post("/push", status_code=400)
+    async def push(self) -> Response:
+        raise BadRequest("fleet does not push models: it has no registry; copy the model's folder "
+                         "(FLEET_HOME/models/NAME) or pull it on the other box")
