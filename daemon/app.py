@@ -31,6 +31,7 @@ from daemon.controllers.ollama_create import OllamaCreateController
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.tei import TeiController
 from daemon.controllers.tgi import TgiController
+from daemon.controllers.top import TopController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 from daemon.notify import announce_ready, notify, watchdog_loop
@@ -103,7 +104,7 @@ def create_app(daemon: Daemon) -> Litestar:
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
-                        CohereEmbedController, TgiController, OllamaCreateController],
+                        CohereEmbedController, TgiController, OllamaCreateController, TopController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

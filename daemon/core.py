@@ -30,6 +30,7 @@ from fleet.control import PROFILE, Command, control_lane, decode_done, is_contro
 
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
+from daemon.top import Recent
 from fleet.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
 
@@ -119,6 +120,8 @@ class _WorkerSeen:
     evictions: dict[str, dict[str, int]] = field(default_factory=dict)
     batch_seq: int = 0
     models: tuple[str, ...] = ()
+    #: Each resident model's cumulative `tokens` (reset when it is loaded again).
+    tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -159,6 +162,8 @@ class Daemon:
         self.store = Store(self.settings.store_path)
         self.box = self.settings.box_name
         self.metrics = Metrics(known=self.knows_model)
+        #: The last seconds of requests, batches and evictions (`GET /v1/top`: daemon.top).
+        self.recent = Recent()
         if self.settings.nats:
             from daemon.cluster import check_settings
 
@@ -304,8 +309,11 @@ class Daemon:
                                                   on_partial=on_partial, batch=work is not None)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
+            self.recent.request(model, time.perf_counter() - t0, False)
             raise
-        self.metrics.observe_request(model, task, "ok", time.perf_counter() - t0, answer.queue_ms, answer.inference_ms)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_request(model, task, "ok", seconds, answer.queue_ms, answer.inference_ms)
+        self.recent.request(model, seconds, True)
         return answer
 
     def lane_of(self, manifest: Manifest) -> str:
@@ -355,12 +363,14 @@ class Daemon:
         for name, n in info.get("loads", {}).items():
             for _ in range(n - seen.loads.get(name, 0)):
                 self.metrics.model_loaded(name)
+                self.recent.event(name, "load")
         seen.loads = dict(info.get("loads", {}))
         for name, by_reason in info.get("evictions", {}).items():
             before = seen.evictions.get(name, {})
             for reason, n in by_reason.items():
                 for _ in range(n - before.get(reason, 0)):
                     self.metrics.model_evicted(name, reason)
+                    self.recent.event(name, reason)
         seen.evictions = {name: dict(r) for name, r in info.get("evictions", {}).items()}
         batches = info.get("batches")
         if batches:
@@ -373,12 +383,19 @@ class Daemon:
             for i in range(max(0, kept - new), kept):
                 model, items, tokens = ring[3 * i: 3 * i + 3]
                 self.metrics.observe_batch(names[model], items, tokens)
+                self.recent.batch(names[model], items, tokens)
             seen.batch_seq = seq
         seen.models = tuple(info.get("models", {}))
+        tokens = {name: m.get("tokens", 0) for name, m in info.get("models", {}).items() if m}
+        for name, n in tokens.items():
+            before = seen.tokens.get(name, 0)
+            self.recent.served_tokens(name, n - before if n >= before else n)
+        seen.tokens = tokens
 
     def _worker_exited(self, seen: _WorkerSeen) -> None:
         for name in seen.models:
             self.metrics.model_evicted(name, "worker_exit")
+            self.recent.event(name, "worker_exit")
 
     def reload(self) -> tuple[list[str], list[str]]:
         """SIGHUP: re-read `models.toml` and `config.toml` without dropping requests.

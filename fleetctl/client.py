@@ -340,6 +340,24 @@ class Client(_Base):
     def ps(self) -> dict[str, Any]:
         return self.get("/v1/ps")
 
+    def top(self) -> dict[str, Any]:
+        """`GET /v1/top`, with `batches`: the batch jobs running now (`/v1/batches`),
+        or None when the daemon has no Batches API."""
+        state = self.get("/v1/top")
+        try:
+            jobs = self.get("/v1/batches?limit=100")["data"]
+        except FleetError as exc:
+            if exc.code != "not_found":
+                raise
+            state["batches"] = None
+        else:
+            state["batches"] = [j for j in jobs if j.get("status") in RUNNING_BATCH]
+        return state
+
+
+#: OpenAI batch statuses of a job that is not over.
+RUNNING_BATCH = ("validating", "in_progress", "finalizing", "cancelling")
+
 
 class AsyncClient(_Base):
     """asyncio client (one httpx.AsyncClient: connections are reused across calls)."""

@@ -4,7 +4,7 @@ The lock (local_queue.lock: a thread lock, then `flock` on `/dev/shm/<queue>.loc
 is also taken by every worker process; a worker that holds it (or is frozen while
 holding it) must not stall HTTP. Here, with a real daemon at shipped settings over
 loopback, this test process takes that same flock for HOLD_S while requests that
-read the queue (/readyz, /v1/ps, /v1/models, /api/ps, /metrics) and an embed are in
+read the queue (/readyz, /v1/ps, /v1/models, /api/ps, /metrics, /v1/top, /info) and an embed are in
 flight, and meanwhile probes /healthz: every probe must come back in well under the
 hold (the loop kept running). Those queue readers answer either at once (/metrics
 skips a busy read) or once the lock is let go; afterwards every answer is the
@@ -31,7 +31,8 @@ HOLD_S = 2.0
 #: stalled loop would answer only at the release (the rest of the hold).
 PROMPT_S = HOLD_S / 3
 
-READERS = ("/readyz", "/v1/ps", "/v1/models", f"/v1/models/{DEFAULT_MODEL}", "/api/ps", "/metrics")
+READERS = ("/readyz", "/v1/ps", "/v1/models", f"/v1/models/{DEFAULT_MODEL}", "/api/ps", "/metrics", "/v1/top",
+           "/info")
 
 
 def lock_path(url: str) -> str:

@@ -1,0 +1,144 @@
+"""`fleetctl top`: the box live (per model rates, latencies, queues and batches;
+workers, devices, batch jobs, loads and evictions), from `GET /v1/top`.
+
+Readable in an 80-column terminal: short column names, numbers never split, model
+names folded (never cut). `--once` prints one view and exits; `--json` prints the
+daemon's snapshot for scripts. Rates and percentiles are the daemon's, over its
+window (daemon/top.py); CPU % is measured between two reads, so `--once` reads twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+
+from fleetctl.commands.ps import mib, table, text_column
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def top(interval: float = typer.Option(2.0, "--interval", "-n", min=0.2, help="Seconds between refreshes."),
+            once: bool = typer.Option(False, "--once", help="Print one view and exit."),
+            as_json: bool = typer.Option(False, "--json", help="Print one snapshot as JSON for scripts and exit."),
+            ) -> None:
+        """Watch the running daemon: per-model load and latency, queues, batches, workers, devices."""
+        from fleetctl.client import Client
+
+        with Client() as client:
+            if once or as_json:
+                client.get("/v1/top")  # CPU % is measured between two reads
+                time.sleep(min(interval, 1.0))
+                state = client.top()
+                if as_json:
+                    print(json.dumps(state, indent=2))
+                else:
+                    Console(highlight=False).print(render(state))
+                return
+            from rich.live import Live
+
+            with Live(render(client.top()), refresh_per_second=4, screen=False) as live:
+                try:
+                    while True:
+                        time.sleep(interval)
+                        live.update(render(client.top()))
+                except KeyboardInterrupt:
+                    return
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def short(n: float | None) -> str:
+    """16384 -> 16k: budgets stay narrow."""
+    if n is None:
+        return "-"
+    return f"{n / 1000:.0f}k" if n >= 10_000 else f"{n:.0f}"
+
+
+def render(state: dict[str, Any]) -> Group:
+    q = state["queue"]
+    head = (f"[bold]{state['box']}[/] · up {state['uptime_s']:.0f} s · {q['depth']} waiting, {q['in_flight']} in flight"
+            f" · CPU {state.get('cpu_percent', 0):.0f}% · last {state['window_s']:.0f} s")
+    parts: list[Any] = [head, models_table(state), workers_table(state), devices_table(state)]
+    if state.get("batches"):
+        parts.append(batches_table(state["batches"]))
+    if state.get("events"):
+        parts.append(events_table(state["events"]))
+    return Group(*parts)
+
+
+def models_table(state: dict[str, Any]) -> Table:
+    """Per model: requests/s, tokens/s, p50/p95 ms, queue depth and oldest wait, and its
+    batches (mean items and tokens) against its live profile's budget."""
+    t = Table(title="Models", title_justify="left", title_style="bold", box=None, pad_edge=False)
+    text_column(t, "model", ratio=1)
+    for name in ("req/s", "tok/s", "p50", "p95", "queue", "wait ms"):
+        t.add_column(name, no_wrap=True, justify="right")
+    t.add_column("batch items · tok", no_wrap=True, justify="right")
+    for m in state["models"]:
+        batch = "-"
+        if m["batches"]:
+            batch = (f"{m['batch_items']:.0f}/{short(m['max_batch_items'])} · "
+                     f"{short(m['batch_tokens'])}/{short(m['max_batch_tokens'])}")
+        flags = []
+        if m["errors_per_s"]:
+            flags.append(f"{m['errors_per_s']:.1f} err/s")
+        if m["evictions"]:
+            flags.append(f"{m['evictions']} evicted")
+        if not m["workers"]:
+            flags.append("not loaded")
+        name = m["model"] + (f" ({', '.join(flags)})" if flags else "")
+        t.add_row(name, f"{m['requests_per_s']:.1f}", short(m["tokens_per_s"]), ms(m["p50_ms"]), ms(m["p95_ms"]),
+                  str(m["depth"]), ms(m["oldest_wait_ms"]) if m["depth"] else "-", batch)
+    return t
+
+
+def workers_table(state: dict[str, Any]) -> Table:
+    t = table("Workers", "worker", "pid", "device", "CPU %", "MiB", "state")
+    text_column(t, "models", ratio=1)
+    for w in state["workers"]:
+        cpu = "-" if w.get("cpu_percent") is None else f"{w['cpu_percent']:.0f}"
+        rss = "-" if w.get("rss_bytes") is None else f"{w['rss_bytes'] / (1 << 20):,.0f}"
+        st = ("up" if w["up"] else "down") + (f", loading {w['loading']}" if w.get("loading") else "")
+        t.add_row(str(w["worker"]), str(w["pid"]), w["device"], cpu, rss, st, ", ".join(w["models"]) or "-")
+    for slot in state.get("slots", []):
+        if slot["pid"] is None:
+            t.add_row("-", "-", slot["device"], "-", "-", f"restarting ({slot['restarts']})", "-")
+    return t
+
+
+def devices_table(state: dict[str, Any]) -> Table:
+    """fleet's budget and use per device; for GPUs, NVML's utilisation and memory."""
+    t = table("Devices", "device", "used MiB", "budget MiB", "GPU %", "GPU mem MiB")
+    for d in state["devices"]:
+        gpu = "-" if "util_percent" not in d else f"{d['util_percent']:.0f}"
+        mem = "-" if "memory_total_bytes" not in d else \
+            f"{mib(d['memory_used_bytes'])}/{mib(d['memory_total_bytes'])}"
+        t.add_row(d["device"], mib(d["used_bytes"]), mib(d["budget_bytes"]), gpu, mem)
+    return t
+
+
+def batches_table(jobs: list[dict[str, Any]]) -> Table:
+    t = table("Batch jobs", "status", "done", "failed", "total")
+    text_column(t, "job", ratio=1)
+    text_column(t, "model", ratio=1)
+    for j in jobs:
+        c = j.get("request_counts") or {}
+        t.add_row(j["status"], str(c.get("completed", 0)), str(c.get("failed", 0)), str(c.get("total", 0)), j["id"],
+                  j.get("model") or "-")
+    return t
+
+
+def events_table(events: list[dict[str, Any]]) -> Table:
+    """Loads and evictions of the last minute, newest first (an eviction thrash shows here)."""
+    t = table("Loads and evictions", "s ago", "what")
+    text_column(t, "model", ratio=1)
+    for e in events[:8]:
+        t.add_row(f"{e['ago_s']:.0f}", "loaded" if e["what"] == "load" else f"evicted ({e['what']})", e["model"])
+    return t
