@@ -29,6 +29,7 @@ from daemon.controllers.models import HealthController, MetricsController, Model
 from daemon.controllers.ollama import OllamaController, OllamaRootController
 from daemon.controllers.ollama_create import OllamaCreateController
 from daemon.controllers.rerank import RerankController
+from daemon.controllers.responses import ResponsesController
 from daemon.controllers.tei import TeiController
 from daemon.controllers.tgi import TgiController
 from daemon.controllers.top import TopController
@@ -104,7 +105,8 @@ def create_app(daemon: Daemon) -> Litestar:
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
-                        CohereEmbedController, TgiController, OllamaCreateController, TopController],
+                        CohereEmbedController, TgiController, OllamaCreateController, TopController,
+                        ResponsesController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=[lifespan],

@@ -36,7 +36,7 @@ from fleet.protocol import (
     RerankReply, RerankRequest,
 )
 
-from daemon.controllers import ollama_create, tei, tgi
+from daemon.controllers import ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
@@ -123,6 +123,10 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                     stream=(SSE, CompletionReply), **_OPENAI),
     ("POST", "/v1/chat/completions"): Op("OpenAI chat completions.", "openai", ChatCompletionRequest,
                                          ChatCompletionReply, stream=(SSE, ChatCompletionChunk), **_OPENAI),
+    ("POST", "/v1/responses"): Op("OpenAI Responses API: text or message `input`, `instructions`, "
+                                  "`text.format`; `stream: true` answers its typed events.", "openai",
+                                  responses.ResponsesRequest, responses.ResponseObject,
+                                  stream=("text/event-stream", {"type": "object"}), **_OPENAI),
     ("GET", "/v1/models"): Op("Stored models (OpenAI model objects).", "openai", None, ModelList,
                               errors=OpenAIErrorReply),
     ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object).", "openai", None, ModelCard,

@@ -201,3 +201,35 @@ def test_tgi_grammar_is_enforced(d) -> None:
     resp = post(d, "/models/tiny-llama/generate", {"inputs": PROMPT, "parameters": {"top_k": 5, "max_new_tokens": 2}})
     assert resp.headers["x-fleet-ignored-fields"] == "parameters.top_k"
 
+# ---- OpenAI's Responses API (the openai client, unchanged) ---------------------------------
+
+def test_openai_responses(d) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=d.url + "/v1", api_key="unused")
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    native = native_text(d, None, 8, messages=turns)
+    out = client.responses.create(model="tiny-llama", input="hi there", instructions="be brief", max_output_tokens=8,
+                                  temperature=0)
+    assert out.output_text == native["text"]
+    assert out.usage.output_tokens == native["usage"]["output_tokens"]
+    assert out.status == ("incomplete" if native["finish_reason"] == "length" else "completed")
+    items = client.responses.create(model="tiny-llama", input=[{"role": "user", "content": "hi there"}],
+                                    instructions="be brief", max_output_tokens=8, temperature=0)
+    assert items.output_text == native["text"]
+    events = list(client.responses.create(model="tiny-llama", input="hi there", instructions="be brief",
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == f"response.{out.status}" and "response.output_text.done" in kinds
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == native["text"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    structured = client.responses.create(model="tiny-llama", input="a number", max_output_tokens=20, temperature=0,
+                                         text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    assert structured.output_text == native_text(d, None, 20, messages=[{"role": "user", "content": "a number"}],
+                                                 format=schema)["text"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny-llama", input="more", previous_response_id="resp_1")
+    assert "keeps no responses" in str(err.value)
