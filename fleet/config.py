@@ -229,6 +229,37 @@ def load_settings(**overrides: Any) -> Settings:
     return settings
 
 
+#: The running daemon's lock file under FLEET_HOME, holding `{pid, url}` (daemon.home).
+DAEMON_LOCK = Path("run") / "daemon.lock"
+
+
 def client_url() -> str:
-    """Where the CLI finds the daemon (FLEET_URL, else the default bind)."""
-    return os.environ.get("FLEET_URL") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    """Where the CLI finds the daemon (`client_url_source`)."""
+    return client_url_source()[0]
+
+
+def client_url_source() -> tuple[str, str]:
+    """(URL, where it came from): FLEET_URL ("env"); else FLEET_HOME's config.toml or
+    FLEET_HOST/FLEET_PORT when they set the host or port ("config"); else the URL in
+    the lock file of the daemon running on this FLEET_HOME ("lock file"); else the
+    default bind ("default")."""
+    env = os.environ.get("FLEET_URL")
+    if env:
+        return env, "env"
+    home = Path(default_home())
+    cfg = home / "config.toml"
+    configured = bool(os.environ.get("FLEET_HOST") or os.environ.get("FLEET_PORT"))
+    if not configured and cfg.is_file():
+        try:
+            with cfg.open("rb") as f:
+                configured = bool({"host", "port"} & set(tomllib.load(f)))
+        except (tomllib.TOMLDecodeError, OSError):
+            configured = True  # load_settings says what is wrong with it, in one line
+    if configured:
+        return load_settings(home=str(home)).url, "config"
+    try:
+        holder = msgspec.json.decode((home / DAEMON_LOCK).read_bytes())
+        os.kill(int(holder["pid"]), 0)  # the lock file outlives its daemon: only a live one counts
+        return str(holder["url"]), "lock file"
+    except (OSError, ValueError, KeyError, TypeError, msgspec.DecodeError):
+        return f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", "default"

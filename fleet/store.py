@@ -25,6 +25,7 @@ No heavy imports here: the API process and `fleetctl list` import this module.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import logging
@@ -38,8 +39,8 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
-from fleet.catalog import Profile, validate_name
-from fleet.errors import BadRequest, IntegrityError, ModelNotFound
+from fleet.catalog import Profile, load_catalog, validate_name
+from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound
 
 log = logging.getLogger("fleet.store")
 # The CLI prints its own line for a damaged model (fleetctl list, doctor); a daemon's
@@ -268,10 +269,7 @@ class Store:
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            raise ModelNotFound(
-                f"model {name!r} is not in the store",
-                hint=f"pull it: `fleetctl pull {name}` (see `fleetctl list` or models.toml)",
-            ) from None
+            raise self.missing(name) from None
         except OSError as exc:  # a directory in its place, no permission, an I/O error
             raise IntegrityError(f"model {name!r}: unreadable manifest: {exc.strerror}", hint=damage_fix(name)) from None
         try:
@@ -281,6 +279,24 @@ class Store:
         if manifest.name != name:
             raise IntegrityError(f"model {name!r}: its manifest names {manifest.name!r}", hint=damage_fix(name))
         return manifest
+
+    def missing(self, name: str) -> ModelNotFound:
+        """What to do about a model that is not stored: `fleetctl pull NAME` when the
+        catalog has it, else the closest stored or catalog name (a typo)."""
+        try:
+            catalog = load_catalog(self.root.parent)
+        except FleetError:  # a damaged catalog override must not hide the answer
+            catalog = None
+        if catalog is not None and catalog.find(name) is not None:
+            return ModelNotFound(f"model {name!r} is in fleet's catalog but not pulled: run `fleetctl pull {name}`",
+                                 hint=f"fleetctl pull {name}")
+        known = self.names() + ([e.name for e in catalog.all()] if catalog is not None else [])
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        if close:
+            return ModelNotFound(f"model {name!r} is not in the store; did you mean {close[0]!r}?",
+                                 hint="fleetctl list shows what is pulled; fleetctl list --catalog what can be")
+        return ModelNotFound(f"model {name!r} is not in the store nor in fleet's catalog",
+                             hint="fleetctl list shows what is pulled; fleetctl pull hf:ORG/NAME or path:DIR adds one")
 
     def list(self) -> list[Manifest]:
         """Manifests of all stored models, by name. A folder whose manifest is missing or
@@ -478,9 +494,7 @@ class Store:
             try:
                 os.rename(self.root / name, gone)
             except FileNotFoundError:
-                raise ModelNotFound(
-                    f"model {name!r} is not in the store", hint="see `fleetctl list`",
-                ) from None
+                raise self.missing(name) from None
             shutil.rmtree(gone, ignore_errors=True)
         return manifest
 

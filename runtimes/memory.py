@@ -322,13 +322,22 @@ def plan_load(name: str, incoming: Footprint, residents: list[ResidentView], *, 
                                                     budget_bytes=budget_bytes, free_now_bytes=free_all))
 
 
+def budget_setting(device: str) -> str:
+    """The settings that size `device`'s budget, for a model that cannot fit in it."""
+    if device.startswith("cuda"):
+        return ("the budget is the GPU's memory less gpu_reserve_bytes (FLEET_GPU_RESERVE_BYTES): lower it, or "
+                "serve the model on a larger GPU")
+    return ("raise cpu_budget_bytes (FLEET_CPU_BUDGET_BYTES; 0 = cpu_budget_fraction of the available RAM) in "
+            "config.toml, then restart the daemon")
+
+
 def too_large_reason(name: str, incoming: Footprint, holders: list[ResidentView], *, device: str,
                      budget_bytes: int, free_now_bytes: int) -> str:
     """One clear sentence: what the model needs, what the device allows, who holds the rest."""
     need = f"{name} needs {_mb(incoming.total_bytes)} ({_mb(incoming.weights_bytes)} weights + " \
            f"{_mb(incoming.activation_bytes)} activations)"
     if incoming.total_bytes > budget_bytes:
-        return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}"
+        return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}; {budget_setting(device)}"
     held = sorted(holders, key=lambda r: -r.footprint.weights_bytes)
     parts = [
         f"{r.name} ({_mb(r.footprint.weights_bytes)}, {'pinned' if r.pinned else f'worker {r.worker}'})"

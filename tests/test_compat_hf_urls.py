@@ -201,6 +201,31 @@ def test_tgi_grammar_is_enforced(d) -> None:
     resp = post(d, "/models/tiny-llama/generate", {"inputs": PROMPT, "parameters": {"top_k": 5, "max_new_tokens": 2}})
     assert resp.headers["x-fleet-ignored-fields"] == "parameters.top_k"
 
+
+def test_model_not_found_says_what_to_do(d) -> None:
+    resp = post(d, "/v1/embed", {"model": "bge-small-en-v1.5", "inputs": [TEXT]})  # in the catalog, not pulled
+    assert resp.status_code == 404 and "`fleetctl pull bge-small-en-v1.5`" in resp.json()["error"]["message"]
+    resp = post(d, "/v1/embeddings", {"model": "all-minilm-l6-v3", "input": TEXT})
+    assert resp.status_code == 404 and "did you mean 'all-minilm-l6-v2'" in resp.json()["error"]["message"]
+
+
+def test_haystack_hugging_face_api_components(d, hf) -> None:
+    """haystack's TEI embedder and TGI chat generator, configured with the model's URL."""
+    from haystack.dataclasses import ChatMessage
+    from haystack_integrations.components.embedders.huggingface_api import HuggingFaceAPITextEmbedder
+    from haystack_integrations.components.generators.huggingface_api import HuggingFaceAPIChatGenerator
+
+    embedder = HuggingFaceAPITextEmbedder(api_type="text_embeddings_inference",
+                                          api_params={"url": f"{d.url}/models/{DEFAULT_MODEL}"})
+    got = embedder.run(TEXT)["embedding"]  # haystack's default: normalize=False, truncate=True
+    native = ok(post(d, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": [TEXT], "normalize": False}))
+    np.testing.assert_allclose(got, native["embeddings"][0], atol=1e-5)
+    chat = HuggingFaceAPIChatGenerator(api_type="text_generation_inference",
+                                       api_params={"url": f"{d.url}/models/tiny-llama"},
+                                       generation_kwargs={"max_tokens": 8, "temperature": 0})
+    reply = chat.run([ChatMessage.from_user("hi there")])["replies"][0]
+    assert reply.text == native_text(d, None, 8, messages=[{"role": "user", "content": "hi there"}])["text"]
+
 # ---- OpenAI's Responses API (the openai client, unchanged) ---------------------------------
 
 def test_openai_responses(d) -> None:

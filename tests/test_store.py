@@ -129,7 +129,7 @@ def test_default_model_round_trip(store: Store) -> None:
     store.remove(DEFAULT)
     assert not store.path(DEFAULT).exists()
     assert store.list() == []
-    with pytest.raises(ModelNotFound, match="not in the store") as info:
+    with pytest.raises(ModelNotFound, match="in fleet's catalog but not pulled") as info:
         store.open(DEFAULT)
     assert "fleetctl pull all-minilm-l6-v2" in (info.value.hint or "")
     # Only the lock directory remains: no staging or removed copies left behind.

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from fleet.config import Settings, default_home, client_url, load_settings
+from fleet.config import Settings, default_home, client_url, client_url_source, load_settings
 from fleet.errors import BadRequest
 
 SECRET = "api_key"
@@ -118,7 +118,7 @@ def render_json(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
 
 
 def _url_source() -> str:
-    return "env" if os.environ.get("FLEET_URL") else "default"
+    return client_url_source()[1]
 
 
 def register(app: typer.Typer) -> None:
