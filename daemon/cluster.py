@@ -246,8 +246,12 @@ class Cluster:
     """The NATS side of one daemon: requester (`submit`) and puller (`_pull`)."""
 
     def __init__(self, settings: Settings, broker: Broker, store: Store, *,
-                 workers_up: Callable[[], int], loaded: Callable[[], Awaitable[set[str]]]) -> None:
+                 workers_up: Callable[[], int], loaded: Callable[[], Awaitable[set[str]]],
+                 on_lag: Callable[[str, int, int], None] | None = None) -> None:
         self.settings = settings
+        #: Gets (model, pending, unacked) of each model's work consumer at every heartbeat
+        #: (the daemon's `fleet_nats_*_messages` gauges).
+        self._on_lag = on_lag
         self.broker = broker
         self.store = store
         self.box = settings.box_name
@@ -734,6 +738,7 @@ class Cluster:
 
         models = await asyncio.to_thread(lambda: {m.name: m.task for m in self.store.list()})
         self._sync_pullers(models)
+        await self._read_lag(models)
         await self.kv.put(self.key, _json(await self.entry()))
         boxes: dict[str, dict[str, Any]] = {}
         try:
@@ -748,6 +753,18 @@ class Cluster:
             if entry.value:
                 boxes[key] = _json_decode(entry.value)
         self._boxes = boxes
+
+    async def _read_lag(self, models: dict[str, str]) -> None:
+        """Each stored model's work in JetStream: not yet delivered to any box (pending) and
+        delivered but not answered (unacked), from its consumer, for `on_lag`."""
+        if self._on_lag is None:
+            return
+        for model in models:
+            try:
+                info = await self.js.consumer_info(STREAM, consumer_name(model))
+            except Exception:  # not bound yet, or JetStream busy: the next heartbeat reads it
+                continue
+            self._on_lag(model, info.num_pending, info.num_ack_pending)
 
     async def entry(self) -> dict[str, Any]:
         """This box as others see it in `fleet_boxes`."""

@@ -210,7 +210,8 @@ class Daemon:
             from daemon.cluster import Cluster
 
             self.cluster = Cluster(self.settings, self.broker, self.store,
-                                   workers_up=lambda: self.workers_up, loaded=self.loaded_models)
+                                   workers_up=lambda: self.workers_up, loaded=self.loaded_models,
+                                   on_lag=self.metrics.set_nats_lag)
             self.cluster.start(loop)
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 

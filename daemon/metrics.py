@@ -82,6 +82,13 @@ class Metrics:
             "fleet_device_memory_budget_bytes", "Device memory fleet may use.", ("device",), registry=r)
         self.worker_restarts = Counter(
             "fleet_worker_restarts", "Worker processes restarted after dying.", ("worker",), registry=r)
+        # Several boxes (--nats) only; read from each model's JetStream consumer at every heartbeat.
+        self.nats_pending = Gauge(
+            "fleet_nats_pending_messages", "Requests of a model waiting in JetStream, taken by no box yet.",
+            ("model",), registry=r)
+        self.nats_unacked = Gauge(
+            "fleet_nats_unacked_messages", "Requests of a model a box took from JetStream and has not answered.",
+            ("model",), registry=r)
         if process_metrics:
             ProcessCollector(registry=r)
 
@@ -159,6 +166,11 @@ class Metrics:
 
     def worker_restarted(self, worker: str) -> None:
         self.worker_restarts.labels(worker).inc()
+
+    def set_nats_lag(self, model: str, pending: int, unacked: int) -> None:
+        label = self._model(model)
+        self.nats_pending.labels(label).set(pending)
+        self.nats_unacked.labels(label).set(unacked)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """(body, content type) for a scrape; OpenMetrics when the scraper's Accept asks for it."""
