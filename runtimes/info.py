@@ -64,6 +64,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                if last_batch.prompt_tokens or last_batch.generated_tokens else {}),
         },
         "loads": residency.loads,
+        "unservable": residency.unservable,  # pins this worker was to keep and cannot: name -> why
         "evictions": residency.evictions,
         "batches": batches_info(batch_seq, batch_ring),
     }
@@ -100,5 +101,8 @@ def encode_info(info: dict, residency: Residency) -> bytes:
             blob = _encode(info)
             if len(blob) <= INFO_BYTES:
                 break
+            if not names:  # what is left to cut: the reasons of unservable pins (their names stay)
+                info["unservable"] = dict.fromkeys(info["unservable"], "")
+                return _encode(info)
             names.pop()
     return blob

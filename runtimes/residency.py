@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fleet.control import EVICT, Command, CommandDone, control_lane
-from fleet.errors import ModelTooLarge
+from fleet.errors import FleetError, ModelTooLarge
 from local_queue import QueueFull
 from runtimes.base import Adapter, ModelSpec, Profile
 from runtimes.memory import (
@@ -47,6 +47,8 @@ MAX_LOAD_OOMS = 3
 PEER_ASK_S = 1.0
 #: How long an explicit load waits for asked peers to drop their idle models.
 PEER_EVICT_WAIT_S = 2.0
+#: Characters of the reason an unservable pin is published with (the info blob is small).
+UNSERVABLE_CHARS = 200
 
 
 class PeersAsked(NotNow):
@@ -111,6 +113,10 @@ class Residency:
     estimates: Estimates = field(default_factory=Estimates)
     #: Models this worker keeps resident whatever the pressure (pins, preloads).
     pinned: set[str] = field(default_factory=set)
+    #: Models this worker was to keep (`restore`: preloads, persisted pins) and cannot:
+    #: name -> why (`code: message`). Published: readiness names them instead of
+    #: waiting for them (daemon.core.Daemon.readiness).
+    unservable: dict[str, str] = field(default_factory=dict)
     #: Models whose last load attempt here said "not here, now", while that holds (`remember`).
     not_now: dict[str, NotNowMemo] = field(default_factory=dict)
     #: Out-of-memory load failures in a row, per model.
@@ -179,6 +185,7 @@ class Residency:
                     evicted.append(victim)
             resident = self.load_adapter(spec, header, estimate)
         self.not_now.pop(name, None)
+        self.unservable.pop(name, None)
         if pin:
             self.pinned.add(name)
             self.publish()
@@ -300,6 +307,7 @@ class Residency:
         """Let `name` be evicted again (it stays resident). Returns whether it was pinned."""
         was = name in self.pinned
         self.pinned.discard(name)
+        self.unservable.pop(name, None)
         self.publish()
         return was
 
@@ -310,7 +318,8 @@ class Residency:
     def restore(self, names: list[str]) -> None:
         """Load and pin what this worker must keep (preloads, persisted pins of its
         device). A model another worker of the device holds is left to it; one that
-        fails is logged, and requests for it get the error when they come."""
+        fails (too large for the device, damaged, gone from the store) is logged and
+        published as unservable, and requests for it get the error when they come."""
         for name in dict.fromkeys(names):
             try:
                 self.ensure(name, pin=True, explicit=True)
@@ -318,6 +327,10 @@ class Residency:
                 log.info("not loading %s here: %s", name, exc)
             except Exception as exc:
                 log.error("cannot keep %s resident on %s: %s", name, self.device, exc)
+                why = f"{exc.code}: {exc.message}" if isinstance(exc, FleetError) else f"{type(exc).__name__}: {exc}"
+                self.unservable[name] = why[:UNSERVABLE_CHARS]
+        if self.unservable:
+            self.publish()
 
     def evict_if_idle(self, name: str) -> CommandDone:
         """A peer of this device asks for room (`ask_peers_to_evict`): drop `name` if it

@@ -69,7 +69,7 @@ class ModelsController(Controller):
 
     @get("/ps")
     async def ps(self, request: Request, daemon: Daemon) -> Response:
-        ready, why = await daemon.readiness()
+        ready, why, unservable = await daemon.readiness_detail()
         return reply(request, {
             "box": daemon.box,
             "pid": os.getpid(),
@@ -77,6 +77,8 @@ class ModelsController(Controller):
             "uptime_s": round(time.time() - daemon.started_at, 1),
             "ready": ready,
             "status": why,
+            # Pins (preloads, persisted pins) that cannot be served: name -> why.
+            "unservable": unservable,
             "queue": {"depth": daemon.queue.depth() if daemon.queue else 0,
                       "in_flight": daemon.broker.in_flight if daemon.broker else 0},
             "lanes": await daemon.lanes(),
@@ -101,5 +103,6 @@ class HealthController(Controller):
 
     @get("/readyz")
     async def readyz(self, request: Request, daemon: Daemon) -> Response:
-        ready, why = await daemon.readiness()
-        return reply(request, {"ready": ready, "status": why}, status=200 if ready else 503)
+        ready, why, unservable = await daemon.readiness_detail()
+        body = {"ready": ready, "status": why, **({"unservable": unservable} if unservable else {})}
+        return reply(request, body, status=200 if ready else 503)

@@ -14,11 +14,13 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
 * Embeddings run through `daemon.tasks.embed` (`/api/embed` normalised,
   the legacy `/api/embeddings` not, as in Ollama).
 * `keep_alive` maps onto the admin path (controllers.admin, fleet.control):
-  negative = pin (load now, never evicted, persisted), 0 = unload once answered
-  (a pin, or a preload, is released first: as `DELETE /v1/models/{name}/pin`
-  does), any other duration = fleet's LRU eviction (no timer).
-  A request with no prompt / messages / input only applies it (Ollama's
-  load/unload idiom).
+  negative = load now and keep resident for the life of this daemon process (a pin
+  on the worker, never persisted: persisted pins are the operator's, made through
+  `POST /v1/models/{name}/pin` or `fleetctl pin`), 0 = unload once answered (a
+  client's keep is released first; a model the operator pinned or preloads is
+  refused with 400, before anything runs), any other duration = fleet's LRU
+  eviction (no timer). A request with no prompt / messages / input only applies it
+  (Ollama's load/unload idiom).
 * `/api/pull` pulls catalog or stored names only (never a source given by the
   client) through `fleet.pull`, reporting progress as Ollama's status lines;
   `/api/delete` releases, unloads and removes a model from the store.
@@ -147,15 +149,29 @@ def message_fields(messages: list[Any]) -> list[str]:
 # ---- keep_alive on the admin path --------------------------------------------------------
 
 async def pin(daemon: Daemon, name: str) -> None:
-    if name in daemon.pinned_models() and name in await daemon.loaded_models():
+    """keep_alive < 0: load now and keep resident while this daemon runs (Ollama's keep
+    never outlives its server). Pinned on the worker only, never persisted: a client
+    cannot make the daemon hold a model across restarts, nor hold readiness for it."""
+    workers = await daemon.workers()
+    if any(w["up"] and w["models"].get(name, {}).get("pinned") for w in workers):
         return
-    result = await send(daemon, choose_worker(await daemon.workers(), name, None), PIN, name)
-    daemon.record_pin(name, result["device"])
+    await send(daemon, choose_worker(workers, name, None), PIN, name)
 
 
-async def unload(daemon: Daemon, name: str) -> None:
-    """Release a pin (persisted, preloaded, and on the workers), then unload every copy."""
-    daemon.record_unpin(name)
+def refuse_operator_pin(daemon: Daemon, name: str) -> None:
+    """keep_alive 0 on a model the operator keeps (preload, persisted pin): refused."""
+    if name in daemon.pinned_models():
+        raise BadRequest(f"{name} is kept resident by the operator (preloaded or pinned): keep_alive 0 does not "
+                         f"unload it; the operator releases it with `fleetctl unpin {name}`")
+
+
+async def unload(daemon: Daemon, name: str, *, operator_pin: bool = False) -> None:
+    """Unload every copy, releasing a client's keep on the workers first. An operator's
+    pin is released only with `operator_pin` (`/api/delete` removes the model itself)."""
+    if operator_pin:
+        daemon.record_unpin(name)
+    else:
+        refuse_operator_pin(daemon, name)
     for worker in await holders(daemon, name):
         await send(daemon, worker, UNPIN, name)
         await send(daemon, worker, UNLOAD, name)
@@ -164,6 +180,8 @@ async def unload(daemon: Daemon, name: str) -> None:
 async def keep_before(daemon: Daemon, name: str, keep: Keep) -> None:
     if keep is Keep.PIN:
         await pin(daemon, name)
+    elif keep is Keep.UNLOAD:
+        refuse_operator_pin(daemon, name)  # before the request runs: refused, not answered and ignored
 
 
 async def keep_after(daemon: Daemon, name: str, keep: Keep) -> None:
@@ -529,7 +547,7 @@ class OllamaController(Controller):
         if name in daemon.settings.preload:
             raise BadRequest(f"{name} is preloaded by this daemon's config (preload): take it out of preload "
                              "before deleting it")
-        await unload(daemon, name)
+        await unload(daemon, name, operator_pin=True)
         await asyncio.to_thread(daemon.store.remove, name)
         daemon.forget(name)
         return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))

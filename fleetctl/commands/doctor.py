@@ -262,10 +262,16 @@ def check_daemon(url: str, key: str | None, get: Callable[..., Any] | None = Non
         why = "no key was sent" if not key else "the key was refused"
         return [Finding("daemon", FAIL, f"{url} wants an API key: {why}",
                         "set FLEET_API_KEY (or FLEET_API_KEY_FILE) to the daemon's key")]
+    body = _json(ready)
+    # Pins (preloads, persisted pins) the daemon cannot serve: readiness names them, ready or not.
+    unservable = [Finding("pins", WARN, f"{name} is pinned but cannot be served: {why}",
+                          f"fleetctl unpin {name} (or take it out of preload), or make room for it")
+                  for name, why in sorted(body.get("unservable", {}).items())]
     if ready.status_code != 200:
-        status = _json(ready).get("status", ready.status_code)
-        return [Finding("daemon", WARN, f"{url} is up but not ready: {status}", "fleetctl ps (what is loading)")]
-    return [Finding("daemon", OK, f"{url} is up and ready" + (" (key accepted)" if key else ""))]
+        status = body.get("status", ready.status_code)
+        return [Finding("daemon", WARN, f"{url} is up but not ready: {status}", "fleetctl ps (what is loading)"),
+                *unservable]
+    return [Finding("daemon", OK, f"{url} is up and ready" + (" (key accepted)" if key else "")), *unservable]
 
 
 def _json(response: Any) -> dict:
