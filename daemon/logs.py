@@ -17,24 +17,18 @@ import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from pathlib import Path
 from typing import IO, Any
 
-import msgspec
-
 from fleet.errors import BadRequest
+from fleet.logs import JsonFormatter, file_handler, install, quiet_libraries, route_library_logs, under_systemd
 
 #: The id of the request being handled in this context, or None outside one.
 REQUEST_ID: ContextVar[str | None] = ContextVar("fleet_request_id", default=None)
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
-
-# Attributes every LogRecord has; anything else on a record came from `extra=`.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id"}
-_encoder = msgspec.json.Encoder(enc_hook=repr)
-
 
 # A client-sent id is kept only if it is short and plain: it ends up in every log line.
 _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
@@ -90,30 +84,6 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ts, level, logger, msg, request_id?, pid, extras, exc?."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        rid = getattr(record, "request_id", None)
-        if rid is not None:
-            out["request_id"] = rid
-        out["pid"] = record.process
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and key not in out:
-                out[key] = value
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        if record.stack_info:
-            out["stack"] = self.formatStack(record.stack_info)
-        return _encoder.encode(out).decode()
-
-
 class _RichFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
@@ -121,8 +91,13 @@ class _RichFormatter(logging.Formatter):
         return f"[{rid}] {msg}" if rid else msg
 
 
-def setup_logging(level: str | int = "info", *, stream: IO[str] | None = None, json: bool | None = None) -> logging.Handler:
-    """Install the one root handler (idempotent). `json=None` picks by `stream.isatty()`.
+def setup_logging(level: str | int = "info", *, stream: IO[str] | None = None, json: bool | None = None,
+                  home: str | Path | None = None) -> logging.Handler:
+    """Install the root's handlers (idempotent): `stream` (stderr) in JSON lines, or
+    rich at a terminal (`json=None` picks by `stream.isatty()`); with `home`, also the
+    foreground daemon's log file FLEET_HOME/logs/fleetd.log (fleet.logs; not under
+    systemd, whose journal keeps the log). Libraries' logs and warnings go through them,
+    their progress bars off. Returns the stream handler.
 
     Run uvicorn with `log_config=None` so its loggers propagate here.
     """
@@ -142,12 +117,12 @@ def setup_logging(level: str | int = "info", *, stream: IO[str] | None = None, j
 
         handler = RichHandler(console=Console(file=stream), show_path=False, rich_tracebacks=True)
         handler.setFormatter(_RichFormatter())
-    handler.addFilter(_RequestIdFilter())
-    handler._fleet = True  # type: ignore[attr-defined]  # marks ours, for idempotent setup
-
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if getattr(h, "_fleet", False)]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level)
+    handlers = [handler]
+    if home is not None and not under_systemd():
+        handlers.append(file_handler(home, rotate=True))
+    for h in handlers:
+        h.addFilter(_RequestIdFilter())
+    quiet_libraries()
+    install(handlers, level)
+    route_library_logs()
     return handler

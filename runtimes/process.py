@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -17,6 +18,7 @@ import msgspec
 import posix_ipc
 
 from fleet.config import Settings
+from fleet.logs import route_library_logs, setup_worker
 
 
 def exit_with_parent() -> None:
@@ -47,10 +49,9 @@ def exit_with_parent() -> None:
 def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     exit_with_parent()
     settings = msgspec.msgpack.decode(settings_blob, type=Settings)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s",
-    )
+    # The daemon's log format (JSON lines off a terminal, readable on one) and its log
+    # file; no progress bars (fleet.logs).
+    setup_worker(settings.log_level, settings.home_path)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers stop
@@ -71,6 +72,9 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Heavy imports happen here, in the worker, never in the API process.
     import torch
+    import transformers.utils.logging  # noqa: F401 (its stderr handler, installed at import, goes next)
+
+    route_library_logs()
 
     from fleet.pins import PinStore
     from local_queue import LocalQueue
@@ -129,3 +133,19 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
             continue  # SIGTERM interrupted a queue wait (EINTR): the loop sees `stop` and ends cleanly
     queue.unregister_worker(worker_id)
     queue.close()
+    end_process()
+
+
+def end_process() -> None:
+    """A spawned worker ends here, its work done and its queue closed: logs flushed, then
+    `os._exit(0)`, without the interpreter's finalisation and C++ static destructors.
+    Those ran libtorch's and its libraries' teardown while threads they started (intra-op,
+    tokenize-ahead, loaders) could still be joinable, and a `std::thread` destroyed
+    joinable aborts the process: "terminate called without an active exception" in the
+    daemon's log (issue 28). Nothing is left to write at this point. Not spawned by
+    multiprocessing (a test calling `run` in-process): returns."""
+    if multiprocessing.parent_process() is None:
+        return
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,5 +20,5 @@ def register(app: typer.Typer) -> None:
         from daemon.server import serve as run
 
         settings = load_settings(host=host, port=port, workers=workers, device=device, nats=nats)
-        setup_logging(settings.log_level)
+        setup_logging(settings.log_level, home=settings.home_path)  # stderr, and FLEET_HOME/logs/fleetd.log
         run(settings)
