@@ -79,6 +79,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     from fleet.pins import PinStore
     from local_queue import LocalQueue
     from runtimes.memory import LoadLock, device_budget, device_used_bytes
+    from runtimes.policy import paused_ns
     from runtimes.resolve import store_profiles, store_resolver
     from runtimes.worker import WorkerCore
 
@@ -105,10 +106,19 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     def heartbeat() -> None:
         # Marks this worker alive and renews its leases, but only while the main loop
         # makes progress: a batch or load past its bound (core.progress) renews
-        # nothing, so its claims lapse and the supervisor restarts this worker.
+        # nothing, so its claims lapse and the supervisor restarts this worker. A gap
+        # between two ticks in which the process did not run (a paused box) is
+        # excused from the bound first: the batch resumed with the box is not stuck.
         late_logged = False
-        while not stop.wait(min(1.0, settings.lease_ms / 3000)):
-            late = core.progress.overdue(time.monotonic_ns())
+        period_s = min(1.0, settings.lease_ms / 3000)
+        tick_ns, cpu_ns = time.monotonic_ns(), time.process_time_ns()
+        while not stop.wait(period_s):
+            now_ns, now_cpu_ns = time.monotonic_ns(), time.process_time_ns()
+            if paused := paused_ns(now_ns - tick_ns, now_cpu_ns - cpu_ns, int(period_s * 1e9)):
+                core.progress.excuse(paused)
+                log.warning("this worker did not run for %.1f s (the box or the process was paused)", paused / 1e9)
+            tick_ns, cpu_ns = now_ns, now_cpu_ns
+            late = core.progress.overdue(now_ns)
             if late is None:
                 queue.heartbeat(worker_id)
                 late_logged = False
