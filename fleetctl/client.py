@@ -332,6 +332,51 @@ class Client(_Base):
             time.sleep(wait)
             attempt += 1
 
+    # -- offline jobs (OpenAI's Files and Batches API; shapes: fleet.batches) ---------
+
+    def upload_batch_file(self, path: str | os.PathLike) -> dict[str, Any]:
+        """`POST /v1/files` with purpose "batch": the file streams from disk (httpx's
+        multipart reads it in pieces); the daemon checks it line by line."""
+        with open(path, "rb") as f:
+            try:
+                resp = self._http.post("/v1/files", files={"file": (os.path.basename(path), f, "application/jsonl")},
+                                       data={"purpose": "batch"}, timeout=None)
+            except httpx.TransportError as exc:
+                raise unreachable(self.url, exc) from None
+        if resp.status_code >= 400:
+            raise error_of(resp, resp.content)
+        return _any.decode(resp.content)
+
+    def create_batch(self, input_file_id: str, endpoint: str, *, completion_window: str = "24h",
+                     metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        return self.post("/v1/batches", _optional({"input_file_id": input_file_id, "endpoint": endpoint,
+                                                   "completion_window": completion_window}, metadata=metadata))
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        return self.get(f"/v1/batches/{batch_id}")
+
+    def batches(self, *, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+        """One page, newest first: `{data, has_more, first_id, last_id}`."""
+        return self.get(f"/v1/batches?limit={int(limit)}" + (f"&after={after}" if after else ""))
+
+    def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        return self.post(f"/v1/batches/{batch_id}/cancel")
+
+    def download_file(self, file_id: str, dest: str | os.PathLike) -> int:
+        """A file's content streamed to `dest`; returns its bytes."""
+        size = 0
+        try:
+            with self._http.stream("GET", f"/v1/files/{file_id}/content") as resp:
+                if resp.status_code >= 400:
+                    raise error_of(resp, resp.read())
+                with open(dest, "wb") as out:
+                    for chunk in resp.iter_bytes(1 << 20):
+                        out.write(chunk)
+                        size += len(chunk)
+        except httpx.TransportError as exc:
+            raise unreachable(self.url, exc) from None
+        return size
+
     # -- models and state -------------------------------------------------------------
 
     def models(self) -> ModelList:

@@ -290,3 +290,64 @@ def test_uploads_are_guarded_as_every_body_is(fleet):
     assert httpx.post(fleet.url + "/v1/embed", **form).status_code == 415  # multipart only where a file goes
     assert httpx.post(fleet.url + "/v1/files", headers={"Origin": "https://evil.example"}, **form).status_code == 403
     assert httpx.post(fleet.url + "/v1/files", **form).status_code == 200
+
+
+def test_the_window_closing_expires_the_batch_and_keeps_what_is_done(client, tmp_path):
+    lines = [line(f"x{i}", "/v1/chat/completions",
+                  {"model": LLAMA, "messages": [{"role": "user", "content": f"slow {i}"}], "max_tokens": 48})
+             for i in range(MAX_LINES)]
+    f = client.files.create(file=jsonl(tmp_path / "slow.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2s")
+    assert b.expires_at - b.created_at == 2
+    b = wait_final(client, b.id, timeout_s=30)
+    assert b.status == "expired" and b.expired_at and b.completed_at is None
+    out, err = results(client, b.output_file_id), results(client, b.error_file_id)
+    assert 0 < len(out) == b.request_counts.completed < MAX_LINES
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"x{i}" for i in range(MAX_LINES))
+    expired = [r for r in err if r["error"] is not None]
+    assert {r["error"]["code"] for r in expired} == {"batch_expired"}
+    assert all(r["response"] is None for r in expired)
+    assert len(expired) == MAX_LINES - b.request_counts.completed - b.request_counts.failed
+
+
+def fleetctl(d: DaemonProc, *args: str) -> "subprocess.CompletedProcess[str]":
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FLEET_URL": d.url, "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "fleetctl", *args], env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_fleetctl_batch_submit_wait_ls_show_get_cancel_and_ps(fleet, client, tmp_path):
+    lines = [line(f"c{i}", "/v1/embeddings", {"model": DEFAULT_MODEL, "input": f"cli {i}"}) for i in range(20)]
+    lines.append(line("bad", "/v1/embeddings", {"model": DEFAULT_MODEL, "input": "x", "dimensions": 0}))
+    done = fleetctl(fleet, "batch", "submit", str(jsonl(tmp_path / "cli.jsonl", lines)), "--wait")
+    assert done.returncode == 0, done.stderr
+    batch_id = done.stdout.strip()
+    assert batch_id.startswith("batch_") and "20 of 21 lines answered 200, 1 with errors" in done.stderr
+    assert "21/21" in done.stderr and "tokens/s" in done.stderr  # the progress bar's last state
+    listed = json.loads(fleetctl(fleet, "batch", "ls", "--json").stdout)
+    assert listed[0]["id"] == batch_id
+    shown = fleetctl(fleet, "batch", "show", batch_id)
+    assert shown.returncode == 0 and "completed" in shown.stdout and "output file file-" in shown.stdout
+    got = fleetctl(fleet, "batch", "get", batch_id, "-o", str(tmp_path / "out.jsonl"), "--errors",
+                   str(tmp_path / "err.jsonl"))
+    assert got.returncode == 0, got.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 20
+    [err] = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert err["custom_id"] == "bad" and err["response"]["body"]["error"]["param"] == "dimensions"
+    # A batch running: `fleetctl ps` lists it; `fleetctl batch cancel` stops it.
+    slow = [line(f"s{i}", "/v1/chat/completions",
+                 {"model": LLAMA, "messages": [{"role": "user", "content": f"{i}"}], "max_tokens": 48})
+            for i in range(MAX_LINES)]
+    running = fleetctl(fleet, "batch", "submit", str(jsonl(tmp_path / "slow.jsonl", slow)))
+    slow_id = running.stdout.strip()
+    ps = json.loads(fleetctl(fleet, "ps", "--json").stdout)
+    assert [b["id"] for b in ps["batches"]] == [slow_id]
+    assert slow_id in fleetctl(fleet, "ps").stdout
+    assert fleetctl(fleet, "batch", "get", slow_id, "-o", str(tmp_path / "x.jsonl")).returncode == 1  # not final
+    assert fleetctl(fleet, "batch", "cancel", slow_id).stdout.split() == [slow_id, "cancelling"]
+    assert wait_final(client, slow_id).status == "cancelled"
+    assert fleetctl(fleet, "batch", "submit", str(tmp_path / "missing.jsonl")).returncode == 2

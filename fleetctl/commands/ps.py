@@ -16,6 +16,7 @@ import typer
 from rich.console import Console, Group
 from rich.table import Table
 
+from fleetctl.commands.batch import batches_table, running_batches
 from fleetctl.residency import device_rows
 
 
@@ -35,6 +36,7 @@ def register(app: typer.Typer) -> None:
             return
         with Client() as client:
             state = client.ps()
+            state["batches"] = running_batches(client)
         if as_json:
             print(json.dumps(state, indent=2))
             return
@@ -69,6 +71,8 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
         parts.append(profiles)
     if state["lanes"]:
         parts.append(lanes_table(state))
+    if state.get("batches"):
+        parts.append(batches_table(state["batches"], "Batches running"))
     return Group(*parts)
 
 
