@@ -378,3 +378,30 @@ def test_pull_records_the_folders_prompts_and_the_catalogs(tmp_path, folders):
     (home / "models.toml").write_text((home / "models.toml").read_text().replace('"query"\n', '"instruct"\n'))
     with pytest.raises(Exception, match="default_prompt_name 'instruct'"):
         pull_model(store, "q", catalog=load_catalog(home))
+
+
+# ---- the conversions alone ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "binary", "ubinary"])
+def test_quantize_is_quantize_embeddings_with_the_fixed_ranges_row_by_row(dtype):
+    """Exactly the reference's arithmetic (odd widths, the range's ends, values on a
+    bucket's edge), and a row's bytes do not depend on the rows quantized with it."""
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 37)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    x[0, :4] = [1.0, -1.0, 0.0, np.float32(-1.0) + np.float32(2.0) / 255 * 7]
+    got = quantize(x, dtype)
+    np.testing.assert_array_equal(got, quantize_embeddings(x, precision=dtype, ranges=scalar_ranges(37)))
+    np.testing.assert_array_equal(np.concatenate([quantize(x[i:i + 1], dtype) for i in range(len(x))]), got)
+
+
+def test_float16_is_numpys_rounding_on_both_paths():
+    from runtimes.dense import TORCH_FLOAT16_FROM, to_float16
+
+    rng = np.random.default_rng(4)
+    for rows in (1, TORCH_FLOAT16_FROM // 100 + 1):  # numpy's cast, then torch's
+        x = (rng.normal(size=(rows, 100)) * 3).astype(np.float32)
+        x[0, :4] = [65504.0, 1e-8, -0.0, np.float32(2.0 ** -24 * 1.5)]
+        np.testing.assert_array_equal(to_float16(x).view(np.uint16), x.astype("<f2").view(np.uint16))
