@@ -145,6 +145,14 @@ class ModelUrls:
         self.daemon = daemon
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        # The common request (the hot route's too) passes with three tests; the rest is `route`'s.
+        path = scope.get("path", "")
+        if path.startswith(PREFIX) or path == "/" or b"model=" in scope.get("query_string", b""):
+            await self.route(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def route(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
