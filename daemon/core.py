@@ -494,11 +494,13 @@ class Daemon:
         self._unpinned_preloads.discard(name)
 
     def record_unpin(self, name: str) -> bool:
-        """Drop a pin (persisted or preloaded); True when `name` was pinned."""
+        """Drop a pin (persisted or preloaded); True when `name` was pinned. The file
+        first: when it cannot be written (a full disk) nothing changes."""
         was_preloaded = name in self.settings.preload and name not in self._unpinned_preloads
+        was_persisted = PinStore(self.settings.home).remove(name) is not None
         if name in self.settings.preload:
             self._unpinned_preloads.add(name)
-        return PinStore(self.settings.home).remove(name) is not None or was_preloaded
+        return was_persisted or was_preloaded
 
     async def loaded_models(self) -> set[str]:
         """Resident models, and the LoRA adapters attached to them."""

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from fleet.errors import BadRequest, ModelNotFound
+from fleet.files import replace_file
 
 Task = Literal["embed", "rerank", "classify", "extract", "generate"]
 #: LLM rerankers' prompt formats (runtimes/llm_rerank.FORMATS).
@@ -468,15 +469,12 @@ def write_tuned_profile(home: str | Path, name: str, device_class: str, profile:
     body += [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(info).items() if v is not None]
     text += ("\n" if text else "") + "\n".join(body) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".models.toml.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    try:
+
+    def check(tmp: Path) -> None:
         user = _read_toml(tmp)
         shipped = _read_toml(SHIPPED_CATALOG)
         table = _merge(shipped[name], user[name]) if name in shipped else user[name]
         _entry(name, table, str(path))  # the merged entry must still convert
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+
+    replace_file(path, text.encode(), what=f"the tuned profile of {name!r} (models.toml)", check=check)
     return path

@@ -103,7 +103,7 @@ class ModelTooLarge(FleetError):
 
 
 class InsufficientStorage(FleetError):
-    """The disk that holds FLEET_HOME is full (an upload, a batch's results)."""
+    """The disk that holds FLEET_HOME is full (an upload, a batch's results, a pin, a config file)."""
 
     code, status = "insufficient_storage", 507
 

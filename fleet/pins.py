@@ -7,7 +7,8 @@ worker(s) of that device load it before serving (`runtimes.process`).
 Writers are the daemon's admin calls only, under an flock on
 `FLEET_HOME/pins.json.lock`; a write goes to a temporary file, is fsynced and
 renamed over the old one, so a reader (a starting worker) sees the old or the
-new file, never a torn one. Names are validated on the way in and out: a
+new file, never a torn one; on a full disk it is `insufficient_storage` and
+the old file stays (fleet.files). Names are validated on the way in and out: a
 hand-edited file with a bad name is never used as a path.
 
 A damaged file (not this format, or a bad name) is not an error for anyone
@@ -33,6 +34,7 @@ import msgspec
 
 from fleet.catalog import validate_name
 from fleet.errors import BadRequest
+from fleet.files import replace_file
 
 log = logging.getLogger("fleet.pins")
 
@@ -110,7 +112,7 @@ class PinStore:
         with self._locked():
             pins = self._load_locked()
             pins[name] = Pin(device, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            self._write(pins)
+            self._write(pins, f"the pin of {name!r}")
 
     def remove(self, name: str) -> Pin | None:
         validate_name(name)
@@ -118,7 +120,7 @@ class PinStore:
             pins = self._load_locked()
             pin = pins.pop(name, None)
             if pin is not None:
-                self._write(pins)
+                self._write(pins, f"the removal of the pin of {name!r}")
             return pin
 
     @contextlib.contextmanager
@@ -131,15 +133,6 @@ class PinStore:
         finally:
             os.close(fd)  # closing drops the flock
 
-    def _write(self, pins: dict[str, Pin]) -> None:
-        tmp = self.path.with_name(f".{PINS_FILE}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_encoder.encode(PinsFile(PINS_FORMAT, dict(sorted(pins.items())))))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    def _write(self, pins: dict[str, Pin], what: str) -> None:
+        # A full disk: InsufficientStorage, the temporary file removed, the old file kept (fleet.files).
+        replace_file(self.path, _encoder.encode(PinsFile(PINS_FORMAT, dict(sorted(pins.items())))), what=what)

@@ -19,7 +19,7 @@ import msgspec
 from litestar import Controller, Request, Response, delete, post
 
 from fleet.catalog import validate_name
-from fleet.errors import BadRequest, ModelNotFound, Unavailable
+from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
 
 from daemon import codec
@@ -96,8 +96,17 @@ class AdminController(Controller):
         """Load now (if needed) and never evict; persisted, so it survives a restart."""
         stored(daemon, name)
         opts = await options(request)
-        result = await send(daemon, choose_worker(await daemon.workers(), name, opts.device), PIN, name)
-        daemon.record_pin(name, result["device"])
+        worker = choose_worker(await daemon.workers(), name, opts.device)
+        held = bool(worker["models"].get(name, {}).get("pinned"))
+        result = await send(daemon, worker, PIN, name)
+        try:
+            daemon.record_pin(name, result["device"])
+        except FleetError:
+            # Not persisted (a full disk: insufficient_storage), so not pinned: the
+            # worker lets go of the pin it just took (not of one it held before).
+            if not held:
+                await send(daemon, worker, UNPIN, name)
+            raise
         return reply(request, {"model": name, "op": PIN, "results": [result]})
 
     @delete("/pin", status_code=200)

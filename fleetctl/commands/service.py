@@ -245,9 +245,11 @@ def _run_checked(cmd: list[str]) -> None:
 
 
 def _write(path: Path, text: str) -> None:
+    from fleet.files import replace_file
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        replace_file(path, text.encode(), what=str(path))  # a full disk: one line, no half-written unit
     except PermissionError:
         raise FleetError(
             f"cannot write {path}: permission denied",
