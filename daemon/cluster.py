@@ -97,6 +97,15 @@ PENDING_BYTES = 64 << 20
 #: The shortest ack wait `serve` accepts: a box extends what it holds every third of
 #: it from an event loop that also serves HTTP; shorter, a busy box would lose live work.
 MIN_ACK_WAIT_MS = 1_000
+#: Replicas of the shared streams on a NATS cluster (`nats_replicas` 0): a Raft group of three
+#: keeps serving through the loss of any one server.
+CLUSTER_REPLICAS = 3
+MAX_REPLICAS = 5
+#: JetStream API error codes: replicas asked of a server that is not clustered; too few servers
+#: up to place them (no suitable peers; insufficient resources, also for storage); a stream
+#: name in use with another configuration.
+ERR_NOT_CLUSTERED, ERR_NO_PEERS, ERR_INSUFFICIENT, ERR_STREAM_EXISTS = 10074, 10005, 10023, 10058
+ERR_CANNOT_PLACE = (ERR_NOT_CLUSTERED, ERR_NO_PEERS, ERR_INSUFFICIENT)
 #: Noticing a dead box may take at most 1/ACK_WAIT_SHARE of the request deadline
 #: (`timeout_ms`): the rest is for another box to queue and run the redelivered work.
 ACK_WAIT_SHARE = 3
@@ -174,8 +183,18 @@ def check_settings(settings: Settings) -> None:
             "holding a request is noticed only after the ack wait, and another box needs the rest of the "
             "deadline to answer it",
             hint=f"set FLEET_NATS_ACK_WAIT_MS to {timeout_ms // ACK_WAIT_SHARE} or less (default 5000)")
+    if not 0 <= settings.nats_replicas <= MAX_REPLICAS:
+        raise BadRequest(f"nats_replicas must be between 0 (3 on a cluster that can place them, else 1) and "
+                         f"{MAX_REPLICAS} (JetStream's most), got {settings.nats_replicas}")
     if settings.nats_fetch_per_worker < 1:
         raise BadRequest(f"nats_fetch_per_worker must be at least 1, got {settings.nats_fetch_per_worker}")
+
+
+def choose_replicas(setting: int, wanted: int, have: int) -> int:
+    """Replicas for a shared stream that exists with `have`: the setting when set (raised or
+    lowered to it); else what this cluster takes (`wanted`), never fewer than it has (an
+    operator may have raised it by hand)."""
+    return setting or max(wanted, have)
 
 
 class FetchCredit:
@@ -281,6 +300,8 @@ class Cluster:
         self.js: Any = None
         self.kv: Any = None
         self.obj: Any = None
+        #: Copies of the shared streams, as declared at the join (`_declare`).
+        self.replicas = 1
         self.served = 0
         self.duplicates = 0
         self.reconnects = 0
@@ -330,38 +351,106 @@ class Cluster:
                  self.reply_prefix)
 
     async def _declare(self) -> None:
-        """The streams, KV bucket and object store every box shares. Declaring is
-        idempotent; a box with other limits updates them (the last one wins)."""
+        """The streams, KV bucket and object store every box shares, `self.replicas`
+        copies each. Declaring is idempotent; a box with other limits updates them (the
+        last one wins), and raises a stream with fewer replicas in place (one log line)."""
         from nats.js.api import DiscardPolicy, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+        from nats.js.client import KV_STREAM_TEMPLATE, OBJ_STREAM_TEMPLATE
+
+        def work(replicas: int) -> StreamConfig:
+            return StreamConfig(
+                name=STREAM, subjects=[WORK_PREFIX + ">"], retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE, discard=DiscardPolicy.NEW, max_msgs=self.settings.nats_max_queued,
+                duplicate_window=DEDUP_WINDOW_S, num_replicas=replicas,
+            )
+
+        def replies(replicas: int) -> StreamConfig:
+            # Final replies only (<box>.<instance>.<n>): pieces (one token more) are not kept.
+            return StreamConfig(
+                name=REPLY_STREAM, subjects=[REPLY_PREFIX + "*.*.*"], retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=REPLY_TTL_S,
+                max_bytes=REPLY_STREAM_BYTES, duplicate_window=DEDUP_WINDOW_S, num_replicas=replicas,
+            )
+
+        def boxes(replicas: int) -> Awaitable[Any]:
+            return self.js.create_key_value(bucket=BOXES_BUCKET, ttl=3 * self.settings.nats_heartbeat_ms / 1000.0,
+                                            history=1, storage=StorageType.FILE, replicas=replicas)
+
+        def payloads(replicas: int) -> Awaitable[Any]:
+            return self.js.create_object_store(PAYLOADS_BUCKET, ObjectStoreConfig(
+                ttl=PAYLOAD_TTL_S, storage=StorageType.FILE, replicas=replicas))
+
+        self.replicas = self.settings.nats_replicas or CLUSTER_REPLICAS
+        changed: list[str] = []
+        for config in (work, replies):
+            await self._put_stream(STREAM if config is work else REPLY_STREAM,
+                                   lambda r, c=config: self.js.add_stream(c(r)), changed,
+                                   update=lambda r, c=config: self.js.update_stream(c(r)))
+        self.kv = await self._put_stream(KV_STREAM_TEMPLATE.format(bucket=BOXES_BUCKET), boxes, changed,
+                                         bind=lambda: self.js.key_value(BOXES_BUCKET))
+        self.obj = await self._put_stream(OBJ_STREAM_TEMPLATE.format(bucket=PAYLOADS_BUCKET), payloads, changed,
+                                          bind=lambda: self.js.object_store(PAYLOADS_BUCKET))
+        if changed:
+            log.info("replicas changed in place to %d: %s", self.replicas, ", ".join(changed))
+
+    async def _put_stream(self, name: str, create: Callable[[int], Awaitable[Any]], changed: list[str], *,
+                          update: Callable[[int], Awaitable[Any]] | None = None,
+                          bind: Callable[[], Awaitable[Any]] | None = None) -> Any:
+        """Create stream `name` (`create(replicas)`), or, when it exists, `update` it to
+        this box's config (a bucket keeps its own) with `choose_replicas` copies; then
+        `bind` to it (a bucket's handle).
+
+        Where JetStream cannot place the copies and the setting left the number to
+        fleet: on a single server one copy, silently; on a cluster with fewer than three
+        JetStream servers up (or out of storage), one copy and a warning; the next box to
+        join raises it. `self.replicas` follows, so the next streams skip the try.
+        Consumers keep `num_replicas` 0 and so follow their stream's replicas."""
         from nats.js.errors import APIError
 
-        work = StreamConfig(
-            name=STREAM, subjects=[WORK_PREFIX + ">"], retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE, discard=DiscardPolicy.NEW, max_msgs=self.settings.nats_max_queued,
-            duplicate_window=DEDUP_WINDOW_S,
-        )
-        # Final replies only (<box>.<instance>.<n>): pieces (one token more) are not kept.
-        replies = StreamConfig(
-            name=REPLY_STREAM, subjects=[REPLY_PREFIX + "*.*.*"], retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=REPLY_TTL_S,
-            max_bytes=REPLY_STREAM_BYTES, duplicate_window=DEDUP_WINDOW_S,
-        )
-        for config in (work, replies):
+        try:
             try:
-                await self.js.add_stream(config)
-            except APIError:
-                await self.js.update_stream(config)
-        heartbeat_s = self.settings.nats_heartbeat_ms / 1000.0
+                created = await create(self.replicas)
+            except APIError as exc:
+                if not self._may_place_fewer(exc):
+                    raise
+                self._cannot_place(name, self.replicas, exc)
+                self.replicas = 1
+                created = await create(1)
+            return created if bind is None else await bind()
+        except APIError as exc:
+            if exc.err_code != ERR_STREAM_EXISTS:
+                raise
+        info = await self.js.stream_info(name)
+        have = info.config.num_replicas or 1
+        want = choose_replicas(self.settings.nats_replicas, self.replicas, have)
+        if update is None:  # a bucket: only its replicas change
+            async def update(replicas: int) -> None:
+                await self.js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
+
+            if want == have:
+                return await bind()
         try:
-            self.kv = await self.js.create_key_value(bucket=BOXES_BUCKET, ttl=3 * heartbeat_s, history=1,
-                                                     storage=StorageType.FILE)
-        except APIError:
-            self.kv = await self.js.key_value(BOXES_BUCKET)
-        try:
-            self.obj = await self.js.create_object_store(
-                PAYLOADS_BUCKET, ObjectStoreConfig(ttl=PAYLOAD_TTL_S, storage=StorageType.FILE))
-        except APIError:
-            self.obj = await self.js.object_store(PAYLOADS_BUCKET)
+            await update(want)
+        except APIError as exc:
+            if not self._may_place_fewer(exc):
+                raise
+            self._cannot_place(name, want, exc)
+            want = have
+            await update(have)
+        if want != have:
+            changed.append(f"{name} (had {have})")
+        return None if bind is None else await bind()
+
+    def _may_place_fewer(self, exc: Any) -> bool:
+        """JetStream could not place the copies, and the number was fleet's to choose."""
+        return not self.settings.nats_replicas and self.replicas > 1 and \
+            exc.err_code in ERR_CANNOT_PLACE
+
+    def _cannot_place(self, name: str, replicas: int, exc: Any) -> None:
+        if exc.err_code != ERR_NOT_CLUSTERED:  # a single server has one copy by nature: nothing to say
+            log.warning("%s: the NATS cluster cannot place %d replicas now (%s: fewer than three JetStream "
+                        "servers up, or out of storage); keeping 1, raised when a box joins and it can",
+                        name, replicas, exc.description)
 
     def stop_pulling(self) -> None:
         """Draining (SIGTERM): fetch no new work; what this box holds still runs and is
@@ -773,7 +862,8 @@ class Cluster:
             "models": self._models, "loaded": sorted(await self._loaded()), "workers": self._workers_up(),
             "capacity": self.capacity, "held": len(self._held), "local_depth": self.broker.queue.depth(),
             "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
-            "served_locally": self.served_locally, "reconnects": self.reconnects, "at": time.time(),
+            "served_locally": self.served_locally, "reconnects": self.reconnects, "replicas": self.replicas,
+            "at": time.time(),
         }
 
     def boxes(self) -> list[dict[str, Any]]:

@@ -84,6 +84,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_max_deliver: int = 10
     #: Period of this box's entry in the `fleet_boxes` KV bucket; entries expire after 3 periods.
     nats_heartbeat_ms: int = 2_000
+    #: Copies JetStream keeps of the work and reply streams, the object store and the box
+    #: bucket (1-5). 0: 3 on a NATS cluster that can place three (three JetStream servers
+    #: or more), else 1; an existing stream with fewer is raised in place, never lowered.
+    nats_replicas: int = 0
     #: Models loaded at start-up and kept resident (besides persisted pins).
     preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_MODEL])
     #: The model a request without `model` runs on, per task (`{embed = "all-minilm-l6-v2"}`;

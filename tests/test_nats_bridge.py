@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cluster import FetchCredit, box_token, check_settings, connect_options, consumer_name, work_subject
+from daemon.cluster import (FetchCredit, box_token, check_settings, choose_replicas, connect_options, consumer_name,
+                            work_subject)
 from daemon.controllers.cluster import public_url
 from fleet.config import Settings
 from fleet.errors import BadRequest
@@ -57,6 +58,25 @@ def test_shipped_settings_let_redelivery_beat_the_deadline() -> None:
 def test_settings_that_would_lose_requests_are_refused(changes: dict, message: str) -> None:
     with pytest.raises(BadRequest, match=message):
         check_settings(Settings(nats="nats://127.0.0.1:4222", **changes))
+
+
+@pytest.mark.parametrize("setting, wanted, have, replicas", [
+    (0, 3, 1, 3),   # a stream of the last release (one copy) on a three-server cluster: raised
+    (0, 3, 3, 3),
+    (0, 3, 5, 5),   # raised by an operator: never lowered by fleet
+    (0, 1, 1, 1),   # a single server (or a cluster that cannot place three)
+    (0, 1, 3, 3),
+    (1, 3, 3, 1),   # the setting is the operator's: lowered to it
+    (5, 3, 3, 5),
+])
+def test_shared_streams_get_three_replicas_unless_told_and_are_never_lowered_by_fleet(
+        setting: int, wanted: int, have: int, replicas: int) -> None:
+    assert choose_replicas(setting, wanted, have) == replicas
+
+
+def test_nats_replicas_out_of_jetstreams_range_is_refused() -> None:
+    with pytest.raises(BadRequest, match="nats_replicas must be between 0 .* and 5"):
+        check_settings(Settings(nats="nats://127.0.0.1:4222", nats_replicas=7))
 
 
 def test_serve_refuses_an_ack_wait_past_the_deadline_with_exit_1(tmp_path: Path) -> None:
