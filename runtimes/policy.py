@@ -201,7 +201,10 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
 FILL_SLACK = 0.25
 #: A model's interactive work counts as current this long after its last batch
 #: with interactive items (ns); after that batch work alone fills whole budgets.
-INTERACTIVE_QUIET_NS = 1_000_000_000
+#: Long against the gaps of interactive traffic (at 1 request/s, one gap in three
+#: is over 1 s: a shorter window lets a whole-budget batch start in many of them),
+#: and costless to batch work alone, which sees no interactive work at all.
+INTERACTIVE_QUIET_NS = 10_000_000_000
 
 
 def batch_fill_cap(cap: int, interactive_padded: int, recent_padded: int, fit: tuple[float, float] | None) -> int:
@@ -221,18 +224,18 @@ def batch_fill_cap(cap: int, interactive_padded: int, recent_padded: int, fit: t
     token): on a GPU, whose fixed cost a dominates, 2 lets batch work ride along
     in most of the budget; on a CPU, whose time grows with tokens, about a quarter
     of the interactive tokens, and 3 leaves room for one item (`form_batch` always
-    runs the head). Without a fit (None), by tokens alone. Never more than `cap`,
-    never less than the interactive part.
+    runs the head). Without a fit (None), or with one whose time does not grow
+    with tokens (b <= 0: its batches were all alike, or noise), by tokens alone:
+    such a fit cannot say what more tokens cost. Never more than `cap`, never less
+    than the interactive part.
     """
     if interactive_padded <= 0 and recent_padded <= 0:
         return cap
     factor = 1.0 + FILL_SLACK if interactive_padded > 0 else FILL_SLACK
     ref = interactive_padded if interactive_padded > 0 else recent_padded
-    if fit is None:
+    if fit is None or fit[1] <= 0:
         return max(interactive_padded, min(cap, int(ref * factor)))
     a, b = fit
-    if b <= 0:  # time does not grow with tokens: batch work is free in a batch that runs anyway
-        return cap if interactive_padded > 0 else 0
     return max(interactive_padded, min(cap, int((factor * (a + b * ref) - a) / b + 1e-6)))
 
 

@@ -146,8 +146,8 @@ def test_form_batch_with_batch_work(tokens, batch, max_items, max_padded, max_fi
         pytest.param(4_096, 0, 40, (1.0, 0.05), 0, id="cpu-batch-only-round-head-only"),
         pytest.param(4_096, 0, 400, (1.0, 0.05), 85, id="cpu-batch-only-quarter-of-a-big-interactive-batch"),
         pytest.param(4_096, 40, 0, None, 50, id="unfitted-by-tokens"),
-        pytest.param(4_096, 40, 0, (3.0, 0.0), 4_096, id="flat-cost-interactive-batch-takes-all"),
-        pytest.param(4_096, 0, 40, (3.0, 0.0), 0, id="flat-cost-batch-only-head-only"),
+        pytest.param(4_096, 40, 0, (3.0, 0.0), 50, id="flat-cost-by-tokens"),
+        pytest.param(4_096, 0, 40, (3.0, 0.0), 10, id="flat-cost-batch-only-by-tokens"),
     ],
 )
 def test_batch_fill_cap(cap, interactive, recent, fit, expected):
