@@ -1,4 +1,4 @@
-"""Lanes: one doubly linked list of QUEUED slots per model, sorted by seq
+"""Lanes: one doubly linked list of QUEUED slots per model, sorted by (key, seq)
 (protocol invariant 2 in `local_queue.queue`), and the done list. Every helper
 whose name starts with `_` expects the caller to hold the queue lock."""
 
@@ -7,13 +7,16 @@ from __future__ import annotations
 from collections import Counter
 
 from local_queue.layout import (
-    BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_GEN, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
-    GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH, L_HEAD,
-    L_NAME_LEN, L_TAIL, L_TOKENS, LF, NAME_BYTES, QUEUED, SF, SLOT_BITS, SLOT_MASK, STATUS_POISON, W_CLAIMED, WF,
-    _HEAD, _LINK, _RESULT,
+    BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE,
+    F_TOKENS, GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH,
+    L_HEAD, L_NAME_LEN, L_TAIL, L_TOKENS, L_VTIME, LF, NAME_BYTES, QUEUED, SF, SLOT_BITS, SLOT_MASK, STATUS_POISON,
+    W_CLAIMED, WF, _HEAD, _LINK, _RESULT,
 )
 from local_queue.records import LaneStats, QueueFull
 from local_queue.slab import NIL
+
+#: Flows' finish times a producer keeps before it forgets those of idle flows.
+FLOWS_KEPT = 4096
 
 
 class Lanes:
@@ -84,20 +87,23 @@ class Lanes:
 
     def promote(self, item_ids: list[int]) -> int:
         """Queued batch items become interactive (a batch item waited past its bound:
-        `daemon.broker`): each goes to its place by put order among the interactive
-        items of its lane (invariant 2). Ids of items no longer queued, or not batch
-        work, are skipped. Returns how many moved."""
-        S, nslots = self._S, self._nslots
+        `daemon.broker`): each takes its lane's virtual time as its key, so it goes
+        ahead of the interactive items not yet due, by put order among those of the
+        same key (invariant 2). Ids of items no longer queued, or not batch work, are
+        skipped. Returns how many moved."""
+        S, L, nslots = self._S, self._L, self._nslots
         with self._lock:
-            by_lane: dict[int, list[tuple[int, int, int]]] = {}
+            by_lane: dict[int, list[tuple[int, int, int, int]]] = {}
             for item_id in item_ids:
                 s, gen = item_id & SLOT_MASK, (item_id >> SLOT_BITS) & GEN_MASK
                 b = s * SF
                 if s >= nslots or S[b + F_GEN] != gen or S[b + F_STATE] != QUEUED or S[b + F_SEQ] < BATCH_SEQ:
                     continue
                 self._unlink(s)
+                lane = S[b + F_LANE]
                 S[b + F_SEQ] -= BATCH_SEQ
-                by_lane.setdefault(S[b + F_LANE], []).append((S[b + F_SEQ], s, S[b + F_TOKENS]))
+                S[b + F_KEY] = L[lane * LF + L_VTIME]
+                by_lane.setdefault(lane, []).append((S[b + F_KEY], S[b + F_SEQ], s, S[b + F_TOKENS]))
             for lane, items in by_lane.items():
                 items.sort()
                 self._insert_sorted(lane, items)
@@ -143,21 +149,21 @@ class Lanes:
         self._free_data(s)
         self._append_done(s)
 
-    def _insert_sorted(self, lane: int, items: list[tuple[int, int, int]]) -> None:
-        """Insert QUEUED slots, given as (seq, slot, tokens) sorted by seq, into `lane` at
-        their seq positions: one merge pass from the head (returns land near it)."""
+    def _insert_sorted(self, lane: int, items: list[tuple[int, int, int, int]]) -> None:
+        """Insert QUEUED slots, given as (key, seq, slot, tokens) sorted, into `lane` at
+        their (key, seq) positions: one merge pass from the head (returns land near it)."""
         S, Sb, L, Lb, link = self._S, self._Sb, self._L, lane * LF, _LINK.pack_into
         prev, cur = NIL, L[Lb + L_HEAD]
-        cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
+        at = (S[cur * SF + F_KEY], S[cur * SF + F_SEQ]) if cur != NIL else (0, 0)
         ntok = 0
         before_cur = False  # items were inserted in front of cur: its PREV is stale
-        for sq, s, t in items:
-            while cur != NIL and cur_seq < sq:
+        for key, sq, s, t in items:
+            while cur != NIL and at < (key, sq):
                 if before_cur:
                     S[cur * SF + F_PREV] = prev
                     before_cur = False
                 prev, cur = cur, S[cur * SF + F_NEXT]
-                cur_seq = S[cur * SF + F_SEQ] if cur != NIL else 0
+                at = (S[cur * SF + F_KEY], S[cur * SF + F_SEQ]) if cur != NIL else (0, 0)
             link(Sb, s * SF * 8 + F_NEXT * 8, cur, prev)
             if prev == NIL:
                 L[Lb + L_HEAD] = s
@@ -175,15 +181,68 @@ class Lanes:
         L[Lb + L_TOKENS] += ntok
         self._h[H_DEPTH] += len(items)
 
-    def _requeue(self, recs: list[tuple[int, int, int, int, int]], *, bump: bool,
+    def _insert_from_tail(self, lane: int, items: list[tuple[int, int, int, int]]) -> None:
+        """`_insert_sorted` walking from the tail: for puts, whose keys are the largest
+        of their flow and land near the tail unless their flow was idle."""
+        S, Sb, L, Lb, link = self._S, self._Sb, self._L, lane * LF, _LINK.pack_into
+        nxt, cur = NIL, L[Lb + L_TAIL]
+        ntok = 0
+        for key, sq, s, t in reversed(items):
+            while cur != NIL and (S[cur * SF + F_KEY], S[cur * SF + F_SEQ]) > (key, sq):
+                nxt, cur = cur, S[cur * SF + F_PREV]
+            link(Sb, s * SF * 8 + F_NEXT * 8, nxt, cur)  # s goes between cur and nxt
+            if nxt == NIL:
+                L[Lb + L_TAIL] = s
+            else:
+                S[nxt * SF + F_PREV] = s
+            if cur == NIL:
+                L[Lb + L_HEAD] = s
+            else:
+                S[cur * SF + F_NEXT] = s
+            nxt = s
+            ntok += t
+        L[Lb + L_DEPTH] += len(items)
+        L[Lb + L_TOKENS] += ntok
+        self._h[H_DEPTH] += len(items)
+
+    def _fair_keys(self, lane: int, flow: int, tokens: list[int]) -> list[int]:
+        """Keys of interactive puts of `flow` into `lane` (invariant 2; start-time fair
+        queueing): each item starts at its flow's finish time or at the lane's virtual
+        time, whichever is later, and its flow then finishes `tokens` (at least 1)
+        later. An idle flow (its finish time passed) starts at the lane's virtual time."""
+        vtime = self._L[lane * LF + L_VTIME]
+        flows = self._flows
+        key = max(vtime, flows.get((lane, flow), 0))
+        if len(tokens) == 1:  # the common put: one request
+            t = tokens[0]
+            flows[(lane, flow)] = key + (t if t > 0 else 1)
+            if len(flows) > FLOWS_KEPT:
+                self._forget_idle_flows()
+            return [key]
+        keys = []
+        for t in tokens:
+            keys.append(key)
+            key += t if t > 0 else 1
+        flows[(lane, flow)] = key
+        if len(flows) > FLOWS_KEPT:
+            self._forget_idle_flows()
+        return keys
+
+    def _forget_idle_flows(self) -> None:
+        """Drop the finish times the lanes' virtual times have passed: such a flow's
+        next item starts at the virtual time whether it is kept or not."""
+        L = self._L
+        self._flows = {k: f for k, f in self._flows.items() if f > L[k[0] * LF + L_VTIME]}
+
+    def _requeue(self, recs: list[tuple[int, int, int, int, int, int]], *, bump: bool,
                  max_attempts: int) -> tuple[int, int]:
-        """CLAIMED slots, as (seq, slot, lane, owner, tokens), back to their lanes
+        """CLAIMED slots, as (key, seq, slot, lane, owner, tokens), back to their lanes
         (attempts += 1 if bump; poison at max_attempts). Returns (requeued, poisoned)."""
         S = self._S
         recs.sort()
-        by_lane: dict[int, list[tuple[int, int, int]]] = {}
+        by_lane: dict[int, list[tuple[int, int, int, int]]] = {}
         poisoned = 0
-        for sq, s, lane, _, t in recs:
+        for key, sq, s, lane, _, t in recs:
             b = s * SF
             if bump:
                 S[b + F_ATTEMPTS] += 1
@@ -192,17 +251,17 @@ class Lanes:
                     poisoned += 1
                     continue
             S[b] = QUEUED  # commit (F_OWNER only means something while CLAIMED)
-            by_lane.setdefault(lane, []).append((sq, s, t))
-        self._drop_claimed(Counter(r[2] for r in recs), Counter(r[3] for r in recs))
+            by_lane.setdefault(lane, []).append((key, sq, s, t))
+        self._drop_claimed(Counter(r[3] for r in recs), Counter(r[4] for r in recs))
         for lane, group in by_lane.items():
             self._insert_sorted(lane, group)
         return len(recs) - poisoned, poisoned
 
-    def _requeue_recs(self, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
-        Sb, unpack, out = self._Sb, _HEAD.unpack_from, []
+    def _requeue_recs(self, slots: list[int]) -> list[tuple[int, int, int, int, int, int]]:
+        S, Sb, unpack, out = self._S, self._Sb, _HEAD.unpack_from, []
         for s in slots:
             r = unpack(Sb, s * SF * 8)
-            out.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
+            out.append((S[s * SF + F_KEY], r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
         return out
 
     def _drop_claimed(self, lanes: dict[int, int], owners: dict[int, int]) -> None:

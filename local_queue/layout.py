@@ -33,7 +33,7 @@ STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
 
 MAGIC = 0x464C45455451  # "FLEETQ"
-VERSION = 4
+VERSION = 5
 NAME_BYTES = 128
 DEVICE_BYTES = 64
 INFO_BYTES = 4096
@@ -50,6 +50,9 @@ HOLD_NS = 2_000_000_000  # a large put's hold on merged free space, from its las
 #: A batch item's seq carries this bit (invariant 2): it sorts after every interactive
 #: item of its lane, and among batch items by put order. `promote` clears it.
 BATCH_SEQ = 1 << 61
+#: A batch item's lane key (invariant 2): above every interactive item's key (a
+#: virtual time in tokens, far below it), so batch work sorts after interactive work.
+BATCH_KEY = 1 << 62
 MAX_LEASE_MS = 1 << 40  # keeps now_ns + lease in int64
 
 # Header fields (int64 indices). H_RESERVED_HEAD: first RESERVED slot (blocks.py).
@@ -66,6 +69,9 @@ HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 (F_STATE, F_NEXT, F_PREV, F_GEN, F_LANE, F_SEQ, F_TOKENS, F_REQ, F_ENQ, F_DEADLINE, F_ATTEMPTS,
  F_DATA, F_DATA_LEN, F_DATA_AT, F_EPOCH, F_OWNER, F_LEASE, F_RES, F_RES_LEN, F_RES_AT,
  F_STATUS) = range(21)
+# F_KEY: the item's place in its lane (invariant 2): its flow's virtual start time
+# (interactive), BATCH_KEY (batch work). Written at put and promote, before the commit.
+F_KEY = 21
 SF = 24  # 192 B: a record is exactly three 64-byte cache lines
 _PUT = struct.Struct("<13q")  # at F_NEXT
 _CLAIM = struct.Struct("<3q")  # at F_EPOCH
@@ -79,7 +85,9 @@ FREE, QUEUED, CLAIMED, DONE, RESERVED = 0, 1, 2, 3, 4
 
 # L_RESULT: the largest result (bytes per item) acked in the lane so far: what a
 # claim sets aside for each item's result when its caller does not say.
-L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN, L_RESULT = range(7)
+# L_VTIME: the lane's virtual time (invariant 2): the largest key of an interactive
+# item claimed from it; never decreases.
+L_HEAD, L_TAIL, L_DEPTH, L_TOKENS, L_CLAIMED, L_NAME_LEN, L_RESULT, L_VTIME = range(8)
 LF = 8
 W_GEN, W_ACTIVE, W_PID, W_HEARTBEAT, W_CLAIMED, W_LEASE_MS, W_DEVICE_LEN, W_INFO_LEN = range(8)
 WF = 8

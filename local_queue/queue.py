@@ -38,17 +38,28 @@ Protocol and invariants:
    when the holder dies, even by SIGKILL). Lock order: thread lock, then flock.
    Nothing is waited for while holding it; semaphores are posted after it is
    released. Lock-free reads are single aligned int64 loads, used as hints only.
-2. A lane is a doubly linked list of QUEUED slots sorted by `seq` (a global
-   counter assigned at put, under the lock, so it follows enqueue time). Put
-   appends at the tail; claim takes a prefix; returns and expiries insert back
-   by `seq`, so a lane's order is always enqueue order, whoever returns first.
-   Batch work (`put_many(batch=True)`) carries BATCH_SEQ in its seq: a lane is
-   its interactive items in enqueue order, then its batch items in enqueue
-   order, so a claim takes interactive work first and fills the rest of its
-   budget with batch work. An interactive put into a lane whose tail is batch
-   work is inserted in front of it (a walk over the interactive items only);
-   `promote` clears the bit of a queued batch item and moves it to its place
-   among the interactive ones (its seq is its enqueue order).
+2. A lane is a doubly linked list of QUEUED slots sorted by (`key`, `seq`).
+   `seq` is a global counter assigned at put, under the lock, so it follows
+   enqueue time; `key` is the item's virtual start time in its lane (fair
+   queueing by flow, start-time fair queueing over tokens): an interactive put
+   of flow f (`put_many(flow=)`: a client) gets key = max(the lane's virtual
+   time L_VTIME, f's finish time), and f's finish time becomes key + tokens; a
+   claim raises L_VTIME to the largest key it took (never lowers it). So one
+   flow's items keep put order, and a flow that sends little is not queued
+   behind a flow that sends much: its item starts at the virtual time, ahead
+   of the other flow's later items. Flows' finish times live in the producer's
+   handle (`_flows`, under the lock), not in the segment: each producer keeps
+   its own (the daemon is the one producer); a flow put through two handles
+   gets a share from each. Put appends at the tail when its key is the
+   largest, else it is inserted at its place, walking from the nearer end;
+   claim takes a prefix; returns and expiries insert back by (key, seq), so a
+   lane's order never depends on who returns first.
+   Batch work (`put_many(batch=True)`) has key BATCH_KEY and carries
+   BATCH_SEQ in its seq: a lane is its interactive items in key order, then
+   its batch items in enqueue order, so a claim takes interactive work first
+   and fills the rest of its budget with batch work. `promote` clears the bit
+   of a queued batch item and gives it the lane's virtual time as its key:
+   ahead of interactive items not yet due.
    DONE slots form one FIFO list (singly linked through F_NEXT).
 3. A slot's `state` field is its commit point and is written last: all other
    fields of the new state (and its block bytes, fully copied) are written
@@ -127,11 +138,12 @@ import posix_ipc
 
 from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
 from local_queue.layout import (
-    BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN, F_LANE, F_NEXT,
-    F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH, H_DONE_COUNT,
-    H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC, H_MAX_LANES,
-    H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION, H_WORK_GEN,
-    H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, MAGIC, MAX_LEASE_MS,
+    BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN,
+    F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH,
+    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC,
+    H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION,
+    H_WORK_GEN, H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, L_VTIME, MAGIC,
+    MAX_LEASE_MS,
     NAME_BYTES, QUEUED, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
     VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
     _open_segment,
@@ -263,6 +275,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._slot_reserve = min(SLOT_RESERVE, n // 8)
         self._lane_ids: dict[str, int] = {}
         self._lane_names: dict[int, str] = {}
+        #: (lane, flow) -> the flow's finish time in the lane's virtual time (invariant 2).
+        self._flows: dict[tuple[int, int], int] = {}
         # Result space set aside by this handle's claims (invariant 9):
         # claim id -> (reservation slot, block, byte offset, bytes), and per
         # reservation slot the claims not yet acked or returned.
@@ -368,22 +382,22 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
 
     # -- producer ----------------------------------------------------------------
     def put(self, lane: int, payload: bytes | memoryview, *, tokens: int, request_id: int,
-            deadline_ns: int = 0, batch: bool = False) -> int:
+            deadline_ns: int = 0, batch: bool = False, flow: int = 0) -> int:
         return self.put_many(lane, [payload], tokens=[tokens], request_ids=[request_id],
-                             deadline_ns=deadline_ns, batch=batch)[0]
+                             deadline_ns=deadline_ns, batch=batch, flow=flow)[0]
 
     def put_many(self, lane: int, payloads: list, *, tokens: list[int], request_ids: list[int],
-                 deadline_ns: int = 0, batch: bool = False) -> list[int]:
+                 deadline_ns: int = 0, batch: bool = False, flow: int = 0) -> list[int]:
         """Enqueue in `lane`, all or nothing (QueueFull leaves the queue unchanged):
-        interactive items behind the lane's interactive items, batch items (`batch`)
-        at its tail, behind everything (invariant 2)."""
+        interactive items at their flow's fair place (`flow`: who sent them, e.g. a
+        client; invariant 2), batch items (`batch`) at its tail, behind everything."""
         n = len(payloads)
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
         # Checked up front: a bad value inside the commit loop would leave a prefix queued.
-        if n and not (0 <= min(tokens) and max(tokens) < 1 << 62 and -(1 << 63) <= min(request_ids)
+        if n and not (0 <= min(tokens) and max(tokens) < 1 << 40 and -(1 << 63) <= min(request_ids)
                       and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63):
-            raise ValueError("tokens must be in [0, 2**62), request ids and deadline_ns int64")
+            raise ValueError("tokens must be in [0, 2**40), request ids and deadline_ns int64")
         self._check_lane(lane)
         views, lens, limit = [], [], self._slab.max_bytes()
         for p in payloads:
@@ -400,7 +414,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             with self._lock:
                 blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
                 _copy_in(data, views, lens, at)
-                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch)
+                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch,
+                                              flow)
                 self._add_refs(units)
         else:
             # Reserve, copy outside the lock, commit (invariant 8): a large body
@@ -415,7 +430,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                     if h[H_FREE_TOP] - n < self._slot_reserve:
                         raise QueueFull(f"queue full: {h[H_FREE_TOP]} free slots, {n} needed")
                     ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at,
-                                                  batch)
+                                                  batch, flow)
                     self._add_refs(units)
                     for s in held:
                         self._release(s)
@@ -467,22 +482,23 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         h[H_HOLD_UNTIL] = now + HOLD_NS
 
     def _commit_put(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                    deadline_ns: int, blocks: list[int], at: list[int], batch: bool) -> tuple[list[int], int]:
+                    deadline_ns: int, blocks: list[int], at: list[int], batch: bool,
+                    flow: int) -> tuple[list[int], int]:
         """Slot records for copied payloads, committed one by one and chained behind
-        the lane's tail (new seqs are the largest, so the lane stays sorted); an
-        interactive put into a lane whose tail is batch work goes in front of the
-        batch items instead (`_insert_sorted`, a walk over the interactive ones).
+        the lane's tail when their keys are the lane's largest (a lone flow's puts,
+        batch work); otherwise inserted at their places (`_commit_put_at`).
         Returns (ids, work posts)."""
         S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
+        keys = [BATCH_KEY] * n if batch else self._fair_keys(lane, flow, tokens)
+        Lb = lane * LF
+        prev = L[Lb + L_TAIL]
+        if prev != NIL and S[prev * SF + F_KEY] > keys[0]:
+            return self._commit_put_at(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, keys)
         pack = _PUT.pack_into
         ids = []
         top = h[H_FREE_TOP]
         now = time.monotonic_ns()
         seq = h[H_SEQ]
-        Lb = lane * LF
-        prev = L[Lb + L_TAIL]
-        if not batch and prev != NIL and S[prev * SF + F_SEQ] >= BATCH_SEQ:
-            return self._commit_put_ahead(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at)
         flag = BATCH_SEQ if batch else 0
         for i in range(n):
             s = stack[top - 1 - i]
@@ -491,6 +507,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             seq += 1
             pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq | flag, tokens[i], request_ids[i], now,
                  deadline_ns, 0, blocks[i], lens[i], at[i])
+            S[b + F_KEY] = keys[i]
             S[b] = QUEUED  # commit (invariant 3)
             if prev == NIL:
                 L[Lb + L_HEAD] = s
@@ -508,11 +525,12 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         h[H_WORK_GEN] += 1
         return ids, h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
 
-    def _commit_put_ahead(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                          deadline_ns: int, blocks: list[int], at: list[int]) -> tuple[list[int], int]:
-        """`_commit_put` of interactive items into a lane that holds batch work: committed
-        unlinked, then inserted at their seq places, ahead of every batch item."""
-        S, Sb, stack, h = self._S, self._Sb, self._stack, self._h
+    def _commit_put_at(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
+                       deadline_ns: int, blocks: list[int], at: list[int], keys: list[int]) -> tuple[list[int], int]:
+        """`_commit_put` of interactive items that go ahead of the lane's tail (another
+        flow has more queued, or the tail is batch work): committed unlinked, then
+        inserted at their (key, seq) places, walking from the end nearer their keys."""
+        S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
         pack = _PUT.pack_into
         ids, placed = [], []
         top = h[H_FREE_TOP]
@@ -525,12 +543,18 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             seq += 1
             pack(Sb, b * 8 + F_NEXT * 8, NIL, NIL, gen, lane, seq, tokens[i], request_ids[i], now,
                  deadline_ns, 0, blocks[i], lens[i], at[i])
+            S[b + F_KEY] = keys[i]
             S[b] = QUEUED  # commit (invariant 3); a repair links it if we die before the insert
-            placed.append((seq, s, tokens[i]))
+            placed.append((keys[i], seq, s, tokens[i]))
             ids.append(gen << SLOT_BITS | s)
         h[H_FREE_TOP] = top - n
         h[H_SEQ] = seq
-        self._insert_sorted(lane, placed)
+        Lb = lane * LF
+        head_key, tail_key = S[L[Lb + L_HEAD] * SF + F_KEY], S[L[Lb + L_TAIL] * SF + F_KEY]
+        if keys[0] - head_key < min(tail_key, BATCH_KEY) - keys[-1]:
+            self._insert_sorted(lane, placed)
+        else:
+            self._insert_from_tail(lane, placed)
         h[H_WORK_GEN] += 1
         return ids, h[H_WORK_WAITERS] - self._work_sem.value
 
@@ -605,6 +629,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             # 2. Claim the head in order, expired items completing as they are met.
             s = L[Lb + L_HEAD]
             taken = ntok = expired = expired_tok = 0
+            last = NIL  # the last interactive item taken: its key is the lane's virtual time now
             while s != NIL and taken < max_items:
                 b = s * SF
                 (_, nxt, _, gen, _, sq, t, req, enq, dl, att, _, ln, at, epoch, _) = unpack(Sb, b * 8)
@@ -621,9 +646,13 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 S[b] = CLAIMED  # commit
                 taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, at, ln,
                                    sq >= BATCH_SEQ))
+                if sq < BATCH_SEQ:
+                    last = s
                 taken += 1
                 ntok += t
                 s = nxt
+            if last != NIL and S[last * SF + F_KEY] > L[Lb + L_VTIME]:
+                L[Lb + L_VTIME] = S[last * SF + F_KEY]
             # The claimed/expired prefix leaves the list in one step.
             L[Lb + L_HEAD] = s
             if s == NIL:
@@ -671,7 +700,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                     if (r[F_STATE] == CLAIMED and r[F_EPOCH] == cid >> EPOCH_SHIFT
                             and r[F_GEN] == (cid >> SLOT_BITS) & GEN_MASK):
                         seen.add(s)
-                        recs.append((r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
+                        recs.append((self._S[s * SF + F_KEY], r[F_SEQ], s, r[F_LANE], r[F_OWNER], r[F_TOKENS]))
             moved, _ = self._requeue(recs, bump=False, max_attempts=0)
             if self._areas:
                 self._let_go_areas(item_ids)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from local_queue.layout import (
-    BATCH_SEQ, CLAIMED, DONE, F_DATA, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
+    BATCH_KEY, BATCH_SEQ, CLAIMED, DONE, F_DATA, F_KEY, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
     FREE, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RESERVED_HEAD, H_SEQ,
     H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
     W_ACTIVE, W_CLAIMED, WF,
@@ -89,9 +89,9 @@ class Recovery:
         S[st == FREE, F_RES] = NIL
         S[st == DONE, F_DATA] = NIL
         S[(st == QUEUED) | (st == CLAIMED) | (st == RESERVED), F_RES] = NIL  # so _block_refs counts owners only
-        # Lanes: QUEUED slots grouped by lane, sorted by seq.
+        # Lanes: QUEUED slots grouped by lane, sorted by (key, seq).
         q = np.flatnonzero(st == QUEUED)
-        q = q[np.lexsort((S[q, F_SEQ], S[q, F_LANE]))]
+        q = q[np.lexsort((S[q, F_SEQ], S[q, F_KEY], S[q, F_LANE]))]
         lanes = S[q, F_LANE]
         same_next = np.append(lanes[1:] == lanes[:-1], False)[:len(q)]  # (no queued item: empty)
         same_prev = np.insert(lanes[1:] == lanes[:-1], 0, False)[:len(q)]
@@ -152,14 +152,16 @@ class Recovery:
             claimed[S[s * SF + F_LANE]] += 1
         for lane in range(h[H_N_LANES]):
             Lb = lane * LF
-            s, prev, n, tok, last = self._L[Lb + L_HEAD], NIL, 0, 0, -1
+            s, prev, n, tok, last = self._L[Lb + L_HEAD], NIL, 0, 0, (-1, -1)
             while s != NIL:
                 b = s * SF
                 if S[b + F_STATE] != QUEUED or S[b + F_LANE] != lane or S[b + F_PREV] != prev:
                     raise RuntimeError(f"lane {lane}: slot {s} does not belong in its list")
-                if S[b + F_SEQ] <= last:
-                    raise RuntimeError(f"lane {lane}: out of seq order at slot {s}")
-                last = S[b + F_SEQ]
+                if (S[b + F_KEY], S[b + F_SEQ]) <= last:
+                    raise RuntimeError(f"lane {lane}: out of (key, seq) order at slot {s}")
+                if (S[b + F_KEY] == BATCH_KEY) != (S[b + F_SEQ] >= BATCH_SEQ):
+                    raise RuntimeError(f"lane {lane}: slot {s} is batch work by its key or its seq, not both")
+                last = (S[b + F_KEY], S[b + F_SEQ])
                 seen_q.add(s)
                 n, tok, prev, s = n + 1, tok + S[b + F_TOKENS], s, S[b + F_NEXT]
             if (prev != self._L[Lb + L_TAIL] or n != self._L[Lb + L_DEPTH]

@@ -139,6 +139,56 @@ def test_promote_moves_a_batch_item_among_interactive_ones_by_put_order(q):
     q.check()
 
 
+def test_a_flow_that_sends_little_goes_ahead_of_a_flow_with_a_backlog(q):
+    # Start-time fair queueing (invariant 2): flow 1 queues 6 items of 10 tokens;
+    # flow 2's item starts at the lane's virtual time, ahead of flow 1's later items.
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    q.put_many(lane, [b"h"] * 6, tokens=[10] * 6, request_ids=[0, 1, 2, 3, 4, 5], flow=1)
+    assert rids_of(take(q, lane, w, n=1)) == [0]  # the lane's virtual time is now 0
+    q.put(lane, b"l", tokens=10, request_id=100, flow=2)
+    assert rids_of(take(q, lane, w, n=2)) == [100, 1]  # 100 starts at 0, before 1 (10)
+    # Flow 2 sent again at once: its finish time (10) is its next start, behind 1, ahead of 2 (20).
+    q.put(lane, b"l", tokens=10, request_id=101, flow=2)
+    q.put(lane, b"l", tokens=30, request_id=102, flow=3)  # a new flow starts at the virtual time (10)
+    got = take(q, lane, w)
+    assert rids_of(got) == [101, 102, 2, 3, 4, 5]
+    # Returned items go back to their places; one flow's items keep their put order.
+    assert q.return_items([got[3].item_id, got[0].item_id, got[5].item_id]) == 3
+    assert rids_of(take(q, lane, w)) == [101, 3, 5]
+    q.check()
+
+
+def test_fair_places_hold_with_batch_work_behind_and_after_promotion(q):
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    [b1] = q.put_many(lane, [b"b"], tokens=[1], request_ids=[10], batch=True)
+    q.put_many(lane, [b"h"] * 3, tokens=[5] * 3, request_ids=[0, 1, 2], flow=1)
+    q.put(lane, b"l", tokens=5, request_id=20, flow=2)  # starts at 0 with flow 1's first
+    assert rids_of(take(q, lane, w, n=2)) == [0, 20]  # virtual time 0: same start, put order
+    q.put(lane, b"l", tokens=5, request_id=21, flow=2)  # flow 2 finished at 5: starts at 5 with 1
+    assert q.promote([b1]) == 1  # a batch item past its bound takes the virtual time (0): first
+    got = take(q, lane, w)
+    assert rids_of(got) == [10, 1, 21, 2] and [c.batch for c in got] == [False] * 4
+    q.check()
+
+
+def test_an_idle_flows_finish_time_is_forgotten_not_charged(q):
+    # A flow's finish time only matters while it is ahead of the lane's virtual time:
+    # past it, the flow starts at the virtual time again (and the producer may drop it).
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    q.put_many(lane, [b"a"] * 3, tokens=[100] * 3, request_ids=[0, 1, 2], flow=1)  # flow 1 finishes at 300
+    take(q, lane, w)  # virtual time 200
+    q.put_many(lane, [b"b"] * 4, tokens=[100] * 4, request_ids=[10, 11, 12, 13], flow=2)  # 200 .. 500
+    assert rids_of(take(q, lane, w, n=2)) == [10, 11]  # virtual time 300
+    q.put(lane, b"a", tokens=1, request_id=3, flow=1)  # flow 1: max(300, 300) = 300, ahead of 12 (400)
+    assert rids_of(take(q, lane, w)) == [3, 12, 13]
+    q._forget_idle_flows()
+    assert q._flows == {(lane, 2): 600}  # flow 1 finished at 301 <= virtual time 400
+    q.check()
+
+
 def test_cancel_removes_only_queued_items(q):
     lane = q.lane_id("m")
     ids = put_all(q, lane, range(3), size=1000)
@@ -520,8 +570,11 @@ class QueueModel(RuleBasedStateMachine):
         self.lanes = [self.q.lane_id(f"lane{i}") for i in range(3)]
         self.wid = self.q.register_worker(1, "cpu")
         self.next_rid = 0
-        self.items = {}  # rid -> dict(lane, payload, tokens, expired, attempts, put_id)
-        self.queued = {lane: [] for lane in self.lanes}  # rid lists, put order == rid order
+        self.items = {}  # rid -> dict(lane, payload, tokens, expired, attempts, put_id, batch, key)
+        self.queued = {lane: [] for lane in self.lanes}  # rid lists in lane order; put order == rid order
+        # Fair queueing (invariant 2): each lane's virtual time, each (lane, flow)'s finish time.
+        self.vtime = {lane: 0 for lane in self.lanes}
+        self.finish = {}
         self.held = {}  # claim id -> (rid, short lease)
         self.stale = []  # claim ids no longer held
         self.expect = {}  # rid -> (status, result) not yet collected
@@ -560,8 +613,8 @@ class QueueModel(RuleBasedStateMachine):
 
     @rule(lane=st.integers(0, 2), sizes=st.lists(st.one_of(st.integers(0, 300), st.integers(1000, 20000)),
                                                 min_size=1, max_size=6),
-          tokens=st.integers(1, 40), expired=st.booleans(), batch=st.booleans())
-    def put(self, lane, sizes, tokens, expired, batch):
+          tokens=st.integers(0, 40), expired=st.booleans(), batch=st.booleans(), flow=st.integers(0, 2))
+    def put(self, lane, sizes, tokens, expired, batch, flow):
         lane = self.lanes[lane]
         u = self.q.usage()
         rids = list(range(self.next_rid, self.next_rid + len(sizes)))
@@ -575,20 +628,26 @@ class QueueModel(RuleBasedStateMachine):
             return
         try:
             ids = self.q.put_many(lane, payloads, tokens=[tokens] * len(sizes), request_ids=rids,
-                                  deadline_ns=1 if expired else 0, batch=batch)
+                                  deadline_ns=1 if expired else 0, batch=batch, flow=flow)
         except QueueFull:  # too few slots, or no block big enough
             assert self.q.usage() == u
             return
         self.next_rid += len(sizes)
+        key = max(self.vtime[lane], self.finish.get((lane, flow), 0))
         for r, p, i in zip(rids, payloads, ids):
             self.items[r] = dict(lane=lane, payload=p, tokens=tokens, expired=expired, attempts=0, put_id=i,
-                                 batch=batch)
+                                 batch=batch, key=float("inf") if batch else key)
+            if not batch:
+                key += max(1, tokens)
             self.queued[lane].append(r)
+        if not batch:
+            self.finish[(lane, flow)] = key
         self._sort(lane)
 
     def _sort(self, lane):
-        """A lane's order (invariant 2): interactive items by put order, then batch items by put order."""
-        self.queued[lane].sort(key=lambda r: (self.items[r]["batch"], r))
+        """A lane's order (invariant 2): interactive items by (virtual start time, put
+        order), then batch items by put order."""
+        self.queued[lane].sort(key=lambda r: (self.items[r]["key"], r))
 
     @rule(which=st.lists(st.integers(0, 10**6), min_size=1, max_size=4))
     def promote(self, which):
@@ -599,8 +658,9 @@ class QueueModel(RuleBasedStateMachine):
         want = [r for r in rids if self.items[r]["batch"] and r in self.queued[self.items[r]["lane"]]]
         assert self.q.promote([self.items[r]["put_id"] for r in rids]) == len(want)
         for r in want:
-            self.items[r]["batch"] = False
-            self._sort(self.items[r]["lane"])
+            lane = self.items[r]["lane"]
+            self.items[r].update(batch=False, key=self.vtime[lane])
+            self._sort(lane)
 
     @rule(lane=st.integers(0, 2), max_items=st.integers(1, 8), max_tokens=st.integers(1, 120),
           short=st.booleans())
@@ -624,6 +684,8 @@ class QueueModel(RuleBasedStateMachine):
             tok += it["tokens"]
             want.append(left.pop(0))
         assert rids_of(got) == want, (rids_of(got), want, self.q.usage())
+        keys = [self.items[r]["key"] for r in want if not self.items[r]["batch"]]
+        self.vtime[lane] = max([self.vtime[lane], *keys])
         for c in got:
             it = self.items[c.request_id]
             assert bytes(c.payload) == it["payload"] and c.attempts == it["attempts"] and c.batch == it["batch"]

@@ -495,3 +495,84 @@ def test_the_event_loop_never_waits_for_a_lock_another_process_holds():
             _kill(proc)
         q.close()
         q.unlink()
+
+
+# -- fair queueing across processes ------------------------------------------------------
+
+FLOOD_DEPTH = 40  # the flooding producer keeps this many of its items queued
+
+
+def _flood(name: str, stop_path: str) -> None:
+    """A producer process whose flow (1) keeps a backlog in lane "m"."""
+    q = LocalQueue.attach(name)
+    lane = q.lane_id("m")
+    rid = 0
+    while not os.path.exists(stop_path):
+        n = FLOOD_DEPTH - q.depth()
+        if n > 0:
+            q.put_many(lane, [b"h"] * n, tokens=[10] * n, request_ids=list(range(rid, rid + n)), flow=1)
+            rid += n
+        time.sleep(0.001)
+    q.close()
+
+
+def _serve_one_at_a_time(name: str, stop_path: str) -> None:
+    """A worker process taking one item per round (a batch takes 2 ms) and acking it."""
+    q = LocalQueue.attach(name)
+    lane = q.lane_id("m")
+    wid = q.register_worker(os.getpid(), "cpu")
+    while not os.path.exists(stop_path):
+        got = q.claim(lane, worker=wid, max_items=1, max_tokens=1 << 30, lease_ms=LONG)
+        if not got:
+            q.wait_for_work(0.05)
+            continue
+        time.sleep(0.002)
+        q.ack_many([(c.item_id, b"ok", 0) for c in got])
+    q.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_light_flow_waits_for_the_batch_in_progress_not_for_another_processes_backlog(tmp_path):
+    # Producers in two processes (a flood of flow 1 here, a light flow 2 in this
+    # process), one worker process. Each light item is answered after at most the
+    # item the worker was running when it was put: the shared virtual time places it
+    # ahead of the flood's backlog (FLOOD_DEPTH items). Counted in results, not timed.
+    q = LocalQueue.create(slots=256, slab_bytes=1 << 20)
+    stop_path = str(tmp_path / "stop")
+    procs = []
+    try:
+        lane = q.lane_id("m")
+        procs = [CTX.Process(target=_serve_one_at_a_time, args=(q.name, stop_path)),
+                 CTX.Process(target=_flood, args=(q.name, stop_path))]
+        for p in procs:
+            p.start()
+        _wait_registered(q, procs[0])
+        flood_seen = 0
+        while flood_seen < FLOOD_DEPTH:  # the flood is running and has a backlog
+            flood_seen += len(q.wait_results(1.0))
+        passed = []  # per light item: flood results between its put and its own
+        for i in range(20):
+            assert q.depth() >= FLOOD_DEPTH // 2, "the flood's backlog ran dry; the scenario proves nothing"
+            q.put(lane, b"l", tokens=10, request_id=-1 - i, flow=2)
+            n, answered = 0, False
+            deadline = time.monotonic() + 10
+            while not answered and time.monotonic() < deadline:
+                for d in q.wait_results(0.5):
+                    if d.request_id == -1 - i:
+                        answered = True
+                    else:
+                        n += 1
+            assert answered, f"light item {i} not answered within 10 s"
+            passed.append(n)
+        assert max(passed) <= 1, passed
+        open(stop_path, "wb").close()
+        for p in procs:
+            p.join(20)
+        assert [p.exitcode for p in procs] == [0, 0]
+        q.check()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                _kill(p)
+        q.close()
+        q.unlink()
