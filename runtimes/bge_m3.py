@@ -3,13 +3,18 @@ embeddings of one XLM-RoBERTa forward, as FlagEmbedding's M3 model computes them
 (FlagOpen/FlagEmbedding, `finetune/embedder/encoder_only/m3/modeling.py` and
 `inference/embedder/encoder_only/m3.py`). With H the last hidden states:
 
-- `dense`:  H[:, 0] (the CLS position); `normalize` makes it unit length.
+- `dense`:  H[:, 0] (the CLS position); `normalize` makes it unit length;
+  `dimensions` and `output_dtype` as for every dense embedder (runtimes.dense).
 - `sparse`: relu(sparse_linear(H)), one weight per token; per input, each
   vocabulary id's largest weight over its positions, without the CLS, EOS,
   padding and unknown tokens and without zero weights (FlagEmbedding's
   `lexical_weights`, keyed by id); ids ascending, or the `top_k` largest.
 - `tokens`: colbert_linear(H[:, 1:]), one vector per token after CLS (EOS
   kept, padding cut off); `normalize` makes each unit length (ColBERT scoring).
+
+A prompt (`prompt`, or `prompt_name` from the folder's sentence-transformers
+config or the catalog; bge-m3 ships none) goes before each text and is
+embedded with it, for every output (as FlagEmbedding's query instruction is).
 
 The two heads ship as `sparse_linear.pt` and `colbert_linear.pt`: torch
 pickles of a Linear's state dict. They are read with `torch.load(...,
@@ -26,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from fleet.errors import ModelLoadFailed
-from fleet.messages import EmbedResult, SparseEmbedResult, SparseVec, TokenEmbedResult, WorkError
+from fleet.errors import BadRequest, ModelLoadFailed
+from fleet.messages import SparseEmbedResult, SparseVec, TokenEmbedResult, WorkError
+from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
+from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
     CHECK_SET, Agreement, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
     footprint_bytes, input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound,
@@ -97,6 +104,9 @@ class BgeM3Embedder(Adapter):
     #: The tokenizer's Rust tokenizer called directly, checked at load to give
     #: what the tokenizer gives (None: the tokenizer's own call).
     direct: DirectTokenizer | None = None
+    #: Prompt name -> text (fleet.prompts.prompt_table) and the default name.
+    prompts: dict[str, str] = {}
+    default_prompt: str | None = None
 
     def load(self) -> None:
         import torch
@@ -116,6 +126,12 @@ class BgeM3Embedder(Adapter):
                                                    tok.unk_token_id) if t is not None}), dtype=np.int64)
         self.direct = direct_tokenizer(tok, self.max_seq_len, self._own_features, self.spec.name,
                                        lengths=self._own_lengths)
+        # Prompts as pulled (the manifest's), else as the folder says.
+        prompts, default = self.spec.extra.get("prompts"), self.spec.extra.get("default_prompt_name")
+        if prompts is None:
+            prompts, default = folder_prompts(self.spec.path)
+        self.prompts = prompt_table(self.spec.runtime, prompts)
+        self.default_prompt = default
         model = torch.nn.ModuleDict({"backbone": backbone, "sparse": sparse, "colbert": colbert}).to(self.device)
         self.model, self.dtype = choose_dtype(
             model.eval(), name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
@@ -127,15 +143,28 @@ class BgeM3Embedder(Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
 
+    def prompt_of(self, req: EmbedRequest) -> str | WorkError:
+        """The text `req` puts before each input ('' = none), or why it cannot."""
+        try:
+            return resolve_prompt(self.spec.name, self.prompts, self.default_prompt, req.prompt, req.prompt_name)
+        except BadRequest as exc:
+            return WorkError(exc.code, exc.message)
+
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
         if any(x.__class__ is not str for x in req.inputs):
             return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
                                             "(runtime clip)")
+        prompt = self.prompt_of(req)
+        if prompt.__class__ is WorkError:
+            return prompt
+        if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
+            return wide
         if not req.truncate:
-            if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
+            texts = prompted(req.inputs, prompt)
+            if over := over_char_bound(self.spec.name, texts, self.max_seq_len):
                 return over
-            lengths = self.direct.lengths(req.inputs) if self.direct is not None else self._own_lengths(req.inputs)
+            lengths = self.direct.lengths(texts) if self.direct is not None else self._own_lengths(texts)
             too_long = first_too_long(lengths, self.max_seq_len)
             if too_long is not None:
                 return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
@@ -146,7 +175,8 @@ class BgeM3Embedder(Adapter):
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
+        texts = cut_to_bound([t for i in live for t in prompted(requests[i].inputs, self.prompt_of(requests[i]))],
+                             self.max_seq_len)
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
         # 2. One forward per micro-batch; each text gets the output its request asked for.
         wants = np.repeat(np.fromiter((OUTPUTS[requests[i].output] for i in live), dtype=np.int64,
@@ -154,24 +184,23 @@ class BgeM3Embedder(Adapter):
         top_k = np.repeat(np.fromiter((requests[i].top_k or 0 for i in live), dtype=np.int64, count=len(live)),
                           counts)
         dense, per_token, sparse, tokens = self._embed(texts, wants, top_k)
-        # 3. Normalise as each request says; one result per request.
+        # 3. One result per request: dense vectors cut, normalised and converted as
+        #    each asks (runtimes.dense), token vectors normalised as each asks.
+        if dense_live := [i for i in live if requests[i].output == "dense"]:
+            rows = wants == DENSE
+            finish_dense(dense[rows], tokens[rows], requests, dense_live, results)
         starts, ends = offsets(counts)
         for k, i in enumerate(live):
             req = requests[i]
             a, b = int(starts[k]), int(ends[k])
             used = int(tokens[a:b].sum())
-            if req.output == "dense":
-                rows = dense[a:b]
-                if req.normalize:
-                    rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-                results[i] = EmbedResult(rows.astype("<f4", copy=False).tobytes(), (b - a, self.dim), used)
-            elif req.output == "tokens":
+            if req.output == "tokens":
                 blocks = [per_token[j] for j in range(a, b)]
                 if req.normalize:
                     blocks = [m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12) for m in blocks]
                 results[i] = TokenEmbedResult([m.astype("<f4", copy=False).tobytes() for m in blocks],
                                               [m.shape for m in blocks], used)
-            else:
+            elif req.output == "sparse":
                 results[i] = SparseEmbedResult(sparse[a:b], self.vocab, used)
         return results
 
@@ -240,6 +269,11 @@ class BgeM3Embedder(Adapter):
     def unload(self) -> None:
         self.direct = None
         self.model = None
+
+
+def prompted(texts: list[str], prompt: str) -> list[str]:
+    """`texts` with `prompt` in front of each (the same list when there is none)."""
+    return [prompt + t for t in texts] if prompt else texts
 
 
 def lexical_weights(ids: np.ndarray, weights: np.ndarray, keep: np.ndarray, top_k: np.ndarray,

@@ -220,6 +220,29 @@ def test_dense_is_flagembeddings_cls_vector(fleet, flag, folder):
           f"max abs {float(np.abs(got - want).max()):.2e}")
 
 
+def test_dense_controls_and_prompts(fleet, flag):
+    """`dimensions` cuts then re-normalises, `output_dtype` converts (as for every dense
+    embedder); a `prompt` goes before each text for every output, as FlagEmbedding's
+    query instruction does; bge-m3 has no named prompts."""
+    want = flag.encode(TEXTS)["dense_vecs"]
+    cut = post(fleet, {"inputs": TEXTS, "dimensions": 8, "output_dtype": "float16"}, msgpack=True)
+    assert cut["dtype"] == "float16" and cut["shape"] == [len(TEXTS), 8]
+    short = want[:, :8] / np.linalg.norm(want[:, :8], axis=1, keepdims=True)
+    np.testing.assert_allclose(np.frombuffer(cut["embeddings"], "<f2").reshape(cut["shape"]), short, atol=1e-3)
+    prompted = flag.encode(["Represent this for search: " + t for t in TEXTS])
+    dense = post(fleet, {"inputs": TEXTS, "prompt": "Represent this for search: "}, msgpack=False)
+    np.testing.assert_allclose(dense["embeddings"], prompted["dense_vecs"], atol=1e-5)
+    sparse = post(fleet, {"inputs": TEXTS, "prompt": "Represent this for search: ", "output": "sparse"},
+                  msgpack=False)
+    assert [v["indices"] for v in sparse["embeddings"]] == [sorted(map(int, r)) for r in prompted["lexical_weights"]]
+    resp = httpx.post(fleet.url + "/v1/embed", json={"model": NAME, "inputs": ["a"], "prompt_name": "query"},
+                      timeout=60)
+    assert resp.status_code == 400 and "prompt_name" in resp.json()["error"]["message"]
+    resp = httpx.post(fleet.url + "/v1/embed", json={"model": NAME, "inputs": ["a"], "dimensions": HIDDEN + 1},
+                      timeout=60)
+    assert resp.status_code == 400 and "dimensions" in resp.json()["error"]["message"]
+
+
 def test_sparse_is_flagembeddings_lexical_weights(fleet, flag):
     want = flag.encode(TEXTS)["lexical_weights"]
     reply = post(fleet, {"inputs": TEXTS, "output": "sparse"}, msgpack=True)
@@ -304,6 +327,8 @@ def test_one_batch_of_mixed_outputs_equals_each_alone(folder):
         EmbedRequest(NAME, TEXTS[1:], output="tokens", normalize=False),
         EmbedRequest(NAME, TEXTS, output="sparse", top_k=2),
         EmbedRequest(NAME, TEXTS[:2], normalize=False),
+        EmbedRequest(NAME, TEXTS[2:], prompt="query: ", dimensions=8, output_dtype="int8"),
+        EmbedRequest(NAME, TEXTS[2:], prompt="query: ", output="tokens"),
     ]
     together = a.run_batch(batch)
     assert isinstance(together[2], WorkError) and together[2].code == "input_too_long"
@@ -320,6 +345,9 @@ def test_one_batch_of_mixed_outputs_equals_each_alone(folder):
             assert got.shapes == alone.shapes
             for g, w in zip(got.data, alone.data):
                 np.testing.assert_allclose(np.frombuffer(g, "<f4"), np.frombuffer(w, "<f4"), atol=1e-5)
+        elif req.output_dtype == "int8":
+            assert got.dtype == "int8" and got.shape == alone.shape == (len(req.inputs), 8)
+            assert np.abs(np.frombuffer(got.data, "i1").astype(int) - np.frombuffer(alone.data, "i1")).max() <= 1
         else:
             np.testing.assert_allclose(np.frombuffer(got.data, "<f4"), np.frombuffer(alone.data, "<f4"), atol=1e-5)
 
