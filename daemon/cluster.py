@@ -66,6 +66,7 @@ from fleet.messages import STATUS_ERROR, STATUS_PARTIAL, Envelope, WorkError
 from fleet.store import Store
 from local_queue import STATUS_POISON, Done
 
+from daemon import timeline, tracing
 from daemon.broker import Answer, Broker
 
 log = logging.getLogger("fleet.cluster")
@@ -513,6 +514,7 @@ class Cluster:
         headers = {
             H_MSG_ID: rid, H_RID: rid, H_MODEL: model, H_TASK: task, H_TOKENS: str(tokens),
             H_DEADLINE: str(int((time.time() + timeout_s) * 1000)), H_REPLY_TO: reply_to,
+            **tracing.headers(),  # W3C traceparent: the box that runs it continues the trace
         }
         # Over the threshold, or over what this server accepts in one message (max_payload, 1 MiB by default).
         large = len(body) > min(self.settings.nats_large_payload_bytes, self.nc.max_payload - HEADER_ROOM)
@@ -525,7 +527,9 @@ class Cluster:
             if not await self._publish(work_subject(model), body, headers, deadline, offline_gives_up=local):
                 self._pending.pop(rid, None)
                 return await self._run_here(model, payload, tokens, deadline, on_partial)
+            timeline.stamp("published")
             done = await asyncio.wait_for(fut, deadline - time.monotonic())
+            timeline.stamp("collected")
         except TimeoutError:
             raise Timeout(f"{model}: no answer from the cluster within {timeout_s * 1000:.0f} ms") from None
         finally:
@@ -737,6 +741,7 @@ class Cluster:
                         "bad_request", f"{model}: the request body is gone from the object store"), deadline)
                     await msg.term()
                     return
+            span = tracing.begin_remote(h, model, self.box)  # None unless tracing is on
             try:
                 done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left,
                                              on_partial=self._piece_sink(reply_to, rid))
@@ -751,6 +756,7 @@ class Cluster:
                 await msg.term()
                 return
             await self._reply(reply_to, rid, done.status, done.result, deadline)
+            tracing.end_remote(span, done.result)
             self.served += 1
             if done.status == STATUS_POISON:
                 await msg.term()  # it killed this box's workers max_attempts times: never redeliver

@@ -252,6 +252,8 @@ class Daemon:
             await self.cluster.leave()
 
     def stop(self) -> None:
+        from daemon import tracing
+
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.broker is not None:
@@ -259,6 +261,7 @@ class Daemon:
         if self.queue is not None:
             self.queue.close()
             self.queue.unlink()
+        tracing.shutdown()  # what is buffered is exported (no-op when tracing is off)
 
     # -- models ---------------------------------------------------------------------
 

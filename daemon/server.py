@@ -101,7 +101,12 @@ def serve(settings: Settings) -> None:
     guarded = LiveApp(ModelUrls(HotRoutes(litestar_app, daemon), daemon), settings.api_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
                                  cors_origins=settings.cors_origins)
-    app = RequestIdMiddleware(browser_guard)
+    # OpenTelemetry spans only when the OTEL_ variables ask for them (daemon.tracing): inside
+    # the request id (on the span), outside everything else (refusals are traced too).
+    from daemon import tracing
+
+    traced = tracing.TracingMiddleware(browser_guard, daemon.box) if tracing.setup(daemon.box) else browser_guard
+    app = RequestIdMiddleware(traced)
 
     def on_reload(new: Settings) -> None:
         guarded.set_key(new.api_key)

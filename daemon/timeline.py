@@ -22,8 +22,10 @@ from fleet.messages import WORKER_STAGES
 
 HEADER = "X-Fleet-Timeline"
 
-#: The stamps of the request this task serves; None when it did not ask.
+#: The stamps of the request this task serves; None when it did not ask (and is not traced).
 _stamps: ContextVar[list[tuple[str, int]] | None] = ContextVar("fleet_timeline", default=None)
+#: The request asked for its timeline in the reply (a traced one is stamped without it).
+_shown: ContextVar[bool] = ContextVar("fleet_timeline_shown", default=False)
 
 
 def begin(asked: str | bytes | None) -> None:
@@ -31,6 +33,17 @@ def begin(asked: str | bytes | None) -> None:
     header's value, None when absent): the `handler` stamp."""
     if asked:
         _stamps.set([("handler", time.monotonic_ns())])
+        _shown.set(True)
+
+
+def begin_traced() -> None:
+    """Stamp this request for its trace (daemon.tracing builds spans from the stamps),
+    without the reply header unless it asks for that too."""
+    _stamps.set([("handler", time.monotonic_ns())])
+
+
+def current() -> list[tuple[str, int]] | None:
+    return _stamps.get()
 
 
 def stamp(stage: str, ns: int | None = None) -> None:
@@ -49,4 +62,5 @@ def finish(headers: dict[str, str]) -> None:
     `headers`, when asked."""
     if (stamps := _stamps.get()) is not None:
         stamps.append(("encoded", time.monotonic_ns()))
-        headers[HEADER] = ",".join(f"{stage}={ns}" for stage, ns in stamps)
+        if _shown.get():
+            headers[HEADER] = ",".join(f"{stage}={ns}" for stage, ns in stamps)
