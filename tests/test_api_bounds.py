@@ -124,3 +124,29 @@ def test_token_ids_over_the_bound_are_refused_before_decoding(shipped: DaemonPro
     assert err["code"] == "payload_too_large"
     assert f"max_token_ids = {DEFAULTS.max_token_ids}" in err["message"]
     assert str(2 * half + 1) in err["message"]
+
+
+def test_large_json_replies_are_built_off_the_loop_and_equal_the_msgpack_one(shipped: DaemonProc) -> None:
+    """Over REPLY_INLINE_VALUES floats, each shape's JSON reply is built on the work pool."""
+    import msgspec
+    import numpy as np
+
+    from daemon.offload import REPLY_INLINE_VALUES
+
+    texts = [f"text number {i}" for i in range(REPLY_INLINE_VALUES // 384 + 8)]
+    raw = httpx.post(shipped.url + "/v1/embed", content=msgspec.msgpack.encode({"inputs": texts}),
+                     headers={"Content-Type": "application/msgpack"}, timeout=300)
+    assert raw.status_code == 200, raw.content[:300]
+    out = msgspec.msgpack.decode(raw.content)
+    want = np.frombuffer(out["embeddings"], dtype="<f4").reshape(out["shape"])
+    assert want.size > REPLY_INLINE_VALUES
+    replies = {
+        "/v1/embed": (lambda r: r["embeddings"], {"inputs": texts}),
+        "/v1/embeddings": (lambda r: [d["embedding"] for d in r["data"]], {"input": texts}),
+        "/embed": (lambda r: r, {"inputs": texts}),
+        "/api/embed": (lambda r: r["embeddings"], {"model": DEFAULT_MODEL, "input": texts}),
+    }
+    for path, (rows, body) in replies.items():
+        got = httpx.post(shipped.url + path, json=body, timeout=300)
+        assert got.status_code == 200, (path, got.text[:300])
+        assert np.allclose(np.array(rows(got.json()), dtype=np.float32), want, atol=1e-5), path

@@ -20,6 +20,7 @@ from daemon.controllers.common import default_model, with_model
 from daemon.controllers.tokens import ids_to_texts
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from daemon.offload import build_reply
 
 #: OpenAI embeddings fields accepted and not applied: named in `X-Fleet-Ignored-Fields`.
 IGNORED_OPENAI = ("user",)
@@ -94,8 +95,12 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
     elif msgpack_out:
         out = EmbedReplyMsgpack(req.model, res.data, res.shape, usage, res.dtype, res.dimensions or res.shape[1])
     else:
-        out = EmbedReplyJson(req.model, tasks.vectors(res).tolist(), res.shape, usage, res.dtype,
-                             res.dimensions or res.shape[1])
+        vectors = tasks.vectors(res)
+        # Lists and JSON of up to max_inputs rows: off the event loop when large (daemon.offload).
+        content = await build_reply(vectors.size, lambda: codec.encode(EmbedReplyJson(
+            req.model, vectors.tolist(), res.shape, usage, res.dtype, res.dimensions or res.shape[1]), msgpack=False))
+        timeline.finish(headers)
+        return content, headers
     content = codec.encode(out, msgpack=msgpack_out)
     timeline.finish(headers)
     return content, headers
@@ -131,14 +136,15 @@ class EmbedController(Controller):
                            prompt=oreq.prompt, dimensions=oreq.dimensions, output_dtype=oreq.output_dtype)
         res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
         vectors = tasks.vectors(res)
-        if oreq.encoding_format == "base64":
-            data = [OpenAIEmbedding(base64.b64encode(row.tobytes()).decode(), i) for i, row in enumerate(vectors)]
-        else:
-            data = [OpenAIEmbedding(row, i) for i, row in enumerate(vectors.tolist())]
         usage = OpenAIUsage(prompt_tokens=res.input_tokens, total_tokens=res.input_tokens)
         not_applied = [*ignored, *tasks.ignored_fields(req), *fields.set_fields(oreq, IGNORED_OPENAI)]
         headers = {**answer_headers(answer), **fields.ignored_header(not_applied)}
-        return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=headers)
+        if oreq.encoding_format == "base64":
+            data = [OpenAIEmbedding(base64.b64encode(row.tobytes()).decode(), i) for i, row in enumerate(vectors)]
+            return reply(request, OpenAIEmbeddingsReply(data, model, usage), headers=headers)
+        # Lists and JSON of up to max_inputs rows: off the event loop when large (daemon.offload).
+        return await build_reply(vectors.size, lambda: reply(request, OpenAIEmbeddingsReply(
+            [OpenAIEmbedding(row, i) for i, row in enumerate(vectors.tolist())], model, usage), headers=headers))
 
 
 async def openai_texts(daemon: Daemon, model: str, value: str | list) -> list[str]:

@@ -73,6 +73,7 @@ from daemon.controllers.ollama_wire import (
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.core import Daemon
 from daemon.http import body_is_msgpack
+from daemon.offload import build_reply
 from daemon.tasks import TextStream, check_generate, token_logprobs
 
 log = logging.getLogger("fleet.daemon")
@@ -473,8 +474,10 @@ class OllamaController(Controller):
                            prompt=body.prompt, dimensions=body.dimensions, output_dtype=body.output_dtype)
         vectors, answer, tokens, clock = await embed_texts(daemon, req, keep)
         stats = await clock.stats(daemon, answer, tokens, 0)
-        return json_reply(EmbedReply(body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens),
-                          ignored_headers(ignored, dropped + tasks.ignored_fields(req)))
+        headers = ignored_headers(ignored, dropped + tasks.ignored_fields(req))
+        # Lists and JSON of up to max_inputs rows: off the event loop when large (daemon.offload).
+        return await build_reply(vectors.size, lambda: json_reply(EmbedReply(
+            body.model, vectors.tolist(), stats.total_duration, stats.load_duration, tokens), headers))
 
     @post("/embeddings", status_code=200)
     async def api_embeddings(self, request: Request, daemon: Daemon) -> Response:

@@ -39,7 +39,7 @@ from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon, live_profiles
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
-from daemon.offload import off_loop, text_bytes_over, too_large
+from daemon.offload import build_reply, off_loop, text_bytes_over, too_large
 
 #: A TEI `inputs`: one text, one text as token ids, or a batch of texts and id lists.
 Inputs = str | list[str | int | list[int]]
@@ -350,7 +350,8 @@ class TeiController(Controller):
     @post("/embed", status_code=200)
     async def embed(self, request: Request, daemon: Daemon) -> Response:
         _, res, headers = await tei_embed(request, daemon, "dense")
-        return reply(request, tasks.vectors(res).tolist(), headers=headers)
+        vectors = tasks.vectors(res)
+        return await build_reply(vectors.size, lambda: reply(request, vectors.tolist(), headers=headers))
 
     @post("/embed_sparse", status_code=200)
     async def embed_sparse(self, request: Request, daemon: Daemon) -> Response:
