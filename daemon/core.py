@@ -315,11 +315,11 @@ class Daemon:
                                                   on_partial=on_partial, batch=work is not None)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
-            self.recent.request(model, time.perf_counter() - t0, False)
+            self.recent.request(self.metrics.model_label(model), time.perf_counter() - t0, False)
             raise
         seconds = time.perf_counter() - t0
         self.metrics.observe_request(model, task, "ok", seconds, answer.queue_ms, answer.inference_ms)
-        self.recent.request(model, seconds, True)
+        self.recent.request(self.metrics.model_label(model), seconds, True)  # junk names: one `_unknown` row
         return answer
 
     def lane_of(self, manifest: Manifest) -> str:

@@ -92,6 +92,11 @@ class Metrics:
         if process_metrics:
             ProcessCollector(registry=r)
 
+    def model_label(self, model: str) -> str:
+        """The label `model` is counted under (itself, `_unknown` or `_other`): what else
+        keys per-model state on client-given names (daemon.top) uses it too."""
+        return self._model(model)
+
     def _model(self, model: str) -> str:
         label = self._models.get(model)
         if label is None:

@@ -156,6 +156,9 @@ def test_top_against_the_daemon(daemon: DaemonProc) -> None:
         r = httpx.post(daemon.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [f"top {i}", "more"]},
                        timeout=60)
         assert r.status_code == 200
+    # A client's made-up model names share one row (no state per junk name).
+    r = httpx.post(daemon.url + "/v1/embed", json={"model": "no-such-model-for-top", "inputs": ["x"]}, timeout=60)
+    assert r.status_code == 404
     out = fleetctl(daemon.url, "--json", "--interval", "0.2")
     assert out.returncode == 0, out.stderr
     state = json.loads(out.stdout)
@@ -166,6 +169,8 @@ def test_top_against_the_daemon(daemon: DaemonProc) -> None:
     assert all(w["up"] and w["rss_bytes"] > 0 and w["cpu_percent"] is not None for w in state["workers"])
     assert [d["device"] for d in state["devices"]] == ["cpu"]
     assert state["batches"] == []  # the Batches API is there, with no job running
+    names = {m["model"] for m in state["models"]}
+    assert "_unknown" in names and "no-such-model-for-top" not in names
     out = fleetctl(daemon.url, "--once", "--interval", "0.2")
     assert out.returncode == 0, out.stderr
     assert DEFAULT_MODEL in out.stdout and max(len(line) for line in out.stdout.splitlines()) <= 80
