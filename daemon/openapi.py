@@ -35,6 +35,7 @@ from fleet.protocol import (
     GenerateRequest, ModelCard, ModelList, OpenAIEmbeddingsReply, OpenAIEmbeddingsRequest, OpenAIErrorReply,
     RerankReply, RerankRequest,
 )
+from fleet.protocol import ModelDetail
 
 from daemon.controllers import ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
@@ -109,6 +110,13 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("DELETE", "/v1/models/{name}/pin"): Op("Let the model be evicted again when room is needed.", **_ADMIN),
     ("POST", "/v1/models/{name}/load"): Op("Load the model now (it may be evicted later).", **_ADMIN),
     ("POST", "/v1/models/{name}/unload"): Op("Unload the model from every worker now.", **_ADMIN),
+    ("GET", "/v1/top"): Op("The box over the last seconds, per model and worker (see `fleetctl top --json`).",
+                           "admin", None, _object("Rates, latencies, queues, batches, workers, devices, events.",
+                                                  box=_STRING, window_s=_NUMBER, queue={"type": "object"},
+                                                  models=_array({"type": "object"}),
+                                                  workers=_array({"type": "object"}),
+                                                  devices=_array({"type": "object"}),
+                                                  events=_array({"type": "object"}))),
     ("GET", "/v1/cluster"): Op("Every box of the NATS cluster, its models and its load (with --nats).", "admin",
                                None, _object("Live heartbeat entries of the cluster's boxes.",
                                              boxes=_array({"type": "object"}))),
@@ -129,7 +137,8 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                   stream=("text/event-stream", {"type": "object"}), **_OPENAI),
     ("GET", "/v1/models"): Op("Stored models (OpenAI model objects).", "openai", None, ModelList,
                               errors=OpenAIErrorReply),
-    ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object).", "openai", None, ModelCard,
+    ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object), with the live serving profile "
+                                         "of each worker holding it.", "openai", None, ModelDetail,
                                          errors=OpenAIErrorReply),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
