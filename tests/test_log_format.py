@@ -40,7 +40,7 @@ def records(text: str) -> list[dict]:
 
 def test_daemon_logs_json_lines_only_and_stops_cleanly(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    d = start_daemon(home, extra_env={"FLEET_CPU_THREADS": "1"}, args=["--workers", "2"])
+    d = start_daemon(home, extra_env={"FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
     try:
         for i in range(4):
             r = httpx.post(d.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [f"log {i}"]}, timeout=60)
