@@ -120,8 +120,8 @@ class CohereEmbedFloatsReply(msgspec.Struct, frozen=True):
 class _Keys(msgspec.Struct):
     """Which of `texts` and `inputs` a JSON body has (other fields ignored)."""
 
-    texts: object = msgspec.UNSET
-    inputs: object = msgspec.UNSET
+    texts: msgspec.Raw = msgspec.UNSET
+    inputs: msgspec.Raw = msgspec.UNSET
 
 
 def v1_body(body: bytes) -> CohereEmbedRequest | None:
@@ -129,8 +129,8 @@ def v1_body(body: bytes) -> CohereEmbedRequest | None:
     `inputs`; read strictly then), or None (a native body, or not JSON)."""
     try:
         keys = msgspec.json.decode(body, type=_Keys)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # not JSON, or nested past any request: the native route says so
     if keys.texts is msgspec.UNSET or keys.inputs is not msgspec.UNSET:
         return None
     return codec.decode(body, CohereEmbedRequest, msgpack=False)
