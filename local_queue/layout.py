@@ -72,6 +72,8 @@ HDR_FIELDS = H_FREE_HEADS + MAX_ORDERS
 # F_KEY: the item's place in its lane (invariant 2): its flow's virtual start time
 # (interactive), BATCH_KEY (batch work). Written at put and promote, before the commit.
 F_KEY = 21
+# F_FLOW: the flow it was put for (`put_many(flow=)`), handed to its claimer (Claim.flow).
+F_FLOW = 22
 SF = 24  # 192 B: a record is exactly three 64-byte cache lines
 _PUT = struct.Struct("<13q")  # at F_NEXT
 _CLAIM = struct.Struct("<3q")  # at F_EPOCH

@@ -138,8 +138,8 @@ import posix_ipc
 
 from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
 from local_queue.layout import (
-    BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_GEN,
-    F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH,
+    BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_FLOW,
+    F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH,
     H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC,
     H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION,
     H_WORK_GEN, H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, L_VTIME, MAGIC,
@@ -390,14 +390,15 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                  deadline_ns: int = 0, batch: bool = False, flow: int = 0) -> list[int]:
         """Enqueue in `lane`, all or nothing (QueueFull leaves the queue unchanged):
         interactive items at their flow's fair place (`flow`: who sent them, e.g. a
-        client; invariant 2), batch items (`batch`) at its tail, behind everything."""
+        client, >= 0; invariant 2; their claims carry it), batch items (`batch`) at
+        its tail, behind everything."""
         n = len(payloads)
         if len(tokens) != n or len(request_ids) != n:
             raise ValueError("payloads, tokens and request_ids differ in length")
         # Checked up front: a bad value inside the commit loop would leave a prefix queued.
         if n and not (0 <= min(tokens) and max(tokens) < 1 << 40 and -(1 << 63) <= min(request_ids)
-                      and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63):
-            raise ValueError("tokens must be in [0, 2**40), request ids and deadline_ns int64")
+                      and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63 and 0 <= flow < 1 << 63):
+            raise ValueError("tokens must be in [0, 2**40), request ids, deadline_ns and flow int64")
         self._check_lane(lane)
         views, lens, limit = [], [], self._slab.max_bytes()
         for p in payloads:
@@ -493,7 +494,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         Lb = lane * LF
         prev = L[Lb + L_TAIL]
         if prev != NIL and S[prev * SF + F_KEY] > keys[0]:
-            return self._commit_put_at(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, keys)
+            return self._commit_put_at(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, keys, flow)
         pack = _PUT.pack_into
         ids = []
         top = h[H_FREE_TOP]
@@ -507,7 +508,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             seq += 1
             pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq | flag, tokens[i], request_ids[i], now,
                  deadline_ns, 0, blocks[i], lens[i], at[i])
-            S[b + F_KEY] = keys[i]
+            S[b + F_KEY], S[b + F_FLOW] = keys[i], flow
             S[b] = QUEUED  # commit (invariant 3)
             if prev == NIL:
                 L[Lb + L_HEAD] = s
@@ -526,7 +527,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         return ids, h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
 
     def _commit_put_at(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                       deadline_ns: int, blocks: list[int], at: list[int], keys: list[int]) -> tuple[list[int], int]:
+                       deadline_ns: int, blocks: list[int], at: list[int], keys: list[int],
+                       flow: int) -> tuple[list[int], int]:
         """`_commit_put` of interactive items that go ahead of the lane's tail (another
         flow has more queued, or the tail is batch work): committed unlinked, then
         inserted at their (key, seq) places, walking from the end nearer their keys."""
@@ -543,7 +545,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             seq += 1
             pack(Sb, b * 8 + F_NEXT * 8, NIL, NIL, gen, lane, seq, tokens[i], request_ids[i], now,
                  deadline_ns, 0, blocks[i], lens[i], at[i])
-            S[b + F_KEY] = keys[i]
+            S[b + F_KEY], S[b + F_FLOW] = keys[i], flow
             S[b] = QUEUED  # commit (invariant 3); a repair links it if we die before the insert
             placed.append((keys[i], seq, s, tokens[i]))
             ids.append(gen << SLOT_BITS | s)
@@ -645,7 +647,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 pack(Sb, b * 8 + F_EPOCH * 8, epoch, worker, lease)
                 S[b] = CLAIMED  # commit
                 taken_rows.append((epoch << EPOCH_SHIFT | gen << SLOT_BITS | s, req, t, enq, dl, att, at, ln,
-                                   sq >= BATCH_SEQ))
+                                   sq >= BATCH_SEQ, S[b + F_FLOW]))
                 if sq < BATCH_SEQ:
                     last = s
                 taken += 1
@@ -679,8 +681,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             self._wake_results(wake)
         # Outside the lock: these blocks belong to our claims until ack/return.
         empty = data[0:0]
-        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty, bt))
-                for cid, req, t, enq, dl, att, at, ln, bt in taken_rows]
+        return [_new_tuple(Claim, (cid, req, lane, t, enq, dl, att, data[at:at + ln] if ln else empty, bt, fl))
+                for cid, req, t, enq, dl, att, at, ln, bt, fl in taken_rows]
 
     def _result_room(self) -> int:
         """Bytes of the largest free slab block, 0 if no slot is free to reserve it."""

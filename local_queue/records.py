@@ -42,6 +42,7 @@ class Claim(NamedTuple):
     attempts: int
     payload: memoryview  # into the slab; valid until this item is acked or returned
     batch: bool = False  # put as batch work (below interactive items in its lane; `put_many(batch=True)`)
+    flow: int = 0  # the flow it was put for (`put_many(flow=)`: its client)
 
 
 class Done(NamedTuple):

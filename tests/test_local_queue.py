@@ -636,7 +636,7 @@ class QueueModel(RuleBasedStateMachine):
         key = max(self.vtime[lane], self.finish.get((lane, flow), 0))
         for r, p, i in zip(rids, payloads, ids):
             self.items[r] = dict(lane=lane, payload=p, tokens=tokens, expired=expired, attempts=0, put_id=i,
-                                 batch=batch, key=float("inf") if batch else key)
+                                 batch=batch, key=float("inf") if batch else key, flow=flow)
             if not batch:
                 key += max(1, tokens)
             self.queued[lane].append(r)
@@ -689,6 +689,7 @@ class QueueModel(RuleBasedStateMachine):
         for c in got:
             it = self.items[c.request_id]
             assert bytes(c.payload) == it["payload"] and c.attempts == it["attempts"] and c.batch == it["batch"]
+            assert c.flow == it["flow"]
             assert put_id(c.item_id) == it["put_id"]
             self.held[c.item_id] = (c.request_id, short)
         self.queued[lane] = left
