@@ -18,6 +18,12 @@ import msgspec
 from fleet.errors import ModelLoadFailed
 
 
+class NotWanted(Exception):
+    """Raised between the micro-batches of `run_batch` (`Adapter.wanted` said so): no
+    request of the batch is wanted any longer (each passed its deadline or was
+    withdrawn), so the rest is not computed. The worker answers them `timeout`."""
+
+
 @dataclass(frozen=True)
 class Profile:
     """Serving profile of one model on one device (models.toml `profile`)."""
@@ -69,6 +75,11 @@ class Adapter(abc.ABC):
         #: timeline's adapter stages (fleet.messages.WORKER_STAGES). Adapters that
         #: do not stamp leave zeros.
         self.marks: tuple[int, int, int] = (0, 0, 0)
+        #: Set by the worker around `run_batch` (None: never asked): called with the
+        #: index of the micro-batch about to run, False once no request of the batch
+        #: is wanted; an adapter that loops over micro-batches asks before each
+        #: (`hf_common.micro_batches`) and raises NotWanted. Cheap: lock-free reads.
+        self.wanted: Callable[[int], bool] | None = None
 
     @abc.abstractmethod
     def load(self) -> None:

@@ -35,8 +35,8 @@ from fleet.protocol import EmbedRequest, ImageInput
 from runtimes.base import Adapter
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
-    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
-    load_transformers, max_length, micro_batches, min_cosine, to_device,
+    CHECK_SET, char_bound, check_wanted, choose_dtype, cut_to_bound, first_too_long, footprint_bytes,
+    input_too_long, load_transformers, max_length, micro_batches, min_cosine, to_device,
 )
 from fleet.messages import WorkError
 
@@ -186,7 +186,7 @@ class ClipEmbedder(Adapter):
         out, used = None, np.empty(len(texts), dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items):
+            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items, self.wanted):
                 enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=self.padding,
                                      truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).
@@ -208,7 +208,8 @@ class ClipEmbedder(Adapter):
         used = np.full(len(images), self.image_tokens, dtype=np.int64)
         dtype = next(model.parameters()).dtype
         with torch.inference_mode():
-            for lo in range(0, len(images), step):
+            for k, lo in enumerate(range(0, len(images), step)):
+                check_wanted(self.wanted, k)
                 out = self.processor(images=images[lo : lo + step], return_tensors="pt")
                 inputs = to_device({k: out[k] for k in self.image_inputs if k in out}, self.device)
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)

@@ -26,7 +26,7 @@ import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
-from runtimes.base import ModelSpec
+from runtimes.base import ModelSpec, NotWanted
 from runtimes.device import fast_dtypes
 
 log = logging.getLogger("fleet.worker")
@@ -342,16 +342,26 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
     return results, [i for i, r in enumerate(results) if r is None]
 
 
-def micro_batches(lengths: np.ndarray, step: int) -> Iterator[np.ndarray]:
+def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int], bool] | None = None,
+                  ) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
     `lengths` is any per-input size proxy (characters are enough: the order
     only has to group similar lengths). Stable, so equal lengths keep input order.
+    `wanted` (the adapter's `wanted`, set by the worker) is asked before each
+    micro-batch (`check_wanted`): the rest of a batch nobody waits for is not run.
     """
     order = np.argsort(lengths, kind="stable")
     step = max(1, step)
-    for lo in range(0, len(order), step):
+    for k, lo in enumerate(range(0, len(order), step)):
+        check_wanted(wanted, k)
         yield order[lo : lo + step]
+
+
+def check_wanted(wanted: Callable[[int], bool] | None, k: int) -> None:
+    """Before micro-batch `k` of a batch: NotWanted when no request of it is wanted any longer."""
+    if wanted is not None and not wanted(k):
+        raise NotWanted
 
 
 def offsets(counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,8 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "last_used": r.last_used,
                 "served": r.served,
                 "tokens": r.tokens,
+                "micro_batches": r.micro_batches,
+                "dropped": r.dropped,  # items left unfinished between micro-batches: nobody waited
                 "load_ms": round(r.load_ms, 1),
                 "pinned": name in residency.pinned,
                 "cost": cost_info(costs.get(name)),

@@ -22,9 +22,9 @@ from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
-    footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned, prefetched,
-    split_refused, to_device,
+    CHECK_SET, DirectTokenizer, GraphedForward, check_wanted, choose_dtype, cut_to_bound, direct_tokenizer,
+    first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
+    prefetched, split_refused, to_device,
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
@@ -272,7 +272,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
         1. Length-sorted micro-batches (`micro_batches`): each is padded only to
            its own longest text.
-        2. The `tokenize_ahead` thread tokenizes micro-batch k+1 while k runs.
+        2. The `tokenize_ahead` thread tokenizes micro-batch k+1 while k runs;
+           before each, the worker's `wanted` is asked (NotWanted: nobody waits).
         3. Each micro-batch runs by CUDA-graph replay when a captured shape holds
            it, else eagerly; on CUDA its vectors come back by an async copy and
            the batch synchronises once at the end, not once per micro-batch.
@@ -291,7 +292,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         lo = 0
         with torch.inference_mode(), closing(prefetched(
                 batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead)) as ready:
-            for idx, host in ready:
+            for k, (idx, host) in enumerate(ready):
+                check_wanted(self.wanted, k)
                 tokenized = time.monotonic_ns()
                 used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used

@@ -25,6 +25,10 @@ class Resident:
     #: Tokens of the requests it answered (encoders: the batch budget's count; generation:
     #: prompt and generated), cumulative: the daemon turns differences into tokens/s (`fleetctl top`).
     tokens: int = 0
+    #: Micro-batches run and items dropped between them because nobody waited for
+    #: them any longer (`Adapter.wanted`, NotWanted), cumulative.
+    micro_batches: int = 0
+    dropped: int = 0
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
     footprint: Footprint = Footprint(0)

@@ -23,8 +23,8 @@ import msgspec
 from fleet.control import control_lane, is_control_lane
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
-from local_queue import QueueFull
-from runtimes.base import Adapter, ModelSpec
+from local_queue import Claim, QueueFull
+from runtimes.base import Adapter, ModelSpec, NotWanted
 from runtimes.commands import serve_control
 from runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
 from runtimes.info import encode_info, worker_info
@@ -36,7 +36,7 @@ from runtimes.policy import (
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
-from runtimes.state import BATCH_RING, BatchStats, Progress
+from runtimes.state import BATCH_RING, BatchStats, Progress, Resident
 
 #: Heap trims (trim_if_due) at most this often: one costs a few ms on a large heap.
 TRIM_EVERY_NS = 1_000_000_000
@@ -270,6 +270,8 @@ class WorkerCore:
         padded = padded_tokens(tokens)
         loras = batch_loras(adapter, requests)
         adapter.marks = (0, 0, 0)
+        adapter.wanted = self.still_wanted([c for c, _ in runnable], resident)
+        dropped = False
         t0 = time.perf_counter()
         decoded_ns = time.monotonic_ns()
         try:
@@ -277,11 +279,17 @@ class WorkerCore:
             with self.progress.running(f"a batch of {len(requests)} on {lane.model}", stall_bound_ms(cost, padded)):
                 release = self.residency.release_memory
                 results = run_split_on_oom(adapter.run_batch, requests, release) if requests else []
+        except NotWanted:  # between micro-batches: every item's deadline passed or it was withdrawn
+            dropped = True
+            resident.dropped += len(requests)
+            results = [WorkError("timeout", "the request's deadline passed while it ran")] * len(requests)
         except FleetError as exc:
             results = [WorkError(exc.code, exc.message)] * len(requests)
         except Exception as exc:  # a model failure answers this batch; the worker stays up
             log.exception("batch failed on %s", lane.model)
             results = [WorkError("inference_failed", f"{lane.model}: {type(exc).__name__}: {exc}")] * len(requests)
+        finally:
+            adapter.wanted = None
         ms = (time.perf_counter() - t0) * 1e3
         start_ns = self.clock_ns() - int(ms * 1e6)
         stamps = (woke_ns, claimed_ns, lingered_ns, decoded_ns, *adapter.marks, time.monotonic_ns())
@@ -303,8 +311,9 @@ class WorkerCore:
             # answer them with a short error (acks already done are skipped there).
             log.error("results of %d items on %s do not fit the queue: %s", len(acks), lane.model, exc.message)
             self._ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
-        # 6. Learn from this batch: its padded size and measured time refine the cost model.
-        if requests:
+        # 6. Learn from this batch: its padded size and measured time refine the cost model
+        #    (not from a batch cut short: its time is not its size's).
+        if requests and not dropped:
             cost.observe(padded, ms)
         resident.last_used = time.time()
         resident.served += len(claims)
@@ -317,6 +326,25 @@ class WorkerCore:
         self.batch_ring.append((lane.model, len(claims), batch_tokens))
         self.publish_info()
         return len(claims) + len(late)
+
+    def still_wanted(self, claims: list[Claim], resident: Resident) -> Callable[[int], bool]:
+        """The batch's `Adapter.wanted`: before micro-batch k > 0, is any of `claims`
+        still wanted (its deadline not passed, not withdrawn: `LocalQueue.cancel`
+        sets a claimed item's deadline to 1)? Lock-free reads of the claims'
+        deadlines (`LocalQueue.deadlines`), a few µs; micro-batch 0 follows the
+        deadline check of step 4 and reads nothing."""
+        ids = [c.item_id for c in claims]
+        deadlines, clock = self.queue.deadlines, self.clock_ns
+
+        def wanted(k: int) -> bool:
+            if k:
+                now = clock()
+                if not any(not d or d > now for d in deadlines(ids)):
+                    return False
+            resident.micro_batches += 1
+            return True
+
+        return wanted
 
     def recent_interactive_padded(self, model: str) -> int:
         """Padded tokens of the interactive part of `model`'s last batch here with

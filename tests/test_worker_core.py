@@ -561,3 +561,42 @@ def test_overlapping_requests_are_batched_together(queue):
     assert core.step() == 2
     assert FakeEmbedder.batches[-1] == ("m", [["b2"], ["a4"]])
     assert len(results(queue, 6 + 6)) == 12
+
+
+def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
+    # The real MiniLM embedder in this process, cut into micro-batches of 2 texts: a
+    # request of 200 texts is withdrawn (LocalQueue.cancel, what the daemon does at its
+    # deadline) once a few micro-batches ran. The worker asks before each micro-batch
+    # (`Adapter.wanted`), so it stops at the next one and answers `timeout`; the counters
+    # it publishes say how far it got. Observed by counters, not by time.
+    from dataclasses import replace
+
+    from runtimes.resolve import store_resolver
+
+    base = store_resolver(Settings(home=str(minilm_home)))
+
+    def resolve(name: str) -> ModelSpec:
+        spec = base(name)
+        spec.profile = replace(spec.profile, micro_batch_items=2)
+        return spec
+
+    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu", resolve, served_by="box/0")
+    core.residency.ensure(MODEL)
+    resident = core.residency.models[MODEL]
+    payload = _encode(EmbedRequest(model=MODEL, inputs=[f"text number {i} of a long request" for i in range(200)]))
+    item = queue.put(queue.lane_id(MODEL), payload, tokens=2000, request_id=1)
+    stepping = threading.Thread(target=core.step)
+    stepping.start()
+    end = time.monotonic() + 120
+    while resident.micro_batches < 3 and stepping.is_alive() and time.monotonic() < end:
+        time.sleep(0.005)
+    assert stepping.is_alive(), "the batch ended before it could be withdrawn"
+    assert queue.cancel(item) is False  # claimed: its deadline becomes 1 ns, the worker reads it
+    seen = resident.micro_batches  # at least those started before the cancel
+    stepping.join(120)
+    status, body = results(queue, 1)[1]
+    assert status == STATUS_ERROR and error_code(body) == "timeout"
+    # At most the micro-batch that was starting when it was withdrawn ran after it (100 in all).
+    assert resident.micro_batches <= seen + 1 and resident.dropped == 1
+    info = _info.decode(queue.workers()[0].info)["models"][MODEL]
+    assert (info["micro_batches"], info["dropped"]) == (resident.micro_batches, 1)
