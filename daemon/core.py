@@ -210,10 +210,11 @@ class Daemon:
         self.supervisor.start()
         if self.settings.nats:
             from daemon.cluster import Cluster
+            from daemon.nats_lag import LagGauges
 
             self.cluster = Cluster(self.settings, self.broker, self.store,
                                    workers_up=lambda: self.workers_up, loaded=self.loaded_models,
-                                   on_lag=self.metrics.set_nats_lag)
+                                   on_lag=LagGauges(self.metrics, lambda: self.cluster.js))
             self.cluster.start(loop)
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 

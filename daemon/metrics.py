@@ -89,6 +89,14 @@ class Metrics:
         self.nats_unacked = Gauge(
             "fleet_nats_unacked_messages", "Requests of a model a box took from JetStream and has not answered.",
             ("model",), registry=r)
+        # What KEDA's nats-jetstream scaler reads for the consumer work_<model>: num_pending + num_ack_pending.
+        self.nats_lag = Gauge(
+            "fleet_nats_consumer_lag_messages",
+            "Requests of a model in JetStream not yet answered (pending + unacked: KEDA's nats-jetstream lag).",
+            ("model",), registry=r)
+        self.nats_oldest_wait = Gauge(
+            "fleet_nats_oldest_wait_seconds", "Age of the oldest request of a model waiting in JetStream, taken by no box.",
+            ("model",), registry=r)
         if process_metrics:
             ProcessCollector(registry=r)
 
@@ -176,6 +184,10 @@ class Metrics:
         label = self._model(model)
         self.nats_pending.labels(label).set(pending)
         self.nats_unacked.labels(label).set(unacked)
+        self.nats_lag.labels(label).set(pending + unacked)
+
+    def set_nats_oldest_wait(self, model: str, seconds: float) -> None:
+        self.nats_oldest_wait.labels(self._model(model)).set(seconds)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """(body, content type) for a scrape; OpenMetrics when the scraper's Accept asks for it."""

@@ -78,3 +78,4 @@ def test_nats_series_get_samples() -> None:
     text = m.render()[0].decode()
     assert 'fleet_nats_pending_messages{model="m"} 7.0' in text
     assert 'fleet_nats_unacked_messages{model="m"} 2.0' in text
+    assert 'fleet_nats_consumer_lag_messages{model="m"} 9.0' in text
