@@ -158,11 +158,6 @@ def vectors(res: EmbedResult) -> np.ndarray:
     return from_wire(res.data, res.shape, res.dtype)
 
 
-def token_vectors(res: TokenEmbedResult) -> list[list[list[float]]]:
-    """A per-token result as one (tokens, dimensions) nested list per input."""
-    return [np.frombuffer(b, dtype="<f4").reshape(shape).tolist() for b, shape in zip(res.data, res.shapes)]
-
-
 def sparse_vectors(res: SparseEmbedResult) -> list[tuple[list[int], list[float]]]:
     """A sparse result as (indices, values) per input."""
     return [(np.frombuffer(v.indices, dtype="<i4").tolist(), np.frombuffer(v.values, dtype="<f4").tolist())

@@ -96,6 +96,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     default_models: dict[str, str] = msgspec.field(default_factory=dict)
     max_body_bytes: int = 16 << 20
     max_inputs: int = 2048
+    #: Bytes of per-token vectors one reply may carry (`output: "tokens"`, TEI `/embed_all`):
+    #: tokens x the model's width x bytes a value takes (4 in MessagePack, ~21 as JSON
+    #: text); refused (413) before the work when the estimate is over, and before the
+    #: reply is built when the worker's exact answer is. Building a JSON reply holds
+    #: about twice this in the API process. 0 = no bound.
+    max_token_vector_bytes: int = 128 << 20
     #: Text the API process itself tokenizes for one request (TEI `/tokenize`), in UTF-8
     #: bytes over all its inputs; more is refused (413) before any is tokenized. While
     #: tokenized, a text takes ~250x its size in memory (~500 bytes per token in the Rust

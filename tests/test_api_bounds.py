@@ -113,7 +113,7 @@ def test_tokenize_at_the_bound_runs_off_the_loop(shipped: DaemonProc) -> None:
     assert rss.peak <= RSS_GOAL, f"API RSS peaked at {rss.peak / MIB:.0f} MiB"
 
 
-@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"), ("/embed", "inputs")])
+@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"), ("/embed", "inputs"), ("/decode", "ids")])
 def test_token_ids_over_the_bound_are_refused_before_decoding(shipped: DaemonProc, path: str, field: str) -> None:
     half = DEFAULTS.max_token_ids // 2
     at_bound = httpx.post(shipped.url + path, json={field: [[2773] * half] * 2}, timeout=120)
@@ -150,3 +150,86 @@ def test_large_json_replies_are_built_off_the_loop_and_equal_the_msgpack_one(shi
         got = httpx.post(shipped.url + path, json=body, timeout=300)
         assert got.status_code == 200, (path, got.text[:300])
         assert np.allclose(np.array(rows(got.json()), dtype=np.float32), want, atol=1e-5), path
+
+
+#: all-MiniLM-L6-v2's token vectors: 384 values each; at most 256 tokens an input.
+WIDTH = 384
+
+
+def post_msgpack(url: str, path: str, body: dict) -> httpx.Response:
+    import msgspec
+
+    return httpx.post(url + path, content=msgspec.msgpack.encode(body), timeout=300,
+                      headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+
+
+def token_refusal(r: httpx.Response) -> str:
+    assert r.status_code == 413, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "payload_too_large"
+    assert f"max_token_vector_bytes = {DEFAULTS.max_token_vector_bytes}" in err["message"]
+    return err["message"]
+
+
+def test_token_vectors_over_the_bound_are_refused_before_the_work(shipped: DaemonProc) -> None:
+    """100 inputs of ~250 tokens: ~25 000 token vectors, 202 MB as JSON text (21 bytes a
+    value), 39 MB as MessagePack (4): over the 128 MiB bound as JSON only."""
+    texts = ["word " * 200] * 100  # 1 000 characters: ~250 tokens + 2 each by the estimate
+    tokens = 100 * (1000 // 4 + 2)
+    for path, body in (("/v1/embed", {"inputs": texts, "output": "tokens"}), ("/embed_all", {"inputs": texts})):
+        message = token_refusal(httpx.post(shipped.url + path, json=body, timeout=120))
+        # "about": the estimate made before anything was queued, not the worker's count.
+        assert f"about {tokens} tokens x {WIDTH} values x 21 bytes (JSON) = {tokens * WIDTH * 21} bytes" in message
+        assert "MessagePack" in message
+    import msgspec
+    import numpy as np
+
+    raw = post_msgpack(shipped.url, "/v1/embed", {"inputs": texts, "output": "tokens"})
+    assert raw.status_code == 200, raw.content[:300]
+    out = msgspec.msgpack.decode(raw.content)
+    assert [tuple(s) for s in out["shapes"]] == [(202, WIDTH)] * 100  # [CLS] word x 200 [SEP]
+    assert all(np.isfinite(np.frombuffer(b, dtype="<f4")).all() for b in out["embeddings"])
+
+
+def test_token_vectors_over_the_bound_by_the_workers_count_are_refused_before_the_reply(shipped: DaemonProc) -> None:
+    """"a a a ...": a token per 2 characters, twice the estimate. 140 inputs of 122 tokens
+    pass the estimate (8 680 tokens) and come to 17 080: 138 MB as JSON, over the bound."""
+    texts = ["a " * 120] * 140
+    message = token_refusal(httpx.post(shipped.url + "/v1/embed", json={"inputs": texts, "output": "tokens"},
+                                       timeout=300))
+    assert f"come to {140 * 122} tokens x {WIDTH} values x 21 bytes (JSON)" in message
+
+
+def test_large_token_vector_replies_are_built_off_the_loop_and_equal_the_msgpack_one(shipped: DaemonProc) -> None:
+    """Over REPLY_INLINE_VALUES values, the JSON replies of `output: "tokens"` and TEI's
+    /embed_all are built block by block on the work pool; their values are the raw ones."""
+    import msgspec
+    import numpy as np
+
+    from daemon.offload import REPLY_INLINE_VALUES
+
+    texts = [f"text number {i} " + "word " * (i % 40) for i in range(48)]
+    want = {}
+    for normalize in (True, False):
+        raw = post_msgpack(shipped.url, "/v1/embed", {"inputs": texts, "output": "tokens", "normalize": normalize})
+        assert raw.status_code == 200, raw.content[:300]
+        out = msgspec.msgpack.decode(raw.content)
+        want[normalize] = [np.frombuffer(b, dtype="<f4").reshape(s) for b, s in zip(out["embeddings"], out["shapes"])]
+    assert sum(b.size for b in want[True]) > REPLY_INLINE_VALUES
+    native = httpx.post(shipped.url + "/v1/embed", json={"inputs": texts, "output": "tokens"}, timeout=300)
+    assert native.status_code == 200, native.text[:300]
+    assert [tuple(s) for s in native.json()["shapes"]] == [b.shape for b in want[True]]
+    tei = httpx.post(shipped.url + "/embed_all", json={"inputs": texts}, timeout=300)
+    assert tei.status_code == 200, tei.text[:300]
+    tei_lists = post_msgpack(shipped.url, "/embed_all", {"inputs": texts})
+    assert tei_lists.status_code == 200, tei_lists.content[:300]
+    for got, normalize in ((native.json()["embeddings"], True), (tei.json(), False),
+                           (msgspec.msgpack.decode(tei_lists.content), False)):
+        assert len(got) == len(texts)
+        for block, ref in zip(got, want[normalize]):
+            block = np.array(block, dtype=np.float32)
+            assert block.shape == ref.shape
+            # Each request is batched on its own (padding differs by ~1e-4); a block out of
+            # place or a row of another token would be far off.
+            cos = (block * ref).sum(1) / np.linalg.norm(block, axis=1) / np.linalg.norm(ref, axis=1)
+            assert cos.min() > 0.9999, cos.min()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 
+import msgspec
 from litestar import Controller, Request, Response, post
 
 from fleet.errors import BadRequest
@@ -14,13 +15,15 @@ from fleet.protocol import (
     OpenAIEmbeddingsRequest, OpenAIUsage, SparseVector, Usage,
 )
 
-from daemon import codec, fields, tasks, timeline
+from daemon import codec, fields, tasks, timeline, token_replies
 from daemon.controllers import cohere
 from daemon.controllers.common import default_model, with_model
 from daemon.controllers.tokens import ids_to_texts
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.offload import build_reply
+
+_json = msgspec.json.Encoder().encode
 
 #: OpenAI embeddings fields accepted and not applied: named in `X-Fleet-Ignored-Fields`.
 IGNORED_OPENAI = ("user",)
@@ -80,6 +83,8 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
             return await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
         payload = codec.encode_msgpack(req)
     req, payload = with_model(daemon, "embed", req, payload)
+    # Per-token vectors: refused before the work when the reply would be over its bound.
+    token_replies.check_before(daemon, req, "raw" if msgpack_out else "json")
     timeline.stamp("checked")
     # MessagePack replies splice the worker's tensor bytes in undecoded (raw).
     res, answer = await tasks.embed(daemon, req, payload, raw=msgpack_out)
@@ -87,8 +92,15 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
     headers.update(fields.ignored_header(tasks.ignored_fields(req)))
     usage = Usage(input_tokens=res.input_tokens)
     if req.output == "tokens":
-        out = (EmbedTokensReplyMsgpack(req.model, res.data, res.shapes, usage) if msgpack_out else
-               EmbedTokensReplyJson(req.model, tasks.token_vectors(res), res.shapes, usage))
+        values = token_replies.check_after(daemon, req.model, res.shapes, "raw" if msgpack_out else "json")
+        if msgpack_out:
+            out = EmbedTokensReplyMsgpack(req.model, res.data, res.shapes, usage)
+        else:
+            # One input's lists at a time, off the event loop when large (daemon.token_replies).
+            content = await build_reply(values, lambda: codec.encode(EmbedTokensReplyJson(
+                req.model, token_replies.encoded_blocks(res, _json), res.shapes, usage), msgpack=False))
+            timeline.finish(headers)
+            return content, headers
     elif req.output == "sparse":
         out = EmbedSparseReply(req.model, res.vectors if msgpack_out else
                                [SparseVector(i, v) for i, v in tasks.sparse_vectors(res)], res.dimension, usage)

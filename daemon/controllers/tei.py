@@ -35,12 +35,14 @@ from fleet.errors import BadRequest, ModelNotFound, Unsupported
 from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
 
-from daemon import codec, fields, tasks
+from daemon import codec, fields, tasks, token_replies
 from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon, live_profiles
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.offload import build_reply, off_loop, text_bytes_over, too_large
+
+_json = msgspec.json.Encoder().encode
 
 #: A TEI `inputs`: one text, one text as token ids, or a batch of texts and id lists.
 Inputs = str | list[str | int | list[int]]
@@ -238,9 +240,15 @@ async def tei_embed(request: Request, daemon: Daemon, output: str) -> tuple[Embe
                        # /embed_sparse and /embed_all take no dimensions (named as not applied above).
                        dimensions=None if output != "dense" else
                        params.dimensions if params.dimensions is not None else tei.dimensions)
+    token_replies.check_before(daemon, req, token_format(request))
     res, answer = await tasks.embed(daemon, req, codec.encode_msgpack(req))
     not_used = dropped + not_applied(tei, output) + tasks.ignored_fields(req)
     return req, res, {**answer_headers(answer), **fields.ignored_header(not_used)}
+
+
+def token_format(request: Request) -> str:
+    """How `/embed_all` carries a value (daemon.token_replies.VALUE_BYTES): TEI's nested lists."""
+    return "lists" if wants_msgpack(request) else "json"
 
 
 def predict_texts(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
@@ -362,8 +370,12 @@ class TeiController(Controller):
 
     @post("/embed_all", status_code=200)
     async def embed_all(self, request: Request, daemon: Daemon) -> Response:
-        _, res, headers = await tei_embed(request, daemon, "tokens")
-        return reply(request, tasks.token_vectors(res), headers=headers)
+        req, res, headers = await tei_embed(request, daemon, "tokens")
+        values = token_replies.check_after(daemon, req.model, res.shapes, token_format(request))
+        encode = codec.encode_msgpack if wants_msgpack(request) else _json
+        # One input's lists at a time, off the event loop when large (daemon.token_replies).
+        return await build_reply(values, lambda: reply(request, token_replies.encoded_blocks(res, encode),
+                                                       headers=headers))
 
     @post("/rerank", status_code=200)
     async def rerank(self, request: Request, daemon: Daemon) -> Response:

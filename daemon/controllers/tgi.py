@@ -34,7 +34,6 @@ Unknown fields are ignored, as TGI and TEI ignore them, and named in
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -54,8 +53,9 @@ from daemon.controllers.generate import SSE_HEADERS, sse
 from daemon.controllers.tei import TeiParameters, refuse_unsupported, stored
 from daemon.controllers.tokens import check_ids, load_tokenizer
 from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
+from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.model_urls import SCOPE_ROOT
+from daemon.offload import off_loop, too_large
 
 #: huggingface_hub's documented default for `max_new_tokens` (TGI's own depends on the model's context).
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -369,16 +369,22 @@ class TgiController(Controller):
         dec, dropped = codec.decode_lenient(await request.body(), DecodeRequest, msgpack=body_is_msgpack(request))
         ids = id_lists(dec.ids)
         tasks.check_inputs(daemon, ids)
+        limit, count = daemon.settings.max_token_ids, sum(map(len, ids))
+        if count > limit:
+            raise too_large("the token ids sent", count, "max_token_ids", limit, param="ids")
         name = dec.model or default_model(daemon, "embed")
         manifest = stored(daemon, name) if dec.model else daemon.manifest(name, "embed")
+        msgpack = wants_msgpack(request)
 
-        def decode() -> list[str]:
+        def decode() -> bytes:
             tokenizer = load_tokenizer(daemon.store, manifest)
             check_ids(ids, tokenizer.get_vocab_size(with_added_tokens=True), manifest.name)
-            return tokenizer.decode_batch(ids, skip_special_tokens=dec.skip_special_tokens)
+            return codec.encode(tokenizer.decode_batch(ids, skip_special_tokens=dec.skip_special_tokens),
+                                msgpack=msgpack)
 
-        # Off the event loop: decoding thousands of ids must not stall other requests.
-        return reply(request, await asyncio.to_thread(decode), headers=fields.ignored_header(dropped))
+        # Decoding and encoding the texts (bounded above) run off the event loop (daemon.offload).
+        return Response(content=await off_loop(count, decode), media_type=codec.MSGPACK if msgpack else codec.JSON,
+                        headers=fields.ignored_header(dropped))
 
     @post("/pipeline/token-classification", status_code=200)
     async def token_classification(self, request: Request, daemon: Daemon) -> Response:
