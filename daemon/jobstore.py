@@ -28,8 +28,9 @@ import msgspec
 from fleet.batches import Batch, FileObject
 from fleet.errors import NotFound
 
-_FILE_ID = re.compile(r"file-[0-9a-f]{24}")
-_BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
+#: The ids this store gives (daemon/openapi.py documents them as the path parameters' patterns).
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -98,7 +99,7 @@ class JobStore:
 
     def path(self, file_id: str) -> Path:
         """Where a file's bytes are. Ids come from clients: only ids of our own shape make a path."""
-        if not _FILE_ID.fullmatch(file_id):
+        if not FILE_ID.fullmatch(file_id):
             raise NotFound(f"no file {file_id!r}", param="file_id")
         return self.files_dir / file_id
 
@@ -181,7 +182,7 @@ class JobStore:
             self.db.execute("UPDATE batches SET status = ?, doc = ? WHERE id = ?", (b.status, _encode(b), b.id))
 
     def get_batch(self, batch_id: str) -> StoredBatch:
-        if not _BATCH_ID.fullmatch(batch_id):
+        if not BATCH_ID.fullmatch(batch_id):
             raise NotFound(f"no batch {batch_id!r}", param="batch_id")
         row = self.db.execute("SELECT doc, output_id, error_id, output_expires_s FROM batches WHERE id = ?",
                               (batch_id,)).fetchone()

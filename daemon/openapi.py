@@ -27,6 +27,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from fleet import __version__
+from fleet.batches import Batch, BatchCreateRequest, BatchList, FileDeleted, FileList, FileObject
 from fleet.catalog import NAME_RE
 from fleet.protocol import (
     ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest, ClassifyReply, ClassifyRequest,
@@ -41,9 +42,11 @@ from daemon.controllers import ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
+from daemon.jobstore import BATCH_ID, FILE_ID
 
 JSON, MSGPACK, SSE, NDJSON, TEXT = (
     "application/json", "application/msgpack", "text/event-stream", "application/x-ndjson", "text/plain")
+FORM, JSONL, BYTES = "multipart/form-data", "application/jsonl", "application/octet-stream"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,10 @@ class Op:
     unknown_fields: str = "refused"
     #: The reply may carry `X-Fleet-Ignored-Fields` (fields accepted and not applied).
     names_ignored: bool = False
+    #: Query parameters: (name, JSON Schema, description).
+    query: tuple[tuple[str, dict, str], ...] = ()
+    #: The statuses a success answers with, each with `reply` (none: the route always refuses).
+    success: tuple[str, ...] = ("200",)
 
 
 def _array(items: Any) -> dict:
@@ -86,6 +93,17 @@ _ADMIN = dict(tag="admin", request=AdminOptions, reply=_ADMIN_REPLY, body_requir
 _OLLAMA = dict(tag="ollama", errors=ow.ErrorLine, returns=(JSON,), unknown_fields="ignored")
 _TEI = dict(returns=(JSON,), unknown_fields="ignored")
 _OPENAI = dict(errors=OpenAIErrorReply, names_ignored=True)
+_JOBS = dict(tag="batches", errors=OpenAIErrorReply)
+#: `POST /v1/files`: OpenAI's form (daemon/batchfile.receive_upload reads it as it streams in).
+_UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary",
+             "description": "The batch's input: JSONL, one request a line ({custom_id, method, url, body})."},
+    "purpose": {"type": "string", "enum": ["batch"], "description": "fleet keeps files for batches only."},
+    "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+    "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000,
+                               "description": "Delete the file this long after its upload (default: "
+                                              "batch_retention_days)."}}}
+_AFTER = ("after", _STRING, "The id of the last item of the previous page: this page starts after it.")
 
 OPERATIONS: dict[tuple[str, str], Op] = {
     # -- native -----------------------------------------------------------------------------
@@ -140,6 +158,27 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("GET", "/v1/models/{model_id}"): Op("One stored model (OpenAI model object), with the live serving profile "
                                          "of each worker holding it.", "openai", None, ModelDetail,
                                          errors=OpenAIErrorReply),
+    # -- OpenAI Files and Batches (offline jobs, daemon/batches.py) -------------------------------
+    ("POST", "/v1/files"): Op("Upload a batch's input file (multipart, streamed to disk, checked line by line).",
+                              request=_UPLOAD, reply=FileObject, accepts=(FORM,), **_JOBS),
+    ("GET", "/v1/files"): Op("Stored files, a page at a time.", reply=FileList, query=(
+        _AFTER, ("limit", {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 10_000}, "Files a page."),
+        ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}, "By upload time."),
+        ("purpose", _STRING, "Only files of this purpose (`batch`, `batch_output`).")), **_JOBS),
+    ("GET", "/v1/files/{file_id}"): Op("One file.", reply=FileObject, **_JOBS),
+    ("GET", "/v1/files/{file_id}/content"): Op("A file's bytes: a batch's input, output or error JSONL.",
+                                               reply=_STRING, returns=(JSONL,), **_JOBS),
+    ("DELETE", "/v1/files/{file_id}"): Op("Delete a file (not the input of a batch still running).",
+                                          reply=FileDeleted, **_JOBS),
+    ("POST", "/v1/batches"): Op("Run an uploaded file's requests as batch work, behind interactive work, within "
+                                "`completion_window`.", request=BatchCreateRequest, reply=Batch, **_JOBS),
+    ("GET", "/v1/batches"): Op("Batches, newest first, a page at a time.", reply=BatchList, query=(
+        _AFTER, ("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Batches a page.")),
+        **_JOBS),
+    ("GET", "/v1/batches/{batch_id}"): Op("One batch: status, counts, usage, result files.", reply=Batch, **_JOBS),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Op("Cancel a batch: no new line starts, lines in flight are "
+                                                  "withdrawn, the rest answered `batch_cancelled`.", reply=Batch,
+                                                  **_JOBS),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
     ("POST", "/v2/embed"): Op("Cohere v2 embed: `input_type` picks the model's prompt, `embedding_types` float, "
@@ -187,14 +226,16 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/api/pull"): Op("Ollama: pull into the store (NDJSON progress unless `stream: false`).",
                               request=ow.NameBody, reply=ow.Progress, stream=(NDJSON, ow.Progress), **_OLLAMA),
     ("DELETE", "/api/delete"): Op("Ollama: remove from the store.", request=ow.NameBody, reply=None, **_OLLAMA),
-    ("POST", "/api/blobs/{digest}"): Op("Ollama: upload one file (checked against its sha256 digest).",
-                                        request=None, reply=None, body_required=False, **_OLLAMA),
+    ("POST", "/api/blobs/{digest}"): Op("Ollama: upload one file (checked against its sha256 digest); 201 "
+                                        "stored, 200 already stored, both with an empty body.",
+                                        request={"type": "string", "format": "binary"}, accepts=(BYTES,),
+                                        success=("200", "201"), body_required=False, **_OLLAMA),
     ("POST", "/api/create"): Op("Ollama: a LoRA model from `from` (a stored model) and `adapters` (uploaded blobs).",
                                 request=ollama_create.CreateBody, reply=ow.Progress, **_OLLAMA),
     ("POST", "/api/copy"): Op("Ollama: copy a stored model under a new name.", request=ollama_create.CopyBody,
                               reply=None, **_OLLAMA),
-    ("POST", "/api/push"): Op("Ollama: refused (fleet has no registry).", request=None, reply=None,
-                              body_required=False, **_OLLAMA),
+    ("POST", "/api/push"): Op("Ollama: refused, always (fleet has no registry); the body is not read.",
+                              success=(), **_OLLAMA),
     # -- this document -----------------------------------------------------------------------
     ("GET", "/openapi.json"): Op("This document (OpenAPI 3.1).", "docs", None, {"type": "object"}, returns=(JSON,)),
     ("GET", "/docs"): Op("The API's docs page (Swagger UI, offline).", "docs", None, _STRING, returns=("text/html",)),
@@ -202,6 +243,9 @@ OPERATIONS: dict[tuple[str, str], Op] = {
 
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 _REF = "#/components/schemas/{name}"
+#: What a path parameter holds, by its name; any other is a model name.
+_PATH_PATTERNS = {"file_id": f"^{FILE_ID.pattern}$", "batch_id": f"^{BATCH_ID.pattern}$",
+                  "digest": ollama_create.DIGEST_RE.pattern}
 
 
 def openapi_path(litestar_path: str) -> str:
@@ -308,11 +352,13 @@ def build_document(routes: list[tuple[str, str]]) -> dict[str, Any]:
 
 def _operation(method: str, path: str, op: Op | None, refs: dict[type, dict]) -> dict[str, Any]:
     params = [{"name": name, "in": "path", "required": True,
-               "schema": {"type": "string", "pattern": NAME_RE.pattern}}
+               "schema": {"type": "string", "pattern": _PATH_PATTERNS.get(name, NAME_RE.pattern)}}
               for name in _PARAM.findall(path)]
     if op is None:  # not in OPERATIONS: listed, but without shapes (tests/test_openapi.py fails on it)
         return {"summary": "undocumented", "parameters": params, "responses": {"200": {"description": "OK"}}}
     out: dict[str, Any] = {"summary": op.summary, "tags": [op.tag], "operationId": _operation_id(method, path)}
+    params += [{"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+               for name, schema, description in op.query]
     if params:
         out["parameters"] = params
     if op.request is not None:
@@ -325,7 +371,7 @@ def _operation(method: str, path: str, op: Op | None, refs: dict[type, dict]) ->
             "description": "Fields of the request that were not applied (comma-separated paths): unknown ones "
                            "(where this route ignores them) and known ones fleet accepts and does not apply.",
             "schema": {"type": "string"}}}
-    if op.request is not None:
+    if op.request is not None and JSON in op.accepts:
         out["description"] = ("Unknown fields are ignored, as the original server does, and named in "
                               f"`{IGNORED_FIELDS_HEADER}`." if op.unknown_fields == "ignored" else
                               "Unknown fields are refused: 400 naming each and the closest known field.")
@@ -337,7 +383,7 @@ def _operation(method: str, path: str, op: Op | None, refs: dict[type, dict]) ->
             "description": "With `stream: true`: one piece per event (SSE `data:` line) or per NDJSON line."}
     error = {"description": "The error, in the contract's shape",
              "content": {JSON: {"schema": _resolve(op.errors, refs)}}}
-    out["responses"] = {"200": ok, "4XX": error, "5XX": error}
+    out["responses"] = {**{status: ok for status in op.success}, "4XX": error, "5XX": error}
     return out
 
 

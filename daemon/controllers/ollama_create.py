@@ -42,7 +42,7 @@ from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.controllers.ollama_wire import store_name
 from daemon.core import Daemon
 
-_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 #: File names a LoRA folder's blobs may take (no folders, no hidden files).
 _FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 IGNORED_CREATE = ("template", "system", "parameters", "license", "messages")
@@ -70,7 +70,7 @@ class CopyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def blob_path(daemon: Daemon, digest: str) -> Path:
-    m = _DIGEST.match(digest)
+    m = DIGEST_RE.match(digest)
     if m is None:
         raise BadRequest(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
     return daemon.settings.home_path / "blobs" / f"sha256-{m.group(1)}"
