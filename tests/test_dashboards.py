@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "fleet-alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "fleet-dashboard.json"
 #: Series a scrape of a NATS box gives samples (daemon/cluster.py's heartbeat reads them).
-NATS_ONLY = {"fleet_nats_pending_messages", "fleet_nats_unacked_messages"}
+NATS_ONLY = {"fleet_nats_pending_messages", "fleet_nats_unacked_messages", "fleet_nats_oldest_wait_seconds"}
 
 _SERIES = re.compile(r"\b((?:fleet|process)_[a-z_]+)\b")
 _SUFFIXES = ("_bucket", "_sum", "_count")
@@ -54,7 +54,7 @@ def test_files_are_well_formed() -> None:
     rules = yaml.safe_load(ALERTS.read_text())
     alerts = {rule["alert"]: rule for group in rules["groups"] for rule in group["rules"]}
     assert {"FleetOverloaded", "FleetQueueAge", "FleetEvictionThrash", "FleetWorkerRestarts",
-            "FleetNatsLag"} <= set(alerts)
+            "FleetNatsLag", "FleetNatsQueueAge"} <= set(alerts)
     assert all(rule["expr"].strip() and rule["labels"]["severity"] and rule["annotations"]["summary"]
                for rule in alerts.values())
     dash = json.loads(DASHBOARD.read_text())
