@@ -30,6 +30,10 @@ VERSIONS = ("1.30.0", None)
 KEDA_JETSTREAM_FIELDS = {"natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold",
                          "activationLagThreshold", "useHttps"}
 
+#: A ScaledObject's spec fields (KEDA's ScaledObject specification).
+KEDA_SCALEDOBJECT_SPEC = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
+                          "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers"}
+
 
 def objects(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
@@ -157,6 +161,8 @@ def test_keda_scaledobject_scales_fleet_on_a_model_consumer() -> None:
     found = manifests()
     (so,) = objects(KUBE / "keda" / "scaledobject.yaml")
     assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert set(so["spec"]) <= KEDA_SCALEDOBJECT_SPEC, set(so["spec"]) - KEDA_SCALEDOBJECT_SPEC
+    assert so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
     assert so["spec"]["scaleTargetRef"]["name"] == found[("Deployment", "fleet")]["metadata"]["name"]
     models = found[("ConfigMap", "fleet-models")]["data"]["models"].split()
     monitor = {p["name"]: p["port"] for p in found[("Service", "nats")]["spec"]["ports"]}["monitor"]
