@@ -239,6 +239,32 @@ def batch_fill_cap(cap: int, interactive_padded: int, recent_padded: int, fit: t
     return max(interactive_padded, min(cap, int((factor * (a + b * ref) - a) / b + 1e-6)))
 
 
+#: While several clients share a model (`contended`), its batches aim for this share
+#: of the batch target: a client arriving meanwhile waits for a batch this short.
+CONTENDED_SHARE = 0.25
+#: A client counts as current in a lane this long after its last batch there (ns).
+FLOW_QUIET_NS = 1_000_000_000
+
+
+def contended(last_seen: dict[int, int], now_ns: int, quiet_ns: int = FLOW_QUIET_NS) -> bool:
+    """Several clients (queue flows) had interactive work in this model's batches within
+    `quiet_ns` (`last_seen`: flow -> when its last batch here was acked). The lane's
+    fair order (local_queue invariant 2) puts a light client's request next; what it
+    still waits for is the batch running when it comes: while the model is shared,
+    batches aim for CONTENDED_SHARE of the target (`batch_token_cap` keeps them
+    above a/b tokens, so a GPU, whose fixed cost dominates, keeps its batches)."""
+    return sum(1 for at in last_seen.values() if now_ns - at < quiet_ns) > 1
+
+
+def fill_flags(flows: Sequence[int], batch: Sequence[bool]) -> list[bool]:
+    """Which claimed items only fill a batch (`form_batch` 4): batch work, and the
+    items of clients other than the head's. A batch is formed for its head's client;
+    others ride along within FILL_SLACK of its time (`batch_fill_cap`), so a light
+    client at the head of the lane is not made to wait for a flood's batch in its own."""
+    head = flows[0] if flows else 0
+    return [b or f != head for f, b in zip(flows, batch)]
+
+
 #: No batch is declared stuck before it has run this long (ms): a device's hiccups
 #: (a neighbour process, clocks throttling, a page fault storm) are not a hang.
 STALL_FLOOR_MS = 5_000.0

@@ -31,8 +31,9 @@ from runtimes.info import encode_info, worker_info
 from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
-    INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap, batch_token_cap, choose_lane, form_batch,
-    linger_left_ms, linger_window, padded_tokens, stall_bound_ms,
+    CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap,
+    batch_token_cap, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window, padded_tokens,
+    stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -82,6 +83,9 @@ class WorkerCore:
     #: Each model's last batch here with interactive items: (acked at, their padded tokens)
     #: (how much batch work may fill its batches: `batch_fill_cap`).
     recent_interactive: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Per model, the clients (queue flows) of its recent interactive batches here:
+    #: flow -> acked at (whether the model is shared now: `contended`).
+    recent_flows: dict[str, dict[int, int]] = field(default_factory=dict)
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
     memory: InitVar[DeviceMemory | None] = None
@@ -227,6 +231,8 @@ class WorkerCore:
         #    (interactive work first, batch work filling the rest), return the rest.
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
+        if contended(self.recent_flows.get(lane.model, {}), self.clock_ns()):
+            cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap)
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
@@ -236,9 +242,10 @@ class WorkerCore:
         claims = self.linger_for_more(lane.lane, claims, linger_ms, since_ns, profile.max_batch_items, cap,
                                       answered=self.last_runs.get(lane.model))
         lingered_ns = time.monotonic_ns()
-        fill = batch_fill_cap(cap, padded_tokens([c.tokens for c in claims if not c.batch]), recent, fit)
+        fills = fill_flags([c.flow for c in claims], [c.batch for c in claims])
+        fill = batch_fill_cap(cap, padded_tokens([c.tokens for c, f in zip(claims, fills) if not f]), recent, fit)
         keep = form_batch([c.tokens for c in claims], [c.attempts for c in claims], profile.max_batch_items, cap,
-                          batch=[c.batch for c in claims], max_fill_tokens=fill)
+                          batch=fills, max_fill_tokens=fill)
         claims, returned = self.return_overpull(claims, keep)
         # 4. Claimed items whose deadline passed were already answered `timeout`
         #    by the daemon: drop them unrun (their ack is then discarded there).
@@ -322,6 +329,7 @@ class WorkerCore:
         self.last_runs[lane.model] = LastRun(acked_ns, len(claims), ms)
         if interactive := [c.tokens for c in claims if not c.batch]:
             self.recent_interactive[lane.model] = (acked_ns, padded_tokens(interactive))
+            self.saw_flows(lane.model, {c.flow for c in claims if not c.batch}, acked_ns)
         self.batch_seq += 1
         self.batch_ring.append((lane.model, len(claims), batch_tokens))
         self.publish_info()
@@ -345,6 +353,16 @@ class WorkerCore:
             return True
 
         return wanted
+
+    def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
+        """The clients of a batch of `model` (its interactive items' queue flows) were
+        served at `at_ns`; those not seen for FLOW_QUIET_NS are forgotten (`contended`)."""
+        seen = self.recent_flows.setdefault(model, {})
+        for flow in flows:
+            seen[flow] = at_ns
+        if len(seen) > 1:
+            for flow in [f for f, at in seen.items() if at_ns - at >= FLOW_QUIET_NS]:
+                del seen[flow]
 
     def recent_interactive_padded(self, model: str) -> int:
         """Padded tokens of the interactive part of `model`'s last batch here with

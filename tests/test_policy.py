@@ -13,8 +13,9 @@ import pytest
 from daemon.supervisor import detect_devices
 from fleet.errors import BadRequest
 from runtimes.policy import (
-    FILL_SLACK, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_fill_cap, batch_token_cap,
-    choose_lane, find_copies, form_batch, linger_left_ms, padded_tokens, should_load_copy,
+    FILL_SLACK, FLOW_QUIET_NS, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_fill_cap,
+    batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, linger_left_ms, padded_tokens,
+    should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -338,3 +339,23 @@ def _held(name: str, *, load_ms: float = 0.0, samples: int = 0, a_ms: float = 0.
 ])
 def test_find_copies(infos, announced, expected):
     assert find_copies(infos, "m", announced=announced) == expected
+
+
+@pytest.mark.parametrize("seen, expected", [
+    ({}, False),
+    ({7: 100}, False),  # one client: its batches as large as the budget allows
+    ({7: 100, 9: 100}, True),  # two clients current
+    ({7: 100, 9: 100 - FLOW_QUIET_NS}, False),  # the other one went quiet
+])
+def test_contended(seen, expected):
+    assert contended(seen, 200) is expected
+
+
+@pytest.mark.parametrize("flows, batch, expected", [
+    ([], [], []),
+    ([1, 1, 1], [False, False, False], [False, False, False]),  # one client: nothing is filler
+    ([2, 1, 2, 1], [False, False, False, False], [False, True, False, True]),  # the head's client first
+    ([1, 1, 2], [False, True, False], [False, True, True]),  # batch work fills whoever's it is
+])
+def test_fill_flags(flows, batch, expected):
+    assert fill_flags(flows, batch) == expected

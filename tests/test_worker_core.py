@@ -180,6 +180,45 @@ def test_batch_work_steps_aside_while_interactive_work_is_current(queue):
     assert len(results(queue, 8)) == 8
 
 
+def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_the_model(queue):
+    def put_for(flow: int, text: str, rid: int, tokens: int = 10) -> None:
+        queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[text])), tokens=tokens,
+                  request_id=rid, flow=flow)
+
+    core = core_for(queue, {"m": Profile(max_batch_items=8, max_batch_tokens=1_000)}, target_ms=40.0)
+    for rid in range(1, 5):  # flow 1 has a backlog; flow 2 comes after it
+        put_for(1, f"f{rid}", rid)
+    put_for(2, "light", 20)
+    # 1. Flow 2 starts at the lane's virtual time: after flow 1's first item, ahead of the rest
+    #    (local_queue invariant 2). A batch headed by flow 1 takes flow 2's item as filler.
+    assert lane_order(queue, "m") == [1, 20, 2, 3, 4]
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["f1"], ["light"], ["f2"], ["f3"], ["f4"]])
+    # 2. A batch headed by flow 2: flow 1's items fill a quarter of its tokens (no fitted
+    #    cost yet): not one more item of 10 tokens.
+    put_for(2, "light2", 21)
+    put_for(1, "f5", 5)
+    put_for(1, "f6", 6)
+    assert lane_order(queue, "m")[0] == 21
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["light2"]])
+    assert core.recent_flows["m"].keys() == {1, 2}
+    # 3. Two clients are current: batches aim for a quarter of the target (40 ms). With a
+    #    fitted cost of 1 ms a token, 10 ms: one item of 10 tokens, where one client alone
+    #    gets 40 ms, four items.
+    for _ in range(4):
+        core.costs["m"].observe(10, 10.0)
+        core.costs["m"].observe(100, 100.0)
+    for rid in range(7, 12):
+        put_for(1, f"f{rid}", rid)
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["f5"]])
+    core.recent_flows["m"].clear()  # flow 2 went quiet
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [["f6"], ["f7"], ["f8"], ["f9"]])
+    assert len(results(queue, 11)) == 11
+
+
 def test_prefers_a_held_model_until_another_lane_starves(queue):
     profiles = {"a": Profile(), "b": Profile()}
     core = core_for(queue, profiles, max_wait_ms=150)
