@@ -105,6 +105,57 @@ def test_cohere_v1_client_reads_relevance_score_and_documents(compat):
                                rtol=1e-6)
 
 
+#: Cohere v1 documents as objects: `text` and fields beyond it (strings).
+RECORDS = [{"text": d, "title": f"Note {i}", "source": "notes"} for i, d in enumerate(DOCS)]
+
+
+def test_cohere_v1_client_sends_documents_with_more_fields_than_text(compat):
+    """Cohere ranks on `text` and keeps every field of a document: so does fleet. The
+    fields that neither ranked nor came back are named in X-Fleet-Ignored-Fields."""
+    import cohere
+
+    want = native_rerank(compat)
+    co = cohere.Client(api_key="unused", base_url=compat.url)
+    got = co.rerank(model="tiny-reranker", query=QUERY, documents=RECORDS, return_documents=True, top_n=3)
+    assert [r.index for r in got.results] == sorted(want, key=want.get, reverse=True)[:3]
+    np.testing.assert_allclose([r.relevance_score for r in got.results], [want[r.index] for r in got.results],
+                               rtol=1e-6)
+    for r in got.results:  # the documents as sent, every field (the SDK keeps extra ones)
+        assert r.document.text == DOCS[r.index]
+        assert r.document.model_dump() == RECORDS[r.index]
+    raw = post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": RECORDS})
+    assert [r["index"] for r in ok(raw)["results"]] == sorted(want, key=want.get, reverse=True)
+    assert raw.headers["X-Fleet-Ignored-Fields"] == "documents[].title,documents[].source"
+    back = post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": RECORDS,
+                                       "return_documents": True})
+    assert "X-Fleet-Ignored-Fields" not in back.headers
+    assert [r["document"] for r in ok(back)["results"]] == [RECORDS[r["index"]] for r in ok(back)["results"]]
+
+
+def test_cohere_v1_rank_fields_rank_on_those_fields_in_their_order(compat):
+    """`rank_fields` [title, text]: each document is ranked on `title: ...` and `text: ...`
+    lines, which is what the native route answers for those texts."""
+    import cohere
+
+    texts = [f"title: {r['title']}\ntext: {r['text']}" for r in RECORDS]
+    native = ok(post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": texts}))
+    want = {r["index"]: r["score"] for r in native["results"]}
+    assert want != native_rerank(compat)  # the titles change the scores
+    co = cohere.Client(api_key="unused", base_url=compat.url)
+    got = co.rerank(model="tiny-reranker", query=QUERY, documents=RECORDS, rank_fields=["title", "text"])
+    assert [r.index for r in got.results] == [r["index"] for r in native["results"]]
+    np.testing.assert_allclose([r.relevance_score for r in got.results], [want[r.index] for r in got.results],
+                               rtol=1e-6)
+    raw = post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": RECORDS,
+                                      "rank_fields": ["title", "text"]})
+    assert raw.headers["X-Fleet-Ignored-Fields"] == "documents[].source"
+    one = ok(post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": RECORDS,
+                                         "rank_fields": ["title"]}))
+    titles = ok(post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY,
+                                            "documents": [r["title"] for r in RECORDS]}))
+    assert [(r["index"], r["score"]) for r in one["results"]] == [(r["index"], r["score"]) for r in titles["results"]]
+
+
 def test_jina_shaped_request_gets_relevance_score_and_document_objects(compat):
     want = native_rerank(compat)
     got = ok(post(compat, "/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "top_n": 2,
@@ -216,10 +267,18 @@ def test_model_left_out_with_two_rerankers_lists_the_candidates(compat):
     ("/v2/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"txt": "x"}]}, 400, "bad_request"),
     ("/v1/rerank", {"model": "tiny-reranker", "query": "", "documents": DOCS}, 400, "bad_request"),
     ("/v1/rerank", {"model": "no-such-model", "query": QUERY, "documents": DOCS}, 404, "model_not_found"),
+    # A string document is Cohere's {"text": ...}: it has no `title` to rank on.
     ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": DOCS, "rank_fields": ["title"]}, 400,
-     "unsupported"),
-    ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"text": "a", "title": "b"}]}, 400,
      "bad_request"),
+    ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"text": "a", "year": 1999}]}, 400,
+     "bad_request"),
+    ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"title": "b"}]}, 400, "bad_request"),
+    ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"text": "a", "title": "b"}],
+                    "rank_fields": "title"}, 400, "bad_request"),
+    ("/v1/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": [{"text": "a", "title": "b"}],
+                    "top_m": 1}, 400, "bad_request"),
+    ("/v2/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": DOCS, "rank_fields": ["title"]}, 400,
+     "unsupported"),
     ("/v2/rerank", {"model": "tiny-reranker", "query": QUERY, "documents": DOCS,
                     "relevant_spans": {"mode": "enabled"}}, 400, "unsupported"),
     ("/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": DOCS, "documents": DOCS}, 400, "bad_request"),
