@@ -60,6 +60,8 @@ class Answer:
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+    #: Queue items the request ran as (daemon.pieces: a large request is cut into pieces).
+    pieces: int = 1
 
 
 class Broker:

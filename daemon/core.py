@@ -12,10 +12,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
@@ -30,6 +31,7 @@ from fleet.control import PROFILE, Command, control_lane, decode_done, is_contro
 
 from daemon.broker import Answer, Broker
 from daemon.metrics import Metrics
+from daemon.pieces import Sizing, joined, run_pieces
 from daemon.top import Recent
 from fleet.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
@@ -63,7 +65,7 @@ HEARTBEAT_STALE_S = 30.0
 #: change in config.toml is logged as needing a restart.
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
-                 "default_models", "max_tokenize_bytes", "max_token_ids")
+                 "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens")
 
 
 def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
@@ -166,6 +168,8 @@ class Daemon:
         self.metrics = Metrics(known=self.knows_model)
         #: The last seconds of requests, batches and evictions (`GET /v1/top`: daemon.top).
         self.recent = Recent()
+        #: How large a piece of a large request is, per model (daemon.pieces).
+        self.sizing = Sizing(self.settings.batch_target_ms or 250.0)
         if self.settings.nats:
             from daemon.cluster import check_settings
 
@@ -203,6 +207,7 @@ class Daemon:
                              batch_max_wait_ms=self.settings.batch_max_wait_ms)
         self.broker.start(loop)
         devices = detect_devices(self.settings.device, self.settings.workers)
+        self.sizing.window = max(1, len(devices))
         self.supervisor = Supervisor(
             self.settings, self.queue, devices,
             on_restart=lambda slot: self.metrics.worker_restarted(str(slot.index)), preload=self.kept_preloads,
@@ -296,6 +301,57 @@ class Daemon:
         Inside a job's producer (`BATCH_WORK` set) the request is batch work: behind
         interactive work in its lane, waiting until the job's deadline unless it sets
         its own `timeout_ms`."""
+        async def one(lane: str, local: bool, timeout_s: float) -> Answer:
+            return await self.send(lane, task, payload, tokens, timeout_s, local=local, on_partial=on_partial)
+
+        return await self.request(task, model, timeout_ms, one)
+
+    async def submit_pieces(self, task: str, model: str, cum: np.ndarray, payload_of: Callable[[int, int], bytes],
+                            *, most: int, timeout_ms: int | None) -> list[tuple[int, Answer]]:
+        """`submit` for a request cut into pieces (daemon.pieces): `cum` holds the
+        cumulative tokens of its inputs, `payload_of(a, b)` is the request of inputs
+        a..b, a piece holds at most `most` tokens. (first input, answer) per piece, in
+        input order; the first piece that fails fails the request."""
+        got: list[tuple[int, Answer]] = []
+
+        async def pieces(lane: str, local: bool, timeout_s: float) -> Answer:
+            async def send(piece: bytes, tokens: int, left_s: float) -> Answer:
+                return await self.send(lane, task, piece, tokens, left_s, local=local)
+
+            got[:] = await run_pieces(model, cum, payload_of, send, budget=lambda: self.sizing.budget(lane, most),
+                                      window=self.sizing.window, timeout_s=timeout_s)
+            return joined([a for _, a in got], None)
+
+        await self.request(task, model, timeout_ms, pieces)
+        return got
+
+    def whole_budget(self, model: str, task: str, most: int) -> int:
+        """Tokens a request for `model` may hold and run as one queue item (daemon.pieces:
+        one over it is cut into pieces)."""
+        try:
+            lane = self.lane_of(self.manifest(model, task))
+        except ModelNotFound:
+            lane = model  # another box's (with NATS): sized by its answers
+        return self.sizing.whole(lane, most)
+
+    async def send(self, lane: str, task: str, payload: bytes | memoryview, tokens: int, timeout_s: float, *,
+                   local: bool, on_partial: Callable[[Done], None] | None = None) -> Answer:
+        """One queue item into `lane` (this box's queue, or the cluster's), as the
+        current request's kind (interactive, or a job's batch work). Its
+        answer says how fast the lane's workers go (`sizing`: how large pieces are)."""
+        if self.cluster is not None:
+            answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
+                                               local=local, on_partial=on_partial)
+        else:
+            answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
+                                              on_partial=on_partial, batch=BATCH_WORK.get() is not None)
+        self.sizing.observe(lane, answer)
+        return answer
+
+    async def request(self, task: str, model: str, timeout_ms: int | None,
+                      run: Callable[[str, bool, float], Awaitable[Answer]]) -> Answer:
+        """Resolve the lane and timeout of a request, `run(lane, local, timeout_s)` it,
+        record its metrics (`submit`, `submit_pieces`)."""
         t0 = time.perf_counter()
         try:
             local = True
@@ -308,12 +364,7 @@ class Daemon:
                 lane, local = model, False
             work = BATCH_WORK.get()
             timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
-            if self.cluster is not None:
-                answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
-                                                   local=local, on_partial=on_partial)
-            else:
-                answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
-                                                  on_partial=on_partial, batch=work is not None)
+            answer = await run(lane, local, timeout_s)
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
             self.recent.request(self.metrics.model_label(model), time.perf_counter() - t0, False)

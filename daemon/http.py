@@ -50,6 +50,8 @@ def answer_headers(answer: Answer) -> dict[str, str]:
     }
     if answer.loras:
         headers["X-Batch-Adapters"] = ",".join(answer.loras)
+    if answer.pieces > 1:  # a large request ran as pieces (daemon.pieces)
+        headers["X-Fleet-Pieces"] = str(answer.pieces)
     return headers
 
 

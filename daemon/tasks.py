@@ -11,7 +11,7 @@ limits) and the batch-budget token estimates live here, once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ from local_queue import Done
 
 from daemon.broker import Answer
 from daemon.core import Daemon
+from daemon.pieces import MIN_PIECE_TOKENS, check_ceiling, joined, text_costs
 
 #: Batch-budget tokens an image costs (a ViT-B/16 at 224 px sees 197 patches;
 #: the worker counts exactly, this only sizes batches).
@@ -42,6 +43,10 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOPS = 8
 #: Most likely tokens per step: chat and native `top_logprobs` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+
+#: Most tokens in a piece of a request for a model only another box stores (its profile's default).
+MAX_PIECE_TOKENS = 16384
+_encode = msgspec.msgpack.Encoder().encode
 
 #: `output` -> decoder of the worker's embed result; the `_RAW` ones leave the tensor
 #: bytes undecoded (msgspec.Raw) for MessagePack replies, which splice them in as they came.
@@ -81,6 +86,52 @@ def embed_tokens(req: EmbedRequest, payload: bytes | memoryview) -> int:
     return chars // 4 + 2 * (len(req.inputs) - images) + IMAGE_TOKENS * images
 
 
+# ---- large requests as pieces (daemon.pieces) --------------------------------------------------
+
+async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: str, payload: bytes, tokens: int,
+                        costs: Callable[[int | None], np.ndarray], **piece_fields: Any) -> list[tuple[int, Answer]]:
+    """Queue a request over many inputs (its `field`): as one item, or, when the model
+    would read more tokens than one batch's work (`Sizing.whole`), as pieces of
+    consecutive inputs (daemon.pieces), each the request with its slice of `field`
+    (and `piece_fields`).
+    (first input, answer) per item, in input order. `tokens` is the cheap estimate
+    (bytes, `estimate_tokens`: never below what `costs(cap)` sums to); `costs(cap)`
+    gives the tokens per input, `cap` being the model's max_seq_len (None: unknown)
+    when it cuts. Refused at once past `max_request_tokens` (`check_ceiling`)."""
+    timeout_ms = req.timeout_ms
+    if tokens <= MIN_PIECE_TOKENS:  # a small request: no per-input work (the lone client's path)
+        return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
+    manifest = local_manifest(daemon, model, task)
+    most = manifest.profile.max_batch_tokens if manifest is not None else MAX_PIECE_TOKENS
+    limit = daemon.settings.max_request_tokens
+    budget = daemon.whole_budget(model, task, most)
+    if tokens <= budget and not 0 < limit < tokens:
+        return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
+    cap = manifest.max_seq_len if manifest is not None and getattr(req, "truncate", True) else None
+    per_input = costs(cap)
+    total = int(per_input.sum())
+    check_ceiling(model, total, limit)
+    if total <= budget or len(per_input) < 2:
+        return [(0, await daemon.submit(task, model, payload, tokens=total, timeout_ms=timeout_ms))]
+    items = getattr(req, field)
+
+    def payload_of(a: int, b: int) -> bytes:
+        return _encode(msgspec.structs.replace(req, **{field: items[a:b]}, **piece_fields))
+
+    return await daemon.submit_pieces(task, model, np.cumsum(per_input), payload_of, most=most,
+                                      timeout_ms=timeout_ms)
+
+
+def local_manifest(daemon: Daemon, model: str, task: str) -> Any:
+    """The manifest a request for `model` is sized by: its own, or its base's for a LoRA
+    adapter (the base reads its texts); None for a model only another box stores."""
+    try:
+        manifest = daemon.manifest(model, task)
+        return daemon.manifest(manifest.base, task) if manifest.base else manifest
+    except ModelNotFound:
+        return None
+
+
 # ---- embed ---------------------------------------------------------------------------------
 
 async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool = False) -> tuple[Any, Answer]:
@@ -94,9 +145,42 @@ async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool 
         raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
                          f"with output {req.output!r}")
     check_embed_controls(daemon, req)
-    answer = await daemon.submit("embed", target_model(daemon, "embed", req.model, req.adapter), payload,
-                                 tokens=embed_tokens(req, payload), timeout_ms=req.timeout_ms)
-    return (_EMBED_RAW if raw else _EMBED)[req.output].decode(answer.body), answer
+    answers = await submit_inputs(daemon, "embed", target_model(daemon, "embed", req.model, req.adapter), req,
+                                  "inputs", payload, embed_tokens(req, payload), lambda cap: embed_costs(req, cap))
+    if len(answers) == 1:
+        return (_EMBED_RAW if raw else _EMBED)[req.output].decode(answers[0][1].body), answers[0][1]
+    res = join_embed([_EMBED[req.output].decode(a.body) for _, a in answers])
+    return (raw_twin(res) if raw else res), joined([a for _, a in answers], None)
+
+
+def embed_costs(req: EmbedRequest, cap: int | None) -> np.ndarray:
+    """Tokens the model reads per input (daemon.pieces.text_costs; an image IMAGE_TOKENS)."""
+    n = len(req.inputs)
+    if not any(x.__class__ is ImageInput for x in req.inputs):
+        return text_costs(np.fromiter(map(len, req.inputs), dtype=np.int64, count=n), cap)
+    lengths = np.fromiter((len(x) if x.__class__ is str else 0 for x in req.inputs), dtype=np.int64, count=n)
+    images = np.fromiter((x.__class__ is ImageInput for x in req.inputs), dtype=bool, count=n)
+    return np.where(images, IMAGE_TOKENS, text_costs(lengths, cap))
+
+
+def join_embed(parts: list[Any]) -> Any:
+    """One embed result of its pieces' results (input order; all of one output)."""
+    first, used = parts[0], sum(p.input_tokens for p in parts)
+    if first.__class__ is EmbedResult:
+        return msgspec.structs.replace(first, data=b"".join(p.data for p in parts),
+                                       shape=(sum(p.shape[0] for p in parts), first.shape[1]), input_tokens=used)
+    if first.__class__ is TokenEmbedResult:
+        return TokenEmbedResult([b for p in parts for b in p.data], [s for p in parts for s in p.shapes], used)
+    return SparseEmbedResult([v for p in parts for v in p.vectors], first.dimension, used)
+
+
+def raw_twin(res: Any) -> Any:
+    """A decoded embed result as its `...Raw` twin (what MessagePack replies splice in)."""
+    if res.__class__ is EmbedResult:
+        return EmbedResultRaw(msgspec.Raw(_encode(res.data)), res.shape, res.input_tokens, res.dtype, res.dimensions)
+    if res.__class__ is TokenEmbedResult:
+        return TokenEmbedResultRaw(msgspec.Raw(_encode(res.data)), res.shapes, res.input_tokens)
+    return SparseEmbedResultRaw(msgspec.Raw(_encode(res.vectors)), res.dimension, res.input_tokens)
 
 
 def check_embed_controls(daemon: Daemon, req: EmbedRequest) -> None:
@@ -192,11 +276,30 @@ async def rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[li
     docs = req.docs
     # Each pair carries the query again and one more special token than a single text.
     tokens = estimate_tokens(payload, len(docs)) + len(req.query) * (len(docs) - 1) // 4 + len(docs)
-    answer = await daemon.submit("rerank", target_model(daemon, "rerank", req.model, req.adapter), payload,
-                                 tokens=tokens, timeout_ms=req.timeout_ms)
-    res = _rerank.decode(answer.body)
-    index = np.frombuffer(res.index, dtype="<i4").tolist()
-    scores = np.frombuffer(res.scores, dtype="<f4").tolist()
+    field = "documents" if req.documents is not None else "texts"
+
+    def costs(cap: int | None) -> np.ndarray:
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)) + len(req.query)
+        return text_costs(lengths, cap) + 1
+
+    answers = await submit_inputs(daemon, "rerank", target_model(daemon, "rerank", req.model, req.adapter), req,
+                                  field, payload, tokens, costs, top_n=None)
+    if len(answers) == 1:
+        answer = answers[0][1]
+        res = _rerank.decode(answer.body)
+        index = np.frombuffer(res.index, dtype="<i4").tolist()
+        scores = np.frombuffer(res.scores, dtype="<f4").tolist()
+    else:
+        # Each piece ranked its own documents: every score at its document's place, ranked
+        # again as the worker ranks (stable: ties in document order), cut to top_n.
+        parts = [(a, _rerank.decode(answer.body)) for a, answer in answers]
+        all_scores = np.empty(len(docs), dtype=np.float32)
+        for a, part in parts:
+            all_scores[np.frombuffer(part.index, dtype="<i4") + a] = np.frombuffer(part.scores, dtype="<f4")
+        order = np.argsort(-all_scores, kind="stable")[:req.top_n]
+        index, scores = order.tolist(), all_scores[order].tolist()
+        res = RerankResult(b"", b"", sum(part.input_tokens for _, part in parts))
+        answer = joined([a for _, a in answers], None)
     if req.return_documents or req.return_text:
         hits = [
             RerankHit(i, s, s, RerankDocument(docs[i]) if req.return_documents else None,
@@ -216,9 +319,18 @@ async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
     check_inputs(daemon, req.inputs)
     if req.top_k is not None and req.top_k < 1:
         raise BadRequest(f"top_k must be at least 1, got {req.top_k}")
-    answer = await daemon.submit("classify", target_model(daemon, "classify", req.model, req.adapter), payload,
-                                 tokens=estimate_tokens(payload, len(req.inputs)), timeout_ms=req.timeout_ms)
-    res = _classify.decode(answer.body)
+    answers = await submit_inputs(daemon, "classify", target_model(daemon, "classify", req.model, req.adapter), req,
+                                  "inputs", payload, estimate_tokens(payload, len(req.inputs)),
+                                  lambda cap: text_costs(np.fromiter(map(len, req.inputs), dtype=np.int64,
+                                                                     count=len(req.inputs)), cap))
+    if len(answers) == 1:
+        answer = answers[0][1]
+        res = _classify.decode(answer.body)
+    else:
+        parts = [_classify.decode(a.body) for _, a in answers]
+        res = ClassifyResult(parts[0].labels, b"".join(p.top for p in parts), b"".join(p.scores for p in parts),
+                             (sum(p.shape[0] for p in parts), parts[0].shape[1]), sum(p.input_tokens for p in parts))
+        answer = joined([a for _, a in answers], None)
     top = np.frombuffer(res.top, dtype="<i4").reshape(res.shape).tolist()
     scores = np.frombuffer(res.scores, dtype="<f4").reshape(res.shape).tolist()
     labels = res.labels
@@ -230,9 +342,17 @@ async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
 async def extract(daemon: Daemon, req: ExtractRequest, payload: bytes) -> tuple[list[list[Entity]], Usage, Answer]:
     """Queue one extract request; per input, its entity spans."""
     check_inputs(daemon, req.inputs)
-    answer = await daemon.submit("extract", target_model(daemon, "extract", req.model, req.adapter), payload,
-                                 tokens=estimate_tokens(payload, len(req.inputs)), timeout_ms=req.timeout_ms)
-    res = _extract.decode(answer.body)
+    answers = await submit_inputs(daemon, "extract", target_model(daemon, "extract", req.model, req.adapter), req,
+                                  "inputs", payload, estimate_tokens(payload, len(req.inputs)),
+                                  lambda cap: text_costs(np.fromiter(map(len, req.inputs), dtype=np.int64,
+                                                                     count=len(req.inputs)), cap))
+    if len(answers) == 1:
+        answer = answers[0][1]
+        res = _extract.decode(answer.body)
+    else:
+        parts = [_extract.decode(a.body) for _, a in answers]
+        res = ExtractResult([spans for p in parts for spans in p.spans], sum(p.input_tokens for p in parts))
+        answer = joined([a for _, a in answers], None)
     if len(res.spans) != len(req.inputs):
         raise RuntimeError(f"extract: {len(res.spans)} span lists for {len(req.inputs)} inputs; this is a bug")
     # The worker sends offsets only; the text of each span is cut here from the input as sent.

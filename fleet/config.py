@@ -110,6 +110,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Token ids one request may send in place of text (OpenAI `input`, TEI `inputs`), all
     #: inputs together (OpenAI's own bound per request); the API process decodes them to text.
     max_token_ids: int = 300_000
+    #: Tokens one request's inputs may come to, as its model reads them (~4 characters a
+    #: token plus special tokens per input, each at most the model's max_seq_len when it
+    #: cuts): past this, 413 naming this setting, before anything is queued. OpenAI's
+    #: bound per embeddings request. A request over one batch's work runs as pieces that
+    #: other requests pass between (daemon.pieces); 0 = no bound.
+    max_request_tokens: int = 300_000
     timeout_ms: int = 30_000
     #: Shared-memory queue geometry.
     queue_slots: int = 16384
