@@ -26,6 +26,13 @@ from tests.conftest import DEFAULT_MODEL
 
 #: How long the lock is held: far longer than any answer of an idle loop takes.
 HOLD_S = 2.0
+#: /healthz probes made while the lock is held, at least: the hold goes on past HOLD_S
+#: until they are made, up to MAX_HOLD_S. How many fit in HOLD_S depends on how soon a
+#: loaded box schedules this test process between probes (2 cores at load 9: 6, each
+#: answered in <= 0.11 s), not on the daemon; each probe's own time is what is judged.
+MIN_PROBES = 10
+#: Under the workers' lease (`lease_ms`, 10 s): a hold this long kills no worker.
+MAX_HOLD_S = 6.0
 #: The slowest /healthz answer allowed meanwhile: a few ms on an idle loop; a 2-core
 #: box shared with other work schedules the daemon late now and then, while a
 #: stalled loop would answer only at the release (the rest of the hold).
@@ -69,7 +76,7 @@ def test_healthz_stays_prompt_while_another_process_holds_the_queue_lock(daemon)
         probes = []
         # Bounded: a stalled loop would otherwise wait for the lock this thread holds.
         with httpx.Client(timeout=HOLD_S) as client:
-            while time.monotonic() - held_at < HOLD_S:
+            while (held := time.monotonic() - held_at) < HOLD_S or (len(probes) < MIN_PROBES and held < MAX_HOLD_S):
                 t0 = time.monotonic()
                 try:
                     probe = client.get(daemon.url + "/healthz")
@@ -92,7 +99,7 @@ def test_healthz_stays_prompt_while_another_process_holds_the_queue_lock(daemon)
         pool.shutdown(wait=False)
 
     assert max(probes) < PROMPT_S, f"/healthz took {max(probes):.3f} s while the lock was held: {probes}"
-    assert len(probes) >= 10, probes
+    assert len(probes) >= MIN_PROBES, probes
     # The queue readers answered (/metrics at once, skipping a busy read; the others
     # once the lock was free), none of them long after the release.
     for route, (resp, took) in answers.items():
