@@ -8,6 +8,8 @@ decides; JetStream is the shared queue and fleet adds no broker of its own.
 Names (the same on every box):
     fleet.work.<model>            subjects of the work-queue stream FLEET_WORK (file storage)
     work_<model>                  its durable pull consumer per model, bound by every box holding the model
+    fleet.work.<model>.batch      batch work for the model (the lines of offline jobs, daemon/batches.py),
+    batch_<model>                 and its own durable pull consumer, bound by every box holding the model
     fleet.reply.<box>.<instance>.<n>    the reply to request n of one daemon process, kept in the
                                   stream FLEET_REPLIES (file storage, REPLY_TTL_S) so a requester
                                   that was away for a blip reads it after reconnecting
@@ -41,6 +43,13 @@ Invariants:
    the wait for the reply is bounded by it; pullers `term()` expired messages.
 5. NATS is not needed for what this box can do alone: while it is unreachable, a
    request for a model in this box's store runs in the local queue.
+6. Batch work (a request made inside a job's producer: `daemon.core.BATCH_WORK`) is
+   below interactive work at every hop: it is queued under its model's batch subject;
+   a box's batch pullers take fetch credit only while no interactive puller waits
+   for it, and never more than BATCH_CREDIT_SHARE of it; the box that runs it queues
+   it as batch work in its local queue (behind interactive work, promoted after
+   `batch_max_wait_ms`). Otherwise it is work like any other: invariants 1-4 hold
+   for it, so a box killed mid-batch loses none of its lines.
 """
 
 from __future__ import annotations
@@ -91,6 +100,13 @@ DEDUP_WINDOW_S = 120.0
 FETCH_POLL_S = 1.0
 #: How long a busy puller's fetch waits for more than what is already waiting.
 FETCH_BURST_S = 0.02
+#: Batch work's subject under its model's (invariant 6).
+BATCH_SUFFIX = ".batch"
+#: The share of a box's fetch credit batch work may hold: the rest is always there for
+#: interactive work, which the box's batch work never makes wait in JetStream.
+BATCH_CREDIT_SHARE = 0.5
+#: How often a batch puller that found no credit to spare looks again.
+BATCH_CREDIT_POLL_S = 0.05
 #: Bytes of a work message's max_payload kept for its headers.
 HEADER_ROOM = 4096
 #: Outgoing bytes nats.py buffers while reconnecting (replies, acks, publishes).
@@ -136,6 +152,14 @@ def work_subject(model: str) -> str:
 
 def consumer_name(model: str) -> str:
     return "work_" + token(model)
+
+
+def batch_subject(model: str) -> str:
+    return work_subject(model) + BATCH_SUFFIX
+
+
+def batch_consumer_name(model: str) -> str:
+    return "batch_" + token(model)
 
 
 def connect_options(settings: Settings) -> dict[str, Any]:
@@ -210,6 +234,10 @@ class FetchCredit:
     def __init__(self, capacity: Callable[[], int]) -> None:
         self._capacity = capacity
         self.used = 0
+        #: Of `used`, what batch work holds (`take_spare`).
+        self.batch_used = 0
+        #: Waiters handed the turn that have not taken their room yet: batch work waits for them too.
+        self._woken = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -228,14 +256,29 @@ class FetchCredit:
         self.wake()
         return n
 
-    def give(self, n: int) -> None:
+    async def take_spare(self, want: int, most: int) -> int:
+        """Batch work's credit (invariant 6): wait until no puller waits for credit and
+        batch work holds less than `most` (its messages and its fetches in flight),
+        then take up to `want` of what is free, at most what brings it to `most`."""
+        while True:
+            n = min(max(1, want), self.free, most - self.batch_used)
+            if n > 0 and not self._waiters and not self._woken:
+                self.used += n
+                self.batch_used += n
+                return n
+            await asyncio.sleep(BATCH_CREDIT_POLL_S)
+
+    def give(self, n: int, *, batch: bool = False) -> None:
         self.used -= n
+        if batch:
+            self.batch_used -= n
         self.wake()
 
     def wake(self) -> None:
         """Hand the room to the first waiter (also when capacity grew: workers came up)."""
         if self._waiters and self.free > 0:
             self._waiters.popleft().set_result(None)
+            self._woken += 1
 
     async def _wait_turn(self, front: bool) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -249,8 +292,10 @@ class FetchCredit:
             if fut in self._waiters:
                 self._waiters.remove(fut)
             else:
+                self._woken -= 1
                 self.wake()  # woken and cancelled at once: pass the turn on
             raise
+        self._woken -= 1
 
 
 @dataclass
@@ -294,7 +339,8 @@ class Cluster:
         self._left = False
         self._tasks: list[asyncio.Task] = []
         self._serving: set[asyncio.Task] = set()
-        self._pullers: dict[str, asyncio.Task] = {}
+        #: Pull loops by (model, batch work or not).
+        self._pullers: dict[tuple[str, bool], asyncio.Task] = {}
         self._models: dict[str, str] = {}
         self._boxes: dict[str, dict[str, Any]] = {}
         self.nc: Any = None
@@ -492,17 +538,19 @@ class Cluster:
     # -- requester --------------------------------------------------------------------
 
     async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                     local: bool = False, on_partial: Callable[[Done], None] | None = None) -> Answer:
+                     local: bool = False, on_partial: Callable[[Done], None] | None = None,
+                     batch: bool = False) -> Answer:
         """Queue one request in JetStream and wait for the first reply from any box.
 
         `local`: this box stores the model, so while NATS is unreachable (not joined
         yet, disconnected, or gone while queueing) it runs in this box's own queue
         instead (invariant 5). `on_partial` gets streamed pieces, from whichever box
-        runs the request, in order; a piece lost on the way is filled in by the final reply."""
+        runs the request, in order; a piece lost on the way is filled in by the final reply.
+        `batch`: a job's line (daemon.batches), batch work (invariant 6)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         if local and not self.reachable:
-            return await self._run_here(model, payload, tokens, deadline, on_partial)
+            return await self._run_here(model, payload, tokens, deadline, on_partial, batch)
         if not self._joined.is_set():
             try:
                 await asyncio.wait_for(self._joined.wait(), timeout_s)
@@ -524,9 +572,10 @@ class Cluster:
         fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(fut, reply_to, on_partial)
         try:
-            if not await self._publish(work_subject(model), body, headers, deadline, offline_gives_up=local):
+            if not await self._publish(batch_subject(model) if batch else work_subject(model), body, headers, deadline,
+                                       offline_gives_up=local):
                 self._pending.pop(rid, None)
-                return await self._run_here(model, payload, tokens, deadline, on_partial)
+                return await self._run_here(model, payload, tokens, deadline, on_partial, batch)
             timeline.stamp("published")
             done = await asyncio.wait_for(fut, deadline - time.monotonic())
             timeline.stamp("collected")
@@ -542,11 +591,11 @@ class Cluster:
         return dataclasses.replace(answer, queue_ms=max(answer.queue_ms, waited_ms))
 
     async def _run_here(self, model: str, payload: bytes | memoryview, tokens: int, deadline: float,
-                        on_partial: Callable[[Done], None] | None) -> Answer:
+                        on_partial: Callable[[Done], None] | None, batch: bool = False) -> Answer:
         """NATS is unreachable and this box stores the model: its own queue runs the request."""
         self.served_locally += 1
         return await self.broker.submit(model, payload, tokens=tokens, timeout_s=max(0.001, deadline - time.monotonic()),
-                                        on_partial=on_partial)
+                                        on_partial=on_partial, batch=batch)
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str], deadline: float, *,
                        offline_gives_up: bool = False) -> bool:
@@ -648,14 +697,18 @@ class Cluster:
         if not self._pulling:
             return
         for name in models:
-            if name not in self._pullers or self._pullers[name].done():
-                self._pullers[name] = asyncio.create_task(self._pull(name), name=f"nats-pull-{name}")
-        for name in list(self._pullers):
-            if name not in models:
-                self._pullers.pop(name).cancel()
+            for batch in (False, True):
+                key = (name, batch)
+                if key not in self._pullers or self._pullers[key].done():
+                    self._pullers[key] = asyncio.create_task(
+                        self._pull(name, batch=batch), name=f"nats-pull-{name}{BATCH_SUFFIX if batch else ''}")
+        for key in list(self._pullers):
+            if key[0] not in models:
+                self._pullers.pop(key).cancel()
 
-    async def _pull(self, model: str) -> None:
-        """Fetch work for `model` in amounts this box can take now, and serve it.
+    async def _pull(self, model: str, *, batch: bool = False) -> None:
+        """Fetch work for `model` (its batch work with `batch`: invariant 6) in amounts
+        this box can take now, and serve it.
 
         1. Bind the model's durable consumer (declared here, shared by every box).
         2. Take credit from the box's one `FetchCredit` (invariant 3): one message
@@ -663,17 +716,19 @@ class Cluster:
         3. Idle: a long poll for one message (it returns as soon as one arrives).
            Busy: what is waiting now, up to the credit (FETCH_BURST_S at most).
         4. Give back the credit the fetch did not fill; serve each message in its
-           own task (it waits in local_queue like any request)."""
+           own task (it waits in local_queue like any request).
+        Batch work's credit is what interactive work leaves (`FetchCredit.take_spare`)."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+        name = batch_consumer_name(model) if batch else consumer_name(model)
         while not self._stopping:
             try:
                 await self.js.add_consumer(STREAM, ConsumerConfig(
-                    durable_name=consumer_name(model), filter_subject=work_subject(model),
+                    durable_name=name, filter_subject=batch_subject(model) if batch else work_subject(model),
                     ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                     ack_wait=self.settings.nats_ack_wait_ms / 1000.0, max_deliver=-1, max_ack_pending=-1,
                 ))
-                psub = await self.js.pull_subscribe_bind(consumer_name(model), STREAM)
+                psub = await self.js.pull_subscribe_bind(name, STREAM)
                 break
             except Exception as exc:  # NATS away: retry while reconnecting
                 self._log_error(f"cannot bind the consumer for {model}: {exc}")
@@ -682,7 +737,11 @@ class Cluster:
             return
         busy = False
         while not self._stopping:
-            taken = await self.credit.take(self.capacity if busy else 1)
+            if batch:
+                most = max(1, int(self.capacity * BATCH_CREDIT_SHARE))  # workers come and go
+                taken = await self.credit.take_spare(self.capacity if busy else 1, most)
+            else:
+                taken = await self.credit.take(self.capacity if busy else 1)
             msgs: list[Any] = []
             failed = False
             try:
@@ -695,17 +754,17 @@ class Cluster:
             finally:
                 # A fetch may return more than asked (deliveries of an earlier, expired
                 # pull request): they count too, so `used` stays exact.
-                self.credit.give(taken - len(msgs))
+                self.credit.give(taken - len(msgs), batch=batch)
             if failed:
                 await asyncio.sleep(0.5)
             busy = bool(msgs)
             for msg in msgs:
                 self._held[msg.metadata.sequence.stream] = msg
-                task = asyncio.create_task(self._serve(model, msg))
+                task = asyncio.create_task(self._serve(model, msg, batch=batch))
                 self._serving.add(task)
                 task.add_done_callback(self._serving.discard)
 
-    async def _serve(self, model: str, msg: Any) -> None:
+    async def _serve(self, model: str, msg: Any, *, batch: bool = False) -> None:
         """Run one work message on this box, reply to its requester, then ack (invariant 1)."""
         try:
             h = msg.headers or {}
@@ -744,7 +803,7 @@ class Cluster:
             span = tracing.begin_remote(h, model, self.box)  # None unless tracing is on
             try:
                 done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left,
-                                             on_partial=self._piece_sink(reply_to, rid))
+                                             on_partial=self._piece_sink(reply_to, rid), batch=batch)
             except Overloaded:
                 await msg.nak(delay=1.0)  # this box is full now; another (or this one, later) takes it
                 return
@@ -768,7 +827,7 @@ class Cluster:
             self._log_error(f"serving a work message for {model} failed: {exc}")
         finally:
             self._held.pop(msg.metadata.sequence.stream, None)
-            self.credit.give(1)
+            self.credit.give(1, batch=batch)
 
     def _is_mine(self, reply_to: str) -> bool:
         return reply_to.startswith(self.reply_prefix)

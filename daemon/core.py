@@ -341,7 +341,7 @@ class Daemon:
         answer says how fast the lane's workers go (`sizing`: how large pieces are)."""
         if self.cluster is not None:
             answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
-                                               local=local, on_partial=on_partial)
+                                               local=local, on_partial=on_partial, batch=BATCH_WORK.get() is not None)
         else:
             answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
                                               on_partial=on_partial, batch=BATCH_WORK.get() is not None)
