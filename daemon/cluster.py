@@ -59,6 +59,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import random
 import secrets
 import ssl
 import time
@@ -127,9 +128,24 @@ ERR_CANNOT_PLACE = (ERR_NOT_CLUSTERED, ERR_NO_PEERS, ERR_INSUFFICIENT)
 #: (`timeout_ms`): the rest is for another box to queue and run the redelivered work.
 ACK_WAIT_SHARE = 3
 
+#: Each box says it is alive (core NATS, not kept) this many times per ack wait: a requester
+#: whose request's holder went quiet for LAPSE_PERIODS of them republishes the request, long
+#: before JetStream would redeliver it (after the ack wait).
+ALIVE_SHARE = 10
+LAPSE_PERIODS = 3
+#: A box whose NATS server has not let a JetStream call through for this many ack waits
+#: (longer than a Raft election takes) moves to another server: its own is cut off from the
+#: cluster's majority (a network partition) and would never answer.
+JETSTREAM_LOST_ACK_WAITS = 2
+ALIVE_PREFIX = "fleet.alive."
+CANCEL_SUBJECT = "fleet.cancel"
+
 H_MSG_ID = "Nats-Msg-Id"
 H_RID, H_MODEL, H_TASK, H_TOKENS = "Fleet-Request-Id", "Fleet-Model", "Fleet-Task", "Fleet-Tokens"
 H_DEADLINE, H_REPLY_TO, H_OBJECT, H_STATUS = "Fleet-Deadline-Ms", "Fleet-Reply-To", "Fleet-Object", "Fleet-Status"
+#: A held notice (holder -> requester, on the piece subject): who took the request, and its
+#: work message's stream sequence; a republished request's attempt number (1 = first).
+H_HELD_BY, H_SEQ, H_ATTEMPT = "Fleet-Held-By", "Fleet-Seq", "Fleet-Attempt"
 
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
@@ -202,12 +218,7 @@ def check_settings(settings: Settings) -> None:
     if ack_ms < MIN_ACK_WAIT_MS:
         raise BadRequest(f"nats_ack_wait_ms is {ack_ms}: it must be at least {MIN_ACK_WAIT_MS} (a box extends "
                          "the work it holds every third of it; shorter, a busy box loses work it is running)")
-    if ack_ms * ACK_WAIT_SHARE > timeout_ms:
-        raise BadRequest(
-            f"nats_ack_wait_ms ({ack_ms}) must be at most a third of timeout_ms ({timeout_ms}): a box that dies "
-            "holding a request is noticed only after the ack wait, and another box needs the rest of the "
-            "deadline to answer it",
-            hint=f"set FLEET_NATS_ACK_WAIT_MS to {timeout_ms // ACK_WAIT_SHARE} or less (default 5000)")
+    check_deadline(timeout_ms, ack_ms)
     if not 0 <= settings.nats_replicas <= MAX_REPLICAS:
         raise BadRequest(f"nats_replicas must be between 0 (3 on a cluster that can place them, else 1) and "
                          f"{MAX_REPLICAS} (JetStream's most), got {settings.nats_replicas}")
@@ -220,6 +231,29 @@ def choose_replicas(setting: int, wanted: int, have: int) -> int:
     lowered to it); else what this cluster takes (`wanted`), never fewer than it has (an
     operator may have raised it by hand)."""
     return setting or max(wanted, have)
+
+
+def choose_server(servers: list[Any], avoid: set[str], wait_s: float) -> tuple[Any, float]:
+    """Where a reconnect goes, from nats.py's pool (each with `uri` and `reconnects`, the
+    failed attempts since it was last connected): at random among those not yet failed,
+    other than those in `avoid` (host:port: the server just lost, one cut off from
+    JetStream's majority); when none is left, one of those that failed least, after `wait_s`."""
+    fresh = [s for s in servers if s.reconnects == 0 and s.uri.netloc not in avoid]
+    if fresh:
+        return random.choice(fresh), 0.0
+    fewest = min(s.reconnects for s in servers)
+    return random.choice([s for s in servers if s.reconnects == fewest]), wait_s
+
+
+def check_deadline(timeout_ms: int, ack_ms: int) -> None:
+    """The default deadline must leave another box time to answer a dead box's requests:
+    at least ACK_WAIT_SHARE ack waits (at start, and for a SIGHUP's new `timeout_ms`)."""
+    if ack_ms * ACK_WAIT_SHARE > timeout_ms:
+        raise BadRequest(
+            f"nats_ack_wait_ms ({ack_ms}) must be at most a third of timeout_ms ({timeout_ms}): a box that dies "
+            "holding a request is noticed only after the ack wait, and another box needs the rest of the "
+            "deadline to answer it",
+            hint=f"set FLEET_NATS_ACK_WAIT_MS to {timeout_ms // ACK_WAIT_SHARE} or less (default 5000)")
 
 
 class FetchCredit:
@@ -300,11 +334,23 @@ class FetchCredit:
 
 @dataclass
 class _Pending:
-    """A request of this box waiting for its reply on `subject` (and its pieces, streaming)."""
+    """A request of this box waiting for its reply on `subject` (and its pieces, streaming),
+    with what it takes to publish it again (`work_subject`, `body`, `headers`), its work
+    message's stream sequence (`seq`, from the PubAck) and which other box holds it
+    (`holder`, from its held notice; "" while unknown or this box)."""
 
     fut: asyncio.Future[Done]
     subject: str
     on_partial: Callable[[Done], None] | None = None
+    model: str = ""
+    work_subject: str = ""
+    body: bytes = b""
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    deadline: float = 0.0
+    published_at: float = 0.0
+    holder: str = ""
+    seq: int = 0
+    attempt: int = 1
 
 
 class Cluster:
@@ -324,14 +370,32 @@ class Cluster:
         self.instance = secrets.token_hex(4)
         #: Replies to this daemon's requests arrive on <reply_prefix><n>, pieces on <...><n>.p.
         self.reply_prefix = f"{REPLY_PREFIX}{self.key}.{self.instance}."
+        #: This daemon as a holder of work, in held notices and on its alive subject.
+        self.holder_id = f"{self.key}.{self.instance}"
         #: Validated here, so bad auth/TLS settings fail `serve` at start, not in a task.
         self._options = connect_options(settings)
         self._workers_up = workers_up
         self._loaded = loaded
         self._ids = itertools.count(1)
         self._pending: dict[str, _Pending] = {}
-        #: Work messages this box holds (fetched, not answered), by stream sequence.
+        #: Work messages this box holds (fetched, not answered), by stream sequence; the
+        #: tasks serving them by request id (a requester's cancel stops one).
         self._held: dict[int, Any] = {}
+        self._running: dict[str, asyncio.Task] = {}
+        #: Request ids their requesters cancelled (a client went away), with when: a work
+        #: message of one taken later is dropped unrun. Kept REPLY_TTL_S (past any deadline).
+        self._cancelled: dict[str, float] = {}
+        #: Holders' last alive signal (monotonic s), by holder id; and since when this box
+        #: has been listening for them (a requester that was away judges no lapse).
+        self._alive: dict[str, float] = {}
+        self._quiet: set[str] = set()
+        self._listening_since = time.monotonic()
+        #: When a JetStream call last went through this box's NATS server (monotonic s), and
+        #: the server (host:port) it left for not letting them through (`choose_server`).
+        self._jetstream_ok_at = time.monotonic()
+        self._avoid_server = ""
+        #: The server (host:port) this box is (or was last) connected to.
+        self._server_here = ""
         self.credit = FetchCredit(lambda: self.capacity)
         self._joined = asyncio.Event()
         self._stopping = False
@@ -353,6 +417,8 @@ class Cluster:
         self.duplicates = 0
         self.reconnects = 0
         self.served_locally = 0
+        self.republished = 0
+        self.cancelled = 0
         self._last_error_log = 0.0
 
     # -- lifecycle ------------------------------------------------------------------
@@ -380,9 +446,13 @@ class Cluster:
         self.nc = await nats.connect(
             **self._options, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected, closed_cb=self._on_closed,
+            reconnect_to_server_handler=self._next_server,
         )
         self.js = self.nc.jetstream()
+        self._server_here = self.nc.connected_url.netloc
         await self.nc.subscribe(self.reply_prefix + ">", cb=self._on_reply)
+        await self.nc.subscribe(ALIVE_PREFIX + ">", cb=self._on_alive)
+        await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
         while True:
             try:
                 await self._declare()
@@ -393,6 +463,7 @@ class Cluster:
                 await asyncio.sleep(2.0)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="nats-heartbeat"))
         self._tasks.append(asyncio.create_task(self._extend_loop(), name="nats-in-progress"))
+        self._tasks.append(asyncio.create_task(self._alive_loop(), name="nats-alive"))
         self._joined.set()
         log.info("joined the NATS cluster at %s as %s (replies on %s*)", self.settings.nats, self.box,
                  self.reply_prefix)
@@ -570,17 +641,23 @@ class Cluster:
             await self._put_object(rid, body, deadline)
             headers[H_OBJECT], body = rid, b""
         fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(fut, reply_to, on_partial)
+        subject = batch_subject(model) if batch else work_subject(model)
+        pend = self._pending[rid] = _Pending(fut, reply_to, on_partial, model, subject, body, headers, deadline)
         try:
-            if not await self._publish(batch_subject(model) if batch else work_subject(model), body, headers, deadline,
-                                       offline_gives_up=local):
+            ack = await self._publish(subject, body, headers, deadline, offline_gives_up=local)
+            if ack is None:
                 self._pending.pop(rid, None)
                 return await self._run_here(model, payload, tokens, deadline, on_partial, batch)
+            pend.seq, pend.published_at = pend.seq or ack.seq, time.monotonic()
             timeline.stamp("published")
             done = await asyncio.wait_for(fut, deadline - time.monotonic())
             timeline.stamp("collected")
         except TimeoutError:
             raise Timeout(f"{model}: no answer from the cluster within {timeout_s * 1000:.0f} ms") from None
+        except asyncio.CancelledError:
+            # The client went away (a stream closed): whichever box runs it stops (`_on_cancel`).
+            self._spawn(self._publish_cancel(rid))
+            raise
         finally:
             self._pending.pop(rid, None)
             if large:
@@ -598,29 +675,38 @@ class Cluster:
                                         on_partial=on_partial, batch=batch)
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str], deadline: float, *,
-                       offline_gives_up: bool = False) -> bool:
-        """Publish until JetStream acks (True) or the deadline passes. Retrying is safe:
-        the stream drops a second copy with the same Nats-Msg-Id (dedup window).
-        With `offline_gives_up`, a failure while disconnected returns False at once."""
+                       offline_gives_up: bool = False) -> Any:
+        """Publish until JetStream acks (its PubAck: stream, seq) or the deadline passes.
+        Retrying is safe: the stream drops a second copy with the same Nats-Msg-Id (dedup
+        window). With `offline_gives_up`, a failure while disconnected returns None at once."""
         import nats.errors
-        from nats.js.errors import APIError, NoStreamResponseError
+        from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout("could not queue the request in JetStream before its deadline (NATS unreachable?)")
             try:
-                await self.js.publish(subject, body, headers=headers, timeout=min(left, 2.0))
-                return True
+                ack = await self.js.publish(subject, body, headers=headers, timeout=min(left, 2.0))
+                self._jetstream_ok_at = time.monotonic()
+                return ack
             except APIError as exc:
                 if exc.err_code == 10077 or "maximum messages" in (exc.description or ""):
                     raise Overloaded(f"the cluster queue is full ({self.settings.nats_max_queued} waiting); "
                                      "retry shortly", retry_after_s=1.0) from None
-                raise Unavailable(f"JetStream refused the request: {exc.description}") from None
+                in_process = "in process" in (exc.description or "")
+                if not (in_process or isinstance(exc, ServiceUnavailableError) or exc.code == 503):
+                    raise Unavailable(f"JetStream refused the request: {exc.description}") from None
+                # For now: the stream has no leader (503: an election, a server cut from the
+                # others), or this message id's first try is still being agreed on (a retry
+                # after a timeout, 10158). Publish again within the deadline: the id dedups.
+                self._log_error(f"JetStream is not taking the request yet ({exc.description or 'no stream leader'}); "
+                                "publishing again")
+                await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
             except (TimeoutError, NoStreamResponseError, nats.errors.ConnectionClosedError,
                     nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError):
                 if offline_gives_up and not self.nc.is_connected:
-                    return False
+                    return None
                 await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     async def _put_object(self, name: str, body: bytes, deadline: float) -> None:
@@ -639,7 +725,11 @@ class Cluster:
         """A reply or a streamed piece for one of this daemon's requests (live, or
         read back from FLEET_REPLIES after a reconnect)."""
         h = msg.headers or {}
-        rid, status = h.get(H_RID, ""), int(h.get(H_STATUS, STATUS_ERROR))
+        rid = h.get(H_RID, "")
+        if H_HELD_BY in h:
+            self._note_holder(rid, h[H_HELD_BY], int(h.get(H_SEQ, 0)))
+            return
+        status = int(h.get(H_STATUS, STATUS_ERROR))
         if status == STATUS_PARTIAL:
             pend = self._pending.get(rid)
             if pend is not None and pend.on_partial is not None:
@@ -669,6 +759,82 @@ class Cluster:
             self.duplicates += 1  # invariant 2: answered already (or given up); drop it
             return
         pend.fut.set_result(Done(0, 0, status, result))
+
+    def _note_holder(self, rid: str, holder: str, seq: int) -> None:
+        """A box took one of this daemon's requests: watch that box's alive signal."""
+        pend = self._pending.get(rid)
+        if pend is not None:
+            pend.holder, pend.seq = holder, seq
+            self._alive[holder] = time.monotonic()  # the notice is a sign of life too
+
+    def _republish_lapsed(self) -> None:
+        """Publish again each waiting request whose holder has been quiet LAPSE_PERIODS alive
+        periods (it died, or lost NATS): the copy goes to a live box now, not after the ack
+        wait, so a request with a deadline shorter than 3 ack waits survives its holder.
+        Judged only while this box has listened that long itself."""
+        if not self.reachable:
+            return
+        now = time.monotonic()
+        lapse = LAPSE_PERIODS * self._alive_period_s
+        quiet = {h for h, at in self._alive.items() if now - max(at, self._listening_since) >= lapse}
+        newly_quiet, self._quiet = quiet - self._quiet, quiet
+        for rid, pend in list(self._pending.items()):
+            if pend.holder in quiet and not pend.fut.done():
+                self._republish_soon(rid, pend)
+        if newly_quiet:
+            self._spawn(self._republish_unannounced(now - self._alive_period_s))
+
+    def _republish_soon(self, rid: str, pend: _Pending) -> None:
+        if pend.attempt >= self.settings.nats_max_deliver:
+            return  # as many tries as JetStream itself would give it: the deadline answers it
+        holder, seq = pend.holder, pend.seq
+        pend.holder, pend.attempt = "", pend.attempt + 1
+        self._spawn(self._republish(rid, pend, holder, seq))
+
+    async def _republish_unannounced(self, before: float) -> None:
+        """A box went quiet: requests JetStream delivered (their sequence is at or under
+        their consumer's last delivered one) whose holder never said so were, most likely,
+        on their way to that box when it died (in its socket, not yet read). Queue them
+        again too. One consumer_info per model; a live holder whose notice is late costs
+        one duplicate run."""
+        waiting: dict[str, list[tuple[str, _Pending]]] = {}
+        for rid, pend in self._pending.items():
+            if not pend.holder and pend.seq and not pend.fut.done() and pend.published_at < before:
+                waiting.setdefault(pend.model, []).append((rid, pend))
+        for model, requests in waiting.items():
+            try:
+                delivered = (await self.js.consumer_info(STREAM, consumer_name(model))).delivered.stream_seq
+            except Exception as exc:  # JetStream away: the ack wait redelivers them
+                self._log_error(f"could not read {consumer_name(model)}: {type(exc).__name__}: {exc}")
+                continue
+            for rid, pend in requests:
+                if not pend.holder and pend.seq <= delivered and not pend.fut.done():
+                    self._republish_soon(rid, pend)
+
+    async def _republish(self, rid: str, pend: _Pending, holder: str, seq: int) -> None:
+        """Queue request `rid` again (a new message id, so JetStream's dedup lets it in;
+        the same request id, so the first reply from any copy answers it), then delete the
+        lapsed holder's message so JetStream does not redeliver it as well."""
+        from nats.js.errors import APIError
+
+        self.republished += 1
+        self._log_error(f"request {rid} was held by {holder or 'a box'} that went quiet; queued it again")
+        headers = {**pend.headers, H_MSG_ID: f"{rid}.{pend.attempt}", H_ATTEMPT: str(pend.attempt)}
+        try:
+            ack = await self._publish(pend.work_subject, pend.body, headers, pend.deadline)
+            pend.seq, pend.published_at = ack.seq, time.monotonic()
+            if seq:
+                await self.js.delete_msg(STREAM, seq)
+        except (FleetError, APIError) as exc:  # the deadline answers it; a deleted-already message is fine
+            self._log_error(f"republishing request {rid}: {exc}")
+        except Exception as exc:  # disconnected: the next lapse check or the ack wait tries again
+            self._log_error(f"republishing request {rid}: {type(exc).__name__}: {exc}")
+
+    async def _publish_cancel(self, rid: str) -> None:
+        try:
+            await self.nc.publish(CANCEL_SUBJECT, b"", headers={H_RID: rid})
+        except Exception as exc:  # the deadline stops the work anyway
+            self._log_error(f"could not send the cancel of {rid}: {exc}")
 
     async def _recover_replies(self) -> None:
         """After a reconnect: a core subscriber misses what is published while it is
@@ -765,27 +931,38 @@ class Cluster:
                 task.add_done_callback(self._serving.discard)
 
     async def _serve(self, model: str, msg: Any, *, batch: bool = False) -> None:
-        """Run one work message on this box, reply to its requester, then ack (invariant 1)."""
+        """Run one work message on this box, reply to its requester, then ack (invariant 1).
+        Tell another box's requester who holds it (`_note_holder`); its cancel stops it."""
+        rid = ""
         try:
             h = msg.headers or {}
             try:
                 rid, reply_to = h[H_RID], h[H_REPLY_TO]
                 tokens, deadline_ms = int(h[H_TOKENS]), int(h[H_DEADLINE])
+                attempt = int(h.get(H_ATTEMPT, 1))
             except (KeyError, ValueError):
                 log.warning("dropping a malformed work message (headers %s)", sorted(h))
                 await msg.term()  # poison: nobody to answer
                 return
             left = deadline_ms / 1000.0 - time.time()
-            if left <= 0:
-                await msg.term()  # expired: its requester has answered `timeout` already
+            if left <= 0 or rid in self._cancelled:
+                await msg.term()  # expired (its requester answered `timeout`), or its client went away
                 return
             deadline = time.monotonic() + left
-            if msg.metadata.num_delivered > self.settings.nats_max_deliver:
+            # Deliveries of this copy, and of the copies before it (republished by the requester).
+            delivered = msg.metadata.num_delivered + attempt - 1
+            if delivered > self.settings.nats_max_deliver:
                 await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
-                    "inference_failed", f"{model}: delivered {msg.metadata.num_delivered} times and never "
+                    "inference_failed", f"{model}: delivered {delivered} times and never "
                     "answered (boxes died running it); dropped so it cannot take down more boxes"), deadline)
                 await msg.term()
                 return
+            self._running[rid] = asyncio.current_task()  # type: ignore[assignment]
+            if self._is_mine(reply_to):
+                self._note_holder(rid, self.holder_id, msg.metadata.sequence.stream)
+            else:
+                self._spawn(self.nc.publish(reply_to + PIECE_SUFFIX, b"", headers={
+                    H_RID: rid, H_HELD_BY: self.holder_id, H_SEQ: str(msg.metadata.sequence.stream)}))
             payload = msg.data
             if H_OBJECT in h:
                 try:
@@ -822,12 +999,35 @@ class Cluster:
             else:
                 await msg.ack()
         except asyncio.CancelledError:
-            raise
+            if rid not in self._cancelled:
+                raise  # this box is leaving
+            self.cancelled += 1
+            await self._term_quietly(msg)  # its requester's client went away: never redeliver it
         except Exception as exc:  # connection trouble while replying/acking: ack_wait redelivers
             self._log_error(f"serving a work message for {model} failed: {exc}")
         finally:
+            if self._running.get(rid) is asyncio.current_task():
+                del self._running[rid]
             self._held.pop(msg.metadata.sequence.stream, None)
             self.credit.give(1, batch=batch)
+
+    async def _term_quietly(self, msg: Any) -> None:
+        try:
+            await msg.term()
+        except Exception as exc:  # the ack wait redelivers it; the cancel mark drops it then
+            self._log_error(f"could not drop a cancelled work message: {exc}")
+
+    async def _on_cancel(self, msg: Any) -> None:
+        """A requester's client went away: stop its request here if this box runs it (the
+        broker cancels its queue item, a generation leaves its batch at the next step), and
+        drop it unrun if it is taken later."""
+        rid = (msg.headers or {}).get(H_RID, "")
+        if not rid:
+            return
+        self._cancelled[rid] = time.monotonic()
+        task = self._running.get(rid)
+        if task is not None:
+            task.cancel()
 
     def _is_mine(self, reply_to: str) -> bool:
         return reply_to.startswith(self.reply_prefix)
@@ -875,6 +1075,49 @@ class Cluster:
                     self._log_error(f"in_progress failed: {exc}")
                     break
 
+    @property
+    def _alive_period_s(self) -> float:
+        return self.settings.nats_ack_wait_ms / 1000.0 / ALIVE_SHARE
+
+    async def _alive_loop(self) -> None:
+        """Every ack_wait / ALIVE_SHARE: say this box is alive (core NATS, a few bytes),
+        republish requests whose holders went quiet, forget old cancels."""
+        subject = ALIVE_PREFIX + self.holder_id
+        while True:
+            await asyncio.sleep(self._alive_period_s)
+            if self.nc.is_connected:
+                try:
+                    await self.nc.publish(subject, b"")
+                except Exception as exc:
+                    self._log_error(f"alive signal failed: {exc}")
+            self._republish_lapsed()
+            await self._leave_server_without_jetstream()
+            old = time.monotonic() - REPLY_TTL_S
+            while self._cancelled and next(iter(self._cancelled.values())) < old:
+                self._cancelled.pop(next(iter(self._cancelled)))
+            for holder in [h for h, at in self._alive.items() if at < old]:
+                del self._alive[holder]
+
+    async def _leave_server_without_jetstream(self) -> None:
+        """Connected, yet no JetStream call has gone through for JETSTREAM_LOST_ACK_WAITS
+        ack waits (past any Raft election): this box's server is cut off from the cluster's
+        majority. Reconnect elsewhere (`choose_server` avoids this one)."""
+        lost_s = JETSTREAM_LOST_ACK_WAITS * self.settings.nats_ack_wait_ms / 1000.0
+        if not self.nc.is_connected or time.monotonic() - self._jetstream_ok_at < lost_s:
+            return
+        log.warning("JetStream has not answered through NATS server %s for %.0f s (cut off from the "
+                    "cluster's majority?): reconnecting to another server", self._server_here, lost_s)
+        self._avoid_server = self._server_here
+        self._jetstream_ok_at = time.monotonic()
+        await self.nc.force_reconnect()
+
+    def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+        """nats.py's reconnect_to_server_handler: `choose_server`, then connect after the wait it says."""
+        return choose_server(servers, {self._avoid_server, self._server_here}, self._options["reconnect_time_wait"])
+
+    async def _on_alive(self, msg: Any) -> None:
+        self._alive[msg.subject[len(ALIVE_PREFIX):]] = time.monotonic()
+
     # -- heartbeat and cluster view ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -894,6 +1137,7 @@ class Cluster:
         self._sync_pullers(models)
         await self._read_lag(models)
         await self.kv.put(self.key, _json(await self.entry()))
+        self._jetstream_ok_at = time.monotonic()
         boxes: dict[str, dict[str, Any]] = {}
         try:
             keys = await self.kv.keys()
@@ -928,6 +1172,8 @@ class Cluster:
             "capacity": self.capacity, "held": len(self._held), "local_depth": self.broker.queue.depth(),
             "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
             "served_locally": self.served_locally, "reconnects": self.reconnects, "replicas": self.replicas,
+            "republished": self.republished, "cancelled": self.cancelled,
+            "server": self._server_here,
             "at": time.time(),
         }
 
@@ -970,6 +1216,8 @@ class Cluster:
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
+        self._listening_since = self._jetstream_ok_at = time.monotonic()
+        self._server_here = self.nc.connected_url.netloc if self.nc.connected_url else ""
         log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
         self._spawn(self._recover_replies())
 

@@ -476,6 +476,14 @@ class Daemon:
             except FleetError as exc:
                 log.error("reload: keeping the current API key: %s", exc.message)
                 applied = [f for f in applied if f not in ("api_key", "api_key_file")]
+        if "timeout_ms" in applied and self.settings.nats:
+            from daemon.cluster import check_deadline
+
+            try:
+                check_deadline(new.timeout_ms, self.settings.nats_ack_wait_ms)
+            except FleetError as exc:
+                log.error("reload: keeping timeout_ms %d: %s", self.settings.timeout_ms, exc.message)
+                applied.remove("timeout_ms")
         restart = sorted(f for f in Settings.__struct_fields__
                          if f not in LIVE_SETTINGS and f != "home" and getattr(new, f) != getattr(self.settings, f))
         for name in applied:

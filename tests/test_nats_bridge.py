@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cluster import (FetchCredit, box_token, check_settings, choose_replicas, connect_options, consumer_name,
-                            work_subject)
+from daemon.cluster import (FetchCredit, box_token, check_settings, choose_replicas, choose_server, connect_options,
+                            consumer_name, work_subject)
 from daemon.controllers.cluster import public_url
 from fleet.config import Settings
 from fleet.errors import BadRequest
@@ -77,6 +77,26 @@ def test_shared_streams_get_three_replicas_unless_told_and_are_never_lowered_by_
 def test_nats_replicas_out_of_jetstreams_range_is_refused() -> None:
     with pytest.raises(BadRequest, match="nats_replicas must be between 0 .* and 5"):
         check_settings(Settings(nats="nats://127.0.0.1:4222", nats_replicas=7))
+
+
+class _Server:
+    def __init__(self, netloc: str, reconnects: int = 0) -> None:
+        self.uri = type("uri", (), {"netloc": netloc})()
+        self.reconnects = reconnects
+
+
+def test_a_reconnect_goes_to_a_server_that_has_not_failed_and_not_the_one_left() -> None:
+    pool = [_Server("n1:4222"), _Server("n2:4222"), _Server("n3:4222", reconnects=2)]
+    # n1 was just lost (or cut off from JetStream's majority): n2, at once.
+    for _ in range(20):
+        server, wait_s = choose_server(pool, {"n1:4222"}, 1.0)
+        assert (server.uri.netloc, wait_s) == ("n2:4222", 0.0)
+    # Every other one has failed since: the least failed, after the reconnect wait.
+    pool[1].reconnects = 3
+    server, wait_s = choose_server(pool, {"n1:4222"}, 1.0)
+    assert (server.uri.netloc, wait_s) == ("n1:4222", 1.0)
+    # A single server: it, after the wait (a NATS restart).
+    assert choose_server([_Server("only:4222")], {"only:4222"}, 1.0)[1] == 1.0
 
 
 def test_serve_refuses_an_ack_wait_past_the_deadline_with_exit_1(tmp_path: Path) -> None:

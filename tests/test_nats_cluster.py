@@ -6,9 +6,11 @@ generator and a second embedder A does not have) joined through a real
 `nats-server -js` on 127.0.0.1, at the shipped NATS settings (ack wait, heartbeat,
 fetch credit, timeouts). Requests go to A only; the scenarios check that both boxes
 serve them, that large bodies and large replies go through the object store, that
-pieces of a stream cross boxes, that a reply survives its requester's blip, and
-that a NATS restart, a kill -9 of box B, a SIGTERM of box B and a NATS outage lose
-nothing. Run in file order: the later scenarios kill B and stop NATS.
+pieces of a stream cross boxes and a dropped stream stops the box that runs it, that
+SIGHUP keeps the deadline at three ack waits or more, that a reply survives its
+requester's blip, and that a NATS restart, a kill -9 of box B (also under requests
+whose deadlines are shorter than three ack waits), a SIGTERM of box B and a NATS outage
+lose nothing. Run in file order: the later scenarios kill B and stop NATS.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ import pytest
 from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon, wait_until_ready
 from tests.gen_models import Reference, build_llama, pull
 from tests.nats_fixture import NatsServer, TcpCut, nats_server  # noqa: F401  (fixture)
+from tests.nats_load import cluster_view
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 TEXTS = [f"request {i}: the quick brown fox number {i * 7} jumps over lazy dog {i}" for i in range(24)]
 GENERATOR = "tiny-llama"
+#: A generator that never ends by itself (4096 positions, no EOS), stored only on B: a
+#: stream of it runs until its client goes away.
+ENDLESS = "tiny-llama-endless"
 #: The default model's weights under another name, stored only on B.
 B_EMBEDDER = "minilm-b"
 #: Requests of 32 texts of 256 tokens sent at once: the boxes' last ones must be held longer
@@ -61,9 +67,18 @@ def generator_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def boxes(nats_server: NatsServer, generator_folder: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
+def endless_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_generate_openai import never_ending
+
+    return never_ending(build_llama(tmp_path_factory.mktemp("gen-models") / ENDLESS, max_positions=4096))
+
+
+@pytest.fixture(scope="module")
+def boxes(nats_server: NatsServer, generator_folder: Path, endless_folder: Path,  # noqa: F811
+          tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("boxes")
-    pull(root / "b", generator_folder, GENERATOR)  # only B stores the generator
+    pull(root / "b", generator_folder, GENERATOR)  # only B stores the generators
+    pull(root / "b", endless_folder, ENDLESS)
     pull(root / "b", default_model_dir(), B_EMBEDDER)  # and this embedder
     # A reaches NATS through a forwarder, so its connection alone can be cut.
     cut = TcpCut(nats_server.port)
@@ -268,6 +283,42 @@ def test_unknown_model_and_deadline_answer_without_hanging(boxes: Boxes) -> None
     assert time.monotonic() - t0 < 5
 
 
+def test_sighup_cannot_set_timeout_ms_below_three_ack_waits(boxes: Boxes) -> None:
+    """timeout_ms 10 000 with the shipped ack wait (5 000): a box that died holding a request
+    would be noticed with a third of its deadline left. Refused with one line; nothing changed."""
+    config = boxes.a.home / "config.toml"
+    offset = len(boxes.a.log())
+    config.write_text("timeout_ms = 10000\n")
+    try:
+        boxes.a.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "reloaded models.toml" not in boxes.a.log()[offset:] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lines = [line for line in boxes.a.log()[offset:].splitlines() if "timeout_ms" in line or "reloaded" in line]
+        refused = [line for line in lines if "keeping timeout_ms 30000" in line]
+        assert len(refused) == 1 and "must be at most a third of timeout_ms (10000)" in refused[0], lines
+        assert any("applied no changes" in line for line in lines), lines
+    finally:
+        config.unlink()
+    # A value that leaves the ack waits room is applied.
+    config.write_text("timeout_ms = 20000\n")
+    offset = len(boxes.a.log())
+    try:
+        boxes.a.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "reloaded models.toml" not in boxes.a.log()[offset:] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "applied timeout_ms" in boxes.a.log()[offset:]
+    finally:
+        config.unlink()
+        offset = len(boxes.a.log())
+        boxes.a.proc.send_signal(signal.SIGHUP)  # back to the shipped 30 000
+        deadline = time.monotonic() + 20
+        while "applied timeout_ms" not in boxes.a.log()[offset:] and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert "applied timeout_ms" in boxes.a.log()[offset:]
+
+
 def _served_and_duplicates(url: str, wait_s: float = FRESH_VIEW_S) -> tuple[int, int]:
     time.sleep(wait_s)  # at least three heartbeat periods: every box's entry is fresh
     view = httpx.get(url + "/v1/cluster", timeout=10).json()
@@ -347,10 +398,39 @@ def test_a_stream_crosses_boxes_piece_by_piece(boxes: Boxes, generator_folder: P
     assert last["finish_reason"] == whole.json()["finish_reason"] and last["usage"] == whole.json()["usage"]
 
 
+def worker_claims(d: DaemonProc) -> int:
+    return sum(w["claimed"] for w in httpx.get(d.url + "/v1/ps", timeout=10).json()["workers"])
+
+
+def test_a_client_that_drops_a_stream_stops_the_remote_box_within_a_second(boxes: Boxes) -> None:
+    """A stream through A of a generator only B stores, left alone, decodes 4000 tokens;
+    its client reads the first piece and goes away. A sends a cancel (fleet.cancel): B's
+    worker drops the sequence, B terms the work message (never redelivered)."""
+    before = box_entry(boxes.a.url, "box-b")
+    body = {"model": ENDLESS, "prompt": "hello world", "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", boxes.a.url + "/v1/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        ps = httpx.get(boxes.b.url + "/v1/ps", timeout=10).json()
+        if sum(w["claimed"] for w in ps["workers"]) != 1:
+            rest = list(lines)
+            raise AssertionError(f"B does not run the stream: {first} ... {len(rest)} more: {rest[-4:]}")
+    closed = time.monotonic()
+    while worker_claims(boxes.b) and time.monotonic() - closed < 10:
+        time.sleep(0.02)
+    stopped_s = time.monotonic() - closed
+    print(f"a dropped stream stopped box B's work {stopped_s * 1e3:.0f} ms after its client left")
+    assert worker_claims(boxes.b) == 0, "B still runs the stream 10 s after its client left"
+    assert stopped_s < 1.0, f"B stopped {stopped_s:.2f} s after the client left"
+    after = box_entry(boxes.a.url, "box-b")
+    assert after["cancelled"] - before["cancelled"] == 1
+    assert asyncio.run(_held_anywhere(boxes.nats.url, ENDLESS)) == 0  # termed, not left to redeliver
+
+
 def box_entry(url: str, box: str) -> dict:
-    time.sleep(FRESH_VIEW_S)  # three heartbeat periods: the entry is fresh
-    view = httpx.get(url + "/v1/cluster", timeout=10).json()
-    return next(b for b in view["boxes"] if b["box"] == box)
+    """`box`'s entry as written after this call (what happened before is in it)."""
+    return cluster_view(url, boxes=(box,))[box]
 
 
 def test_a_reply_sent_while_the_requester_is_cut_off_is_read_back(boxes: Boxes, generator_folder: Path) -> None:
@@ -477,6 +557,66 @@ def test_kill_9_of_box_b_under_load_loses_nothing(boxes: Boxes, references: np.n
         time.sleep(0.5)
         names = {b["box"] for b in httpx.get(boxes.a.url + "/v1/cluster", timeout=10).json()["boxes"]}
     assert names == {"box-a"}
+
+
+def test_a_request_shorter_than_three_ack_waits_survives_its_holders_death(boxes: Boxes,
+                                                                          references: np.ndarray) -> None:
+    """Requests with timeout_ms 4 000 (under 3 x the shipped ack wait): JetStream would give
+    what B held to A only up to 5 s after B's death, past their deadlines. B is killed -9
+    while it holds some; A sees B's alive signal lapse (1.5 s) and queues them again."""
+    # B again (the previous scenario killed it), same FLEET_HOME and box name.
+    boxes.b = start_daemon(boxes.b.home, extra_env=box_env(boxes.nats, "box-b"))
+    republished0 = box_entry(boxes.a.url, "box-a")["republished"]
+    at_kill: dict[str, float] = {}
+    sent_at: dict[int, tuple[float, float]] = {}
+
+    async def kill_b_while_it_holds_work() -> None:
+        async def later() -> None:
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 5.0
+            while (held := await loop.run_in_executor(None, held_by, boxes.b)) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            at_kill["held_by_b"] = held
+            os.killpg(boxes.b.proc.pid, signal.SIGKILL)
+            at_kill["t"] = time.monotonic()
+
+        asyncio.ensure_future(later())
+
+    async def run():
+        # 12 requests of 4 texts at a time: A alone answers them well inside 4 s on this
+        # 2-core machine, so a timeout here would be one B held, not A's queue.
+        sem = asyncio.Semaphore(12)
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i: int):
+                async with sem:
+                    sent = time.monotonic()
+                    r = await client.post(boxes.a.url + "/v1/embed", json={
+                        "model": DEFAULT_MODEL, "inputs": [TEXTS[t] for t in texts_of(i, 4)], "timeout_ms": 4000})
+                sent_at[i] = (sent, time.monotonic())
+                return i, r.status_code, r.headers.get("x-served-by", ""), r.json()
+
+            work = [asyncio.ensure_future(one(i)) for i in range(160)]
+            await kill_b_while_it_holds_work()
+            return list(await asyncio.gather(*work))
+
+    answers = asyncio.run(run())
+    boxes.b.proc.wait(timeout=10)
+    codes = collections.Counter(a[3]["error"]["code"] for a in answers if a[1] != 200)
+    republished = box_entry(boxes.a.url, "box-a")["republished"] - republished0
+    print(f"kill -9 of box B, requests at timeout_ms 4000: sent {len(answers)}, answered 200 "
+          f"{sum(a[1] == 200 for a in answers)}, otherwise {dict(codes)}; B held {at_kill.get('held_by_b')}, "
+          f"A queued {republished} again")
+    assert "t" in at_kill, "the load ended before the kill"
+    assert at_kill["held_by_b"] > 0, "box B held nothing when it was killed: nothing shown"
+    late = [(i, round(sent_at[i][0] - at_kill["t"], 2), round(sent_at[i][1] - sent_at[i][0], 2))
+            for i, status, _, _ in answers if status != 200]
+    assert not codes, f"{codes}: (request, sent s after the kill, answered after s): {late}"
+    for i, _, served_by, body in answers:
+        vecs = np.asarray(body["embeddings"], dtype=np.float32)
+        ref = references[texts_of(i, 4)]
+        assert np.min(np.sum(vecs * ref, axis=1) / (np.linalg.norm(vecs, axis=1) * np.linalg.norm(ref, axis=1))) > 0.999
+    assert republished >= 1
 
 
 def test_sigterm_of_box_b_under_load_hands_its_work_back(boxes: Boxes, references: np.ndarray) -> None:
