@@ -183,3 +183,38 @@ def test_kubernetes_validate_is_a_test_dependency() -> None:
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert any(d.startswith("kubernetes-validate") for d in extra)
     assert ".[server,test" in (ROOT / "scripts" / "setup.sh").read_text()  # what `setup.sh --test` installs
+
+
+def test_the_probes_work_against_a_daemon_with_a_key(tmp_path: Path) -> None:
+    """The pod's probes as written, against a real daemon that requires the API key: the
+    readiness command passes once it is ready and fails with a wrong key; /healthz answers
+    without one."""
+    import sys
+    import time
+
+    import httpx
+
+    from tests.conftest import start_daemon
+
+    c = fleet_container(manifests())
+    code = c["readinessProbe"]["exec"]["command"][-1]
+    assert c["readinessProbe"]["exec"]["command"][:2] == ["python", "-c"]
+    key = "k8s-probe-test-" + os.urandom(12).hex()
+    d = start_daemon(tmp_path / "home", extra_env={"FLEET_API_KEY": key, "FLEET_WORKERS": "1"}, wait_ready=False)
+    try:
+        probe = code.replace("127.0.0.1:7744", f"127.0.0.1:{d.port}")
+        assert probe != code
+
+        def run(with_key: str) -> int:
+            return subprocess.run([sys.executable, "-c", probe], env={**os.environ, "FLEET_API_KEY": with_key},
+                                  capture_output=True, timeout=30).returncode
+
+        deadline = time.monotonic() + 180
+        while run(key) != 0:
+            assert d.proc.poll() is None, d.tail()
+            assert time.monotonic() < deadline, "the readiness probe never passed:\n" + d.tail()
+            time.sleep(1)
+        assert run("not-the-key-" + key) != 0  # 401: /readyz is not open
+        assert httpx.get(d.url + c["livenessProbe"]["httpGet"]["path"], timeout=10).status_code == 200
+    finally:
+        d.stop()
