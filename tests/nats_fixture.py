@@ -11,6 +11,7 @@ and say so. Only the process started here is stopped here, by its PID.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -239,6 +240,30 @@ async def wait_all_current(urls: str, stream: str, consumer: str = "",
             pass
         await asyncio.sleep(0.25)
     raise AssertionError(f"{stream} {consumer}: copies not current within {timeout_s:.0f} s: {place}")
+
+
+async def lead_from(urls: str, server: str, stream: str, consumer: str = "",
+                    timeout_s: float = SETTLE_TIMEOUT_S) -> StreamPlace:
+    """Until `server` leads the stream (or one of its consumers), its copies current: asks
+    the leader to step down in favour of it (preferred placement, nats-server 2.11+)."""
+    subject = (f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}" if consumer
+               else f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}")
+    nc = await connect(urls)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            place = await wait_all_current(urls, stream, consumer)
+            if place.leader == server:
+                return place
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{stream} {consumer}: {server} does not lead it: {place}")
+            try:
+                await nc.request(subject, json.dumps({"placement": {"preferred": server}}).encode(), timeout=5)
+            except Exception:  # an election under way: ask again
+                pass
+            await asyncio.sleep(1.0)
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="module")

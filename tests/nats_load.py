@@ -70,6 +70,8 @@ class Load:
         self.concurrency, self.n_texts, self.timeout_ms = concurrency, n_texts, timeout_ms
         self.headers = {"content-type": "application/msgpack", **(headers or {})}
         self.replies: list[Reply] = []
+        #: The first error message of each code answered (what a failing test shows).
+        self.first_error: dict[str, str] = {}
         self._stop = asyncio.Event()
         self._next = 0
 
@@ -99,6 +101,7 @@ class Load:
         reply = Reply(i, r.status_code, r.headers.get("x-served-by", ""), at=time.monotonic())
         if r.status_code != 200:
             reply.code = answer["error"]["code"]
+            self.first_error.setdefault(reply.code, answer["error"]["message"])
             return reply
         vecs = np.frombuffer(answer["embeddings"], dtype="<f4").reshape(answer["shape"])
         ref = self.refs[texts_of(i, self.n_texts)]
