@@ -86,6 +86,13 @@ def serve(settings: Settings) -> None:
     # A models.toml that does not load stops `serve` here with one line naming it (the
     # app's start would read it too, as a traceback in the log).
     load_catalog(settings.home)
+    if settings.nats:
+        from daemon.cluster import check_access, check_settings
+
+        # NATS settings that lose work, then NATS servers that refuse this box's credentials
+        # or whose certificate it does not trust: one line naming what failed, exit 1.
+        check_settings(settings)
+        check_access(settings)
     # Before anything starts: a second daemon on this FLEET_HOME stops here, naming the first.
     claim_home(settings)
     daemon = Daemon(settings)

@@ -56,9 +56,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_connections_per_client: int = 512
     #: NATS server URL(s), comma-separated: set, the daemon joins the cluster (daemon/cluster.py).
     nats: str = ""
-    #: NATS auth and TLS, passed through to the client: a .creds file (JWT + nkey seed),
-    #: or a token, or user/password; a CA to verify the server, a client cert/key for mTLS.
+    #: NATS auth and TLS, passed through to the client: a .creds file (JWT + nkey seed), or
+    #: an nkey seed file (a user the server's config lists by its public nkey), or a token,
+    #: or user/password; a CA to verify the server, a client cert/key for mTLS. `serve`
+    #: exits 1 when every server it reaches refuses them (daemon.cluster.check_access).
     nats_creds_file: str = ""
+    nats_nkey_file: str = ""
     nats_token: str = ""
     nats_user: str = ""
     nats_password: str = ""
