@@ -28,6 +28,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
+from runtimes.threads import Threads, measure as measure_threads
 
 log = logging.getLogger("fleet.worker")
 
@@ -59,6 +60,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     exclude_prompt: bool = False
     #: The input module reads chat messages (a prompt would be a system message there): prompts are refused.
     chat_inputs: bool = False
+    #: CPU: micro-batches up to a measured size run on one thread (runtimes/threads.py; None: off the CPU).
+    threads: Threads | None = None
 
     def load(self) -> None:
         import torch
@@ -114,6 +117,24 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
         # cuBLAS); pay it at load, not in the first client's latency.
         self._embed(CHECK_SET)
+        if self.device == "cpu":
+            self.threads = self._measure_threads()
+
+    def _measure_threads(self) -> Threads:
+        """One thread against the worker's on this model's small shapes (one short
+        text, then 4 and 16 texts of the check set), timed through `_embed`'s own path."""
+        shapes = []
+        for texts in (CHECK_SET[1:2], CHECK_SET[:4], (CHECK_SET * 2)[:16]):
+            host = self._tokenized(list(texts))
+            shapes.append((int(host["input_ids"].numel()), lambda host=host: self._forward_host(host)))
+        return measure_threads(self._torch, self.spec.name, shapes)
+
+    def _forward_host(self, host: dict[str, Any]) -> Any:
+        with self._torch.inference_mode():
+            features = dict(host)
+            for module in self._modules:
+                features = module(features)
+            return features["sentence_embedding"].float().numpy()
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Unit vectors from a full forward (the check compares directions)."""
@@ -302,21 +323,26 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 lora_rows = slots[idx] if slots is not None and slots[idx].any() else None
                 eager = wants or exclude or lora_rows is not None
                 emb = None if eager or self.graphs is None else self.graphs(host)
-                if emb is None:
-                    features = to_device(host, self.device)
-                    with self.loras.rows(lora_rows, self.device) if lora_rows is not None else nullcontext():
-                        if exclude:
-                            emb, features = self._pooled_without_prompts(features, prompt_tokens[idx])
-                        else:
-                            for module in self._modules:
-                                features = module(features)
-                            emb = features["sentence_embedding"]
-                forward = time.monotonic_ns()
-                if landing is not None:
-                    landing[lo : lo + len(idx)].copy_(emb.float(), non_blocking=True)
-                    lo += len(idx)
-                else:
-                    out[idx] = emb.float().numpy()
+                one = self.threads is not None and self.threads.enter(host["input_ids"].numel())
+                try:
+                    if emb is None:
+                        features = to_device(host, self.device)
+                        with self.loras.rows(lora_rows, self.device) if lora_rows is not None else nullcontext():
+                            if exclude:
+                                emb, features = self._pooled_without_prompts(features, prompt_tokens[idx])
+                            else:
+                                for module in self._modules:
+                                    features = module(features)
+                                emb = features["sentence_embedding"]
+                    forward = time.monotonic_ns()
+                    if landing is not None:
+                        landing[lo : lo + len(idx)].copy_(emb.float(), non_blocking=True)
+                        lo += len(idx)
+                    else:
+                        out[idx] = emb.float().numpy()
+                finally:
+                    if one:
+                        self.threads.leave()
                 self.marks = (tokenized, forward, time.monotonic_ns())
                 if wants:
                     rows = np.flatnonzero(want_tokens[idx])

@@ -148,3 +148,62 @@ def test_padding_to_a_graph_shape_changes_no_vector(embedder):
         padded = embedder._pooled(padded_to(features, 8, 128)).numpy()
     assert padded.shape == (8, 384) and np.isfinite(padded).all()
     assert min_cos(plain, padded[:rows]) >= MIN_COSINE
+
+
+def test_small_micro_batches_on_one_thread_give_the_same_vectors_and_threads_come_back(embedder):
+    """runtimes/threads.py: a micro-batch up to `small_tokens` runs on one thread;
+    the vectors are the same (to float noise) and the worker's threads come back after."""
+    import torch
+
+    from runtimes.threads import Threads
+
+    assert embedder.threads is not None  # measured at load on the CPU
+    full = torch.get_num_threads()
+    if full < 2:
+        pytest.skip("torch runs one thread here: there is no second thread to leave out")
+    batch = [texts(6, seed=s) for s in range(2)]
+    kept = embedder.threads
+    seen: list[int] = []
+    try:
+        embedder.threads = Threads(torch, small_tokens=0)
+        many = embed(embedder, batch)
+        embedder.threads = Threads(torch, small_tokens=10**9)
+        original = embedder._modules[0].forward
+        embedder._modules[0].forward = lambda f: (seen.append(torch.get_num_threads()), original(f))[1]
+        try:
+            one = embed(embedder, batch)
+        finally:
+            del embedder._modules[0].forward
+    finally:
+        embedder.threads = kept
+    assert seen and set(seen) == {1}  # every micro-batch ran on one thread
+    assert torch.get_num_threads() == full
+    for x, y in zip(many, one):
+        assert min_cos(x, y) >= 0.99999
+
+
+def test_thread_measurement_stops_where_one_thread_loses():
+    """`measure` keeps one thread up to the last shape it was at least as fast on."""
+    import torch
+
+    from runtimes import threads
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here: nothing to measure")
+    # A fake clock: each run takes 1 ms on one thread, and on the worker's threads
+    # 2 ms for the first shape, 0.5 ms for the second and third.
+    now = [0.0]
+    cost = {10: (1.0, 2.0), 40: (1.0, 0.5), 160: (1.0, 0.5)}
+
+    def run(tokens: int):
+        def go():
+            one, many = cost[tokens]
+            now[0] += (one if torch.get_num_threads() == 1 else many) / 1e3
+        return go
+
+    got = threads.measure(torch, "m", [(t, run(t)) for t in (10, 40, 160)], clock=lambda: now[0])
+    assert got.small_tokens == 10
+    assert set(got.table) == {"10", "40"}  # stopped at the first shape it lost
+    assert got.enter(10) and torch.get_num_threads() == 1
+    got.leave()
+    assert not got.enter(11) and torch.get_num_threads() == got.full
