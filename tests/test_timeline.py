@@ -65,12 +65,16 @@ def test_the_latency_tool_alternates_fleet_and_in_process(daemon) -> None:
     per request is the round trip minus the worker's own inference."""
     from bench import inference_compare
 
-    runs = inference_compare.alternate(daemon.url, inference_compare.load_local(), ["hello", "a short query"],
-                                       6, warmup=2)
-    assert {k: len(v) for k, v in runs.items()} == {"rtt": 6, "inference": 6, "local": 6}
-    assert (runs["inference"] > 0).all() and (runs["local"] > 0).all()
+    passive = inference_compare.Passive()  # the second line: fp32, OMP_WAIT_POLICY=PASSIVE, a child process
+    try:
+        runs = inference_compare.alternate(daemon.url, inference_compare.load_local(inference_compare.fast_dtype()),
+                                           ["hello", "a short query"], 6, passive=passive, warmup=2)
+    finally:
+        passive.close()
+    assert {k: len(v) for k, v in runs.items()} == {"rtt": 6, "inference": 6, "local": 6, "passive": 6}
+    assert (runs["inference"] > 0).all() and (runs["local"] > 0).all() and (runs["passive"] > 0).all()
     assert (runs["rtt"] > runs["inference"]).all()  # the round trip holds the worker's run
     s = inference_compare.summarize(runs)
     assert s["path_p50_ms"] > 0 and s["n"] == 6
     assert s["added_p50_ms"] == s["rtt_p50_ms"] - s["local_p50_ms"]
-    assert s["worker_over_local_p50"] > 0
+    assert s["worker_over_local_p50"] > 0 and s["passive_p50_ms"] > 0
