@@ -41,7 +41,9 @@ async def streams_of_the_last_release(urls: str) -> None:
 
     nc = await connect(urls)
     try:
-        js = nc.jetstream()
+        # A fresh cluster's first stream create can take past nats.py's 5 s on a loaded
+        # machine (the meta group places it): one that timed out failed the module's setup.
+        js = nc.jetstream(timeout=30)
         await js.add_stream(StreamConfig(name=STREAM, subjects=["fleet.work.>"], retention=RetentionPolicy.WORK_QUEUE,
                                          storage=StorageType.FILE))
         await js.add_stream(StreamConfig(name=REPLY_STREAM, subjects=["fleet.reply.*.*.*"],
