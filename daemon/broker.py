@@ -181,20 +181,21 @@ class Broker:
         return lane
 
     async def submit(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                     on_partial: Callable[[Done], None] | None = None, batch: bool = False) -> Answer:
+                     on_partial: Callable[[Done], None] | None = None, batch: bool = False, flow: int = 0) -> Answer:
         """Queue one work item and wait for its result (or raise its error)."""
         return self.answer(model, await self.run(model, payload, tokens=tokens, timeout_s=timeout_s,
-                                                 on_partial=on_partial, batch=batch))
+                                                 on_partial=on_partial, batch=batch, flow=flow))
 
     async def run(self, model: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                  on_partial: Callable[[Done], None] | None = None, batch: bool = False) -> Done:
+                  on_partial: Callable[[Done], None] | None = None, batch: bool = False, flow: int = 0) -> Done:
         """Queue one work item and wait for its raw result, as the worker wrote it.
         Raises only for what happened on this box's side (queue full, no answer in time);
         the NATS bridge forwards the `Done` to the requesting box as it is.
         `on_partial` gets the item's partial results (STATUS_PARTIAL), on the loop,
         in order, all of them before the final result resolves. `batch`: the item is
         batch work (local_queue invariant 2: behind its lane's interactive work),
-        promoted to interactive once queued `batch_max_wait_ms` (`promote_loop`)."""
+        promoted to interactive once queued `batch_max_wait_ms` (`promote_loop`).
+        `flow`: the client it comes from (daemon.clients), its fair share of the lane."""
         if self.queue.depth() >= self.max_depth:
             raise Overloaded(f"queue is full ({self.max_depth} items waiting); retry shortly", retry_after_s=1.0)
         lane = await self.lane(model)
@@ -206,7 +207,7 @@ class Broker:
             self._partials[request_id] = on_partial
         try:
             item_id = await self.call(self.queue.put, lane, payload, tokens=tokens, request_id=request_id,
-                                      deadline_ns=deadline_ns, batch=batch)
+                                      deadline_ns=deadline_ns, batch=batch, flow=flow)
         except BaseException as exc:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)

@@ -30,6 +30,7 @@ from local_queue.sweep import queue_name, sweep_stale
 from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
 
 from daemon.broker import Answer, Broker
+from daemon.clients import CLIENT
 from daemon.metrics import Metrics
 from daemon.pieces import Sizing, joined, run_pieces
 from daemon.top import Recent
@@ -300,7 +301,8 @@ class Daemon:
         `on_partial` receives streamed partial results, from whichever box runs it.
         Inside a job's producer (`BATCH_WORK` set) the request is batch work: behind
         interactive work in its lane, waiting until the job's deadline unless it sets
-        its own `timeout_ms`."""
+        its own `timeout_ms`. The request is its client's (daemon.clients): its share of
+        the lane is that client's."""
         async def one(lane: str, local: bool, timeout_s: float) -> Answer:
             return await self.send(lane, task, payload, tokens, timeout_s, local=local, on_partial=on_partial)
 
@@ -337,14 +339,15 @@ class Daemon:
     async def send(self, lane: str, task: str, payload: bytes | memoryview, tokens: int, timeout_s: float, *,
                    local: bool, on_partial: Callable[[Done], None] | None = None) -> Answer:
         """One queue item into `lane` (this box's queue, or the cluster's), as the
-        current request's kind (interactive, or a job's batch work). Its
+        current request's client and kind (interactive, or a job's batch work). Its
         answer says how fast the lane's workers go (`sizing`: how large pieces are)."""
         if self.cluster is not None:
             answer = await self.cluster.submit(lane, task, payload, tokens=tokens, timeout_s=timeout_s,
                                                local=local, on_partial=on_partial, batch=BATCH_WORK.get() is not None)
         else:
             answer = await self.broker.submit(lane, payload, tokens=tokens, timeout_s=timeout_s,
-                                              on_partial=on_partial, batch=BATCH_WORK.get() is not None)
+                                              on_partial=on_partial, batch=BATCH_WORK.get() is not None,
+                                              flow=CLIENT.get())
         self.sizing.observe(lane, answer)
         return answer
 

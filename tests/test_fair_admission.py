@@ -6,6 +6,9 @@ real worker, real MiniLM weights, real HTTP.
    pieces: a small client's requests are all answered while it runs, it is
    answered once (504 at its deadline), and the worker stops at once: counters
    in /v1/ps and /metrics, not timings, say so.
+2. A client flooding the model does not queue another client behind its backlog:
+   each of the light client's requests is answered before the backlog queued when
+   it was sent drains (counted in answers, not timed).
 Latencies are measured in bench/fairness.py (bench/README.md), not asserted here.
 """
 
@@ -105,3 +108,48 @@ def test_a_max_size_request_lets_others_pass_is_answered_once_and_stops_the_work
     # then (one piece of at most the profile's 32 768 tokens, here one micro-batch).
     assert after["micro_batches"] - at_answer["micro_batches"] <= 2, (at_answer, after)
     assert after["tokens"] - at_answer["tokens"] <= 32_768, (at_answer, after)
+
+
+def test_a_flooding_client_does_not_queue_another_behind_its_backlog(fleet):
+    url = fleet.url
+    flood_body = {"model": DEFAULT_MODEL, "inputs": [letters(200)]}
+    light_body = {"model": DEFAULT_MODEL, "inputs": ["a light client's short sentence"]}
+
+    async def scenario():
+        answered = [0]
+        stop = asyncio.Event()
+
+        async def flood_connection():
+            async with httpx.AsyncClient(timeout=60, headers={"x-fleet-client": "flood"}) as c:
+                while not stop.is_set():
+                    (await c.post(url + "/v1/embed", json=flood_body)).raise_for_status()
+                    answered[0] += 1
+
+        flooders = [asyncio.create_task(flood_connection()) for _ in range(40)]
+        passed, depths = [], []
+        async with httpx.AsyncClient(timeout=60, headers={"x-fleet-client": "light"}) as light:
+            for _ in range(6):
+                end = time.monotonic() + 60
+                while time.monotonic() < end:  # the flood has a backlog queued
+                    lanes = (await light.get(url + "/v1/ps")).json()["lanes"]
+                    depth = sum(lane["depth"] for lane in lanes if lane["model"] == DEFAULT_MODEL)
+                    if depth >= 20:
+                        break
+                    await asyncio.sleep(0.1)
+                depths.append(depth)
+                before = answered[0]
+                (await light.post(url + "/v1/embed", json=light_body)).raise_for_status()
+                passed.append(answered[0] - before)
+        stop.set()
+        await asyncio.gather(*flooders)
+        return passed, depths
+
+    passed, depths = asyncio.run(scenario())
+    # The flood kept a backlog queued. First come first served, each light request would
+    # wait for all of it and the batch running: at least `depths` flood answers, every
+    # time. Put ahead of the backlog, it waits for the batch running when it comes (a
+    # whole backlog at most, when the flood had the model to itself for a while: the
+    # worker claimed it all) and the items riding along in its own.
+    assert min(depths) >= 20, depths
+    assert sum(passed) <= sum(depths) // 4, (passed, depths)
+    assert sorted(passed)[len(passed) // 2] < min(depths) // 2, (passed, depths)

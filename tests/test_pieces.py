@@ -1,5 +1,6 @@
-"""daemon.pieces: how a large request is cut and run as pieces. Pure functions with
-tables; `run_pieces` with a fake `send` on a real event loop (the queue and workers are exercised end to end in
+"""daemon.pieces and daemon.clients: how a large request is cut and run as pieces, and
+who a request comes from. Pure functions with tables; `run_pieces` with a fake
+`send` on a real event loop (the queue and workers are exercised end to end in
 test_fair_admission.py)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from daemon.broker import Answer
+from daemon.clients import client_of, flow_of
 from daemon.pieces import (
     INITIAL_PIECE_TOKENS, MIN_PIECE_TOKENS, Sizing, check_ceiling, in_request, joined, next_cut, run_pieces, text_costs,
 )
@@ -130,3 +132,16 @@ def test_the_requests_deadline_is_its_pieces_deadline():
     # Said once, for the request: its own timeout and how far it got.
     assert err.value.message == "m: no answer within 500 ms (4 of 10 inputs were answered)"
     assert len(lefts) == 3 and lefts == sorted(lefts, reverse=True) and lefts[0] <= 0.5
+
+
+@pytest.mark.parametrize("peer, headers, client", [
+    (("127.0.0.1", 5000), [(b"x-fleet-client", b"tenant-a")], "name:tenant-a"),
+    (("::1", 5000), [(b"x-fleet-client", b"app/1@box")], "name:app/1@box"),
+    (("127.0.0.1", 5001), [], "addr:127.0.0.1"),  # one client for every loopback caller without a name
+    (("127.0.0.1", 5001), [(b"x-fleet-client", b"bad name!")], "addr:127.0.0.1"),  # not a plain name
+    (("10.0.0.7", 5000), [(b"x-fleet-client", b"tenant-a")], "addr:10.0.0.7"),  # remote: its address
+    (None, [(b"x-fleet-client", b"sock")], "name:sock"),  # a Unix socket
+])
+def test_who_a_request_comes_from(peer, headers, client):
+    assert client_of({"client": peer, "headers": headers}) == client
+    assert flow_of(client) == flow_of(client) != 0
