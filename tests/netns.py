@@ -39,6 +39,8 @@ def available() -> str:
         return "no `ip` command (apt-get install -y iproute2)"
     if os.geteuid() != 0:
         return "network namespaces need root"
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun: tests.netwire's cable is two TAP devices"
     name = f"fprobe{os.getpid() % 100000}"
     try:
         out = ip("netns", "add", name, check=False)
