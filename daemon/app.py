@@ -27,7 +27,7 @@ from daemon.controllers.files import FilesController
 from daemon.controllers.generate import GenerateController
 from daemon.controllers.models import HealthController, MetricsController, ModelsController
 from daemon.controllers.ollama import OllamaController, OllamaRootController
-from daemon.controllers.ollama_create import OllamaCreateController
+from daemon.controllers.ollama_create import OllamaCreateController, sweep_blobs_loop
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.responses import ResponsesController
 from daemon.controllers.tei import TeiController
@@ -88,6 +88,8 @@ def create_app(daemon: Daemon) -> Litestar:
             # READY=1 only once uvicorn listens AND the preloaded models are resident.
             asyncio.create_task(announce_ready(ready, status=f"serving on {daemon.settings.url}")),
             asyncio.create_task(watchdog_loop(daemon.healthy)),
+            # Blobs uploaded for `ollama create` that no model came to use (fleet.blobs).
+            asyncio.create_task(sweep_blobs_loop(daemon)),
         ]
         try:
             yield

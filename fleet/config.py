@@ -169,6 +169,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: queue (`queue_max_depth`) or the API process's memory.
     batch_inflight: int = 512
     batch_inflight_bytes: int = 64 << 20
+    #: Blobs uploaded for `ollama create` (`POST /api/blobs`, fleet.blobs) that no stored
+    #: model holds are removed this long after their last use (upload, HEAD, create).
+    blob_keep_ms: int = 3_600_000
 
     @property
     def home_path(self) -> Path:

@@ -53,6 +53,7 @@ from litestar import Controller, Request, Response, delete, get, head, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
+from fleet import blobs
 from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded
@@ -551,9 +552,14 @@ class OllamaController(Controller):
             raise BadRequest(f"{name} is preloaded by this daemon's config (preload): take it out of preload "
                              "before deleting it")
         await unload(daemon, name, operator_pin=True)
-        await asyncio.to_thread(daemon.store.remove, name)
+        await asyncio.to_thread(remove_model, daemon, name)
         daemon.forget(name)
         return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
+
+
+def remove_model(daemon: Daemon, name: str) -> None:
+    """The model leaves the store, and the uploaded blobs only it held go with it (fleet.blobs)."""
+    blobs.release(daemon.settings.home_path, daemon.store, daemon.store.remove(name))
 
 
 async def embed_texts(daemon: Daemon, req: EmbedRequest, keep: Keep) -> tuple[np.ndarray, Answer, int, Clock]:

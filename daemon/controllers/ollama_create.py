@@ -13,6 +13,9 @@
   `messages` are not applied (named in `X-Fleet-Ignored-Fields`).
 - Blobs are checked against their sha256 digest while they arrive and kept in
   `FLEET_HOME/blobs/`; at most `max_body_bytes` each (a LoRA adapter is small).
+  They stay while a stored model holds them and for `blob_keep_ms` after their
+  last use (upload, HEAD, create); the rest go (fleet.blobs: `sweep_blobs_loop`
+  here, and `release` when a model is removed).
 - `/api/copy` copies a stored model under a new name (its files are pulled
   again, re-hashed: the copy stays if the original is removed).
 - `/api/push`: fleet has no registry to push to; a 400 says so.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
 import shutil
 import tempfile
@@ -32,6 +36,7 @@ import msgspec
 from litestar import Controller, Request, Response, head, post
 from litestar.exceptions import HTTPException
 
+from fleet import blobs
 from fleet.catalog import validate_name
 from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
 from fleet.pull import pull_model
@@ -69,11 +74,25 @@ class CopyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     destination: str
 
 
+log = logging.getLogger("fleet.daemon")
+
+
 def blob_path(daemon: Daemon, digest: str) -> Path:
     m = DIGEST_RE.match(digest)
     if m is None:
         raise BadRequest(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
-    return daemon.settings.home_path / "blobs" / f"sha256-{m.group(1)}"
+    return blobs.blob_file(daemon.settings.home_path, m.group(1))
+
+
+async def sweep_blobs_loop(daemon: Daemon) -> None:
+    """Unused blobs are removed at start and then every `blobs.sweep_period` (fleet.blobs)."""
+    while True:
+        keep_s = daemon.settings.blob_keep_ms / 1000
+        try:
+            await asyncio.to_thread(blobs.sweep, daemon.settings.home_path, daemon.store, keep_s)
+        except Exception:  # a sweep that fails (a damaged store, a full disk) is tried again next period
+            log.exception("sweeping unused blobs failed")
+        await asyncio.sleep(blobs.sweep_period(keep_s))
 
 
 def new_name(daemon: Daemon, ollama: str) -> str:
@@ -92,6 +111,7 @@ def adapter_folder(daemon: Daemon, adapters: dict[str, str], into: Path) -> None
         blob = blob_path(daemon, digest)
         if not blob.is_file():
             raise BadRequest(f"adapter file {file!r}: blob {digest} was not uploaded (POST /api/blobs/{digest})")
+        blobs.touch(blob)
         try:
             (into / file).hardlink_to(blob)
         except OSError:
@@ -104,14 +124,17 @@ class OllamaCreateController(Controller):
 
     @head("/blobs/{digest:str}", status_code=200)
     async def blob_exists(self, daemon: Daemon, digest: str) -> None:
-        if not blob_path(daemon, digest).is_file():
+        path = blob_path(daemon, digest)
+        if not path.is_file():
             raise NotFound(f"blob {digest} not found")
+        blobs.touch(path)  # the client will name it in a create: kept blob_keep_ms from now
 
     @post("/blobs/{digest:str}", status_code=201)
     async def blob_upload(self, request: Request, daemon: Daemon, digest: str) -> Response:
         """The bytes are hashed as they arrive; a blob that does not match its digest is dropped."""
         path = blob_path(daemon, digest)
         if path.is_file():
+            blobs.touch(path)
             return Response(content=b"", status_code=200)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{id(request)}.part")

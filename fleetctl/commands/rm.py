@@ -17,11 +17,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Remove a model from the store (a running daemon keeps what it has loaded)."""
         from fleetctl.commands.pull import human_size
+        from fleet import blobs
         from fleet.config import load_settings
         from fleet.errors import BadRequest, IntegrityError, ModelNotFound
         from fleet.store import Store
 
-        store = Store(load_settings().store_path)
+        settings = load_settings()
+        store = Store(settings.store_path)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         try:
             size = human_size(store.get(name).size_bytes)
@@ -41,5 +43,6 @@ def register(app: typer.Typer) -> None:
             if not typer.confirm(f"remove {name} ({size})?", err=True):
                 err.print("nothing removed")
                 raise typer.Exit(1)
-        store.remove(name)
+        # The uploaded blobs only this model held (`ollama create`) go with it (fleet.blobs).
+        blobs.release(settings.home_path, store, store.remove(name))
         print(f"removed {name} ({size})")
