@@ -44,8 +44,6 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     #: clock every process on the box shares), in WORKER_STAGES order; 0 = not
     #: stamped. Read only for requests that ask for a timeline (`X-Fleet-Timeline`).
     stamps: tuple[int, ...] = ()
-
-
     #: The batch this item ran in (the `X-Batch-*` reply headers): its items, its
     #: tokens (the batch budget's count; generation: prompt and generated tokens of
     #: the sequences in the step that finished it) and the LoRA adapters mixed into
@@ -53,17 +51,19 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+
+
 class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
     queue_ms: float
     inference_ms: float
     served_by: str
     body: msgspec.Raw
     stamps: tuple[int, ...] = ()
-
-
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+
+
 #: What `Envelope.stamps` marks, in order: the step that served the batch began
 #: (the worker woke), its head was claimed, lingering for more ended, the payloads
 #: were decoded; the adapter's last micro-batch was tokenized, through the forward
