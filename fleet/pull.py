@@ -35,6 +35,7 @@ from fleet.catalog import (
 from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
+from fleet.gliner_backbone import BACKBONE_DIR, fetch_backbone, needed_backbone
 from fleet.lora import check_adapter
 from fleet.prompts import check_default, merged_prompts, prompt_table
 from fleet.store import (
@@ -486,6 +487,7 @@ def _pull_local(
         for rel, src in files:
             staging.copy_in(src, rel, progress)
         progress.finish()
+        add_backbone(staging, source_text)
         manifest = Manifest(
             name=name, source=source_text, revision=revision, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),
@@ -497,9 +499,19 @@ def _pull_local(
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
 
 
+def add_backbone(staging: Any, origin: str) -> None:
+    """A GLiNER folder without its backbone's config or tokenizer gets them in `backbone/`
+    (fleet.gliner_backbone), so it loads offline."""
+    if (backbone := needed_backbone(staging.path)) is not None:
+        for rel in fetch_backbone(backbone, staging.path / BACKBONE_DIR, origin):
+            staging.adopt(f"{BACKBONE_DIR}/{rel}")
+
+
 def _same_files(manifest: Manifest, files: list[tuple[str, Path]]) -> bool:
-    """Do the source files equal the stored ones (names, sizes, then sha256)?"""
-    stored = {f.path: f for f in manifest.files}
+    """Do the source files equal the stored ones (names, sizes, then sha256)? A GLiNER
+    backbone fetched at pull (`backbone/`, not in the source) is not compared."""
+    fetched = not any(rel.startswith(f"{BACKBONE_DIR}/") for rel, _ in files)
+    stored = {f.path: f for f in manifest.files if not (fetched and f.path.startswith(f"{BACKBONE_DIR}/"))}
     if set(stored) != {rel for rel, _ in files}:
         return False
     if any(src.stat().st_size != stored[rel].size for rel, src in files):
@@ -649,6 +661,7 @@ def _pull_hub(
                     f"(sha256 {got.sha256}, {got.size} bytes)",
                     hint=f"try again: `fleetctl pull {name} --force`",
                 )
+        add_backbone(staging, source_text)
         meta = _metadata(entry=entry, previous=previous, folder=staging.path, task=task,
                          runtime=runtime, base=base, catalog=catalog, origin=source_text)
         meta = _checked_adapter(store, meta, staging.path, task=task or (entry.task if entry else None),

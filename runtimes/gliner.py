@@ -6,7 +6,11 @@ and the span head here, as the library builds it for `UniEncoderSpan` models
 (`span_mode` "markerV0", the v2.x and PII checkpoints). Read from the model's
 folder as `GLiNER.save_pretrained` writes it: `gliner_config.json` (with the
 backbone's `encoder_config`), the tokenizer with `<<ENT>>`/`<<SEP>>` added,
-and `model.safetensors` or `pytorch_model.bin`.
+and `model.safetensors` or `pytorch_model.bin`. A checkpoint as the hub holds the
+v2.x ones (no `encoder_config`, no tokenizer) is read with the backbone's config
+and tokenizer its pull fetched into `backbone/` (fleet.gliner_backbone), GLiNER's
+tokens added to that tokenizer as many as the checkpoint's embeddings have rows
+for (`backbone_tokens`), as the package does at load.
 
 One forward, for texts that share a label list (the steps name the library's code):
 
@@ -36,6 +40,7 @@ the pickle then).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -45,6 +50,7 @@ import msgspec
 import numpy as np
 
 from fleet.errors import ModelLoadFailed
+from fleet.gliner_backbone import BACKBONE_DIR
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.protocol import ExtractRequest
 from runtimes.base import Adapter
@@ -80,6 +86,7 @@ class GlinerConfig(msgspec.Struct, kw_only=True):
     class_token_index: int = -1
     ent_token: str = "<<ENT>>"
     sep_token: str = "<<SEP>>"
+    vocab_size: int = -1
     fuse_layers: bool = False
     encoder_config: dict[str, Any] | None = None
     span_encoder_config: dict[str, Any] | None = None
@@ -111,15 +118,38 @@ def read_config(name: str, folder: Path) -> GlinerConfig:
     if refused:
         raise ModelLoadFailed(f"{name!r}: runtime gliner runs the uni-encoder span model (span_mode markerV0, "
                               f"first-subtoken pooling, whitespace words); this one has {', '.join(refused)}")
+    backbone = folder / BACKBONE_DIR
     if cfg.encoder_config is None:
-        raise ModelLoadFailed(
-            f"{name!r}: gliner_config.json has no encoder_config, so the backbone ({cfg.model_name!r}) would "
-            "have to be fetched from the hub at load; save the model with a current gliner "
-            "(GLiNER.save_pretrained writes encoder_config) and pull that folder")
-    if cfg.class_token_index < 0:
+        if not (backbone / "config.json").is_file():
+            raise ModelLoadFailed(
+                f"{name!r}: gliner_config.json has no encoder_config and the folder no {BACKBONE_DIR}/ with "
+                f"the backbone's ({cfg.model_name!r}) config: pull the model again (a pull fetches it)")
+        cfg.encoder_config = json.loads((backbone / "config.json").read_text())
+    if cfg.class_token_index < 0 and own_tokenizer(folder):
         raise ModelLoadFailed(f"{name!r}: gliner_config.json has no class_token_index (the id of "
                               f"{cfg.ent_token!r}); the model was saved before its prompt tokens were added")
     return cfg
+
+
+def own_tokenizer(folder: Path) -> bool:
+    """Whether the folder has GLiNER's tokenizer (its tokens added), not only its backbone's."""
+    return (folder / "tokenizer_config.json").is_file()
+
+
+def backbone_tokens(cfg: GlinerConfig, added: int) -> list[str]:
+    """The tokens GLiNER added to its backbone's tokenizer, told by how many rows the
+    checkpoint's embeddings have beyond it: [<<ENT>>, <<SEP>>] (gliner < 0.2.2x, the hub's
+    v2.x checkpoints), or with "[FLERT]" before them (current gliner)."""
+    return {2: [cfg.ent_token, cfg.sep_token], 3: ["[FLERT]", cfg.ent_token, cfg.sep_token]}.get(added, [])
+
+
+def embedding_rows(state: dict[str, Any]) -> int | None:
+    """Rows of the backbone's token embeddings in a GLiNER state dict."""
+    prefix = "token_rep_layer.bert_layer.model."
+    for key in (prefix + "embeddings.word_embeddings.weight", prefix + "shared.weight"):
+        if key in state:
+            return int(state[key].shape[0])
+    return None
 
 
 def split_words(text: str, max_words: int) -> tuple[list[str], list[int], list[int]]:
@@ -238,10 +268,24 @@ class GlinerExtractor(Adapter):
         self._torch = torch
         name, folder = self.spec.name, Path(self.spec.path)
         self.cfg = cfg = read_config(name, folder)
+        state = {k.removeprefix("_orig_mod."): v for k, v in read_weights(name, folder).items()}
+        own = own_tokenizer(folder)
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            tok = transformers.AutoTokenizer.from_pretrained(str(folder if own else folder / BACKBONE_DIR),
+                                                             local_files_only=True)
         except Exception as exc:  # the library raises many types for a missing or bad tokenizer
             raise ModelLoadFailed(f"cannot load the tokenizer of {name!r} from its folder: {exc}") from exc
+        if not own:
+            # A hub checkpoint (fleet.gliner_backbone): GLiNER's tokens are added to its
+            # backbone's tokenizer and the embeddings sized to it, as the package does at load.
+            rows = embedding_rows(state)
+            tokens = backbone_tokens(cfg, (rows or 0) - len(tok))
+            if not tokens:
+                raise ModelLoadFailed(f"{name!r}: the checkpoint's {rows} token embeddings do not fit its "
+                                      f"backbone's tokenizer ({len(tok)} tokens) with GLiNER's tokens added")
+            tok.add_tokens(tokens, special_tokens=True)
+            cfg.class_token_index = tok.convert_tokens_to_ids(cfg.ent_token)
+            cfg.encoder_config = {**(cfg.encoder_config or {}), "vocab_size": len(tok)}
         if not getattr(tok, "is_fast", False):
             raise ModelLoadFailed(f"{name!r} has no fast tokenizer (tokenizer.json): word marks need one")
         # As GLiNER sets its tokenizer up (`_set_tokenizer_spec_tokens`, `_check_and_set_special_tokens`).
@@ -264,7 +308,6 @@ class GlinerExtractor(Adapter):
             net = span_network(cfg, backbone_of(cfg))
         except Exception as exc:  # an encoder_config transformers cannot build
             raise ModelLoadFailed(f"{name!r}: cannot build the backbone from encoder_config: {exc}") from exc
-        state = {k.removeprefix("_orig_mod."): v for k, v in read_weights(name, folder).items()}
         missing, unexpected = net.load_state_dict(state, strict=False)
         if missing:
             raise ModelLoadFailed(f"{name!r}: the checkpoint lacks {len(missing)} weights of the span model "

@@ -92,11 +92,34 @@ def folders(ref: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
                               text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         out[kind] = folder
+        out[f"hub-{kind}"] = hub_layout(folder, base / f"hub-{kind}")
+    return out
+
+
+#: A tokenizer's files, as GLiNER.save_pretrained writes them beside the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "spm.model", "vocab.txt")
+
+
+def hub_layout(folder: Path, out: Path) -> Path:
+    """The same checkpoint as the hub holds GLiNER v2.x ones: gliner_config.json without
+    encoder_config, class_token_index and vocab_size, and no tokenizer; `model_name`
+    names the backbone (here its local folder, which GLiNER takes as it takes a repo id)."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    config = json.loads((out / "gliner_config.json").read_text())
+    for key in ("encoder_config", "class_token_index", "vocab_size"):
+        config.pop(key, None)
+    (out / "gliner_config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        (out / name).unlink(missing_ok=True)
     return out
 
 
 #: fleet name -> (folder kind, threshold in its entry; None = the default 0.5).
-MODELS = {"gliner-deberta": ("deberta", None), "gliner-deberta-low": ("deberta", 0.1), "gliner-bert": ("bert", None)}
+MODELS = {"gliner-deberta": ("deberta", None), "gliner-deberta-low": ("deberta", 0.1), "gliner-bert": ("bert", None),
+          "gliner-hub-deberta": ("hub-deberta", None), "gliner-hub-bert": ("hub-bert", None)}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +212,39 @@ def test_bad_requests_are_refused_alone(fleet, labels, truncate, status, needle)
     resp = extract(fleet, "gliner-bert", [long], labels, truncate=truncate)
     assert resp.status_code == status and needle in resp.json()["error"]["message"], resp.text
     assert extract(fleet, "gliner-bert", ["Ada"], ["person"]).status_code == 200
+
+
+def test_a_hub_checkpoint_gets_its_backbone_at_pull(fleet, folders):
+    """The backbone's config and tokenizer are fetched at pull into backbone/ and hashed
+    with the model's files; the model then loads from its folder alone (the answers of
+    gliner-hub-* above equal the package's, which fetches them at every load)."""
+    from fleet.store import Store
+
+    for kind in ("deberta", "bert"):
+        manifest = Store(fleet.home / "models").get(f"gliner-hub-{kind}")
+        fetched = {f.path for f in manifest.files if f.path.startswith("backbone/")}
+        assert "backbone/config.json" in fetched
+        assert fetched & {"backbone/tokenizer.json", "backbone/spm.model", "backbone/vocab.txt"}
+        assert not any(f.path in TOKENIZER_FILES for f in manifest.files)  # the source had none
+        backbone = Path(json.loads((folders[f"hub-{kind}"] / "gliner_config.json").read_text())["model_name"])
+        for rel in fetched:
+            assert (fleet.home / "models" / manifest.name / rel).read_bytes() == (backbone / rel[9:]).read_bytes()
+
+
+def test_a_hub_checkpoint_whose_backbone_cannot_be_fetched_is_refused_at_pull(folders, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(folders["hub-bert"], tmp_path / "lost")
+    config = json.loads((folder / "gliner_config.json").read_text())
+    config["model_name"] = str(tmp_path / "no-such-backbone")
+    (folder / "gliner_config.json").write_text(json.dumps(config))
+    env = {**os.environ, "FLEET_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "models.toml").write_text(
+        f'[models.lost]\nsource = "path:{folder}"\ntask = "extract"\nruntime = "gliner"\nallow_pickle = true\n')
+    done = subprocess.run([sys.executable, "-m", "fleetctl", "pull", "lost"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "backbone" in done.stderr and "no-such-backbone" in done.stderr, done.stderr
 
 
 def test_a_gliner_folder_is_detected_and_its_pickle_needs_consent(folders, tmp_path):
