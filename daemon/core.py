@@ -66,7 +66,8 @@ HEARTBEAT_STALE_S = 30.0
 #: change in config.toml is logged as needing a restart.
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
-                 "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens")
+                 "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens",
+                 "max_token_vector_bytes", "blob_keep_ms")
 
 
 def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:

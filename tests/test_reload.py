@@ -65,7 +65,8 @@ def test_sighup_applies_live_settings_and_keeps_requests(tmp_path):
             t.start()
         time.sleep(1.0)
         # 1. Live: max_inputs, the default timeout, the body limit. Needs a restart: queue_slots.
-        config.write_text("timeout_ms = 1\nmax_inputs = 5\nmax_body_bytes = 4000\nqueue_slots = 4096\n")
+        config.write_text("timeout_ms = 1\nmax_inputs = 5\nmax_body_bytes = 4000\nqueue_slots = 4096\n"
+                          "max_token_vector_bytes = 1000\n")
         d.proc.send_signal(signal.SIGHUP)
         reloading = notify_until(sock, "RELOADING")
         assert int(reloading["MONOTONIC_USEC"]) > 0
@@ -84,6 +85,9 @@ def test_sighup_applies_live_settings_and_keeps_requests(tmp_path):
         big = httpx.post(d.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": ["x" * 5000],
                                                      "timeout_ms": 60_000}, timeout=60)
         assert big.status_code == 413, big.text
+        vectors = httpx.post(d.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": ["a b c"],
+                                                         "output": "tokens", "timeout_ms": 60_000}, timeout=60)
+        assert vectors.status_code == 413 and "max_token_vector_bytes = 1000" in vectors.text, vectors.text
 
         # 2. The API key can be set live (loopback: a key is optional, and now required).
         config.write_text(f'timeout_ms = 30000\napi_key = "{KEY}"\n')
