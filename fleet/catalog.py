@@ -39,6 +39,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+#: What runs an encoder's forward (runtimes/engines.py): `auto` measures at load.
+Engine = Literal["auto", "torch", "openvino"]
 
 #: Lowercase, starts with a letter or digit, then letters, digits, `.`, `_`, `-`;
 #: at most 128 characters. No slashes, so a name is always one path component;
@@ -123,6 +125,9 @@ class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Padded tokens per batch (items x longest item), at most.
     max_batch_tokens: int = 16384
     dtype: Dtype = "auto"
+    #: torch or OpenVINO (CPU encoders); `auto`: the fastest that agrees with torch
+    #: fp32, measured at load (runtimes/engines.py). With `dtype`, forces the choice.
+    engine: Engine = "auto"
     #: How long a worker waits for more items of this model before running a
     #: short batch, in milliseconds.
     linger_ms: float = 0.0

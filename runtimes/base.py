@@ -31,6 +31,7 @@ class Profile:
     max_batch_items: int = 256
     max_batch_tokens: int = 16384
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    engine: str = "auto"  # auto | torch | openvino (runtimes/engines.py)
     linger_ms: float = 0.0
     #: Inputs per forward pass inside a batch (length-sorted micro-batches cut padding).
     micro_batch_items: int = 64
@@ -64,12 +65,18 @@ class Adapter(abc.ABC):
 
     #: The msgspec Struct a queue payload of this task decodes into.
     request_type: ClassVar[type[msgspec.Struct]]
+    #: The engines a profile may name for it (`Profile.engine`; runtimes/engines.py):
+    #: another is refused at load.
+    engines: ClassVar[tuple[str, ...]] = ("torch",)
 
     def __init__(self, spec: ModelSpec, device: str) -> None:
         self.spec = spec
         self.device = device
         #: dtype chosen at load (recorded in `fleetctl ps`).
         self.dtype = "float32"
+        #: What runs the forward and how it was chosen (runtimes.engines.Choice; None:
+        #: torch, never measured). `fleetctl ps` shows it.
+        self.choice: Any = None
         #: When the last `run_batch` had its last micro-batch tokenized, through the
         #: forward (and pooling) and on the host (CLOCK_MONOTONIC ns): the request
         #: timeline's adapter stages (fleet.messages.WORKER_STAGES). Adapters that

@@ -50,6 +50,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "pinned": name in residency.pinned,
                 "cost": cost_info(costs.get(name)),
                 "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (runtimes.lora)
+                **engine_info(r.adapter),
             }
             for name, r in models.items()
         },
@@ -70,6 +71,18 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
         "evictions": residency.evictions,
         "batches": batches_info(batch_seq, batch_ring),
     }
+
+
+def engine_info(adapter) -> dict:
+    """What runs the model's forward and how it was chosen (runtimes/engines.py), and
+    up to what size a forward runs on one thread (runtimes/threads.py); {} when neither applies."""
+    out = {}
+    if adapter.choice is not None:
+        out["engine"] = adapter.choice.info()
+    threads = getattr(adapter, "threads", None)
+    if threads is not None:
+        out["threads"] = {"threads": threads.full, "one_thread_up_to_tokens": threads.small_tokens}
+    return out
 
 
 def batches_info(batch_seq: int, batch_ring: deque) -> dict:

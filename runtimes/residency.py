@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fleet.control import EVICT, Command, CommandDone, control_lane
-from fleet.errors import FleetError, ModelTooLarge
+from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from local_queue import QueueFull
 from runtimes.base import Adapter, ModelSpec, Profile
 from runtimes.memory import (
@@ -224,6 +224,9 @@ class Residency:
         try:
             with self.progress.running(f"loading {name}", self.load_timeout_ms):
                 adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+                if spec.profile.engine not in ("auto", *adapter.engines):
+                    raise ModelLoadFailed(f"{name}: runtime {spec.runtime!r} runs on {', '.join(adapter.engines)}; "
+                                          f"the profile's engine {spec.profile.engine!r} cannot serve it")
                 adapter.load()
         except Exception as exc:
             # Drop every reference to the half-loaded model (the traceback's frames

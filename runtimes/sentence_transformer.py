@@ -28,6 +28,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
+from runtimes import engines, openvino
 from runtimes.threads import Threads, measure as measure_threads
 
 log = logging.getLogger("fleet.worker")
@@ -44,6 +45,7 @@ PROMPT_LENGTHS_KEPT = 256
 
 class SentenceTransformerEmbedder(LoraHost, Adapter):
     request_type = EmbedRequest
+    engines = ("torch", "openvino")
 
     #: The thread that tokenizes the next micro-batch while the current one runs
     #: (None: tokenize in turn, e.g. to compare).
@@ -87,18 +89,26 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         self.max_seq_len = int(model.max_seq_length)
         self.tokenizer = model.tokenizer
         self._torch = torch
-        self.model, self.dtype = choose_dtype(
-            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=lambda m: self._encode_with(m, CHECK_SET), agree=min_cosine(MIN_COSINE),
-        )
+        profile = self.spec.profile
         # A trailing Normalize module is applied by us, per request (normalize=false
         # returns the pooled vector); everything before it runs as the model says.
-        modules = list(self.model)
-        if modules and isinstance(modules[-1], Normalize):
-            modules = modules[:-1]
+        trailing = bool(list(model)) and isinstance(list(model)[-1], Normalize)
+        if self.device == "cpu" and isinstance(list(model)[0], Transformer) and (
+                profile.engine != "auto" or openvino.available()):
+            # More than one engine to choose among: by measurement (runtimes/engines.py).
+            self.model, modules = self._choose_engine(model, trailing)
+        else:
+            if profile.engine not in ("auto", "torch"):
+                raise ModelLoadFailed(f"{self.spec.name}: engine {profile.engine!r} serves dense embedders "
+                                      f"on the CPU only (this one runs on {self.device})")
+            self.model, self.dtype = choose_dtype(
+                model, name=self.spec.name, wanted=profile.dtype, device=self.device,
+                run=lambda m: self._encode_with(m, CHECK_SET), agree=min_cosine(MIN_COSINE),
+            )
+            modules = list(self.model)[:-1] if trailing else list(self.model)
         self._modules = modules
         self._load_prompts(modules)
-        if modules and isinstance(modules[0], Transformer):
+        if modules and isinstance(list(self.model)[0], Transformer):  # OpenVINO's stand-in takes the same features
             self.direct = direct_tokenizer(self.model.tokenizer, self.max_seq_len, self.model.preprocess,
                                            self.spec.name, lengths=self._own_lengths)
         else:
@@ -112,13 +122,69 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
                                         self.max_seq_len, min_cosine(MIN_COSINE), self.spec.name)
             self.graphs = graphs if graphs.graphs else None
+        # LoRA adapters attach to torch's module: not when OpenVINO runs the forward.
         target = getattr(modules[0], "auto_model", None) if modules else None
         self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
         # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
         # cuBLAS); pay it at load, not in the first client's latency.
         self._embed(CHECK_SET)
-        if self.device == "cpu":
+        if self.device == "cpu" and self.engine == "torch":
             self.threads = self._measure_threads()
+
+    @property
+    def engine(self) -> str:
+        return self.choice.candidate.engine if self.choice is not None else "torch"
+
+    def _choose_engine(self, model: Any, trailing: bool) -> tuple[Any, list[Any]]:
+        """(the torch model kept for tokenizing and its modules' config, the modules
+        that run): torch fp32 / bf16 or OpenVINO f32 / bf16, the fastest that agrees
+        with torch fp32 on the check set, timed on one short text and one full
+        micro-batch (runtimes/engines.py). Sets `dtype` and `choice`."""
+        import copy
+
+        torch = self._torch
+        profile = self.spec.profile
+        cands = engines.candidates(self.device, profile.engine, profile.dtype)
+        threads = torch.get_num_threads()
+        first = model[0]
+        example = dict(model.preprocess(CHECK_SET[:2]))
+        graph = openvino.Graph(self.spec.path, self.spec.name, "st-token-embeddings",
+                               lambda f: first(f)["token_embeddings"], example, first)
+
+        def modules_of(m: Any) -> list[Any]:
+            return list(m)[:-1] if trailing else list(m)
+
+        def build(c: engines.Candidate) -> tuple[Any, list[Any]]:
+            if c.engine == "openvino":
+                return model, [openvino.TokenModule(graph.compiled(c.dtype, threads)), *modules_of(model)[1:]]
+            m = model if c.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, c.dtype))
+            return m, modules_of(m)
+
+        check = dict(model.preprocess(CHECK_SET))
+        short = dict(model.preprocess(CHECK_SET[1:2]))
+        full = dict(model.preprocess((CHECK_SET * (profile.micro_batch_items // len(CHECK_SET) + 1))
+                                     [: profile.micro_batch_items]))
+
+        def run(built: tuple[Any, list[Any]], features: dict[str, Any]) -> np.ndarray:
+            with torch.inference_mode():
+                f = dict(features)
+                for module in built[1]:
+                    f = module(f)
+                return f["sentence_embedding"].float().numpy()
+
+        def outputs(built: tuple[Any, list[Any]]) -> np.ndarray:
+            emb = run(built, check)
+            return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+
+        workloads = [engines.Workload("1 short", int(short["input_ids"].numel()), lambda b: run(b, short)),
+                     engines.Workload(f"{len(full['input_ids'])} texts", int(full["input_ids"].numel()),
+                                      lambda b: run(b, full))]
+        (kept, modules), self.choice = engines.choose(
+            self.spec.name, self.spec.path, self.device, cands, build=build, outputs=outputs,
+            agree=min_cosine(MIN_COSINE), workloads=workloads, threads=threads,
+            forced=profile.engine != "auto" and profile.dtype != "auto")
+        self.dtype = self.choice.candidate.dtype
+        return kept, modules
 
     def _measure_threads(self) -> Threads:
         """One thread against the worker's on this model's small shapes (one short
@@ -161,7 +227,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         self._prompt_lengths: dict[str, int] = {}
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model) + self.lora_bytes()
+        return footprint_bytes(self.model) + openvino.weight_bytes(self._modules) + self.lora_bytes()
 
     def prompt_of(self, req: EmbedRequest) -> str | WorkError:
         """The text `req` puts before each input ('' = none), or why it cannot."""

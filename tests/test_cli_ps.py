@@ -25,7 +25,8 @@ LONG = "paraphrase-multilingual-minilm-l12-v2-finetuned-support-tickets"
 def state(now: float) -> dict:
     model = {"task": "embed", "dtype": "bf16", "bytes": 90_868_376, "served": 12_345, "last_used": now - 3,
              "profile": "cpu-avx512bf16", "pinned": True,
-             "cost": {"a_ms": 1.234, "b_ms_per_1k_tokens": 5.678, "samples": 40}}
+             "cost": {"a_ms": 1.234, "b_ms_per_1k_tokens": 5.678, "samples": 40},
+             "engine": {"engine": "openvino", "by": "measured", "tokens_per_s": 14143, "ms": {"1 short": 4.9}}}
     gen = {"task": "generate", "dtype": "fp32", "bytes": 10_100_000, "served": 7, "last_used": now - 60,
            "loras": ["support-tone", "legal-tone"]}
     long = {"task": "embed", "dtype": "fp32", "bytes": 470_000_000, "served": 1, "last_used": now - 100}
@@ -69,6 +70,9 @@ def test_ps_reads_well_at_80_columns():
     # LoRAs under their base, right after it.
     base = next(i for i, line in enumerate(lines) if "smollm2-135m-instruct" in line)
     assert "└ support-tone" in lines[base + 1] and "└ legal-tone" in lines[base + 2]
+    # What runs each model's forward, how it was chosen and its measured speed (runtimes/engines.py).
+    flat = " ".join(text.split())
+    assert "openvino" in flat and "14,143" in flat, text
     # The JSON's worker id, the one `fleetctl pin` prints.
     assert "65536" in text
     assert "restarting" in text

@@ -39,7 +39,7 @@ def texts(n: int, seed: int = 3) -> list[str]:
 def embedder():
     """The real adapter in fp32 with small micro-batches (8 inputs): many micro-batches per batch."""
     spec = ModelSpec("all-minilm-l6-v2", default_model_dir(), "embed", "sentence-transformers",
-                     profile=Profile(dtype="float32", micro_batch_items=8), max_seq_len=256)
+                     profile=Profile(dtype="float32", engine="torch", micro_batch_items=8), max_seq_len=256)
     a = SentenceTransformerEmbedder(spec, "cpu")
     a.load()
     yield a

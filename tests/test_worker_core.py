@@ -261,6 +261,19 @@ def test_load_failure_answers_its_lane_and_the_worker_goes_on(queue, how, code):
     assert results(queue, 1)[4][0] == STATUS_OK
 
 
+def test_a_profile_engine_the_runtime_lacks_is_refused_at_load(queue):
+    """Understood or refused: `engine = "openvino"` on a runtime that runs on torch
+    only fails the load with a message naming the engine, never serves on torch."""
+    core = core_for(queue, {"m": Profile(engine="openvino")})
+    put(queue, "m", "x", request_id=1)
+    assert core.step() == 1
+    status, body = results(queue, 1)[1]
+    err = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=WorkError)
+    assert status == STATUS_ERROR and err.code == "model_load_failed"
+    assert "'openvino'" in err.message and "m" not in core.residency.models
+    assert FakeEmbedder.batches == []
+
+
 def test_out_of_memory_while_loading_makes_the_lane_wait_not_fail(queue):
     core = core_for(queue, {"m": Profile()}, {"m": {"ooms_left": [1]}})
     for rid in (1, 2):

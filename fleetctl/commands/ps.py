@@ -116,11 +116,27 @@ def models_table(state: dict[str, Any], now: float) -> Table:
             if not m:  # the worker's record was too small for details
                 t.add_row(str(w["worker"]), name, "", "", "", "", "")
                 continue
-            t.add_row(str(w["worker"]), name, m["dtype"], "yes" if m.get("pinned") else "no", mib(m["bytes"]),
-                      str(m["served"]), f"{now - m['last_used']:.0f}")
+            dtype = m["dtype"] if (m.get("engine") or {}).get("engine", "torch") == "torch" else \
+                f"{m['dtype']} {m['engine']['engine']}"
+            t.add_row(str(w["worker"]), name, dtype, "yes" if m.get("pinned") else "no",
+                      mib(m["bytes"]), str(m["served"]), f"{now - m['last_used']:.0f}")
             for lora in m.get("loras") or []:  # LoRA adapters attached to this base
                 t.add_row("", f"└ {lora}", "LoRA", "", "", "", "")
     return t
+
+
+def engine(m: dict[str, Any]) -> str:
+    """What runs the forward and why (runtimes/engines.py: measured at load, a kept
+    verdict, the profile's), its measured speed, and the one-thread size (runtimes/threads.py)."""
+    e = m.get("engine") or {}
+    text = e.get("engine", "torch")
+    if e.get("by"):
+        text += f" ({e['by']}"
+        text += f", {e['tokens_per_s']:,} tok/s)" if e.get("tokens_per_s") else ")"
+    small = (m.get("threads") or {}).get("one_thread_up_to_tokens")
+    if small:
+        text += f"; 1 thread <= {small} tok"
+    return text
 
 
 def profiles_table(state: dict[str, Any]) -> Table:
@@ -131,12 +147,13 @@ def profiles_table(state: dict[str, Any]) -> Table:
     t.add_column("profile", no_wrap=True)
     text_column(t, "settings (from)", ratio=2)
     text_column(t, "batch cost (fitted)", ratio=1)
+    text_column(t, "engine (chosen by)", ratio=1)
     seen = set()
     for w in state["workers"]:
         for name, m in sorted(w["models"].items()):
             if m and (name, m.get("profile")) not in seen:
                 seen.add((name, m.get("profile")))
-                t.add_row(name, m.get("profile", "default"), settings(m), cost(m.get("cost") or {}))
+                t.add_row(name, m.get("profile", "default"), settings(m), cost(m.get("cost") or {}), engine(m))
     return t
 
 

@@ -1,0 +1,207 @@
+"""Which engine (torch, OpenVINO) and dtype serve a model: chosen at load by measurement.
+
+`choose` builds each candidate the device offers (`candidates`: torch in fp32
+and its fast dtypes, `runtimes.device.fast_dtypes`; OpenVINO in f32 and bf16
+on a CPU that has them, `runtimes.openvino.dtypes`), keeps those whose outputs
+on the check set agree with torch fp32 (the adapter's own check: cosine for
+embedders, scores for rerankers, probabilities for classifiers), times the
+survivors on the model's own batch shapes (the adapter's workloads: one short
+input, a full micro-batch) in interleaved rounds within a bounded budget, and
+serves the fastest. A profile may force an engine, a dtype or both
+(`Profile.engine`, `Profile.dtype`); a fully forced choice is obeyed unchecked,
+as a forced dtype always was.
+
+The verdict is kept beside the model in the store (`fleet.derived.write_note`),
+keyed by the model's files, the device class, the thread count, the candidates
+and the libraries' versions: a restart serves the same choice without timing
+again. The adapter publishes it (`Adapter.choice`: `fleetctl ps` shows the
+engine, how it was chosen and the speed measured).
+
+Policy only over what it is given: building, checking and running are the
+adapter's (`build`, `outputs`, workloads); no queue, no memory budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.derived import model_sources, read_note, sources_digest, write_note
+from fleet.errors import ModelLoadFailed
+from runtimes import openvino
+from runtimes.device import device_class, fast_dtypes
+
+log = logging.getLogger("fleet.worker")
+
+ENGINES = ("torch", "openvino")
+#: Timing rounds (each runs every workload once per candidate, in rotating order):
+#: at least MIN_ROUNDS, then more while under BUDGET_S, at most MAX_ROUNDS.
+MIN_ROUNDS, MAX_ROUNDS = 3, 9
+BUDGET_S = 3.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine: str
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.dtype}"
+
+
+REFERENCE = Candidate("torch", "float32")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One batch shape of the model's own: `run(serving)` runs it once; `tokens` it holds."""
+
+    label: str
+    tokens: int
+    run: Callable[[Any], Any]
+
+
+@dataclass
+class Choice:
+    """What serves a model and why (published in the worker's info blob)."""
+
+    candidate: Candidate
+    #: "measured" (timed now), "cached" (a kept verdict), "profile" (forced), "only" (one candidate).
+    by: str
+    #: Median ms per workload of the chosen candidate (empty when not timed).
+    ms: dict[str, float] = field(default_factory=dict)
+    #: Input tokens/s of the chosen candidate on the largest workload (0 when not timed).
+    tokens_per_s: float = 0.0
+    #: Every candidate: its median ms per workload, or why it was not kept.
+    table: dict[str, str] = field(default_factory=dict)
+
+    def info(self) -> dict[str, Any]:
+        return {"engine": self.candidate.engine, "by": self.by, "tokens_per_s": round(self.tokens_per_s),
+                "ms": {k: round(v, 2) for k, v in self.ms.items()}}
+
+
+def candidates(device: str, engine: str = "auto", dtype: str = "auto") -> list[Candidate]:
+    """What may serve on `device`, torch fp32 first, within what the profile forces."""
+    offered = [Candidate("torch", d) for d in ["float32", *fast_dtypes(device)]]
+    offered += [Candidate("openvino", d) for d in openvino.dtypes(device)]
+    if engine == "openvino" and not device.startswith("cpu"):
+        raise ModelLoadFailed(f"engine 'openvino' runs on the CPU only, not on {device}")
+    if engine == "openvino" and not openvino.available():
+        raise ModelLoadFailed(f"engine 'openvino' is not installed: {openvino.INSTALL}")
+    if engine not in ("auto", *ENGINES):
+        raise ModelLoadFailed(f"unknown engine {engine!r}; choose auto, {', '.join(ENGINES)}")
+    out = [c for c in offered if engine in ("auto", c.engine) and dtype in ("auto", c.dtype)]
+    if not out and engine != "auto" and dtype != "auto":
+        out = [Candidate(engine, dtype)]  # forced: obeyed (torch float16 on a CPU, say) as a profile dtype always was
+    if not out:
+        raise ModelLoadFailed(f"engine {engine!r} has no dtype {dtype!r} on {device}")
+    return out
+
+
+def verdict_key(model_dir: Path, device: str, threads: int, cands: list[Candidate],
+                workloads: list[Workload]) -> dict[str, str] | None:
+    """What a kept verdict depends on (None outside a store: nothing is kept)."""
+    sources = model_sources(model_dir)
+    if sources is None:
+        return None
+    import torch
+    import transformers
+
+    versions = {"torch": str(torch.__version__), "transformers": str(transformers.__version__)}
+    if any(c.engine == "openvino" for c in cands):
+        import openvino as ov
+
+        versions["openvino"] = str(ov.__version__)
+    return {"model": sources_digest(sources), "device_class": device_class(device), "threads": str(threads),
+            "candidates": ",".join(c.label for c in cands), "workloads": ",".join(w.label for w in workloads),
+            **versions}
+
+
+def choose(name: str, model_dir: Path, device: str, cands: list[Candidate], *, build: Callable[[Candidate], Any],
+           outputs: Callable[[Any], np.ndarray], agree: Callable[[np.ndarray, np.ndarray], tuple[bool, str]],
+           workloads: list[Workload], threads: int, forced: bool = False,
+           clock: Callable[[], float] = time.perf_counter) -> tuple[Any, Choice]:
+    """(what serves, the Choice): the fastest candidate that agrees with torch fp32.
+
+    1. One candidate: built and served (`forced`: the profile named it: "profile").
+    2. A verdict kept for this model, device class, thread count, candidates and
+       versions: its candidate is built and served ("cached").
+    3. Else every candidate is built and checked against torch fp32's outputs
+       (refused ones are dropped at once), the others timed (`time_all`) and the
+       fastest served ("measured"); the verdict is kept.
+    """
+    if len(cands) == 1:
+        return build(cands[0]), Choice(cands[0], "profile" if forced else "only")
+    key = verdict_key(model_dir, device, threads, cands, workloads)
+    kept = read_note(model_dir, note_name(device, threads), key) if key is not None else None
+    if kept is not None:
+        cand = Candidate(kept["engine"], kept["dtype"])
+        if cand in cands:
+            log.info("engine %s: %s (kept verdict: %s)", name, cand.label, kept.get("table", {}))
+            return build(cand), Choice(cand, "cached", kept.get("ms", {}), kept.get("tokens_per_s", 0.0),
+                                       kept.get("table", {}))
+    # 3. Build and check; torch fp32 is the reference (and always served as a candidate when offered).
+    reference = build(REFERENCE)
+    ref_out = outputs(reference)
+    alive: dict[Candidate, Any] = {}
+    table: dict[str, str] = {}
+    for cand in cands:
+        serving = reference if cand == REFERENCE else build(cand)
+        if cand != REFERENCE:
+            ok, detail = agree(ref_out, outputs(serving))
+            log.info("engine check %s %s: %s -> %s", name, cand.label, detail, "candidate" if ok else "refused")
+            if not ok:
+                table[cand.label] = f"refused: {detail}"
+                continue
+        alive[cand] = serving
+    if not alive:
+        alive[REFERENCE] = reference
+    medians = time_all(alive, workloads, clock)
+    base = medians.get(REFERENCE) or next(iter(medians.values()))
+    scores = {c: sum(m[w.label] / max(base[w.label], 1e-9) for w in workloads) for c, m in medians.items()}
+    best = min(scores, key=scores.__getitem__)
+    for cand, m in medians.items():
+        table[cand.label] = " ".join(f"{w}={v:.2f}ms" for w, v in m.items())
+    largest = max(workloads, key=lambda w: w.tokens)
+    ms = medians[best]
+    tps = largest.tokens / (ms[largest.label] / 1e3) if ms[largest.label] > 0 else 0.0
+    log.info("engine %s: %s, fastest that agrees (%s)", name, best.label, table)
+    choice = Choice(best, "measured", ms, tps, table)
+    if key is not None:
+        write_note(model_dir, note_name(device, threads), key,
+                   {"engine": best.engine, "dtype": best.dtype, "ms": ms, "tokens_per_s": tps, "table": table})
+    return alive[best], choice
+
+
+def note_name(device: str, threads: int) -> str:
+    return f"engine-{device_class(device)}-t{threads}"
+
+
+def time_all(alive: dict[Candidate, Any], workloads: list[Workload],
+             clock: Callable[[], float]) -> dict[Candidate, dict[str, float]]:
+    """Median ms per (candidate, workload): one warm-up run each (kernel selection,
+    a graph's first shapes), then rounds in rotating candidate order so the box's
+    drifts fall on every candidate alike, within MIN_ROUNDS..MAX_ROUNDS and BUDGET_S."""
+    order = list(alive)
+    samples: dict[Candidate, dict[str, list[float]]] = {c: {w.label: [] for w in workloads} for c in order}
+    for cand in order:
+        for w in workloads:
+            w.run(alive[cand])
+    started = clock()
+    rounds = 0
+    while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or clock() - started < BUDGET_S):
+        for w in workloads:
+            for cand in order[rounds % len(order):] + order[: rounds % len(order)]:
+                t0 = clock()
+                w.run(alive[cand])
+                samples[cand][w.label].append((clock() - t0) * 1e3)
+        rounds += 1
+    return {c: {w: statistics.median(v) for w, v in s.items()} for c, s in samples.items()}
