@@ -1,0 +1,227 @@
+"""Fair admission (issue 25): what a large request and a flooding client cost the others.
+
+Two scenarios against a fresh `fleetctl serve` at the shipped defaults (its own
+FLEET_HOME, MiniLM from its package), one after the other:
+
+`big` (deliverable 1): one request of `--texts` inputs of about `--tokens` tokens
+each (the issue's reproduction: 2 048 x ~3 900 tokens, 16 MB of JSON; a text is
+single letters and spaces, two characters a token) while a small client sends one
+one-text request every `--every` s, from 5 s before the big one until its answer.
+Reported: the big request's status and time, the small client's latencies while it
+ran (worst, p95, p50, statuses), the worker's counters (tokens served, micro-batches,
+items dropped between micro-batches) at the big answer and once the worker is idle.
+`--texts 0` sends the largest request `max_request_tokens` admits for MiniLM
+instead (every text cut at its 256 tokens).
+
+`flood` (deliverable 2): a light client (`X-Fleet-Client: light`, one request of
+`--light-texts` texts at a time) alone for `--seconds`, then again while a flooding
+client (`X-Fleet-Client: flood`, `--flood` connections sending back to back,
+`--flood-texts` texts each) floods the same model. Reported: the light client's
+p50 / p95 / worst alone and flooded, the ratio, the flood's requests/s. With
+`--fifo` the light client sends as the flood (one client): the same load without
+fair queueing between them, for comparison.
+
+    python -m bench.fairness big --out bench/results/fairness-big.json
+    python -m bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
+    python -m bench.fairness flood --out bench/results/fairness-flood.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.daemon import LocalDaemon
+from bench.report import document, write_json
+
+MODEL = "all-minilm-l6-v2"
+#: MiniLM reads at most this many tokens of a text (its max_seq_len).
+MODEL_TOKENS = 256
+
+
+def letters(tokens: int, seed: int = 0) -> str:
+    """A text of about `tokens` tokens for a WordPiece vocabulary: single letters and
+    spaces (two characters a token)."""
+    abc = "abcdefghijklmnopqrstuvwxyz"
+    return " ".join(abc[(seed + i) % 26] for i in range(tokens))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 1)
+
+
+def summary(ms: list[float]) -> dict:
+    return {"n": len(ms), "p50_ms": pct(ms, 0.5), "p95_ms": pct(ms, 0.95), "worst_ms": round(max(ms), 1) if ms else None}
+
+
+def worker_counters(url: str) -> dict:
+    ps = httpx.get(url + "/v1/ps", timeout=10).json()
+    out = {"tokens": 0, "served": 0, "micro_batches": 0, "dropped": 0, "lanes": ps.get("lanes", [])}
+    for w in ps.get("workers", []):
+        m = w.get("models", {}).get(MODEL) or {}
+        for key in ("tokens", "served", "micro_batches", "dropped"):
+            out[key] += m.get(key, 0)
+    return out
+
+
+def wait_idle(url: str, timeout_s: float = 600.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        lanes = [lane for lane in httpx.get(url + "/v1/ps", timeout=10).json().get("lanes", [])
+                 if lane.get("model") == MODEL and (lane.get("depth") or lane.get("claimed"))]
+        if not lanes:
+            return
+        time.sleep(0.2)
+
+
+# ---- big: one large request, a small client every second --------------------------------------
+
+async def big(url: str, texts: int, tokens: int, every_s: float, lead_s: float) -> dict:
+    if texts == 0:  # the largest request the ceiling admits: every text at MiniLM's cut
+        texts, tokens = 300_000 // MODEL_TOKENS, 3_900
+    body = json.dumps({"model": MODEL, "inputs": [letters(tokens, i) for i in range(texts)]}).encode()
+    small_ms: list[float] = []
+    small_status: dict[int, int] = {}
+    result: dict = {"texts": texts, "tokens_per_text": tokens, "body_bytes": len(body)}
+    done = asyncio.Event()
+    async with httpx.AsyncClient(timeout=120) as big_client, httpx.AsyncClient(timeout=120) as small_client:
+        async def small_loop() -> None:
+            k = 0
+            while not done.is_set():
+                t0 = time.perf_counter()
+                r = await small_client.post(url + "/v1/embed", json={"model": MODEL, "inputs": [f"small {k}"]})
+                ms = (time.perf_counter() - t0) * 1e3
+                if big_started.is_set():
+                    small_ms.append(ms)
+                    small_status[r.status_code] = small_status.get(r.status_code, 0) + 1
+                k += 1
+                await asyncio.sleep(max(0.0, every_s - ms / 1e3))
+
+        big_started = asyncio.Event()
+        smalls = asyncio.create_task(small_loop())
+        await asyncio.sleep(lead_s)
+        before = await asyncio.to_thread(worker_counters, url)
+        big_started.set()
+        t0 = time.perf_counter()
+        r = await big_client.post(url + "/v1/embed", content=body, headers={"content-type": "application/json"})
+        result["big"] = {"status": r.status_code, "ms": round((time.perf_counter() - t0) * 1e3, 1),
+                         "pieces": r.headers.get("x-fleet-pieces"),
+                         "error": r.json().get("error") if r.status_code != 200 else None}
+        at_answer = await asyncio.to_thread(worker_counters, url)
+        done.set()
+        await smalls
+    await asyncio.to_thread(wait_idle, url)
+    idle = await asyncio.to_thread(worker_counters, url)
+    result["small"] = {**summary(small_ms), "every_s": every_s, "status": small_status}
+    keys = ("tokens", "served", "micro_batches", "dropped")
+    result["worker"] = {
+        "during": {k: at_answer[k] - before[k] for k in keys},
+        "after_answer": {k: idle[k] - at_answer[k] for k in keys},
+    }
+    return result
+
+
+# ---- flood: a light client alone, then beside a flooding one --------------------------------------
+
+async def light_client(url: str, texts: int, seconds: float, name: str) -> tuple[list[float], list[float], list[float]]:
+    """The light client's latencies (ms), and the server's split of each: X-Queue-Ms, X-Inference-Ms."""
+    inputs = [f"a light client's sentence number {i}, of about twenty tokens in all" for i in range(texts)]
+    out: list[float] = []
+    queue_ms: list[float] = []
+    inference_ms: list[float] = []
+    async with httpx.AsyncClient(timeout=120, headers={"x-fleet-client": name}) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            r = await c.post(url + "/v1/embed", json={"model": MODEL, "inputs": inputs})
+            r.raise_for_status()
+            out.append((time.perf_counter() - t0) * 1e3)
+            queue_ms.append(float(r.headers["x-queue-ms"]))
+            inference_ms.append(float(r.headers["x-inference-ms"]))
+    return out, queue_ms, inference_ms
+
+
+async def flood_client(url: str, connections: int, texts: int, stop: asyncio.Event, name: str) -> int:
+    inputs = [f"a flooding client's longer sentence number {i}, " + letters(40, i) for i in range(texts)]
+    sent = 0
+
+    async def one() -> None:
+        nonlocal sent
+        async with httpx.AsyncClient(timeout=120, headers={"x-fleet-client": name}) as c:
+            while not stop.is_set():
+                r = await c.post(url + "/v1/embed", json={"model": MODEL, "inputs": inputs})
+                r.raise_for_status()
+                sent += 1
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+    return sent
+
+
+async def flood(url: str, seconds: float, light_texts: int, connections: int, flood_texts: int, fifo: bool) -> dict:
+    await light_client(url, light_texts, 3.0, "light")  # warm: the cost model is fitted
+    alone, alone_q, alone_i = await light_client(url, light_texts, seconds, "light")
+    stop = asyncio.Event()
+    flooding = asyncio.create_task(flood_client(url, connections, flood_texts, stop, "flood"))
+    await asyncio.sleep(3.0)  # the flood's backlog builds up
+    t0 = time.monotonic()
+    flooded, flooded_q, flooded_i = await light_client(url, light_texts, seconds, "flood" if fifo else "light")
+    span = time.monotonic() - t0
+    stop.set()
+    sent = await flooding
+    a, f = summary(alone), summary(flooded)
+    a["server_queue"], a["server_inference"] = summary(alone_q), summary(alone_i)
+    f["server_queue"], f["server_inference"] = summary(flooded_q), summary(flooded_i)
+    return {"light_texts": light_texts, "flood_connections": connections, "flood_texts": flood_texts,
+            "fifo": fifo, "alone": a, "flooded": f,
+            "p95_ratio": round(f["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and f["p95_ms"] else None,
+            "flood_requests_per_s": round(sent / (span + 3.0), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="scenario", required=True)
+    b = sub.add_parser("big")
+    b.add_argument("--texts", type=int, default=2048, help="0: the largest request max_request_tokens admits")
+    b.add_argument("--tokens", type=int, default=3900)
+    b.add_argument("--every", type=float, default=1.0, help="seconds between the small client's requests")
+    b.add_argument("--lead", type=float, default=5.0, help="seconds the small client runs before the big request")
+    f = sub.add_parser("flood")
+    f.add_argument("--seconds", type=float, default=30.0)
+    f.add_argument("--light-texts", type=int, default=8)
+    f.add_argument("--flood", type=int, default=16, help="the flooding client's connections")
+    f.add_argument("--flood-texts", type=int, default=16)
+    f.add_argument("--fifo", action="store_true", help="the light client sends as the flood (no fair share)")
+    for p in (b, f):
+        p.add_argument("--url", help="a running daemon (default: start one at the shipped defaults)")
+        p.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    doc = document(f"fairness-{a.scenario}", "bench.fairness", argv)
+    with tempfile.TemporaryDirectory(prefix="fleet-fair-") as home:
+        daemon = None if a.url else LocalDaemon(home, inherit_fleet=False)
+        url = a.url or daemon.url
+        try:
+            if a.scenario == "big":
+                doc["result"] = asyncio.run(big(url, a.texts, a.tokens, a.every, a.lead))
+            else:
+                doc["result"] = asyncio.run(flood(url, a.seconds, a.light_texts, a.flood, a.flood_texts, a.fifo))
+        finally:
+            if daemon is not None:
+                daemon.stop()
+    print(json.dumps(doc["result"], indent=1))
+    if a.out:
+        write_json(doc, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
