@@ -35,17 +35,19 @@ max_batch_tokens = 4096
 @pytest.mark.parametrize("user, klass, expected", [
     # Shipped only: the default profile's keys are "shipped", the rest the built-in defaults.
     ("", "cpu-y", {"max_batch_items": "shipped", "linger_ms": "shipped", "max_batch_tokens": "default",
-                   "dtype": "default"}),
+                   "dtype": "default", "engine": "default"}),
     # A shipped tuned class sets its keys; the rest come from `profile`.
     ("", "cpu-x", {"max_batch_tokens": "tuned", "max_batch_items": "shipped", "linger_ms": "shipped",
-                   "dtype": "default"}),
+                   "dtype": "default", "engine": "default"}),
     # The user's `profile` keys win over the shipped tuned class.
     ('[models."m".profile]\nmax_batch_tokens = 1000\ndtype = "float32"\n', "cpu-x",
-     {"max_batch_tokens": "config", "dtype": "config", "max_batch_items": "shipped", "linger_ms": "shipped"}),
+     {"max_batch_tokens": "config", "dtype": "config", "max_batch_items": "shipped", "linger_ms": "shipped",
+      "engine": "default"}),
     # The user's own tuned class (fleetctl tune --write) wins over everything.
     ('[models."m".profile]\ndtype = "float32"\n[models."m".profiles."cpu-x"]\ndtype = "bfloat16"\n'
      'max_batch_items = 8\n', "cpu-x",
-     {"dtype": "tuned", "max_batch_items": "tuned", "max_batch_tokens": "default", "linger_ms": "shipped"}),
+     {"dtype": "tuned", "max_batch_items": "tuned", "max_batch_tokens": "default", "linger_ms": "shipped",
+      "engine": "default"}),
 ])
 def test_profile_sources(tmp_path: Path, user: str, klass: str, expected: dict) -> None:
     shipped = tmp_path / "shipped.toml"
@@ -91,8 +93,8 @@ def test_tuned_profile_applies_on_sighup(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, after
             time.sleep(0.2)
         assert after[0]["name"] == klass
-        assert after[0]["sources"] == dict.fromkeys(["max_batch_items", "max_batch_tokens", "dtype", "linger_ms"],
-                                                    "tuned")
+        assert after[0]["sources"] == dict.fromkeys(["max_batch_items", "max_batch_tokens", "dtype", "engine",
+                                                     "linger_ms"], "tuned")
         assert after[0]["settings"]["max_batch_tokens"] == 512
         info = httpx.get(d.url + "/info", timeout=10).json()
         assert (info["max_batch_tokens"], info["max_batch_requests"]) == (512, 2)
