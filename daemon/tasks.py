@@ -104,7 +104,9 @@ async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: 
     manifest = local_manifest(daemon, model, task)
     most = manifest.profile.max_batch_tokens if manifest is not None else MAX_PIECE_TOKENS
     limit = daemon.settings.max_request_tokens
-    budget = daemon.whole_budget(model, task, most)
+    # With NATS a request is one JetStream message, as before: pieces are sized by this
+    # box's workers and carry no client flow across boxes (the ceiling still applies).
+    budget = daemon.whole_budget(model, task, most) if daemon.cluster is None else 1 << 62
     if tokens <= budget and not 0 < limit < tokens:
         return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
     cap = manifest.max_seq_len if manifest is not None and getattr(req, "truncate", True) else None
