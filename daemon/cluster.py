@@ -920,15 +920,18 @@ class Cluster:
         on their way to that box when it died (in its socket, not yet read). Queue them
         again too. One consumer_info per model; a live holder whose notice is late costs
         one duplicate run."""
+        # By consumer: a batch line (on its model's batch subject) is delivered by the batch one.
         waiting: dict[str, list[tuple[str, _Pending]]] = {}
         for rid, pend in self._pending.items():
             if not pend.holder and pend.seq and not pend.fut.done() and pend.published_at < before:
-                waiting.setdefault(pend.model, []).append((rid, pend))
-        for model, requests in waiting.items():
+                batch = pend.work_subject == batch_subject(pend.model)
+                name = batch_consumer_name(pend.model) if batch else consumer_name(pend.model)
+                waiting.setdefault(name, []).append((rid, pend))
+        for name, requests in waiting.items():
             try:
-                delivered = (await self.js.consumer_info(STREAM, consumer_name(model))).delivered.stream_seq
+                delivered = (await self.js.consumer_info(STREAM, name)).delivered.stream_seq
             except Exception as exc:  # JetStream away: the ack wait redelivers them
-                self._log_error(f"could not read {consumer_name(model)}: {type(exc).__name__}: {exc}")
+                self._log_error(f"could not read {name}: {type(exc).__name__}: {exc}")
                 continue
             for rid, pend in requests:
                 if not pend.holder and pend.seq <= delivered and not pend.fut.done():
