@@ -29,7 +29,7 @@ import pytest
 
 from daemon.cluster import BATCH_CREDIT_SHARE, FetchCredit, batch_consumer_name, batch_subject, consumer_name
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon, wait_until_ready
-from tests.nats_fixture import NatsServer, nats_server  # noqa: F401  (fixture)
+from tests.nats_fixture import NatsServer, drop_queue_of_killed, nats_server  # noqa: F401  (fixture)
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 #: Distinct texts the lines embed (8 per line, windows of this list).
@@ -115,18 +115,6 @@ async def delivered(url: str) -> dict[str, int]:
         return out
     finally:
         await nc.close()
-
-
-def drop_queue_of_killed(pid: int) -> None:
-    """A daemon killed with -9 could not unlink its shared-memory queue (named after its pid)."""
-    from local_queue import LocalQueue
-
-    try:
-        q = LocalQueue.attach(f"fleet-{pid}")
-    except FileNotFoundError:
-        return
-    q.unlink()
-    q.close()
 
 
 @pytest.mark.nats

@@ -32,7 +32,7 @@ import pytest
 
 from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon, wait_until_ready
 from tests.gen_models import Reference, build_llama, pull
-from tests.nats_fixture import NatsServer, TcpCut, nats_server  # noqa: F401  (fixture)
+from tests.nats_fixture import NatsServer, TcpCut, drop_queue_of_killed, nats_server  # noqa: F401  (fixture)
 from tests.nats_load import cluster_view
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -96,18 +96,6 @@ def boxes(nats_server: NatsServer, generator_folder: Path, endless_folder: Path,
             d.stop()
             if d.proc.returncode == -signal.SIGKILL:
                 drop_queue_of_killed(d.proc.pid)
-
-
-def drop_queue_of_killed(pid: int) -> None:
-    """A daemon killed with -9 could not unlink its shared-memory queue (named after its pid)."""
-    from local_queue import LocalQueue
-
-    try:
-        q = LocalQueue.attach(f"fleet-{pid}")
-    except FileNotFoundError:
-        return
-    q.unlink()
-    q.close()
 
 
 @pytest.fixture(scope="module")
