@@ -14,6 +14,7 @@ from daemon.broker import Answer
 from daemon.clients import client_of, flow_of
 from daemon.pieces import (
     INITIAL_PIECE_TOKENS, MIN_PIECE_TOKENS, Sizing, check_ceiling, in_request, joined, next_cut, run_pieces, text_costs,
+    WHOLE_SHARE,
 )
 from fleet.errors import BadRequest, InputTooLong, Overloaded, PayloadTooLarge, Timeout
 
@@ -53,8 +54,8 @@ def test_pieces_and_whole_requests_are_sized_by_the_models_answers():
     # Nothing answered yet: INITIAL_PIECE_TOKENS stand for a batch, a piece is a quarter.
     assert (s.whole("m", 16384), s.budget("m", 16384)) == (INITIAL_PIECE_TOKENS, INITIAL_PIECE_TOKENS // 4)
     assert s.budget("m", 100) == 100
-    s.observe("m", answer(2000, 1000.0))  # 2 tokens/ms: 2 000 tokens a batch, cut past 1 000, 500 a piece
-    assert (s.whole("m", 16384), s.budget("m", 16384)) == (1000, 500)
+    s.observe("m", answer(2000, 1000.0))  # 2 tokens/ms: 2 000 tokens a batch, 500 a piece, cut past 8 batches
+    assert (s.whole("m", 16384), s.budget("m", 16384)) == (int(2000 * WHOLE_SHARE), 500)
     s.observe("m", answer(20000, 1000.0))  # smoothed towards 20 tokens/ms
     assert 500 < s.budget("m", 16384) < 5000
     s.observe("m", answer(0, 0.0))  # an answer without a batch (an error) changes nothing
