@@ -109,7 +109,11 @@ async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: 
     budget = daemon.whole_budget(model, task, most) if daemon.cluster is None else 1 << 62
     if tokens <= budget and not 0 < limit < tokens:
         return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
-    cap = manifest.max_seq_len if manifest is not None and getattr(req, "truncate", True) else None
+    # Without truncation an input over max_seq_len is refused by the worker (422
+    # input_too_long, before tokenizing), whatever its length: it counts as one token more.
+    cap = manifest.max_seq_len if manifest is not None else None
+    if cap and not getattr(req, "truncate", True):
+        cap += 1
     per_input = costs(cap)
     total = int(per_input.sum())
     check_ceiling(model, total, limit)
