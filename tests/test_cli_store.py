@@ -291,7 +291,8 @@ def test_relative_path_pull_is_one_source_from_anywhere(home: Path, tmp_path: Pa
     assert again.stdout.startswith("mini-lm is already up to date")
     rows = json.loads(fleetctl(home, "list", "--json").stdout)
     assert [r["source"] for r in rows] == [f"path:{folder.resolve()}"]
-    assert rows[0]["profile"] == {"max_batch_items": 64, "max_batch_tokens": 16384, "dtype": "auto", "linger_ms": 0.0}
+    assert rows[0]["profile"] == {"max_batch_items": 64, "max_batch_tokens": 16384, "dtype": "auto", "engine": "auto",
+                                   "linger_ms": 0.0}
     # The table shows the folder verbatim (brackets are text, not markup).
     assert f"path:{folder.resolve()}" in fleetctl(home, "list").stdout
 

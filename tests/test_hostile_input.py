@@ -141,9 +141,14 @@ def test_errors_name_models_not_paths(daemon, tmp_path):
     # A stored model that fails to load: the loader's error quotes its folder.
     src = copy_default_model(tmp_path / "broken-src")
     (src / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
-    pull_model(Store(daemon.home / "models"), f"path:{src}", name="broken-model", task="embed",
-               runtime="sentence-transformers")
-    resp = httpx.post(daemon.url + "/v1/models/broken-model/load", timeout=120)
+    # Removed at once: the session's daemon is shared, and a second embed model would
+    # make every request without `model` ambiguous for the tests after this one.
+    live = Store(daemon.home / "models")
+    pull_model(live, f"path:{src}", name="broken-model", task="embed", runtime="sentence-transformers")
+    try:
+        resp = httpx.post(daemon.url + "/v1/models/broken-model/load", timeout=120)
+    finally:
+        live.remove("broken-model")
     assert resp.status_code >= 400, resp.text
     message = error_of(resp)["message"]
     assert "broken-model" in message and str(daemon.home) not in message, message
