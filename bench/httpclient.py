@@ -186,15 +186,30 @@ class BlockingConn:
     """
 
     def __init__(self, ep: Endpoint, timeout_s: float = 30.0) -> None:
+        self.ep, self.timeout_s = ep, timeout_s
+        self._connect()
+
+    def _connect(self) -> None:
         import socket
 
-        self.sock = socket.create_connection((ep.host, ep.port), timeout=timeout_s)
+        self.sock = socket.create_connection((self.ep.host, self.ep.port), timeout=self.timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
 
     def exchange(self, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
         self.sock.sendall(request)
         buf = self._buf
+        if not buf:
+            try:
+                buf = self._recv()
+            except ConnectionError:
+                # The server closed the idle connection (its keep-alive timeout) before
+                # reading this request: nothing of it was served, so it is sent again on
+                # a new connection, as HTTP clients do.
+                self.sock.close()
+                self._connect()
+                self.sock.sendall(request)
+                buf = self._recv()
         while (end := buf.find(b"\r\n\r\n")) < 0:
             buf += self._recv()
         lines = buf[:end].split(b"\r\n")

@@ -75,6 +75,8 @@ def fast_dtype() -> str:
 def child_main(dtype: str) -> int:
     """`--child DTYPE`: one encode per text index read from stdin, its ms written back."""
     st = load_local(dtype)
+    sys.stdout.write("ready\n")  # loading takes seconds: the parent waits before its first request
+    sys.stdout.flush()
     for line in sys.stdin:
         text = TEXTS[int(line)]
         t0 = time.perf_counter()
@@ -85,12 +87,20 @@ def child_main(dtype: str) -> int:
 
 
 class Passive:
-    """The second line: fp32 in a child process started with OMP_WAIT_POLICY=PASSIVE."""
+    """The second line: fp32 in a child process started with OMP_WAIT_POLICY=PASSIVE.
+
+    Ready when constructed: the child's load (seconds on a busy box) must not fall
+    between two requests of `alternate`, where it would outlast the daemon's
+    keep-alive timeout and the next request would find its connection closed.
+    """
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.inference_compare", "--child", "float32"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if (line := self.proc.stdout.readline()) != "ready\n":
+            self.proc.kill()
+            raise RuntimeError(f"the passive child did not start: {line!r}")
 
     def encode(self, k: int) -> float:
         self.proc.stdin.write(f"{k}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import msgspec
 import pytest
@@ -139,3 +140,41 @@ def test_client_reads_chunked_and_content_length_replies_on_one_connection():
     assert first == (200, b"hello world", True, 1.5, 7.25)
     assert second[:3] == (429, b"busy", False)
     assert math.isnan(second[3]) and math.isnan(second[4])  # no timing headers sent
+
+
+def test_blocking_conn_sends_again_when_the_idle_connection_was_closed():
+    """A server closes an idle keep-alive connection (fleet's after keep_alive_timeout_ms):
+    the latency tools' connection sends its request again on a new one."""
+    import socket
+    import threading
+
+    served: list[int] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for n in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)
+                served.append(n)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                # The first connection is closed once idle, as a keep-alive timeout does.
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    ep = httpclient.Endpoint(f"http://127.0.0.1:{port}")
+    conn = httpclient.BlockingConn(ep, timeout_s=10)
+    req = httpclient.build_request(ep, "/x", b"", "application/json", "application/json")
+    try:
+        assert conn.exchange(req) == (200, {b"content-length": b"2"}, b"ok")
+        t0 = time.monotonic()
+        while len(served) < 1 and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the server has closed the first connection
+        assert conn.exchange(req) == (200, {b"content-length": b"2"}, b"ok")
+    finally:
+        conn.close()
+        listener.close()
+    t.join(timeout=10)
+    assert served == [0, 1]  # the request reached the server once on each connection
