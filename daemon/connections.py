@@ -8,7 +8,8 @@ enough of them exhaust the process's descriptors and every new client fails.
 
 `guarded_protocol` subclasses uvicorn's httptools protocol with:
 - a header deadline: a request's headers must be complete `header_timeout_s` after
-  the connection opened or its previous response ended;
+  the connection opened, or after the first byte of a request on a kept-alive
+  connection (the wait for that byte is uvicorn's `timeout_keep_alive`);
 - a body rate: while a body is being read, each `body_timeout_s` window must bring at
   least MIN_BODY_BYTES_PER_S per second of it, else the connection is closed (a pause
   the server itself asked for, when the app reads slowly, does not count). One
@@ -222,9 +223,19 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 self._disarm()
             super().on_message_complete()
 
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self.phase == IDLE:
+                # The first byte after a kept-alive wait: the next request's headers
+                # are now due within the header deadline.
+                self._arm(limits.header_timeout_s, self._headers_late)
+            super().data_received(data)
+
         def on_response_complete(self) -> None:
+            # Kept alive: uvicorn closes the connection after `keep_alive_timeout_ms`
+            # without a byte; the header deadline starts with the next request's first
+            # byte (data_received), so a long keep-alive does not let headers trickle.
             self.phase = IDLE
-            self._arm(limits.header_timeout_s, self._headers_late)
+            self._disarm()
             super().on_response_complete()
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:

@@ -47,8 +47,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: over each `body_timeout_ms` window; slower ones are closed (slowloris).
     header_timeout_ms: int = 10_000
     body_timeout_ms: int = 10_000
-    #: An idle keep-alive connection is closed after this long.
-    keep_alive_timeout_ms: int = 5_000
+    #: An idle keep-alive connection is closed after this long. Longer than the idle
+    #: expiry of common clients (httpx 5 s, aiohttp 15 s, Go 90 s, load balancers
+    #: 60 s): a client whose own expiry equals the server's sends its next request
+    #: into the server's close and gets a reset. Idle connections are the first
+    #: closed at the connection caps, so a long wait costs no capacity.
+    keep_alive_timeout_ms: int = 120_000
     #: Open connections, in all (lowered to fit RLIMIT_NOFILE) and per client address
     #: (bench's load generator opens up to 512); at a cap a new connection closes the
     #: oldest idle one (waiting for headers or kept alive), else it is refused (503).

@@ -201,3 +201,48 @@ def test_slowloris_leaves_normal_requests_served(tmp_path):
     finally:
         attack.close()
         d.stop()
+
+
+def _request(host: str) -> bytes:
+    body = b'{"model": "%s", "inputs": ["hello there"]}' % DEFAULT_MODEL.encode()
+    return (b"POST /v1/embed HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _status(s: socket.socket) -> int:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection"
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(rest) < length:
+        rest += s.recv(65536)
+    return int(head[9:12])
+
+
+def test_a_kept_alive_connection_outlives_common_client_expiries(daemon):
+    """At the shipped settings a connection idle past the header deadline (10 s) and
+    past httpx's 5 s keep-alive expiry is still served: the header deadline counts
+    from a request's first byte, the idle wait is keep_alive_timeout_ms (120 s). A
+    request started on it must still bring its headers within the header deadline."""
+    host = daemon.url.split("//", 1)[1]
+    port = int(host.rsplit(":", 1)[1])
+    idle = socket.create_connection(("127.0.0.1", port), timeout=30)
+    slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        for s in (idle, slow):
+            s.sendall(_request(host))
+            assert _status(s) == 200
+        slow.sendall(b"POST /v1/embed HTTP/1.1\r\n")  # a request begins and never finishes its headers
+        started = time.monotonic()
+        time.sleep(11.0)
+        idle.sendall(_request(host))
+        assert _status(idle) == 200
+        assert slow.recv(4096) == b""  # closed by the header deadline ...
+        assert time.monotonic() - started < DEADLINE_S  # ... counted from the request's first byte
+    finally:
+        idle.close()
+        slow.close()
