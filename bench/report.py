@@ -109,7 +109,8 @@ def knee_table(runs: list[TargetRun], criteria: Criteria) -> Table:
         gpu_m = box.get("gpu_mem_bytes")
         note = "" if k.saturated or run.spec.kind == "st" else "not saturated: raise the load"
         if run.spec.kind == "st":
-            note = "in-process compute limit (1 caller)"
+            note = ("offline limit: length-sorted batches (1 caller)" if run.spec.sorted
+                    else "in-process compute limit (1 caller)")
         t.add_row(
             run.spec.name, f"{s.offered:.1f} {'clients' if s.mode == CLOSED else 'r/s'}",
             f"{s.throughput_rps:.1f}", f"{s.tokens_per_s:,.0f}", f"{s.p50_ms:.1f}", f"{s.p95_ms:.1f}",
@@ -264,6 +265,8 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
         targets.append({
             "name": run.spec.name, "kind": run.spec.kind, "url": run.spec.url,
             "dtype": run.spec.dtype if run.spec.kind == "st" else None,
+            "engine": run.spec.engine if run.spec.kind == "st" else None,
+            "batches": ("length-sorted" if run.spec.sorted else "request windows") if run.spec.kind == "st" else None,
             "process": getattr(run.driver, "info", None),  # in-process target: torch, threads, OpenMP policy
             "mode": run.mode,
             "warmup": _step_doc(run.warmup) if run.warmup else None,

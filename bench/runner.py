@@ -41,6 +41,10 @@ class TargetSpec:
     url: str = ""
     #: st only: fp32 | bf16
     dtype: str = "fp32"
+    #: st only: torch (sentence-transformers) | openvino (fleet's adapter, bench/st_local.py)
+    engine: str = "torch"
+    #: st only: length-sorted batches of the texts (the offline limit) instead of the request windows
+    sorted: bool = False
     #: Server processes to sample (their children are included).
     pids: list[int] = field(default_factory=list)
 
@@ -156,7 +160,8 @@ def open_run(spec: TargetSpec, plan: Plan, texts: list[str], lengths: list[int],
 
         if model_dir is None:
             raise ValueError("the in-process target needs the model folder")
-        driver = LocalST(STSetup(str(model_dir), spec.dtype, plan.device, texts, lengths, plan.batch))
+        driver = LocalST(STSetup(str(model_dir), spec.dtype, plan.device, texts, lengths, plan.batch,
+                                 engine=spec.engine, sorted=spec.sorted, model=plan.model))
         return TargetRun(spec, driver, CLOSED, None, None)
     setup = Setup(kind=spec.kind, task=plan.task, url=spec.url, model=plan.model, texts=texts,
                   lengths=lengths, batch=plan.batch, encoding=plan.encoding, api_key=plan.api_key)

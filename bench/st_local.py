@@ -12,6 +12,23 @@ OpenMP threads sleep when idle as in fleet's workers (OMP_WAIT_POLICY=PASSIVE
 unless the environment sets it; runtimes/process.py): with OpenMP's default
 spin the child's threads and the bench's own processes fought over a 2-core box
 and this target measured 3-40 requests/s in one run, the scheduler, not the model.
+
+Targets (`local_target` turns a `--targets` name into one):
+  st-fp32, st-bf16  `SentenceTransformer.encode` in that dtype;
+  st-best           the faster dtype on this CPU: bf16 with native bf16
+                    (avx512_bf16 or amx_bf16, runtimes.device.fast_dtypes), else fp32;
+  ov-fp32, ov-bf16, ov-best
+                    OpenVINO in-process through fleet's own dense adapter with its
+                    engine forced (runtimes/openvino.py; the graph converted at
+                    first load, kept under the temp directory for a package's
+                    model): the adapter's `run_batch`, no worker, no queue, no HTTP.
+                    Skipped, with a line saying so, when openvino is not installed;
+  sorted-<one of the above>
+                    the offline limit: the same texts, sorted by token count and
+                    cut into batches of `--batch`, encoded back to back (a batch
+                    job that holds all its texts up front pads least);
+  sorted            sorted batches on the best engine: OpenVINO in the best dtype
+                    when installed, else torch in the best dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -38,6 +56,90 @@ class STSetup(msgspec.Struct, frozen=True):
     batch: int
     seed: int = 7
     threads: int = 0
+    #: "torch": `SentenceTransformer.encode`; "openvino": fleet's adapter, engine forced.
+    engine: str = "torch"
+    #: Length-sorted batches of the texts instead of the request windows.
+    sorted: bool = False
+    #: The model's name (the adapter's requests carry it).
+    model: str = "model"
+
+
+#: dtype names of the targets -> fleet's (runtimes/base.Profile.dtype).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+INSTALL_OPENVINO = "pip install 'fleet[openvino]'"
+
+
+class LocalTarget(msgspec.Struct, frozen=True):
+    name: str
+    engine: str
+    dtype: str
+    sorted: bool = False
+    #: Why the name resolved as it did ("" when it names itself).
+    note: str = ""
+
+
+def best_dtype(flags: set[str]) -> str:
+    """bf16 on a CPU with native bf16 (as runtimes.device.fast_dtypes decides), else fp32."""
+    return "bf16" if {"avx512_bf16", "amx_bf16"} & flags else "fp32"
+
+
+def local_target(name: str, *, flags: set[str] | None = None, openvino: bool | None = None) -> LocalTarget | str | None:
+    """The in-process target `name` means on this machine; a str: why it is skipped
+    (the line to print); None: not an in-process target's name."""
+    from runtimes import openvino as ov
+    from runtimes.device import cpu_flags
+
+    flags = cpu_flags() if flags is None else flags
+    have_ov = ov.available() if openvino is None else openvino
+    best = best_dtype(flags)
+    why = f"{'native bf16' if best == 'bf16' else 'no native bf16'} on this CPU"
+    sorted_ = name == "sorted" or name.startswith("sorted-")
+    inner = name[len("sorted-"):] if name.startswith("sorted-") else name
+    if name == "sorted":
+        inner = "ov-best" if have_ov else "st-best"
+        why = "the best engine: " + ("OpenVINO, installed" if have_ov else f"torch (openvino is not installed), {why}")
+    prefix, _, dtype = inner.partition("-")
+    if prefix not in ("st", "ov") or dtype not in ("fp32", "bf16", "best"):
+        return None
+    engine = "openvino" if prefix == "ov" else "torch"
+    if engine == "openvino" and not have_ov:
+        return f"{name}: skipped: openvino is not installed ({INSTALL_OPENVINO})"
+    if dtype == "best":
+        dtype = best
+    concrete = ("sorted-" if sorted_ else "") + f"{prefix}-{dtype}"
+    return LocalTarget(concrete, engine, dtype, sorted_, "" if concrete == name else f"{name} is {concrete} ({why})")
+
+
+def local_batches(setup: STSetup) -> tuple[list[list[str]], list[int]]:
+    """(texts per call, tokens per call): the request windows every target sends, or with
+    `sorted` the texts ordered by token count (stably) and cut into batches of `batch`."""
+    if setup.sorted:
+        order = sorted(range(len(setup.texts)), key=setup.lengths.__getitem__)
+        windows = [order[i:i + setup.batch] for i in range(0, len(order), setup.batch)]
+    else:
+        windows = request_windows(len(setup.texts), setup.batch, seed=setup.seed)
+    return [[setup.texts[i] for i in w] for w in windows], [sum(setup.lengths[i] for i in w) for w in windows]
+
+
+def _openvino_encoder(setup: STSetup):
+    """fleet's dense adapter with OpenVINO forced in `setup.dtype`: (encode, info)."""
+    from fleet.protocol import EmbedRequest
+    from runtimes.base import ModelSpec, Profile
+    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+
+    spec = ModelSpec(setup.model, Path(setup.model_dir), "embed", "sentence-transformers",
+                     profile=Profile(engine="openvino", dtype=DTYPES[setup.dtype]))
+    adapter = SentenceTransformerEmbedder(spec, setup.device)
+    adapter.load()
+
+    def encode(texts: list[str]) -> None:
+        result = adapter.run_batch([EmbedRequest(model=setup.model, inputs=texts)])[0]
+        if not hasattr(result, "data"):  # a WorkError: fail the step, never count it
+            raise RuntimeError(f"OpenVINO in-process: {result!r}")
+
+    import openvino
+
+    return encode, {"openvino": str(openvino.__version__), "choice": adapter.choice.info() if adapter.choice else None}
 
 
 def _child_main(pipe) -> None:
@@ -48,16 +150,21 @@ def _child_main(pipe) -> None:
 
     if setup.threads:
         torch.set_num_threads(setup.threads)
-    model = SentenceTransformer(setup.model_dir, device=setup.device, local_files_only=True)
-    model.eval()
-    if setup.dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    windows = request_windows(len(setup.texts), setup.batch, seed=setup.seed)
-    batches = [[setup.texts[i] for i in w] for w in windows]
-    tokens = [sum(setup.lengths[i] for i in w) for w in windows]
-    model.encode(batches[0])  # first call builds kernels and caches
+    info: dict = {}
+    if setup.engine == "openvino":
+        encode, info = _openvino_encoder(setup)
+    else:
+        model = SentenceTransformer(setup.model_dir, device=setup.device, local_files_only=True)
+        model.eval()
+        if setup.dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        encode = model.encode
+    batches, tokens = local_batches(setup)
+    for b in batches[:2]:
+        encode(b)  # first calls build kernels and caches
     pipe.send_bytes(_enc.encode({"ready": True, "torch": str(torch.__version__), "threads": torch.get_num_threads(),
-                                 "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}))
+                                 "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "engine": setup.engine,
+                                 "batches": "length-sorted" if setup.sorted else "request windows", **info}))
     j = 0
     while True:
         msg = pipe.recv_bytes()
@@ -74,7 +181,7 @@ def _child_main(pipe) -> None:
         while now < end:
             k = j % len(batches)
             t = time.perf_counter()
-            model.encode(batches[k])
+            encode(batches[k])
             now = time.perf_counter()
             lat.append((now - t) * 1000.0)
             tok += tokens[k]
@@ -94,17 +201,18 @@ class LocalST:
     def __init__(self, setup: STSetup, start_timeout_s: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
+        what = f"{'OpenVINO' if setup.engine == 'openvino' else 'sentence-transformers'} ({setup.dtype})"
         self.proc = ctx.Process(target=_child_main, args=(child,), name=f"fleet-bench-st-{setup.dtype}", daemon=True)
         self.proc.start()
         child.close()
         self.pipe.send_bytes(_enc.encode(setup))
         if not self.pipe.poll(start_timeout_s):
             self.close()
-            raise RuntimeError(f"sentence-transformers ({setup.dtype}) did not load within {start_timeout_s:g} s")
+            raise RuntimeError(f"{what} did not load within {start_timeout_s:g} s")
         try:
             self.info = msgspec.msgpack.decode(self.pipe.recv_bytes())
         except EOFError as exc:
-            raise RuntimeError(f"sentence-transformers ({setup.dtype}) process exited while loading "
+            raise RuntimeError(f"{what} process exited while loading "
                                f"(exit {self.proc.exitcode})") from exc
 
     @property

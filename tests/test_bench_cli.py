@@ -7,6 +7,7 @@ would run it, and its JSON, PNG and exit codes are checked.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,9 +100,36 @@ def test_compare_starts_the_infinity_peer_on_loopback(daemon, tmp_path):
     assert all(s["box"]["cpu_pct"]["infinity:server"] > 0 for s in inf["steps"])
 
 
+@pytest.mark.slow
+def test_compare_runs_the_offline_limit_and_openvino_or_says_it_skipped(tmp_path):
+    """In-process targets need no daemon: sorted batches in torch fp32, and OpenVINO
+    through fleet's adapter when installed, else one line saying why it did not run."""
+    out = tmp_path / "local.json"
+    r = fleetctl("bench", "--url", f"http://127.0.0.1:{free_port()}", "--compare",
+                 "--targets", "sorted-st-fp32,ov-fp32,ov-best", *SHORT, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    by_name = {t["name"]: t for t in doc["targets"]}
+    lim = by_name["sorted-st-fp32"]
+    assert (lim["engine"], lim["dtype"], lim["batches"]) == ("torch", "fp32", "length-sorted")
+    assert len(lim["steps"]) == 3 and all(s["ok"] > 0 and s["errors"] == 0 for s in lim["steps"])
+    # Batches of 4 shortest first: the tokens per call stay within the corpus' bounds x 4.
+    assert all(4 * 10 <= s["tokens"] / s["ok"] <= 4 * 80 for s in lim["steps"])
+    if importlib.util.find_spec("openvino") is None:
+        assert list(by_name) == ["sorted-st-fp32"]
+        assert "ov-fp32: skipped: openvino is not installed (pip install 'fleet[openvino]')" in r.stderr
+        assert "ov-best: skipped" in r.stderr
+    else:
+        ov = by_name["ov-fp32"]
+        assert (ov["engine"], ov["batches"], ov["process"]["choice"]["engine"]) == ("openvino", "request windows", "openvino")
+        assert all(s["ok"] > 0 and s["errors"] == 0 for s in ov["steps"])
+        assert "ov-best is ov-" in r.stderr
+    assert set(doc["ratios_tokens_per_s"]) == (set(by_name) if len(by_name) > 1 else set())
+
+
 def test_usage_errors_exit_2():
     for args in (["--task", "nope"], ["--rates", "1,2", "--concurrency", "1,2"], ["--rates", "fast"],
-                 ["--compare", "--targets", "fleet,mystery"]):
+                 ["--compare", "--targets", "fleet,mystery"], ["--compare", "--targets", "st-fp32,sorted-fleet"]):
         r = fleetctl("bench", *args, timeout=120)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
 

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from bench import corpus, httpclient
+from bench.st_local import LocalTarget, STSetup, local_batches, local_target
 from bench.targets import build_payloads, reply_tokens, request_windows
 from bench.tokens import TokenCounter
 
@@ -48,6 +49,43 @@ def test_windows_cycle_through_the_whole_corpus():
     assert seen == set(range(len(TEXTS)))
     assert all(len(w) == 32 for w in windows)
     assert request_windows(len(TEXTS), 32) == request_windows(len(TEXTS), 32)  # same for every target
+
+
+def test_sorted_batches_hold_every_text_once_shortest_first(lengths):
+    setup = STSetup("unused", "fp32", "cpu", TEXTS, lengths, 32, sorted=True)
+    batches, tokens = local_batches(setup)
+    assert sorted(t for b in batches for t in b) == sorted(TEXTS)
+    assert [len(b) for b in batches[:-1]] == [32] * (len(batches) - 1) and 0 < len(batches[-1]) <= 32
+    order = [lengths[TEXTS.index(t)] for b in batches for t in b]
+    assert order == sorted(order) and sum(tokens) == sum(lengths)
+    # Sorting is what cuts padding: the padded size of a sorted batch is its longest text.
+    padded = sum(max(lengths[TEXTS.index(t)] for t in b) * len(b) for b in batches)
+    windows, _ = local_batches(STSetup("unused", "fp32", "cpu", TEXTS, lengths, 32))
+    assert windows == [[TEXTS[i] for i in w] for w in request_windows(len(TEXTS), 32)]
+    window_padded = sum(max(lengths[TEXTS.index(t)] for t in b) * len(b) for b in windows[:len(batches)])
+    assert padded < 0.8 * window_padded
+
+
+def test_in_process_names_resolve_per_machine():
+    bf16, avx2 = {"avx512f", "avx512_bf16"}, {"avx2"}
+    assert local_target("st-best", flags=bf16, openvino=False) == LocalTarget(
+        "st-bf16", "torch", "bf16", note="st-best is st-bf16 (native bf16 on this CPU)")
+    assert local_target("st-best", flags=avx2, openvino=False).name == "st-fp32"
+    assert local_target("st-fp32", flags=bf16, openvino=False) == LocalTarget("st-fp32", "torch", "fp32")
+    assert local_target("ov-best", flags={"amx_bf16"}, openvino=True) == LocalTarget(
+        "ov-bf16", "openvino", "bf16", note="ov-best is ov-bf16 (native bf16 on this CPU)")
+    # The offline limit runs the best engine there is, sorted.
+    assert local_target("sorted", flags=bf16, openvino=True).name == "sorted-ov-bf16"
+    lim = local_target("sorted", flags=avx2, openvino=False)
+    assert (lim.name, lim.engine, lim.dtype, lim.sorted) == ("sorted-st-fp32", "torch", "fp32", True)
+    assert "openvino is not installed" in lim.note
+    assert local_target("sorted-st-bf16", flags=avx2, openvino=False) == LocalTarget("sorted-st-bf16", "torch", "bf16", True)
+    # A runtime that is not installed is a line saying so; an unknown name is None.
+    assert local_target("ov-fp32", flags=bf16, openvino=False) == (
+        "ov-fp32: skipped: openvino is not installed (pip install 'fleet[openvino]')")
+    assert isinstance(local_target("sorted-ov-best", flags=bf16, openvino=False), str)
+    for name in ("st-fp16", "ov", "sorted-fleet", "fleet", "sorted-sorted"):
+        assert local_target(name, flags=bf16, openvino=True) is None, name
 
 
 def test_fleet_embed_request_is_msgpack(lengths):

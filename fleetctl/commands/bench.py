@@ -20,7 +20,9 @@ import typer
 
 from fleet.errors import BadRequest, Unavailable
 
-COMPARE_DEFAULT = "fleet,infinity,st-fp32,st-bf16"
+COMPARE_DEFAULT = "fleet,infinity,st-fp32,st-bf16,ov-best,sorted"
+#: Names --targets takes besides the in-process ones (bench/st_local.py: st-*, ov-*, sorted, sorted-*).
+HTTP_TARGETS = ("fleet", "fleet-json", "openai", "infinity")
 
 
 def _import_bench():
@@ -100,7 +102,10 @@ def register(app: typer.Typer) -> None:
         keep_up_tol: float = typer.Option(0.10, "--keep-up-tol", help="Past the knee once achieved < (1-tol) x offered."),
         generators: int = typer.Option(1, "--generators", help="Load-generator processes."),
         compare: bool = typer.Option(False, "--compare", help="Bench several targets interleaved (--targets)."),
-        targets: str = typer.Option(COMPARE_DEFAULT, "--targets", help="With --compare: fleet, infinity, st-fp32, st-bf16."),
+        targets: str = typer.Option(
+            COMPARE_DEFAULT, "--targets",
+            help="With --compare: fleet, infinity; in-process st-fp32, st-bf16, st-best, ov-fp32, ov-bf16, ov-best; "
+                 "sorted (the offline limit: length-sorted batches, best engine) or sorted-<in-process name>."),
         encoding: str = typer.Option("base64", "--encoding", help="OpenAI-style targets: base64 | float."),
         infinity_dtype: str = typer.Option("auto", "--infinity-dtype",
                                            help="dtype for the infinity peer: auto | float32 | bfloat16 | float16."),
@@ -113,11 +118,14 @@ def register(app: typer.Typer) -> None:
         """Ramp the load on a server until it stops keeping up; report the knee."""
         _import_bench()
         from rich.console import Console
+        from rich.markup import escape
 
         from bench import corpus, report
         from bench.knee import CLOSED, OPEN, Criteria
         from bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
         from bench.sampler import Sampler, describe_gpus
+        from bench.peers import INFINITY_VENV
+        from bench.st_local import local_target
         from bench.targets import KINDS, TASKS
         from bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
         from fleet.config import client_url
@@ -141,9 +149,24 @@ def register(app: typer.Typer) -> None:
         url_given = url is not None
         url = (url or client_url()).rstrip("/")
         names = [t.strip() for t in targets.split(",") if t.strip()] if compare else [target]
-        unknown = [n for n in names if n not in ("fleet", "fleet-json", "openai", "infinity", "st-fp32", "st-bf16")]
+        local = {n: local_target(n) for n in names if n not in HTTP_TARGETS}
+        unknown = [n for n, t in local.items() if t is None]
         if unknown:
             raise typer.BadParameter(f"unknown target(s) {', '.join(unknown)} in --targets")
+        if "infinity" in names and (compare or not url_given) and not (INFINITY_VENV / "bin" / "infinity_emb").is_file():
+            local["infinity"] = "infinity: skipped: the infinity-emb peer is not built (bench/setup_infinity.sh)"
+        chosen: dict[str, str] = {}  # what runs (its table name) -> the --targets name
+        for n in names:
+            t = local.get(n)
+            if isinstance(t, str):  # skipped: a runtime or peer that is not installed
+                err.print(f"[yellow]{escape(t)}[/]")
+                continue
+            if t is not None and t.note:
+                err.print(f"[dim]{escape(t.note)}[/]")
+            chosen.setdefault(n if t is None else t.name, n)  # st-best beside st-bf16 runs once
+        names = list(chosen.values())
+        if not names:
+            raise Unavailable("no target left to bench", hint="install what the skipped targets need, or pick others")
         if compare and task != "embed":
             raise typer.BadParameter("--compare benches embeddings servers: use --task embed")
 
@@ -170,8 +193,8 @@ def register(app: typer.Typer) -> None:
         specs: list[TargetSpec] = []
         try:
             for name in names:
-                if name.startswith("st-"):
-                    specs.append(TargetSpec(name=name, kind="st", dtype=name[3:]))
+                if (lt := local.get(name)) is not None:
+                    specs.append(TargetSpec(name=lt.name, kind="st", dtype=lt.dtype, engine=lt.engine, sorted=lt.sorted))
                 elif name == "infinity" and (compare or not url_given):
                     from bench.peers import Infinity
 
