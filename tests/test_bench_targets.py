@@ -216,3 +216,34 @@ def test_blocking_conn_sends_again_when_the_idle_connection_was_closed():
         listener.close()
     t.join(timeout=10)
     assert served == [0, 1]  # the request reached the server once on each connection
+
+
+def test_saturation_groups_requests_into_the_worker_batches_they_ran_in():
+    from bench.saturation import analyse, padded
+
+    assert padded([3, 1, 2, 8], 2, sort=False) == 2 * 3 + 2 * 8 and padded([3, 1, 2, 8], 2, sort=True) == 2 * 2 + 2 * 8
+    lengths = [10, 40, 20, 30]
+    windows = [[0, 1], [2, 3]]
+    ms = 1_000_000
+
+    def row(claimed: int, window: int) -> dict:
+        # One request's stamps (ns): the worker's share those of its batch.
+        return {"sent": 0, "handler": 1 * ms, "put": 2 * ms, "woke": claimed - ms, "claimed": claimed,
+                "lingered": claimed, "decoded": claimed, "tokenized": claimed + 2 * ms,
+                "forward": claimed + 12 * ms, "host": claimed + 12 * ms, "ran": claimed + 13 * ms,
+                "collected": claimed + 14 * ms, "encoded": claimed + 15 * ms, "received": claimed + 16 * ms,
+                "window": window}
+
+    rows = [row(100 * ms, 0), row(100 * ms, 1), row(200 * ms, 0)]  # a batch of two requests, then one alone
+    res = analyse(rows, windows, lengths, batch=2, micro=4, wall_s=1.0)
+    assert res["batches"] == 2 and res["requests_per_batch"] == {"mean": 1.5, "min": 1, "max": 2}
+    assert res["tokens_per_s"] == (100 + 50)
+    stages = res["worker_stages"]
+    assert stages["forward + pool"]["total_s"] == pytest.approx(0.020) and stages["tokenize"]["per_batch_ms"] == 2
+    assert res["worker_busy_share"] == pytest.approx(0.028)
+    assert res["forward_tokens_per_s"] == pytest.approx(150 / 0.020)
+    pad = res["padding_fraction"]
+    # Batch 1 sorted in one micro-batch of 4: 4 x 40 for 100 real; batch 2: 2 x 40 for 50.
+    assert pad["worker (batch sorted, micro-batches of 4)"] == pytest.approx(1 - 150 / 240)
+    # Per request unsorted: (2 x 40) + (2 x 30) + (2 x 40) for 150.
+    assert pad["request windows unsorted (per request)"] == pytest.approx(1 - 150 / 220)

@@ -1,0 +1,259 @@
+"""Where the time goes at saturation: per-stage timeline, padding and CPU of fleet under closed-loop load.
+
+`--clients` blocking clients (threads, one keep-alive connection each) send
+`--batch`-text embed requests back to back for `--duration` seconds, MessagePack
+both ways, each with `X-Fleet-Timeline: 1` (the daemon's and the worker's
+CLOCK_MONOTONIC stamps per stage; bench/timeline.py). The texts are the request
+windows every `fleetctl bench` target sends (`bench.targets.request_windows`).
+
+Requests that share the worker's `claimed` stamp ran in one batch: grouping by it
+gives each batch's requests, so its texts and their token counts. From those:
+- the worker's own time per stage (summed over batches, as a share of the wall
+  time) and what is left idle;
+- the forward's padding: the batch's texts sorted by length and cut into
+  micro-batches of `--micro-batch` (the profile's `micro_batch_items`, as
+  runtimes/sentence_transformer.py does), each padded to its longest, against
+  the same texts in unsorted request windows (a per-request caller) and
+  length-sorted batches of `--batch` over the whole corpus (the offline limit);
+- tokens/s of the forward alone (real tokens / forward + pool time);
+- CPU over the window: the API process, its workers (every descendant), the
+  clients (this process), and the box's idle cores (/proc/stat).
+Printed with the load average before and after; JSON under bench/results/.
+
+Usage:
+  flock /tmp/fleet-bench.lock python -m bench.saturation [--url URL | --start] [--clients 8]
+      [--batch 32] [--duration 20] [--out bench/results/saturation-<time>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+from rich.console import Console
+
+from bench import corpus, report
+from bench.daemon import LocalDaemon
+from bench.httpclient import BlockingConn, Endpoint, build_request
+from bench.targets import request_windows
+from bench.timeline import HEADER, MODEL, parse_stamps
+from bench.tokens import TokenCounter, package_model_dir
+
+WARMUP_S = 3.0
+#: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
+WORKER_SPANS = (("woke", "claimed", "lane choice + claim"), ("claimed", "lingered", "linger"),
+                ("lingered", "decoded", "overpull return + decode"), ("decoded", "tokenized", "tokenize"),
+                ("tokenized", "forward", "forward + pool"), ("forward", "host", "vectors to host"),
+                ("host", "ran", "normalise, split, results"))
+#: Per request, API side and queue.
+REQUEST_SPANS = (("sent", "handler", "client -> handler"), ("handler", "put", "decode, check, queue put"),
+                 ("put", "claimed", "queued (put -> claimed)"), ("ran", "collected", "result back to the API"),
+                 ("collected", "encoded", "resume + reply encode"), ("encoded", "received", "reply send, client read"))
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid`'s children, their children, ... (from /proc/*/stat's ppid)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of `pid` (its threads included), seconds; 0 when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def box_idle() -> tuple[float, float]:
+    """(idle + iowait, total) jiffies of the whole box."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return float(v[3] + v[4]), float(sum(v[:8]))
+
+
+def padded(lengths: list[int], size: int, *, sort: bool) -> int:
+    """Tokens a forward pays for `lengths` cut into chunks of `size`, each padded to its longest."""
+    xs = sorted(lengths) if sort else list(lengths)
+    return sum(max(xs[i:i + size]) * len(xs[i:i + size]) for i in range(0, len(xs), size))
+
+
+def load(url: str, prepared: list[bytes], clients: int, duration_s: float) -> tuple[list[dict], float, float]:
+    """Closed loop: (rows of stamps with the window index, t0, t1 of the measured window in monotonic ns)."""
+    ep = Endpoint(url)
+    turn = itertools.count()
+    rows: list[dict] = []
+    errors: list[str] = []
+    start = time.monotonic_ns()
+    t0, t1 = start + int(WARMUP_S * 1e9), start + int((WARMUP_S + duration_s) * 1e9)
+
+    def client() -> None:
+        conn = BlockingConn(ep, timeout_s=120)
+        try:
+            while (sent := time.monotonic_ns()) < t1:
+                k = next(turn) % len(prepared)
+                status, headers, _ = conn.exchange(prepared[k])
+                received = time.monotonic_ns()
+                if status != 200:
+                    errors.append(f"{status}")
+                    continue
+                if sent >= t0:
+                    rows.append({"sent": sent, **parse_stamps(headers[HEADER.lower().encode()].decode()),
+                                 "received": received, "window": k})
+        except Exception as exc:  # noqa: BLE001 - reported, the run fails
+            errors.append(repr(exc))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} failed requests, e.g. {errors[0]}")
+    return rows, t0, t1
+
+
+def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batch: int, micro: int,
+            wall_s: float) -> dict:
+    batches: dict[int, list[dict]] = {}
+    for r in rows:
+        batches.setdefault(r["claimed"], []).append(r)
+    firsts = [b[0] for b in batches.values()]
+    worker = {}
+    for a, b, label in WORKER_SPANS:
+        total = sum((r[b] - r[a]) / 1e9 for r in firsts if a in r and b in r)
+        worker[label] = {"total_s": total, "share_of_wall": total / wall_s,
+                         "per_batch_ms": 1e3 * total / max(len(firsts), 1)}
+    busy = sum((r["ran"] - r["woke"]) / 1e9 for r in firsts)
+    fwd = sum((r["forward"] - r["tokenized"]) / 1e9 for r in firsts)
+    real = [lengths[i] for r in rows for i in windows[r["window"]]]
+    pads = {"worker (batch sorted, micro-batches of %d)" % micro: 0, "request windows unsorted (per request)": 0}
+    for group in batches.values():
+        lens = [lengths[i] for r in group for i in windows[r["window"]]]
+        pads["worker (batch sorted, micro-batches of %d)" % micro] += padded(lens, micro, sort=True)
+    for r in rows:
+        pads["request windows unsorted (per request)"] += padded([lengths[i] for i in windows[r["window"]]], batch,
+                                                                 sort=False)
+    pads[f"corpus length-sorted, batches of {batch} (offline limit)"] = round(
+        padded(lengths, batch, sort=True) * len(real) / len(lengths))
+    requests = {label: {f"p{q}_ms": float(np.percentile([(r[b] - r[a]) / 1e6 for r in rows], q)) for q in (50, 90)}
+                for a, b, label in REQUEST_SPANS}
+    sizes = np.array([len(g) for g in batches.values()])
+    return {
+        "requests": len(rows), "batches": len(batches), "wall_s": wall_s,
+        "requests_per_batch": {"mean": float(sizes.mean()), "min": int(sizes.min()), "max": int(sizes.max())},
+        "tokens_per_s": sum(real) / wall_s,
+        "worker_busy_share": busy / wall_s,
+        "worker_stages": worker,
+        "forward_tokens_per_s": sum(real) / fwd if fwd else None,
+        "padding_fraction": {k: 1 - sum(real) / v for k, v in pads.items()},
+        "request_stages": requests,
+        "round_trip_p50_ms": float(np.median([(r["received"] - r["sent"]) / 1e6 for r in rows])),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
+    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=64, help="the served profile's micro_batch_items")
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+
+    texts = corpus.load()
+    lengths = TokenCounter(package_model_dir()).count(texts)
+    windows = request_windows(len(texts), args.batch)
+    load_before = os.getloadavg()
+    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
+    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    ep = Endpoint(url)
+    prepared = [build_request(ep, "/v1/embed", msgspec.msgpack.encode({"model": MODEL, "inputs": [texts[i] for i in w]}),
+                              "application/msgpack", "application/msgpack").replace(
+                                  b"\r\n\r\n", f"\r\n{HEADER}: 1\r\n\r\n".encode(), 1) for w in windows]
+    try:
+        ps = httpx.get(url + "/v1/ps", timeout=10).json()
+        api = int(ps["pid"])
+        served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads")}
+                                         for name, m in w.get("models", {}).items()} for w in ps.get("workers", [])}
+        workers = descendants(api)
+        cpu = {"api": [cpu_s(api)], "workers": [sum(map(cpu_s, workers))], "clients": [time.process_time()]}
+        idle0 = box_idle()
+        rows, t0, t1 = load(url, prepared, args.clients, args.duration)
+        # The counters span the warm-up too: a second sample bounds the window.
+        idle1 = box_idle()
+        cpu = {k: v + [f()] for (k, v), f in zip(cpu.items(), (lambda: cpu_s(api), lambda: sum(map(cpu_s, descendants(api))),
+                                                              time.process_time))}
+    finally:
+        if daemon:
+            daemon.stop()
+    load_after = os.getloadavg()
+    span = WARMUP_S + args.duration
+    res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9)
+    try:  # the worker's fitted batch cost after the run (ms = a + b x tokens; runtimes/policy.CostModel)
+        res["worker_cost"] = {str(w.get("pid")): {n: m.get("cost") for n, m in w.get("models", {}).items()}
+                              for w in httpx.get(url + "/v1/ps", timeout=10).json().get("workers", [])}
+    except (httpx.HTTPError, ValueError):
+        pass
+    cores = os.cpu_count() or 1
+    res["cpu_cores_used"] = {k: (v[1] - v[0]) / span for k, v in cpu.items()}
+    res["idle_cores"] = cores * (idle1[0] - idle0[0]) / max(idle1[1] - idle0[1], 1.0)
+
+    console.print(f"[bold]{args.clients} clients x {args.batch} texts, {res['requests']} requests in "
+                  f"{res['wall_s']:.1f} s: {res['tokens_per_s']:,.0f} tokens/s[/] (round trip p50 "
+                  f"{res['round_trip_p50_ms']:.1f} ms; {res['batches']} batches, "
+                  f"{res['requests_per_batch']['mean']:.2f} requests each)")
+    console.print(f"worker busy {100 * res['worker_busy_share']:.0f} % of the wall; forward alone "
+                  f"{res['forward_tokens_per_s'] or 0:,.0f} tokens/s of real tokens")
+    for label, v in res["worker_stages"].items():
+        console.print(f"  {label:28s} {100 * v['share_of_wall']:5.1f} % of wall  {v['per_batch_ms']:8.2f} ms/batch")
+    for label, v in res["padding_fraction"].items():
+        console.print(f"padding {label}: {100 * v:.1f} %")
+    for label, v in res["request_stages"].items():
+        console.print(f"  {label:28s} p50 {v['p50_ms']:8.2f} ms  p90 {v['p90_ms']:8.2f} ms")
+    console.print("cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in res["cpu_cores_used"].items())
+                  + f"; idle cores {res['idle_cores']:.2f} of {cores}")
+    console.print(f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
+                  f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f}")
+
+    doc = report.document("saturation", "bench.saturation", argv) | {
+        "settings": {"url": url, "started_daemon": bool(daemon), "clients": args.clients, "batch": args.batch,
+                     "micro_batch": args.micro_batch, "duration_s": args.duration, "warmup_s": WARMUP_S},
+        "served": served, "load_before": load_before, "load_after": load_after, **res,
+    }
+    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    out = args.out or report.RESULTS_DIR / f"{stamp}-saturation.json"
+    report.write_json(doc, out)
+    Console(stderr=True).print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
