@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from local_queue.layout import (
-    BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE,
+    BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_FLOW, F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE,
     F_TOKENS, GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH,
     L_HEAD, L_NAME_LEN, L_TAIL, L_TOKENS, L_VTIME, LF, NAME_BYTES, QUEUED, SF, SLOT_BITS, SLOT_MASK, STATUS_POISON,
     W_CLAIMED, WF, _HEAD, _LINK, _RESULT,
@@ -84,6 +84,22 @@ class Lanes:
                         out.append(LaneStats(lane, names[lane], depth[lane], L[b + L_TOKENS], S[head * SF + F_ENQ],
                                              claimed[lane], S[head * SF + F_SEQ] >= BATCH_SEQ))
             return out
+
+    def head_flow(self, lane: int) -> int | None:
+        """The flow of `lane`'s head item when it is interactive work, else None (an
+        empty lane, or batch work at the head). Lock-free reads (hints, invariant 1):
+        a worker asks between the micro-batches of a batch whether another client
+        waits (`runtimes.worker`); a claim under the lock decides."""
+        L, S = self._L, self._S
+        if not L[lane * LF + L_DEPTH]:
+            return None
+        head = L[lane * LF + L_HEAD]
+        if head == NIL or head >= self._nslots:
+            return None
+        b = head * SF
+        if S[b + F_STATE] != QUEUED or S[b + F_SEQ] >= BATCH_SEQ:
+            return None
+        return S[b + F_FLOW]
 
     def promote(self, item_ids: list[int]) -> int:
         """Queued batch items become interactive (a batch item waited past its bound:

@@ -87,6 +87,16 @@ class Adapter(abc.ABC):
         #: is wanted; an adapter that loops over micro-batches asks before each
         #: (`hf_common.micro_batches`) and raises NotWanted. Cheap: lock-free reads.
         self.wanted: Callable[[int], bool] | None = None
+        #: Set by the worker around `run_batch` while clients share the model (None:
+        #: the profile's `micro_batch_items`): fewer inputs per micro-batch, so that
+        #: another client's request waits at most one short micro-batch (`wanted`
+        #: runs it between two). Adapters read `micro_items()`.
+        self.micro_cap: int | None = None
+
+    def micro_items(self) -> int:
+        """Inputs per micro-batch for the batch running now: the profile's, or fewer (`micro_cap`)."""
+        step = self.spec.profile.micro_batch_items
+        return step if self.micro_cap is None else max(1, min(step, self.micro_cap))
 
     @abc.abstractmethod
     def load(self) -> None:

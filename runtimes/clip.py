@@ -186,7 +186,7 @@ class ClipEmbedder(Adapter):
         out, used = None, np.empty(len(texts), dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.spec.profile.micro_batch_items, self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
                 enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=self.padding,
                                      truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).
@@ -203,7 +203,7 @@ class ClipEmbedder(Adapter):
         (images are resized to one shape or patch budget, so micro-batches need
         no length sort)."""
         torch = self._torch
-        step = max(1, self.spec.profile.micro_batch_items)
+        step = self.micro_items()
         parts = []
         used = np.full(len(images), self.image_tokens, dtype=np.int64)
         dtype = next(model.parameters()).dtype

@@ -46,6 +46,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "tokens": r.tokens,
                 "micro_batches": r.micro_batches,
                 "dropped": r.dropped,  # items left unfinished between micro-batches: nobody waited
+                "interjected": r.interjected,  # other clients' items run between micro-batches
                 "load_ms": round(r.load_ms, 1),
                 "pinned": name in residency.pinned,
                 "cost": cost_info(costs.get(name)),

@@ -256,6 +256,27 @@ def contended(last_seen: dict[int, int], now_ns: int, quiet_ns: int = FLOW_QUIET
     return sum(1 for at in last_seen.values() if now_ns - at < quiet_ns) > 1
 
 
+#: While several clients share a model (`contended`), a micro-batch aims for this share
+#: of the batch target: a request of another client that arrives during a batch is run
+#: between two micro-batches (`runtimes.worker.WorkerCore.interject`), so it waits
+#: about this long, not for the batch.
+MICRO_SHARE = 0.125
+
+
+def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int) -> int | None:
+    """Inputs per micro-batch so that one is predicted to run about MICRO_SHARE of
+    `target_ms`, for a batch of `tokens` over `rows` inputs: `batch_token_cap` of that
+    share (never below a/b tokens: a device whose fixed cost dominates keeps its
+    micro-batches) over the batch's tokens per input. None when that says nothing
+    (no rows, no tokens, no fitted cost or target)."""
+    if rows <= 0 or tokens <= 0 or target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
+        return None
+    budget = batch_token_cap(cost, target_ms * MICRO_SHARE, 1 << 40)
+    if budget >= 1 << 40:
+        return None
+    return max(1, int(budget * rows / tokens))
+
+
 def fill_flags(flows: Sequence[int], batch: Sequence[bool]) -> list[bool]:
     """Which claimed items only fill a batch (`form_batch` 4): batch work, and the
     items of clients other than the head's. A batch is formed for its head's client;

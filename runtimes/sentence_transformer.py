@@ -370,7 +370,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         tokens = np.empty(n, dtype=np.int64)
         per_token: dict[int, np.ndarray] = {}
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        batches = list(micro_batches(lengths, self.spec.profile.micro_batch_items))
+        batches = list(micro_batches(lengths, self.micro_items()))
         out = np.empty((n, self.dim), dtype=np.float32)
         cuda = self.device.startswith("cuda")
         # CUDA: vectors land in pinned host memory in sorted order by async copies,

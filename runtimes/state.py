@@ -29,6 +29,8 @@ class Resident:
     #: them any longer (`Adapter.wanted`, NotWanted), cumulative.
     micro_batches: int = 0
     dropped: int = 0
+    #: Items of other clients run between the micro-batches of a batch (`WorkerCore.interject`), cumulative.
+    interjected: int = 0
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
     footprint: Footprint = Footprint(0)

@@ -32,8 +32,8 @@ from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
     CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap,
-    batch_token_cap, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window, padded_tokens,
-    stall_bound_ms,
+    batch_token_cap, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window, micro_items_cap,
+    padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -86,6 +86,9 @@ class WorkerCore:
     #: Per model, the clients (queue flows) of its recent interactive batches here:
     #: flow -> acked at (whether the model is shared now: `contended`).
     recent_flows: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: ms of other clients' batches run between the micro-batches of the batch running
+    #: now (`interject`): left out of its time where the cost model learns from it.
+    interjected_ms: float = 0.0
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
     memory: InitVar[DeviceMemory | None] = None
@@ -231,7 +234,7 @@ class WorkerCore:
         #    (interactive work first, batch work filling the rest), return the rest.
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
-        if contended(self.recent_flows.get(lane.model, {}), self.clock_ns()):
+        if shared := contended(self.recent_flows.get(lane.model, {}), self.clock_ns()):
             cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap)
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
@@ -256,6 +259,19 @@ class WorkerCore:
             self._ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
         if not claims:
             return len(late)
+        return self.run_claims(lane.lane, resident, cost, claims, returned, (woke_ns, claimed_ns, lingered_ns),
+                               shared=shared) + len(late)
+
+    def run_claims(self, lane: int, resident: Resident, cost: CostModel, claims: list[Claim], returned: int,
+                   stamps: tuple[int, int, int], *, shared: bool, outer: set[int] | None = None) -> int:
+        """Decode, run and ack a batch of `claims` of `lane`, and learn from it; returns
+        the items answered (those of batches run between its micro-batches included). `shared` (clients share the model now): micro-batches
+        aim for MICRO_SHARE of the target (`micro_items_cap`) and, between two, a
+        request of another client waiting at the head of the lane is run first
+        (`interject`). `outer`: the flows of the batch this one interrupts (it
+        interrupts nothing itself)."""
+        adapter, model = resident.adapter, resident.adapter.spec.name
+        woke_ns, claimed_ns, lingered_ns = stamps
         # 5. Decode (after returning: a returned payload is no longer ours), run, ack
         #    in one `ack_many` (one lock and one wake-up for the whole batch).
         decoder = self.decoder_for(adapter.request_type)
@@ -277,13 +293,19 @@ class WorkerCore:
         padded = padded_tokens(tokens)
         loras = batch_loras(adapter, requests)
         adapter.marks = (0, 0, 0)
-        adapter.wanted = self.still_wanted([c for c, _ in runnable], resident)
+        flows = {c.flow for c, _ in runnable if not c.batch}
+        may_interject = shared and outer is None and not loras and self.target_ms > 0
+        adapter.micro_cap = micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests)) if may_interject \
+            else None
+        adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
+                                           (lane, flows, cost) if may_interject and flows else None)
+        self.interjected_ms, interjected = 0.0, resident.interjected
         dropped = False
         t0 = time.perf_counter()
         decoded_ns = time.monotonic_ns()
         try:
             # Leases are renewed only within the batch's bound (a hung forward loses them).
-            with self.progress.running(f"a batch of {len(requests)} on {lane.model}", stall_bound_ms(cost, padded)):
+            with self.progress.running(f"a batch of {len(requests)} on {model}", stall_bound_ms(cost, padded)):
                 release = self.residency.release_memory
                 results = run_split_on_oom(adapter.run_batch, requests, release) if requests else []
         except NotWanted:  # between micro-batches: every item's deadline passed or it was withdrawn
@@ -293,11 +315,13 @@ class WorkerCore:
         except FleetError as exc:
             results = [WorkError(exc.code, exc.message)] * len(requests)
         except Exception as exc:  # a model failure answers this batch; the worker stays up
-            log.exception("batch failed on %s", lane.model)
-            results = [WorkError("inference_failed", f"{lane.model}: {type(exc).__name__}: {exc}")] * len(requests)
+            log.exception("batch failed on %s", model)
+            results = [WorkError("inference_failed", f"{model}: {type(exc).__name__}: {exc}")] * len(requests)
         finally:
-            adapter.wanted = None
+            adapter.wanted, adapter.micro_cap = None, None
         ms = (time.perf_counter() - t0) * 1e3
+        # Other clients' batches run between its micro-batches are not this batch's time.
+        own_ms = ms - self.interjected_ms
         start_ns = self.clock_ns() - int(ms * 1e6)
         stamps = (woke_ns, claimed_ns, lingered_ns, decoded_ns, *adapter.marks, time.monotonic_ns())
         batch_tokens = sum(tokens)
@@ -316,43 +340,97 @@ class WorkerCore:
         except QueueFull as exc:
             # No slab room for some results right now: those items are still ours;
             # answer them with a short error (acks already done are skipped there).
-            log.error("results of %d items on %s do not fit the queue: %s", len(acks), lane.model, exc.message)
+            log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
             self._ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
         # 6. Learn from this batch: its padded size and measured time refine the cost model
         #    (not from a batch cut short: its time is not its size's).
         if requests and not dropped:
-            cost.observe(padded, ms)
+            cost.observe(padded, own_ms)
         resident.last_used = time.time()
         resident.served += len(claims)
         resident.tokens += batch_tokens
-        self.last_batch = BatchStats(lane.model, len(claims), batch_tokens, padded, ms, time.time(), returned, loras)
-        self.last_runs[lane.model] = LastRun(acked_ns, len(claims), ms)
+        self.last_batch = BatchStats(model, len(claims), batch_tokens, padded, ms, time.time(), returned, loras)
+        self.last_runs[model] = LastRun(acked_ns, len(claims), ms)
         if interactive := [c.tokens for c in claims if not c.batch]:
-            self.recent_interactive[lane.model] = (acked_ns, padded_tokens(interactive))
-            self.saw_flows(lane.model, {c.flow for c in claims if not c.batch}, acked_ns)
+            self.recent_interactive[model] = (acked_ns, padded_tokens(interactive))
+            self.saw_flows(model, {c.flow for c in claims if not c.batch}, acked_ns)
         self.batch_seq += 1
-        self.batch_ring.append((lane.model, len(claims), batch_tokens))
+        self.batch_ring.append((model, len(claims), batch_tokens))
         self.publish_info()
-        return len(claims) + len(late)
+        return len(claims) + resident.interjected - interjected
 
-    def still_wanted(self, claims: list[Claim], resident: Resident) -> Callable[[int], bool]:
+    def still_wanted(self, claims: list[Claim], resident: Resident,
+                     interject: tuple[int, set[int], CostModel] | None = None) -> Callable[[int], bool]:
         """The batch's `Adapter.wanted`: before micro-batch k > 0, is any of `claims`
         still wanted (its deadline not passed, not withdrawn: `LocalQueue.cancel`
         sets a claimed item's deadline to 1)? Lock-free reads of the claims'
         deadlines (`LocalQueue.deadlines`), a few µs; micro-batch 0 follows the
-        deadline check of step 4 and reads nothing."""
+        deadline check of step 4 and reads nothing. With `interject` = (lane, the
+        batch's flows, cost): then, when the lane's head is another client's
+        interactive request (`LocalQueue.head_flow`, one lock-free read), it runs
+        first (`interject`)."""
         ids = [c.item_id for c in claims]
-        deadlines, clock = self.queue.deadlines, self.clock_ns
+        deadlines, clock, head_flow = self.queue.deadlines, self.clock_ns, self.queue.head_flow
 
         def wanted(k: int) -> bool:
             if k:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
+                if interject is not None and (flow := head_flow(interject[0])) is not None \
+                        and flow not in interject[1]:
+                    self.interject(interject[0], resident, interject[2], interject[1])
             resident.micro_batches += 1
             return True
 
         return wanted
+
+    def interject(self, lane: int, resident: Resident, cost: CostModel, outer: set[int]) -> int:
+        """Between two micro-batches of a batch for the clients `outer`, run the
+        requests of other clients waiting at the head of `lane` as a batch of their
+        own (as long as the head is one of theirs, within the contended budget), so
+        a light client waits for one micro-batch of a flood, not for its batch. The
+        batch interrupted keeps its claims (leases are renewed by the heartbeat); its
+        adapter state and progress bound are put back, the bound moved by the time
+        taken here. Returns the items answered."""
+        started = time.perf_counter()
+        woke_ns = time.monotonic_ns()
+        adapter, profile = resident.adapter, resident.adapter.spec.profile
+        cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE,
+                              batch_token_cap(cost, self.target_ms, profile.max_batch_tokens))
+        claims: list[Claim] = []
+        while len(claims) < profile.max_batch_items:
+            flow = self.queue.head_flow(lane)
+            if flow is None or flow in outer or (claims and sum(c.tokens for c in claims) >= cap):
+                break
+            got = self.queue.claim(lane, worker=self.worker_id, max_items=1, max_tokens=cap, lease_ms=self.lease_ms)
+            if not got:
+                break
+            if got[0].batch or got[0].flow in outer:  # the head changed since it was read (another worker)
+                self.queue.return_items([got[0].item_id])
+                break
+            claims += got
+        now = self.clock_ns()
+        late = [c for c in claims if c.deadline_ns and c.deadline_ns <= now]
+        if late:
+            claims = [c for c in claims if not (c.deadline_ns and c.deadline_ns <= now)]
+            self._ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
+        if not claims:
+            return len(late)
+        saved = (adapter.marks, adapter.wanted, adapter.micro_cap, self.progress.busy, self.interjected_ms)
+        claimed_ns = time.monotonic_ns()
+        try:
+            done = self.run_claims(lane, resident, cost, claims, 0, (woke_ns, claimed_ns, claimed_ns), shared=True,
+                                   outer=outer)
+        finally:
+            took = time.perf_counter() - started
+            adapter.marks, adapter.wanted, adapter.micro_cap, busy, self.interjected_ms = saved
+            if busy is not None:  # the interrupted batch's bound moves by the time taken here
+                busy = (busy[0], busy[1], busy[2] + int(took * 1e9), busy[3])
+            self.progress.busy = busy
+            self.interjected_ms += took * 1e3
+            resident.interjected += len(claims)
+        return done + len(late)
 
     def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
         """The clients of a batch of `model` (its interactive items' queue flows) were
@@ -448,6 +526,20 @@ class WorkerCore:
         if decoder is None:
             decoder = self._decoders[request_type] = msgspec.msgpack.Decoder(request_type)
         return decoder
+
+
+def rows_of(requests: list) -> int:
+    """Inputs a batch's requests carry (texts, documents), 0 when their type names none
+    (`micro_items_cap` then leaves micro-batches as the profile says)."""
+    rows = 0
+    for r in requests:
+        inputs = getattr(r, "inputs", None)
+        if inputs is None:
+            inputs = getattr(r, "documents", None) or getattr(r, "texts", None)
+        if inputs is None:
+            return 0
+        rows += len(inputs)
+    return rows
 
 
 def batch_loras(adapter: Adapter, requests: list) -> tuple[str, ...]:

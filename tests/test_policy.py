@@ -13,9 +13,9 @@ import pytest
 from daemon.supervisor import detect_devices
 from fleet.errors import BadRequest
 from runtimes.policy import (
-    FILL_SLACK, FLOW_QUIET_NS, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost, batch_fill_cap,
-    batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, linger_left_ms, padded_tokens,
-    should_load_copy,
+    FILL_SLACK, FLOW_QUIET_NS, MICRO_SHARE, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost,
+    batch_fill_cap, batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, linger_left_ms,
+    micro_items_cap, padded_tokens, should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -359,3 +359,23 @@ def test_contended(seen, expected):
 ])
 def test_fill_flags(flows, batch, expected):
     assert fill_flags(flows, batch) == expected
+
+
+@pytest.mark.parametrize("samples, target_ms, tokens, rows, expected", [
+    # 1 ms a token, target 128 ms: a micro-batch of MICRO_SHARE (16 ms) is 16 tokens:
+    # 4 texts of 4 tokens, 1 of 16, never below one.
+    ([(16, 16.0), (64, 64.0)] * 2, 128.0, 64, 16, 4),
+    ([(16, 16.0), (64, 64.0)] * 2, 128.0, 64, 4, 1),
+    ([(16, 16.0), (64, 64.0)] * 2, 128.0, 6400, 16, 1),
+    # A fixed cost that dominates (a GPU): 20 ms + 0.001 ms a token misses the 16 ms
+    # alone: no cap; 10 ms + 0.001 ms a token: never below a/b tokens (10 000), so a
+    # batch of 64 texts of 4 tokens is not cut.
+    ([(100, 20.1), (1_000, 21.0)] * 2, 128.0, 256, 64, None),
+    ([(1_000, 11.0), (5_000, 15.0)] * 2, 128.0, 256, 64, 2_500),
+    ([(16, 16.0)] * (MIN_SAMPLES - 1), 128.0, 64, 16, None),  # not fitted yet
+    ([(16, 16.0), (64, 64.0)] * 2, 0.0, 64, 16, None),  # no target
+    ([(16, 16.0), (64, 64.0)] * 2, 128.0, 64, 0, None),  # requests that name no inputs
+])
+def test_micro_items_cap(samples, target_ms, tokens, rows, expected):
+    assert MICRO_SHARE == 0.125
+    assert micro_items_cap(fitted(samples), target_ms, tokens, rows) == expected

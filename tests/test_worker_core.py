@@ -25,7 +25,8 @@ from fleet.protocol import EmbedRequest
 from local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from runtimes.base import Adapter, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from runtimes.policy import INTERACTIVE_QUIET_NS, WARMUP_STALL_MS
+from runtimes.hf_common import check_wanted
+from runtimes.policy import INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from runtimes.worker import WorkerCore
 
@@ -652,3 +653,78 @@ def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
     assert resident.micro_batches <= seen + 1 and resident.dropped == 1
     info = _info.decode(queue.workers()[0].info)["models"][MODEL]
     assert (info["micro_batches"], info["dropped"]) == (resident.micro_batches, 1)
+
+
+class MicroEmbedder(FakeEmbedder):
+    """Runs a batch's texts in micro-batches of `micro_items()`, asking `wanted` before
+    each, as the real encoders do (`hf_common.micro_batches`), 4 ms a text; logs each
+    micro-batch's texts in `micro` and calls extra `after_micro(k)` after micro-batch k."""
+
+    micro: list[list[str]] = []
+
+    def run_batch(self, requests):
+        texts = [t for r in requests for t in r.inputs]
+        step = self.micro_items()
+        for k, lo in enumerate(range(0, len(texts), step)):
+            check_wanted(self.wanted, k)
+            MicroEmbedder.micro.append(texts[lo : lo + step])
+            time.sleep(len(texts[lo : lo + step]) * 0.004)  # 4 tokens a text at 1 ms a token
+            if hook := self.spec.extra.get("after_micro"):
+                hook(k)
+        return [EmbedResult("|".join(r.inputs).encode(), (len(r.inputs), 1), len(r.inputs)) for r in requests]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, shared):
+    # Issue 25 (per-client share): a flooding client (flow 1) has a backlog of requests
+    # of 16 texts; a light client's request (flow 2) arrives while a flood batch runs.
+    # While the model is shared, that batch's micro-batches aim for MICRO_SHARE of the
+    # target (a cost of 1 ms a token, target 128 ms: 16 tokens = 4 texts of 4 tokens),
+    # and before the next one the worker runs the light request: it waits for one
+    # micro-batch of the flood, not for the flood's batch nor its backlog. A lone client
+    # keeps the profile's micro-batches and is not interrupted. Counted, not timed.
+    MicroEmbedder.micro = []
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:  # the light request arrives during the first micro-batch
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
+
+    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
+                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)},
+                                    {"m": {"after_micro": after_micro}}),
+                      adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
+    cost = core.costs.setdefault("m", CostModel())
+    for _ in range(4):
+        cost.observe(16, 16.0)
+        cost.observe(64, 64.0)
+    now = core.clock_ns()
+    core.recent_flows["m"] = {1: now, 2: now} if shared else {1: now}
+    for rid in range(1, 5):
+        queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
+                  tokens=64, request_id=rid, flow=1)
+    served: list[int] = []  # answered by each step
+    while sum(served) < 5 and len(served) < 10:
+        served.append(core.step(timeout_s=0.1))
+    # Shared: the first step answered its flood item and the light request run inside
+    # it; alone: two flood requests (the whole budget), the light one in a later step.
+    assert served[0] == 2 and sum(served) == 5
+    resident = core.residency.models["m"]
+    flood_micro = [texts for texts in MicroEmbedder.micro if texts != ["light"]]
+    at = MicroEmbedder.micro.index(["light"])
+    if shared:
+        # The shared batch: the head item alone (the contended budget, 32 tokens), in
+        # micro-batches of 4 texts; the light request ran after the first one. (Later
+        # batches are sized by a cost refitted from these: short, never the profile's 64.)
+        assert [len(t) for t in flood_micro[:4]] == [4] * 4 and max(map(len, flood_micro)) <= 16
+        assert at == 1 and resident.interjected == 1
+        info = _info.decode(queue.workers()[0].info)["models"]["m"]
+        assert info["interjected"] == 1
+    else:
+        # One client: batches of the whole budget (128 tokens: two requests) in one
+        # micro-batch of 32 texts; the light request (put during it) waits for all of it.
+        assert len(flood_micro[0]) == 32
+        assert at == 1 and resident.interjected == 0
+    # Every request answered once, the flood's in put order.
+    got = results(queue, 5)
+    assert all(status == STATUS_OK for status, _ in got.values())
