@@ -35,12 +35,17 @@ import numpy as np
 from fleet.batches import ENDPOINTS, RequestLine
 from fleet.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 
+from daemon.fields import Unknown, refusal, shown
+
 #: Bytes an upload hands to its writing thread at a time.
 UPLOAD_PIECE = 1 << 20
 #: Bytes a run or a scan reads at a time.
 READ_PIECE = 1 << 20
 #: Largest form field besides the file (`purpose`, `expires_after[...]`).
 MAX_FIELD_BYTES = 1024
+#: The form fields of an upload besides `file`: OpenAI's (its SDKs send `expires_after`
+#: as these two fields). Any other field, or one given twice, is refused.
+FORM_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
 
 _request_line = msgspec.json.Decoder(RequestLine)
 
@@ -223,6 +228,15 @@ class UploadSink:
             self.fd = -1
 
 
+def check_form_field(name: str, fields: dict[str, str]) -> None:
+    """Refuse a form field an upload does not take (before its value is read), or one
+    given twice: OpenAI's words on OpenAI's route, with the closest known field."""
+    if name in fields:
+        raise BadRequest(f"form field `{shown(name)}` is given twice", param=shown(name))
+    if name not in FORM_FIELDS:
+        raise refusal([Unknown(name, name, ("file", *FORM_FIELDS))])
+
+
 async def receive_upload(stream: AsyncIterator[bytes], boundary: bytes, sink: UploadSink, run_in_thread) -> Upload:
     """Parse a multipart/form-data body as it streams in: the part named `file` goes
     to `sink` in UPLOAD_PIECE pieces (`run_in_thread(fn, *args)` runs each write off
@@ -251,6 +265,8 @@ async def receive_upload(stream: AsyncIterator[bytes], boundary: bytes, sink: Up
                     if isinstance(event, MultipartSegment):
                         part, value = event, bytearray()
                         in_file = part.name == "file"
+                        if not in_file:
+                            check_form_field(part.name, fields)
                         if in_file:
                             if filename is not None:
                                 raise BadRequest("the form holds more than one `file`", param="file")

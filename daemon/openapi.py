@@ -102,7 +102,8 @@ _UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
     "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
     "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000,
                                "description": "Delete the file this long after its upload (default: "
-                                              "batch_retention_days)."}}}
+                                              "batch_retention_days)."}},
+    "additionalProperties": False}
 _AFTER = ("after", _STRING, "The id of the last item of the previous page: this page starts after it.")
 
 OPERATIONS: dict[tuple[str, str], Op] = {

@@ -127,6 +127,11 @@ class ExpiresAfter(msgspec.Struct, forbid_unknown_fields=True):
     seconds: int
 
 
+class BatchCancelRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /v1/batches/{id}/cancel` takes no fields: its body is empty (as OpenAI's SDKs
+    send it) or an empty object; a field in it is refused."""
+
+
 class BatchCreateRequest(msgspec.Struct, forbid_unknown_fields=True):
     input_file_id: str
     endpoint: str

@@ -284,6 +284,42 @@ def test_cancel_keeps_what_is_done_and_answers_the_rest(client, tmp_path):
         client.batches.cancel(done_batch.id)  # completed: nothing to cancel
 
 
+def test_a_field_the_files_and_batches_routes_do_not_take_is_refused(fleet, client, tmp_path):
+    """Understood or refused: the upload's form takes OpenAI's fields (`file`, `purpose`,
+    `expires_after[anchor]`, `expires_after[seconds]`, each once); cancel takes no body;
+    the lists take their own query parameters. Anything else is a 400 naming it."""
+    body = json.dumps(line("a", "/v1/embed", {"inputs": ["x"]})).encode()
+    before = {f.id for f in client.files.list()}
+
+    def upload(data: dict) -> httpx.Response:
+        return httpx.post(fleet.url + "/v1/files", files={"file": ("f.jsonl", body)}, data=data, timeout=30)
+
+    for data, param in [({"purpose": "batch", "purpos": "batch"}, "purpos"),
+                        ({"purpose": "batch", "expires_after[second]": "3600"}, "expires_after[second]"),
+                        ({"purpose": "batch", "expires_after": "3600"}, "expires_after"),
+                        ({"purpose": ["batch", "batch"]}, "purpose")]:
+        resp = upload(data)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+        assert param in err["message"]
+    err = upload({"purpose": "batch", "purpos": "batch"}).json()["error"]
+    assert err["message"] == "Unrecognized request argument supplied: purpos (did you mean purpose?)"
+    assert {f.id for f in client.files.list()} == before  # nothing was kept
+    # What OpenAI documents is applied.
+    ok = upload({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "7200"})
+    assert ok.status_code == 200 and ok.json()["expires_at"] - ok.json()["created_at"] == 7200
+    # Cancel: no body, `{}`, or a field refused before anything happens.
+    b = run_batch(client, tmp_path, "/v1/embed", [line("a", "/v1/embed", {"inputs": ["x"]})])
+    resp = httpx.post(f"{fleet.url}/v1/batches/{b.id}/cancel", json={"reason": "x"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "reason", resp.text
+    resp = httpx.post(f"{fleet.url}/v1/batches/{b.id}/cancel", json={}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "batch_id"  # completed: the body was fine
+    for path, param in [("/v1/batches?limt=1", "limt"), ("/v1/files?purpose=batch&ordr=asc", "ordr")]:
+        resp = httpx.get(fleet.url + path, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 def test_uploads_are_guarded_as_every_body_is(fleet):
     form = {"files": {"file": ("x.jsonl", json.dumps(line("a", "/v1/embed", {"inputs": ["x"]})).encode())},
             "data": {"purpose": "batch"}}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from litestar import Controller, Request, Response, get, post
 
-from fleet.batches import BatchCreateRequest, BatchList
+from fleet.batches import BatchCancelRequest, BatchCreateRequest, BatchList
 
 from daemon import codec
-from daemon.controllers.files import batches_of
+from daemon.controllers.files import batches_of, check_query
 from daemon.core import Daemon
 from daemon.http import body_is_msgpack, reply
 
@@ -24,6 +24,7 @@ class BatchesController(Controller):
     @get("", status_code=200)
     async def list_batches(self, request: Request, daemon: Daemon, after: str | None = None,
                            limit: int = 20) -> Response:
+        check_query(request, ("after", "limit"))
         page, more = batches_of(daemon).list(after=after, limit=limit)
         return reply(request, BatchList(page, more, page[0].id if page else None, page[-1].id if page else None))
 
@@ -33,4 +34,6 @@ class BatchesController(Controller):
 
     @post("/{batch_id:str}/cancel", status_code=200)
     async def cancel(self, request: Request, daemon: Daemon, batch_id: str) -> Response:
+        if body := await request.body():
+            codec.decode(body, BatchCancelRequest, msgpack=body_is_msgpack(request))
         return reply(request, batches_of(daemon).cancel(batch_id))
