@@ -23,16 +23,21 @@ import numpy as np
 from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
+    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, labels_agree, load_transformers, max_length, micro_batches, offsets, over_char_bound,
     split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
 from runtimes.lora import Loras, LoraHost
+from runtimes import engines, openvino
 
 
 class SequenceClassifier(LoraHost, Adapter):
     request_type = ClassifyRequest
+    engines = ("torch", "openvino")
+    #: The torch model in fp32, kept while OpenVINO serves (what LoRA adapters
+    #: attach to: `lora_bank`); None while torch serves.
+    torch_model: Any = None
     #: The tokenizer's Rust tokenizer called directly, checked at load to give
     #: what the tokenizer gives (None: the tokenizer's own call).
     direct: DirectTokenizer | None = None
@@ -48,14 +53,46 @@ class SequenceClassifier(LoraHost, Adapter):
         self.max_seq_len = max_length(self.spec, self.tokenizer, config)
         self.direct = direct_tokenizer(self.tokenizer, self.max_seq_len, self._own_features, self.spec.name,
                                        lengths=self._own_lengths)
-        self.model, self.dtype = choose_dtype(
-            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_probs, agree=labels_agree(),
-        )
-        self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
+        self.model = self._serve(model)
+        # LoRA adapters patch torch's modules: none while OpenVINO serves (`lora_bank`).
+        if self.engine == "openvino":
+            self.torch_model = model
+        else:
+            self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
         #: Per bank slot: (labels, multi-label?) of the rows of that adapter (slot 0: the base's).
         self.label_sets: list[tuple[list[str], bool]] = [(self.labels, self.multi_label)]
         self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
+
+    @property
+    def engine(self) -> str:
+        return self.choice.candidate.engine if self.choice is not None else "torch"
+
+    def _serve(self, model: Any) -> Any:
+        """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
+        fastest whose probabilities agree with torch fp32's on the check set, timed
+        on one short text and one full micro-batch (runtimes/engines.py)."""
+        torch = self._torch
+        n = self.spec.profile.micro_batch_items
+        short = dict(self._own_features(CHECK_SET[1:2]))
+        full = dict(self._own_features((CHECK_SET * (n // len(CHECK_SET) + 1))[:n]))
+
+        def run(serving: Any, features: dict[str, Any]) -> Any:
+            with torch.inference_mode():
+                return serving(**features).logits
+
+        return engines.serve(
+            self, model, what="sequence-classification-logits", forward=lambda f: model(**f).logits,
+            example=dict(self._own_features(CHECK_SET[:2])), stand_in=openvino.LogitsModel,
+            outputs=self._check_probs, agree=labels_agree(), workloads=[
+                engines.Workload("1 short", int(short["input_ids"].numel()), lambda s: run(s, short)),
+                engines.Workload(f"{n} texts", int(full["input_ids"].numel()), lambda s: run(s, full))])
+
+    def lora_bank(self) -> Loras | None:
+        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""
+        if not engines.back_to_torch(self):
+            return None
+        self.model, self.torch_model = self.torch_model, None
+        return Loras(self.spec.name, self.model, self.spec.profile.max_loras)
 
     def _check_probs(self, model: Any) -> np.ndarray:
         torch = self._torch
@@ -65,7 +102,8 @@ class SequenceClassifier(LoraHost, Adapter):
         return probs.cpu().numpy()
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model) + self.lora_bytes()
+        torch_part = footprint_bytes(self.model if self.torch_model is None else self.torch_model)
+        return torch_part + openvino.weight_bytes(self.model) + self.lora_bytes()
 
     def loras_changed(self) -> None:
         for slot, adapter in enumerate(self.loras.by_slot):
@@ -187,4 +225,4 @@ class SequenceClassifier(LoraHost, Adapter):
 
     def unload(self) -> None:
         self.direct = None
-        self.model = None
+        self.model = self.torch_model = None

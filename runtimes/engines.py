@@ -74,7 +74,8 @@ class Choice:
     """What serves a model and why (published in the worker's info blob)."""
 
     candidate: Candidate
-    #: "measured" (timed now), "cached" (a kept verdict), "profile" (forced), "only" (one candidate).
+    #: "measured" (timed now), "cached" (a kept verdict), "profile" (forced), "only" (one
+    #: candidate), "lora" (back to torch fp32 when a LoRA adapter attached: `back_to_torch`).
     by: str
     #: Median ms per workload of the chosen candidate (empty when not timed).
     ms: dict[str, float] = field(default_factory=dict)
@@ -135,7 +136,8 @@ def choose(name: str, model_dir: Path, device: str, cands: list[Candidate], *, b
     2. A verdict kept for this model, device class, thread count, candidates and
        versions: its candidate is built and served ("cached").
     3. Else every candidate is built and checked against torch fp32's outputs
-       (refused ones are dropped at once), the others timed (`time_all`) and the
+       (refused ones, and ones that cannot be built, as a graph the converter
+       cannot trace, are dropped at once), the others timed (`time_all`) and the
        fastest served ("measured"); the verdict is kept.
     """
     if len(cands) == 1:
@@ -154,7 +156,12 @@ def choose(name: str, model_dir: Path, device: str, cands: list[Candidate], *, b
     alive: dict[Candidate, Any] = {}
     table: dict[str, str] = {}
     for cand in cands:
-        serving = reference if cand == REFERENCE else build(cand)
+        try:
+            serving = reference if cand == REFERENCE else build(cand)
+        except ModelLoadFailed as exc:  # not convertible, say: torch serves instead
+            log.warning("engine %s %s: cannot serve (%s)", name, cand.label, exc)
+            table[cand.label] = f"refused: {exc}"
+            continue
         if cand != REFERENCE:
             ok, detail = agree(ref_out, outputs(serving))
             log.info("engine check %s %s: %s -> %s", name, cand.label, detail, "candidate" if ok else "refused")
@@ -205,3 +212,61 @@ def time_all(alive: dict[Candidate, Any], workloads: list[Workload],
                 samples[cand][w.label].append((clock() - t0) * 1e3)
         rounds += 1
     return {c: {w: statistics.median(v) for w, v in s.items()} for c, s in samples.items()}
+
+
+def serve(adapter: Any, model: Any, *, what: str, forward: Callable[[dict[str, Any]], Any],
+          example: dict[str, Any], stand_in: Callable[[Any], Any], outputs: Callable[[Any], np.ndarray],
+          agree: Callable[[np.ndarray, np.ndarray], tuple[bool, str]], workloads: list[Workload]) -> Any:
+    """What serves `adapter`'s torch `model` (fp32, loaded): sets `adapter.dtype`
+    and, when engines were weighed, `adapter.choice`.
+
+    On the CPU with OpenVINO installed, or with a profile engine, the candidates
+    (`candidates`) are chosen among by measurement (`choose`): OpenVINO runs the
+    graph `what` converted from `forward` (token tensors -> one float tensor,
+    `model`'s parameters inside; `example` traces it), called as the adapter calls
+    its model through `stand_in(compiled)`. Otherwise torch's dtype alone
+    (`hf_common.choose_dtype`), as before OpenVINO."""
+    import copy
+
+    import torch
+
+    from runtimes.hf_common import choose_dtype
+
+    spec, device = adapter.spec, adapter.device
+    profile = spec.profile
+    if not (device == "cpu" and (profile.engine != "auto" or openvino.available())):
+        if profile.engine not in ("auto", "torch"):
+            raise ModelLoadFailed(f"{spec.name}: engine {profile.engine!r} runs on the CPU only "
+                                  f"(this model runs on {device})")
+        served, adapter.dtype = choose_dtype(model, name=spec.name, wanted=profile.dtype, device=device,
+                                             run=outputs, agree=agree)
+        return served
+    threads = torch.get_num_threads()
+    graph = openvino.Graph(spec.path, spec.name, what, forward, example, model)
+
+    def build(c: Candidate) -> Any:
+        if c.engine == "openvino":
+            return stand_in(graph.compiled(c.dtype, threads))
+        return model if c.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, c.dtype))
+
+    served, adapter.choice = choose(
+        spec.name, spec.path, device, candidates(device, profile.engine, profile.dtype), build=build,
+        outputs=outputs, agree=agree, workloads=workloads, threads=threads,
+        forced=profile.engine != "auto" and profile.dtype != "auto")
+    adapter.dtype = adapter.choice.candidate.dtype
+    return served
+
+
+def back_to_torch(adapter: Any) -> bool:
+    """Whether `adapter`, served by OpenVINO by its own measurement (profile engine
+    `auto`), goes back to torch fp32 (its kept `torch_model`) so that LoRA adapters
+    can attach: they patch torch's modules, which a converted graph does not run.
+    A profile that forces OpenVINO keeps it (the attach is refused)."""
+    choice = adapter.choice
+    if choice is None or choice.candidate.engine != "openvino" or adapter.spec.profile.engine != "auto":
+        return False
+    log.info("engine %s: back to torch float32 for LoRA adapters (was %s)", adapter.spec.name,
+             choice.candidate.label)
+    adapter.choice = Choice(REFERENCE, "lora", table=choice.table)
+    adapter.dtype = "float32"
+    return True

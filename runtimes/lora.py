@@ -459,6 +459,8 @@ class LoraHost:
 
     def attach_lora(self, spec: ModelSpec, keep: Collection[str] = ()) -> None:
         if self.loras is None:
+            self.loras = self.lora_bank()
+        if self.loras is None:
             raise ModelLoadFailed(f"{self.spec.name} does not take LoRA adapters")  # type: ignore[attr-defined]
         self.loras.attach(spec, keep)
         try:
@@ -467,6 +469,12 @@ class LoraHost:
             self.loras.detach(spec.name)
             self.loras_changed()
             raise
+
+    def lora_bank(self) -> Loras | None:
+        """The bank for a first adapter when the model had none at load (one that
+        another engine serves may go back to torch: runtimes.engines.back_to_torch);
+        None: this model takes none."""
+        return None
 
     def loras_changed(self) -> None:
         """After an adapter was attached (and others maybe detached): bring what the

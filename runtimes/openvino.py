@@ -225,4 +225,9 @@ class Graph:
     def compiled(self, dtype: str, threads: int) -> OpenVinoForward:
         if self._folder is None:
             self._folder = load_graph(*self._args)
-        return OpenVinoForward(self._folder, dtype, threads)
+        try:
+            return OpenVinoForward(self._folder, dtype, threads)
+        except MemoryError:
+            raise
+        except Exception as exc:  # the CPU plugin raises RuntimeError for what it cannot compile
+            raise ModelLoadFailed(f"cannot compile {self._args[1]!r} for openvino {dtype}: {exc}") from exc

@@ -32,12 +32,13 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from runtimes.base import Adapter
 from runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
+    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound, scores_agree,
     split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
 from runtimes.lora import Loras, LoraHost
+from runtimes import engines, openvino
 
 log = logging.getLogger("fleet.worker")
 
@@ -48,6 +49,10 @@ CHECK_PAIRS = [(CHECK_SET[i], CHECK_SET[(i + k) % len(CHECK_SET)]) for k in (0, 
 
 class CrossEncoderAdapter(LoraHost, Adapter):
     request_type = RerankRequest
+    engines = ("torch", "openvino")
+    #: The torch model in fp32, kept while OpenVINO serves (tokenizing config, and
+    #: what LoRA adapters attach to: `lora_bank`); None while torch serves.
+    torch_model: Any = None
 
     #: Set by `load`: tokens per pair the model takes, the tokenizer, the model,
     #: and the activation applied to logits (a tensor -> tensor callable, or None).
@@ -68,6 +73,14 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         """Token tensors of (query, document) pairs by the model's own code."""
 
     @abc.abstractmethod
+    def _logits_of(self, model: Any, features: dict[str, Any]) -> Any:
+        """The model's (pairs, outputs) logits of token tensors (torch or OpenVINO's stand-in)."""
+
+    @abc.abstractmethod
+    def _stand_in(self, forward: Any, model: Any) -> Any:
+        """OpenVINO's compiled graph called as `_logits_of` calls the torch model."""
+
+    @abc.abstractmethod
     def _transformers_model(self) -> Any:
         """The transformers module of the served model (LoRA adapters attach to it), or None."""
 
@@ -81,28 +94,63 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         import torch
 
         self._torch = torch
-        self.model, self.dtype = choose_dtype(
-            model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_scores, agree=scores_agree(),
-        )
+        self.model = self._serve(model)
+        if self.engine == "openvino":
+            self.torch_model = model
         self.direct = direct_tokenizer(
             self.tokenizer, self.max_seq_len, lambda pairs: self._own_features(self.model, *unzipped(pairs)),
             self.spec.name, lengths=lambda pairs: self._own_lengths(*unzipped(pairs)), pairs=True,
         )
-        target = self._transformers_model()
+        # LoRA adapters patch torch's modules: none while OpenVINO serves (`lora_bank`).
+        target = None if self.engine == "openvino" else self._transformers_model()
         self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
+
+    @property
+    def engine(self) -> str:
+        return self.choice.candidate.engine if self.choice is not None else "torch"
+
+    def _serve(self, model: Any) -> Any:
+        """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
+        fastest whose activated scores agree with torch fp32's on the check pairs,
+        timed on one short pair and one full micro-batch (runtimes/engines.py)."""
+        torch = self._torch
+        qs, ds = [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS]
+        n = self.spec.profile.micro_batch_items
+        short = dict(self._own_features(model, qs[1:2], ds[1:2]))
+        full = dict(self._own_features(model, (qs * (n // len(qs) + 1))[:n], (ds * (n // len(ds) + 1))[:n]))
+
+        def run(serving: Any, features: dict[str, Any]) -> Any:
+            with torch.inference_mode():
+                return self._logits_of(serving, dict(features))
+
+        return engines.serve(
+            self, model, what="cross-encoder-logits", forward=lambda f: self._logits_of(model, f),
+            example=dict(self._own_features(model, qs[:2], ds[:2])),
+            stand_in=lambda forward: self._stand_in(forward, model), outputs=self._check_scores,
+            agree=scores_agree(), workloads=[
+                engines.Workload("1 short", int(short["input_ids"].numel()), lambda s: run(s, short)),
+                engines.Workload(f"{n} pairs", int(full["input_ids"].numel()), lambda s: run(s, full))])
+
+    def lora_bank(self) -> Loras | None:
+        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""
+        if not engines.back_to_torch(self):
+            return None
+        self.model, self.torch_model = self.torch_model, None
+        target = self._transformers_model()
+        return None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
 
     def _check_scores(self, model: Any) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
             logits, _ = self._forward(model, [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
             scores = self.activation(logits) if self.activation is not None else logits
-        return scores.cpu().numpy()
+        return scores.cpu().numpy().copy()  # a copy: OpenVINO's output views its request's buffer
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model) + self.lora_bytes()
+        torch_part = footprint_bytes(self.model if self.torch_model is None else self.torch_model)
+        return torch_part + openvino.weight_bytes(self.model) + self.lora_bytes()
 
     def loras_changed(self) -> None:
         """A new adapter must score with one output, as the base does (`_forward` checks)."""
@@ -187,7 +235,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
 
     def unload(self) -> None:
         self.direct = None
-        self.model = None
+        self.model = self.torch_model = None
 
 
 class TransformersReranker(CrossEncoderAdapter):
@@ -212,10 +260,17 @@ class TransformersReranker(CrossEncoderAdapter):
     def _transformers_model(self) -> Any:
         return self.model
 
+    def _logits_of(self, model: Any, features: dict[str, Any]) -> Any:
+        return model(**features).logits
+
+    def _stand_in(self, forward: Any, model: Any) -> Any:
+        return openvino.LogitsModel(forward)
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
         # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
-        return one_score(model(**features).logits.float(), self.spec.name), features["attention_mask"].sum(dim=1)
+        logits = self._logits_of(model, features).float()
+        return one_score(logits, self.spec.name), features["attention_mask"].sum(dim=1)
 
 
 class SentenceTransformersReranker(CrossEncoderAdapter):
@@ -249,9 +304,15 @@ class SentenceTransformersReranker(CrossEncoderAdapter):
     def _transformers_model(self) -> Any:
         return getattr(self.model[0], "auto_model", None)
 
+    def _logits_of(self, model: Any, features: dict[str, Any]) -> Any:
+        return model(features)["scores"]
+
+    def _stand_in(self, forward: Any, model: Any) -> Any:
+        return openvino.ScoresModel(forward, model)
+
     def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
-        scores = model(features)["scores"].float()
+        scores = self._logits_of(model, features).float()
         return one_score(scores.reshape(len(docs), -1), self.spec.name), features["attention_mask"].sum(dim=1)
 
 

@@ -92,7 +92,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         profile = self.spec.profile
         # A trailing Normalize module is applied by us, per request (normalize=false
         # returns the pooled vector); everything before it runs as the model says.
-        trailing = bool(list(model)) and isinstance(list(model)[-1], Normalize)
+        trailing = self._trailing = bool(list(model)) and isinstance(list(model)[-1], Normalize)
         if self.device == "cpu" and isinstance(list(model)[0], Transformer) and (
                 profile.engine != "auto" or openvino.available()):
             # More than one engine to choose among: by measurement (runtimes/engines.py).
@@ -134,6 +134,16 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     @property
     def engine(self) -> str:
         return self.choice.candidate.engine if self.choice is not None else "torch"
+
+    def lora_bank(self) -> Loras | None:
+        """OpenVINO chosen by measurement goes back to torch fp32 (the model kept
+        for tokenizing) for a LoRA adapter: its modules serve again."""
+        if not engines.back_to_torch(self):
+            return None
+        self._modules = list(self.model)[:-1] if self._trailing else list(self.model)
+        self.threads = self._measure_threads()
+        target = getattr(self._modules[0], "auto_model", None)
+        return None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
 
     def _choose_engine(self, model: Any, trailing: bool) -> tuple[Any, list[Any]]:
         """(the torch model kept for tokenizing and its modules' config, the modules
