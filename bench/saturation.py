@@ -50,10 +50,16 @@ from bench.tokens import TokenCounter, package_model_dir
 
 WARMUP_S = 3.0
 #: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
+#: The adapter stamps `tokenized` and `forward` for its batch's last micro-batch
+#: (runtimes/sentence_transformer.py `marks`): with one micro-batch they split tokenize
+#: from forward; with several, decoded -> tokenized also holds the earlier micro-batches'
+#: forwards. So the model's span is decoded -> host, and the last micro-batch is shown apart.
 WORKER_SPANS = (("woke", "claimed", "lane choice + claim"), ("claimed", "lingered", "linger"),
-                ("lingered", "decoded", "overpull return + decode"), ("decoded", "tokenized", "tokenize"),
-                ("tokenized", "forward", "forward + pool"), ("forward", "host", "vectors to host"),
+                ("lingered", "decoded", "overpull return + decode"),
+                ("decoded", "host", "tokenize + forward + pool, all micro-batches"),
                 ("host", "ran", "normalise, split, results"))
+LAST_MICRO = (("decoded", "tokenized", "first tokenize .. last micro-batch tokenized"),
+              ("tokenized", "forward", "last micro-batch: forward + pool"))
 #: Per request, API side and queue.
 REQUEST_SPANS = (("sent", "handler", "client -> handler"), ("handler", "put", "decode, check, queue put"),
                  ("put", "claimed", "queued (put -> claimed)"), ("ran", "collected", "result back to the API"),
@@ -143,12 +149,12 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
         batches.setdefault(r["claimed"], []).append(r)
     firsts = [b[0] for b in batches.values()]
     worker = {}
-    for a, b, label in WORKER_SPANS:
+    for a, b, label in WORKER_SPANS + LAST_MICRO:
         total = sum((r[b] - r[a]) / 1e9 for r in firsts if a in r and b in r)
         worker[label] = {"total_s": total, "share_of_wall": total / wall_s,
                          "per_batch_ms": 1e3 * total / max(len(firsts), 1)}
     busy = sum((r["ran"] - r["woke"]) / 1e9 for r in firsts)
-    fwd = sum((r["forward"] - r["tokenized"]) / 1e9 for r in firsts)
+    model = sum((r["host"] - r["decoded"]) / 1e9 for r in firsts)
     real = [lengths[i] for r in rows for i in windows[r["window"]]]
     pads = {"worker (batch sorted, micro-batches of %d)" % micro: 0, "request windows unsorted (per request)": 0}
     for group in batches.values():
@@ -168,7 +174,7 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
         "tokens_per_s": sum(real) / wall_s,
         "worker_busy_share": busy / wall_s,
         "worker_stages": worker,
-        "forward_tokens_per_s": sum(real) / fwd if fwd else None,
+        "model_tokens_per_s": sum(real) / model if model else None,
         "padding_fraction": {k: 1 - sum(real) / v for k, v in pads.items()},
         "request_stages": requests,
         "round_trip_p50_ms": float(np.median([(r["received"] - r["sent"]) / 1e6 for r in rows])),
@@ -230,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res['wall_s']:.1f} s: {res['tokens_per_s']:,.0f} tokens/s[/] (round trip p50 "
                   f"{res['round_trip_p50_ms']:.1f} ms; {res['batches']} batches, "
                   f"{res['requests_per_batch']['mean']:.2f} requests each)")
-    console.print(f"worker busy {100 * res['worker_busy_share']:.0f} % of the wall; forward alone "
-                  f"{res['forward_tokens_per_s'] or 0:,.0f} tokens/s of real tokens")
+    console.print(f"worker busy {100 * res['worker_busy_share']:.0f} % of the wall; the model alone (tokenize .. "
+                  f"vectors on the host) {res['model_tokens_per_s'] or 0:,.0f} tokens/s of real tokens")
     for label, v in res["worker_stages"].items():
-        console.print(f"  {label:28s} {100 * v['share_of_wall']:5.1f} % of wall  {v['per_batch_ms']:8.2f} ms/batch")
+        console.print(f"  {label:46s} {100 * v['share_of_wall']:5.1f} % of wall  {v['per_batch_ms']:8.2f} ms/batch")
     for label, v in res["padding_fraction"].items():
         console.print(f"padding {label}: {100 * v:.1f} %")
     for label, v in res["request_stages"].items():
@@ -247,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"url": url, "started_daemon": bool(daemon), "clients": args.clients, "batch": args.batch,
                      "micro_batch": args.micro_batch, "duration_s": args.duration, "warmup_s": WARMUP_S},
         "served": served, "load_before": load_before, "load_after": load_after, **res,
+        "rows": rows,  # every request's stamps (ns) and window: the analysis can be redone
     }
     stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
     out = args.out or report.RESULTS_DIR / f"{stamp}-saturation.json"

@@ -239,9 +239,10 @@ def test_saturation_groups_requests_into_the_worker_batches_they_ran_in():
     assert res["batches"] == 2 and res["requests_per_batch"] == {"mean": 1.5, "min": 1, "max": 2}
     assert res["tokens_per_s"] == (100 + 50)
     stages = res["worker_stages"]
-    assert stages["forward + pool"]["total_s"] == pytest.approx(0.020) and stages["tokenize"]["per_batch_ms"] == 2
+    assert stages["last micro-batch: forward + pool"]["total_s"] == pytest.approx(0.020)
+    assert stages["tokenize + forward + pool, all micro-batches"]["per_batch_ms"] == 12
     assert res["worker_busy_share"] == pytest.approx(0.028)
-    assert res["forward_tokens_per_s"] == pytest.approx(150 / 0.020)
+    assert res["model_tokens_per_s"] == pytest.approx(150 / 0.024)
     pad = res["padding_fraction"]
     # Batch 1 sorted in one micro-batch of 4: 4 x 40 for 100 real; batch 2: 2 x 40 for 50.
     assert pad["worker (batch sorted, micro-batches of 4)"] == pytest.approx(1 - 150 / 240)
