@@ -295,8 +295,8 @@ class WorkerCore:
         adapter.marks = (0, 0, 0)
         flows = {c.flow for c, _ in runnable if not c.batch}
         may_interject = shared and outer is None and not loras and self.target_ms > 0
-        adapter.micro_cap = micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests)) if may_interject \
-            else None
+        micro_cap = micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests)) if may_interject else None
+        adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
                                            (lane, flows, cost) if may_interject and flows else None)
         self.interjected_ms, interjected = 0.0, resident.interjected
@@ -343,8 +343,10 @@ class WorkerCore:
             log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
             self._ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
         # 6. Learn from this batch: its padded size and measured time refine the cost model
-        #    (not from a batch cut short: its time is not its size's).
-        if requests and not dropped:
+        #    (not from a batch cut short: its time is not its size's; nor from one run in
+        #    shorter micro-batches than the profile's: slower a token, it would shorten
+        #    the next ones more, `micro_items_cap`).
+        if requests and not dropped and micro_cap is None:
             cost.observe(padded, own_ms)
         resident.last_used = time.time()
         resident.served += len(claims)
