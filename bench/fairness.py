@@ -16,8 +16,9 @@ instead (every text cut at its 256 tokens).
 `flood` (deliverable 2): a light client (`X-Fleet-Client: light`, one request of
 `--light-texts` texts at a time) alone for `--seconds`, then again while a flooding
 client (`X-Fleet-Client: flood`, `--flood` connections sending back to back,
-`--flood-texts` texts each) floods the same model. Reported: the light client's
-p50 / p95 / worst alone and flooded, the ratio, the flood's requests/s. With
+`--flood-texts` texts each) floods the same model, for `--seconds` alone first and
+then beside it. Reported: the light client's p50 / p95 / worst alone and flooded,
+the ratio, the flood's requests/s alone and beside the light client. With
 `--fifo` the light client sends as the flood (one client): the same load without
 fair queueing between them, for comparison.
 
@@ -151,40 +152,43 @@ async def light_client(url: str, texts: int, seconds: float, name: str) -> tuple
     return out, queue_ms, inference_ms
 
 
-async def flood_client(url: str, connections: int, texts: int, stop: asyncio.Event, name: str) -> int:
+async def flood_client(url: str, connections: int, texts: int, stop: asyncio.Event, name: str,
+                       answered: list[int]) -> int:
+    """Floods until `stop`; `answered[0]` counts its answers as they come."""
     inputs = [f"a flooding client's longer sentence number {i}, " + letters(40, i) for i in range(texts)]
-    sent = 0
 
     async def one() -> None:
-        nonlocal sent
         async with httpx.AsyncClient(timeout=120, headers={"x-fleet-client": name}) as c:
             while not stop.is_set():
                 r = await c.post(url + "/v1/embed", json={"model": MODEL, "inputs": inputs})
                 r.raise_for_status()
-                sent += 1
+                answered[0] += 1
 
     await asyncio.gather(*(one() for _ in range(connections)))
-    return sent
+    return answered[0]
 
 
 async def flood(url: str, seconds: float, light_texts: int, connections: int, flood_texts: int, fifo: bool) -> dict:
     await light_client(url, light_texts, 3.0, "light")  # warm: the cost model is fitted
     alone, alone_q, alone_i = await light_client(url, light_texts, seconds, "light")
-    stop = asyncio.Event()
-    flooding = asyncio.create_task(flood_client(url, connections, flood_texts, stop, "flood"))
+    stop, answered = asyncio.Event(), [0]
+    flooding = asyncio.create_task(flood_client(url, connections, flood_texts, stop, "flood", answered))
     await asyncio.sleep(3.0)  # the flood's backlog builds up
-    t0 = time.monotonic()
+    t0, n0 = time.monotonic(), answered[0]
+    await asyncio.sleep(seconds)  # the flood alone with the model
+    alone_rate = (answered[0] - n0) / (time.monotonic() - t0)
+    t0, n0 = time.monotonic(), answered[0]
     flooded, flooded_q, flooded_i = await light_client(url, light_texts, seconds, "flood" if fifo else "light")
-    span = time.monotonic() - t0
+    shared_rate = (answered[0] - n0) / (time.monotonic() - t0)
     stop.set()
-    sent = await flooding
+    await flooding
     a, f = summary(alone), summary(flooded)
     a["server_queue"], a["server_inference"] = summary(alone_q), summary(alone_i)
     f["server_queue"], f["server_inference"] = summary(flooded_q), summary(flooded_i)
     return {"light_texts": light_texts, "flood_connections": connections, "flood_texts": flood_texts,
             "fifo": fifo, "alone": a, "flooded": f,
             "p95_ratio": round(f["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and f["p95_ms"] else None,
-            "flood_requests_per_s": round(sent / (span + 3.0), 1)}
+            "flood_alone_requests_per_s": round(alone_rate, 1), "flood_requests_per_s": round(shared_rate, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
