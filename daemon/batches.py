@@ -76,7 +76,8 @@ SYNC_EVERY_S = 1.0
 #: A batch's line may still be answered this long after its window closed: past
 #: that the queue gives up on it, after the run has expired the batch.
 DEADLINE_GRACE_S = 5.0
-#: How often expired files are deleted (s).
+#: How often expired files are deleted (s): this often, or every `batch_retention_days`
+#: when that is shorter, so a file outlives its `expires_at` by at most one period.
 RETENTION_EVERY_S = 600.0
 
 _request_line = msgspec.json.Decoder(RequestLine)
@@ -557,7 +558,7 @@ class Batches:
                 self.delete_expired()
             except Exception:
                 log.exception("deleting expired batch files failed")
-            await asyncio.sleep(RETENTION_EVERY_S)
+            await asyncio.sleep(min(RETENTION_EVERY_S, max(1.0, self.retention_s)))
 
     def delete_expired(self) -> list[str]:
         """Files past their `expires_at`, except the input of a batch still running."""
