@@ -269,15 +269,31 @@ def test_cancel_keeps_what_is_done_and_answers_the_rest(client, tmp_path):
     t0 = time.monotonic()
     cancelled = client.batches.cancel(b.id)
     assert cancelled.status == "cancelling" and cancelled.cancelling_at
+    # Issue 23 item 3: no new line starts after the cancel answer, and the lines in flight
+    # are withdrawn at once (their answers dropped; one whose answer came in the same
+    # instant may still be kept): the count stops growing within a second.
+    seen = []
+    while time.monotonic() - t0 < 1.0:
+        now = client.batches.retrieve(b.id)
+        if now.status != "cancelled":
+            assert now.status == "cancelling", now.status
+        seen.append(now.request_counts.completed)
+        time.sleep(0.05)
     b = wait_final(client, b.id, timeout_s=30)
     took = time.monotonic() - t0
-    assert b.status == "cancelled" and b.cancelled_at
+    assert b.status == "cancelled" and b.cancelled_at >= b.cancelling_at
+    out_raw = client.files.content(b.output_file_id).content
+    assert out_raw.endswith(b"\n")  # whole lines only
     out, err = results(client, b.output_file_id), results(client, b.error_file_id)
     done = b.request_counts.completed
     assert len(out) == done and 10 <= done < MAX_LINES
+    assert seen[-1] == done >= cancelled.request_counts.completed, (cancelled.request_counts, seen)
+    answered = [r for r in out + err if r["response"] is not None]
+    assert len(answered) == done + b.request_counts.failed
     assert sorted(r["custom_id"] for r in out + err) == sorted(f"g{i}" for i in range(MAX_LINES))
-    assert {r["error"]["code"] for r in err} == {"batch_cancelled"}
-    print(f"cancel: {done} lines done, {len(err)} answered batch_cancelled, final after {took:.2f} s")
+    assert {r["error"]["code"] for r in err if r["response"] is None} == {"batch_cancelled"}
+    print(f"cancel: {done} lines done ({cancelled.request_counts.completed} at the cancel answer, then "
+          f"{sorted(set(seen))}), {len(err)} answered batch_cancelled, final after {took:.2f} s")
     assert took < 5.0
     done_batch = run_batch(client, tmp_path, "/v1/embed", [line("a", "/v1/embed", {"inputs": ["x"]})])
     with pytest.raises(openai.BadRequestError):
@@ -375,8 +391,9 @@ def test_fleetctl_batch_submit_wait_ls_show_get_cancel_and_ps(fleet, client, tmp
     [err] = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
     assert err["custom_id"] == "bad" and err["response"]["body"]["error"]["param"] == "dimensions"
     # A batch running: `fleetctl ps` lists it; `fleetctl batch cancel` stops it.
+    # Long enough to be running still after three more fleetctl calls on a warm, idle box.
     slow = [line(f"s{i}", "/v1/chat/completions",
-                 {"model": LLAMA, "messages": [{"role": "user", "content": f"{i}"}], "max_tokens": 48})
+                 {"model": LLAMA, "messages": [{"role": "user", "content": f"{i}"}], "max_tokens": 200})
             for i in range(MAX_LINES)]
     running = fleetctl(fleet, "batch", "submit", str(jsonl(tmp_path / "slow.jsonl", slow)))
     slow_id = running.stdout.strip()
@@ -384,6 +401,7 @@ def test_fleetctl_batch_submit_wait_ls_show_get_cancel_and_ps(fleet, client, tmp
     assert [b["id"] for b in ps["batches"]] == [slow_id]
     assert slow_id in fleetctl(fleet, "ps").stdout
     assert fleetctl(fleet, "batch", "get", slow_id, "-o", str(tmp_path / "x.jsonl")).returncode == 1  # not final
-    assert fleetctl(fleet, "batch", "cancel", slow_id).stdout.split() == [slow_id, "cancelling"]
+    cancelled = fleetctl(fleet, "batch", "cancel", slow_id)
+    assert cancelled.stdout.split() == [slow_id, "cancelling"], cancelled.stderr
     assert wait_final(client, slow_id).status == "cancelled"
     assert fleetctl(fleet, "batch", "submit", str(tmp_path / "missing.jsonl")).returncode == 2
