@@ -265,11 +265,11 @@ class WorkerCore:
     def run_claims(self, lane: int, resident: Resident, cost: CostModel, claims: list[Claim], returned: int,
                    stamps: tuple[int, int, int], *, shared: bool, outer: set[int] | None = None) -> int:
         """Decode, run and ack a batch of `claims` of `lane`, and learn from it; returns
-        the items answered (those of batches run between its micro-batches included). `shared` (clients share the model now): micro-batches
-        aim for MICRO_SHARE of the target (`micro_items_cap`) and, between two, a
-        request of another client waiting at the head of the lane is run first
-        (`interject`). `outer`: the flows of the batch this one interrupts (it
-        interrupts nothing itself)."""
+        the items answered (those of batches run between its micro-batches included).
+        `shared` (clients share the model now): micro-batches aim for MICRO_SHARE of
+        the target (`micro_items_cap`) and, between two, a request of another client
+        waiting at the head of the lane is run first (`interject`). `outer`: the flows
+        of the batch this one interrupts (it interrupts nothing itself)."""
         adapter, model = resident.adapter, resident.adapter.spec.name
         woke_ns, claimed_ns, lingered_ns = stamps
         # 5. Decode (after returning: a returned payload is no longer ours), run, ack
