@@ -85,9 +85,9 @@ class Lanes:
                                              claimed[lane], S[head * SF + F_SEQ] >= BATCH_SEQ))
             return out
 
-    def head_flow(self, lane: int) -> int | None:
-        """The flow of `lane`'s head item when it is interactive work, else None (an
-        empty lane, or batch work at the head). Lock-free reads (hints, invariant 1):
+    def head_flow(self, lane: int) -> tuple[int, int] | None:
+        """(flow, tokens) of `lane`'s head item when it is interactive work, else None
+        (an empty lane, or batch work at the head). Lock-free reads (hints, invariant 1):
         a worker asks between the micro-batches of a batch whether another client
         waits (`runtimes.worker`); a claim under the lock decides."""
         L, S = self._L, self._S
@@ -99,7 +99,7 @@ class Lanes:
         b = head * SF
         if S[b + F_STATE] != QUEUED or S[b + F_SEQ] >= BATCH_SEQ:
             return None
-        return S[b + F_FLOW]
+        return S[b + F_FLOW], S[b + F_TOKENS]
 
     def promote(self, item_ids: list[int]) -> int:
         """Queued batch items become interactive (a batch item waited past its bound:

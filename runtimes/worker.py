@@ -298,7 +298,7 @@ class WorkerCore:
         micro_cap = micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests)) if may_interject else None
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
-                                           (lane, flows, cost) if may_interject and flows else None)
+                                           (lane, flows, cost, sum(tokens)) if may_interject and flows else None)
         self.interjected_ms, interjected = 0.0, resident.interjected
         dropped = False
         t0 = time.perf_counter()
@@ -362,15 +362,17 @@ class WorkerCore:
         return len(claims) + resident.interjected - interjected
 
     def still_wanted(self, claims: list[Claim], resident: Resident,
-                     interject: tuple[int, set[int], CostModel] | None = None) -> Callable[[int], bool]:
+                     interject: tuple[int, set[int], CostModel, int] | None = None) -> Callable[[int], bool]:
         """The batch's `Adapter.wanted`: before micro-batch k > 0, is any of `claims`
         still wanted (its deadline not passed, not withdrawn: `LocalQueue.cancel`
         sets a claimed item's deadline to 1)? Lock-free reads of the claims'
         deadlines (`LocalQueue.deadlines`), a few µs; micro-batch 0 follows the
         deadline check of step 4 and reads nothing. With `interject` = (lane, the
-        batch's flows, cost): then, when the lane's head is another client's
-        interactive request (`LocalQueue.head_flow`, one lock-free read), it runs
-        first (`interject`)."""
+        batch's flows, cost, its tokens): then, when the lane's head is another
+        client's interactive request shorter than this batch (`LocalQueue.head_flow`,
+        one lock-free read), it runs first (`interject`): a light client's request
+        does not wait for a flood's batch, and a flood's does not stretch a light
+        client's batch."""
         ids = [c.item_id for c in claims]
         deadlines, clock, head_flow = self.queue.deadlines, self.clock_ns, self.queue.head_flow
 
@@ -379,19 +381,20 @@ class WorkerCore:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
-                if interject is not None and (flow := head_flow(interject[0])) is not None \
-                        and flow not in interject[1]:
-                    self.interject(interject[0], resident, interject[2], interject[1])
+                if interject is not None and (head := head_flow(interject[0])) is not None \
+                        and head[0] not in interject[1] and head[1] < interject[3]:
+                    self.interject(interject[0], resident, interject[2], interject[1], interject[3])
             resident.micro_batches += 1
             return True
 
         return wanted
 
-    def interject(self, lane: int, resident: Resident, cost: CostModel, outer: set[int]) -> int:
-        """Between two micro-batches of a batch for the clients `outer`, run the
-        requests of other clients waiting at the head of `lane` as a batch of their
-        own (as long as the head is one of theirs, within the contended budget), so
-        a light client waits for one micro-batch of a flood, not for its batch. The
+    def interject(self, lane: int, resident: Resident, cost: CostModel, outer: set[int], outer_tokens: int) -> int:
+        """Between two micro-batches of a batch for the clients `outer`, of
+        `outer_tokens`, run the requests of other clients waiting at the head of
+        `lane` as a batch of their own (as long as the head is one of theirs, within
+        the contended budget and fewer tokens than the batch interrupted), so a light
+        client waits for one micro-batch of a flood, not for its batch. The
         batch interrupted keeps its claims (leases are renewed by the heartbeat); its
         adapter state and progress bound are put back, the bound moved by the time
         taken here. Returns the items answered."""
@@ -401,9 +404,10 @@ class WorkerCore:
         cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE,
                               batch_token_cap(cost, self.target_ms, profile.max_batch_tokens))
         claims: list[Claim] = []
+        budget = min(cap, outer_tokens - 1)
         while len(claims) < profile.max_batch_items:
-            flow = self.queue.head_flow(lane)
-            if flow is None or flow in outer or (claims and sum(c.tokens for c in claims) >= cap):
+            head = self.queue.head_flow(lane)
+            if head is None or head[0] in outer or (claims and sum(c.tokens for c in claims) + head[1] > budget):
                 break
             got = self.queue.claim(lane, worker=self.worker_id, max_items=1, max_tokens=cap, lease_ms=self.lease_ms)
             if not got:

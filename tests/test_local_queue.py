@@ -160,19 +160,19 @@ def test_a_flow_that_sends_little_goes_ahead_of_a_flow_with_a_backlog(q):
 
 
 def test_head_flow_names_the_client_a_claim_would_take_next(q):
-    # The hint a worker reads between micro-batches (runtimes.worker.interject):
-    # the head's flow when it is interactive work, None for an empty lane or batch work.
+    # The hint a worker reads between micro-batches (runtimes.worker.interject): the
+    # head's (flow, tokens) when it is interactive work, None for an empty lane or batch work.
     lane = q.lane_id("m")
     w = q.register_worker(1, "cpu")
     assert q.head_flow(lane) is None
     q.put_many(lane, [b"b"], tokens=[1], request_ids=[10], batch=True)
     assert q.head_flow(lane) is None
     q.put_many(lane, [b"h"] * 3, tokens=[10] * 3, request_ids=[0, 1, 2], flow=1)
-    assert q.head_flow(lane) == 1
+    assert q.head_flow(lane) == (1, 10)
     take(q, lane, w, n=1)
-    q.put(lane, b"l", tokens=10, request_id=20, flow=2)  # ahead of flow 1's backlog
-    assert q.head_flow(lane) == 2
-    assert rids_of(take(q, lane, w, n=1)) == [20] and q.head_flow(lane) == 1
+    q.put(lane, b"l", tokens=4, request_id=20, flow=2)  # ahead of flow 1's backlog
+    assert q.head_flow(lane) == (2, 4)
+    assert rids_of(take(q, lane, w, n=1)) == [20] and q.head_flow(lane) == (1, 10)
 
 
 def test_fair_places_hold_with_batch_work_behind_and_after_promotion(q):

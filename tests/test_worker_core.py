@@ -728,3 +728,29 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     # Every request answered once, the flood's in put order.
     got = results(queue, 5)
     assert all(status == STATUS_OK for status, _ in got.values())
+
+
+def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
+    # The other way round: a light client's batch (8 texts, 32 tokens: two micro-batches
+    # of 4 while shared) is not interrupted by the flood's request at the head (64
+    # tokens): only a request shorter than the batch it would interrupt runs between.
+    MicroEmbedder.micro = []
+    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
+                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)}),
+                      adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
+    cost = core.costs.setdefault("m", CostModel())
+    for _ in range(4):
+        cost.observe(16, 16.0)
+        cost.observe(64, 64.0)
+    now = core.clock_ns()
+    core.recent_flows["m"] = {1: now, 2: now}
+    lane = queue.lane_id("m")
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"l{i}" for i in range(8)])), tokens=32,
+              request_id=20, flow=2)
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{i}" for i in range(16)])), tokens=64,
+              request_id=1, flow=1)
+    assert core.step(timeout_s=0.1) == 1
+    assert MicroEmbedder.micro == [["l0", "l1", "l2", "l3"], ["l4", "l5", "l6", "l7"]]
+    assert core.residency.models["m"].interjected == 0
+    assert core.step(timeout_s=0.1) == 1
+    assert len(results(queue, 2)) == 2
