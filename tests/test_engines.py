@@ -292,13 +292,7 @@ def test_auto_weighs_both_engines_and_goes_back_to_torch_for_a_lora(heads, task,
     adapter then takes the model back to torch fp32, which scores as before."""
     from runtimes.info import engine_info
 
-    real = engines.time_all
-
-    def openvino_fastest(alive, workloads, clock):
-        medians = real(alive, workloads, clock)
-        return {c: {w: (1.0 if c.engine == "openvino" else 9.0) for w in m} for c, m in medians.items()}
-
-    monkeypatch.setattr(engines, "time_all", openvino_fastest)
+    openvino_timed_fastest(monkeypatch)
     a = head_adapter(heads, task, "transformers", "auto", "float32")
     scores = rerank_scores if task == "rerank" else class_scores
     try:
@@ -309,6 +303,38 @@ def test_auto_weighs_both_engines_and_goes_back_to_torch_for_a_lora(heads, task,
         assert a.lora_bank() is not None  # what `attach_lora` asks for a first adapter
         assert a.choice.by == "lora" and a.engine == "torch" and openvino.weight_bytes(a.model) == 0
         assert np.abs(scores(a) - before).max() <= 1e-3
+    finally:
+        a.unload()
+
+
+def openvino_timed_fastest(monkeypatch) -> None:
+    """The candidates are timed as usual, then OpenVINO is made the fastest (the
+    box's timing is not under test; the choice's rule and what follows are)."""
+    real = engines.time_all
+
+    def openvino_fastest(alive, workloads, clock):
+        medians = real(alive, workloads, clock)
+        return {c: {w: (1.0 if c.engine == "openvino" else 9.0) for w in m} for c, m in medians.items()}
+
+    monkeypatch.setattr(engines, "time_all", openvino_fastest)
+
+
+@needs_openvino
+def test_an_embedder_on_openvino_goes_back_to_torch_for_a_lora(tmp_path, monkeypatch):
+    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from tests.arch_models import sentence_transformer
+
+    openvino_timed_fastest(monkeypatch)
+    folder = sentence_transformer("bert", "mean", tmp_path / "st")
+    a = SentenceTransformerEmbedder(ModelSpec("tiny", folder, "embed", "sentence-transformers",
+                                              profile=Profile(dtype="float32", micro_batch_items=4)), "cpu")
+    a.load()
+    try:
+        assert a.choice.candidate == engines.Candidate("openvino", "float32") and a.loras is None
+        before = vectors(a, TEXTS)
+        assert a.lora_bank() is not None and a.choice.by == "lora" and a.engine == "torch"
+        assert openvino.weight_bytes(a._modules) == 0 and a.threads is not None  # torch's modules serve again
+        assert float(np.sum(vectors(a, TEXTS) * before, axis=1).min()) >= 0.9999
     finally:
         a.unload()
 
