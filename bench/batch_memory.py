@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": "VmRSS = RssAnon (the process's own memory) + RssFile + RssShmem (the queue's slab, "
                 "shared memory the workers map too: pages the API process wrote payloads into)",
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = report.write_json(doc, args.out or report.RESULTS_DIR / f"{stamp}-batch-memory.json")
+    out = report.save(doc, args.out, "batch-memory")
     print(json.dumps({"upload_s": round(upload_s, 1), "run_s": round(run_s, 1), "batch": doc["batch"],
                       "api_process_peak_mib": mib}, indent=1))
     print(f"results: {out}", file=sys.stderr)

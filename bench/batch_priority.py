@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "knee_steps": [step_doc(s) for s in knee_run.steps],
         "rounds": rounds,
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = report.write_json(doc, args.out or report.RESULTS_DIR / f"{stamp}-batch-priority.json")
+    out = report.save(doc, args.out, "batch-priority")
 
     t = Table(title=f"batch work below interactive work ({args.batch} inputs/request)", title_justify="left")
     for col in ("measure", "value", "goal"):

@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                      "batch": BATCH, "short_texts": SHORT_TEXTS, "device": args.device},
         "summary": summary, "rounds": rounds,
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = args.out or report.RESULTS_DIR / f"{stamp}-embed-compare.json"
-    report.write_json(doc, out)
+    out = report.save(doc, args.out, "embed-compare")
 
     t = Table(title=f"embeddings end to end ({args.rounds} rounds x {args.duration:g} s, median), {BATCH} inputs/request",
               title_justify="left")

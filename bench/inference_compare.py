@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": s, "goals": goals,
         "runs_ms": {k: [round(float(x), 4) for x in v] for k, v in runs.items()},
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = args.out or report.RESULTS_DIR / f"{stamp}-latency.json"
-    report.write_json(doc, out)
+    out = report.save(doc, args.out, "latency")
     print(f"results: {out}")
     return 0
 

@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before {load_before}, after {load_after}")
     doc = report.document("micro-batches", "bench.micro_batches", argv) | {
         "load_before": load_before, "load_after": load_after, "tokens_per_round": tokens, "sides": out}
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    path = report.write_json(doc, args.out or report.RESULTS_DIR / f"{stamp}-micro-batches.json")
+    path = report.save(doc, args.out, "micro-batches")
     print(f"results: {path}", file=sys.stderr)
     return 0
 

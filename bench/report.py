@@ -306,10 +306,19 @@ def corpus_doc(path: Path, lengths: list[int]) -> dict:
     return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "tokens_per_text": length_stats(lengths)}
 
 
+def stamp(doc: dict) -> str:
+    """The document's creation time as a file-name prefix: 20261204T141351Z."""
+    return doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
+
+
+def save(doc: dict, out: Path | None, name: str) -> Path:
+    """Write `doc` to `out`, or to bench/results/<stamp>-<name>.json."""
+    return write_json(doc, out or RESULTS_DIR / f"{stamp(doc)}-{name}.json")
+
+
 def default_out(doc: dict) -> Path:
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
     names = "-".join(t["name"] for t in doc["targets"])
-    return RESULTS_DIR / f"{stamp}-{doc['plan']['task']}-{names}.json"
+    return RESULTS_DIR / f"{stamp(doc)}-{doc['plan']['task']}-{names}.json"
 
 
 def document(kind: str, module: str, argv: list[str] | None) -> dict:

@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "served": served, "load_before": load_before, "load_after": load_after, **res,
         "rows": rows,  # every request's stamps (ns) and window: the analysis can be redone
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = args.out or report.RESULTS_DIR / f"{stamp}-saturation.json"
-    report.write_json(doc, out)
+    out = report.save(doc, args.out, "saturation")
     Console(stderr=True).print(f"results: {out}")
     return 0
 

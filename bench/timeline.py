@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load_before, "load_after": load_after,
         "stages": table, "totals": totals,
     }
-    stamp = doc["created_utc"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    out = args.out or report.RESULTS_DIR / f"{stamp}-timeline.json"
-    report.write_json(doc, out)
+    out = report.save(doc, args.out, "timeline")
     Console(stderr=True).print(f"results: {out}")
     return 0
 

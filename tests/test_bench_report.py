@@ -53,6 +53,15 @@ def test_result_doc_round_trips_through_json_with_a_step_without_replies(tmp_pat
     assert report.default_out(back).parent == report.RESULTS_DIR
 
 
+def test_a_bench_document_is_saved_where_asked_or_under_its_stamp(tmp_path, monkeypatch):
+    doc = report.document("timeline", "bench.timeline", ["--requests", "5"]) | {"stages": []}
+    assert json.loads(report.save(doc, tmp_path / "x.json", "timeline").read_text()) == doc
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "results")
+    path = report.save(doc, None, "timeline")
+    assert path.parent == tmp_path / "results" and path.name.endswith("Z-timeline.json")
+    assert path.name.startswith(doc["created_utc"][:4]) and ":" not in path.name
+
+
 def test_tables_show_knee_reasons_and_ratios():
     rs, plan = runs(), Plan(model="m")
     console = Console(width=200, record=True)
