@@ -252,15 +252,11 @@ class WorkerCore:
         claims, returned = self.return_overpull(claims, keep)
         # 4. Claimed items whose deadline passed were already answered `timeout`
         #    by the daemon: drop them unrun (their ack is then discarded there).
-        now = self.clock_ns()
-        late = [c for c in claims if c.deadline_ns and c.deadline_ns <= now]
-        if late:
-            claims = [c for c in claims if not (c.deadline_ns and c.deadline_ns <= now)]
-            self._ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
+        claims, late = self._drop_late(claims)
         if not claims:
-            return len(late)
+            return late
         return self.run_claims(lane.lane, resident, cost, claims, returned, (woke_ns, claimed_ns, lingered_ns),
-                               shared=shared) + len(late)
+                               shared=shared) + late
 
     def run_claims(self, lane: int, resident: Resident, cost: CostModel, claims: list[Claim], returned: int,
                    stamps: tuple[int, int, int], *, shared: bool, outer: set[int] | None = None) -> int:
@@ -416,13 +412,9 @@ class WorkerCore:
                 self.queue.return_items([got[0].item_id])
                 break
             claims += got
-        now = self.clock_ns()
-        late = [c for c in claims if c.deadline_ns and c.deadline_ns <= now]
-        if late:
-            claims = [c for c in claims if not (c.deadline_ns and c.deadline_ns <= now)]
-            self._ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
+        claims, late = self._drop_late(claims)
         if not claims:
-            return len(late)
+            return late
         saved = (adapter.marks, adapter.wanted, adapter.micro_cap, self.progress.busy, self.interjected_ms)
         claimed_ns = time.monotonic_ns()
         try:
@@ -436,7 +428,7 @@ class WorkerCore:
             self.progress.busy = busy
             self.interjected_ms += took * 1e3
             resident.interjected += len(claims)
-        return done + len(late)
+        return done + late
 
     def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
         """The clients of a batch of `model` (its interactive items' queue flows) were
@@ -515,6 +507,16 @@ class WorkerCore:
         kept = set(keep)
         returned = self.queue.return_items([c.item_id for i, c in enumerate(claims) if i not in kept])
         return [claims[i] for i in keep], returned
+
+    def _drop_late(self, claims: list[Claim]) -> tuple[list[Claim], int]:
+        """(the claims still in time, how many were late): a late one is acked
+        `timeout` unrun (the daemon has answered it already and discards the ack)."""
+        now = self.clock_ns()
+        late = [c for c in claims if c.deadline_ns and c.deadline_ns <= now]
+        if not late:
+            return claims, 0
+        self._ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
+        return [c for c in claims if not (c.deadline_ns and c.deadline_ns <= now)], len(late)
 
     def _ack_errors(self, claims: list, error: WorkError) -> None:
         payload = _encode(Envelope(0.0, 0.0, self.served_by, error))
