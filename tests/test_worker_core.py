@@ -674,6 +674,19 @@ class MicroEmbedder(FakeEmbedder):
         return [EmbedResult("|".join(r.inputs).encode(), (len(r.inputs), 1), len(r.inputs)) for r in requests]
 
 
+def micro_core(queue, extra: dict | None = None) -> WorkerCore:
+    """A worker over MicroEmbedder whose cost model reads 1 ms a token (target 128 ms)."""
+    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
+                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)},
+                                    extra),
+                      adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
+    cost = core.costs.setdefault("m", CostModel())
+    for _ in range(4):
+        cost.observe(16, 16.0)
+        cost.observe(64, 64.0)
+    return core
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, shared):
     # Issue 25 (per-client share): a flooding client (flow 1) has a backlog of requests
@@ -690,14 +703,7 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
         if k == 0 and len(MicroEmbedder.micro) == 1:
             queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
 
-    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
-                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)},
-                                    {"m": {"after_micro": after_micro}}),
-                      adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
-    cost = core.costs.setdefault("m", CostModel())
-    for _ in range(4):
-        cost.observe(16, 16.0)
-        cost.observe(64, 64.0)
+    core = micro_core(queue, {"m": {"after_micro": after_micro}})
     now = core.clock_ns()
     core.recent_flows["m"] = {1: now, 2: now} if shared else {1: now}
     for rid in range(1, 5):
@@ -735,13 +741,7 @@ def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
     # of 4 while shared) is not interrupted by the flood's request at the head (64
     # tokens): only a request shorter than the batch it would interrupt runs between.
     MicroEmbedder.micro = []
-    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
-                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)}),
-                      adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
-    cost = core.costs.setdefault("m", CostModel())
-    for _ in range(4):
-        cost.observe(16, 16.0)
-        cost.observe(64, 64.0)
+    core = micro_core(queue)
     now = core.clock_ns()
     core.recent_flows["m"] = {1: now, 2: now}
     lane = queue.lane_id("m")
