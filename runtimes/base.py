@@ -93,6 +93,11 @@ class Adapter(abc.ABC):
         #: runs it between two). Adapters read `micro_items()`.
         self.micro_cap: int | None = None
 
+    @property
+    def engine(self) -> str:
+        """What runs the forward: the measured or forced choice's engine, else torch."""
+        return self.choice.candidate.engine if self.choice is not None else "torch"
+
     def micro_items(self) -> int:
         """Inputs per micro-batch for the batch running now: the profile's, or fewer (`micro_cap`)."""
         step = self.spec.profile.micro_batch_items

@@ -63,10 +63,6 @@ class SequenceClassifier(LoraHost, Adapter):
         self.label_sets: list[tuple[list[str], bool]] = [(self.labels, self.multi_label)]
         self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
 
-    @property
-    def engine(self) -> str:
-        return self.choice.candidate.engine if self.choice is not None else "torch"
-
     def _serve(self, model: Any) -> Any:
         """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
         fastest whose probabilities agree with torch fp32's on the check set, timed
@@ -74,7 +70,7 @@ class SequenceClassifier(LoraHost, Adapter):
         torch = self._torch
         n = self.spec.profile.micro_batch_items
         short = dict(self._own_features(CHECK_SET[1:2]))
-        full = dict(self._own_features((CHECK_SET * (n // len(CHECK_SET) + 1))[:n]))
+        full = dict(self._own_features(engines.repeated(CHECK_SET, n)))
 
         def run(serving: Any, features: dict[str, Any]) -> Any:
             with torch.inference_mode():
@@ -83,9 +79,8 @@ class SequenceClassifier(LoraHost, Adapter):
         return engines.serve(
             self, model, what="sequence-classification-logits", forward=lambda f: model(**f).logits,
             example=dict(self._own_features(CHECK_SET[:2])), stand_in=openvino.LogitsModel,
-            outputs=self._check_probs, agree=labels_agree(), workloads=[
-                engines.Workload("1 short", int(short["input_ids"].numel()), lambda s: run(s, short)),
-                engines.Workload(f"{n} texts", int(full["input_ids"].numel()), lambda s: run(s, full))])
+            outputs=self._check_probs, agree=labels_agree(),
+            workloads=engines.short_and_full(run, short, full, "texts"))
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""

@@ -69,6 +69,19 @@ class Workload:
     run: Callable[[Any], Any]
 
 
+def repeated(xs: list, n: int) -> list:
+    """`xs` repeated to exactly `n` items (a full micro-batch from the check set)."""
+    return (xs * (n // len(xs) + 1))[:n]
+
+
+def short_and_full(run: Callable[[Any, dict[str, Any]], Any], short: dict[str, Any], full: dict[str, Any],
+                   unit: str) -> list[Workload]:
+    """An encoder's two timed shapes: one short input and one full micro-batch of
+    `unit`s (token tensors; `run(serving, features)` runs one)."""
+    return [Workload("1 short", int(short["input_ids"].numel()), lambda s: run(s, short)),
+            Workload(f"{len(full['input_ids'])} {unit}", int(full["input_ids"].numel()), lambda s: run(s, full))]
+
+
 @dataclass
 class Choice:
     """What serves a model and why (published in the worker's info blob)."""

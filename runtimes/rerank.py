@@ -107,10 +107,6 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
 
-    @property
-    def engine(self) -> str:
-        return self.choice.candidate.engine if self.choice is not None else "torch"
-
     def _serve(self, model: Any) -> Any:
         """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
         fastest whose activated scores agree with torch fp32's on the check pairs,
@@ -119,7 +115,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         qs, ds = [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS]
         n = self.spec.profile.micro_batch_items
         short = dict(self._own_features(model, qs[1:2], ds[1:2]))
-        full = dict(self._own_features(model, (qs * (n // len(qs) + 1))[:n], (ds * (n // len(ds) + 1))[:n]))
+        full = dict(self._own_features(model, engines.repeated(qs, n), engines.repeated(ds, n)))
 
         def run(serving: Any, features: dict[str, Any]) -> Any:
             with torch.inference_mode():
@@ -129,9 +125,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
             self, model, what="cross-encoder-logits", forward=lambda f: self._logits_of(model, f),
             example=dict(self._own_features(model, qs[:2], ds[:2])),
             stand_in=lambda forward: self._stand_in(forward, model), outputs=self._check_scores,
-            agree=scores_agree(), workloads=[
-                engines.Workload("1 short", int(short["input_ids"].numel()), lambda s: run(s, short)),
-                engines.Workload(f"{n} pairs", int(full["input_ids"].numel()), lambda s: run(s, full))])
+            agree=scores_agree(), workloads=engines.short_and_full(run, short, full, "pairs"))
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""

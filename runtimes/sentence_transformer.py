@@ -131,10 +131,6 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if self.device == "cpu" and self.engine == "torch":
             self.threads = self._measure_threads()
 
-    @property
-    def engine(self) -> str:
-        return self.choice.candidate.engine if self.choice is not None else "torch"
-
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 (the model kept
         for tokenizing) for a LoRA adapter: its modules serve again."""
@@ -172,8 +168,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
         check = dict(model.preprocess(CHECK_SET))
         short = dict(model.preprocess(CHECK_SET[1:2]))
-        full = dict(model.preprocess((CHECK_SET * (profile.micro_batch_items // len(CHECK_SET) + 1))
-                                     [: profile.micro_batch_items]))
+        full = dict(model.preprocess(engines.repeated(CHECK_SET, profile.micro_batch_items)))
 
         def run(built: tuple[Any, list[Any]], features: dict[str, Any]) -> np.ndarray:
             with torch.inference_mode():
@@ -186,13 +181,10 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             emb = run(built, check)
             return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
 
-        workloads = [engines.Workload("1 short", int(short["input_ids"].numel()), lambda b: run(b, short)),
-                     engines.Workload(f"{len(full['input_ids'])} texts", int(full["input_ids"].numel()),
-                                      lambda b: run(b, full))]
         (kept, modules), self.choice = engines.choose(
             self.spec.name, self.spec.path, self.device, cands, build=build, outputs=outputs,
-            agree=min_cosine(MIN_COSINE), workloads=workloads, threads=threads,
-            forced=profile.engine != "auto" and profile.dtype != "auto")
+            agree=min_cosine(MIN_COSINE), workloads=engines.short_and_full(run, short, full, "texts"),
+            threads=threads, forced=profile.engine != "auto" and profile.dtype != "auto")
         self.dtype = self.choice.candidate.dtype
         return kept, modules
 
