@@ -227,15 +227,14 @@ class WorkerCore:
             return serve_continuous(self.round, resident, stats)
         profile = adapter.spec.profile
         cost = self.costs.setdefault(lane.model, CostModel())
-        cap = batch_token_cap(cost, self.target_ms, profile.max_batch_tokens)
         # 3. Claim up to the budget (a sum of tokens: the padded cap bounds it; a lane
         #    of batch work only, to what batch work may take while interactive work is
         #    current), linger for more while the lane is drained, keep what fits
         #    (interactive work first, batch work filling the rest), return the rest.
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
-        if shared := contended(self.recent_flows.get(lane.model, {}), self.clock_ns()):
-            cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap)
+        shared = contended(self.recent_flows.get(lane.model, {}), self.clock_ns())
+        cap = self.batch_cap(cost, profile.max_batch_tokens, shared)
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
@@ -397,13 +396,12 @@ class WorkerCore:
         started = time.perf_counter()
         woke_ns = time.monotonic_ns()
         adapter, profile = resident.adapter, resident.adapter.spec.profile
-        cap = batch_token_cap(cost, self.target_ms * CONTENDED_SHARE,
-                              batch_token_cap(cost, self.target_ms, profile.max_batch_tokens))
+        cap = self.batch_cap(cost, profile.max_batch_tokens, True)
         claims: list[Claim] = []
-        budget = min(cap, outer_tokens - 1)
+        budget, taken = min(cap, outer_tokens - 1), 0
         while len(claims) < profile.max_batch_items:
             head = self.queue.head_flow(lane)
-            if head is None or head[0] in outer or (claims and sum(c.tokens for c in claims) + head[1] > budget):
+            if head is None or head[0] in outer or (claims and taken + head[1] > budget):
                 break
             got = self.queue.claim(lane, worker=self.worker_id, max_items=1, max_tokens=cap, lease_ms=self.lease_ms)
             if not got:
@@ -412,6 +410,7 @@ class WorkerCore:
                 self.queue.return_items([got[0].item_id])
                 break
             claims += got
+            taken += got[0].tokens
         claims, late = self._drop_late(claims)
         if not claims:
             return late
@@ -429,6 +428,13 @@ class WorkerCore:
             self.interjected_ms += took * 1e3
             resident.interjected += len(claims)
         return done + late
+
+    def batch_cap(self, cost: CostModel, max_batch_tokens: int, shared: bool) -> int:
+        """Tokens a batch of a model may take: what the batch target allows by its cost
+        (at most the profile's `max_batch_tokens`), a contended share of that while
+        clients share the model (`contended`)."""
+        cap = batch_token_cap(cost, self.target_ms, max_batch_tokens)
+        return batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap) if shared else cap
 
     def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
         """The clients of a batch of `model` (its interactive items' queue flows) were
@@ -537,13 +543,14 @@ class WorkerCore:
 
 
 def rows_of(requests: list) -> int:
-    """Inputs a batch's requests carry (texts, documents), 0 when their type names none
-    (`micro_items_cap` then leaves micro-batches as the profile says)."""
+    """Inputs a batch's requests carry (texts; a rerank's documents, `RerankRequest.docs`),
+    0 when their type names none (`micro_items_cap` then leaves micro-batches as the
+    profile says)."""
     rows = 0
     for r in requests:
         inputs = getattr(r, "inputs", None)
         if inputs is None:
-            inputs = getattr(r, "documents", None) or getattr(r, "texts", None)
+            inputs = getattr(r, "docs", None)
         if inputs is None:
             return 0
         rows += len(inputs)
