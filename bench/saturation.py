@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import numpy as np
+import psutil
 from rich.console import Console
 
 from bench import corpus, report
@@ -66,37 +67,27 @@ REQUEST_SPANS = (("sent", "handler", "client -> handler"), ("handler", "put", "d
                  ("collected", "encoded", "resume + reply encode"), ("encoded", "received", "reply send, client read"))
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid`'s children, their children, ... (from /proc/*/stat's ppid)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of `pid` (its threads included), seconds; 0 when gone."""
+def cpu_s(pid: int, *, children: bool = False) -> float:
+    """User + system CPU seconds of `pid` (its threads included), or of its
+    descendants with `children` (a daemon's workers); 0 for what is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        procs = psutil.Process(pid).children(recursive=True) if children else [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def box_idle() -> tuple[float, float]:
-    """(idle + iowait, total) jiffies of the whole box."""
-    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return float(v[3] + v[4]), float(sum(v[:8]))
+    """(idle + iowait, total) CPU seconds of the whole box (the first eight /proc/stat fields)."""
+    t = psutil.cpu_times()
+    return t.idle + t.iowait, float(sum(t[:8]))
 
 
 def padded(lengths: list[int], size: int, *, sort: bool) -> int:
@@ -209,25 +200,25 @@ def main(argv: list[str] | None = None) -> int:
         api = int(ps["pid"])
         served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads")}
                                          for name, m in w.get("models", {}).items()} for w in ps.get("workers", [])}
-        workers = descendants(api)
-        cpu = {"api": [cpu_s(api)], "workers": [sum(map(cpu_s, workers))], "clients": [time.process_time()]}
+        samples = (lambda: cpu_s(api), lambda: cpu_s(api, children=True), time.process_time)
+        cpu = {k: [f()] for k, f in zip(("api", "workers", "clients"), samples)}
         idle0 = box_idle()
         rows, t0, t1 = load(url, prepared, args.clients, args.duration)
         # The counters span the warm-up too: a second sample bounds the window.
         idle1 = box_idle()
-        cpu = {k: v + [f()] for (k, v), f in zip(cpu.items(), (lambda: cpu_s(api), lambda: sum(map(cpu_s, descendants(api))),
-                                                              time.process_time))}
+        for k, f in zip(cpu, samples):
+            cpu[k].append(f())
+        # The worker's fitted batch cost after the run (ms = a + b x tokens;
+        # runtimes/policy.CostModel), read while the daemon is up (`--start` stops it).
+        worker_cost = {str(w.get("pid")): {n: m.get("cost") for n, m in w.get("models", {}).items()}
+                       for w in httpx.get(url + "/v1/ps", timeout=10).json().get("workers", [])}
     finally:
         if daemon:
             daemon.stop()
     load_after = os.getloadavg()
     span = WARMUP_S + args.duration
     res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9)
-    try:  # the worker's fitted batch cost after the run (ms = a + b x tokens; runtimes/policy.CostModel)
-        res["worker_cost"] = {str(w.get("pid")): {n: m.get("cost") for n, m in w.get("models", {}).items()}
-                              for w in httpx.get(url + "/v1/ps", timeout=10).json().get("workers", [])}
-    except (httpx.HTTPError, ValueError):
-        pass
+    res["worker_cost"] = worker_cost
     cores = os.cpu_count() or 1
     res["cpu_cores_used"] = {k: (v[1] - v[0]) / span for k, v in cpu.items()}
     res["idle_cores"] = cores * (idle1[0] - idle0[0]) / max(idle1[1] - idle0[1], 1.0)
