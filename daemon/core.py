@@ -330,11 +330,15 @@ class Daemon:
 
     def whole_budget(self, model: str, task: str, most: int) -> int:
         """Tokens a request for `model` may hold and run as one queue item (daemon.pieces:
-        one over it is cut into pieces)."""
+        one over it is cut into pieces). With NATS, any: a request is one JetStream
+        message, as pieces are sized by this box's workers and carry no client flow
+        across boxes (the `max_request_tokens` ceiling still applies)."""
+        if self.cluster is not None:
+            return 1 << 62
         try:
             lane = self.lane_of(self.manifest(model, task))
         except ModelNotFound:
-            lane = model  # another box's (with NATS): sized by its answers
+            lane = model  # not stored here: sized by its answers (`submit` says what it is)
         return self.sizing.whole(lane, most)
 
     async def send(self, lane: str, task: str, payload: bytes | memoryview, tokens: int, timeout_s: float, *,

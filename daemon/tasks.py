@@ -104,9 +104,7 @@ async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: 
     manifest = local_manifest(daemon, model, task)
     most = manifest.profile.max_batch_tokens if manifest is not None else MAX_PIECE_TOKENS
     limit = daemon.settings.max_request_tokens
-    # With NATS a request is one JetStream message, as before: pieces are sized by this
-    # box's workers and carry no client flow across boxes (the ceiling still applies).
-    budget = daemon.whole_budget(model, task, most) if daemon.cluster is None else 1 << 62
+    budget = daemon.whole_budget(model, task, most)
     if tokens <= budget and not 0 < limit < tokens:
         return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
     # Without truncation an input over max_seq_len is refused by the worker (422
