@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +214,13 @@ def refusal(unknown: list[Unknown]) -> UnknownFields:
         message = "unknown fields: " + listed(
             [f"`{shown(u.path)}`" + (f" (did you mean `{u.suggestion}`?)" if u.suggestion else "") for u in unknown])
     return UnknownFields(message, [(shown(u.path), u.suggestion) for u in unknown])
+
+
+def check_query(names: Iterable[str], known: tuple[str, ...]) -> None:
+    """Refuse query parameters a route does not take (`refusal`: each with the closest
+    known one). `names`: the request's query parameter names."""
+    if unknown := [Unknown(k, k, known) for k in names if k not in known]:
+        raise refusal(unknown)
 
 
 def openai_message(fields: list[tuple[str, str | None]]) -> str:

@@ -15,13 +15,6 @@ from daemon.core import Daemon
 from daemon.http import reply
 
 
-def check_query(request: Request, known: tuple[str, ...]) -> None:
-    """Refuse a query parameter the route does not take, naming it with the closest known one."""
-    unknown = [k for k in request.query_params if k not in known]
-    if unknown:
-        raise fields.refusal([fields.Unknown(k, k, known) for k in unknown])
-
-
 def batches_of(daemon: Daemon):
     if daemon.batches is None:
         raise Unavailable("the daemon is starting; retry shortly")
@@ -48,7 +41,7 @@ class FilesController(Controller):
     @get("", status_code=200)
     async def list_files(self, request: Request, daemon: Daemon, after: str | None = None, limit: int = 10_000,
                          order: str = "desc", purpose: str | None = None) -> Response:
-        check_query(request, ("after", "limit", "order", "purpose"))
+        fields.check_query(request.query_params, ("after", "limit", "order", "purpose"))
         page, more = batches_of(daemon).files(after=after, limit=limit, order=order, purpose=purpose)
         return reply(request, FileList(page, more, page[0].id if page else None, page[-1].id if page else None))
 
