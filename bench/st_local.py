@@ -79,8 +79,10 @@ class LocalTarget(msgspec.Struct, frozen=True):
 
 
 def best_dtype(flags: set[str]) -> str:
-    """bf16 on a CPU with native bf16 (as runtimes.device.fast_dtypes decides), else fp32."""
-    return "bf16" if {"avx512_bf16", "amx_bf16"} & flags else "fp32"
+    """bf16 on a CPU with native bf16 (runtimes.device.cpu_fast_dtypes), else fp32."""
+    from runtimes.device import cpu_fast_dtypes
+
+    return "bf16" if cpu_fast_dtypes(flags) else "fp32"
 
 
 def local_target(name: str, *, flags: set[str] | None = None, openvino: bool | None = None) -> LocalTarget | str | None:

@@ -26,10 +26,12 @@ def fast_dtypes(device: str) -> list[str]:
         import torch
 
         return (["bfloat16"] if torch.cuda.is_bf16_supported() else []) + ["float16"]
-    flags = cpu_flags()
-    if {"avx512_bf16"} & flags or {"amx_bf16"} & flags:
-        return ["bfloat16"]
-    return []
+    return cpu_fast_dtypes(cpu_flags())
+
+
+def cpu_fast_dtypes(flags: set[str]) -> list[str]:
+    """`fast_dtypes` of a CPU with these /proc/cpuinfo flags: bf16 with native bf16."""
+    return ["bfloat16"] if {"avx512_bf16", "amx_bf16"} & flags else []
 
 
 def device_class(device: str) -> str:

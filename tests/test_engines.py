@@ -412,3 +412,17 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
     assert graphs, "the converted graph is kept in the store"
     files = json.loads((graphs[0] / DERIVED).read_text())["files"]
     assert {"model.xml", "model.bin"} <= {f["path"] for f in files} and all(len(f["sha256"]) == 64 for f in files)
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    ({"avx2", "avx512f"}, []),  # bf16 emulated: slower than fp32, never a candidate
+    ({"avx512f", "avx512_bf16"}, ["bfloat16"]),
+    ({"amx_bf16", "amx_tile"}, ["bfloat16"]),
+    (set(), []),
+])
+def test_a_cpu_offers_bf16_only_with_native_bf16(flags, want):
+    from bench.st_local import best_dtype
+    from runtimes.device import cpu_fast_dtypes
+
+    assert cpu_fast_dtypes(flags) == want
+    assert best_dtype(flags) == ("bf16" if want else "fp32")  # the bench's "best" follows the same rule
