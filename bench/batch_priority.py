@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus, report
-from bench.daemon import LocalDaemon
+from bench.daemon import add_daemon_args, daemon_from_args
 from bench.knee import OPEN
 from bench.runner import Plan, StepRecord, TargetSpec, bench, open_run, run_step
 from bench.sampler import Sampler
@@ -109,9 +108,7 @@ def step_doc(rec: StepRecord) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
-    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    add_daemon_args(ap)
     ap.add_argument("--batch", type=int, default=32, help="inputs per request (and per batch line)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per half-knee step, at least")
     ap.add_argument("--min-requests", type=int, default=60, help="requests per half-knee step, at least")
@@ -126,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = corpus.load()
     lengths = TokenCounter(package_model_dir()).count(texts)
     work = Path(tempfile.mkdtemp(prefix="batch-priority-"))
-    daemon = LocalDaemon(work / "home") if args.start else None
-    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    daemon, url = daemon_from_args(args, work / "home")
     pid = daemon.proc.pid if daemon else None
     plan = Plan(model=MODEL, batch=args.batch, duration_s=args.step_s, encoding="base64")
     spec = TargetSpec("fleet", "fleet", url, pids=[pid] if pid else [])

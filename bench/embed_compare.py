@@ -31,7 +31,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus, inference_compare, report
-from bench.daemon import LocalDaemon
+from bench.daemon import add_daemon_args, daemon_from_args
 from bench.knee import CLOSED
 from bench.loadgen import Generator, Merged, Setup, StepPlan
 from bench.sampler import Sampler
@@ -97,9 +96,7 @@ def saturate(gen: Generator, duration_s: float, index: int, max_clients: int = 3
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
-    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    add_daemon_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
     ap.add_argument("--out", type=Path, default=None)
@@ -118,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     short_texts = [texts[i] for i in short_idx]
     short_lengths = [lengths[i] for i in short_idx]
 
-    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
-    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    daemon, url = daemon_from_args(args)
     opened: list = []
     try:
         pid, fleet_dtype = fleet_state(url)

@@ -31,7 +31,6 @@ import argparse
 import itertools
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import psutil
 from rich.console import Console
 
 from bench import corpus, report
-from bench.daemon import LocalDaemon
+from bench.daemon import add_daemon_args, daemon_from_args
 from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.targets import request_windows
 from bench.timeline import HEADER, MODEL, parse_stamps
@@ -174,9 +173,7 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
-    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    add_daemon_args(ap)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=64, help="the served profile's micro_batch_items")
@@ -189,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = TokenCounter(package_model_dir()).count(texts)
     windows = request_windows(len(texts), args.batch)
     load_before = os.getloadavg()
-    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
-    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    daemon, url = daemon_from_args(args)
     ep = Endpoint(url)
     prepared = [build_request(ep, "/v1/embed", msgspec.msgpack.encode({"model": MODEL, "inputs": [texts[i] for i in w]}),
                               "application/msgpack", "application/msgpack").replace(

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus, report
-from bench.daemon import LocalDaemon
+from bench.daemon import add_daemon_args, daemon_from_args
 from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.tokens import TokenCounter, package_model_dir
 
@@ -110,9 +109,7 @@ def measure(url: str, texts: list[str], requests: int) -> list[dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
-    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
+    add_daemon_args(ap)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -122,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = TokenCounter(package_model_dir()).count(texts)
     short = [texts[i] for i in sorted(range(len(texts)), key=lambda i: lengths[i])[:SHORT_TEXTS]]
     load_before = os.getloadavg()
-    daemon = LocalDaemon(tempfile.mkdtemp(prefix="fleet-bench-home-")) if args.start else None
-    url = daemon.url if daemon else (args.url or os.environ.get("FLEET_URL") or "http://127.0.0.1:7744").rstrip("/")
+    daemon, url = daemon_from_args(args)
     try:
         rows = measure(url, short, args.requests)
     finally:
