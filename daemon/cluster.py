@@ -17,7 +17,9 @@ Names (the same on every box):
                                   final reply carries the whole text anyway)
     fleet_boxes                   KV bucket, one heartbeat entry per box (JSON), expiring after 3 periods
     fleet_payloads                object store: request bodies over `nats_large_payload_bytes`, named by
-                                  request id, and replies over the server's max_payload (`<id>.reply`)
+                                  request id, and replies over the server's max_payload (`<id>.reply`);
+                                  a body whose request may wait past its TTL (a batch line) is put
+                                  again by its requester every half TTL (`_keep_body`)
 Model names may contain '.', NATS's token separator: in subjects and consumer names it is '~'.
 
 A work message is the request as MessagePack (empty when the body is in the object
@@ -89,8 +91,15 @@ REPLY_PREFIX = "fleet.reply."
 PIECE_SUFFIX = ".p"
 BOXES_BUCKET = "fleet_boxes"
 PAYLOADS_BUCKET = "fleet_payloads"
-#: Objects outlive any request (timeout_ms is at most 600 000): a requester that died leaks nothing for long.
+#: Objects outlive any interactive request (timeout_ms is at most 600 000), and a requester
+#: that died leaks nothing for longer. A body whose request may wait longer (a batch line,
+#: due when its job expires) is put again by its requester every half of the bucket's TTL
+#: (`_keep_body`): JetStream expires each chunk by age, and a re-put is the object store's
+#: only refresh (no per-object TTL, no touch).
 PAYLOAD_TTL_S = 900.0
+#: A puller's read of a body from the object store, at most: nats.py's `get` waits forever
+#: for chunks purged under it (its requester put the body again, or deleted it, meanwhile).
+OBJECT_READ_S = 30.0
 #: Replies are kept past any request's deadline (timeout_ms is at most 600 000), then dropped.
 REPLY_TTL_S = 660.0
 #: Bytes of replies FLEET_REPLIES keeps (oldest dropped first); replies over the
@@ -534,6 +543,9 @@ class Cluster:
         self.js: Any = None
         self.kv: Any = None
         self.obj: Any = None
+        #: The payload bucket's TTL (s) as JetStream keeps it (read at the join: a bucket keeps
+        #: the config of the box that created it); 0: objects never expire.
+        self.payload_ttl_s = PAYLOAD_TTL_S
         #: Copies of the shared streams, as declared at the join (`_declare`).
         self.replicas = 1
         self.served = 0
@@ -542,6 +554,8 @@ class Cluster:
         self.served_locally = 0
         self.republished = 0
         self.cancelled = 0
+        #: Bodies put again in the object store so they outlive its TTL (`_keep_body`).
+        self.bodies_refreshed = 0
         self._last_error_log = 0.0
 
     # -- lifecycle ------------------------------------------------------------------
@@ -631,6 +645,7 @@ class Cluster:
                                          bind=lambda: self.js.key_value(BOXES_BUCKET))
         self.obj = await self._put_stream(OBJ_STREAM_TEMPLATE.format(bucket=PAYLOADS_BUCKET), payloads, changed,
                                           bind=lambda: self.js.object_store(PAYLOADS_BUCKET))
+        self.payload_ttl_s = (await self.obj.status()).ttl or 0.0
         if changed:
             log.info("replicas changed in place to %d: %s", self.replicas, ", ".join(changed))
 
@@ -760,12 +775,16 @@ class Cluster:
         }
         # Over the threshold, or over what this server accepts in one message (max_payload, 1 MiB by default).
         large = len(body) > min(self.settings.nats_large_payload_bytes, self.nc.max_payload - HEADER_ROOM)
+        big = body
         if large:
             await self._put_object(rid, body, deadline)
             headers[H_OBJECT], body = rid, b""
         fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
         subject = batch_subject(model) if batch else work_subject(model)
         pend = self._pending[rid] = _Pending(fut, reply_to, on_partial, model, subject, body, headers, deadline)
+        # A deadline past the object's expiry (a batch line): this box keeps the body in the store.
+        keeper = asyncio.create_task(self._keep_body(rid, big, pend)) \
+            if large and self.payload_ttl_s and deadline > time.monotonic() + self.payload_ttl_s else None
         try:
             ack = await self._publish(subject, body, headers, deadline, offline_gives_up=local)
             if ack is None:
@@ -783,6 +802,8 @@ class Cluster:
             raise
         finally:
             self._pending.pop(rid, None)
+            if keeper is not None:
+                keeper.cancel()
             if large:
                 self._spawn(self._delete_object(rid))
         answer = self.broker.answer(model, done)
@@ -837,6 +858,31 @@ class Cluster:
             await asyncio.wait_for(self.obj.put(name, body), max(0.001, deadline - time.monotonic()))
         except TimeoutError:
             raise Timeout("could not store a body in the JetStream object store in time") from None
+
+    async def _keep_body(self, rid: str, body: bytes, pend: _Pending) -> None:
+        """Keep request `rid`'s body in the object store until the request is answered
+        (this task is cancelled then), though its deadline is past the bucket's TTL.
+
+        JetStream expires every chunk of an object by its age, and the object store has
+        no per-object TTL or touch: the body is put again under the same name (new
+        chunks, then the meta, then the old chunks purged) every half TTL. Not while a
+        live box holds the request (it read the body when it took it): a body put again
+        under a reader would be purged under it. If this box dies, nobody puts it
+        again: an orphan lives at most one TTL."""
+        ttl = self.payload_ttl_s
+        put_at = time.monotonic()
+        while pend.deadline > put_at + ttl:  # else the body outlives the request as it is
+            await asyncio.sleep(max(0.0, put_at + ttl / 2 - time.monotonic()))
+            while pend.holder and pend.holder not in self._quiet:
+                await asyncio.sleep(ttl / 16)
+            try:
+                await self.obj.put(rid, body)
+            except Exception as exc:  # NATS away: again soon, within the half TTL left
+                self._log_error(f"could not put the body of {rid} again: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(ttl / 16)
+                continue
+            put_at = time.monotonic()
+            self.bodies_refreshed += 1
 
     async def _delete_object(self, name: str) -> None:
         try:
@@ -1092,12 +1138,15 @@ class Cluster:
             payload = msg.data
             if H_OBJECT in h:
                 try:
-                    payload = (await self.obj.get(h[H_OBJECT])).data
+                    payload = (await asyncio.wait_for(self.obj.get(h[H_OBJECT]), OBJECT_READ_S)).data
                 except Exception as exc:
                     from nats.js.errors import NotFoundError
 
                     if not isinstance(exc, NotFoundError):
-                        await msg.nak(delay=1.0)  # NATS trouble: try again later, maybe elsewhere
+                        # NATS trouble, or the body was put again under this read: try again
+                        # later, maybe elsewhere.
+                        self._log_error(f"reading the body of {rid} failed: {type(exc).__name__}: {exc}")
+                        await msg.nak(delay=1.0)
                         return
                     await self._reply(reply_to, rid, STATUS_ERROR, _work_error(
                         "bad_request", f"{model}: the request body is gone from the object store"), deadline)
@@ -1299,7 +1348,7 @@ class Cluster:
             "waiting": len(self._pending), "served": self.served, "duplicates": self.duplicates,
             "served_locally": self.served_locally, "reconnects": self.reconnects, "replicas": self.replicas,
             "republished": self.republished, "cancelled": self.cancelled,
-            "server": self._server_here,
+            "bodies_refreshed": self.bodies_refreshed, "server": self._server_here,
             "at": time.time(),
         }
 
