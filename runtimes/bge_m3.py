@@ -227,7 +227,7 @@ class BgeM3Embedder(Adapter):
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 features = (self.direct or self._own_features)([texts[j] for j in idx])
                 mask = features["attention_mask"]
                 used = mask.sum(dim=1).numpy()

@@ -211,7 +211,7 @@ class SequenceClassifier(LoraHost, Adapter):
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 raw, used = self._forward(self.model, [texts[j] for j in idx],
                                           None if slots is None else slots[idx])
                 logits[idx, : raw.shape[1]] = raw.cpu().numpy()

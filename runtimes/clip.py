@@ -186,7 +186,7 @@ class ClipEmbedder(Adapter):
         out, used = None, np.empty(len(texts), dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=self.padding,
                                      truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).

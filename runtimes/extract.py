@@ -198,7 +198,7 @@ class TokenClassifier(LoraHost, Adapter):
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 features = self._features([texts[j] for j in idx])
                 row_slots = None if slots is None else slots[idx]
                 # Softmax over the row's own labels: a narrower head's -inf columns get 0.

@@ -378,7 +378,7 @@ class GlinerExtractor(Adapter):
         words_read = np.fromiter((len(w) for w, _, _ in split), dtype=np.int64, count=n)
         live = np.flatnonzero(words_read > 0)
         lengths = np.fromiter((len(texts[j]) for j in live), dtype=np.int64, count=len(live))
-        for part in micro_batches(lengths, self.micro_items(), self.wanted):
+        for part in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
             idx = live[part]
             probs = self._probs(self.model, [split[j][0] for j in idx], labels)
             for row, j in enumerate(idx.tolist()):

@@ -343,19 +343,50 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
 
 
 def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int], bool] | None = None,
-                  ) -> Iterator[np.ndarray]:
+                  fixed: float = 0.0) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
     `lengths` is any per-input size proxy (characters are enough: the order
     only has to group similar lengths). Stable, so equal lengths keep input order.
+    `fixed`: a forward's fixed cost in the units of `lengths` (`Adapter.fixed_chars`):
+    the sorted inputs are cut where padding them to one length would cost more
+    than another forward (`padding_cuts`); 0 cuts by count alone.
     `wanted` (the adapter's `wanted`, set by the worker) is asked before each
     micro-batch (`check_wanted`): the rest of a batch nobody waits for is not run.
     """
     order = np.argsort(lengths, kind="stable")
-    step = max(1, step)
-    for k, lo in enumerate(range(0, len(order), step)):
+    n, step = len(order), max(1, step)
+    bounds = padding_cuts(lengths[order], step, fixed) if fixed > 0 and n > 1 else [*range(0, n, step), n]
+    for k in range(len(bounds) - 1):
         check_wanted(wanted, k)
-        yield order[lo : lo + step]
+        yield order[bounds[k] : bounds[k + 1]]
+
+
+def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:
+    """Bounds (0, ..., n) cutting ascending `lengths` into runs of at most `step`
+    whose predicted forward time, the sum over runs of `fixed` + items x longest
+    (each run padded to its longest), is least: one pass of dynamic programming
+    over at most `step` starts per end (a few us each: ~1 ms for 256 inputs).
+
+    A request's texts vary in length: one micro-batch of 32 random corpus texts
+    pads 53 % of its forward; cut where it pays, the same texts run 1.3-1.5x
+    faster (bench/README, issue 27). Ties cut as count alone would (runs of `step`
+    from the shortest)."""
+    n = len(lengths)
+    size = lengths.astype(np.float64)
+    ends = np.arange(n + 1, dtype=np.float64)
+    best = np.zeros(n + 1)
+    back = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        lo = max(0, j - step)
+        cost = best[lo:j] + (j - ends[lo:j]) * size[j - 1]
+        k = len(cost) - 1 - int(cost[::-1].argmin())  # a tie: the latest start
+        best[j] = cost[k] + fixed
+        back[j] = lo + k
+    bounds = [n]
+    while bounds[-1]:
+        bounds.append(int(back[bounds[-1]]))
+    return bounds[::-1]
 
 
 def check_wanted(wanted: Callable[[int], bool] | None, k: int) -> None:

@@ -76,8 +76,11 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
 
 def engine_info(adapter) -> dict:
     """What runs the model's forward and how it was chosen (runtimes/engines.py), and
-    up to what size a forward runs on one thread (runtimes/threads.py); {} when neither applies."""
+    up to what size a forward runs on one thread (runtimes/threads.py), and a forward's
+    fixed cost in tokens, where micro-batches cut (`Adapter.fixed_tokens`); {} when none applies."""
     out = {}
+    if getattr(adapter, "fixed_tokens", None) is not None:
+        out["fixed_tokens"] = round(adapter.fixed_tokens)
     if adapter.choice is not None:
         out["engine"] = adapter.choice.info()
     threads = getattr(adapter, "threads", None)

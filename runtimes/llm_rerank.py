@@ -434,7 +434,7 @@ class LlmReranker(Adapter):
         lengths = np.fromiter((len(x) if x.__class__ is str else len(x[0]) + len(x[1]) for x in inputs),
                               dtype=np.int64, count=n)
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 features = self._features([inputs[j] for j in idx])
                 tokens[idx] = features["attention_mask"].sum(dim=1).numpy()
                 features = to_device(features, self.device)

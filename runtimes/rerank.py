@@ -219,7 +219,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         lengths = (np.fromiter((len(d) for d in docs), dtype=np.int64, count=n)
                    + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
         with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted):
+            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
                 with self.loras.rows(slots[idx], self.device) if slots is not None else nullcontext():
                     raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx])
                 logits[idx] = raw.cpu().numpy()

@@ -118,7 +118,7 @@ class SpladeEmbedder(Adapter):
         """(input indices, (b, V) weights on the device, tokens per input) per forward pass."""
         torch = self._torch
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-        for group in micro_batches(lengths, self.micro_items(), self.wanted):
+        for group in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
             enc = (self.direct or self._own_features)([texts[j] for j in group])
             rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
             for lo in range(0, len(group), rows):

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger("fleet.worker")
 
 #: Timing rounds per shape (one thread and the worker's threads, alternating);
@@ -40,18 +42,37 @@ BUDGET_S = 1.5
 #: One thread must be at least this much faster (ratio of medians) to take a shape:
 #: a tie keeps the worker's threads, which win as soon as the shape grows.
 MARGIN = 1.0
+#: Bounds of a measured fixed cost (`Threads.fixed_tokens`), padded tokens.
+FIXED_TOKENS_RANGE = (32.0, 512.0)
 
 
 class Threads:
     """The worker's intra-op threads and the size below which a forward runs on one."""
 
-    def __init__(self, torch: Any, small_tokens: int = 0, table: dict[str, str] | None = None) -> None:
+    def __init__(self, torch: Any, small_tokens: int = 0, table: dict[str, str] | None = None,
+                 full_ms: list[tuple[int, float]] | None = None) -> None:
         self._torch = torch
         self.full = torch.get_num_threads()
         #: Micro-batches of at most this many padded tokens run on one thread (0: none).
         self.small_tokens = small_tokens if self.full > 1 else 0
         #: Per shape measured: "1t=<ms> <n>t=<ms>".
         self.table = table or {}
+        #: (padded tokens, median ms) of each shape on the worker's threads.
+        self.full_ms = full_ms or []
+
+    def fixed_tokens(self) -> float | None:
+        """A forward's fixed cost in padded tokens on the worker's threads: a / b of
+        the least-squares line ms = a + b x tokens through `full_ms`, within
+        FIXED_TOKENS_RANGE (a noisy timing is not let to cut micro-batches to one
+        text or never); None with fewer than two shapes."""
+        if len(self.full_ms) < 2:
+            return None
+        x, y = (np.array(v, dtype=np.float64) for v in zip(*self.full_ms))
+        b, a = np.polyfit(x, y, 1)
+        lo, hi = FIXED_TOKENS_RANGE
+        if b <= 0:  # time does not grow with tokens: the fixed cost is all of it
+            return hi
+        return float(min(hi, max(lo, a / b)))
 
     def enter(self, tokens: int) -> bool:
         """Before a forward of `tokens` padded tokens: True when it now runs on one
@@ -76,7 +97,7 @@ def measure(torch: Any, name: str, shapes: list[tuple[int, Callable[[], Any]]], 
     full = torch.get_num_threads()
     if full <= 1:
         return Threads(torch)
-    small, table = 0, {}
+    small, table, full_ms = 0, {}, []
     started = clock()
     try:
         for tokens, run in shapes:
@@ -93,6 +114,7 @@ def measure(torch: Any, name: str, shapes: list[tuple[int, Callable[[], Any]]], 
                     into.append((clock() - t0) * 1e3)
             m1, mn = statistics.median(one), statistics.median(many)
             table[str(tokens)] = f"1t={m1:.2f}ms {full}t={mn:.2f}ms"
+            full_ms.append((tokens, mn))
             if m1 * MARGIN > mn:
                 break
             small = tokens
@@ -101,4 +123,4 @@ def measure(torch: Any, name: str, shapes: list[tuple[int, Callable[[], Any]]], 
     finally:
         torch.set_num_threads(full)
     log.info("threads %s: one thread up to %d tokens (%s)", name, small, table)
-    return Threads(torch, small, table)
+    return Threads(torch, small, table, full_ms)

@@ -66,6 +66,28 @@ def test_length_sorted_micro_batches_give_each_text_its_unpadded_vector(embedder
     assert min_cos(together, alone) >= MIN_COSINE
 
 
+def test_a_request_of_short_and_long_texts_is_cut_where_padding_costs_more(embedder):
+    """runtimes/hf_common.padding_cuts through the adapter: on the CPU the short texts
+    of a request do not run padded to its long ones (two forwards, not one), and every
+    vector is the one the texts get cut by count alone."""
+    assert embedder.fixed_tokens is not None  # the CPU's fixed cost, measured at load or the default
+    short, long_ = ["a cat"] * 4, [" ".join(CHECK_SET) * 2] * 2
+    batch = [[long_[0], *short[:2]], [*short[2:], long_[1]]]
+    runs: list[int] = []
+    embedder.wanted = lambda k: runs.append(k) or True
+    try:
+        cut = embed(embedder, batch)
+        by_count, embedder.fixed_tokens = embedder.fixed_tokens, None
+        runs_by_padding = len(runs)
+        runs.clear()
+        whole = embed(embedder, batch)
+    finally:
+        embedder.wanted, embedder.fixed_tokens = None, by_count
+    assert runs_by_padding == 2 and len(runs) == 1  # 6 texts: one micro-batch of 8 by count
+    for x, y in zip(cut, whole):
+        assert min_cos(x, y) >= 0.99999
+
+
 def test_tokenizing_ahead_gives_the_same_vectors_in_the_same_order(embedder):
     assert embedder.tokenize_ahead is not None  # loaded adapters tokenize ahead
     batch = [texts(10, seed=s) for s in range(3)]

@@ -486,6 +486,66 @@ def test_micro_batches_sort_by_length_and_cover_every_input():
     assert np.concatenate(chunks).tolist() == [1, 3, 6, 4, 0, 5, 2]  # stable: equal lengths keep input order
 
 
+def padded_cost(lengths: np.ndarray, bounds: list[int], fixed: float) -> float:
+    """Predicted time of ascending `lengths` cut at `bounds`: per run, `fixed` + items x longest."""
+    return sum(fixed + (hi - lo) * lengths[hi - 1] for lo, hi in zip(bounds, bounds[1:]))
+
+
+def all_cuts(n: int, step: int):
+    """Every way to cut n inputs into runs of at most `step` (as bounds)."""
+    for mask in range(1 << (n - 1)):
+        bounds = [0, *(i + 1 for i in range(n - 1) if mask >> i & 1), n]
+        if all(hi - lo <= step for lo, hi in zip(bounds, bounds[1:])):
+            yield bounds
+
+
+def test_padding_cuts_are_the_least_predicted_cost():
+    """runtimes/hf_common.padding_cuts: the cut of sorted lengths whose sum of
+    fixed + items x longest is least, runs of at most `step`; exhaustively checked."""
+    from runtimes.hf_common import padding_cuts
+
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        n, step = int(rng.integers(1, 10)), int(rng.integers(1, 6))
+        lengths = np.sort(rng.integers(1, 200, n))
+        fixed = float(rng.choice([1.0, 40.0, 400.0]))
+        got = padding_cuts(lengths, step, fixed)
+        assert got[0] == 0 and got[-1] == n and all(0 < hi - lo <= step for lo, hi in zip(got, got[1:]))
+        best = min(padded_cost(lengths, b, fixed) for b in all_cuts(n, step))
+        assert padded_cost(lengths, got, fixed) == pytest.approx(best)
+
+
+def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
+    """Four short texts and two long ones: with a small fixed cost the short ones are
+    not padded to the long ones' length; with a large one (or none given: by count)
+    they run together; equal lengths are cut by count as before."""
+    from runtimes.hf_common import micro_batches
+
+    lengths = np.array([200, 10, 12, 190, 11, 10])
+    assert [c.tolist() for c in micro_batches(lengths, 64, fixed=100.0)] == [[1, 5, 4, 2], [3, 0]]
+    assert [len(c) for c in micro_batches(lengths, 64, fixed=10_000.0)] == [6]
+    assert [len(c) for c in micro_batches(lengths, 64)] == [6]
+    assert [len(c) for c in micro_batches(np.full(10, 7), 4, fixed=5.0)] == [4, 4, 2]
+    asked: list[int] = []
+    assert len(list(micro_batches(lengths, 64, lambda k: asked.append(k) or True, 100.0))) == 2
+    assert asked == [0, 1]  # `wanted` before each micro-batch
+
+
+def test_a_forwards_fixed_cost_is_fitted_from_the_thread_timings():
+    """runtimes/threads.Threads.fixed_tokens: a / b of the line through the worker's
+    thread timings, within its bounds (no slope: the upper one); None with one shape."""
+    import torch
+
+    from runtimes.threads import FIXED_TOKENS_RANGE, Threads
+
+    line = [(12, 10.0 + 0.08 * 12), (84, 10.0 + 0.08 * 84), (480, 10.0 + 0.08 * 480)]
+    assert Threads(torch, full_ms=line).fixed_tokens() == pytest.approx(125.0)
+    assert Threads(torch, full_ms=line[:1]).fixed_tokens() is None
+    assert Threads(torch, full_ms=[(12, 5.0), (84, 4.9)]).fixed_tokens() == FIXED_TOKENS_RANGE[1]
+    assert Threads(torch, full_ms=[(12, 100.0), (84, 100.1)]).fixed_tokens() == FIXED_TOKENS_RANGE[1]
+    assert Threads(torch, full_ms=[(12, 1.0), (84, 7.0)]).fixed_tokens() == FIXED_TOKENS_RANGE[0]
+
+
 # ---- bad input -----------------------------------------------------------------
 
 LONG = "word " * 300  # > 128 tokens, the tiny models' limit

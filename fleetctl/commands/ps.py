@@ -127,7 +127,8 @@ def models_table(state: dict[str, Any], now: float) -> Table:
 
 def engine(m: dict[str, Any]) -> str:
     """What runs the forward and why (runtimes/engines.py: measured at load, a kept
-    verdict, the profile's), its measured speed, and the one-thread size (runtimes/threads.py)."""
+    verdict, the profile's), its measured speed, the one-thread size (runtimes/threads.py)
+    and a forward's fixed cost in tokens, where micro-batches cut (runtimes/base.py)."""
     e = m.get("engine") or {}
     text = e.get("engine", "torch")
     if e.get("by"):
@@ -136,6 +137,8 @@ def engine(m: dict[str, Any]) -> str:
     small = (m.get("threads") or {}).get("one_thread_up_to_tokens")
     if small:
         text += f"; 1 thread <= {small} tok"
+    if m.get("fixed_tokens"):
+        text += f"; cut at {m['fixed_tokens']} tok"
     return text
 
 
