@@ -36,6 +36,7 @@ from daemon.controllers.top import TopController
 from daemon.core import Daemon
 from daemon.http import on_fleet_error, on_http_error, on_unexpected
 from daemon.notify import announce_ready, notify, watchdog_loop
+from daemon.query import declared_query, refuse_undeclared
 
 log = logging.getLogger("fleet.daemon")
 
@@ -103,6 +104,8 @@ def create_app(daemon: Daemon) -> Litestar:
             await daemon.leave_cluster()
             daemon.stop()
 
+    # Each handler's query parameters, read once the routes are all registered (below).
+    query_table: dict = {}
     app = Litestar(
         route_handlers=[EmbedController, RerankController, ClassifyController, ExtractController, GenerateController,
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
@@ -111,6 +114,7 @@ def create_app(daemon: Daemon) -> Litestar:
                         ResponsesController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
+        before_request=refuse_undeclared(query_table),
         lifespan=[lifespan],
         request_max_body_size=daemon.settings.max_body_bytes,
         openapi_config=None,
@@ -120,4 +124,5 @@ def create_app(daemon: Daemon) -> Litestar:
     )
     for controller in (FilesController, BatchesController):  # offline jobs (daemon/batches.py)
         app.register(controller)
+    query_table.update(declared_query(app))
     return app

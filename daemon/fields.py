@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,27 +200,33 @@ def listed(items: list[str]) -> str:
     return ", ".join(items[:MAX_NAMED]) + more
 
 
-def refusal(unknown: list[Unknown]) -> UnknownFields:
-    """The native routes' 400: each unknown field with the closest known one."""
+def refusal(unknown: list[Unknown], *, kind: str = "field", none_known: str = "") -> UnknownFields:
+    """The native routes' 400: each unknown field with the closest known one. `kind`
+    names what was unknown ("field", "query parameter"); `none_known` is the hint when
+    there is nothing known to suggest."""
     if len(unknown) == 1:
         u = unknown[0]
         where = f" in `{shown(u.parent)}`" if u.parent else ""
         if u.suggestion:
             hint = f"; did you mean `{u.suggestion}`?"
+        elif u.known:
+            hint = f"; known {kind}s: " + ", ".join(f"`{k}`" for k in u.known)
         else:
-            hint = "; known fields: " + ", ".join(f"`{k}`" for k in u.known) if u.known else ""
-        message = f"unknown field `{shown(u.name)}`{where}{hint}"
+            hint = none_known
+        message = f"unknown {kind} `{shown(u.name)}`{where}{hint}"
     else:
-        message = "unknown fields: " + listed(
-            [f"`{shown(u.path)}`" + (f" (did you mean `{u.suggestion}`?)" if u.suggestion else "") for u in unknown])
+        message = f"unknown {kind}s: " + listed(
+            [f"`{shown(u.path)}`" + (f" (did you mean `{u.suggestion}`?)" if u.suggestion else "") for u in unknown]
+        ) + ("" if unknown[0].known else none_known)
     return UnknownFields(message, [(shown(u.path), u.suggestion) for u in unknown])
 
 
-def check_query(names: Iterable[str], known: tuple[str, ...]) -> None:
+def check_query(names: Iterable[str], known: Collection[str], route: str) -> None:
     """Refuse query parameters a route does not take (`refusal`: each with the closest
-    known one). `names`: the request's query parameter names."""
-    if unknown := [Unknown(k, k, known) for k in names if k not in known]:
-        raise refusal(unknown)
+    known one). `names`: the request's query parameter names (repeats allowed);
+    `route`: "GET /v1/models", for the message when it takes none."""
+    if unknown := [Unknown(k, k, tuple(known)) for k in dict.fromkeys(names) if k not in known]:
+        raise refusal(unknown, kind="query parameter", none_known=f"; {route} takes no query parameters")
 
 
 def openai_message(fields: list[tuple[str, str | None]]) -> str:

@@ -1,4 +1,5 @@
-"""The hot route, `POST /v1/embed`, answered in plain ASGI in front of the Litestar app.
+"""The hot route, `POST /v1/embed` without a query string, answered in plain ASGI in
+front of the Litestar app.
 
 A lone client's request reaches a process that slept through the model's
 forward pass, with cold caches. On the 2-vCPU box of issue 17, Litestar's
@@ -47,7 +48,10 @@ class HotRoutes:
         self.daemon = daemon
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/embed":
+        # A query string goes the app's way: the route's query check (daemon.query) refuses
+        # what it does not declare.
+        if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/embed"
+                or scope.get("query_string")):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # lower-cased names (ASGI)

@@ -13,7 +13,9 @@ client pick its model by URL:
   `GET /v1/models` lists that model alone (it reads `SCOPE_MODEL`). Ollama's
   `/api/*` is not served there: Ollama clients name their models.
 - `POST /<route>?model=<name>` on any route is the same: the URL's model is
-  applied, never ignored.
+  applied, never ignored, and taken out of the query. Where the body is not a
+  JSON object (no `model` to set) it stays in the query, and the route refuses
+  it (daemon.query: a route takes the query parameters it declares).
 - `POST /` is dispatched as TEI and TGI dispatch it, by the model's task
   (`root_route`): embed (sparse for SPLADE; `/similarity` for a
   `{"inputs": {"source_sentence", ...}}` body), predict, rerank, TGI's
@@ -103,6 +105,18 @@ def root_model(daemon: Daemon, body: dict[str, Any]) -> str:
     raise BadRequest(f"POST / runs one model, as TEI and TGI do, and this body could be for {listed}: use the "
                      f"model's own URL /models/NAME/ (for example /models/{next(iter(found.values()))}/), or "
                      f"send `model`", param="model")
+
+
+def without_query_model(scope: Any, model: str) -> tuple[Any, bool]:
+    """(`scope` without `model` in its query string, whether the query named another model
+    than `model`): once the body's `model` is set, the query's is applied, so the route
+    never sees it (daemon.query refuses what a route does not declare)."""
+    query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    named = [v for k, v in query if k == "model"]
+    if not named:
+        return scope, False
+    rest = urlencode([(k, v) for k, v in query if k != "model"], quote_via=quote).encode()
+    return {**scope, "query_string": rest}, any(v != model for v in named)
 
 
 def with_header(send: Send, name: bytes, value: str) -> Send:
@@ -203,7 +217,9 @@ class ModelUrls:
     def rewrite(self, scope: Any, body: bytes, model: str | None, *,
                 msgpack: bool) -> tuple[Any, bytes, bool]:
         """(scope, body, whether a different `model` the client sent was ignored): the
-        body's `model` set to the URL's, and `POST /` routed to its task's route."""
+        body's `model` set to the URL's (and `?model=` taken out of the query), and `POST /`
+        routed to its task's route. A body that is not a JSON object is left as it is, and
+        so is the query: the route refuses a `model` it does not take."""
         obj = fields.plain(body, msgpack=msgpack) if body else None
         if not isinstance(obj, dict):
             if scope["path"] == "/":
@@ -213,6 +229,8 @@ class ModelUrls:
         ignored = model is not None and sent not in (None, "", model)
         if model is not None:
             obj["model"] = model
+            scope, other = without_query_model(scope, model)
+            ignored = ignored or other
         if scope["path"] == "/":
             name = model or (sent if isinstance(sent, str) and sent else root_model(self.daemon, obj))
             manifest = self.daemon.store.get(name) if self.daemon.store.exists(name) else None

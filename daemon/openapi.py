@@ -198,7 +198,9 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                             _array(tei.TeiRank), **_TEI),
     ("POST", "/tokenize"): Op("TEI: the tokens of each input.", "tei", tei.TeiTokenizeRequest,
                               _array(_array(tei.TeiToken)), **_TEI),
-    ("GET", "/info"): Op("TEI: the served model and its limits.", "tei", None, tei.TeiInfo, returns=(JSON,)),
+    ("GET", "/info"): Op("TEI: the served model and its limits.", "tei", None, tei.TeiInfo, returns=(JSON,), query=(
+        ("model", _STRING, "The model to describe (default: the embedding default). A per-model URL "
+                           "(`/models/NAME/info`) sets it."),)),
     ("POST", "/similarity"): Op("TEI: cosine of `source_sentence` with each of `sentences`.", "tei",
                                 tgi.SimilarityRequest, _array(_NUMBER), **_TEI),
     ("POST", "/decode"): Op("TEI: token ids to text in the model's own vocabulary.", "tei", tgi.DecodeRequest,
@@ -342,7 +344,8 @@ def build_document(routes: list[tuple[str, str]]) -> dict[str, Any]:
                                 "plus `shape` and `dtype`. Off loopback, send `Authorization: Bearer <key>`. "
                                 "Requests are understood or refused: native, OpenAI and Cohere routes answer 400 "
                                 "to an unknown field, naming it and the closest known one; Ollama and TEI routes "
-                                "ignore it, as those servers do. A field accepted and not applied, and an "
+                                "ignore it, as those servers do. Every route answers 400 to a query parameter "
+                                "it does not list. A field accepted and not applied, and an "
                                 f"ignored unknown one, is named in the `{IGNORED_FIELDS_HEADER}` reply header."},
         "paths": paths,
         "components": {"schemas": components,

@@ -84,6 +84,29 @@ def test_every_route_is_in_the_document_with_its_shapes():
     assert refs and refs <= set(doc["components"]["schemas"])
 
 
+def test_each_route_documents_the_query_parameters_it_takes():
+    """The document lists, for every route, exactly the query parameters the daemon's
+    query check lets through (daemon.query: each handler's declared ones)."""
+    from daemon.app import create_app
+    from daemon.core import Daemon
+    from daemon.openapi import openapi_path
+    from daemon.query import declared_query
+    from fleet.config import Settings
+
+    app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))
+    table = declared_query(app)
+    checked = 0
+    for route in app.routes:
+        for method, (handler, _) in getattr(route, "route_handler_map", {}).items():
+            op = OPERATIONS.get((method, openapi_path(route.path)))
+            if op is None:  # HEAD, OPTIONS and the docs page's files: not in the document
+                assert not table[handler].names, (method, route.path)
+                continue
+            assert {name for name, _, _ in op.query} == table[handler].names, (method, route.path)
+            checked += 1
+    assert checked == len(OPERATIONS)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("fleet-openapi"))

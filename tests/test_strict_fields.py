@@ -15,8 +15,10 @@ other task (a reranker, a classifier, a tagger and a SPLADE model built with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +175,150 @@ def test_admin_bodies_are_refused_before_anything_happens(served: DaemonProc, me
     assert any(w["models"].get(CLASSIFY, {}).get("pinned") for w in workers), workers
     if path.endswith("/unload") or method == "DELETE":  # they act on every copy: `device` is refused
         assert "device" in refused(send(served, path, {"device": "cpu"}, msgpack=msgpack, method=method))["message"]
+
+
+# ---- query parameters: each route takes those it declares, and refuses the rest -------------------------
+
+BLOB = b"a blob the query sweep would upload"
+DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
+_TEMPLATE = re.compile(r"\{(\w+)(?::\w+)?\}")
+
+
+def app_handlers() -> list[tuple[str, str, Any]]:
+    """(method, Litestar path, handler) of every route handler of the app a daemon serves,
+    HEAD and Litestar's own OPTIONS answers too: a route added later is swept as well."""
+    from litestar.routes import HTTPRoute
+
+    from daemon.app import create_app
+    from daemon.core import Daemon
+    from fleet.config import Settings
+
+    app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))
+    return sorted(((method, route.path, handler) for route in app.routes if isinstance(route, HTTPRoute)
+                   for method, (handler, _) in route.route_handler_map.items()), key=lambda r: r[:2])
+
+
+def declared() -> dict[tuple[str, str], frozenset[str]]:
+    """(method, path) -> the query parameters the daemon's own table says the route takes."""
+    from daemon.app import create_app
+    from daemon.core import Daemon
+    from daemon.query import declared_query
+    from fleet.config import Settings
+
+    app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))
+    table = declared_query(app)
+    return {(method, route.path): table[handler].names for route in app.routes
+            for method, (handler, _) in getattr(route, "route_handler_map", {}).items()}
+
+
+def box_state(d: DaemonProc) -> dict[str, Any]:
+    """What a request could change: stored models, pins and residency, files, batches, blobs."""
+    workers = ok(httpx.get(d.url + "/v1/ps", timeout=30))["workers"]
+    return {
+        "tags": sorted(m["name"] for m in ok(httpx.get(d.url + "/api/tags", timeout=30))["models"]),
+        "resident": sorted((name, bool(m.get("pinned"))) for w in workers for name, m in w["models"].items()),
+        "files": sorted(f["id"] for f in ok(httpx.get(d.url + "/v1/files", timeout=30))["data"]),
+        "batches": sorted(b["id"] for b in ok(httpx.get(d.url + "/v1/batches?limit=100", timeout=30))["data"]),
+        "blob": httpx.head(f"{d.url}/api/blobs/{DIGEST}", timeout=30).status_code,
+    }
+
+
+def query_error(resp: httpx.Response, method: str, path: str, name: str) -> None:
+    """`resp` is the 400 refusing query parameter `name`, in the route's error shape."""
+    assert resp.status_code == 400, (method, path, resp.text[:300])
+    if method == "HEAD":
+        return
+    err = resp.json()["error"]
+    if path.startswith("/api/"):  # Ollama's shape: {"error": "..."}
+        assert f"`{name}`" in err, (method, path, err)
+    else:
+        assert err["code"] == "bad_request" and name in err["message"], (method, path, err)
+        assert err.get("param", name) == name, (method, path, err)
+
+
+def test_every_route_refuses_a_query_parameter_it_does_not_declare_and_changes_nothing(served: DaemonProc):
+    """Every route handler of the app (walked, not listed), with a body that would act
+    where the route acts (pin, load, unload, delete, copy, create, upload, batch): a query
+    parameter it does not declare is a 400 naming it, before anything happens."""
+    jsonl = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embed",
+                        "body": {"model": DEFAULT_MODEL, "inputs": ["x"]}}).encode()
+    file_id = ok(httpx.post(served.url + "/v1/files", files={"file": ("q.jsonl", jsonl)}, data={"purpose": "batch"},
+                            timeout=30))["id"]
+    values = {"name": SPARE, "model_id": DEFAULT_MODEL, "file_id": file_id, "batch_id": "batch_none",
+              "digest": DIGEST}
+    # Which model a route would act on: one it would change (load or pin the spare; unpin or unload a pinned one).
+    per_route = {("DELETE", "/v1/models/{name:str}/pin"): {"name": CLASSIFY},
+                 ("POST", "/v1/models/{name:str}/unload"): {"name": CLASSIFY},
+                 ("GET", "/docs/{name:str}"): {"name": "swagger-ui.css"}}
+    acting = {
+        ("DELETE", "/api/delete"): {"json": {"model": SPARE}},
+        ("POST", "/api/copy"): {"json": {"source": SPARE, "destination": "query-copy"}},
+        ("POST", "/api/create"): {"json": {"model": "query-created", "from": SPARE, "stream": False}},
+        ("POST", "/api/blobs/{digest:str}"): {"content": BLOB},
+        ("POST", "/v1/files"): {"files": {"file": ("q.jsonl", jsonl)}, "data": {"purpose": "batch"}},
+        ("POST", "/v1/batches"): {"json": {"input_file_id": file_id, "endpoint": "/v1/embed",
+                                           "completion_window": "24h"}},
+    }
+    before = box_state(served)
+    assert (f"{SPARE}:latest" in before["tags"] and (CLASSIFY, True) in before["resident"]
+            and SPARE not in dict(before["resident"]) and before["blob"] == 404), before
+    swept = 0
+    for method, template, _ in app_handlers():
+        path = _TEMPLATE.sub(lambda m: {**values, **per_route.get((method, template), {})}[m.group(1)], template)
+        body = acting.get((method, template), {"json": {}} if method in ("POST", "DELETE") else {})
+        resp = httpx.request(method, served.url + path, params={"bogus_param": "1"}, timeout=60, **body)
+        query_error(resp, method, path, "bogus_param")
+        swept += 1
+    assert swept >= 60
+    assert box_state(served) == before  # nothing happened
+    ok(httpx.delete(f"{served.url}/v1/files/{file_id}", timeout=30))
+
+
+def test_declared_query_parameters_are_applied_and_a_typo_names_them(served: DaemonProc):
+    """The routes that declare query parameters (the daemon's own table, so a new one must
+    be added here) still apply them; a typo of one names it; `model` from a per-model URL or
+    `?model=` on a POST is applied, and refused where it cannot be."""
+    takes = {route: names for route, names in declared().items() if names}
+    assert takes == {("GET", "/v1/files"): {"after", "limit", "order", "purpose"},
+                     ("GET", "/v1/batches"): {"after", "limit"}, ("GET", "/info"): {"model"}}, takes
+    jsonl = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embed",
+                        "body": {"model": DEFAULT_MODEL, "inputs": ["x"]}}).encode()
+    ids = [ok(httpx.post(served.url + "/v1/files", files={"file": (f"q{i}.jsonl", jsonl)},
+                         data={"purpose": "batch"}, timeout=30))["id"] for i in range(2)]
+    newest = ok(httpx.get(served.url + "/v1/files?purpose=batch&limit=1&order=desc", timeout=30))["data"]
+    assert [f["id"] for f in newest] == ids[1:]
+    page = ok(httpx.get(f"{served.url}/v1/files?purpose=batch&order=asc&after={ids[0]}", timeout=30))["data"]
+    assert [f["id"] for f in page] == ids[1:]
+    assert ok(httpx.get(served.url + "/v1/batches?limit=1", timeout=30))["object"] == "list"
+    assert ok(httpx.get(f"{served.url}/info?model={CLASSIFY}", timeout=30))["model_id"] == CLASSIFY
+    for path, typo, known in [("/v1/files?limt=1", "limt", "limit"), ("/v1/batches?afer=x", "afer", "after")]:
+        err = refused(httpx.get(served.url + path, timeout=30))
+        assert err["message"] == f"Unrecognized request argument supplied: {typo} (did you mean {known}?)"
+        assert err["param"] == typo and err["type"] == "invalid_request_error"
+    err = refused(httpx.get(f"{served.url}/info?modle={CLASSIFY}", timeout=30))
+    assert err["message"] == "unknown query parameter `modle`; did you mean `model`?"
+    err = refused(httpx.get(served.url + "/healthz?verbose", timeout=30))
+    assert err["message"] == "unknown query parameter `verbose`; GET /healthz takes no query parameters"
+    # `model` in the URL: applied (two classifiers, no default), the hot route's path too.
+    native = ok(send(served, "/v1/classify", {"model": CLASSIFY, "inputs": ["hello"]}))
+    assert ok(send(served, f"/v1/classify?model={CLASSIFY}", {"inputs": ["hello"]})) == native
+    resp = send(served, f"/models/{CLASSIFY}/v1/classify?model={SPARE}", {"inputs": ["hello"]})
+    assert ok(resp) == native and ignored(resp) == ["model"]  # the URL's model, and the other one named
+    embedded = ok(send(served, "/v1/embed", {"model": DEFAULT_MODEL, "inputs": ["hello"]}))
+    assert ok(send(served, f"/v1/embed?model={DEFAULT_MODEL}", {"inputs": ["hello"]})) == embedded
+    err = refused(send(served, f"/v1/embed?model={DEFAULT_MODEL}&bogus=1", {"inputs": ["hello"]}))
+    assert err["message"] == "unknown query parameter `bogus`; POST /v1/embed takes no query parameters"
+    assert ok(httpx.get(f"{served.url}/models/{CLASSIFY}/info", timeout=30))["model_id"] == CLASSIFY
+    listed = ok(httpx.get(f"{served.url}/models/{CLASSIFY}/v1/models", timeout=30))["data"]
+    assert [m["id"] for m in listed] == [CLASSIFY]
+    # A body `?model=` cannot be set in (a multipart upload) keeps it: refused, nothing kept.
+    files = ok(httpx.get(served.url + "/v1/files", timeout=30))["data"]
+    resp = httpx.post(f"{served.url}/v1/files?model={SPLADE}", files={"file": ("q.jsonl", jsonl)},
+                      data={"purpose": "batch"}, timeout=30)
+    assert refused(resp)["param"] == "model"
+    assert ok(httpx.get(served.url + "/v1/files", timeout=30))["data"] == files
+    for file_id in ids:
+        ok(httpx.delete(f"{served.url}/v1/files/{file_id}", timeout=30))
 
 
 @pytest.mark.parametrize("msgpack", [False, True], ids=["json", "msgpack"])

@@ -10,7 +10,7 @@ from litestar.response import File
 from fleet.batches import FileList
 from fleet.errors import BadRequest, Unavailable
 
-from daemon import codec, fields
+from daemon import codec
 from daemon.core import Daemon
 from daemon.http import reply
 
@@ -41,7 +41,6 @@ class FilesController(Controller):
     @get("", status_code=200)
     async def list_files(self, request: Request, daemon: Daemon, after: str | None = None, limit: int = 10_000,
                          order: str = "desc", purpose: str | None = None) -> Response:
-        fields.check_query(request.query_params, ("after", "limit", "order", "purpose"))
         page, more = batches_of(daemon).files(after=after, limit=limit, order=order, purpose=purpose)
         return reply(request, FileList(page, more, page[0].id if page else None, page[-1].id if page else None))
 
