@@ -11,8 +11,9 @@ gives each batch's requests, so its texts and their token counts. From those:
 - the worker's own time per stage (summed over batches, as a share of the wall
   time) and what is left idle;
 - the forward's padding: the batch's texts sorted by length and cut into
-  micro-batches of `--micro-batch` (the profile's `micro_batch_items`, as
-  runtimes/sentence_transformer.py does), each padded to its longest, against
+  micro-batches as the worker cuts them (at most `--micro-batch`, the profile's
+  `micro_batch_items`, where padding costs more than the worker's `fixed_tokens`
+  of a forward: runtimes/hf_common.padding_cuts), each padded to its longest, against
   the same texts in unsorted request windows (a per-request caller) and
   length-sorted batches of `--batch` over the whole corpus (the offline limit);
 - tokens/s of the forward alone (real tokens / forward + pool time);
@@ -47,6 +48,7 @@ from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.targets import request_windows
 from bench.timeline import HEADER, MODEL, parse_stamps
 from bench.tokens import TokenCounter, package_model_dir
+from runtimes.hf_common import padding_cuts
 
 WARMUP_S = 3.0
 #: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
@@ -89,9 +91,14 @@ def box_idle() -> tuple[float, float]:
     return t.idle + t.iowait, float(sum(t[:8]))
 
 
-def padded(lengths: list[int], size: int, *, sort: bool) -> int:
-    """Tokens a forward pays for `lengths` cut into chunks of `size`, each padded to its longest."""
+def padded(lengths: list[int], size: int, *, sort: bool, fixed: float = 0.0) -> int:
+    """Tokens a forward pays for `lengths` cut into chunks of `size`, each padded to its
+    longest; sorted with `fixed` (the worker's `fixed_tokens`), cut as the worker cuts
+    (runtimes/hf_common.padding_cuts, here on token counts rather than characters)."""
     xs = sorted(lengths) if sort else list(lengths)
+    if sort and fixed > 0 and len(xs) > 1:
+        bounds = padding_cuts(np.asarray(xs), size, fixed)
+        return sum(xs[hi - 1] * (hi - lo) for lo, hi in zip(bounds, bounds[1:]))
     return sum(max(xs[i:i + size]) * len(xs[i:i + size]) for i in range(0, len(xs), size))
 
 
@@ -133,7 +140,7 @@ def load(url: str, prepared: list[bytes], clients: int, duration_s: float) -> tu
 
 
 def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batch: int, micro: int,
-            wall_s: float) -> dict:
+            wall_s: float, fixed: float = 0.0) -> dict:
     batches: dict[int, list[dict]] = {}
     for r in rows:
         batches.setdefault(r["claimed"], []).append(r)
@@ -146,10 +153,12 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
     busy = sum((r["ran"] - r["woke"]) / 1e9 for r in firsts)
     model = sum((r["host"] - r["decoded"]) / 1e9 for r in firsts)
     real = [lengths[i] for r in rows for i in windows[r["window"]]]
-    pads = {"worker (batch sorted, micro-batches of %d)" % micro: 0, "request windows unsorted (per request)": 0}
+    worker_label = (f"worker (batch sorted, cut at {fixed:.0f} tokens of fixed cost, at most {micro})" if fixed
+                    else f"worker (batch sorted, micro-batches of {micro})")
+    pads = {worker_label: 0, "request windows unsorted (per request)": 0}
     for group in batches.values():
         lens = [lengths[i] for r in group for i in windows[r["window"]]]
-        pads["worker (batch sorted, micro-batches of %d)" % micro] += padded(lens, micro, sort=True)
+        pads[worker_label] += padded(lens, micro, sort=True, fixed=fixed)
     for r in rows:
         pads["request windows unsorted (per request)"] += padded([lengths[i] for i in windows[r["window"]]], batch,
                                                                  sort=False)
@@ -194,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ps = httpx.get(url + "/v1/ps", timeout=10).json()
         api = int(ps["pid"])
-        served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads")}
+        served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads",
+                                                                   "fixed_tokens")}
                                          for name, m in w.get("models", {}).items()} for w in ps.get("workers", [])}
+        # Where the worker cuts micro-batches (runtimes/base.Adapter.fixed_tokens; absent: by count).
+        fixed = next((float(m["fixed_tokens"]) for w in served.values() for n, m in w.items()
+                      if n == MODEL and m.get("fixed_tokens")), 0.0)
         samples = (lambda: cpu_s(api), lambda: cpu_s(api, children=True), time.process_time)
         cpu = {k: [f()] for k, f in zip(("api", "workers", "clients"), samples)}
         idle0 = box_idle()
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
     load_after = os.getloadavg()
     span = WARMUP_S + args.duration
-    res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9)
+    res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9, fixed)
     res["worker_cost"] = worker_cost
     cores = os.cpu_count() or 1
     res["cpu_cores_used"] = {k: (v[1] - v[0]) / span for k, v in cpu.items()}
