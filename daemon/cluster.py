@@ -865,16 +865,15 @@ class Cluster:
 
         JetStream expires every chunk of an object by its age, and the object store has
         no per-object TTL or touch: the body is put again under the same name (new
-        chunks, then the meta, then the old chunks purged) every half TTL. Not while a
-        live box holds the request (it read the body when it took it): a body put again
-        under a reader would be purged under it. If this box dies, nobody puts it
-        again: an orphan lives at most one TTL."""
+        chunks, then the meta, then the old chunks purged) every half TTL, also while a
+        box holds the request (it may hand it back: `nak`, or die). A puller reading it
+        just then reads purged chunks: its read is bounded (OBJECT_READ_S) and the
+        message read again. If this box dies, nobody puts the body again: an orphan
+        lives at most one TTL."""
         ttl = self.payload_ttl_s
         put_at = time.monotonic()
         while pend.deadline > put_at + ttl:  # else the body outlives the request as it is
             await asyncio.sleep(max(0.0, put_at + ttl / 2 - time.monotonic()))
-            while pend.holder and pend.holder not in self._quiet:
-                await asyncio.sleep(ttl / 16)
             try:
                 await self.obj.put(rid, body)
             except Exception as exc:  # NATS away: again soon, within the half TTL left
