@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -519,7 +520,8 @@ def nvml_check(device: str) -> Check:
 def goal_checks(knee: Check | None, device_name: str | None) -> list[Check]:
     where = device_name or "cpu"
     if knee is None or not device_name or GOAL_DEVICE.lower() not in device_name.lower():
-        why = f"goals are for one {GOAL_DEVICE}; this run is on {where}"
+        why = (f"goals are for one {GOAL_DEVICE}; this run is on {where}" if knee is not None or
+               GOAL_DEVICE.lower() not in where.lower() else "the 110M-class knee was not measured")
         return [Check("goal/tokens-per-s", None, f">= {GOAL_TOKENS_PER_S:,} tokens/s: not judged ({why})"),
                 Check("goal/p95", None, f"p95 <= {GOAL_P95_MS:g} ms at the knee: not judged ({why})")]
     tps, p95 = knee.data.get("tokens_per_s", 0.0), knee.data.get("p95_ms", float("inf"))
@@ -532,20 +534,32 @@ def goal_checks(knee: Check | None, device_name: str | None) -> list[Check]:
 
 # ---- the run --------------------------------------------------------------------------
 
-def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None) -> dict:
+def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, out: Path | None = None) -> dict:
     """The checks in order. `minilm_dir`: an all-MiniLM-L6-v2 folder to serve under its
     catalog name where the weights package is not installed (a GPU machine that
-    cannot fetch it); its tokenizer also serves the BERTs built here."""
+    cannot fetch it); its tokenizer also serves the BERTs built here. `out`: rewritten
+    after every check (`"partial": true` until the end), so a run stopped at the lent
+    machine's time limit still leaves the checks it finished."""
     started = time.time()
     checks: list[Check] = []
+    info = nvml_device(device)
+    device_name = info[0] if info else None
+    vers = versions()
+
+    def result(partial: bool) -> dict:
+        failed = [c.name for c in checks if c.ok is False]
+        return {"device": device, "device_name": device_name, "started_unix": started,
+                "elapsed_s": time.time() - started, "sizes": asdict(sizes), "failed": failed, "partial": partial,
+                "checks": [asdict(c) for c in checks], "versions": vers}
 
     def emit(c: Check) -> None:
         c.data["at_s"] = round(time.time() - started, 1)  # where the minutes went
         checks.append(c)
         print(f"[{c.data['at_s']:5.0f} s] {c.line()}", flush=True)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result(True), indent=1))
 
-    info = nvml_device(device)
-    device_name = info[0] if info else None
     print(f"gpu_check on {device}" + (f" ({device_name})" if device_name else "") + f", work dir {work}", flush=True)
     minilm = minilm_dir or package_model_dir()
     folders = build_models(work / "models", sizes, minilm)
@@ -556,38 +570,58 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None) -
     dev_home = make_home(work / "home-device", folders, served, "auto",
                          catalog=() if minilm_dir else ("all-minilm-l6-v2",))
     ref_home = make_home(work / "home-cpu", folders, TASK_MODELS, "float32")
+
+    def stage(name: str, fn: Callable[[], Any], daemon: LocalDaemon | None = None) -> Any:
+        """One stage; its checks are emitted. One that raises becomes a FAIL line (with the
+        daemon's log tail in the JSON) and the run goes on: a lent machine gives one try."""
+        try:
+            got = fn()
+        except Exception as exc:  # noqa: BLE001 (any failure is this stage's result)
+            emit(Check(name, False, f"raised {type(exc).__name__}: {exc}"[:800],
+                       {"log_tail": daemon.tail()[-6000:] if daemon else ""}))
+            return None
+        for c in got if isinstance(got, list) else [got]:
+            emit(c)
+        return got
+
     dev = serve(dev_home, device, 2, wait=False)
     ref = serve(ref_home, "cpu", 1, wait=False)
     knee_base = None
-    try:
+
+    def up() -> list[Check]:
         dev.wait_ready()
         ref.wait_ready()
-        for c in parity_checks(dev.url, ref.url):
-            emit(c)
-        ref.stop()
-        emit(two_workers_check(dev.url, device, sizes.two_worker_requests))
-        knee_base = knee_check(dev.url, "bert-base-random", {**sizes.base}, sizes, device_name, minilm)
-        emit(knee_base)
-        cfg = json.loads((minilm / "config.json").read_text())
-        emit(knee_check(dev.url, "all-minilm-l6-v2", cfg, sizes, device_name, minilm))
-        emit(graphs_check(dev.log(), device))
+        return []
+
+    try:
+        if stage("daemons-up", up, dev) is not None:
+            stage("parity", lambda: parity_checks(dev.url, ref.url), dev)
+            ref.stop()
+            stage("two-workers", lambda: two_workers_check(dev.url, device, sizes.two_worker_requests), dev)
+            knee_base = stage("knee/bert-base-random", lambda: knee_check(
+                dev.url, "bert-base-random", {**sizes.base}, sizes, device_name, minilm), dev)
+            cfg = json.loads((minilm / "config.json").read_text())
+            stage("knee/all-minilm-l6-v2", lambda: knee_check(
+                dev.url, "all-minilm-l6-v2", cfg, sizes, device_name, minilm), dev)
+            stage("cuda-graphs", lambda: graphs_check(dev.log(), device), dev)
     finally:
         ref.stop()
         dev.stop()
-    emit(vram_budget_check(work, folders, device))
-    emit(nvml_check(device))
-    for c in goal_checks(knee_base, device_name):
-        emit(c)
-    failed = [c.name for c in checks if c.ok is False]
-    return {"device": device, "device_name": device_name, "started_unix": started,
-            "elapsed_s": time.time() - started, "sizes": asdict(sizes), "failed": failed,
-            "checks": [asdict(c) for c in checks], "versions": versions()}
+    stage("vram-budget", lambda: vram_budget_check(work, folders, device))
+    stage("nvml-budget", lambda: nvml_check(device))
+    stage("goals", lambda: goal_checks(knee_base, device_name))
+    return result(False)
 
 
 def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     out = {"python": platform.python_version()}
+    # The tree's commit: git here; FLEET_COMMIT where the tree travelled without its .git.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
+                         stdin=subprocess.DEVNULL) if shutil.which("git") else None
+    out["fleet_commit"] = os.environ.get("FLEET_COMMIT") or (git.stdout.strip() if git and git.returncode == 0
+                                                             else "unknown")
     for pkg in ("torch", "transformers", "sentence-transformers", "peft"):
         out[pkg] = version(pkg)
     return out
@@ -604,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = CPU if args.device == "cpu" else GPU
     out = args.out or RESULTS / f"gpu-check-{args.device.replace(':', '')}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     with tempfile.TemporaryDirectory(prefix="fleet-gpu-check-") as tmp:
-        result = run(args.device, args.work or Path(tmp), sizes, args.minilm_dir)
+        result = run(args.device, args.work or Path(tmp), sizes, args.minilm_dir, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"{'FAILED: ' + ', '.join(result['failed']) if result['failed'] else 'all checks passed'} "
