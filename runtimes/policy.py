@@ -263,17 +263,31 @@ def contended(last_seen: dict[int, int], now_ns: int, quiet_ns: int = FLOW_QUIET
 MICRO_SHARE = 0.125
 
 
-def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int) -> int | None:
+def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int,
+                    fixed_tokens: float | None = None) -> int | None:
     """Inputs per micro-batch so that one is predicted to run about MICRO_SHARE of
-    `target_ms`, for a batch of `tokens` over `rows` inputs: `batch_token_cap` of that
-    share (never below a/b tokens: a device whose fixed cost dominates keeps its
-    micro-batches) over the batch's tokens per input. None when that says nothing
-    (no rows, no tokens, no fitted cost or target)."""
+    `target_ms`, for a batch of `tokens` over `rows` inputs. None when that says
+    nothing (no rows, no tokens, no fitted cost or target).
+
+    With `fixed_tokens` (the adapter's fixed cost of one forward, `Adapter.fixed_tokens`:
+    a CPU), a micro-batch of t padded tokens takes b x (fixed + t) by the fit's slope
+    b: the share buys share / b - fixed tokens, never fewer than `fixed_tokens` (a
+    micro-batch half fixed cost: shorter ones cost the batch cut more than they save
+    the client waiting). The fit's own a is a whole batch's fixed cost (several
+    forwards, decoding, acks): on a 2-core CPU it exceeds the share alone, which left
+    shared batches uncut. Without it (a GPU), `batch_token_cap` of the share, never
+    below a/b tokens (a device whose fixed cost dominates keeps its micro-batches)."""
     if rows <= 0 or tokens <= 0 or target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
         return None
-    budget = batch_token_cap(cost, target_ms * MICRO_SHARE, 1 << 40)
-    if budget >= 1 << 40:
-        return None
+    share = target_ms * MICRO_SHARE
+    if fixed_tokens is not None:
+        b = cost.fit()[1]
+        if b <= 0 or (budget := max(share / b - fixed_tokens, fixed_tokens)) >= tokens:
+            return None  # no slope to size by, or the whole batch fits the share
+    else:
+        budget = batch_token_cap(cost, share, 1 << 40)
+        if budget >= 1 << 40:
+            return None
     return max(1, int(budget * rows / tokens))
 
 

@@ -290,7 +290,8 @@ class WorkerCore:
         adapter.marks = (0, 0, 0)
         flows = {c.flow for c, _ in runnable if not c.batch}
         may_interject = shared and outer is None and not loras and self.target_ms > 0
-        micro_cap = micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests)) if may_interject else None
+        micro_cap = (micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests), adapter.fixed_tokens)
+                     if may_interject else None)
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
                                            (lane, flows, cost, sum(tokens)) if may_interject and flows else None)

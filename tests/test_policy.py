@@ -379,3 +379,19 @@ def test_fill_flags(flows, batch, expected):
 def test_micro_items_cap(samples, target_ms, tokens, rows, expected):
     assert MICRO_SHARE == 0.125
     assert micro_items_cap(fitted(samples), target_ms, tokens, rows) == expected
+
+
+@pytest.mark.parametrize("samples, fixed, tokens, rows, expected", [
+    # A CPU whose forward costs 15 ms before its tokens (174 tokens at 0.088 ms a token)
+    # and whose batches fit a = 33 ms: the share (31.25 ms of 250) buys 355 - 174 = 181
+    # padded tokens: 3 texts of 50 tokens (the fit's a alone, 33 ms, used to leave it uncut).
+    ([(1_000, 121.0), (3_000, 297.0)] * 2, 174.0, 800, 16, 3),
+    # A share under two fixed costs: never fewer than the fixed cost's tokens (6 texts of 50).
+    ([(1_000, 121.0), (3_000, 297.0)] * 2, 300.0, 800, 16, 6),
+    ([(1_000, 121.0), (3_000, 121.0)] * 2, 174.0, 800, 16, None),  # no slope: nothing to size by
+    ([(16, 16.0)] * (MIN_SAMPLES - 1), 174.0, 800, 16, None),  # not fitted yet
+])
+def test_micro_items_cap_by_a_forwards_fixed_cost(samples, fixed, tokens, rows, expected):
+    cost = fitted(samples)
+    assert cost.samples < MIN_SAMPLES or cost.fit()[0] > 250.0 * MICRO_SHARE or expected is None
+    assert micro_items_cap(cost, 250.0, tokens, rows, fixed) == expected

@@ -658,9 +658,14 @@ def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
 class MicroEmbedder(FakeEmbedder):
     """Runs a batch's texts in micro-batches of `micro_items()`, asking `wanted` before
     each, as the real encoders do (`hf_common.micro_batches`), 4 ms a text; logs each
-    micro-batch's texts in `micro` and calls extra `after_micro(k)` after micro-batch k."""
+    micro-batch's texts in `micro` and calls extra `after_micro(k)` after micro-batch k.
+    Its forward has no fixed cost (`fixed_tokens` 0: 4 ms a text, nothing per forward)."""
 
     micro: list[list[str]] = []
+
+    def __init__(self, spec, device):
+        super().__init__(spec, device)
+        self.fixed_tokens = 0.0
 
     def run_batch(self, requests):
         texts = [t for r in requests for t in r.inputs]
