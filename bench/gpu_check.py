@@ -251,88 +251,99 @@ def unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def parity_checks(dev: str, ref: str) -> list[Check]:
-    checks = []
+def parity_checks(dev: str, ref: str) -> list[tuple[str, Callable[[], Check]]]:
+    """The parity checks as (name, thunk): one that raises (a model that does not load on
+    this machine's image) must not hide the others."""
 
-    def embed(url: str) -> np.ndarray:
-        return unit(np.asarray(answer(url, "/v1/embed", {"model": "t-embed", "inputs": TEXTS})["embeddings"]))
+    def embed_check() -> Check:
+        def embed(url: str) -> np.ndarray:
+            return unit(np.asarray(answer(url, "/v1/embed", {"model": "t-embed", "inputs": TEXTS})["embeddings"]))
 
-    a, b = embed(dev), embed(ref)
-    cos = float(np.min(np.sum(a * b, axis=1)))
-    checks.append(Check("parity/embed", cos >= MIN_COSINE, f"min cosine {cos:.6f} (need {MIN_COSINE})",
-                        {"min_cosine": cos}))
+        a, b = embed(dev), embed(ref)
+        cos = float(np.min(np.sum(a * b, axis=1)))
+        return Check("parity/embed", cos >= MIN_COSINE, f"min cosine {cos:.6f} (need {MIN_COSINE})",
+                     {"min_cosine": cos})
 
-    def rerank(url: str) -> np.ndarray:
-        got = answer(url, "/v1/rerank", {"model": "t-rerank", "query": TEXTS[0], "documents": TEXTS[1:]})["results"]
-        scores = np.empty(len(got))
-        scores[[r["index"] for r in got]] = [r["relevance_score"] for r in got]
-        return scores
+    def rerank_check() -> Check:
+        def rerank(url: str) -> np.ndarray:
+            got = answer(url, "/v1/rerank",
+                         {"model": "t-rerank", "query": TEXTS[0], "documents": TEXTS[1:]})["results"]
+            scores = np.empty(len(got))
+            scores[[r["index"] for r in got]] = [r["relevance_score"] for r in got]
+            return scores
 
-    a, b = rerank(dev), rerank(ref)
-    diff = float(np.max(np.abs(a - b)) / max(float(np.ptp(b)), 1e-6))
-    same_order = bool((np.argsort(-a) == np.argsort(-b)).all())
-    checks.append(Check("parity/rerank", diff <= 0.01 and same_order,
-                        f"max diff {diff:.4f} of the score range (need <= 0.01), same order {same_order}",
-                        {"max_rel_diff": diff, "same_order": same_order}))
+        a, b = rerank(dev), rerank(ref)
+        diff = float(np.max(np.abs(a - b)) / max(float(np.ptp(b)), 1e-6))
+        same_order = bool((np.argsort(-a) == np.argsort(-b)).all())
+        return Check("parity/rerank", diff <= 0.01 and same_order,
+                     f"max diff {diff:.4f} of the score range (need <= 0.01), same order {same_order}",
+                     {"max_rel_diff": diff, "same_order": same_order})
 
-    def classify(url: str) -> tuple[list[str], np.ndarray]:
-        rows = answer(url, "/v1/classify", {"model": "t-classify", "inputs": TEXTS})["results"]
-        top = [r[0]["label"] for r in rows]
-        probs = np.asarray([[s["score"] for s in sorted(r, key=lambda s: s["label"])] for r in rows])
-        return top, probs
+    def classify_check() -> Check:
+        def classify(url: str) -> tuple[list[str], np.ndarray]:
+            rows = answer(url, "/v1/classify", {"model": "t-classify", "inputs": TEXTS})["results"]
+            top = [r[0]["label"] for r in rows]
+            probs = np.asarray([[s["score"] for s in sorted(r, key=lambda s: s["label"])] for r in rows])
+            return top, probs
 
-    (ta, pa), (tb, pb) = classify(dev), classify(ref)
-    diff = float(np.max(np.abs(pa - pb)))
-    checks.append(Check("parity/classify", ta == tb and diff <= 0.01,
-                        f"same top labels {ta == tb}, max prob diff {diff:.4f} (need <= 0.01)",
-                        {"same_top": ta == tb, "max_prob_diff": diff}))
+        (ta, pa), (tb, pb) = classify(dev), classify(ref)
+        diff = float(np.max(np.abs(pa - pb)))
+        return Check("parity/classify", ta == tb and diff <= 0.01,
+                     f"same top labels {ta == tb}, max prob diff {diff:.4f} (need <= 0.01)",
+                     {"same_top": ta == tb, "max_prob_diff": diff})
 
-    def extract(url: str) -> list[list[dict]]:
-        return answer(url, "/v1/extract", {"model": "t-extract", "inputs": TEXTS})["results"]
+    def extract_check() -> Check:
+        def extract(url: str) -> list[list[dict]]:
+            return answer(url, "/v1/extract", {"model": "t-extract", "inputs": TEXTS})["results"]
 
-    ea, eb = extract(dev), extract(ref)
-    spans = [[(e["entity"], e["start"], e["end"]) for e in row] for row in ea]
-    same = spans == [[(e["entity"], e["start"], e["end"]) for e in row] for row in eb]
-    diff = max((abs(x["score"] - y["score"]) for ra, rb in zip(ea, eb) for x, y in zip(ra, rb)), default=0.0)
-    checks.append(Check("parity/extract", same and diff <= 0.01,
-                        f"same spans {same} ({sum(map(len, spans))} entities), max score diff {diff:.4f}",
-                        {"same_spans": same, "max_score_diff": diff}))
+        ea, eb = extract(dev), extract(ref)
+        spans = [[(e["entity"], e["start"], e["end"]) for e in row] for row in ea]
+        same = spans == [[(e["entity"], e["start"], e["end"]) for e in row] for row in eb]
+        diff = max((abs(x["score"] - y["score"]) for ra, rb in zip(ea, eb) for x, y in zip(ra, rb)), default=0.0)
+        return Check("parity/extract", same and diff <= 0.01,
+                     f"same spans {same} ({sum(map(len, spans))} entities), max score diff {diff:.4f}",
+                     {"same_spans": same, "max_score_diff": diff})
 
     def generate(url: str, model: str, prompt: str) -> str:
         return answer(url, "/v1/generate", {"model": model, "prompt": prompt, "max_tokens": 12,
                                             "temperature": 0})["text"]
 
-    want = {(p, None): generate(ref, "t-llama", p) for p in PROMPTS}
-    got = {(p, None): generate(dev, "t-llama", p) for p in PROMPTS}
-    bad = [p for p, _ in want if want[(p, None)] != got[(p, None)]]
-    checks.append(Check("parity/generate", not bad, f"greedy text equal on {len(PROMPTS) - len(bad)}/{len(PROMPTS)}"
-                        + (f"; differs: {bad}" if bad else ""), {"differs": bad}))
+    def generate_check() -> Check:
+        want = {(p, None): generate(ref, "t-llama", p) for p in PROMPTS}
+        got = {(p, None): generate(dev, "t-llama", p) for p in PROMPTS}
+        bad = [p for p, _ in want if want[(p, None)] != got[(p, None)]]
+        return Check("parity/generate", not bad, f"greedy text equal on {len(PROMPTS) - len(bad)}/{len(PROMPTS)}"
+                     + (f"; differs: {bad}" if bad else ""), {"differs": bad})
 
-    # Mixed LoRA batch: base and both adapters sent at once to the device daemon (one
-    # lane: they share its batches), each compared with the CPU daemon's answer alone.
-    jobs = [(p, m) for p in PROMPTS for m in ("t-llama", "t-lora-a", "t-lora-b")]
-    want = {(p, m): generate(ref, m, p) for p, m in jobs}
-    got: dict[tuple[str, str], str] = {}
-    errors: list[str] = []
+    def lora_mixed_check() -> Check:
+        # Mixed LoRA batch: base and both adapters sent at once to the device daemon (one
+        # lane: they share its batches), each compared with the CPU daemon's answer alone.
+        jobs = [(p, m) for p in PROMPTS for m in ("t-llama", "t-lora-a", "t-lora-b")]
+        want = {(p, m): generate(ref, m, p) for p, m in jobs}
+        got: dict[tuple[str, str], str] = {}
+        errors: list[str] = []
 
-    def one(p: str, m: str) -> None:
-        try:
-            got[(p, m)] = generate(dev, m, p)
-        except RuntimeError as exc:
-            errors.append(str(exc))
+        def one(p: str, m: str) -> None:
+            try:
+                got[(p, m)] = generate(dev, m, p)
+            except RuntimeError as exc:
+                errors.append(str(exc))
 
-    threads = [threading.Thread(target=one, args=job) for job in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bad = [f"{m}:{p}" for p, m in jobs if got.get((p, m)) != want[(p, m)]]
-    adapters_differ = len({want[(PROMPTS[0], m)] for m in ("t-llama", "t-lora-a", "t-lora-b")}) > 1
-    checks.append(Check("parity/lora-mixed", not bad and not errors and adapters_differ,
-                        f"{len(jobs) - len(bad)}/{len(jobs)} equal, adapters change the text {adapters_differ}"
-                        + (f"; differs: {bad}" if bad else "") + (f"; errors: {errors[:2]}" if errors else ""),
-                        {"differs": bad, "errors": errors}))
-    return checks
+        threads = [threading.Thread(target=one, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        bad = [f"{m}:{p}" for p, m in jobs if got.get((p, m)) != want[(p, m)]]
+        adapters_differ = len({want[(PROMPTS[0], m)] for m in ("t-llama", "t-lora-a", "t-lora-b")}) > 1
+        return Check("parity/lora-mixed", not bad and not errors and adapters_differ,
+                     f"{len(jobs) - len(bad)}/{len(jobs)} equal, adapters change the text {adapters_differ}"
+                     + (f"; differs: {bad}" if bad else "") + (f"; errors: {errors[:2]}" if errors else ""),
+                     {"differs": bad, "errors": errors})
+
+    return [("parity/embed", embed_check), ("parity/rerank", rerank_check), ("parity/classify", classify_check),
+            ("parity/extract", extract_check), ("parity/generate", generate_check),
+            ("parity/lora-mixed", lora_mixed_check)]
 
 
 # ---- 2. two workers on one device ---------------------------------------------------
@@ -595,7 +606,8 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
 
     try:
         if stage("daemons-up", up, dev) is not None:
-            stage("parity", lambda: parity_checks(dev.url, ref.url), dev)
+            for name, check in parity_checks(dev.url, ref.url):
+                stage(name, check, dev)
             ref.stop()
             stage("two-workers", lambda: two_workers_check(dev.url, device, sizes.two_worker_requests), dev)
             knee_base = stage("knee/bert-base-random", lambda: knee_check(
