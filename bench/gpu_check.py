@@ -490,11 +490,20 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
                  "for this device)") + f"; errors {errors}", data)
 
 
+def _log_msg(line: str) -> str:
+    """A daemon log line's message (the log is JSON lines; plain text passes through)."""
+    try:
+        return str(json.loads(line)["msg"])
+    except (ValueError, KeyError, TypeError):
+        return line
+
+
 def graphs_check(log: str, device: str) -> Check:
     """What the device daemon's workers said about CUDA graphs at load (runtimes.hf_common.GraphedForward)."""
     if not device.startswith("cuda"):
         return Check("cuda-graphs", None, "CUDA only (graph padding is tested on CPU in tests/test_encoder_paths.py)")
-    lines = [line.split("cuda graphs ", 1)[1] for line in log.splitlines() if "cuda graphs " in line]
+    msgs = [_log_msg(line) for line in log.splitlines() if "cuda graphs " in line]
+    lines = [m.split("cuda graphs ", 1)[1] for m in msgs if "cuda graphs " in m]
     captured = [line for line in lines if "shapes captured" in line]
     return Check("cuda-graphs", bool(captured) and len(captured) == len(lines),
                  f"{len(captured)}/{len(lines)} embedder loads captured graphs: " + "; ".join(sorted(set(lines)))[:400],
