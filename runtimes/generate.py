@@ -39,6 +39,7 @@ the grammar mask, before temperature and top-p).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Collection
@@ -60,6 +61,12 @@ REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 #: Most likely tokens returned per step with `logprobs` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 NEG_INF = float("-inf")
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model.forward` takes its KV cache by, also the output's field:
+    `cache` (transformers 5.2x) or `past_key_values` (earlier releases)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass(slots=True)
@@ -156,6 +163,10 @@ class CausalLM(LoraHost, Adapter):
         except Exception as exc:  # the library raises many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r}: {exc}") from exc
         self.base = model.to(self.device).eval()
+        # The KV cache's keyword and output field: `cache` in transformers 5.2x,
+        # `past_key_values` before (5.17 is what a CUDA image ships; `cache` is the
+        # newer name, the older one deprecated there).
+        self._cache_kw = cache_keyword(model)
         self.dtype = dtype
         config = model.config
         # Context (prompt + generated tokens): the store's limit, never past the model's positions.
@@ -441,11 +452,11 @@ class CausalLM(LoraHost, Adapter):
             # The base module itself (peft's wrapper adds nothing once its LoRA
             # layers are off); logits_to_keep=1: the LM head runs on the last
             # position only (prefill included).
-            out = self.base(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
-                            use_cache=True, logits_to_keep=1)
+            out = self.base(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                            logits_to_keep=1, **{self._cache_kw: cache})
         finally:
             self.loras.bank.select(None, self.device)
-        return out.logits[:, -1, :].float(), out.cache
+        return out.logits[:, -1, :].float(), getattr(out, self._cache_kw)
 
     def _decode(self) -> None:
         """One token per row; all or nothing (a failure leaves the batch as it was)."""

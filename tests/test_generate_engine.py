@@ -158,3 +158,40 @@ def test_prefill_is_cut_to_the_token_budget_and_keeps_greedy_tokens(folders, ref
     while adapter.has_active():
         results.update(adapter.step()[1])
     assert [results[i].text for i in range(len(PROMPTS))] == [ref.greedy(p, 6)[0] for p in PROMPTS]
+
+
+class OlderCacheNames:
+    """The model as transformers before the `cache` rename called it (5.17, what a CUDA
+    image ships): the KV cache taken as `past_key_values` and returned under that name."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, logits_to_keep=0):
+        from types import SimpleNamespace
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        return SimpleNamespace(logits=out.logits, past_key_values=out.cache)
+
+    __call__ = forward
+
+
+def test_the_kv_cache_keyword_follows_the_installed_transformers(folders, ref: Reference) -> None:
+    """runtimes/generate.cache_keyword: `cache` here; a model whose forward takes and
+    returns `past_key_values` (older transformers) decodes the same greedy tokens."""
+    from runtimes.generate import cache_keyword
+
+    adapter = make(folders, max_batch_items=2)
+    assert cache_keyword(adapter.base) == "cache"
+    adapter.base = OlderCacheNames(adapter.base)
+    adapter._cache_kw = cache_keyword(adapter.base)
+    assert adapter._cache_kw == "past_key_values"
+    results = {}
+    for key, prompt in enumerate(PROMPTS[:2]):
+        assert adapter.admit(key, greedy(prompt, 6)) is None
+    while adapter.has_active():
+        results.update(adapter.step()[1])
+    for key, prompt in enumerate(PROMPTS[:2]):
+        assert (results[key].text, results[key].output_tokens) == ref.greedy(prompt, 6), prompt
