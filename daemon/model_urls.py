@@ -15,7 +15,9 @@ client pick its model by URL:
 - `POST /<route>?model=<name>` on any route is the same: the URL's model is
   applied, never ignored, and taken out of the query. Where the body is not a
   JSON object (no `model` to set) it stays in the query, and the route refuses
-  it (daemon.query: a route takes the query parameters it declares).
+  it (daemon.query: a route takes the query parameters it declares). The Files and
+  Batches routes (`NO_MODEL_POSTS`), whose bodies name no model, refuse a model in
+  the URL at once, before their body (an upload) is read.
 - `POST /` is dispatched as TEI and TGI dispatch it, by the model's task
   (`root_route`): embed (sparse for SPLADE; `/similarity` for a
   `{"inputs": {"source_sentence", ...}}` body), predict, rerank, TGI's
@@ -41,6 +43,7 @@ from daemon import codec, fields
 from daemon.controllers.common import choose_default_model, stored_tasks
 from daemon.core import Daemon
 from daemon.hot import ClientGone, read_body
+from daemon.http import error_parts
 
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
@@ -57,6 +60,9 @@ TGI_PARAMETERS = frozenset({
 })
 #: Tasks a bare `{"inputs": ...}` at the root may mean, when the body names no model.
 ROOT_TASKS = ("embed", "classify", "extract", "generate")
+#: POST routes whose body names no model (a batch's lines and an uploaded file name
+#: their own): a model in the URL means nothing there and is refused before the body is read.
+NO_MODEL_POSTS = ("/v1/files", "/v1/batches")
 
 
 def root_route(task: str, runtime: str, body: dict[str, Any]) -> str:
@@ -200,6 +206,11 @@ class ModelUrls:
                 scope = {**scope, "query_string": urlencode([*query, ("model", model)], quote_via=quote).encode()}
             await self.app(scope, receive, send)
             return
+        if model is not None and scope["path"].startswith(NO_MODEL_POSTS):
+            await self.refuse(scope, send, BadRequest(
+                f"POST {scope['path']} takes no model (the lines of a batch and an uploaded file name their own): "
+                f"call it at the daemon's own URL, without /models/{model}/ or ?model=", param="model"))
+            return
         headers = dict(scope["headers"])
         msgpack = codec.is_msgpack(headers.get(b"content-type", b"").decode("latin-1"))
         try:
@@ -247,10 +258,13 @@ class ModelUrls:
         return scope, body, ignored
 
     async def refuse(self, scope: Any, send: Send, exc: FleetError) -> None:
+        """The error in the shape of the route it names (OpenAI's on OpenAI routes:
+        `daemon.http.error_parts`, as the app and the hot route answer). Its messages
+        hold the client's own names only, no filesystem path to hide."""
         headers = dict(scope["headers"])
         msgpack = codec.reply_is_msgpack(headers.get(b"accept", b"").decode("latin-1"),
                                          headers.get(b"content-type", b"").decode("latin-1"))
-        body = codec.error_body(exc, msgpack=msgpack)
+        body, _ = error_parts(exc, method=scope["method"], path=scope["path"], msgpack=msgpack, private=())
         await send({"type": "http.response.start", "status": exc.status, "headers": [
             (b"content-type", (codec.MSGPACK if msgpack else codec.JSON).encode()),
             (b"content-length", str(len(body)).encode()),

@@ -317,6 +317,12 @@ def test_declared_query_parameters_are_applied_and_a_typo_names_them(served: Dae
                       data={"purpose": "batch"}, timeout=30)
     assert refused(resp)["param"] == "model"
     assert ok(httpx.get(served.url + "/v1/files", timeout=30))["data"] == files
+    # A per-model URL on the Batches routes (their bodies name no model): refused as such, nothing made.
+    batches = ok(httpx.get(served.url + "/v1/batches", timeout=30))["data"]
+    err = refused(send(served, f"/models/{CLASSIFY}/v1/batches",
+                       {"input_file_id": ids[0], "endpoint": "/v1/embed", "completion_window": "24h"}))
+    assert err["param"] == "model" and "takes no model" in err["message"]
+    assert ok(httpx.get(served.url + "/v1/batches", timeout=30))["data"] == batches
     for file_id in ids:
         ok(httpx.delete(f"{served.url}/v1/files/{file_id}", timeout=30))
 
