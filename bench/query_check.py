@@ -45,7 +45,7 @@ async def whole_request_us(app) -> float:
         return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(message: dict) -> None:
-        pass
+        """The reply is dropped: only the time to make it is measured."""
 
     best = float("inf")
     for _ in range(RUNS):
