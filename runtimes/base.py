@@ -26,7 +26,7 @@ CPU_FIXED_TOKENS = 128.0
 #: Characters per token of English text under WordPiece / BPE (4.5 on the bench
 #: corpus): the unit change for `Adapter.fixed_chars`. Other scripts have fewer,
 #: which only makes their micro-batches longer (closer to cutting by count).
-CHARS_PER_TOKEN = 4.0
+TYPICAL_CHARS_PER_TOKEN = 4.0
 
 
 class NotWanted(Exception):
@@ -123,7 +123,7 @@ class Adapter(abc.ABC):
     def fixed_chars(self) -> float:
         """`fixed_tokens` in the characters adapters measure texts in for
         `micro_batches` (0: cut by count alone)."""
-        return 0.0 if self.fixed_tokens is None else self.fixed_tokens * CHARS_PER_TOKEN
+        return 0.0 if self.fixed_tokens is None else self.fixed_tokens * TYPICAL_CHARS_PER_TOKEN
 
     @abc.abstractmethod
     def load(self) -> None:
