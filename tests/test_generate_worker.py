@@ -117,11 +117,15 @@ def test_a_request_past_its_deadline_stops_generating(core: WorkerCore) -> None:
     core.residency.ensure(MODEL)  # loaded first: the deadline runs out mid-generation, not at admit
     lane = core.queue.lane_id(MODEL)
     req = GenerateRequest(model=MODEL, prompt="hello world", max_tokens=250, temperature=0.0)
-    core.queue.put(lane, _enc(req), tokens=10, request_id=1, deadline_ns=time.monotonic_ns() + 150_000_000)
+    deadline_ns = time.monotonic_ns() + 500_000_000
+    core.queue.put(lane, _enc(req), tokens=10, request_id=1, deadline_ns=deadline_ns)
     put(core, 2, prompt="hello world", max_tokens=250)
-    core.step(timeout_s=0.01)  # admit both
+    core.step(timeout_s=0.01)  # admit both (and prefill: one token each)
     resident = core.residency.models[MODEL]
     assert resident.adapter.active_count() == 2
+    # The deadline passes between two steps, whatever the box's speed: a fast one
+    # would otherwise finish both sequences (one decode a step) before it.
+    time.sleep(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9) + 0.01)
     seen = run_until(core, {1})
     late = next(d for d in seen if d.request_id == 1)
     assert late.status == STATUS_ERROR and body(late, WorkError).code == "timeout"

@@ -149,13 +149,19 @@ def _churn(name: str, seed: int) -> None:
             q.wait_results(0)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_processes_killed_at_random_inside_operations_leave_a_consistent_queue():
     q = LocalQueue.create(slots=2048, slab_bytes=4 << 20)
     rnd = random.Random(7)
     try:
-        for i in range(12):
-            proc = CTX.Process(target=_churn, args=(q.name, i + 1))
+        # About half the kills land inside the queue lock on this box, far fewer
+        # on a slower one (a CI run saw none in 12), so kill until two did, at
+        # least 12 times and at most 100: the odds of no repair at all in 100
+        # are negligible even at one in ten.
+        i = 0
+        while i < 12 or (q.usage().repairs < 2 and i < 100):
+            i += 1
+            proc = CTX.Process(target=_churn, args=(q.name, i))
             proc.start()
             _wait_registered(q, proc)
             time.sleep(rnd.uniform(0.05, 0.2))
@@ -163,9 +169,7 @@ def test_processes_killed_at_random_inside_operations_leave_a_consistent_queue()
             (wi,) = [wi for wi in q.workers() if wi.pid == proc.pid]
             q.release_worker(wi.wid, max_attempts=1000)
             q.check()  # repairs first if the child died holding the lock
-        # About half the kills land inside the queue lock (measured), so with 12
-        # the odds of no repair at all are ~0.5**12.
-        assert q.usage().repairs >= 1, "no kill landed inside the queue lock (odds ~0.5**12)"
+        assert q.usage().repairs >= 1, f"no kill landed inside the queue lock in {i}"
         # Drain: every item left can be claimed, acked and collected; nothing leaks.
         w = q.register_worker(os.getpid(), "cpu")
         for lane in range(3):
