@@ -20,8 +20,8 @@ Three parts:
   task and `bench.knee` finds the knee. The daemon's `/v1/ps` must report the
   candidate's device-class profile in use before it is measured.
 * **The run** (`search_profile`, pure but for the `measure` and `clock` passed
-  in): measure the default profile, size the space from the dtype it served,
-  search from `start_point`, keep the default unless beaten, optionally confirm.
+  in): measure the default profile, size the space from the engine and dtype it
+  served, search from `start_point`, keep the default unless beaten, optionally confirm.
   `resolve_target` finds the model, its folder and the device; `tuned_info` and
   `result_doc` are what `--write` stores and what the results JSON holds. The
   verb (`fleetctl/commands/tune.py`) parses arguments, wires these and prints.
@@ -31,10 +31,24 @@ check set against fp32: cosine >= 0.9999 for embedders, ...) decides which
 reduced dtype is allowed: the first candidate runs with `dtype = "auto"`, and
 the dtype it served (and the check's log line) fixes the dtype ladder to
 {that dtype, float32}. A dtype the check refused is never tried.
+
+engine: the same first load also chose the engine (torch, OpenVINO:
+`runtimes.engines.choose` timed them on the model's own batch shapes, or a kept
+verdict, or the only one offered); `/v1/ps` publishes it (`served_engine`). The
+search holds that engine fixed: every candidate names it with its dtype
+(`engine = "openvino"`, `dtype = "bfloat16"`: a fully forced choice, served
+unchecked), so each measured daemon serves exactly that engine (the measurer
+refuses a candidate served otherwise), its float32 rung is that engine's f32, and
+`--write` stores a profile that is read against the engine it was measured on.
+Engines are not re-timed here: the load-time check did that on the model's own
+shapes; its verdict (how chosen, speed, and each engine's timings from the log,
+`engine_tables`) goes into the `tuned` table.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import math
 import os
 import re
@@ -61,14 +75,22 @@ class Candidate:
     linger_ms: float
     #: Worker processes on the device (a daemon setting, FLEET_WORKERS).
     workers: int = 1
+    #: What runs the forward (`Profile.engine`): "auto" only for the default as
+    #: shipped; the search holds the engine the default served (not a dimension).
+    engine: str = "auto"
 
     def profile(self) -> dict:
         """The models.toml profile keys (workers is not one: it is a daemon setting)."""
         return {"max_batch_items": self.max_batch_items, "max_batch_tokens": self.max_batch_tokens,
-                "dtype": self.dtype, "linger_ms": float(self.linger_ms)}
+                "dtype": self.dtype, "engine": self.engine, "linger_ms": float(self.linger_ms)}
+
+    @property
+    def runs_on(self) -> str:
+        """Engine and dtype ("openvino bfloat16"; the dtype alone while the engine is auto)."""
+        return self.dtype if self.engine == "auto" else f"{self.engine} {self.dtype}"
 
     def label(self) -> str:
-        return (f"{self.dtype} tok={self.max_batch_tokens} items={self.max_batch_items} "
+        return (f"{self.runs_on} tok={self.max_batch_tokens} items={self.max_batch_items} "
                 f"linger={self.linger_ms:g}ms w={self.workers}")
 
 
@@ -80,6 +102,11 @@ class Measurement:
     rps: float = 0.0
     #: The dtype the daemon served (from /v1/ps); "" when unknown.
     dtype: str = ""
+    #: The engine it served and how its load chose it (/v1/ps, `served_engine`): "" when unknown.
+    engine: str = ""
+    engine_by: str = ""
+    #: The load-time measurement's tokens/s of that engine (0: not timed, e.g. forced).
+    engine_tokens_per_s: float = 0.0
     ok: bool = True
     note: str = ""
     seconds: float = 0.0
@@ -98,7 +125,7 @@ class Space:
                 "max_batch_items": self.max_batch_items, "linger_ms": self.linger_ms, "workers": self.workers}[dim]
 
     def snap(self, c: Candidate) -> Candidate:
-        """`c` with every numeric value moved to the nearest ladder value (log scale)."""
+        """`c` with every numeric value moved to the nearest ladder value (log scale); its engine kept."""
         out = {}
         for dim in DIMS:
             vals, v = self.values(dim), getattr(c, dim)
@@ -106,7 +133,7 @@ class Space:
                 out[dim] = v if v in vals else vals[0]
             else:
                 out[dim] = min(vals, key=lambda x: abs(math.log((x or 0.25) / (v or 0.25))))
-        return Candidate(**out)
+        return replace(c, **out)
 
     def step(self, c: Candidate, dim: str, direction: int) -> Candidate | None:
         """The neighbour of `c` one ladder value up (+1) or down (-1) in `dim`, or None at the end."""
@@ -147,7 +174,8 @@ def start_point(space: Space, *, params: int, device: str, default: dict) -> Can
     """Where the search begins: the catalog's default profile, with the batch
     budget sized from the model: about 2e11 / params padded tokens per batch on
     a CPU (a 22 M-parameter model: ~8k tokens, i.e. 32 inputs of 256) and 16x
-    that on a GPU, which needs wide batches to fill. Snapped to the ladders."""
+    that on a GPU, which needs wide batches to fill. Snapped to the ladders; the
+    default's engine kept."""
     per_batch = 2e11 / max(params, 1) * (16 if device.startswith("cuda") else 1)
     tokens = int(min(max(per_batch, space.max_batch_tokens[0]), space.max_batch_tokens[-1]))
     c = Candidate(
@@ -156,6 +184,7 @@ def start_point(space: Space, *, params: int, device: str, default: dict) -> Can
         max_batch_items=int(default.get("max_batch_items", 64)),
         linger_ms=float(default.get("linger_ms", 0.0)),
         workers=space.workers[0],
+        engine=str(default.get("engine", "auto")),
     )
     return space.snap(c)
 
@@ -262,10 +291,16 @@ def coordinate_search(
 
 
 def default_candidate(default: dict) -> Candidate:
-    """The default profile as shipped, on one worker (dtype "auto": the load-time check decides)."""
+    """The default profile as shipped, on one worker (engine and dtype "auto": the load-time check decides)."""
     return Candidate(dtype=str(default["dtype"]), max_batch_tokens=int(default["max_batch_tokens"]),
                      max_batch_items=int(default["max_batch_items"]), linger_ms=float(default["linger_ms"]),
-                     workers=1)
+                     workers=1, engine=str(default.get("engine", "auto")))
+
+
+def held_engine(m: Measurement) -> str:
+    """The engine the search holds: the one the default served (a daemon that
+    publishes none served torch, as `Adapter.engine` says)."""
+    return m.engine or "torch"
 
 
 def search_space(device: str, cores: int, served: str, workers_max: int | None = None) -> Space:
@@ -279,16 +314,16 @@ def search_space(device: str, cores: int, served: str, workers_max: int | None =
 
 def seed_from_default(space: Space, default: Candidate, served: str,
                       measured: Measurement) -> tuple[Candidate, dict[Candidate, Measurement]]:
-    """The default with its dtype made explicit, and the search's seed: that point
-    with its measurement when it is on the space's ladders (else no seed)."""
-    seeded = replace(default, dtype=served)
+    """The default with its engine and dtype made explicit, and the search's seed:
+    that point with its measurement when it is on the space's ladders (else no seed)."""
+    seeded = replace(default, dtype=served, engine=held_engine(measured))
     return seeded, ({seeded: measured} if space.snap(seeded) == seeded else {})
 
 
 def keep_default_unless_beaten(best: Candidate, best_m: Measurement, default: Candidate,
                                default_m: Measurement) -> tuple[Candidate, Measurement]:
     """The search's best, unless nothing it tried beat the default (or the budget ran
-    out first): then the default (`default` with its served dtype explicit)."""
+    out first): then the default (`default` with its served engine and dtype explicit)."""
     if default_m.ok and not better(best_m, default_m, 0.0):
         return default, default_m
     return best, best_m
@@ -348,18 +383,19 @@ def search_profile(
         seconds.append(m.seconds)
         return m
 
-    # 1. The default profile as shipped (dtype as its load-time check decides).
+    # 1. The default profile as shipped (engine and dtype as its load-time check decides).
     base_c = default_candidate(target.default)
     base_m = timed(base_c)
     on_default(base_c, base_m)
     if not base_m.ok and not base_m.dtype:
         raise BadRequest(f"the default profile did not serve: {base_m.note}")
-    # 2. The space and start from what the default served; the default is a free point of it.
+    # 2. The space and start from what the default served (its engine held fixed,
+    # named by every candidate); the default is a free point of it.
     served = base_m.dtype or "float32"
     space = search_space(target.device, target.cores, served, workers_max)
     seeded, seed = seed_from_default(space, base_c, served, base_m)
     start = start_point(space, params=target.params, device=target.device,
-                        default={**target.default, "dtype": served})
+                        default={**target.default, "dtype": served, "engine": seeded.engine})
     # 3. The search, then the choice.
     result = coordinate_search(space, start, timed, max_evals=max_candidates - 1, min_gain=min_gain,
                                out_of_time=lambda: over_budget(clock(), deadline, seconds), seed=seed,
@@ -376,8 +412,10 @@ def search_profile(
 
 
 def tuned_info(t: Tuning, *, device: str, cores: int, dtype_log: list[str], budget_minutes: float,
-               versions: dict, tuned_at: str) -> TunedInfo:
-    """The `tuned` table `--write` stores beside the chosen profile."""
+               versions: dict, tuned_at: str, engine_table: dict[str, str] | None = None) -> TunedInfo:
+    """The `tuned` table `--write` stores beside the chosen profile: the knee, and
+    the engine the default's load chose (how, its speed, `engine_table`: each
+    engine's load-time timings or why it was refused, from the daemon log)."""
     best_c, best_m, base_m = t.chosen, t.chosen_measurement, t.default_measurement
     return TunedInfo(
         tuned_at=tuned_at,
@@ -386,6 +424,9 @@ def tuned_info(t: Tuning, *, device: str, cores: int, dtype_log: list[str], budg
         baseline_tokens_per_s=round(base_m.tokens_per_s, 1) if base_m.ok else None,
         workers=best_c.workers, cpu_threads=max(1, cores // best_c.workers) if device == "cpu" else 0,
         dtype_check="; ".join(dict.fromkeys(dtype_log)), candidates=len(t.search.trials) + 1,
+        engine_choice=f"{held_engine(base_m)} {base_m.dtype}" if base_m.dtype else "",
+        engine_by=base_m.engine_by, engine_tokens_per_s=round(base_m.engine_tokens_per_s, 1) or None,
+        engine_table=dict(engine_table or {}),
         budget_minutes=budget_minutes,
         versions={k: str(v) for k, v in versions.items()
                   if k in ("fleet", "torch", "transformers", "sentence-transformers", "git_commit", "python")},
@@ -393,7 +434,7 @@ def tuned_info(t: Tuning, *, device: str, cores: int, dtype_log: list[str], budg
 
 
 def result_doc(target: Target, t: Tuning, *, budget_minutes: float, knobs: BenchKnobs, dtype_log: list[str],
-               machine: dict, versions: dict, command: list[str]) -> dict:
+               machine: dict, versions: dict, command: list[str], engine_table: dict[str, str] | None = None) -> dict:
     """The results JSON of a run (`finite` makes it JSON: a missing p95 is null)."""
     return {"kind": "tune", "model": target.model, "task": target.task, "device": target.device,
             "device_class": target.device_class, "machine": machine, "versions": versions, "command": command,
@@ -402,7 +443,8 @@ def result_doc(target: Target, t: Tuning, *, budget_minutes: float, knobs: Bench
             "start": asdict(t.search.start), "trials": [trial_doc(tr) for tr in t.search.trials],
             "stopped": t.search.stopped,
             "chosen": {"candidate": asdict(t.chosen), "measurement": asdict(t.chosen_measurement)},
-            "ratio_vs_default": t.ratio, "confirm": t.confirm, "dtype_check": dtype_log}
+            "ratio_vs_default": t.ratio, "confirm": t.confirm, "dtype_check": dtype_log,
+            "engine_table": dict(engine_table or {})}
 
 
 def trial_doc(t: Trial) -> dict:
@@ -431,6 +473,51 @@ def dtype_checks(log_text: str, model: str) -> list[str]:
     """The load-time dtype check's lines for `model` in a daemon log ("bfloat16: min cosine ... -> keep")."""
     return [f"{m.group(2)}: {m.group(3)} -> {m.group(4)}" for m in _DTYPE_LINE.finditer(log_text)
             if m.group(1) == model]
+
+
+def served_engine(rec: dict) -> dict:
+    """What a model's `/v1/ps` record says serves it: engine, dtype, how the engine
+    was chosen and its load-time tokens/s (`runtimes.engines.Choice.info`). A record
+    without an engine (no engines weighed: a GPU, a CPU without OpenVINO) is torch."""
+    e = rec.get("engine") or {}
+    return {"engine": str(e.get("engine") or "torch"), "dtype": str(rec.get("dtype", "")),
+            "by": str(e.get("by", "")), "tokens_per_s": float(e.get("tokens_per_s") or 0.0)}
+
+
+def not_as_named(c: Candidate, served: dict) -> str:
+    """Why the daemon does not serve what `c` names (its engine and dtype; an "auto"
+    engine names nothing), "" when it does: a candidate is measured on exactly that."""
+    if c.engine == "auto" or (served["engine"], served["dtype"]) == (c.engine, c.dtype):
+        return ""
+    return f"daemon serves {served['engine']} {served['dtype']}, not {c.runs_on}"
+
+
+#: `runtimes.engines.choose`'s verdict line: "engine NAME: ENGINE DTYPE, fastest that
+#: agrees ({label: timings or why refused})" or "... (kept verdict: {...})".
+_ENGINE_LINE = re.compile(r"^engine (\S+): (\S+ \S+)(?:, fastest that agrees \(| \(kept verdict: )(\{.*\})\)$")
+
+
+def engine_tables(log_text: str, model: str) -> dict[str, str]:
+    """The engine verdict's table for `model` in a daemon log (JSON lines or plain):
+    each candidate's load-time ms per workload, or why it was refused; {} when the
+    load weighed no engines. The last verdict wins."""
+    table: dict[str, str] = {}
+    for line in log_text.splitlines():
+        if "engine " not in line:
+            continue
+        try:
+            msg = json.loads(line).get("msg", "") if line.startswith("{") else line.split("] ", 1)[-1]
+        except (ValueError, AttributeError):
+            continue
+        m = _ENGINE_LINE.match(msg or "")
+        if m and m.group(1) == model:
+            try:
+                got = ast.literal_eval(m.group(3))
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(got, dict):
+                table = {str(k): str(v) for k, v in got.items()}
+    return table
 
 
 @dataclass
@@ -465,6 +552,8 @@ class DaemonMeasurer:
             # Shared read-only use of the user's store: the daemon re-hashes, never writes.
             (self.home / "models").symlink_to(user_store.resolve(), target_is_directory=True)
         self.dtype_log: list[str] = []
+        #: The engine verdict's table of the last load that weighed engines (the default's).
+        self.engine_table: dict[str, str] = {}
 
     def close(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
@@ -521,7 +610,14 @@ class DaemonMeasurer:
             if rec.get("profile") != self.device_class:
                 return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0,
                                    note=f"daemon serves profile {rec.get('profile')!r}, not {self.device_class!r}")
-            self.dtype_log += dtype_checks(log_path.read_text(errors="replace"), self.model)
+            log_text = log_path.read_text(errors="replace")
+            self.dtype_log += dtype_checks(log_text, self.model)
+            self.engine_table = engine_tables(log_text, self.model) or self.engine_table
+            s = served_engine(rec)
+            on = {"dtype": s["dtype"], "engine": s["engine"], "engine_by": s["by"],
+                  "engine_tokens_per_s": s["tokens_per_s"]}
+            if why := not_as_named(c, s):
+                return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0, note=why, **on)
             k = self.knobs
             plan = Plan(model=self.model, task=self.task, batch=k.batch, duration_s=k.duration_s,
                         min_requests=k.min_requests, max_step_s=2 * k.duration_s, mode=OPEN,
@@ -530,11 +626,9 @@ class DaemonMeasurer:
             runs = bench([TargetSpec(name="fleet", kind="fleet", url=url, pids=[proc.pid])], plan,
                          self.texts, self.lengths)
             knee = runs[0].knee(plan.criteria)
-            served = str(rec.get("dtype", ""))
             if knee.knee is None:
-                return Measurement(0.0, math.inf, dtype=served, ok=False, seconds=time.time() - t0,
-                                   note="no healthy step")
-            return Measurement(knee.knee.tokens_per_s, knee.knee.p95_ms, knee.knee.throughput_rps, dtype=served,
+                return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0, note="no healthy step", **on)
+            return Measurement(knee.knee.tokens_per_s, knee.knee.p95_ms, knee.knee.throughput_rps, **on,
                                seconds=time.time() - t0, note=f"{len(runs[0].steps)} steps")
         except RuntimeError as exc:
             return Measurement(0.0, math.inf, ok=False, seconds=time.time() - t0, note=str(exc)[:300])

@@ -9,9 +9,11 @@ entry. Every name that can become a store path is checked by `validate_name`.
 Tuned profiles (`fleetctl tune`): `[models."<name>".profiles."<device class>"]`
 holds a profile for one device class (`runtimes.device.device_class`: e.g.
 `cpu-avx512bf16`, `cuda-sm90`); keys it does not set come from the entry's
-`profile`. `[models."<name>".tuned."<device class>"]` records how it was
-measured (date, versions, knee). `select_profile` is what a worker uses: the
-profile of its device class, else `profile` (reported as "default").
+`profile` (so an older one without `engine` takes the entry's: "auto" as
+shipped); `fleetctl tune` names the engine with the dtype it measured.
+`[models."<name>".tuned."<device class>"]` records how it was measured (date,
+versions, knee, the load-time engine choice it held). `select_profile` is what a
+worker uses: the profile of its device class, else `profile` (reported as "default").
 
 This module is imported by `fleetctl --help` and by the API process: it must
 stay free of heavy imports (STYLE.md 7).
@@ -155,6 +157,15 @@ class TunedInfo(msgspec.Struct, kw_only=True):
     cpu_threads: int = 0
     #: How the dtype was checked against fp32 (the load-time check's own words).
     dtype_check: str = ""
+    #: The engine and dtype the default profile's load chose ("openvino bfloat16"): the
+    #: engine every candidate named (the profile's `engine`), how it was chosen
+    #: ("measured", "cached", "only", ...: runtimes/engines.py), its load-time tokens/s,
+    #: and each engine's load-time timings or why it was refused. "" / None / {}: an
+    #: older tune, or a load that weighed no engines.
+    engine_choice: str = ""
+    engine_by: str = ""
+    engine_tokens_per_s: float | None = None
+    engine_table: dict[str, str] = msgspec.field(default_factory=dict)
     candidates: int = 0
     budget_minutes: float = 0.0
     versions: dict[str, str] = msgspec.field(default_factory=dict)

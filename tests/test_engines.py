@@ -359,7 +359,10 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
     """A reranker forced to OpenVINO, a classifier forced to torch and one left to
     `auto`, pulled into a store and served by a real worker: answers match the
     reference libraries, `fleetctl ps` names each engine and how it was chosen,
-    and the converted graph sits in the store with its sha256."""
+    and the converted graph sits in the store with its sha256. A reranker whose
+    device-class profile `fleetctl tune --write` stored (engine named with its
+    dtype) is served by exactly that engine, and what tune reads of a load's
+    choice (the ps record, the verdict's table in the log) reads right."""
     import os
     import subprocess
     import sys
@@ -372,10 +375,19 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
     home.mkdir()
     models = {"tiny-rr": ("rerank", 'engine = "openvino"\ndtype = "float32"'),
               "tiny-cls": ("classify", 'engine = "torch"\ndtype = "float32"'),
-              "tiny-cls-auto": ("classify", 'engine = "auto"')}
+              "tiny-cls-auto": ("classify", 'engine = "auto"'),
+              "tiny-rr-tuned": ("rerank", 'engine = "auto"')}
     (home / "models.toml").write_text("\n".join(
         f'[models."{n}"]\nsource = "path:{heads[task].resolve()}"\ntask = "{task}"\nruntime = "transformers"\n'
         f'[models."{n}".profile]\n{profile}\n' for n, (task, profile) in models.items()))
+    from fleet.catalog import Profile as CatalogProfile
+    from fleet.catalog import TunedInfo, write_tuned_profile
+    from runtimes.device import device_class
+
+    klass = device_class("cpu")
+    write_tuned_profile(home, "tiny-rr-tuned", klass, CatalogProfile(engine="openvino", dtype="float32"),
+                        TunedInfo(tuned_at="x", knee_tokens_per_s=1.0, knee_p95_ms=1.0,
+                                  engine_choice="openvino float32"))
     env = {**os.environ, "FLEET_HOME": str(home), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
 
     def fleetctl(*args: str) -> str:
@@ -394,6 +406,8 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
         got = {r["index"]: r["score"] for r in reply.json()["results"]}
         want = CrossEncoder(str(heads["rerank"]), device="cpu").predict([(QUERY, doc) for doc in DOCS])
         assert np.abs(np.array([got[i] for i in range(len(DOCS))]) - want).max() <= 1e-3
+        tuned = httpx.post(d.url + "/v1/rerank", json={**body, "model": "tiny-rr-tuned"}, timeout=120)
+        assert tuned.status_code == 200, tuned.text
         for name in ("tiny-cls", "tiny-cls-auto"):
             reply = httpx.post(d.url + "/v1/classify", json={"model": name, "inputs": DOCS}, timeout=120)
             assert reply.status_code == 200, reply.text
@@ -406,6 +420,20 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
         assert auto["by"] == "measured" and auto["engine"] in engines.ENGINES and auto["tokens_per_s"] > 0
         text = fleetctl("ps")
         assert "openvino (profile" in text and "torch (profile" in text and f"{auto['engine']} (measured" in text
+        # What `fleetctl tune` reads of a load's engine choice: the ps record, the verdict's table in the log.
+        from bench.tune import engine_tables, served_engine
+
+        assert served_engine(served["tiny-rr"]) == {"engine": "openvino", "dtype": "float32", "by": "profile",
+                                                    "tokens_per_s": 0.0}
+        got = served_engine(served["tiny-cls-auto"])
+        assert (got["engine"], got["dtype"], got["by"]) == \
+            (auto["engine"], served["tiny-cls-auto"]["dtype"], "measured")
+        table = engine_tables(d.log(), "tiny-cls-auto")
+        assert f"{got['engine']} {got['dtype']}" in table and "torch float32" in table, table
+        assert engine_tables(d.log(), "tiny-rr") == {}  # forced: nothing weighed
+        assert served["tiny-rr-tuned"]["profile"] == klass
+        assert served_engine(served["tiny-rr-tuned"]) == {"engine": "openvino", "dtype": "float32", "by": "profile",
+                                                          "tokens_per_s": 0.0}
     finally:
         d.stop()
     graphs = [p.parent for p in home.rglob(DERIVED) if p.parent.name == "openvino-cross-encoder-logits"]

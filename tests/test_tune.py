@@ -17,8 +17,9 @@ import pytest
 
 from bench.tune import (
     DIMS, BenchKnobs, Candidate, Measurement, Space, Target, coordinate_search, default_candidate, default_space,
-    dtype_checks, finite, keep_default_unless_beaten, model_params, over_budget, ratio_vs_default, result_doc,
-    search_profile, search_space, seed_from_default, start_point, tuned_info,
+    dtype_checks, engine_tables, finite, keep_default_unless_beaten, model_params, not_as_named, over_budget,
+    ratio_vs_default, result_doc, search_profile, search_space, seed_from_default, served_engine, start_point,
+    tuned_info,
 )
 from fleet.catalog import Profile, TunedInfo, load_catalog, select_profile, write_tuned_profile
 from fleet.errors import BadRequest, ModelNotFound
@@ -149,6 +150,52 @@ def test_dtype_check_lines_are_read_from_the_daemon_log():
     assert dtype_checks(log, MODEL) == ["bfloat16: min cosine 0.999965 (need 0.9999) -> keep"]
 
 
+def test_the_engine_verdict_table_is_read_from_the_daemon_log():
+    """runtimes.engines.choose's verdict line, in the log's JSON lines and readable lines
+    alike; another model's, other engine lines and a later verdict's precedence."""
+    import json
+
+    measured = {"torch float32": "1 short=9.10ms 32 texts=120.00ms",
+                "openvino bfloat16": "1 short=4.00ms 32 texts=50.00ms",
+                "torch bfloat16": "refused: min cosine 0.99 (need 0.9999)"}
+    log = "\n".join([
+        json.dumps({"level": "info", "logger": "fleet.worker", "msg": f"engine other: torch float32, fastest that "
+                    f"agrees ({{'torch float32': 'x'}})"}),
+        json.dumps({"level": "info",
+                    "msg": f"engine check {MODEL} openvino bfloat16: min cosine 0.99999 -> candidate"}),
+        json.dumps({"level": "info", "msg": f"engine {MODEL}: openvino bfloat16, fastest that agrees ({measured!r})",
+                    "pid": 7}),
+        "not json {",
+    ])
+    assert engine_tables(log, MODEL) == measured
+    kept = {"openvino float32": "1 short=5.00ms"}
+    plain = f"19:00:01 INFO    fleet.worker[12] engine {MODEL}: openvino float32 (kept verdict: {kept!r})"
+    assert engine_tables(log + "\n" + plain, MODEL) == kept  # the last load's verdict
+    assert engine_tables(log, "no-such-model") == {} and engine_tables("", MODEL) == {}
+
+
+@pytest.mark.parametrize("record, served", [
+    ({"dtype": "bfloat16", "engine": {"engine": "openvino", "by": "measured", "tokens_per_s": 10836, "ms": {}}},
+     {"engine": "openvino", "dtype": "bfloat16", "by": "measured", "tokens_per_s": 10836.0}),
+    ({"dtype": "float32", "engine": {"engine": "torch", "by": "profile", "tokens_per_s": 0, "ms": {}}},
+     {"engine": "torch", "dtype": "float32", "by": "profile", "tokens_per_s": 0.0}),
+    # No engines weighed (a GPU, a CPU without OpenVINO): torch, as Adapter.engine says.
+    ({"dtype": "bfloat16"}, {"engine": "torch", "dtype": "bfloat16", "by": "", "tokens_per_s": 0.0}),
+])
+def test_the_served_engine_is_read_from_a_ps_record(record, served):
+    assert served_engine(record) == served
+
+
+@pytest.mark.parametrize("candidate, why", [
+    (Candidate("auto", 8192, 64, 0.0, 1), ""),  # the default: whatever its load chose
+    (Candidate("bfloat16", 8192, 64, 0.0, 1, "openvino"), ""),
+    (Candidate("float32", 8192, 64, 0.0, 1, "openvino"), "daemon serves openvino bfloat16, not openvino float32"),
+    (Candidate("bfloat16", 8192, 64, 0.0, 1, "torch"), "daemon serves openvino bfloat16, not torch bfloat16"),
+])
+def test_a_candidate_is_measured_only_on_the_engine_and_dtype_it_names(candidate, why):
+    assert not_as_named(candidate, {"engine": "openvino", "dtype": "bfloat16", "by": "profile"}) == why
+
+
 # ---- the run: the default first, the space from what it served, the choice ----------------
 
 SHIPPED = {"dtype": "auto", "max_batch_tokens": 32768, "max_batch_items": 256, "linger_ms": 1.0}
@@ -156,7 +203,9 @@ SHIPPED = {"dtype": "auto", "max_batch_tokens": 32768, "max_batch_items": 256, "
 
 def test_the_default_candidate_is_the_shipped_profile_on_one_worker():
     assert default_candidate(SHIPPED) == Candidate("auto", 32768, 256, 1.0, 1)
+    assert default_candidate(SHIPPED).engine == "auto" and default_candidate(SHIPPED).profile()["engine"] == "auto"
     assert default_candidate({**SHIPPED, "linger_ms": 2}).linger_ms == 2.0
+    assert default_candidate({**SHIPPED, "engine": "torch"}).engine == "torch"  # a shipped forced engine stays
 
 
 @pytest.mark.parametrize("device, cores, served, workers_max, dtypes, workers", [
@@ -179,10 +228,11 @@ def test_the_space_follows_the_served_dtype_and_the_workers_cap(device, cores, s
     (Candidate("auto", 8192, 100, 1.0, 1), False),  # off the batch-items ladder
     (Candidate("auto", 8192, 64, 3.0, 1), False),  # off the linger ladder
 ])
-def test_the_default_seeds_the_search_only_on_the_ladders(default, seeded):
-    m = Measurement(500.0, 80.0, dtype="bfloat16")
+@pytest.mark.parametrize("served_engine_, held", [("openvino", "openvino"), ("torch", "torch"), ("", "torch")])
+def test_the_default_seeds_the_search_only_on_the_ladders(default, seeded, served_engine_, held):
+    m = Measurement(500.0, 80.0, dtype="bfloat16", engine=served_engine_)
     point, seed = seed_from_default(search_space("cpu", 2, "bfloat16"), default, "bfloat16", m)
-    assert point == replace(default, dtype="bfloat16")
+    assert point == replace(default, dtype="bfloat16", engine=held)
     assert seed == ({point: m} if seeded else {})
 
 
@@ -264,8 +314,8 @@ def test_a_run_measures_the_default_first_then_searches_from_the_start_point():
     assert measured[0] == Candidate("auto", 32768, 256, 1.0, 1) and events[0] == ("default", measured[0])
     assert t.space.dtypes == ("bfloat16", "float32")
     assert t.search.start == start_point(t.space, params=22_700_000, device="cpu",
-                                         default={**SHIPPED, "dtype": "bfloat16"})
-    assert t.chosen == OPTIMUM and t.search.stopped == "converged"
+                                         default={**SHIPPED, "dtype": "bfloat16", "engine": "torch"})
+    assert t.chosen == replace(OPTIMUM, engine="torch") and t.search.stopped == "converged"
     assert t.ratio == t.chosen_measurement.tokens_per_s / t.default_measurement.tokens_per_s > 1
     assert t.confirm is None
     assert [c for kind, c in events if kind == "trial"] == measured[1:]
@@ -296,8 +346,40 @@ def test_a_run_keeps_the_default_when_nothing_beats_it():
         return replace(m, tokens_per_s=5000.0) if c.dtype == "auto" else m
 
     t = search_profile(target(), measure, deadline=math.inf, max_candidates=60, min_gain=0.01)
-    assert t.chosen == Candidate("bfloat16", 32768, 256, 1.0, 1) and t.chosen_measurement.tokens_per_s == 5000.0
+    assert t.chosen == Candidate("bfloat16", 32768, 256, 1.0, 1, "torch")
+    assert t.chosen_measurement.tokens_per_s == 5000.0
     assert t.ratio == 1.0
+
+
+def served_on_openvino(c: Candidate) -> Measurement:
+    """A daemon on a box with OpenVINO: the default (engine auto) loads OpenVINO bf16 by
+    measurement; a candidate serves the engine and dtype it names."""
+    if c.engine == "auto":
+        return replace(served_as_bf16(c), engine="openvino", engine_by="measured", engine_tokens_per_s=10836.4)
+    return replace(served_as_bf16(c), engine=c.engine, engine_by="profile")
+
+
+def test_the_engine_the_default_served_is_held_and_named_by_every_candidate():
+    measured = []
+    t = search_profile(target(), lambda c: measured.append(c) or served_on_openvino(c), deadline=math.inf,
+                       max_candidates=60, min_gain=0.01)
+    assert measured[0].engine == "auto" and measured[0].profile()["engine"] == "auto"  # the default as shipped
+    assert len(measured) > 3 and {c.engine for c in measured[1:]} == {"openvino"}
+    assert {c.dtype for c in measured[1:]} == {"bfloat16", "float32"}  # the float32 rung is OpenVINO's f32
+    assert all(c.profile()["engine"] == "openvino" for c in measured[1:])
+    assert t.search.start.engine == "openvino" and t.chosen == replace(OPTIMUM, engine="openvino")
+    assert t.chosen.runs_on == "openvino bfloat16" and t.chosen.profile()["engine"] == "openvino"
+    # What --write stores: the profile names the engine; the tuned table says where it came from.
+    table = {"openvino bfloat16": "1 short=4.00ms 32 texts=50.00ms", "torch float32": "1 short=9.00ms"}
+    got = tuned_info(t, device="cpu", cores=2, dtype_log=[], budget_minutes=8.0, versions={}, tuned_at="x",
+                     engine_table=table)
+    assert (got.engine_choice, got.engine_by, got.engine_tokens_per_s) == ("openvino bfloat16", "measured", 10836.4)
+    assert got.engine_table == table
+    doc = result_doc(target(), t, budget_minutes=8.0, knobs=BenchKnobs(), dtype_log=[], machine={}, versions={},
+                     command=[], engine_table=table)
+    assert doc["chosen"]["candidate"]["engine"] == "openvino" and doc["engine_table"] == table
+    assert {r["candidate"]["engine"] for r in doc["trials"]} == {"openvino"}
+    assert doc["default"]["measurement"]["engine"] == "openvino"
 
 
 def test_a_run_refuses_a_default_that_did_not_serve():
@@ -332,6 +414,9 @@ def test_what_write_stores_and_what_the_results_hold():
     assert got.baseline_tokens_per_s == round(t.default_measurement.tokens_per_s, 1)
     assert got.candidates == 5 and got.workers == 1 and got.cpu_threads == 4
     assert got.dtype_check == "bfloat16: ok; float32: ok"
+    # A load that weighed no engines (served_as_bf16 names none): torch, nothing measured.
+    assert (got.engine_choice, got.engine_by, got.engine_tokens_per_s, got.engine_table) == \
+        ("torch bfloat16", "", None, {})
     assert got.versions == {"fleet": "0.1", "torch": "2.13.0", "git_commit": "abc"}
     assert tuned_info(t, device="cuda:0", cores=4, dtype_log=[], budget_minutes=8.0, versions={},
                       tuned_at="x").cpu_threads == 0
@@ -373,6 +458,42 @@ def test_profile_round_trips_and_merges_with_the_shipped_entry(tmp_path: Path):
     assert entry.profiles["cuda-sm90"].max_batch_items == 512
     assert entry.tuned["cpu-test1"].knee_tokens_per_s == 2000.0
     assert entry.tuned["cpu-test1"].versions["torch"] == "2.13.0"
+
+
+def test_a_profile_naming_its_engine_round_trips_with_its_tuned_table(tmp_path: Path):
+    home = tmp_path / "home"
+    prof = Profile(max_batch_items=64, max_batch_tokens=8192, dtype="bfloat16", engine="openvino", linger_ms=2.0)
+    table = {"openvino bfloat16": "1 short=4.00ms 32 texts=50.00ms", "torch bfloat16": 'refused: "cosine" 0.99'}
+    tuned = TunedInfo(tuned_at="2026-12-04T19:00:00Z", knee_tokens_per_s=9000.0, knee_p95_ms=80.0,
+                      engine_choice="openvino bfloat16", engine_by="measured", engine_tokens_per_s=10836.4,
+                      engine_table=table)
+    write_tuned_profile(home, MODEL, "cpu-test1", prof, tuned)
+    text = (home / "models.toml").read_text()
+    assert 'engine = "openvino"' in text
+    entry = load_catalog(home).get(MODEL)
+    assert entry.profiles["cpu-test1"] == prof
+    assert select_profile(entry, "cpu-test1")[0].engine == "openvino"
+    assert entry.tuned["cpu-test1"] == tuned
+    assert entry.profile.engine == "auto"  # the default profile, for every other class, still measures
+
+
+def test_an_old_tuned_profile_without_engine_still_loads(tmp_path: Path):
+    """As written before the engine was kept (the shipped file's tuned class, say): the
+    engine comes from the entry's profile ("auto"), the tuned table reads without one."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models.toml").write_text(
+        '[models."all-minilm-l6-v2".profiles."cpu-old"]\nmax_batch_items = 256\nmax_batch_tokens = 16384\n'
+        'dtype = "bfloat16"\nlinger_ms = 1.0\n'
+        '[models."all-minilm-l6-v2".tuned."cpu-old"]\ntuned_at = "2026-12-02T15:33:03Z"\n'
+        'knee_tokens_per_s = 2689.5\nknee_p95_ms = 735.1\ndtype_check = "bfloat16: ok"\n'
+        'versions = { "torch" = "2.13.0+cpu" }\n')
+    entry = load_catalog(home).get(MODEL)
+    prof, key = select_profile(entry, "cpu-old")
+    assert key == "cpu-old" and prof.engine == "auto" and prof.dtype == "bfloat16"
+    old = entry.tuned["cpu-old"]
+    assert old.knee_tokens_per_s == 2689.5 and old.engine_choice == "" and old.engine_table == {}
+    assert old.engine_tokens_per_s is None
 
 
 def test_partial_class_profile_takes_the_rest_from_the_default(tmp_path: Path):
@@ -462,8 +583,9 @@ def test_ps_reports_the_tuned_profile_in_use(tmp_path: Path):
     home = tmp_path / "home"
     home.mkdir()
     klass = device_class("cpu")
+    # As `fleetctl tune` writes it: the engine named with its dtype.
     write_tuned_profile(home, MODEL, klass, Profile(max_batch_items=16, max_batch_tokens=2048, dtype="float32",
-                                                    linger_ms=0.0), info())
+                                                    engine="torch", linger_ms=0.0), info())
     d = start_daemon(home)
     try:
         r = httpx.post(d.url + "/v1/embed", json={"model": MODEL, "inputs": ["hello", "world"]}, timeout=120)
@@ -472,6 +594,9 @@ def test_ps_reports_the_tuned_profile_in_use(tmp_path: Path):
         models = [w["models"][MODEL] for w in ps["workers"] if MODEL in w["models"]]
         assert models and models[0]["profile"] == klass
         assert models[0]["dtype"] == "float32"  # the tuned profile's explicit dtype, not the default's auto
+        # What the measurer reads: exactly the engine and dtype the profile names, forced.
+        assert served_engine(models[0]) == {"engine": "torch", "dtype": "float32", "by": "profile", "tokens_per_s": 0.0}
+        assert models[0]["settings"]["engine"] == "torch"
         out = subprocess.run([sys.executable, "-m", "fleetctl", "ps"], env={**os.environ, "FLEET_URL": d.url, "COLUMNS": "250"},
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

@@ -6,7 +6,8 @@ of its own on loopback); this verb parses the arguments, shows progress on
 stderr, prints the trials table and the choice on stdout, writes
 `bench/results/<time>-tune-<model>.json` (or `--out`) on every run, and with
 `--write` stores the winner in `FLEET_HOME/models.toml` as
-`[models."<name>".profiles."<device class>"]` with a `tuned` table beside it.
+`[models."<name>".profiles."<device class>"]` (its engine named with its dtype: the
+engine the default's load chose, held through the search) with a `tuned` table beside it.
 Nothing here imports torch (device_class does, for CUDA devices only).
 """
 
@@ -46,7 +47,8 @@ def register(app: typer.Typer) -> None:
                                         "(default: CPU cores up to 4; 2 per GPU)."),
         out: Path = typer.Option(None, "--out", help="Results JSON (default: bench/results/<time>-tune-<model>.json)."),
     ) -> None:
-        """Search MODEL's serving profile (dtype, batch budget, linger, workers) by its measured knee."""
+        """Search MODEL's serving profile (dtype, batch budget, linger, workers) by its measured knee,
+        on the engine its default profile's load chose (kept in the profile)."""
         from fleetctl.commands.bench import _import_bench
 
         _import_bench()
@@ -95,7 +97,7 @@ def register(app: typer.Typer) -> None:
 
                 def on_default(c, m):
                     progress.console.print(f"default: {c.label()} -> {_fmt(m.tokens_per_s)} tok/s, "
-                                           f"p95 {_fmt(m.p95_ms)} ms, served {m.dtype or '?'} ({m.note})")
+                                           f"p95 {_fmt(m.p95_ms)} ms, served {_served(m)} ({m.note})")
 
                 def on_trial(t):
                     m = t.measurement
@@ -117,12 +119,13 @@ def register(app: typer.Typer) -> None:
         # What it tried, and the choice.
         out_console.print(_trials_table(tuned, f"tune {model} on {klass}"))
         lines = _choice_lines(tuned, klass=klass, batch=batch, cores=cores, dtype_log=measurer.dtype_log,
-                              minutes=(time.time() - t_start) / 60)
+                              minutes=(time.time() - t_start) / 60, engine_table=measurer.engine_table)
         out_console.print(Panel("\n".join(lines), title="chosen"))
 
         versions = report.versions()
         doc = result_doc(target, tuned, budget_minutes=budget_minutes, knobs=knobs, dtype_log=measurer.dtype_log,
-                         machine=report.machine(), versions=versions, command=["fleetctl", *sys.argv[1:]])
+                         machine=report.machine(), versions=versions, command=["fleetctl", *sys.argv[1:]],
+                         engine_table=measurer.engine_table)
         path = out or (Path(__file__).resolve().parents[2] / "bench" / "results"
                        / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{model}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +137,8 @@ def register(app: typer.Typer) -> None:
                 raise BadRequest("no candidate reached a knee: nothing to write")
             info = tuned_info(tuned, device=dev, cores=cores, dtype_log=measurer.dtype_log,
                               budget_minutes=budget_minutes, versions=versions,
-                              tuned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                              tuned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              engine_table=measurer.engine_table)
             written = write_tuned_profile(target.home, model, klass, Profile(**tuned.chosen.profile()), info,
                                           new_entry=target.new_entry)
             err.print(f"wrote [bold]models.\"{model}\".profiles.\"{klass}\"[/] to {written}")
@@ -145,24 +149,36 @@ def register(app: typer.Typer) -> None:
 def _trials_table(tuned, title: str):
     from rich.table import Table
 
-    table = Table("#", "move", "dtype", "batch tokens", "batch items", "linger ms", "workers",
+    table = Table("#", "move", "engine dtype", "batch tokens", "batch items", "linger ms", "workers",
                   "knee tok/s", "knee req/s", "p95 ms", "s", "", title=title)
     for t in tuned.search.trials:
         c, m = t.candidate, t.measurement
-        table.add_row(str(t.index), t.move, c.dtype, str(c.max_batch_tokens), str(c.max_batch_items),
+        table.add_row(str(t.index), t.move, c.runs_on, str(c.max_batch_tokens), str(c.max_batch_items),
                       f"{c.linger_ms:g}", str(c.workers), _fmt(m.tokens_per_s), _fmt(m.rps, 2), _fmt(m.p95_ms),
                       f"{m.seconds:.0f}", "best" if c == tuned.chosen else ("" if m.ok else m.note[:40]))
     return table
 
 
-def _choice_lines(tuned, *, klass: str, batch: int, cores: int, dtype_log: list[str], minutes: float) -> list[str]:
+def _served(m) -> str:
+    """What a daemon served: "openvino bfloat16 (measured at load, 10,836 tok/s)"."""
+    text = f"{m.engine or 'torch'} {m.dtype or '?'}"
+    if m.engine_by:
+        text += f" ({m.engine_by} at load" + (f", {_fmt(m.engine_tokens_per_s)} tok/s)" if m.engine_tokens_per_s
+                                              else ")")
+    return text
+
+
+def _choice_lines(tuned, *, klass: str, batch: int, cores: int, dtype_log: list[str], minutes: float,
+                  engine_table: dict[str, str] | None = None) -> list[str]:
     best_c, best_m, base_m, ratio = tuned.chosen, tuned.chosen_measurement, tuned.default_measurement, tuned.ratio
-    lines = [f"profile for [bold]{klass}[/]: dtype {best_c.dtype}, max_batch_tokens {best_c.max_batch_tokens}, "
+    lines = [f"profile for [bold]{klass}[/]: [bold]{best_c.runs_on}[/], max_batch_tokens {best_c.max_batch_tokens}, "
              f"max_batch_items {best_c.max_batch_items}, linger_ms {best_c.linger_ms:g}; workers {best_c.workers}",
              f"knee {_fmt(best_m.tokens_per_s)} tokens/s ({_fmt(best_m.rps, 2)} req/s of {batch}), "
              f"p95 {_fmt(best_m.p95_ms)} ms",
              f"default profile: {_fmt(base_m.tokens_per_s)} tokens/s, p95 {_fmt(base_m.p95_ms)} ms"
              + (f"  ->  {ratio:.2f}x" if ratio else ""),
+             f"engine: {best_c.engine}, as the default profile's load chose it (served {_served(base_m)}); "
+             f"held through the search",
              f"{len(tuned.search.trials)} candidates + default in {minutes:.1f} min "
              f"(search {tuned.search.stopped}; a full grid would be {tuned.space.grid_size})"]
     if tuned.confirm:
@@ -174,4 +190,6 @@ def _choice_lines(tuned, *, klass: str, batch: int, cores: int, dtype_log: list[
                      f"(FLEET_CPU_THREADS={max(1, cores // best_c.workers)}) to get this knee")
     if dtype_log:
         lines.append("dtype check (load time, vs fp32): " + "; ".join(dict.fromkeys(dtype_log)))
+    if engine_table:
+        lines.append("engines at load: " + "; ".join(f"{k}: {v}" for k, v in engine_table.items()))
     return lines
