@@ -32,8 +32,8 @@ from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
     CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap,
-    batch_token_cap, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window, micro_items_cap,
-    padded_tokens, stall_bound_ms,
+    batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window,
+    micro_items_cap, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -234,7 +234,8 @@ class WorkerCore:
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
         shared = contended(self.recent_flows.get(lane.model, {}), self.clock_ns())
-        cap = self.batch_cap(cost, profile.max_batch_tokens, shared)
+        cap = (profile.max_batch_tokens if not shared and behind(lane, self.clock_ns(), self.target_ms)
+               else self.batch_cap(cost, profile.max_batch_tokens, shared))
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:

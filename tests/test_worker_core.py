@@ -220,6 +220,45 @@ def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_
     assert len(results(queue, 11)) == 11
 
 
+def test_a_lane_behind_its_target_takes_whole_budgets_until_it_catches_up(queue):
+    later = [0]  # ns added to the clock: the head's wait passes the target without sleeping through it
+    # A batch takes 10 ms an item of 10 tokens: the fitted cost is ~1 ms a token, and
+    # the 45 ms target holds 4 items.
+    core = core_for(queue, {"m": Profile(max_batch_items=16, max_batch_tokens=1_000)}, {"m": {"run_ms": (0, 10)}},
+                    target_ms=45.0, clock_ns=lambda: time.monotonic_ns() + later[0])
+    for rid in (101, 102, 103):  # the cost model's first samples (MIN_SAMPLES): one and two items
+        put(queue, "m", "warm", request_id=rid)
+        core.step()
+    put(queue, "m", "warm", request_id=104)
+    put(queue, "m", "warm", request_id=105)
+    core.step()
+    assert core.costs["m"].samples == 4
+    for rid in range(1, 13):
+        put(queue, "m", f"t{rid}", request_id=rid)
+    # 1. The head has waited less than the target: a batch the target's size.
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(1, 5)])
+    # 2. The head has waited longer than a whole batch is aimed to take: every request
+    #    queued waits anyway, and one batch of all of them clears the backlog sooner.
+    later[0] = 41_000_000
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(5, 13)])
+    # 3. Caught up: a new request is under the target again.
+    later[0] = 0
+    for rid in range(13, 19):
+        put(queue, "m", f"t{rid}", request_id=rid)
+    core.step()
+    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(13, 17)])
+    # 4. Batch work is always old: a lane of batch work only never counts as behind.
+    later[0] = 10 * 41_000_000
+    core.step()  # the last two interactive ones (behind: all of them)
+    for rid in range(21, 33):
+        put(queue, "m", f"b{rid}", request_id=rid, batch=True)
+    core.step()
+    assert len(FakeEmbedder.batches[-1][1]) == 1  # interactive work is current: one item of batch work a round
+    assert len(results(queue, 24)) == 24  # 5 warm, 18 interactive, 1 of batch work
+
+
 def test_prefers_a_held_model_until_another_lane_starves(queue):
     profiles = {"a": Profile(), "b": Profile()}
     core = core_for(queue, profiles, max_wait_ms=150)
