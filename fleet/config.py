@@ -141,8 +141,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lane_max_wait_ms: int = 2_000
     #: Batch time a worker aims for: its cost model, fitted from its own batch
     #: times, caps a batch's padded tokens to fit (0 = only the profile's budget);
-    #: a lane whose head has waited longer than this is behind and takes the
-    #: profile's whole budget (runtimes.policy.behind).
+    #: a lane whose head has waited longer than this is behind and aims for
+    #: 8 targets (runtimes.policy.behind).
     batch_target_ms: float = 250.0
     log_level: str = "info"
     #: Intra-op threads for CPU workers; 0 = torch's default.

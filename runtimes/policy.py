@@ -196,18 +196,25 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
     return int(round(min(max_padded_tokens, max(room / b, a / b, 1))))
 
 
+#: A lane that is behind (`behind`) aims its batches at this many batch targets (2 s
+#: at the shipped 250 ms; on 2 Zen 4 cores more than MiniLM's 16 384-token budget).
+#: Another client arriving meanwhile does not wait for it: it runs between two
+#: micro-batches (`runtimes.worker`, `interject`).
+BEHIND_TARGETS = 8
+
+
 def behind(lane: LaneView, now_ns: int, target_ms: float) -> bool:
     """The lane's interactive work is behind: its head has waited longer than a
     whole batch is aimed to take (`target_ms`), so more than one batch's worth is
-    queued and every request in it waits anyway. A batch may then take all the
-    profile's `max_batch_tokens` (`batch_token_cap` is the latency bound, and it
-    is already missed): length-sorting across many requests pads far less and
-    pays a forward's fixed cost fewer times, so the backlog clears sooner (issue
-    27: one request a batch at saturation ran at 0.69-0.73x length-sorted
-    batches). Self-limiting: a batch takes what arrived during the last one, and
-    once caught up the head waits less than the target again. Batch work (a
-    batch-only lane) never counts: it is always old, and its batches must stay
-    short for the interactive work that may arrive (`batch_fill_cap`)."""
+    queued and every request in it waits anyway. A batch may then aim for
+    BEHIND_TARGETS targets (the one-target bound is already missed):
+    length-sorting across several requests pads far less and pays a forward's
+    fixed cost fewer times, so the backlog clears sooner (issue 27: one request a
+    batch at saturation ran at 0.69-0.73x length-sorted batches). Self-limiting:
+    a batch takes what arrived during the last one, and once caught up the head
+    waits less than the target again. Batch work (a batch-only lane) never
+    counts: it is always old, and its batches must stay short for the
+    interactive work that may arrive (`batch_fill_cap`)."""
     return (target_ms > 0 and lane.depth > 0 and not lane.head_batch
             and now_ns - lane.oldest_enqueue_ns > target_ms * 1e6)
 

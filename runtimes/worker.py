@@ -31,9 +31,9 @@ from runtimes.info import encode_info, worker_info
 from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
-    CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun, batch_fill_cap,
-    batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms, linger_window,
-    micro_items_cap, padded_tokens, stall_bound_ms,
+    BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun,
+    batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms,
+    linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -234,8 +234,8 @@ class WorkerCore:
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
         shared = contended(self.recent_flows.get(lane.model, {}), self.clock_ns())
-        cap = (profile.max_batch_tokens if not shared and behind(lane, self.clock_ns(), self.target_ms)
-               else self.batch_cap(cost, profile.max_batch_tokens, shared))
+        cap = self.batch_cap(cost, profile.max_batch_tokens, shared,
+                             behind=behind(lane, self.clock_ns(), self.target_ms))
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
@@ -262,9 +262,11 @@ class WorkerCore:
                    stamps: tuple[int, int, int], *, shared: bool, outer: set[int] | None = None) -> int:
         """Decode, run and ack a batch of `claims` of `lane`, and learn from it; returns
         the items answered (those of batches run between its micro-batches included).
-        `shared` (clients share the model now): micro-batches aim for MICRO_SHARE of
-        the target (`micro_items_cap`) and, between two, a request of another client
-        waiting at the head of the lane is run first (`interject`). `outer`: the flows
+        Between two micro-batches a request of another client waiting at the head of
+        the lane is run first (`interject`): a client arriving while one client's
+        batch runs (up to BEHIND_TARGETS targets when its lane is behind) waits for
+        one micro-batch. `shared` (clients share the model now): micro-batches aim
+        for MICRO_SHARE of the target as well (`micro_items_cap`). `outer`: the flows
         of the batch this one interrupts (it interrupts nothing itself)."""
         adapter, model = resident.adapter, resident.adapter.spec.name
         woke_ns, claimed_ns, lingered_ns = stamps
@@ -290,9 +292,9 @@ class WorkerCore:
         loras = batch_loras(adapter, requests)
         adapter.marks = (0, 0, 0)
         flows = {c.flow for c, _ in runnable if not c.batch}
-        may_interject = shared and outer is None and not loras and self.target_ms > 0
+        may_interject = outer is None and not loras and self.target_ms > 0
         micro_cap = (micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests), adapter.fixed_tokens)
-                     if may_interject else None)
+                     if may_interject and shared else None)
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
                                            (lane, flows, cost, sum(tokens)) if may_interject and flows else None)
@@ -431,12 +433,15 @@ class WorkerCore:
             resident.interjected += len(claims)
         return done + late
 
-    def batch_cap(self, cost: CostModel, max_batch_tokens: int, shared: bool) -> int:
+    def batch_cap(self, cost: CostModel, max_batch_tokens: int, shared: bool, *, behind: bool = False) -> int:
         """Tokens a batch of a model may take: what the batch target allows by its cost
         (at most the profile's `max_batch_tokens`), a contended share of that while
-        clients share the model (`contended`)."""
-        cap = batch_token_cap(cost, self.target_ms, max_batch_tokens)
-        return batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap) if shared else cap
+        clients share the model (`contended`), BEHIND_TARGETS targets' worth while
+        one client has it and its lane is behind (`behind`)."""
+        if shared:
+            cap = batch_token_cap(cost, self.target_ms, max_batch_tokens)
+            return batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap)
+        return batch_token_cap(cost, self.target_ms * (BEHIND_TARGETS if behind else 1), max_batch_tokens)
 
     def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
         """The clients of a batch of `model` (its interactive items' queue flows) were

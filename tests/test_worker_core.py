@@ -26,7 +26,7 @@ from local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from runtimes.base import Adapter, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
 from runtimes.hf_common import check_wanted
-from runtimes.policy import INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
+from runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from runtimes.worker import WorkerCore
 
@@ -220,11 +220,11 @@ def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_
     assert len(results(queue, 11)) == 11
 
 
-def test_a_lane_behind_its_target_takes_whole_budgets_until_it_catches_up(queue):
+def test_a_lane_behind_its_target_takes_bigger_batches_until_it_catches_up(queue):
     later = [0]  # ns added to the clock: the head's wait passes the target without sleeping through it
     # A batch takes 10 ms an item of 10 tokens: the fitted cost is ~1 ms a token, and
-    # the 45 ms target holds 4 items.
-    core = core_for(queue, {"m": Profile(max_batch_items=16, max_batch_tokens=1_000)}, {"m": {"run_ms": (0, 10)}},
+    # the 45 ms target holds 4 items; BEHIND_TARGETS targets, 45 ms / 10 ms an item each.
+    core = core_for(queue, {"m": Profile(max_batch_items=64, max_batch_tokens=1_000)}, {"m": {"run_ms": (0, 10)}},
                     target_ms=45.0, clock_ns=lambda: time.monotonic_ns() + later[0])
     for rid in (101, 102, 103):  # the cost model's first samples (MIN_SAMPLES): one and two items
         put(queue, "m", "warm", request_id=rid)
@@ -233,30 +233,35 @@ def test_a_lane_behind_its_target_takes_whole_budgets_until_it_catches_up(queue)
     put(queue, "m", "warm", request_id=105)
     core.step()
     assert core.costs["m"].samples == 4
-    for rid in range(1, 13):
+    for rid in range(1, 61):
         put(queue, "m", f"t{rid}", request_id=rid)
     # 1. The head has waited less than the target: a batch the target's size.
     core.step()
     assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(1, 5)])
     # 2. The head has waited longer than a whole batch is aimed to take: every request
-    #    queued waits anyway, and one batch of all of them clears the backlog sooner.
-    later[0] = 41_000_000
+    #    queued waits anyway, and bigger batches clear the backlog sooner; still bounded
+    #    (BEHIND_TARGETS x the target, not the 56 queued).
+    later[0] = 46_000_000
     core.step()
-    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(5, 13)])
-    # 3. Caught up: a new request is under the target again.
+    took = len(FakeEmbedder.batches[-1][1])
+    assert BEHIND_TARGETS * 45 // 10 - 6 <= took <= BEHIND_TARGETS * 45 // 10 + 1, took  # 10 ms an item
+    assert FakeEmbedder.batches[-1][1] == [[f"t{r}"] for r in range(5, 5 + took)]
+    core.step()  # behind still: the rest
+    assert FakeEmbedder.batches[-1][1] == [[f"t{r}"] for r in range(5 + took, 61)]
+    # 3. Caught up: new requests are under the target again.
     later[0] = 0
-    for rid in range(13, 19):
+    for rid in range(61, 67):
         put(queue, "m", f"t{rid}", request_id=rid)
     core.step()
-    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(13, 17)])
+    assert FakeEmbedder.batches[-1] == ("m", [[f"t{r}"] for r in range(61, 65)])
     # 4. Batch work is always old: a lane of batch work only never counts as behind.
-    later[0] = 10 * 41_000_000
-    core.step()  # the last two interactive ones (behind: all of them)
-    for rid in range(21, 33):
+    later[0] = 10 * 46_000_000
+    core.step()  # the last two interactive ones
+    for rid in range(141, 153):
         put(queue, "m", f"b{rid}", request_id=rid, batch=True)
     core.step()
     assert len(FakeEmbedder.batches[-1][1]) == 1  # interactive work is current: one item of batch work a round
-    assert len(results(queue, 24)) == 24  # 5 warm, 18 interactive, 1 of batch work
+    assert len(results(queue, 72)) == 72  # 5 warm, 66 interactive, 1 of batch work
 
 
 def test_prefers_a_held_model_until_another_lane_starves(queue):
@@ -718,11 +723,10 @@ class MicroEmbedder(FakeEmbedder):
         return [EmbedResult("|".join(r.inputs).encode(), (len(r.inputs), 1), len(r.inputs)) for r in requests]
 
 
-def micro_core(queue, extra: dict | None = None) -> WorkerCore:
+def micro_core(queue, extra: dict | None = None, micro_items: int = 64) -> WorkerCore:
     """A worker over MicroEmbedder whose cost model reads 1 ms a token (target 128 ms)."""
-    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu",
-                      make_resolver({"m": Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=64)},
-                                    extra),
+    profile = Profile(max_batch_items=8, max_batch_tokens=4_096, micro_batch_items=micro_items)
+    core = WorkerCore(queue, queue.register_worker(os.getpid(), "cpu"), "cpu", make_resolver({"m": profile}, extra),
                       adapter_for=lambda task, runtime: MicroEmbedder, served_by="box/0", target_ms=128.0)
     cost = core.costs.setdefault("m", CostModel())
     for _ in range(4):
@@ -739,7 +743,8 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     # target (a cost of 1 ms a token, target 128 ms: 16 tokens = 4 texts of 4 tokens),
     # and before the next one the worker runs the light request: it waits for one
     # micro-batch of the flood, not for the flood's batch nor its backlog. A lone client
-    # keeps the profile's micro-batches and is not interrupted. Counted, not timed.
+    # keeps the profile's micro-batches (here one of 32 texts: no boundary to run the
+    # light request at). Counted, not timed.
     MicroEmbedder.micro = []
     light = _encode(EmbedRequest(model="m", inputs=["light"]))
 
@@ -777,6 +782,31 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
         assert at == 1 and resident.interjected == 0
     # Every request answered once, the flood's in put order.
     got = results(queue, 5)
+    assert all(status == STATUS_OK for status, _ in got.values())
+
+
+def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch(queue):
+    # One client (flow 1) has the model: its batches take the whole budget (two requests
+    # of 16 texts) in the profile's micro-batches (8 texts here), never cut to a share.
+    # A second client (flow 2) arriving during the first micro-batch runs before the
+    # second: it waits for one micro-batch, not for the whole batch (up to
+    # BEHIND_TARGETS targets while the lane is behind). Counted, not timed.
+    MicroEmbedder.micro = []
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
+
+    core = micro_core(queue, {"m": {"after_micro": after_micro}}, micro_items=8)
+    core.recent_flows["m"] = {1: core.clock_ns()}
+    for rid in range(1, 3):
+        queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
+                  tokens=64, request_id=rid, flow=1)
+    assert core.step(timeout_s=0.1) == 3  # both flood requests and, inside their batch, the light one
+    assert [len(t) for t in MicroEmbedder.micro] == [8, 1, 8, 8, 8]
+    assert MicroEmbedder.micro[1] == ["light"] and core.residency.models["m"].interjected == 1
+    got = results(queue, 3)
     assert all(status == STATUS_OK for status, _ in got.values())
 
 
