@@ -84,8 +84,9 @@ def apply_command(residency: Residency, cmd: Command) -> CommandDone:
 def reprofile(residency: Residency) -> list[str]:
     """Give each resident model the profile its catalog entry names now (a tuned profile
     written while serving, an edited models.toml): the worker reads `spec.profile` at
-    every batch, so batch settings apply from the next one; the weights keep the dtype
-    they were loaded in until the next load. Returns what changed, per model."""
+    every batch, so batch settings apply from the next one; the weights keep the engine
+    and dtype they were loaded in until the next load (the change says so). Returns what
+    changed, per model."""
     if residency.profile_of is None:
         return []
     changed = []
@@ -96,8 +97,8 @@ def reprofile(residency: Residency) -> list[str]:
             continue
         diffs = [f"{k} {getattr(spec.profile, k)} -> {getattr(profile, k)}"
                  for k in profile.__dataclass_fields__ if getattr(profile, k) != getattr(spec.profile, k)]
-        if profile.dtype != spec.profile.dtype:
-            diffs.append("(dtype at the next load)")
+        if later := [k for k in ("engine", "dtype") if getattr(profile, k) != getattr(spec.profile, k)]:
+            diffs.append(f"({' and '.join(later)} at the next load)")
         r.adapter.spec = dataclasses.replace(spec, profile=profile,
                                              extra={**spec.extra, "profile": which, "profile_from": sources})
         changed.append(f"{name}: profile {which}" + (": " + ", ".join(diffs) if diffs else ""))

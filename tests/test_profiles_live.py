@@ -84,7 +84,8 @@ def test_tuned_profile_applies_on_sighup(tmp_path: Path) -> None:
         assert info["max_batch_tokens"] == before[0]["settings"]["max_batch_tokens"]
 
         # What `fleetctl tune --write` writes, while the daemon serves.
-        tuned = Profile(max_batch_items=2, max_batch_tokens=512, dtype=before[0]["settings"]["dtype"], linger_ms=0.0)
+        tuned = Profile(max_batch_items=2, max_batch_tokens=512, dtype=before[0]["settings"]["dtype"], linger_ms=0.0,
+                        engine="torch")
         write_tuned_profile(home, DEFAULT_MODEL, klass, tuned, TunedInfo(tuned_at="2026-12-04T00:00:00Z",
                                                                          knee_tokens_per_s=1.0, knee_p95_ms=1.0))
         d.proc.send_signal(signal.SIGHUP)
@@ -102,6 +103,7 @@ def test_tuned_profile_applies_on_sighup(tmp_path: Path) -> None:
         model = ps["workers"][0]["models"][DEFAULT_MODEL]
         assert model["profile"] == klass and model["settings"]["max_batch_items"] == 2
         assert f"{DEFAULT_MODEL}: profile {klass}: max_batch_items" in d.log()
+        assert "(engine at the next load)" in d.log()  # the weights stay on the engine they loaded on
 
         # The resident model's next batches keep to it: at most 2 items each.
         def one(i: int) -> httpx.Response:
