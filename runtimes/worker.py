@@ -233,9 +233,9 @@ class WorkerCore:
         #    (interactive work first, batch work filling the rest), return the rest.
         fit = cost.fit() if cost.samples >= MIN_SAMPLES else None
         recent = self.recent_interactive_padded(lane.model)
-        shared = contended(self.recent_flows.get(lane.model, {}), self.clock_ns())
-        cap = self.batch_cap(cost, profile.max_batch_tokens, shared,
-                             behind=behind(lane, self.clock_ns(), self.target_ms))
+        now = self.clock_ns()
+        shared = contended(self.recent_flows.get(lane.model, {}), now)
+        cap = self.batch_cap(cost, profile.max_batch_tokens, shared, behind=behind(lane, now, self.target_ms))
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
