@@ -113,16 +113,24 @@ def root_model(daemon: Daemon, body: dict[str, Any]) -> str:
                      f"send `model`", param="model")
 
 
+def split_query_model(scope: Any) -> tuple[list[tuple[str, str]], list[str]]:
+    """(the query's other parameters, blank ones too, in order; the values it gives `model`)."""
+    query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    return [(k, v) for k, v in query if k != "model"], [v for k, v in query if k == "model"]
+
+
+def with_query(scope: Any, query: list[tuple[str, str]]) -> Any:
+    return {**scope, "query_string": urlencode(query, quote_via=quote).encode()}
+
+
 def without_query_model(scope: Any, model: str) -> tuple[Any, bool]:
     """(`scope` without `model` in its query string, whether the query named another model
     than `model`): once the body's `model` is set, the query's is applied, so the route
     never sees it (daemon.query refuses what a route does not declare)."""
-    query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-    named = [v for k, v in query if k == "model"]
+    rest, named = split_query_model(scope)
     if not named:
         return scope, False
-    rest = urlencode([(k, v) for k, v in query if k != "model"], quote_via=quote).encode()
-    return {**scope, "query_string": rest}, any(v != model for v in named)
+    return with_query(scope, rest), any(v != model for v in named)
 
 
 def with_header(send: Send, name: bytes, value: str) -> Send:
@@ -200,10 +208,8 @@ class ModelUrls:
             await self.app(scope, receive, send)
             return
         if method != "POST":
-            if model is not None:
-                query = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
-                         if k != "model"]
-                scope = {**scope, "query_string": urlencode([*query, ("model", model)], quote_via=quote).encode()}
+            if model is not None:  # the URL's model in place of the query's; the rest kept as sent
+                scope = with_query(scope, [*split_query_model(scope)[0], ("model", model)])
             await self.app(scope, receive, send)
             return
         if model is not None and scope["path"].startswith(NO_MODEL_POSTS):

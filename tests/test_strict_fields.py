@@ -311,6 +311,10 @@ def test_declared_query_parameters_are_applied_and_a_typo_names_them(served: Dae
     assert ok(httpx.get(f"{served.url}/models/{CLASSIFY}/info", timeout=30))["model_id"] == CLASSIFY
     listed = ok(httpx.get(f"{served.url}/models/{CLASSIFY}/v1/models", timeout=30))["data"]
     assert [m["id"] for m in listed] == [CLASSIFY]
+    # A per-model URL's GET keeps the rest of the query, a parameter with no value too.
+    for query in ("verbose", "verbose=1"):
+        err = refused(httpx.get(f"{served.url}/models/{CLASSIFY}/v1/models?{query}", timeout=30))
+        assert err["message"].startswith("Unrecognized request argument supplied: verbose"), err
     # A body `?model=` cannot be set in (a multipart upload) keeps it: refused, nothing kept.
     files = ok(httpx.get(served.url + "/v1/files", timeout=30))["data"]
     resp = httpx.post(f"{served.url}/v1/files?model={SPLADE}", files={"file": ("q.jsonl", jsonl)},
