@@ -60,6 +60,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import random
 import secrets
@@ -518,7 +519,8 @@ class Cluster:
         #: message of one taken later is dropped unrun. Kept REPLY_TTL_S (past any deadline).
         self._cancelled: dict[str, float] = {}
         #: Holders' last alive signal (monotonic s), by holder id; and since when this box
-        #: has been listening for them (a requester that was away judges no lapse).
+        #: has been listening for them (a requester that was away judges no lapse; inf
+        #: while it is away).
         self._alive: dict[str, float] = {}
         self._quiet: set[str] = set()
         self._listening_since = time.monotonic()
@@ -1384,6 +1386,9 @@ class Cluster:
         self._log_error(f"NATS: {type(exc).__name__}: {exc}")
 
     async def _on_disconnected(self) -> None:
+        # Not listening until `_on_reconnected`: nats.py is connected again (reachable) a
+        # round trip before it calls that, and nothing heard during the blip means no box is gone.
+        self._listening_since = math.inf
         if not self._stopping:
             log.warning("disconnected from NATS; reconnecting (held and waiting requests are kept; "
                         "requests for this box's own models run here meanwhile)")

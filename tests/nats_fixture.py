@@ -284,6 +284,8 @@ class TcpCut:
         self.port = free_port()
         self._down = threading.Event()
         self._stop = threading.Event()
+        self._lag_s = 0.0
+        self._lag_until = 0.0
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -305,7 +307,11 @@ class TcpCut:
                 _close(s)
             self._open.clear()
 
-    def restore(self) -> None:
+    def restore(self, *, lag_s: float = 0.0, lag_for_s: float = 0.0) -> None:
+        """Accept connections again. With `lag_s`, for the next `lag_for_s` seconds each
+        chunk the server sends a client arrives `lag_s` late (a slow link coming back):
+        the client's reconnect handshake, and what it does right after, take that long."""
+        self._lag_s, self._lag_until = lag_s, time.monotonic() + lag_for_s
         self._down.clear()
 
     def stop(self) -> None:
@@ -333,12 +339,14 @@ class TcpCut:
             server.settimeout(None)
             with self._lock:
                 self._open.update((client, server))
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, lagged in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, lagged), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, lagged: bool) -> None:
         try:
             while data := src.recv(65536):
+                if lagged and time.monotonic() < self._lag_until:
+                    time.sleep(self._lag_s)
                 dst.sendall(data)
         except OSError:
             pass
