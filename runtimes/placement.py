@@ -32,7 +32,7 @@ from runtimes.memory import (
     EXPLICIT_DEMAND, TOO_LARGE, WAIT, Footprint, ResidentView, eviction_order, fits_on_device, plan_load,
     too_large_reason,
 )
-from runtimes.policy import LinearCost, find_copies, should_load_copy
+from runtimes.policy import UNMEASURED_LOAD_MS, LinearCost, find_copies, should_load_copy
 
 LOAD, ELSEWHERE, ASK_PEERS = "load", "elsewhere", "ask_peers"
 __all__ = ["LOAD", "ELSEWHERE", "WAIT", "ASK_PEERS", "TOO_LARGE", "DeviceSnapshot", "LaneDemand", "LoadVerdict",
@@ -73,6 +73,9 @@ class DeviceSnapshot:
     now_ns: int = 0
     now_s: float = 0.0
     max_wait_ns: int = 2_000_000_000
+    #: model -> since when (monotonic ns) its lane has been behind (`runtimes.policy.behind`:
+    #: the interactive head waited past the batch target) at every look this worker took.
+    behind_since: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,25 @@ def starving(demand: LaneDemand | None, snap: DeviceSnapshot) -> bool:
 
 
 def replica_wanted(demand: LaneDemand | None, held: ResidentView, snap: DeviceSnapshot) -> bool:
-    """A second copy on one device helps only when its holder cannot keep up: the
-    lane starves although the holder has been serving for a whole wait bound (a
-    backlog left by the first load drains without one)."""
-    return starving(demand, snap) and snap.now_s - held.loaded_at > snap.max_wait_ns / 1e9
+    """A second copy on one device helps only when its holder cannot keep up:
+
+    * the lane starves although the holder has been serving for a whole wait bound
+      (a backlog left by the first load drains without one); or
+    * rent or buy: since the holder loaded it, the lane has been behind at every
+      look for as long as a load of the model takes (`behind_since`). The waiting has
+      then cost what a copy costs, and a holder behind that long stays behind: a
+      steady closed-loop load whose head waits seconds but never starves, while
+      this worker of the same device idles (issue 27: two workers of one thread
+      under a 16-connection flood, the second one held nothing all along).
+    Either way the copy must fit without evicting (`decide_load` 2)."""
+    serving_s = snap.now_s - held.loaded_at
+    if starving(demand, snap) and serving_s > snap.max_wait_ns / 1e9:
+        return True
+    since = snap.behind_since.get(held.name)
+    if since is None:
+        return False
+    behind_s = min((snap.now_ns - since) / 1e9, serving_s)
+    return behind_s >= (held.reload_s or UNMEASURED_LOAD_MS / 1e3)
 
 
 def copy_wanted(name: str, demand: LaneDemand | None, snap: DeviceSnapshot) -> bool:
@@ -135,8 +153,8 @@ def decide_load(snap: DeviceSnapshot, name: str, estimate: Footprint, *, explici
     herd rule does not apply and this worker's busy unpinned models may go.
 
     1. Another worker of this device is loading it: ELSEWHERE (never two loads of one model at once).
-    2. Another worker of this device holds it: ELSEWHERE, unless the lane starves although
-       that holder has served for a whole wait bound and a copy fits without evicting.
+    2. Another worker of this device holds it: ELSEWHERE, unless that holder cannot keep
+       up (`replica_wanted`) and a copy fits without evicting.
     3. Lazy loads follow the herd rule across devices (`copy_wanted`): ELSEWHERE when
        the workers holding it keep up with its queue.
     4. Memory (`plan_load` over the whole device): LOAD after evicting this worker's

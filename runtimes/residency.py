@@ -32,7 +32,7 @@ from runtimes.memory import (
 )
 from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from runtimes.placement import LOAD as PLACE_LOAD
-from runtimes.policy import MIN_SAMPLES, CostModel, LinearCost, find_copies
+from runtimes.policy import MIN_SAMPLES, CostModel, LinearCost, behind, find_copies
 from runtimes.state import NotNowMemo, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
@@ -49,6 +49,10 @@ PEER_ASK_S = 1.0
 PEER_EVICT_WAIT_S = 2.0
 #: Characters of the reason an unservable pin is published with (the info blob is small).
 UNSERVABLE_CHARS = 200
+#: Two looks at a lane further apart than this say nothing about the time between them
+#: (`Residency.track_behind`): a worker left a lane to its holders looks at least once
+#: per step (0.5 s) while work waits, and after IDLE_NAP_S when new work comes.
+BEHIND_LOOK_GAP_NS = 1_000_000_000
 
 
 class PeersAsked(NotNow):
@@ -96,6 +100,9 @@ class Residency:
     clock_ns: Callable[[], int]
     #: Starvation bound for lane choice (Settings.lane_max_wait_ms).
     max_wait_ms: int
+    #: The batch target (Settings.batch_target_ms): a lane whose interactive head waited
+    #: longer is behind (`runtimes.policy.behind`; 0: never), which a load decision weighs.
+    behind_ms: float = 0.0
     #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
     load_timeout_ms: float = 300_000.0
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited in bare tests.
@@ -123,6 +130,8 @@ class Residency:
     load_ooms: dict[str, int] = field(default_factory=dict)
     #: (worker, model) -> when this worker last asked that peer to evict it (clock_ns).
     asked: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: model -> (since, last seen) (clock_ns): its lane was behind at every look since.
+    behind_seen: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The model being loaded now ("" when none), published so peers do not load it too.
     loading: str = ""
     #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
@@ -411,12 +420,30 @@ class Residency:
             if info.get("loading"):
                 loading[info["loading"]] = w.wid
         own_costs = {n: LinearCost(*c.fit()) for n, c in self.costs.items() if c.samples >= MIN_SAMPLES}
+        now_ns = self.clock_ns()
         return DeviceSnapshot(
             self.worker_id, self.device, self.memory.budget_bytes, self.memory.free_now(),
             tuple(self._own_views(waiting)), tuple(peers), loading, tuple(infos),
             {d: budget[d] - used[d] for d in budget}, demand, own_costs,
-            self.clock_ns(), time.time(), self.max_wait_ms * 1_000_000,
+            now_ns, time.time(), self.max_wait_ms * 1_000_000,
+            {m: since for m, (since, _) in self.track_behind(stats, now_ns).items()},
         )
+
+    def track_behind(self, stats: list, now_ns: int) -> dict[str, tuple[int, int]]:
+        """Look at the lanes (`lane_stats()`; the worker does at every step): since when
+        each has been behind at every look, `behind_seen` (model -> (since, last look),
+        clock_ns). A look that finds a lane not behind, or none for BEHIND_LOOK_GAP_NS
+        (what happened between is unknown), starts its clock again."""
+        seen = self.behind_seen
+        for s in stats:
+            if not behind(s, now_ns, self.behind_ms):
+                seen.pop(s.model, None)
+                continue
+            since, last = seen.get(s.model, (now_ns, now_ns))
+            seen[s.model] = (since if now_ns - last <= BEHIND_LOOK_GAP_NS else now_ns, now_ns)
+        for model in [m for m, (_, last) in seen.items() if last != now_ns]:  # lanes gone from the stats
+            del seen[model]
+        return seen
 
     def peer_infos(self) -> list[tuple[int, dict]]:
         """(wid, decoded info) of the other live workers, every device."""

@@ -114,7 +114,8 @@ class WorkerCore:
         self.residency = Residency(
             queue=self.queue, worker_id=self.worker_id, device=self.device, resolve=resolve, adapter_for=adapter_for,
             publish=self.publish_info, on_unload=self.abort_generation, progress=self.progress, costs=self.costs,
-            clock_ns=self.clock_ns, max_wait_ms=self.max_wait_ms, load_timeout_ms=load_timeout_ms,
+            clock_ns=self.clock_ns, max_wait_ms=self.max_wait_ms, behind_ms=self.target_ms,
+            load_timeout_ms=load_timeout_ms,
             memory=memory or DeviceMemory.unlimited(), load_lock=load_lock or LoadLock(None),
             estimate_footprint=estimate_footprint, return_freed=return_freed,
         )
@@ -138,9 +139,11 @@ class WorkerCore:
         """The lanes this worker may serve now, from `lane_stats()`: no control lanes,
         and no lane whose last load attempt here said "not here, now" in the last
         IDLE_NAP_S (`Residency.not_now_for`). Lanes left to the workers holding their model are
-        also kept in `self.declined` (their holders are woken by new work)."""
+        also kept in `self.declined` (their holders are woken by new work). Every call is
+        a look at which lanes are behind (`Residency.track_behind`)."""
         out, self.declined = [], []
         now = self.clock_ns()
+        self.residency.track_behind(stats, now)
         for s in stats:
             if is_control_lane(s.model):
                 continue

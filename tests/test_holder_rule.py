@@ -166,3 +166,34 @@ def test_a_declining_worker_blocks_until_new_work_instead_of_polling(queue):
     assert b.step(2.0) == 0
     assert 0.08 <= time.monotonic() - t0 < 1.0
     assert b.step(0.1) == 1 and "n" in b.residency.models and "m" not in b.residency.models
+
+
+def test_a_lane_behind_for_a_load_time_gets_a_copy_on_the_same_device(queue):
+    """Rent or buy (runtimes.placement.replica_wanted): a second worker of the holder's
+    device loads a copy once the lane has been behind (head waiting past the batch
+    target, never starving) at every look for as long as a load took; not sooner, and
+    a look that finds the lane caught up starts the clock again."""
+    a = holder_of_m(queue)
+    clock = Clock()
+    b = core(queue, "dev:0", clock_ns=clock, target_ms=20)  # the default lane_max_wait_ms (2 s) stays
+    load_ns = int(msgspec.msgpack.decode(queue.workers()[0].info)["models"]["m"]["load_ms"] * 1e6)
+    # b's steps that leave the lane to a wait 1 ms: b's clock is the real one moved on by
+    # hand, and the real time between looks stays small against a load (~50 ms).
+    put(queue, "m", 10, 50)
+    assert b.step(0.001) == 0 and "m" not in b.residency.models  # waited < 20 ms: not behind
+    clock.offset_ns = 30_000_000  # in b's clock the head has waited 30 ms: behind, since now
+    assert b.step(0.001) == 0 and "m" not in b.residency.models
+    # Caught up: the holder drains the lane, and b's next look finds it empty.
+    assert a.step(0.1) == 1
+    drain_results(queue)
+    assert b.step(0.001) == 0 and "m" not in b.residency.models
+    put(queue, "m", 10, 51)
+    clock.offset_ns += 30_000_000  # behind again: the clock starts over
+    assert b.step(0.001) == 0 and "m" not in b.residency.models
+    clock.offset_ns += load_ns // 2  # behind for half a load: still the holder's
+    assert b.step(0.001) == 0 and "m" not in b.residency.models and TimedEmbedder.loads == [("m", "dev:0")]
+    clock.offset_ns += load_ns  # behind for 1.5 loads (the holder has served longer than that)
+    time.sleep(load_ns * 1.5 / 1e9)
+    assert b.step(0.05) == 1 and "m" in b.residency.models
+    assert TimedEmbedder.loads == [("m", "dev:0"), ("m", "dev:0")]
+    assert a.residency.models["m"]  # the holder keeps its copy

@@ -17,8 +17,8 @@ WAIT_NS = 2_000_000_000
 
 
 def r(name: str, mb: int, worker: int = 1, *, pinned: bool = False, waiting: int = 0, last_used: float = 0.0,
-      loaded_at: float = 0.0) -> ResidentView:
-    return ResidentView(name, worker, Footprint(mb * MB), pinned, last_used, 0.0, waiting, loaded_at)
+      loaded_at: float = 0.0, reload_s: float = 0.0) -> ResidentView:
+    return ResidentView(name, worker, Footprint(mb * MB), pinned, last_used, reload_s, waiting, loaded_at)
 
 
 def lane(depth: int, *, waited_s: float = 0.1, tokens: int = 100) -> LaneDemand:
@@ -26,10 +26,12 @@ def lane(depth: int, *, waited_s: float = 0.1, tokens: int = 100) -> LaneDemand:
 
 
 def snap(own=(), peers=(), *, budget_mb=100, free_mb=1 << 20, demand=None, loading=None, infos=(), room=None,
-         own_costs=None) -> DeviceSnapshot:
+         own_costs=None, behind_s=None) -> DeviceSnapshot:
+    """`behind_s`: model -> seconds its lane has been behind at every look."""
+    behind = {m: NOW_NS - int(s * 1e9) for m, s in (behind_s or {}).items()}
     return DeviceSnapshot(1, "cuda:0", budget_mb * MB, free_mb * MB, tuple(own), tuple(peers), loading or {},
                           tuple(infos), room or {}, demand or {"x": lane(1)}, own_costs or {}, NOW_NS, NOW_S,
-                          WAIT_NS)
+                          WAIT_NS, behind)
 
 
 def holder_info(model: str, *, samples: int = 10, a_ms: float = 1.0, b_per_1k: float = 1.0,
@@ -52,6 +54,21 @@ CASES = [
      snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 60)], demand={"x": lane(5, waited_s=3)}), False, LOAD, (), ()),
     ("the lane starves but the holder has only just loaded it",
      snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 1)], demand={"x": lane(5, waited_s=3)}), False, ELSEWHERE, (), ()),
+    ("rent or buy: behind at every look for longer than the holder's load took: a copy",
+     snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 60, reload_s=2.0)], demand={"x": lane(16, waited_s=1.5)},
+          behind_s={"x": 2.5}), False, LOAD, (), ()),
+    ("rent or buy: behind for less than a load: the holder's",
+     snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 60, reload_s=2.0)], demand={"x": lane(16, waited_s=1.5)},
+          behind_s={"x": 1.5}), False, ELSEWHERE, (), ()),
+    ("rent or buy: behind since before the holder finished loading counts from then",
+     snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 1, reload_s=2.0)], demand={"x": lane(16, waited_s=1.5)},
+          behind_s={"x": 10}), False, ELSEWHERE, (), ()),
+    ("rent or buy: an unmeasured load counts as UNMEASURED_LOAD_MS",
+     snap(peers=[r("x", 30, 2, loaded_at=NOW_S - 60)], demand={"x": lane(16, waited_s=1.5)},
+          behind_s={"x": 0.6}), False, LOAD, (), ()),
+    ("rent or buy: a copy that would evict is not bought",
+     snap([r("a", 50)], [r("x", 30, 2, loaded_at=NOW_S - 60, reload_s=2.0)], demand={"x": lane(16, waited_s=1.5)},
+          behind_s={"x": 10}), False, ELSEWHERE, (), ()),
     ("a second copy never evicts",
      snap([r("a", 50)], [r("x", 30, 2, loaded_at=NOW_S - 60)], demand={"x": lane(5, waited_s=3)}), False,
      ELSEWHERE, (), ()),
