@@ -152,8 +152,9 @@ def test_wrong_adapters_get_clear_errors(lora_daemon: DaemonProc, model: str, ad
 def test_replies_and_ps_name_the_batch_and_its_adapters(lora_daemon: DaemonProc) -> None:
     # Concurrent requests of three adapters and the base, several decode steps each:
     # each reply names the step that finished it (its sequences, their prompt and
-    # generated tokens, the adapters among them), and ps the last step.
-    jobs = [(name, prompt, 8) for prompt in PROMPTS[:2] for name in [*LORAS, BASE]]
+    # generated tokens, the adapters among them), and ps the last step. 32 tokens each:
+    # with 8 a loaded box sent them far enough apart that none shared a step.
+    jobs = [(name, prompt, 32) for prompt in PROMPTS[:2] for name in [*LORAS, BASE]]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda j: generate(lora_daemon, *j), jobs))
     assert all(r.status_code == 200 for r in got), [r.text for r in got if r.status_code != 200]
