@@ -33,7 +33,7 @@ STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
 
 MAGIC = 0x464C45455451  # "FLEETQ"
-VERSION = 5
+VERSION = 6
 NAME_BYTES = 128
 DEVICE_BYTES = 64
 INFO_BYTES = 4096

@@ -79,16 +79,20 @@ Protocol and invariants:
    an expiry torn between "attempts += 1" and its commit counts that attempt
    twice.
 5. Wake-ups: waiter counters live in the header, changed under the lock. New
-   work (put, return, requeue) posts `waiters - sem.value` times: every
-   waiter counted before it blocked wakes, because the worker that wakes may
+   work (put, return, requeue) bumps H_WORK_GEN under the lock and then, when
+   any waiter is counted, wakes every process sleeping on the generation's low
+   32-bit word (one FUTEX_WAKE, `local_queue.futex`): the worker that wakes may
    decline the lane (not its model) and the one that would serve it must not
-   sleep on. Waiters re-check after waking; spurious wake-ups are fine. Not
-   exact: a waiter that starts waiting between a post and its consumption
-   can take one of the posts, and the waiter it was meant for then wakes on
-   the next work or at its timeout. A waiter leaves the count at its
-   process's next critical section (lock.py), not in a lock round trip of its
-   own: until then a producer may post once more for it, which costs a
-   spurious wake-up at most. The single result consumer gets one post
+   sleep on. A waiter reads the generation, re-checks its condition, and
+   sleeps only while the word still reads what it read, so work that comes in
+   between is never slept through, and no waiter can take another's wake-up
+   (a shared counting semaphore let a worker that declined the lane and
+   waited again at once take the post still pending for the holder, which
+   then slept its whole timeout: 1-5 % of a lone client's requests +250 ms
+   with two workers). Spurious wake-ups are fine. A waiter leaves the count at
+   its process's next critical section (lock.py), not in a lock round trip of
+   its own: until then a producer may wake once more for it, which costs a
+   syscall with nobody to wake. The single result consumer gets one post
    per batch of acks, through a FIFO rather than a semaphore, so that an
    event loop can wait for it (`results_fd`) without a thread: the consumer
    arms H_RES_WAITERS (under the lock) whenever it has taken the done list;
@@ -134,8 +138,8 @@ from multiprocessing import shared_memory
 
 import _posixshmem
 import numpy as np
-import posix_ipc
 
+from local_queue import futex
 from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
 from local_queue.layout import (
     BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_FLOW,
@@ -191,9 +195,6 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         try:
             shm = _open_segment(name, True, lay["size"])
             made.append(lambda: (shm.close(), _posixshmem.shm_unlink(f"/{name}")))
-            sem = posix_ipc.Semaphore(f"/{name}.work", posix_ipc.O_CREX, mode=0o600, initial_value=0)
-            made.append(sem.unlink)
-            sem.close()
             wake = f"/dev/shm/{name}.wake"
             os.mkfifo(wake, 0o600)
             made.append(lambda: os.unlink(wake))
@@ -266,7 +267,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._reserve = (slab_bytes // UNIT) // RESULT_RESERVE
         self._slab = Slab(self._data, region("tags", slab_bytes // UNIT),
                           h[H_FREE_HEADS:H_FREE_HEADS + MAX_ORDERS], h, H_SLAB_FREE)
-        self._work_sem = posix_ipc.Semaphore(f"/{name}.work")
+        # The work wake-up (invariant 5): a futex on the low word of the work generation.
+        self._gen_addr = futex.low_word_address(buf, H_WORK_GEN * 8)
         # The results' wake-up (invariant 5): a FIFO every process opens read-write
         # (never blocks, never ENXIO); only the result consumer reads it.
         self._res_fd = os.open(f"/dev/shm/{name}.wake", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -322,7 +324,6 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 self._release_late()
             self._areas.clear()
             self._area_left.clear()
-        self._work_sem.close()
         os.close(self._res_fd)
         self._slab.release_views()
         del self._S_np, self._L_np
@@ -339,11 +340,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._shm = None
 
     def unlink(self) -> None:
-        """Remove the segment, semaphore, wake FIFO and lock file (the creator's job; any handle may do it)."""
-        try:
-            posix_ipc.unlink_semaphore(f"/{self.name}.work")
-        except posix_ipc.ExistentialError:
-            pass
+        """Remove the segment, wake FIFO and lock file (the creator's job; any handle may do it)."""
         try:
             os.unlink(f"/dev/shm/{self.name}.wake")
         except FileNotFoundError:
@@ -441,8 +438,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                     with self._lock:
                         for s in held:
                             self._release(s)
-        if posts:
-            self._post(self._work_sem, posts)
+        self._wake_work(posts)
         return ids
 
     def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
@@ -524,7 +520,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         L[Lb + L_TOKENS] += sum(tokens)
         h[H_DEPTH] += n
         h[H_WORK_GEN] += 1
-        return ids, h[H_WORK_WAITERS] - self._work_sem.value  # wake every waiter (invariant 5)
+        return ids, h[H_WORK_WAITERS]  # wake every waiter (invariant 5)
 
     def _commit_put_at(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
                        deadline_ns: int, blocks: list[int], at: list[int], keys: list[int],
@@ -558,7 +554,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         else:
             self._insert_from_tail(lane, placed)
         h[H_WORK_GEN] += 1
-        return ids, h[H_WORK_WAITERS] - self._work_sem.value
+        return ids, h[H_WORK_WAITERS]
 
     def cancel(self, item_id: int) -> bool:
         """Withdraw a request (it timed out, or its client went away). A still-queued
@@ -707,6 +703,6 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             if self._areas:
                 self._let_go_areas(item_ids)
             self._h[H_WORK_GEN] += 1
-            posts = self._h[H_WORK_WAITERS] - self._work_sem.value if moved else 0
-        self._post(self._work_sem, posts)
+            posts = self._h[H_WORK_WAITERS] if moved else 0
+        self._wake_work(posts)
         return moved

@@ -30,7 +30,7 @@ class Recovery:
             S = self._S_np
             late = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_LEASE] < now)).tolist()
             moved, work_posts, res_wake = self._settle(late, max_attempts)
-        self._post(self._work_sem, work_posts)
+        self._wake_work(work_posts)
         self._wake_results(res_wake)
         return moved
 
@@ -44,18 +44,18 @@ class Recovery:
             w = self._worker_index(wid)
             if w is not None:
                 self._W[w * WF + W_ACTIVE] = 0
-        self._post(self._work_sem, work_posts)
+        self._wake_work(work_posts)
         self._wake_results(res_wake)
         return moved
 
     def _settle(self, slots: list[int], max_attempts: int) -> tuple[int, int, bool]:
-        """Lost claims back to their lanes or to poison: (moved, work posts, wake the result consumer)."""
+        """Lost claims back to their lanes or to poison: (moved, waiters to wake, wake the result consumer)."""
         if not slots:
             return 0, 0, False
         requeued, poisoned = self._requeue(self._requeue_recs(slots), bump=True, max_attempts=max_attempts)
         h = self._h
         h[H_WORK_GEN] += 1
-        work_posts = h[H_WORK_WAITERS] - self._work_sem.value if requeued else 0
+        work_posts = h[H_WORK_WAITERS] if requeued else 0
         return requeued + poisoned, work_posts, self._results_wake() if poisoned else False
 
     # -- repair and verification --------------------------------------------------

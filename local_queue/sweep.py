@@ -1,10 +1,10 @@
 """Remove what a killed queue owner left in /dev/shm.
 
 A queue named `<prefix>-<pid>` (the daemon names its queue after its own pid)
-is four entries in /dev/shm: the segment `<prefix>-<pid>`, its flock file
-`<prefix>-<pid>.lock`, the results' wake-up FIFO `<prefix>-<pid>.wake` and a
-POSIX semaphore, `sem.<prefix>-<pid>.work` (glibc keeps named semaphores
-there; queues of earlier versions also had `sem.<prefix>-<pid>.results`). The owner
+is three entries in /dev/shm: the segment `<prefix>-<pid>`, its flock file
+`<prefix>-<pid>.lock` and the results' wake-up FIFO `<prefix>-<pid>.wake`
+(queues of earlier versions also had POSIX semaphores, which glibc keeps there:
+`sem.<prefix>-<pid>.work` and `sem.<prefix>-<pid>.results`). The owner
 unlinks them on a clean stop; a SIGKILL leaves them behind, and nothing else
 ever would remove them.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 
-#: The four entries of one queue, named after its owner's pid.
+#: The entries of one queue, named after its owner's pid (and the semaphores of earlier versions).
 _ENTRY = re.compile(r"(?:sem\.)?(?P<queue>(?P<prefix>[A-Za-z0-9_]+)-(?P<pid>[1-9][0-9]{0,9}))"
                     r"(?P<suffix>|\.lock|\.wake|\.work|\.results)")
 _SEM_SUFFIXES = (".work", ".results")
@@ -36,7 +36,7 @@ def queue_name(prefix: str, pid: int) -> str:
 
 
 def owner_of(entry: str, prefix: str) -> tuple[str, int] | None:
-    """(queue name, owner pid) when `entry` is one of the four entries of a
+    """(queue name, owner pid) when `entry` is one of the entries of a
     `<prefix>-<pid>` queue, else None."""
     m = _ENTRY.fullmatch(entry)
     if m is None or m["prefix"] != prefix:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import posix_ipc
 
+from local_queue import futex
 from local_queue.layout import (
     CLAIMED, DEVICE_BYTES, F_LEASE, F_OWNER, F_STATE, H_DEPTH, H_WORK_GEN, H_WORK_WAITERS, INFO_BYTES,
     MAX_LEASE_MS, W_ACTIVE, W_CLAIMED, W_DEVICE_LEN, W_GEN, W_HEARTBEAT, W_INFO_LEN, W_LEASE_MS, W_PID,
@@ -133,28 +133,30 @@ class Workers:
                 return True
             h[H_WORK_WAITERS] += 1
         try:
-            return self._wait(self._work_sem, ready, timeout_s)
+            return self._wait(ready, timeout_s)
         finally:
             # Out of the count at this process's next critical section (its claim,
             # usually), not in a lock round trip of its own (invariant 5).
             with self._tlock:
                 self._unwaited += 1
 
-    def _wait(self, sem: posix_ipc.Semaphore, ready, timeout_s: float) -> bool:
+    def _wait(self, ready, timeout_s: float) -> bool:
         # The caller is counted in the waiters field for the whole loop, so every
-        # producer in between posts for it (invariant 5).
+        # producer in between wakes it (invariant 5). The generation is read before
+        # `ready`: work that comes after the read changes the word, and the futex
+        # then does not sleep.
+        h, addr = self._h, self._gen_addr
         end = time.monotonic() + timeout_s
-        while not ready():
+        while True:
+            seen = h[H_WORK_GEN]
+            if ready():
+                return True
             left = end - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                sem.acquire(left)
-            except posix_ipc.BusyError:
-                return ready()
-        return True
+            futex.wait(addr, seen, left)
 
-    @staticmethod
-    def _post(sem: posix_ipc.Semaphore, n: int) -> None:
-        for _ in range(n):
-            sem.release()
+    def _wake_work(self, waiters: int) -> None:
+        """New claimable work: wake every process counted waiting for work (one syscall)."""
+        if waiters > 0:
+            futex.wake_all(self._gen_addr)

@@ -10,7 +10,7 @@ Scenario, in order (one home):
    (measured and printed; asserted with room for a loaded box). A's queue entries
    stay in /dev/shm (nothing ran to remove them).
 3. Daemon B starts on the same home (the kernel dropped A's lock): at start it
-   removes A's segment, lock and semaphores, and not those of a live owner.
+   removes A's segment, lock and wake FIFO, and not those of a live owner.
 4. B stops on SIGTERM and removes its own entries.
 """
 
@@ -44,7 +44,7 @@ CLIENTS = 4
 
 def queue_entries(pid: int) -> set[str]:
     name = f"fleet-{pid}"
-    wanted = {name, f"{name}.lock", f"{name}.wake", f"sem.{name}.work"}
+    wanted = {name, f"{name}.lock", f"{name}.wake"}
     return wanted & set(os.listdir(SHM_DIR))
 
 
@@ -123,7 +123,7 @@ def test_killed_daemon_leaves_nothing_and_one_daemon_per_home(tmp_path):
         trackers = [pid for pid in children if "resource_tracker" in cmdline(pid)]
         assert workers and set(workers) <= set(children), (workers, children)
         assert len(trackers) == 1, [cmdline(p) for p in children]
-        assert len(queue_entries(a.proc.pid)) == 4
+        assert len(queue_entries(a.proc.pid)) == 3
         # Under load: the worker is mid-batch when its daemon dies.
         stop = threading.Event()
         outcomes: list[str] = []
@@ -154,14 +154,14 @@ def test_killed_daemon_leaves_nothing_and_one_daemon_per_home(tmp_path):
         assert set(exit_s) == set(children), f"still running 30 s after the kill: {set(children) - set(exit_s)}"
         assert max(exit_s.values()) < EXIT_BOUND_S, exit_s
         # Nothing ran to remove A's queue: its entries are still there.
-        assert len(queue_entries(a.proc.pid)) == 4
+        assert len(queue_entries(a.proc.pid)) == 3
 
         # 3. B on the same home: A's lock died with A; A's entries go, a live owner's stay.
         live_queue = LocalQueue.create(f"fleet-{os.getpid()}", slots=16, slab_bytes=1 << 16)
         b = start_daemon(home)
         assert queue_entries(a.proc.pid) == set()
-        assert len(queue_entries(os.getpid())) == 4
-        assert len(queue_entries(b.proc.pid)) == 4
+        assert len(queue_entries(os.getpid())) == 3
+        assert len(queue_entries(b.proc.pid)) == 3
         log = b.log()
         assert log.count("shared-memory entries of dead daemons") == 1 and f"fleet-{a.proc.pid}.lock" in log
         r = httpx.post(b.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": ["after the kill"]}, timeout=120)

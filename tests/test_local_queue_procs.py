@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -59,6 +60,47 @@ def test_a_waiting_worker_process_wakes_on_put_not_on_its_timeout():
         assert parent.poll(5), "the waiter did not wake within 5 s of the put (its timeout is 30 s)"
         woke, t_woke = parent.recv()
         assert woke is True and t_woke - t_put < 1.0
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        q.close()
+        q.unlink()
+
+
+def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
+    """Two workers wait; a put wakes both. The holder (a child process) is stopped
+    (SIGSTOP) so it cannot run yet; the other worker, which declines the lane, at
+    once waits again for newer work (as a worker leaving a lane to its holder does).
+    Then the holder runs (SIGCONT): it must see the put at once, not sleep its
+    whole timeout. With one counting semaphore for all waiters the second wait took
+    the post still pending for the holder (invariant 5 said so), which then slept
+    on: 1-5 % of a lone client's requests waited the holder's 250 ms step timeout
+    with two workers. A futex broadcast on the work generation has no such post."""
+    q = LocalQueue.create(slots=64, slab_bytes=1 << 16)
+    try:
+        lane = q.lane_id("m")
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_wait_then_report, args=(q.name, child))
+        proc.start()
+        assert parent.recv() == "waiting"
+        time.sleep(0.2)  # blocked in its wait (timeout 30 s)
+        gen = q.work_generation()
+        declined = threading.Thread(target=lambda: q.wait_for_work(10.0, since=gen))
+        declined.start()
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t_put = time.monotonic()
+            q.put(lane, b"x", tokens=1, request_id=1)
+            declined.join(5)
+            assert not declined.is_alive()
+            # The other worker declines the lane and waits for newer work (none comes).
+            assert q.wait_for_work(0.3, since=q.work_generation()) is False
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert parent.poll(5), "the stopped holder did not see the put within 5 s of running again (timeout 30 s)"
+        woke, t_woke = parent.recv()
+        assert woke is True and t_woke - t_put < 2.0, f"woke {woke} {t_woke - t_put:.2f} s after the put"
         proc.join(10)
         assert proc.exitcode == 0
     finally:

@@ -72,7 +72,7 @@ def dead_pid() -> int:
 
 
 def shm_entries(name: str) -> set[str]:
-    return {e for e in os.listdir(SHM_DIR) if e in (name, f"{name}.lock", f"{name}.wake", f"sem.{name}.work")}
+    return {e for e in os.listdir(SHM_DIR) if e in (name, f"{name}.lock", f"{name}.wake")}
 
 
 def test_entries_named_after_the_sweeper_itself_are_stale(tmp_path):
@@ -87,7 +87,7 @@ def test_entries_named_after_the_sweeper_itself_are_stale(tmp_path):
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
 def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
-    """Real segments, locks and semaphores in /dev/shm: one queue named after a
+    """Real segments, locks and wake FIFOs in /dev/shm: one queue named after a
     process that has exited, one after a process that runs. Only the prefix of
     this test is swept, so no other queue on the box is touched."""
     prefix = f"fleetsweeptest{os.getpid()}"
@@ -96,12 +96,12 @@ def test_real_queue_of_a_dead_pid_is_swept_and_a_live_ones_is_kept():
     live = LocalQueue.create(queue_name(prefix, owner.pid), slots=16, slab_bytes=1 << 16)
     dead.close()  # the owner died: nobody holds it any more
     try:
-        assert len(shm_entries(dead.name)) == 4 and len(shm_entries(live.name)) == 4
+        assert len(shm_entries(dead.name)) == 3 and len(shm_entries(live.name)) == 3
         removed = sweep_stale(prefix)
         assert sorted(removed) == sorted(
-            [dead.name, f"{dead.name}.lock", f"{dead.name}.wake", f"sem.{dead.name}.work"])
+            [dead.name, f"{dead.name}.lock", f"{dead.name}.wake"])
         assert shm_entries(dead.name) == set()
-        assert len(shm_entries(live.name)) == 4
+        assert len(shm_entries(live.name)) == 3
         with pytest.raises(FileNotFoundError):
             LocalQueue.attach(dead.name)
         LocalQueue.attach(live.name).close()  # the live one still works
