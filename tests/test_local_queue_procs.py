@@ -6,6 +6,7 @@ Every child is started here with the spawn context and killed only by its PID.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import multiprocessing as mp
 import os
@@ -46,25 +47,38 @@ def _wait_then_report(name: str, conn) -> None:
     q.close()
 
 
-def test_a_waiting_worker_process_wakes_on_put_not_on_its_timeout():
+@contextlib.contextmanager
+def _waiting_child():
+    """A queue and a child process blocked in `wait_for_work(30.0)` on it: yields
+    (queue, child process, the pipe it reports (woke, when) on); joins it after."""
     q = LocalQueue.create(slots=64, slab_bytes=1 << 16)
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_wait_then_report, args=(q.name, child))
     try:
-        lane = q.lane_id("m")
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_wait_then_report, args=(q.name, child))
         proc.start()
         assert parent.recv() == "waiting"
-        time.sleep(0.2)  # let it block on the semaphore
-        t_put = time.monotonic()
-        q.put(lane, b"x", tokens=1, request_id=1)
-        assert parent.poll(5), "the waiter did not wake within 5 s of the put (its timeout is 30 s)"
-        woke, t_woke = parent.recv()
-        assert woke is True and t_woke - t_put < 1.0
+        time.sleep(0.2)  # let it block in its wait
+        yield q, proc, parent
         proc.join(10)
         assert proc.exitcode == 0
     finally:
+        if proc.is_alive():  # a failed check: the child started here goes, by its PID
+            _kill(proc)
         q.close()
         q.unlink()
+
+
+def _woke_within(parent, t_put: float, bound_s: float) -> None:
+    assert parent.poll(5), "the waiter did not see the put within 5 s (its timeout is 30 s)"
+    woke, t_woke = parent.recv()
+    assert woke is True and t_woke - t_put < bound_s, f"woke {woke} {t_woke - t_put:.2f} s after the put"
+
+
+def test_a_waiting_worker_process_wakes_on_put_not_on_its_timeout():
+    with _waiting_child() as (q, _, parent):
+        t_put = time.monotonic()
+        q.put(q.lane_id("m"), b"x", tokens=1, request_id=1)
+        _woke_within(parent, t_put, 1.0)
 
 
 def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
@@ -76,14 +90,7 @@ def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
     the post still pending for the holder (invariant 5 said so), which then slept
     on: 1-5 % of a lone client's requests waited the holder's 250 ms step timeout
     with two workers. A futex broadcast on the work generation has no such post."""
-    q = LocalQueue.create(slots=64, slab_bytes=1 << 16)
-    try:
-        lane = q.lane_id("m")
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_wait_then_report, args=(q.name, child))
-        proc.start()
-        assert parent.recv() == "waiting"
-        time.sleep(0.2)  # blocked in its wait (timeout 30 s)
+    with _waiting_child() as (q, proc, parent):
         gen = q.work_generation()
         declined = threading.Thread(target=lambda: q.wait_for_work(10.0, since=gen))
         declined.start()
@@ -91,21 +98,14 @@ def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             t_put = time.monotonic()
-            q.put(lane, b"x", tokens=1, request_id=1)
+            q.put(q.lane_id("m"), b"x", tokens=1, request_id=1)
             declined.join(5)
             assert not declined.is_alive()
             # The other worker declines the lane and waits for newer work (none comes).
             assert q.wait_for_work(0.3, since=q.work_generation()) is False
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert parent.poll(5), "the stopped holder did not see the put within 5 s of running again (timeout 30 s)"
-        woke, t_woke = parent.recv()
-        assert woke is True and t_woke - t_put < 2.0, f"woke {woke} {t_woke - t_put:.2f} s after the put"
-        proc.join(10)
-        assert proc.exitcode == 0
-    finally:
-        q.close()
-        q.unlink()
+        _woke_within(parent, t_put, 2.0)
 
 
 # -- a lock holder dies -------------------------------------------------------------
