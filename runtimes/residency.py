@@ -53,6 +53,9 @@ UNSERVABLE_CHARS = 200
 #: (`Residency.track_behind`): a worker left a lane to its holders looks at least once
 #: per step (0.5 s) while work waits, and after IDLE_NAP_S when new work comes.
 BEHIND_LOOK_GAP_NS = 1_000_000_000
+#: A model's sizing (resolve: every file re-hashed, its headers read) serves the load
+#: decisions of this long; the load itself always sizes it afresh.
+SIZED_KEEP_NS = 10_000_000_000
 
 
 class PeersAsked(NotNow):
@@ -132,6 +135,9 @@ class Residency:
     asked: dict[tuple[int, str], int] = field(default_factory=dict)
     #: model -> (since, last seen) (clock_ns): its lane was behind at every look since.
     behind_seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: model -> (spec, header footprint, when sized (clock_ns)): what a load decision
+    #: that does not load reuses (`ensure`).
+    sized: dict[str, tuple[ModelSpec, Footprint, int]] = field(default_factory=dict)
     #: The model being loaded now ("" when none), published so peers do not load it too.
     loading: str = ""
     #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
@@ -166,33 +172,50 @@ class Residency:
                 self.pinned.add(name)
                 self.publish()
             return resident
-        spec, header = self.size_up(name)
-        estimate = self.estimates.estimate(name, spec.runtime, header)
-        library = RUNTIME_LIBRARIES.get(spec.runtime)
-        if library is not None:
-            # Outside the device lock, and before deciding: a worker that was told "not
-            # here" has the library ready when it takes the model over from a peer that
-            # died (a load then costs the weights only; load_ms stays what a reload costs).
-            importlib.import_module(library)
-        with self.load_lock.held(blocking=explicit) as locked:
-            if not locked:
-                raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
-            snap = self.snapshot(self.queue.lane_stats())
-            verdict = decide_load(snap, name, estimate, explicit=explicit)
-            if verdict.kind == TOO_LARGE:
-                raise ModelTooLarge(verdict.reason, hint="unpin or unload a model, or raise the device budget")
-            if verdict.kind == ASK_PEERS:
-                self.ask_peers_to_evict(verdict.evict_peers)
-                raise self.remember(name, PeersAsked(verdict.reason, verdict.evict_peers))
-            if verdict.kind != PLACE_LOAD:
-                raise self.remember(name, NotNow(verdict.reason), left_to_holders=verdict.kind == ELSEWHERE)
-            self.announce_load(name, snap, look=not explicit)
-            for victim in verdict.evict:
-                log.info("evicting %s from %s to make room for %s", victim, self.device, name)
-                self.unload(victim, reason="lru")
-                if evicted is not None:
-                    evicted.append(victim)
-            resident = self.load_adapter(spec, header, estimate)
+        # A worker that leaves a lane to its holders decides again every IDLE_NAP_S while
+        # new work comes: its decisions reuse one sizing (a resolve re-hashes every file)
+        # for SIZED_KEEP_NS. A load only ever follows a sizing of its own attempt: a
+        # load verdict on a kept one sizes afresh (outside the device lock) and decides again.
+        kept = None if explicit else self.sized.get(name)
+        if kept is not None and self.clock_ns() - kept[2] > SIZED_KEEP_NS:
+            kept = None
+        while True:
+            if kept is None:
+                spec, header = self.size_up(name)
+                self.sized[name] = (spec, header, self.clock_ns())
+            else:
+                spec, header, _ = kept
+            estimate = self.estimates.estimate(name, spec.runtime, header)
+            library = RUNTIME_LIBRARIES.get(spec.runtime)
+            if library is not None:
+                # Outside the device lock, and before deciding: a worker that was told "not
+                # here" has the library ready when it takes the model over from a peer that
+                # died (a load then costs the weights only; load_ms stays what a reload costs).
+                importlib.import_module(library)
+            with self.load_lock.held(blocking=explicit) as locked:
+                if not locked:
+                    raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
+                snap = self.snapshot(self.queue.lane_stats())
+                verdict = decide_load(snap, name, estimate, explicit=explicit)
+                if verdict.kind == TOO_LARGE:
+                    raise ModelTooLarge(verdict.reason, hint="unpin or unload a model, or raise the device budget")
+                if verdict.kind == ASK_PEERS:
+                    self.ask_peers_to_evict(verdict.evict_peers)
+                    raise self.remember(name, PeersAsked(verdict.reason, verdict.evict_peers))
+                if verdict.kind != PLACE_LOAD:
+                    raise self.remember(name, NotNow(verdict.reason), left_to_holders=verdict.kind == ELSEWHERE)
+                del self.sized[name]
+                if kept is not None:  # every load re-hashes: a changed file is reported, never served
+                    kept = None
+                    continue
+                self.announce_load(name, snap, look=not explicit)
+                for victim in verdict.evict:
+                    log.info("evicting %s from %s to make room for %s", victim, self.device, name)
+                    self.unload(victim, reason="lru")
+                    if evicted is not None:
+                        evicted.append(victim)
+                resident = self.load_adapter(spec, header, estimate)
+            break
         self.not_now.pop(name, None)
         self.unservable.pop(name, None)
         if pin:

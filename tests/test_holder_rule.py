@@ -197,3 +197,30 @@ def test_a_lane_behind_for_a_load_time_gets_a_copy_on_the_same_device(queue):
     assert b.step(0.05) == 1 and "m" in b.residency.models
     assert TimedEmbedder.loads == [("m", "dev:0"), ("m", "dev:0")]
     assert a.residency.models["m"]  # the holder keeps its copy
+
+
+def test_a_declining_worker_sizes_a_model_once_and_again_for_its_load(queue):
+    """A resolve re-hashes every file of the model. A worker that leaves a lane to its
+    holder decides again at every step while work comes: those decisions reuse one
+    sizing (runtimes.residency.SIZED_KEEP_NS), and its load, when it comes, sizes the
+    model afresh (every load re-hashes: a changed file is reported, never served)."""
+    holder_of_m(queue)
+    resolved: list[str] = []
+
+    def counting(name: str) -> ModelSpec:
+        resolved.append(name)
+        return resolve(name)
+
+    clock = Clock()
+    wid = queue.register_worker(os.getpid(), "dev:1")
+    b = WorkerCore(queue, wid, "dev:1", counting, adapter_for=lambda task, runtime: TimedEmbedder,
+                   served_by=f"box/{wid}", clock_ns=clock, max_wait_ms=500)
+    b.publish_info()
+    for rid in range(60, 65):
+        put(queue, "m", 10, rid)
+        clock.offset_ns += 30_000_000  # past the "not here, now" memo (IDLE_NAP_S)
+        assert b.step(0.001) == 0 and "m" not in b.residency.models
+    assert resolved == ["m"]  # five decisions, one sizing
+    clock.offset_ns += 1_000_000_000  # the lane starves in b's clock: b serves it
+    assert b.step(0.05) >= 1 and "m" in b.residency.models
+    assert resolved == ["m", "m"]  # the load sized it afresh
