@@ -412,7 +412,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             with self._lock:
                 blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
                 _copy_in(data, views, lens, at)
-                ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch,
+                ids, waiters = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch,
                                               flow)
                 self._add_refs(units)
         else:
@@ -427,7 +427,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                 with self._lock:
                     if h[H_FREE_TOP] - n < self._slot_reserve:
                         raise QueueFull(f"queue full: {h[H_FREE_TOP]} free slots, {n} needed")
-                    ids, posts = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at,
+                    ids, waiters = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at,
                                                   batch, flow)
                     self._add_refs(units)
                     for s in held:
@@ -438,7 +438,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
                     with self._lock:
                         for s in held:
                             self._release(s)
-        self._wake_work(posts)
+        self._wake_work(waiters)
         return ids
 
     def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
@@ -484,7 +484,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         """Slot records for copied payloads, committed one by one and chained behind
         the lane's tail when their keys are the lane's largest (a lone flow's puts,
         batch work); otherwise inserted at their places (`_commit_put_at`).
-        Returns (ids, work posts)."""
+        Returns (ids, waiters to wake)."""
         S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
         keys = [BATCH_KEY] * n if batch else self._fair_keys(lane, flow, tokens)
         Lb = lane * LF
@@ -703,6 +703,6 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             if self._areas:
                 self._let_go_areas(item_ids)
             self._h[H_WORK_GEN] += 1
-            posts = self._h[H_WORK_WAITERS] if moved else 0
-        self._wake_work(posts)
+            waiters = self._h[H_WORK_WAITERS] if moved else 0
+        self._wake_work(waiters)
         return moved

@@ -29,8 +29,8 @@ class Recovery:
             self._reclaim_dead_reservations()
             S = self._S_np
             late = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_LEASE] < now)).tolist()
-            moved, work_posts, res_wake = self._settle(late, max_attempts)
-        self._wake_work(work_posts)
+            moved, waiters, res_wake = self._settle(late, max_attempts)
+        self._wake_work(waiters)
         self._wake_results(res_wake)
         return moved
 
@@ -40,11 +40,11 @@ class Recovery:
             self._reclaim_dead_reservations()
             S = self._S_np
             mine = np.flatnonzero((S[:, F_STATE] == CLAIMED) & (S[:, F_OWNER] == wid)).tolist()
-            moved, work_posts, res_wake = self._settle(mine, max_attempts)
+            moved, waiters, res_wake = self._settle(mine, max_attempts)
             w = self._worker_index(wid)
             if w is not None:
                 self._W[w * WF + W_ACTIVE] = 0
-        self._wake_work(work_posts)
+        self._wake_work(waiters)
         self._wake_results(res_wake)
         return moved
 
@@ -55,8 +55,8 @@ class Recovery:
         requeued, poisoned = self._requeue(self._requeue_recs(slots), bump=True, max_attempts=max_attempts)
         h = self._h
         h[H_WORK_GEN] += 1
-        work_posts = h[H_WORK_WAITERS] if requeued else 0
-        return requeued + poisoned, work_posts, self._results_wake() if poisoned else False
+        waiters = h[H_WORK_WAITERS] if requeued else 0
+        return requeued + poisoned, waiters, self._results_wake() if poisoned else False
 
     # -- repair and verification --------------------------------------------------
     def _block_refs(self) -> dict[int, int]:
