@@ -19,7 +19,6 @@ import numpy as np
 from fleet.messages import EmbedResult, WorkError
 from fleet.protocol import EmbedRequest
 from fleet.vectors import quantize
-from runtimes.hf_common import offsets
 
 
 def too_wide(name: str, req: EmbedRequest, width: int) -> WorkError | None:
@@ -31,26 +30,35 @@ def too_wide(name: str, req: EmbedRequest, width: int) -> WorkError | None:
 
 
 def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[EmbedRequest], live: list[int],
-                 results: list[Any]) -> None:
+                 results: list[Any], *, unit: bool = False) -> None:
     """Fill `results[i]` for each request in `live` from its rows of `vectors`
     ((rows, width) float32, the live requests' inputs in order) and `tokens` (per row).
+    `unit`: the rows are unit length already (the adapter normalised them on the
+    device, where its kernels are warm: every live request normalises).
 
     1. Rows of requests that normalise are divided by their norm, in one pass.
     2. Per request: its rows cut to `dimensions` (and made unit length again
        when it normalises), then converted to its `output_dtype`.
+
+    A lone short request reaches this on a CPU whose caches the forward just
+    flushed, where each numpy call costs 20-80 us: the bookkeeping (counts,
+    offsets, token sums) is plain Python over the requests, and the common batch
+    (every request normalises, or none does) makes one numpy pass or none.
     """
     width = vectors.shape[1]
-    counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
-    want_norm = np.repeat(np.fromiter((requests[i].normalize for i in live), dtype=bool, count=len(live)), counts)
-    if want_norm.any():
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        np.maximum(norms, 1e-12, out=norms)
-        vectors = np.where(want_norm[:, None], vectors / norms, vectors)
-    token_sums = np.add.reduceat(tokens, offsets(counts)[0]) if len(tokens) else tokens
-    starts, ends = offsets(counts)
-    for k, i in enumerate(live):
-        req = requests[i]
-        a, b = int(starts[k]), int(ends[k])
+    reqs = [requests[i] for i in live]
+    norms = [r.normalize for r in reqs]
+    if not unit and any(norms):
+        if all(norms):
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        else:
+            want = np.repeat(np.array(norms), [len(r.inputs) for r in reqs])
+            div = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            vectors = np.where(want[:, None], vectors / div, vectors)
+    used = tokens.tolist()
+    a = 0
+    for i, req in zip(live, reqs):
+        b = a + len(req.inputs)
         rows = vectors[a:b]
         dims = width if req.dimensions is None else req.dimensions
         if dims < width:
@@ -58,7 +66,8 @@ def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[Emb
             if req.normalize:
                 rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
         out = to_float16(rows) if req.output_dtype == "float16" else quantize(rows, req.output_dtype)
-        results[i] = EmbedResult(out.tobytes(), out.shape, int(token_sums[k]), req.output_dtype, dims)
+        results[i] = EmbedResult(out.tobytes(), out.shape, sum(used[a:b]), req.output_dtype, dims)
+        a = b
 
 
 #: Values from which torch casts to float16 (its cast uses the CPU's conversion

@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -485,7 +485,7 @@ class LoraHost:
         """Bytes the attached adapters hold beyond the model's own parameters (their heads)."""
         return self.loras.extra_bytes() if self.loras is not None else 0
 
-    def row_slots(self, requests: list[Any], live: list[int], counts: np.ndarray) -> np.ndarray | None:
+    def row_slots(self, requests: list[Any], live: list[int], counts: Sequence[int]) -> np.ndarray | None:
         """The bank slot of each input row of the live requests, in order; None
         when every row is the base's (the batch then runs with no LoRA work)."""
         if self.loras is None or not self.loras.attached:

@@ -41,6 +41,9 @@ MIN_COSINE = 0.9999
 INSTRUCTOR_SOURCES = tuple(f"hf:hkunlp/instructor-{size}" for size in ("base", "large", "xl"))
 #: Prompt texts whose token length is kept (models that pool without the prompt).
 PROMPT_LENGTHS_KEPT = 256
+#: The one micro-batch of a one-text batch (read only: indices into it).
+ONE_ROW = np.zeros(1, dtype=np.intp)
+ONE_ROW.flags.writeable = False
 
 
 class SentenceTransformerEmbedder(LoraHost, Adapter):
@@ -278,7 +281,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         prompts = [self.prompt_of(requests[i]) for i in live]
         texts = cut_to_bound([t for i, p in zip(live, prompts) for t in prompted(requests[i].inputs, p)],
                              self.max_seq_len)
-        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        counts = [len(requests[i].inputs) for i in live]
         prompt_tokens = None
         if self.exclude_prompt and any(prompts):
             prompt_tokens = np.repeat(np.fromiter(map(self._prompt_length, prompts), dtype=np.int64,
@@ -287,21 +290,24 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         # call costs tens of us on a cold CPU, the case of a lone client's request).
         wants = [requests[i].output == "tokens" for i in live]
         want_tokens = np.repeat(np.array(wants), counts) if any(wants) else None
+        # Every request normalises (the default): the rows are made unit length by
+        # torch right after the forward, while its kernels are warm.
+        unit = want_tokens is None and all(requests[i].normalize for i in live)
         # 2. Embed all texts of the batch together, length-sorted into micro-batches,
         #    each text with its request's LoRA adapter (bank slot).
         vectors, tokens, per_token = self._embed(texts, want_tokens, prompt_tokens,
-                                                 self.row_slots(requests, live, counts))
+                                                 self.row_slots(requests, live, counts), unit=unit)
         # 3. Split back, one result per request: per-token blocks, then dense vectors
         #    (cut, normalised and converted per request: runtimes.dense).
-        starts, ends = offsets(counts)
         if per_token:
+            starts, ends = offsets(counts)
             self._split_tokens(requests, live, starts, ends, per_token, tokens, results)
             live = [i for i in live if requests[i].output != "tokens"]
             if not live:
                 return results
             keep = ~want_tokens
             vectors, tokens = vectors[keep], tokens[keep]
-        finish_dense(vectors, tokens, requests, live, results)
+        finish_dense(vectors, tokens, requests, live, results, unit=unit)
         return results
 
     def _prompt_length(self, prompt: str) -> int:
@@ -354,13 +360,15 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
-               slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+               slots: np.ndarray | None = None, *, unit: bool = False,
+               ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """float32 vectors (n, d) in input order, tokens used per text, and for
         the inputs flagged in `want_tokens` their token vectors (t_i, d) without
         padding (right-padded rows: the first `mask.sum()` positions are real).
         `prompt_tokens`: per text, the prompt tokens its pooling leaves out (models
         with `include_prompt: false`; None = none). `slots`: per text, its LoRA
-        bank slot (runtimes.lora; None = all the base's).
+        bank slot (runtimes.lora; None = all the base's). `unit`: the vectors
+        come back unit length (normalised in float32 on the device).
 
         1. Length-sorted micro-batches (`micro_batches`): each is padded only to
            its own longest text.
@@ -374,8 +382,11 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         n = len(texts)
         tokens = np.empty(n, dtype=np.int64)
         per_token: dict[int, np.ndarray] = {}
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        batches = list(micro_batches(lengths, self.micro_items(), fixed=self.fixed_chars()))
+        if n == 1:  # a lone text (a lone client's request): no sort to make
+            batches = [ONE_ROW]
+        else:
+            lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
+            batches = list(micro_batches(lengths, self.micro_items(), fixed=self.fixed_chars()))
         out = np.empty((n, self.dim), dtype=np.float32)
         cuda = self.device.startswith("cuda")
         # CUDA: vectors land in pinned host memory in sorted order by async copies,
@@ -406,11 +417,14 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                                     features = module(features)
                                 emb = features["sentence_embedding"]
                     forward = time.monotonic_ns()
+                    emb = emb.float()
+                    if unit:
+                        emb = emb / (emb * emb).sum(dim=1, keepdim=True).sqrt_().clamp_min_(1e-12)
                     if landing is not None:
-                        landing[lo : lo + len(idx)].copy_(emb.float(), non_blocking=True)
+                        landing[lo : lo + len(idx)].copy_(emb, non_blocking=True)
                         lo += len(idx)
                     else:
-                        out[idx] = emb.float().numpy()
+                        out[idx] = emb.numpy()
                 finally:
                     if one:
                         self.threads.leave()
