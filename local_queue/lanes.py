@@ -5,6 +5,7 @@ whose name starts with `_` expects the caller to hold the queue lock."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 
 from local_queue.layout import (
     BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_FLOW, F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE,
@@ -100,6 +101,26 @@ class Lanes:
         if S[b + F_STATE] != QUEUED or S[b + F_SEQ] >= BATCH_SEQ:
             return None
         return S[b + F_FLOW], S[b + F_TOKENS]
+
+    def first_other_flow(self, lane: int, flows: Collection[int], look: int) -> tuple[int, int, int] | None:
+        """(place, flow, tokens) of `lane`'s first item whose flow is not in `flows`,
+        when it is interactive work, among the first `look` items (place 0: the head),
+        and every item ahead of it is interactive work of `flows`; else None.
+        Lock-free reads, hints as `head_flow`'s (a claim under the lock decides):
+        between micro-batches a worker asks whether another client waits behind the
+        next requests of the clients whose batch runs (`runtimes.worker`)."""
+        L, S, n = self._L, self._S, self._nslots
+        s = L[lane * LF + L_HEAD] if L[lane * LF + L_DEPTH] else NIL
+        for place in range(look):
+            if s == NIL or not 0 <= s < n:
+                return None
+            b = s * SF
+            if S[b + F_STATE] != QUEUED or S[b + F_SEQ] >= BATCH_SEQ:
+                return None
+            if (flow := S[b + F_FLOW]) not in flows:
+                return place, flow, S[b + F_TOKENS]
+            s = S[b + F_NEXT]
+        return None
 
     def promote(self, item_ids: list[int]) -> int:
         """Queued batch items become interactive (a batch item waited past its bound:

@@ -284,6 +284,12 @@ def contended(last_seen: dict[int, int], now_ns: int, quiet_ns: int = FLOW_QUIET
 #: between two micro-batches (`runtimes.worker.WorkerCore.interject`), so it waits
 #: about this long, not for the batch.
 MICRO_SHARE = 0.125
+#: Between two micro-batches, another client's request is looked for this many places
+#: into the lane, behind the next requests of the clients whose batch runs
+#: (`runtimes.worker.WorkerCore.still_wanted`): the fair order puts a client served
+#: lately a request or two of a flood behind (a closed-loop client beside a
+#: 16-connection flood: one or two places; bench/README "Fair admission").
+INTERJECT_LOOK = 16
 
 
 def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int,

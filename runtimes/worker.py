@@ -31,7 +31,8 @@ from runtimes.info import encode_info, worker_info
 from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
-    BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, MIN_SAMPLES, CostModel, LastRun,
+    BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MIN_SAMPLES, CostModel,
+    LastRun,
     batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms,
     linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
 )
@@ -374,24 +375,32 @@ class WorkerCore:
         client's interactive request shorter than this batch (`LocalQueue.head_flow`,
         one lock-free read), it runs first (`interject`): a light client's request
         does not wait for a flood's batch, and a flood's does not stretch a light
-        client's batch."""
+        client's batch. So does such a request behind the head when only the next
+        requests of this batch's own clients are ahead of it, up to INTERJECT_LOOK
+        places (`LocalQueue.first_other_flow`, lock-free reads): the lane's fair
+        order (start-time fair queueing, by tokens) puts a client served lately
+        behind one or two requests of the flood, which would run only after the
+        batch running now, itself the flood's. Measured (bench/README, issue 25):
+        one light request in three or four then waited for most of a flood request.
+        The flood still gets a micro-batch between two of them."""
         ids = [c.item_id for c in claims]
-        deadlines, clock, head_flow = self.queue.deadlines, self.clock_ns, self.queue.head_flow
+        deadlines, clock, first_other = self.queue.deadlines, self.clock_ns, self.queue.first_other_flow
 
         def wanted(k: int) -> bool:
             if k:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
-                if interject is not None and (head := head_flow(interject[0])) is not None \
-                        and head[0] not in interject[1] and head[1] < interject[3]:
-                    self.interject(interject[0], resident, interject[2], interject[1], interject[3])
+                if interject is not None and (other := first_other(interject[0], interject[1], INTERJECT_LOOK)) \
+                        is not None and other[2] < interject[3]:
+                    self.interject(*interject, resident=resident, behind=other[0])
             resident.micro_batches += 1
             return True
 
         return wanted
 
-    def interject(self, lane: int, resident: Resident, cost: CostModel, outer: set[int], outer_tokens: int) -> int:
+    def interject(self, lane: int, outer: set[int], cost: CostModel, outer_tokens: int, *, resident: Resident,
+                  behind: int = 0) -> int:
         """Between two micro-batches of a batch for the clients `outer`, of
         `outer_tokens`, run the requests of other clients waiting at the head of
         `lane` as a batch of their own (as long as the head is one of theirs, within
@@ -399,13 +408,24 @@ class WorkerCore:
         client waits for one micro-batch of a flood, not for its batch. The
         batch interrupted keeps its claims (leases are renewed by the heartbeat); its
         adapter state and progress bound are put back, the bound moved by the time
-        taken here. Returns the items answered."""
+        taken here. `behind`: the other client's request waits behind that many
+        requests of `outer`'s clients: all are claimed, those go back to their
+        places, it runs. Returns the items answered."""
         started = time.perf_counter()
         woke_ns = time.monotonic_ns()
         adapter, profile = resident.adapter, resident.adapter.spec.profile
         cap = self.batch_cap(cost, profile.max_batch_tokens, True)
         claims: list[Claim] = []
         budget, taken = min(cap, outer_tokens - 1), 0
+        if behind:
+            got = self.queue.claim(lane, worker=self.worker_id, max_items=behind + 1, max_tokens=1 << 40,
+                                   lease_ms=self.lease_ms)
+            if (len(got) == behind + 1 and all(c.flow in outer for c in got[:-1]) and not got[-1].batch
+                    and got[-1].flow not in outer):
+                self.queue.return_items([c.item_id for c in got[:-1]])
+                claims, taken = [got[-1]], got[-1].tokens
+            elif got:  # the lane changed since it was read (another worker, an expiry)
+                self.queue.return_items([c.item_id for c in got])
         while len(claims) < profile.max_batch_items:
             head = self.queue.head_flow(lane)
             if head is None or head[0] in outer or (claims and taken + head[1] > budget):

@@ -175,6 +175,28 @@ def test_head_flow_names_the_client_a_claim_would_take_next(q):
     assert rids_of(take(q, lane, w, n=1)) == [20] and q.head_flow(lane) == (1, 10)
 
 
+def test_first_other_flow_finds_a_client_behind_the_running_clients_requests(q):
+    # The other hint (runtimes.worker.interject, `behind`): the first interactive item of
+    # a flow not in `flows`, when only interactive items of `flows` are ahead of it,
+    # within `look` places; None past batch work, past `look`, or in an empty lane.
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    assert q.first_other_flow(lane, {1}, 4) is None
+    q.put_many(lane, [b"h"] * 3, tokens=[10] * 3, request_ids=[0, 1, 2], flow=1)  # keys 0, 10, 20
+    q.put_many(lane, [b"b"], tokens=[1], request_ids=[10], batch=True)
+    assert q.first_other_flow(lane, {1}, 4) is None  # flow 1 only, then batch work
+    assert q.first_other_flow(lane, {2}, 4) == (0, 1, 10)  # the head itself
+    take(q, lane, w, n=1)  # the lane's time is 0 now
+    # Flow 2 was served lately (a request of 15 tokens, withdrawn): its next starts at 15.
+    assert q.cancel(q.put(lane, b"x", tokens=15, request_id=19, flow=2))
+    q.put(lane, b"l", tokens=4, request_id=20, flow=2)
+    assert q.head_flow(lane) == (1, 10) and q.first_other_flow(lane, {1}, 4) == (1, 2, 4)
+    assert q.first_other_flow(lane, {1}, 1) is None  # not within one place
+    assert q.first_other_flow(lane, {1, 2}, 4) is None  # only `flows`, then batch work
+    assert rids_of(take(q, lane, w, n=4)) == [1, 20, 2, 10]
+    q.check()
+
+
 def test_fair_places_hold_with_batch_work_behind_and_after_promotion(q):
     lane = q.lane_id("m")
     w = q.register_worker(1, "cpu")

@@ -785,6 +785,44 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     assert all(status == STATUS_OK for status, _ in got.values())
 
 
+def test_a_client_placed_behind_the_floods_next_request_runs_at_the_next_boundary(queue):
+    # Issue 25, the rest of it: the lane's fair order (start-time fair queueing) puts a
+    # light client that was served lately behind one request of the flood, when its
+    # finish time passed that request's start. That request is the head during the
+    # flood's batch, so the head rule alone would let the light request wait for the
+    # whole batch running now and one micro-batch of the next (measured: one light
+    # request in four waited ~a flood request). It runs at the next boundary instead;
+    # the flood's request goes back to its place, and the flood's are answered in put
+    # order. Counted, not timed.
+    MicroEmbedder.micro = []
+    lane = queue.lane_id("m")
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:  # the light request arrives during the first micro-batch
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(lane, light, tokens=4, request_id=99, flow=2)
+            assert queue.head_flow(lane) == (1, 64) and queue.first_other_flow(lane, {1}, 4) == (1, 2, 4)
+
+    core = micro_core(queue, {"m": {"after_micro": after_micro}})
+    now = core.clock_ns()
+    core.recent_flows["m"] = {1: now, 2: now}
+    for rid in range(1, 4):  # keys 0, 64, 128 (flow 1 finishes at 192)
+        queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
+                  tokens=64, request_id=rid, flow=1)
+    # Flow 2 was served lately: its finish time is 100 (a request of 100 tokens put and
+    # withdrawn), so its next request starts there, behind flood request 2 (key 64).
+    gone = queue.put(lane, light, tokens=100, request_id=98, flow=2)
+    assert queue.cancel(gone)
+    assert core.step(timeout_s=0.1) == 2  # flood request 1 and, inside its batch, the light one
+    assert MicroEmbedder.micro.index(["light"]) == 1 and core.residency.models["m"].interjected == 1
+    served = [core.step(timeout_s=0.1) for _ in range(4)]
+    assert sum(served) == 2
+    got = results(queue, 4)
+    assert sorted(got) == [1, 2, 3, 99] and all(status == STATUS_OK for status, _ in got.values())
+    flood = [texts[0].split(".")[0] for texts in MicroEmbedder.micro if texts != ["light"]]
+    assert flood == sorted(flood)  # f1's micro-batches, then f2's, then f3's
+
+
 def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch(queue):
     # One client (flow 1) has the model: its batches take the whole budget (two requests
     # of 16 texts) in the profile's micro-batches (8 texts here), never cut to a share.
