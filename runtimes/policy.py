@@ -293,10 +293,12 @@ INTERJECT_LOOK = 16
 
 
 def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int,
-                    fixed_tokens: float | None = None) -> int | None:
-    """Inputs per micro-batch so that one is predicted to run about MICRO_SHARE of
-    `target_ms`, for a batch of `tokens` over `rows` inputs. None when that says
-    nothing (no rows, no tokens, no fitted cost or target).
+                    fixed_tokens: float | None = None, *, share: float = MICRO_SHARE) -> int | None:
+    """Inputs per micro-batch so that one is predicted to run about `share` of
+    `target_ms` (MICRO_SHARE: while clients share the model; 1: a batch of one
+    client's, so one arriving meanwhile waits about a target), for a batch of
+    `tokens` over `rows` inputs. None when that says nothing (no rows, no tokens,
+    no fitted cost or target) or the whole batch fits the share.
 
     With `fixed_tokens` (the adapter's fixed cost of one forward, `Adapter.fixed_tokens`:
     a CPU), a micro-batch of t padded tokens takes b x (fixed + t) by the fit's slope
@@ -308,7 +310,7 @@ def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows:
     below a/b tokens (a device whose fixed cost dominates keeps its micro-batches)."""
     if rows <= 0 or tokens <= 0 or target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
         return None
-    share = target_ms * MICRO_SHARE
+    share = target_ms * share
     if fixed_tokens is not None:
         b = cost.fit()[1]
         if b <= 0 or (budget := max(share / b - fixed_tokens, fixed_tokens)) >= tokens:

@@ -31,8 +31,8 @@ from runtimes.info import encode_info, worker_info
 from runtimes.lora import attach_batch
 from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNow, return_freed_heap, run_split_on_oom
 from runtimes.policy import (
-    BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MIN_SAMPLES, CostModel,
-    LastRun,
+    BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MICRO_SHARE, MIN_SAMPLES,
+    CostModel, LastRun,
     batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms,
     linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
 )
@@ -297,8 +297,13 @@ class WorkerCore:
         adapter.marks = (0, 0, 0)
         flows = {c.flow for c, _ in runnable if not c.batch}
         may_interject = outer is None and not loras and self.target_ms > 0
-        micro_cap = (micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests), adapter.fixed_tokens)
-                     if may_interject and shared else None)
+        # Micro-batches of MICRO_SHARE of the target while clients share the model, of
+        # a target otherwise: a batch of one client's that runs longer (up to
+        # BEHIND_TARGETS targets behind) still ends a micro-batch about every target,
+        # where a client arriving meanwhile is run (`still_wanted`).
+        micro_cap = (micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests), adapter.fixed_tokens,
+                                     share=MICRO_SHARE if shared else 1.0)
+                     if may_interject else None)
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
                                            (lane, flows, cost, sum(tokens)) if may_interject and flows else None)
@@ -347,9 +352,10 @@ class WorkerCore:
             self._ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
         # 6. Learn from this batch: its padded size and measured time refine the cost model
         #    (not from a batch cut short: its time is not its size's; nor from one run in
-        #    shorter micro-batches than the profile's: slower a token, it would shorten
-        #    the next ones more, `micro_items_cap`).
-        if requests and not dropped and micro_cap is None:
+        #    the contended share's micro-batches, far shorter than the profile's: slower
+        #    a token, it would shorten the next ones more, `micro_items_cap`; a target's
+        #    worth a micro-batch costs a forward's fixed cost in a few hundred tokens).
+        if requests and not dropped and (micro_cap is None or not shared):
             cost.observe(padded, own_ms)
         resident.last_used = time.time()
         resident.served += len(claims)

@@ -848,6 +848,32 @@ def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch
     assert all(status == STATUS_OK for status, _ in got.values())
 
 
+def test_a_lone_clients_batch_behind_its_target_ends_a_micro_batch_every_target(queue):
+    # A lone client's backlog (four requests of 16 texts, 256 tokens at 1 ms a token)
+    # waited past the target (128 ms): its batch takes it all (up to BEHIND_TARGETS
+    # targets), and its micro-batches aim for one target each (32 texts), not the
+    # profile's 64: one batch of 64 texts would hold a client arriving meanwhile for
+    # all of it (issue 25: a light request behind a flood's whole backlog).
+    MicroEmbedder.micro = []
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
+
+    core = micro_core(queue, {"m": {"after_micro": after_micro}})
+    core.recent_flows["m"] = {1: core.clock_ns()}
+    for rid in range(1, 5):
+        queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
+                  tokens=64, request_id=rid, flow=1)
+    time.sleep(0.15)  # the head has waited longer than the target: the lane is behind
+    assert core.step(timeout_s=0.1) == 5  # the four flood requests and, between two micro-batches, the light one
+    assert [len(t) for t in MicroEmbedder.micro] == [32, 1, 32]
+    assert core.residency.models["m"].interjected == 1
+    got = results(queue, 5)
+    assert all(status == STATUS_OK for status, _ in got.values())
+
+
 def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
     # The other way round: a light client's batch (8 texts, 32 tokens: two micro-batches
     # of 4 while shared) is not interrupted by the flood's request at the head (64
