@@ -735,6 +735,18 @@ def micro_core(queue, extra: dict | None = None, micro_items: int = 64) -> Worke
     return core
 
 
+def light_during_first_micro_batch(queue) -> dict:
+    """A resolver `extra` for model "m": during its first micro-batch, MicroEmbedder's
+    hook puts a light client's request (flow 2, request id 99, one text of 4 tokens)."""
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
+
+    return {"m": {"after_micro": after_micro}}
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, shared):
     # Issue 25 (per-client share): a flooding client (flow 1) has a backlog of requests
@@ -746,13 +758,7 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     # keeps the profile's micro-batches (here one of 32 texts: no boundary to run the
     # light request at). Counted, not timed.
     MicroEmbedder.micro = []
-    light = _encode(EmbedRequest(model="m", inputs=["light"]))
-
-    def after_micro(k: int) -> None:  # the light request arrives during the first micro-batch
-        if k == 0 and len(MicroEmbedder.micro) == 1:
-            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
-
-    core = micro_core(queue, {"m": {"after_micro": after_micro}})
+    core = micro_core(queue, light_during_first_micro_batch(queue))  # the light request arrives during micro-batch 0
     now = core.clock_ns()
     core.recent_flows["m"] = {1: now, 2: now} if shared else {1: now}
     for rid in range(1, 5):
@@ -830,13 +836,7 @@ def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch
     # second: it waits for one micro-batch, not for the whole batch (up to
     # BEHIND_TARGETS targets while the lane is behind). Counted, not timed.
     MicroEmbedder.micro = []
-    light = _encode(EmbedRequest(model="m", inputs=["light"]))
-
-    def after_micro(k: int) -> None:
-        if k == 0 and len(MicroEmbedder.micro) == 1:
-            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
-
-    core = micro_core(queue, {"m": {"after_micro": after_micro}}, micro_items=8)
+    core = micro_core(queue, light_during_first_micro_batch(queue), micro_items=8)
     core.recent_flows["m"] = {1: core.clock_ns()}
     for rid in range(1, 3):
         queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
@@ -855,13 +855,7 @@ def test_a_lone_clients_batch_behind_its_target_ends_a_micro_batch_every_target(
     # profile's 64: one batch of 64 texts would hold a client arriving meanwhile for
     # all of it (issue 25: a light request behind a flood's whole backlog).
     MicroEmbedder.micro = []
-    light = _encode(EmbedRequest(model="m", inputs=["light"]))
-
-    def after_micro(k: int) -> None:
-        if k == 0 and len(MicroEmbedder.micro) == 1:
-            queue.put(queue.lane_id("m"), light, tokens=4, request_id=99, flow=2)
-
-    core = micro_core(queue, {"m": {"after_micro": after_micro}})
+    core = micro_core(queue, light_during_first_micro_batch(queue))
     core.recent_flows["m"] = {1: core.clock_ns()}
     for rid in range(1, 5):
         queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
