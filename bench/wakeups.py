@@ -91,7 +91,7 @@ def measure(kind: str, cpus: tuple[int, int] | None, rounds: int, gap_s: float) 
             else:
                 ends[0].send(b"\1")
             t1 = time.monotonic_ns()
-            while st[DONE] != i + 1:
+            while st[DONE] != i + 1:  # spin: a sleeping waker would add its own wake-up to the figure
                 pass
             to_run.append(st[STAMP] - t0)
             call.append(t1 - t0)

@@ -49,12 +49,12 @@ def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[Emb
     reqs = [requests[i] for i in live]
     norms = [r.normalize for r in reqs]
     if not unit and any(norms):
+        unit_rows = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         if all(norms):
-            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            vectors = unit_rows
         else:
             want = np.repeat(np.array(norms), [len(r.inputs) for r in reqs])
-            div = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-            vectors = np.where(want[:, None], vectors / div, vectors)
+            vectors = np.where(want[:, None], unit_rows, vectors)
     used = tokens.tolist()
     a = 0
     for i, req in zip(live, reqs):

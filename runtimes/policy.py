@@ -310,13 +310,13 @@ def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows:
     below a/b tokens (a device whose fixed cost dominates keeps its micro-batches)."""
     if rows <= 0 or tokens <= 0 or target_ms <= 0 or cost is None or cost.samples < MIN_SAMPLES:
         return None
-    share = target_ms * share
+    share_ms = target_ms * share
     if fixed_tokens is not None:
         b = cost.fit()[1]
-        if b <= 0 or (budget := max(share / b - fixed_tokens, fixed_tokens)) >= tokens:
+        if b <= 0 or (budget := max(share_ms / b - fixed_tokens, fixed_tokens)) >= tokens:
             return None  # no slope to size by, or the whole batch fits the share
     else:
-        budget = batch_token_cap(cost, share, 1 << 40)
+        budget = batch_token_cap(cost, share_ms, 1 << 40)
         if budget >= 1 << 40:
             return None
     return max(1, int(budget * rows / tokens))
