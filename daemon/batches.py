@@ -54,6 +54,7 @@ from fleet.batches import (
 )
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound
 
+from daemon import codec
 from daemon.batchfile import (
     InputCheck, LineReader, ResultFile, Scan, UploadSink, body_head, is_disk_full, receive_upload, scan_results,
     usage_of,
@@ -81,7 +82,6 @@ DEADLINE_GRACE_S = 5.0
 RETENTION_EVERY_S = 600.0
 
 _request_line = msgspec.json.Decoder(RequestLine)
-_json = msgspec.json.Encoder()
 
 _CANCELLED_LINE = LineError("batch_cancelled", "This request was not run: the batch was cancelled.")
 _EXPIRED_LINE = LineError("batch_expired", "This request could not be executed before the completion window expired.")
@@ -385,7 +385,7 @@ class BatchRun:
         if self.scan.answered[n]:
             raise RuntimeError(f"batch {self.b.id}: line {n} answered twice; this is a bug")
         self.scan.answered[n] = 1
-        line = _json.encode(OutputLine(f"batch_req_{self.hex}_{n}", custom_id, response, error)) + b"\n"
+        line = codec.json_line(OutputLine(f"batch_req_{self.hex}_{n}", custom_id, response, error)) + b"\n"
         target = self.out if response is not None and response.status_code == 200 else self.err
         counts = self.b.request_counts
         if response is not None:

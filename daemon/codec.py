@@ -99,6 +99,21 @@ def encode(obj: Any, *, msgpack: bool) -> bytes:
     return _mp_encoder.encode(obj) if msgpack else _json_encoder.encode(obj)
 
 
+#: Characters JSON leaves raw in strings that line readers still break lines at
+#: (`str.splitlines`, so httpx's `iter_lines` under the Ollama client; JavaScript
+#: before ES2019). Outside strings JSON is ASCII, so escaping them keeps the value.
+_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def json_line(obj: Any) -> bytes:
+    """JSON of `obj` for a line-framed stream (NDJSON, SSE `data:`, JSONL files): a
+    model's text never splits one value over two lines, whatever reads it."""
+    data = _json_encoder.encode(obj)
+    for raw, escaped in _LINE_BREAKERS:  # three C scans of bytes that are in cache
+        data = data.replace(raw, escaped)
+    return data
+
+
 def encode_msgpack(obj: Any) -> bytes:
     """MessagePack bytes of `obj` (a JSON request re-encoded for the queue, mostly). JSON
     numbers have no size limit but MessagePack integers stop at 64 bits: a client's

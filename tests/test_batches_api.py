@@ -336,6 +336,18 @@ def test_a_field_the_files_and_batches_routes_do_not_take_is_refused(fleet, clie
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+def test_an_output_line_survives_any_line_splitter(client, tmp_path):
+    """A model's text or a custom_id may hold U+2028, U+2029 or U+0085, which JSON leaves
+    raw and `str.splitlines` (and httpx's `iter_lines`) still splits at: fleet escapes
+    them, so reading the file line by line gives one whole answer per line."""
+    ids = ["a\u2028b", "c\u2029d", "e\x85f", "plain"]
+    b = run_batch(client, tmp_path, "/v1/embed", [line(i, "/v1/embed", {"inputs": ["x"]}) for i in ids])
+    assert b.status == "completed" and b.request_counts.completed == len(ids)
+    text = client.files.content(b.output_file_id).text
+    assert not any(c in text for c in "\u2028\u2029\x85")
+    assert sorted(r["custom_id"] for r in results(client, b.output_file_id)) == sorted(ids)
+
+
 def test_uploads_are_guarded_as_every_body_is(fleet):
     form = {"files": {"file": ("x.jsonl", json.dumps(line("a", "/v1/embed", {"inputs": ["x"]})).encode())},
             "data": {"purpose": "batch"}}

@@ -111,6 +111,17 @@ def test_text_generation_at_a_model_url(d, hf) -> None:
     assert events[-1].generated_text == want["text"] and events[-1].details.generated_tokens == len(events)
 
 
+def test_a_streamed_line_survives_the_clients_line_splitter(d, hf) -> None:
+    """The client reads SSE with httpx's `iter_lines`, which splits at U+2028, U+2029 and
+    U+0085 too (`str.splitlines`). JSON leaves those raw, so fleet escapes them: the
+    echoed prompt comes back whole, not as a cut event the client cannot parse."""
+    prompt = f"line one\u2028line two\u2029three\x85{PROMPT}"
+    want = native_text(d, prompt, 4)["text"]
+    client = hf(model=f"{d.url}/models/tiny-llama")  # held: its session closes the stream when collected
+    events = list(client.text_generation(prompt, max_new_tokens=4, stream=True, details=True, return_full_text=True))
+    assert events[-1].generated_text == prompt + want
+
+
 def test_token_classification_at_a_model_url(d, hf) -> None:
     got = hf(model=f"{d.url}/models/tiny-tagger").token_classification(TEXT)
     native = ok(post(d, "/v1/extract", {"model": "tiny-tagger", "inputs": [TEXT]}))["results"][0]

@@ -22,7 +22,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
@@ -42,7 +41,6 @@ from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
 from daemon.tasks import TextStream, token_logprobs
 
-_json = msgspec.json.Encoder()
 
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
 MAX_LEGACY_LOGPROBS = 5
@@ -133,7 +131,7 @@ def completion_logprobs(wire: list[WireLogprob] | None, offset: int = 0) -> Comp
 
 
 def sse(obj: object) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    return b"data: " + codec.json_line(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

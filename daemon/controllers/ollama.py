@@ -86,7 +86,7 @@ PROGRESS_EVERY_S = 0.1
 
 
 def line(obj: Any) -> bytes:
-    return _json.encode(obj) + b"\n"
+    return codec.json_line(obj) + b"\n"
 
 
 def json_reply(obj: Any, headers: dict[str, str] | None = None, status: int = 200) -> Response:

@@ -42,7 +42,6 @@ from daemon.controllers.generate import SSE_HEADERS
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
 
-_json = msgspec.json.Encoder()
 #: Fields that ask for what fleet does not do (it keeps no responses and calls no tools).
 UNSUPPORTED = ("previous_response_id", "background", "conversation", "tools", "prompt", "reasoning",
                "max_tool_calls", "include")
@@ -242,7 +241,7 @@ def status_of(res: GenerateResult) -> str:
 
 
 def event(kind: str, seq: int, **data: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, "sequence_number": seq, **data}) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + codec.json_line({"type": kind, "sequence_number": seq, **data}) + b"\n\n"
 
 
 async def events(shape: Shaper, stream: tasks.TextStream) -> AsyncIterator[bytes]:
