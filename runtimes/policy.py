@@ -279,11 +279,28 @@ def contended(last_seen: dict[int, int], now_ns: int, quiet_ns: int = FLOW_QUIET
     return sum(1 for at in last_seen.values() if now_ns - at < quiet_ns) > 1
 
 
-#: While several clients share a model (`contended`), a micro-batch aims for this share
-#: of the batch target: a request of another client that arrives during a batch is run
-#: between two micro-batches (`runtimes.worker.WorkerCore.interject`), so it waits
+def lighter_client(last_seen: dict[int, int], sizes: dict[int, int], flows: set[int], tokens: int, now_ns: int,
+                   quiet_ns: int = FLOW_QUIET_NS) -> bool:
+    """A client other than `flows` is current in the lane (`contended`) whose requests
+    are shorter than a batch of `tokens` (`sizes`: flow -> the fewest tokens of an
+    item of its last batch here; one never measured counts as shorter): its next
+    request would run between this batch's micro-batches (`WorkerCore.interject`
+    runs only a shorter request there), so they are cut to MICRO_SHARE. Clients of
+    equal requests (two floods) gain nothing from the cut and keep a target's
+    micro-batches: cut to the share, two flooding clients on a 2-core CPU moved
+    3.3-4.3 requests/s together against 7.2-7.5 for one (bench/README, issue 25)."""
+    return any(f not in flows and now_ns - at < quiet_ns and sizes.get(f, 0) < tokens
+               for f, at in last_seen.items())
+
+
+#: While a client of shorter requests shares a model (`lighter_client`), a micro-batch
+#: aims for this share of the batch target: its request, arriving during a batch, is
+#: run between two micro-batches (`runtimes.worker.WorkerCore.interject`), so it waits
 #: about this long, not for the batch.
 MICRO_SHARE = 0.125
+#: ... and on a device with a forward's fixed cost (a CPU), never fewer tokens than
+#: this share of that cost (`micro_items_cap`).
+MICRO_FLOOR = 0.5
 #: Between two micro-batches, another client's request is looked for this many places
 #: into the lane, behind the next requests of the clients whose batch runs
 #: (`runtimes.worker.WorkerCore.still_wanted`): the fair order puts a client served
@@ -302,9 +319,13 @@ def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows:
 
     With `fixed_tokens` (the adapter's fixed cost of one forward, `Adapter.fixed_tokens`:
     a CPU), a micro-batch of t padded tokens takes b x (fixed + t) by the fit's slope
-    b: the share buys share / b - fixed tokens, never fewer than `fixed_tokens` (a
-    micro-batch half fixed cost: shorter ones cost the batch cut more than they save
-    the client waiting). The fit's own a is a whole batch's fixed cost (several
+    b: the share buys share / b - fixed tokens, never fewer than MICRO_FLOOR x
+    `fixed_tokens` (a micro-batch two thirds fixed cost). On a 2-core CPU the share
+    is under a forward's fixed cost, so the floor is the micro-batch: at a whole
+    fixed cost's worth one ran about as long as a light client's request of 8 texts
+    (31 vs 33 ms), and that client, asking again at once, waited for one, its p95
+    2.1-2.3x alone; at half, 1.5x, the flood beside it slower (bench/README, issue
+    25). The fit's own a is a whole batch's fixed cost (several
     forwards, decoding, acks): on a 2-core CPU it exceeds the share alone, which left
     shared batches uncut. Without it (a GPU), `batch_token_cap` of the share, never
     below a/b tokens (a device whose fixed cost dominates keeps its micro-batches)."""
@@ -313,7 +334,7 @@ def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows:
     share_ms = target_ms * share
     if fixed_tokens is not None:
         b = cost.fit()[1]
-        if b <= 0 or (budget := max(share_ms / b - fixed_tokens, fixed_tokens)) >= tokens:
+        if b <= 0 or (budget := max(share_ms / b - fixed_tokens, MICRO_FLOOR * fixed_tokens)) >= tokens:
             return None  # no slope to size by, or the whole batch fits the share
     else:
         budget = batch_token_cap(cost, share_ms, 1 << 40)

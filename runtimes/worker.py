@@ -33,7 +33,8 @@ from runtimes.memory import IDLE_NAP_S, DeviceMemory, Footprint, LoadLock, NotNo
 from runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MICRO_SHARE, MIN_SAMPLES,
     CostModel, LastRun,
-    batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, linger_left_ms,
+    batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, lighter_client,
+    linger_left_ms,
     linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
@@ -87,9 +88,15 @@ class WorkerCore:
     #: Per model, the clients (queue flows) of its recent interactive batches here:
     #: flow -> acked at (whether the model is shared now: `contended`).
     recent_flows: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: Per model, flow -> the fewest tokens of an item of its last batch here (`lighter_client`).
+    flow_tokens: dict[str, dict[int, int]] = field(default_factory=dict)
     #: ms of other clients' batches run between the micro-batches of the batch running
     #: now (`interject`): left out of its time where the cost model learns from it.
     interjected_ms: float = 0.0
+    #: Per lane, the clients (queue flows) of the last batch run on it, interjected ones
+    #: included: a batch of the same clients checks for another's request before its
+    #: micro-batch 0 too (`still_wanted`).
+    last_flows: dict[int, set[int]] = field(default_factory=dict)
     _decoders: dict[type, msgspec.msgpack.Decoder] = field(default_factory=dict)
     #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
     memory: InitVar[DeviceMemory | None] = None
@@ -269,8 +276,9 @@ class WorkerCore:
         Between two micro-batches a request of another client waiting at the head of
         the lane is run first (`interject`): a client arriving while one client's
         batch runs (up to BEHIND_TARGETS targets when its lane is behind) waits for
-        one micro-batch. `shared` (clients share the model now): micro-batches aim
-        for MICRO_SHARE of the target as well (`micro_items_cap`). `outer`: the flows
+        one micro-batch. `shared` (clients share the model now) and one of them sends
+        shorter requests (`lighter_client`): micro-batches aim for MICRO_SHARE of the
+        target (`micro_items_cap`). `outer`: the flows
         of the batch this one interrupts (it interrupts nothing itself)."""
         adapter, model = resident.adapter, resident.adapter.spec.name
         woke_ns, claimed_ns, lingered_ns = stamps
@@ -297,12 +305,14 @@ class WorkerCore:
         adapter.marks = (0, 0, 0)
         flows = {c.flow for c, _ in runnable if not c.batch}
         may_interject = outer is None and not loras and self.target_ms > 0
-        # Micro-batches of MICRO_SHARE of the target while clients share the model, of
-        # a target otherwise: a batch of one client's that runs longer (up to
+        # Micro-batches of MICRO_SHARE of the target while a client of shorter requests
+        # shares the model, of a target otherwise: a batch that runs longer (up to
         # BEHIND_TARGETS targets behind) still ends a micro-batch about every target,
         # where a client arriving meanwhile is run (`still_wanted`).
+        cut = shared and may_interject and lighter_client(
+            self.recent_flows.get(model, {}), self.flow_tokens.get(model, {}), flows, sum(tokens), self.clock_ns())
         micro_cap = (micro_items_cap(cost, self.target_ms, sum(tokens), rows_of(requests), adapter.fixed_tokens,
-                                     share=MICRO_SHARE if shared else 1.0)
+                                     share=MICRO_SHARE if cut else 1.0)
                      if may_interject else None)
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
@@ -355,16 +365,17 @@ class WorkerCore:
         #    the contended share's micro-batches, far shorter than the profile's: slower
         #    a token, it would shorten the next ones more, `micro_items_cap`; a target's
         #    worth a micro-batch costs a forward's fixed cost in a few hundred tokens).
-        if requests and not dropped and (micro_cap is None or not shared):
+        if requests and not dropped and (micro_cap is None or not cut):
             cost.observe(padded, own_ms)
         resident.last_used = time.time()
         resident.served += len(claims)
         resident.tokens += batch_tokens
         self.last_batch = BatchStats(model, len(claims), batch_tokens, padded, ms, time.time(), returned, loras)
         self.last_runs[model] = LastRun(acked_ns, len(claims), ms)
+        self.last_flows[lane] = flows
         if interactive := [c.tokens for c in claims if not c.batch]:
             self.recent_interactive[model] = (acked_ns, padded_tokens(interactive))
-            self.saw_flows(model, {c.flow for c in claims if not c.batch}, acked_ns)
+            self.saw_flows(model, [c for c in claims if not c.batch], acked_ns)
         self.batch_seq += 1
         self.batch_ring.append((model, len(claims), batch_tokens))
         self.publish_info()
@@ -391,15 +402,22 @@ class WorkerCore:
         The flood still gets a micro-batch between two of them."""
         ids = [c.item_id for c in claims]
         deadlines, clock, first_other = self.queue.deadlines, self.clock_ns, self.queue.first_other_flow
+        # Before micro-batch 0 as well when this batch's clients had the lane's last
+        # forward too: a flood's next request, ahead of a light client's by the fair
+        # order, then runs one micro-batch before it, not two (the last of the flood's
+        # batch and the first of the next: issue 25's p95). The flood still gets a
+        # forward between two of another client's.
+        again = interject is not None and self.last_flows.get(interject[0], set()) <= interject[1]
 
         def wanted(k: int) -> bool:
             if k:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
-                if interject is not None and (other := first_other(interject[0], interject[1], INTERJECT_LOOK)) \
-                        is not None and other[2] < interject[3]:
-                    self.interject(*interject, resident=resident, behind=other[0])
+            if (k or again) and interject is not None \
+                    and (other := first_other(interject[0], interject[1], INTERJECT_LOOK)) is not None \
+                    and other[2] < interject[3]:
+                self.interject(*interject, resident=resident, behind=other[0])
             resident.micro_batches += 1
             return True
 
@@ -472,15 +490,20 @@ class WorkerCore:
             return batch_token_cap(cost, self.target_ms * CONTENDED_SHARE, cap)
         return batch_token_cap(cost, self.target_ms * (BEHIND_TARGETS if behind else 1), max_batch_tokens)
 
-    def saw_flows(self, model: str, flows: set[int], at_ns: int) -> None:
-        """The clients of a batch of `model` (its interactive items' queue flows) were
-        served at `at_ns`; those not seen for FLOW_QUIET_NS are forgotten (`contended`)."""
-        seen = self.recent_flows.setdefault(model, {})
-        for flow in flows:
-            seen[flow] = at_ns
+    def saw_flows(self, model: str, claims: list[Claim], at_ns: int) -> None:
+        """The clients of a batch of `model` (its interactive `claims`' queue flows) were
+        served at `at_ns`, each with its fewest tokens an item; those not seen for
+        FLOW_QUIET_NS are forgotten (`contended`, `lighter_client`)."""
+        seen, sizes = self.recent_flows.setdefault(model, {}), self.flow_tokens.setdefault(model, {})
+        fewest: dict[int, int] = {}
+        for c in claims:
+            fewest[c.flow] = min(c.tokens, fewest.get(c.flow, c.tokens))
+        seen.update(dict.fromkeys(fewest, at_ns))
+        sizes.update(fewest)
         if len(seen) > 1:
             for flow in [f for f, at in seen.items() if at_ns - at >= FLOW_QUIET_NS]:
                 del seen[flow]
+                sizes.pop(flow, None)
 
     def recent_interactive_padded(self, model: str) -> int:
         """Padded tokens of the interactive part of `model`'s last batch here with

@@ -14,8 +14,8 @@ from daemon.supervisor import detect_devices
 from fleet.errors import BadRequest
 from runtimes.policy import (
     FILL_SLACK, FLOW_QUIET_NS, MICRO_SHARE, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost,
-    batch_fill_cap, batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, linger_left_ms,
-    micro_items_cap, padded_tokens, should_load_copy,
+    batch_fill_cap, batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, lighter_client,
+    linger_left_ms, micro_items_cap, padded_tokens, should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -351,6 +351,18 @@ def test_contended(seen, expected):
     assert contended(seen, 200) is expected
 
 
+@pytest.mark.parametrize("seen, sizes, expected", [
+    ({7: 100}, {7: 550}, False),  # the batch's own client only
+    ({7: 100, 9: 100}, {7: 550, 9: 158}, True),  # another client of shorter requests: cut
+    ({7: 100, 9: 100}, {7: 550, 9: 550}, False),  # two floods of equal requests: no cut
+    ({7: 100, 9: 100}, {7: 550, 9: 900}, False),  # the other's requests are longer
+    ({7: 100, 9: 100}, {7: 550}, True),  # the other never measured here: counts as shorter
+    ({7: 100, 9: 100 - FLOW_QUIET_NS}, {7: 550, 9: 158}, False),  # the shorter one went quiet
+])
+def test_lighter_client(seen, sizes, expected):
+    assert lighter_client(seen, sizes, {7}, 550, 200) is expected
+
+
 @pytest.mark.parametrize("flows, batch, expected", [
     ([], [], []),
     ([1, 1, 1], [False, False, False], [False, False, False]),  # one client: nothing is filler
@@ -386,8 +398,10 @@ def test_micro_items_cap(samples, target_ms, tokens, rows, expected):
     # and whose batches fit a = 33 ms: the share (31.25 ms of 250) buys 355 - 174 = 181
     # padded tokens: 3 texts of 50 tokens (the fit's a alone, 33 ms, used to leave it uncut).
     ([(1_000, 121.0), (3_000, 297.0)] * 2, 174.0, 800, 16, 3),
-    # A share under two fixed costs: never fewer than the fixed cost's tokens (6 texts of 50).
-    ([(1_000, 121.0), (3_000, 297.0)] * 2, 300.0, 800, 16, 6),
+    # A share under two fixed costs: never fewer than MICRO_FLOOR of the fixed cost's
+    # tokens (150: 3 texts of 50, a forward two thirds fixed cost).
+    ([(1_000, 121.0), (3_000, 297.0)] * 2, 300.0, 800, 16, 3),
+    ([(1_000, 121.0), (3_000, 297.0)] * 2, 500.0, 800, 16, 5),  # 250 tokens: 5 texts
     ([(1_000, 121.0), (3_000, 121.0)] * 2, 174.0, 800, 16, None),  # no slope: nothing to size by
     ([(16, 16.0)] * (MIN_SAMPLES - 1), 174.0, 800, 16, None),  # not fitted yet
 ])

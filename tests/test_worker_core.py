@@ -829,6 +829,67 @@ def test_a_client_placed_behind_the_floods_next_request_runs_at_the_next_boundar
     assert flood == sorted(flood)  # f1's micro-batches, then f2's, then f3's
 
 
+def test_a_client_placed_behind_the_floods_next_batch_runs_before_its_first_micro_batch(queue):
+    # The same, at a batch's end: the light request (placed behind flood request 2 by
+    # the fair order) arrives during the last micro-batch of flood request 1, so no
+    # boundary of that batch is left to run it at. The next batch is flood request 2's,
+    # whose clients had the lane's last forward too: the worker looks before its
+    # micro-batch 0 as well, and the light request waits for one flood micro-batch,
+    # not two (the last of one flood batch and the first of the next: issue 25's p95).
+    MicroEmbedder.micro = []
+    lane = queue.lane_id("m")
+    light = _encode(EmbedRequest(model="m", inputs=["light"]))
+
+    def after_micro(k: int) -> None:  # the light request arrives during the last micro-batch of f1
+        if k == 3 and len(MicroEmbedder.micro) == 4:
+            queue.put(lane, light, tokens=4, request_id=99, flow=2)
+            assert queue.head_flow(lane) == (1, 64) and queue.first_other_flow(lane, {1}, 4) == (1, 2, 4)
+
+    core = micro_core(queue, {"m": {"after_micro": after_micro}})
+    now = core.clock_ns()
+    core.recent_flows["m"] = {1: now, 2: now}
+    for rid in range(1, 4):
+        queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
+                  tokens=64, request_id=rid, flow=1)
+    gone = queue.put(lane, light, tokens=100, request_id=98, flow=2)  # flow 2's next starts at 100
+    assert queue.cancel(gone)
+    assert core.step(timeout_s=0.1) == 1  # flood request 1 alone: four micro-batches of 4 texts
+    assert [len(t) for t in MicroEmbedder.micro] == [4, 4, 4, 4]
+    assert core.step(timeout_s=0.1) == 2  # flood request 2 and, before its first micro-batch, the light one
+    assert MicroEmbedder.micro[4] == ["light"] and core.residency.models["m"].interjected == 1
+    assert MicroEmbedder.micro[5][0].startswith("f2.")
+    served = [core.step(timeout_s=0.1) for _ in range(3)]
+    assert sum(served) == 1
+    got = results(queue, 4)
+    assert sorted(got) == [1, 2, 3, 99] and all(status == STATUS_OK for status, _ in got.values())
+    flood = [texts[0].split(".")[0] for texts in MicroEmbedder.micro if texts != ["light"]]
+    assert flood == sorted(flood)
+
+
+@pytest.mark.parametrize("other_texts, micro", [(16, [16]), (1, [4, 4, 4, 4])])
+def test_micro_batches_are_cut_to_the_share_only_beside_a_client_of_shorter_requests(queue, other_texts, micro):
+    # Two clients share the model. Client 2's request runs first and the worker keeps
+    # its size. Client 1's batch (16 texts, 64 tokens) is cut to the share (4 texts a
+    # micro-batch) only when client 2's requests are shorter: such a request would run
+    # between its micro-batches. Two floods of equal requests gain nothing from the cut
+    # and keep whole micro-batches (measured: cut, two flooding clients moved half the
+    # requests of one; bench/README, issue 25).
+    MicroEmbedder.micro = []
+    lane = queue.lane_id("m")
+    core = micro_core(queue)
+    core.recent_flows["m"] = {1: core.clock_ns()}
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"o.{i}" for i in range(other_texts)])),
+              tokens=4 * other_texts, request_id=2, flow=2)
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f.{i}" for i in range(16)])),
+              tokens=64, request_id=1, flow=1)
+    assert core.step(timeout_s=0.1) == 1 and MicroEmbedder.micro[0][0] == "o.0"
+    assert core.step(timeout_s=0.1) == 1
+    assert [len(t) for t in MicroEmbedder.micro[1:]] == micro
+    assert core.flow_tokens["m"] == {1: 64, 2: 4 * other_texts}
+    got = results(queue, 2)
+    assert sorted(got) == [1, 2] and all(status == STATUS_OK for status, _ in got.values())
+
+
 def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch(queue):
     # One client (flow 1) has the model: its batches take the whole budget (two requests
     # of 16 texts) in the profile's micro-batches (8 texts here), never cut to a share.
