@@ -20,11 +20,19 @@ client (`X-Fleet-Client: flood`, `--flood` connections sending back to back,
 then beside it. Reported: the light client's p50 / p95 / worst alone and flooded,
 the ratio, the flood's requests/s alone and beside the light client. With
 `--fifo` the light client sends as the flood (one client): the same load without
-fair queueing between them, for comparison.
+fair queueing between them, for comparison. Also reported: the workers' counters
+over the flood's two phases (tokens a micro-batch: what the light request waits for).
+
+`floods`: what sharing costs when nobody is light: one client of `--flood`
+connections, then two clients of half as many each, the same texts, `--seconds`
+each after 3 s of warm-up, `--rounds` times. Reported: requests/s of each client
+and in all, tokens a micro-batch. Two clients must move what one moves: micro-batches
+are cut short only beside a client of shorter requests (`policy.lighter_client`).
 
     python -m bench.fairness big --out bench/results/fairness-big.json
     python -m bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
     python -m bench.fairness flood --out bench/results/fairness-flood.json
+    python -m bench.fairness floods --out bench/results/fairness-floods.json
 """
 
 from __future__ import annotations
@@ -67,10 +75,10 @@ def summary(ms: list[float]) -> dict:
 
 def worker_counters(url: str) -> dict:
     ps = httpx.get(url + "/v1/ps", timeout=10).json()
-    out = {"tokens": 0, "served": 0, "micro_batches": 0, "dropped": 0, "lanes": ps.get("lanes", [])}
+    out = {"tokens": 0, "served": 0, "micro_batches": 0, "dropped": 0, "interjected": 0, "lanes": ps.get("lanes", [])}
     for w in ps.get("workers", []):
         m = w.get("models", {}).get(MODEL) or {}
-        for key in ("tokens", "served", "micro_batches", "dropped"):
+        for key in ("tokens", "served", "micro_batches", "dropped", "interjected"):
             out[key] += m.get(key, 0)
     return out
 
@@ -174,12 +182,13 @@ async def flood(url: str, seconds: float, light_texts: int, connections: int, fl
     stop, answered = asyncio.Event(), [0]
     flooding = asyncio.create_task(flood_client(url, connections, flood_texts, stop, "flood", answered))
     await asyncio.sleep(3.0)  # the flood's backlog builds up
-    t0, n0 = time.monotonic(), answered[0]
+    t0, n0, c0 = time.monotonic(), answered[0], await asyncio.to_thread(worker_counters, url)
     await asyncio.sleep(seconds)  # the flood alone with the model
     alone_rate = (answered[0] - n0) / (time.monotonic() - t0)
-    t0, n0 = time.monotonic(), answered[0]
+    t0, n0, c1 = time.monotonic(), answered[0], await asyncio.to_thread(worker_counters, url)
     flooded, flooded_q, flooded_i = await light_client(url, light_texts, seconds, "flood" if fifo else "light")
     shared_rate = (answered[0] - n0) / (time.monotonic() - t0)
+    c2 = await asyncio.to_thread(worker_counters, url)
     stop.set()
     await flooding
     a, f = summary(alone), summary(flooded)
@@ -188,7 +197,44 @@ async def flood(url: str, seconds: float, light_texts: int, connections: int, fl
     return {"light_texts": light_texts, "flood_connections": connections, "flood_texts": flood_texts,
             "fifo": fifo, "alone": a, "flooded": f,
             "p95_ratio": round(f["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and f["p95_ms"] else None,
-            "flood_alone_requests_per_s": round(alone_rate, 1), "flood_requests_per_s": round(shared_rate, 1)}
+            "flood_alone_requests_per_s": round(alone_rate, 1), "flood_requests_per_s": round(shared_rate, 1),
+            # The workers' counters over each phase: tokens a micro-batch is how long the
+            # light request waits for one; interjected, how often it ran between two.
+            "worker": {"flood_alone": phase_counters(c0, c1), "flooded": phase_counters(c1, c2)}}
+
+
+def phase_counters(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in ("tokens", "served", "micro_batches", "interjected")}
+    out["tokens_per_micro_batch"] = round(out["tokens"] / out["micro_batches"], 1) if out["micro_batches"] else None
+    return out
+
+
+# ---- floods: one flooding client, then two of half the connections ----------------------------
+
+async def floods_phase(url: str, groups: list[tuple[str, int]], texts: int, seconds: float) -> dict:
+    stop, counts = asyncio.Event(), [[0] for _ in groups]
+    tasks = [asyncio.create_task(flood_client(url, n, texts, stop, name, c)) for (name, n), c in zip(groups, counts)]
+    await asyncio.sleep(3.0)  # backlogs build up; the workers see every client
+    n0, c0, t0 = [c[0] for c in counts], await asyncio.to_thread(worker_counters, url), time.monotonic()
+    await asyncio.sleep(seconds)
+    n1, c1, dt = [c[0] for c in counts], await asyncio.to_thread(worker_counters, url), time.monotonic() - t0
+    stop.set()
+    await asyncio.gather(*tasks)
+    rates = [round((b - a) / dt, 2) for a, b in zip(n0, n1)]
+    return {"clients": [name for name, _ in groups], "requests_per_s": rates, "total_requests_per_s": round(sum(rates), 2),
+            "worker": phase_counters(c0, c1)}
+
+
+async def floods(url: str, seconds: float, connections: int, texts: int, rounds: int) -> dict:
+    half = max(1, connections // 2)
+    runs = []
+    for _ in range(rounds):
+        runs.append(await floods_phase(url, [("flood", connections)], texts, seconds))
+        runs.append(await floods_phase(url, [("flood-a", half), ("flood-b", half)], texts, seconds))
+    one = [r["total_requests_per_s"] for r in runs[0::2]]
+    two = [r["total_requests_per_s"] for r in runs[1::2]]
+    return {"connections": connections, "texts": texts, "runs": runs,
+            "two_over_one": round(sum(two) / sum(one), 2) if sum(one) else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--flood", type=int, default=16, help="the flooding client's connections")
     f.add_argument("--flood-texts", type=int, default=16)
     f.add_argument("--fifo", action="store_true", help="the light client sends as the flood (no fair share)")
-    for p in (b, f):
+    ff = sub.add_parser("floods")
+    ff.add_argument("--seconds", type=float, default=15.0)
+    ff.add_argument("--flood", type=int, default=16, help="connections of the one client; each of two gets half")
+    ff.add_argument("--flood-texts", type=int, default=16)
+    ff.add_argument("--rounds", type=int, default=2)
+    for p in (b, f, ff):
         p.add_argument("--url", help="a running daemon (default: start one at the shipped defaults)")
         p.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -216,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.scenario == "big":
                 doc["result"] = asyncio.run(big(url, a.texts, a.tokens, a.every, a.lead))
+            elif a.scenario == "floods":
+                doc["result"] = asyncio.run(floods(url, a.seconds, a.flood, a.flood_texts, a.rounds))
             else:
                 doc["result"] = asyncio.run(flood(url, a.seconds, a.light_texts, a.flood, a.flood_texts, a.fifo))
         finally:
