@@ -791,21 +791,18 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     assert all(status == STATUS_OK for status, _ in got.values())
 
 
-def test_a_client_placed_behind_the_floods_next_request_runs_at_the_next_boundary(queue):
-    # Issue 25, the rest of it: the lane's fair order (start-time fair queueing) puts a
-    # light client that was served lately behind one request of the flood, when its
-    # finish time passed that request's start. That request is the head during the
-    # flood's batch, so the head rule alone would let the light request wait for the
-    # whole batch running now and one micro-batch of the next (measured: one light
-    # request in four waited ~a flood request). It runs at the next boundary instead;
-    # the flood's request goes back to its place, and the flood's are answered in put
-    # order. Counted, not timed.
+def light_behind_the_floods_next(queue, after: int) -> WorkerCore:
+    """A worker over a flood of three requests (flow 1, 16 texts, 64 tokens each: four
+    micro-batches of 4 texts while shared) and a light client (flow 2) served lately:
+    its finish time is 100 (a request of 100 tokens put and withdrawn), so its next
+    request (request id 99, one text) starts there, behind flood request 2 (key 64).
+    That request is put during micro-batch `after` of flood request 1."""
     MicroEmbedder.micro = []
     lane = queue.lane_id("m")
     light = _encode(EmbedRequest(model="m", inputs=["light"]))
 
-    def after_micro(k: int) -> None:  # the light request arrives during the first micro-batch
-        if k == 0 and len(MicroEmbedder.micro) == 1:
+    def after_micro(k: int) -> None:
+        if k == after and len(MicroEmbedder.micro) == after + 1:
             queue.put(lane, light, tokens=4, request_id=99, flow=2)
             assert queue.head_flow(lane) == (1, 64) and queue.first_other_flow(lane, {1}, 4) == (1, 2, 4)
 
@@ -815,44 +812,42 @@ def test_a_client_placed_behind_the_floods_next_request_runs_at_the_next_boundar
     for rid in range(1, 4):  # keys 0, 64, 128 (flow 1 finishes at 192)
         queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
                   tokens=64, request_id=rid, flow=1)
-    # Flow 2 was served lately: its finish time is 100 (a request of 100 tokens put and
-    # withdrawn), so its next request starts there, behind flood request 2 (key 64).
-    gone = queue.put(lane, light, tokens=100, request_id=98, flow=2)
-    assert queue.cancel(gone)
-    assert core.step(timeout_s=0.1) == 2  # flood request 1 and, inside its batch, the light one
-    assert MicroEmbedder.micro.index(["light"]) == 1 and core.residency.models["m"].interjected == 1
-    served = [core.step(timeout_s=0.1) for _ in range(4)]
-    assert sum(served) == 2
+    assert queue.cancel(queue.put(lane, light, tokens=100, request_id=98, flow=2))
+    return core
+
+
+def assert_all_answered_flood_in_order(queue) -> None:
     got = results(queue, 4)
     assert sorted(got) == [1, 2, 3, 99] and all(status == STATUS_OK for status, _ in got.values())
     flood = [texts[0].split(".")[0] for texts in MicroEmbedder.micro if texts != ["light"]]
     assert flood == sorted(flood)  # f1's micro-batches, then f2's, then f3's
 
 
+def test_a_client_placed_behind_the_floods_next_request_runs_at_the_next_boundary(queue):
+    # Issue 25, the rest of it: the lane's fair order (start-time fair queueing) puts a
+    # light client that was served lately behind one request of the flood, when its
+    # finish time passed that request's start. That request is the head during the
+    # flood's batch, so the head rule alone would let the light request wait for the
+    # whole batch running now and one micro-batch of the next (measured: one light
+    # request in four waited ~a flood request). It runs at the next boundary instead;
+    # the flood's request goes back to its place, and the flood's are answered in put
+    # order. Counted, not timed.
+    core = light_behind_the_floods_next(queue, after=0)  # during the first micro-batch
+    assert core.step(timeout_s=0.1) == 2  # flood request 1 and, inside its batch, the light one
+    assert MicroEmbedder.micro.index(["light"]) == 1 and core.residency.models["m"].interjected == 1
+    served = [core.step(timeout_s=0.1) for _ in range(4)]
+    assert sum(served) == 2
+    assert_all_answered_flood_in_order(queue)
+
+
 def test_a_client_placed_behind_the_floods_next_batch_runs_before_its_first_micro_batch(queue):
-    # The same, at a batch's end: the light request (placed behind flood request 2 by
-    # the fair order) arrives during the last micro-batch of flood request 1, so no
-    # boundary of that batch is left to run it at. The next batch is flood request 2's,
-    # whose clients had the lane's last forward too: the worker looks before its
-    # micro-batch 0 as well, and the light request waits for one flood micro-batch,
-    # not two (the last of one flood batch and the first of the next: issue 25's p95).
-    MicroEmbedder.micro = []
-    lane = queue.lane_id("m")
-    light = _encode(EmbedRequest(model="m", inputs=["light"]))
-
-    def after_micro(k: int) -> None:  # the light request arrives during the last micro-batch of f1
-        if k == 3 and len(MicroEmbedder.micro) == 4:
-            queue.put(lane, light, tokens=4, request_id=99, flow=2)
-            assert queue.head_flow(lane) == (1, 64) and queue.first_other_flow(lane, {1}, 4) == (1, 2, 4)
-
-    core = micro_core(queue, {"m": {"after_micro": after_micro}})
-    now = core.clock_ns()
-    core.recent_flows["m"] = {1: now, 2: now}
-    for rid in range(1, 4):
-        queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
-                  tokens=64, request_id=rid, flow=1)
-    gone = queue.put(lane, light, tokens=100, request_id=98, flow=2)  # flow 2's next starts at 100
-    assert queue.cancel(gone)
+    # The same, at a batch's end: the light request arrives during the last micro-batch
+    # of flood request 1, so no boundary of that batch is left to run it at. The next
+    # batch is flood request 2's, whose clients had the lane's last forward too: the
+    # worker looks before its micro-batch 0 as well, and the light request waits for
+    # one flood micro-batch, not two (the last of one flood batch and the first of the
+    # next: issue 25's p95).
+    core = light_behind_the_floods_next(queue, after=3)
     assert core.step(timeout_s=0.1) == 1  # flood request 1 alone: four micro-batches of 4 texts
     assert [len(t) for t in MicroEmbedder.micro] == [4, 4, 4, 4]
     assert core.step(timeout_s=0.1) == 2  # flood request 2 and, before its first micro-batch, the light one
@@ -860,10 +855,7 @@ def test_a_client_placed_behind_the_floods_next_batch_runs_before_its_first_micr
     assert MicroEmbedder.micro[5][0].startswith("f2.")
     served = [core.step(timeout_s=0.1) for _ in range(3)]
     assert sum(served) == 1
-    got = results(queue, 4)
-    assert sorted(got) == [1, 2, 3, 99] and all(status == STATUS_OK for status, _ in got.values())
-    flood = [texts[0].split(".")[0] for texts in MicroEmbedder.micro if texts != ["light"]]
-    assert flood == sorted(flood)
+    assert_all_answered_flood_in_order(queue)
 
 
 @pytest.mark.parametrize("other_texts, micro", [(16, [16]), (1, [4, 4, 4, 4])])
