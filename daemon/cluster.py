@@ -19,7 +19,7 @@ Names (the same on every box):
     fleet_payloads                object store: request bodies over `nats_large_payload_bytes`, named by
                                   request id, and replies over the server's max_payload (`<id>.reply`);
                                   a body whose request may wait past its TTL (a batch line) is put
-                                  again by its requester every half TTL (`_keep_body`)
+                                  again by its requester every third of its TTL (`_keep_body`)
 Model names may contain '.', NATS's token separator: in subjects and consumer names it is '~'.
 
 A work message is the request as MessagePack (empty when the body is in the object
@@ -94,10 +94,15 @@ BOXES_BUCKET = "fleet_boxes"
 PAYLOADS_BUCKET = "fleet_payloads"
 #: Objects outlive any interactive request (timeout_ms is at most 600 000), and a requester
 #: that died leaks nothing for longer. A body whose request may wait longer (a batch line,
-#: due when its job expires) is put again by its requester every half of the bucket's TTL
-#: (`_keep_body`): JetStream expires each chunk by age, and a re-put is the object store's
+#: due when its job expires) is put again by its requester every KEEP_EVERY of the bucket's
+#: TTL (`_keep_body`): JetStream expires each chunk by age, and a re-put is the object store's
 #: only refresh (no per-object TTL, no touch).
 PAYLOAD_TTL_S = 900.0
+#: A kept body is put again this share of the TTL after its last put *began* (JetStream
+#: stamps the chunks as they come): the rest, two thirds, is the slack for a slow put or
+#: a busy event loop before the object would expire (at a half, tests/test_batches_nats_ttl's
+#: 3 s bucket once held 5 of 6 bodies of waiting lines: one had expired).
+KEEP_EVERY = 1 / 3
 #: A puller's read of a body from the object store, at most: nats.py's `get` waits forever
 #: for chunks purged under it (its requester put the body again, or deleted it, meanwhile).
 OBJECT_READ_S = 30.0
@@ -867,22 +872,23 @@ class Cluster:
 
         JetStream expires every chunk of an object by its age, and the object store has
         no per-object TTL or touch: the body is put again under the same name (new
-        chunks, then the meta, then the old chunks purged) every half TTL, also while a
-        box holds the request (it may hand it back: `nak`, or die). A puller reading it
+        chunks, then the meta, then the old chunks purged) every KEEP_EVERY of the TTL,
+        timed from the start of the last put, also while a box holds the request (it may hand it back: `nak`, or die). A puller reading it
         just then reads purged chunks: its read is bounded (OBJECT_READ_S) and the
         message read again. If this box dies, nobody puts the body again: an orphan
         lives at most one TTL."""
         ttl = self.payload_ttl_s
-        put_at = time.monotonic()
+        put_at = time.monotonic()  # the first put ended just before: an upper bound of its start
         while pend.deadline > put_at + ttl:  # else the body outlives the request as it is
-            await asyncio.sleep(max(0.0, put_at + ttl / 2 - time.monotonic()))
+            await asyncio.sleep(max(0.0, put_at + ttl * KEEP_EVERY - time.monotonic()))
+            started = time.monotonic()
             try:
                 await self.obj.put(rid, body)
-            except Exception as exc:  # NATS away: again soon, within the half TTL left
+            except Exception as exc:  # NATS away: again soon, within the two thirds of the TTL left
                 self._log_error(f"could not put the body of {rid} again: {type(exc).__name__}: {exc}")
                 await asyncio.sleep(ttl / 16)
                 continue
-            put_at = time.monotonic()
+            put_at = started
             self.bodies_refreshed += 1
 
     async def _delete_object(self, name: str) -> None:
