@@ -221,8 +221,8 @@ async def floods_phase(url: str, groups: list[tuple[str, int]], texts: int, seco
     stop.set()
     await asyncio.gather(*tasks)
     rates = [round((b - a) / dt, 2) for a, b in zip(n0, n1)]
-    return {"clients": [name for name, _ in groups], "requests_per_s": rates, "total_requests_per_s": round(sum(rates), 2),
-            "worker": phase_counters(c0, c1)}
+    return {"clients": [name for name, _ in groups], "requests_per_s": rates,
+            "total_requests_per_s": round(sum(rates), 2), "worker": phase_counters(c0, c1)}
 
 
 async def floods(url: str, seconds: float, connections: int, texts: int, rounds: int) -> dict:

@@ -34,8 +34,7 @@ from runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MICRO_SHARE, MIN_SAMPLES,
     CostModel, LastRun,
     batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, lighter_client,
-    linger_left_ms,
-    linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
+    linger_left_ms, linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory

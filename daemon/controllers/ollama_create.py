@@ -41,8 +41,8 @@ from fleet.catalog import validate_name
 from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
 from fleet.pull import pull_model
 
-from daemon import codec, fields
-from daemon.controllers.ollama import decode, ignored_headers, json_reply, on_error, stored_manifest
+from daemon import fields
+from daemon.controllers.ollama import NDJSON, decode, ignored_headers, json_reply, line, on_error, stored_manifest
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.controllers.ollama_wire import store_name
 from daemon.core import Daemon
@@ -177,8 +177,7 @@ class OllamaCreateController(Controller):
         await asyncio.to_thread(work)
         headers = ignored_headers([], dropped + fields.set_fields(body, IGNORED_CREATE))
         if body.stream:
-            return Response(content=codec.encode(ProgressLine("success"), msgpack=False) + b"\n",
-                            media_type="application/x-ndjson", headers=headers)
+            return Response(content=line(ProgressLine("success")), media_type=NDJSON, headers=headers)
         return json_reply(ProgressLine("success"), headers)
 
     @post("/copy", status_code=200)

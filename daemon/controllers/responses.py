@@ -241,7 +241,8 @@ def status_of(res: GenerateResult) -> str:
 
 
 def event(kind: str, seq: int, **data: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + codec.json_line({"type": kind, "sequence_number": seq, **data}) + b"\n\n"
+    body = codec.json_line({"type": kind, "sequence_number": seq, **data})
+    return b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n"
 
 
 async def events(shape: Shaper, stream: tasks.TextStream) -> AsyncIterator[bytes]:
