@@ -309,6 +309,22 @@ MICRO_FLOOR = 0.5
 INTERJECT_LOOK = 16
 
 
+def runs_first(other_tokens: int, heaviest: int, left: float) -> bool:
+    """Between two micro-batches of a running batch, does another client's request
+    of `other_tokens` run before the rest (`runtimes.worker.WorkerCore.interject`)?
+    Only when it is shorter than what is left (`left`: the share of the batch's
+    inputs not run yet) of the batch's heaviest client (`heaviest`: that client's
+    tokens in it): the shortest remaining work first, client by client. A light
+    client then waits for one micro-batch of a flood's batch; clients of equal
+    requests are served in their fair order. Compared with the whole batch's
+    tokens (before), a batch that held two clients' requests was passed over by
+    every other client's request of the same size, one per micro-batch, while
+    those clients sent more. What is left shrinks at every micro-batch, so a
+    batch is passed over by requests ever shorter, and runs at least one
+    micro-batch between two."""
+    return other_tokens < heaviest * left
+
+
 def micro_items_cap(cost: CostModel | None, target_ms: float, tokens: int, rows: int,
                     fixed_tokens: float | None = None, *, share: float = MICRO_SHARE) -> int | None:
     """Inputs per micro-batch so that one is predicted to run about `share` of

@@ -34,7 +34,7 @@ from runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, MICRO_SHARE, MIN_SAMPLES,
     CostModel, LastRun,
     batch_fill_cap, batch_token_cap, behind, choose_lane, contended, fill_flags, form_batch, lighter_client,
-    linger_left_ms, linger_window, micro_items_cap, padded_tokens, stall_bound_ms,
+    linger_left_ms, linger_window, micro_items_cap, padded_tokens, runs_first, stall_bound_ms,
 )
 from runtimes.registry import adapter_class
 from runtimes.residency import Residency, footprint_from_headers, return_freed_memory
@@ -302,7 +302,11 @@ class WorkerCore:
         padded = padded_tokens(tokens)
         loras = batch_loras(adapter, requests)
         adapter.marks = (0, 0, 0)
-        flows = {c.flow for c, _ in runnable if not c.batch}
+        per_flow: dict[int, int] = {}  # interactive tokens of the batch, client by client
+        for c, _ in runnable:
+            if not c.batch:
+                per_flow[c.flow] = per_flow.get(c.flow, 0) + c.tokens
+        flows = set(per_flow)
         may_interject = outer is None and not loras and self.target_ms > 0
         # Micro-batches of MICRO_SHARE of the target while a client of shorter requests
         # shares the model, of a target otherwise: a batch that runs longer (up to
@@ -315,7 +319,8 @@ class WorkerCore:
                      if may_interject else None)
         adapter.micro_cap = micro_cap
         adapter.wanted = self.still_wanted([c for c, _ in runnable], resident,
-                                           (lane, flows, cost, sum(tokens)) if may_interject and flows else None)
+                                           (lane, flows, cost, max(per_flow.values())) if may_interject and flows
+                                           else None)
         self.interjected_ms, interjected = 0.0, resident.interjected
         dropped = False
         t0 = time.perf_counter()
@@ -337,15 +342,17 @@ class WorkerCore:
         finally:
             adapter.wanted, adapter.micro_cap = None, None
         ms = (time.perf_counter() - t0) * 1e3
-        # Other clients' batches run between its micro-batches are not this batch's time.
+        # Other clients' batches run between its micro-batches are not this batch's time:
+        # its items waited meanwhile (queue_ms, X-Queue-Ms), and its inference time
+        # (X-Inference-Ms, the rate `daemon.pieces` sizes pieces by) is its own.
         own_ms = ms - self.interjected_ms
-        start_ns = self.clock_ns() - int(ms * 1e6)
+        start_ns = self.clock_ns() - int(own_ms * 1e6)
         stamps = (woke_ns, claimed_ns, lingered_ns, decoded_ns, *adapter.marks, time.monotonic_ns())
         batch_tokens = sum(tokens)
         acks += [
             (
                 c.item_id,
-                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, self.served_by, r, stamps, len(requests),
+                _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, own_ms, self.served_by, r, stamps, len(requests),
                                  batch_tokens, loras)),
                 STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK,
             )
@@ -381,17 +388,18 @@ class WorkerCore:
         return len(claims) + resident.interjected - interjected
 
     def still_wanted(self, claims: list[Claim], resident: Resident,
-                     interject: tuple[int, set[int], CostModel, int] | None = None) -> Callable[[int], bool]:
+                     interject: tuple[int, set[int], CostModel, int] | None = None) -> Callable[[int, float], bool]:
         """The batch's `Adapter.wanted`: before micro-batch k > 0, is any of `claims`
         still wanted (its deadline not passed, not withdrawn: `LocalQueue.cancel`
         sets a claimed item's deadline to 1)? Lock-free reads of the claims'
         deadlines (`LocalQueue.deadlines`), a few µs; micro-batch 0 follows the
         deadline check of step 4 and reads nothing. With `interject` = (lane, the
-        batch's flows, cost, its tokens): then, when the lane's head is another
-        client's interactive request shorter than this batch (`LocalQueue.head_flow`,
-        one lock-free read), it runs first (`interject`): a light client's request
-        does not wait for a flood's batch, and a flood's does not stretch a light
-        client's batch. So does such a request behind the head when only the next
+        batch's flows, cost, its heaviest client's tokens): then, when the lane's
+        head is another client's interactive request shorter than what is left of
+        that client's part (`runs_first`; `LocalQueue.head_flow`, one lock-free
+        read), it runs first (`interject`): a light client's request does not wait
+        for a flood's batch, and a flood's does not stretch a light client's batch.
+        So does such a request behind the head when only the next
         requests of this batch's own clients are ahead of it, up to INTERJECT_LOOK
         places (`LocalQueue.first_other_flow`, lock-free reads): the lane's fair
         order (start-time fair queueing, by tokens) puts a client served lately
@@ -408,15 +416,16 @@ class WorkerCore:
         # forward between two of another client's.
         again = interject is not None and self.last_flows.get(interject[0], set()) <= interject[1]
 
-        def wanted(k: int) -> bool:
+        def wanted(k: int, left: float) -> bool:
             if k:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
             if (k or again) and interject is not None \
                     and (other := first_other(interject[0], interject[1], INTERJECT_LOOK)) is not None \
-                    and other[2] < interject[3]:
-                self.interject(*interject, resident=resident, behind=other[0])
+                    and runs_first(other[2], interject[3], left):
+                lane, outer, cost, heaviest = interject
+                self.interject(lane, outer, cost, int(heaviest * left), resident=resident, behind=other[0])
             resident.micro_batches += 1
             return True
 
@@ -424,11 +433,12 @@ class WorkerCore:
 
     def interject(self, lane: int, outer: set[int], cost: CostModel, outer_tokens: int, *, resident: Resident,
                   behind: int = 0) -> int:
-        """Between two micro-batches of a batch for the clients `outer`, of
-        `outer_tokens`, run the requests of other clients waiting at the head of
-        `lane` as a batch of their own (as long as the head is one of theirs, within
-        the contended budget and fewer tokens than the batch interrupted), so a light
-        client waits for one micro-batch of a flood, not for its batch. The
+        """Between two micro-batches of a batch for the clients `outer`, the
+        heaviest of them with `outer_tokens` left to run, run the requests of other
+        clients waiting at the head of `lane` as a batch of their own (as long as the
+        head is one of theirs, within the contended budget and fewer tokens than
+        `outer_tokens`: `runs_first`), so a light client waits for one
+        micro-batch of a flood, not for its batch. The
         batch interrupted keeps its claims (leases are renewed by the heartbeat); its
         adapter state and progress bound are put back, the bound moved by the time
         taken here. `behind`: the other client's request waits behind that many

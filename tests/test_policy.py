@@ -15,7 +15,7 @@ from fleet.errors import BadRequest
 from runtimes.policy import (
     FILL_SLACK, FLOW_QUIET_NS, MICRO_SHARE, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost,
     batch_fill_cap, batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, lighter_client,
-    linger_left_ms, micro_items_cap, padded_tokens, should_load_copy,
+    linger_left_ms, micro_items_cap, padded_tokens, runs_first, should_load_copy,
 )
 
 MS = 1_000_000  # ns
@@ -361,6 +361,18 @@ def test_contended(seen, expected):
 ])
 def test_lighter_client(seen, sizes, expected):
     assert lighter_client(seen, sizes, {7}, 550, 200) is expected
+
+
+@pytest.mark.parametrize("other, heaviest, left, expected", [
+    (40, 2_080, 1.0, True),  # a light client beside a flood's batch
+    (2_080, 2_080, 1.0, False),  # an equal request: the batch running keeps its turn
+    (2_080, 2_080, 0.5, False),
+    (1_000, 2_080, 0.75, True),  # shorter than what is left of the heaviest client
+    (1_000, 2_080, 0.25, False),  # ... not once most of the batch has run
+    (1, 2_080, 0.0, False),  # nothing left: the batch ends first
+])
+def test_runs_first(other, heaviest, left, expected):
+    assert runs_first(other, heaviest, left) is expected
 
 
 @pytest.mark.parametrize("flows, batch, expected", [

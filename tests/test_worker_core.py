@@ -715,7 +715,7 @@ class MicroEmbedder(FakeEmbedder):
         texts = [t for r in requests for t in r.inputs]
         step = self.micro_items()
         for k, lo in enumerate(range(0, len(texts), step)):
-            check_wanted(self.wanted, k)
+            check_wanted(self.wanted, k, 1.0 - lo / len(texts))
             MicroEmbedder.micro.append(texts[lo : lo + step])
             time.sleep(len(texts[lo : lo + step]) * 0.004)  # 4 tokens a text at 1 ms a token
             if hook := self.spec.extra.get("after_micro"):
@@ -939,3 +939,36 @@ def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
     assert core.residency.models["m"].interjected == 0
     assert core.step(timeout_s=0.1) == 1
     assert len(results(queue, 2)) == 2
+
+
+def test_a_request_no_shorter_than_a_clients_part_waits_for_the_batch(queue):
+    # A batch of two clients' requests (client 1: 16 texts, 64 tokens; client 2's
+    # shorter request filling it: 12 texts, 48 tokens) is not interrupted by a third
+    # client's request of 64 tokens, though it is shorter than the batch (112): it is
+    # not shorter than what is left of client 1's part (`policy.runs_first`). Compared
+    # with the batch's tokens (before), it ran between two micro-batches, and so would
+    # every other client's request of that size while they kept sending.
+    MicroEmbedder.micro = []
+    lane = queue.lane_id("m")
+    third = _encode(EmbedRequest(model="m", inputs=[f"c.{i}" for i in range(16)]))
+
+    def after_micro(k: int) -> None:
+        if k == 0 and len(MicroEmbedder.micro) == 1:
+            queue.put(lane, third, tokens=64, request_id=3, flow=3)
+
+    core = micro_core(queue, {"m": {"after_micro": after_micro}}, micro_items=8)
+    core.recent_flows["m"] = {1: core.clock_ns()}
+    cost = core.costs["m"] = CostModel()  # a forward's fixed cost dominates (96 ms): client 2's request fills
+    for _ in range(4):
+        cost.observe(16, 100.0)
+        cost.observe(64, 112.0)
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"a.{i}" for i in range(16)])), tokens=64,
+              request_id=1, flow=1)
+    queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"b.{i}" for i in range(12)])), tokens=48,
+              request_id=2, flow=2)
+    assert core.step(timeout_s=0.1) == 2  # both clients' requests, nothing run between their micro-batches
+    assert [t[0][0] for t in MicroEmbedder.micro] == ["a", "a", "b", "b"]  # 28 texts, 8 a micro-batch
+    assert core.residency.models["m"].interjected == 0
+    assert core.step(timeout_s=0.1) == 1 and MicroEmbedder.micro[4][0] == "c.0"
+    got = results(queue, 3)
+    assert sorted(got) == [1, 2, 3] and all(status == STATUS_OK for status, _ in got.values())
