@@ -212,7 +212,11 @@ def test_cost_model_follows_a_device_that_slows_down():
     "samples, target_ms, max_padded, expected",
     [
         pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 0.0, 5_000, 5_000, id="no-target"),
-        pytest.param([(100, 7.0), (200, 12.0)], 50.0, 5_000, 5_000, id="too-few-samples"),
+        # Before MIN_SAMPLES: the first batch is its head alone, then the target at the
+        # mean time a token took (decayed sums: 50 x 290 / 18.3 tokens).
+        pytest.param([], 50.0, 5_000, 1, id="no-samples"),
+        pytest.param([(100, 7.0), (200, 12.0)], 50.0, 5_000, 792, id="too-few-samples"),
+        pytest.param([(100, 7.0), (200, 12.0)], 1_000.0, 5_000, 5_000, id="too-few-samples-profile-caps"),
         pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 52.0, 5_000, 1_000, id="target-caps"),
         pytest.param([(100, 7.0), (200, 12.0), (400, 22.0)], 1_000.0, 5_000, 5_000, id="profile-caps"),
         # a = 2 ms, b = 0.05 ms/token. A target below the fixed cost cannot be met by

@@ -187,6 +187,10 @@ def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_
                   request_id=rid, flow=flow)
 
     core = core_for(queue, {"m": Profile(max_batch_items=8, max_batch_tokens=1_000)}, target_ms=40.0)
+    # Two batches seen, fewer than a fit needs (MIN_SAMPLES): 0.1 ms a token so far, so
+    # the target holds 400 tokens.
+    for _ in range(2):
+        core.costs.setdefault("m", CostModel()).observe(100, 10.0)
     for rid in range(1, 5):  # flow 1 has a backlog; flow 2 comes after it
         put_for(1, f"f{rid}", rid)
     put_for(2, "light", 20)
