@@ -21,7 +21,10 @@ request behind it waited. Now:
    (every request's, pieces or not: batch tokens over inference time,
    smoothed); a request is cut when it holds more than WHOLE_SHARE of a batch
    time of work (`Sizing.whole`). Before any answer of the model, INITIAL_PIECE_TOKENS
-   stand for a batch. A request that comes meanwhile waits for one piece at most.
+   stand for a batch, for both (the cut was at one batch then: a cold start's
+   burst of twelve 32-text requests all ran as pieces, processor sharing, and
+   answered together 8 s later; CI saw none answered inside test_shutdown's
+   drain). A request that comes meanwhile waits for one piece at most.
 4. The first piece that fails fails the request, once: the pieces still queued
    or running are cancelled (their queue items withdrawn; a running one stops
    at its next micro-batch, `Adapter.wanted`) and no piece is answered again.
@@ -111,8 +114,8 @@ class Sizing:
         a batch's work (a request of two pieces or less is not cut: each of its
         pieces would wait for the pieces running when it comes)."""
         rate = self.rates.get(lane)
-        if rate is None:
-            return min(INITIAL_PIECE_TOKENS, most)
+        if rate is None:  # the same rule, INITIAL_PIECE_TOKENS a batch
+            return min(int(INITIAL_PIECE_TOKENS * WHOLE_SHARE), most)
         return int(min(most, max(MIN_PIECE_TOKENS, rate * self.target_ms * WHOLE_SHARE)))
 
     def observe(self, lane: str, answer: Answer) -> None:

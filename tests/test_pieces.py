@@ -51,8 +51,10 @@ def answer(tokens: int, ms: float, served: str = "box/0", items: int = 1) -> Ans
 
 def test_pieces_and_whole_requests_are_sized_by_the_models_answers():
     s = Sizing(target_ms=1000.0)
-    # Nothing answered yet: INITIAL_PIECE_TOKENS stand for a batch, a piece is a quarter.
-    assert (s.whole("m", 16384), s.budget("m", 16384)) == (INITIAL_PIECE_TOKENS, INITIAL_PIECE_TOKENS // 4)
+    # Nothing answered yet: INITIAL_PIECE_TOKENS stand for a batch, a piece is a quarter,
+    # a request is cut past WHOLE_SHARE batches, as once answers came.
+    assert (s.whole("m", 16384), s.budget("m", 16384)) == (INITIAL_PIECE_TOKENS * WHOLE_SHARE,
+                                                          INITIAL_PIECE_TOKENS // 4)
     assert s.budget("m", 100) == 100
     s.observe("m", answer(2000, 1000.0))  # 2 tokens/ms: 2 000 tokens a batch, 500 a piece, cut past 8 batches
     assert (s.whole("m", 16384), s.budget("m", 16384)) == (int(2000 * WHOLE_SHARE), 500)
