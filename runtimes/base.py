@@ -94,11 +94,10 @@ class Adapter(abc.ABC):
         #: do not stamp leave zeros.
         self.marks: tuple[int, int, int] = (0, 0, 0)
         #: Set by the worker around `run_batch` (None: never asked): called with the
-        #: index of the micro-batch about to run and the share of the batch's inputs
-        #: not run yet (1.0 before the first), False once no request of the batch
+        #: index of the micro-batch about to run, False once no request of the batch
         #: is wanted; an adapter that loops over micro-batches asks before each
         #: (`hf_common.micro_batches`) and raises NotWanted. Cheap: lock-free reads.
-        self.wanted: Callable[[int, float], bool] | None = None
+        self.wanted: Callable[[int], bool] | None = None
         #: Set by the worker around `run_batch` while clients share the model (None:
         #: the profile's `micro_batch_items`): fewer inputs per micro-batch, so that
         #: another client's request waits at most one short micro-batch (`wanted`

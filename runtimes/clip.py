@@ -209,7 +209,7 @@ class ClipEmbedder(Adapter):
         dtype = next(model.parameters()).dtype
         with torch.inference_mode():
             for k, lo in enumerate(range(0, len(images), step)):
-                check_wanted(self.wanted, k, 1.0 - lo / len(images))
+                check_wanted(self.wanted, k)
                 out = self.processor(images=images[lo : lo + step], return_tensors="pt")
                 inputs = to_device({k: out[k] for k in self.image_inputs if k in out}, self.device)
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)

@@ -342,7 +342,7 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
     return results, [i for i, r in enumerate(results) if r is None]
 
 
-def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int, float], bool] | None = None,
+def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int], bool] | None = None,
                   fixed: float = 0.0) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
@@ -352,13 +352,13 @@ def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int, float],
     the sorted inputs are cut where padding them to one length would cost more
     than another forward (`padding_cuts`); 0 cuts by count alone.
     `wanted` (the adapter's `wanted`, set by the worker) is asked before each
-    micro-batch with the share of inputs left (`check_wanted`): the rest of a batch nobody waits for is not run.
+    micro-batch (`check_wanted`): the rest of a batch nobody waits for is not run.
     """
     order = np.argsort(lengths, kind="stable")
     n, step = len(order), max(1, step)
     bounds = padding_cuts(lengths[order], step, fixed) if fixed > 0 and n > 1 else [*range(0, n, step), n]
     for k in range(len(bounds) - 1):
-        check_wanted(wanted, k, 1.0 - bounds[k] / n)
+        check_wanted(wanted, k)
         yield order[bounds[k] : bounds[k + 1]]
 
 
@@ -389,10 +389,9 @@ def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:
     return bounds[::-1]
 
 
-def check_wanted(wanted: Callable[[int, float], bool] | None, k: int, left: float) -> None:
-    """Before micro-batch `k` of a batch, `left` of its inputs not run yet (1.0 before
-    the first): NotWanted when no request of it is wanted any longer."""
-    if wanted is not None and not wanted(k, left):
+def check_wanted(wanted: Callable[[int], bool] | None, k: int) -> None:
+    """Before micro-batch `k` of a batch: NotWanted when no request of it is wanted any longer."""
+    if wanted is not None and not wanted(k):
         raise NotWanted
 
 

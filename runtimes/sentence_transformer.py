@@ -392,11 +392,11 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         # CUDA: vectors land in pinned host memory in sorted order by async copies,
         # synchronised once at the end; CPU: scattered straight into `out`.
         landing = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=True) if cuda else None
-        lo = 0  # inputs run so far
+        lo = 0
         with torch.inference_mode(), closing(prefetched(
                 batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead)) as ready:
             for k, (idx, host) in enumerate(ready):
-                check_wanted(self.wanted, k, 1.0 - lo / n)
+                check_wanted(self.wanted, k)
                 tokenized = time.monotonic_ns()
                 used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used
@@ -422,9 +422,9 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                         emb = emb / (emb * emb).sum(dim=1, keepdim=True).sqrt_().clamp_min_(1e-12)
                     if landing is not None:
                         landing[lo : lo + len(idx)].copy_(emb, non_blocking=True)
+                        lo += len(idx)
                     else:
                         out[idx] = emb.numpy()
-                    lo += len(idx)
                 finally:
                     if one:
                         self.threads.leave()

@@ -388,16 +388,16 @@ class WorkerCore:
         return len(claims) + resident.interjected - interjected
 
     def still_wanted(self, claims: list[Claim], resident: Resident,
-                     interject: tuple[int, set[int], CostModel, int] | None = None) -> Callable[[int, float], bool]:
+                     interject: tuple[int, set[int], CostModel, int] | None = None) -> Callable[[int], bool]:
         """The batch's `Adapter.wanted`: before micro-batch k > 0, is any of `claims`
         still wanted (its deadline not passed, not withdrawn: `LocalQueue.cancel`
         sets a claimed item's deadline to 1)? Lock-free reads of the claims'
         deadlines (`LocalQueue.deadlines`), a few µs; micro-batch 0 follows the
         deadline check of step 4 and reads nothing. With `interject` = (lane, the
         batch's flows, cost, its heaviest client's tokens): then, when the lane's
-        head is another client's interactive request shorter than what is left of
-        that client's part (`runs_first`; `LocalQueue.head_flow`, one lock-free
-        read), it runs first (`interject`): a light client's request does not wait
+        head is another client's interactive request shorter than that client's
+        part (`runs_first`; `LocalQueue.head_flow`, one lock-free read), it runs
+        first (`interject`): a light client's request does not wait
         for a flood's batch, and a flood's does not stretch a light client's batch.
         So does such a request behind the head when only the next
         requests of this batch's own clients are ahead of it, up to INTERJECT_LOOK
@@ -416,16 +416,15 @@ class WorkerCore:
         # forward between two of another client's.
         again = interject is not None and self.last_flows.get(interject[0], set()) <= interject[1]
 
-        def wanted(k: int, left: float) -> bool:
+        def wanted(k: int) -> bool:
             if k:
                 now = clock()
                 if not any(not d or d > now for d in deadlines(ids)):
                     return False
             if (k or again) and interject is not None \
                     and (other := first_other(interject[0], interject[1], INTERJECT_LOOK)) is not None \
-                    and runs_first(other[2], interject[3], left):
-                lane, outer, cost, heaviest = interject
-                self.interject(lane, outer, cost, int(heaviest * left), resident=resident, behind=other[0])
+                    and runs_first(other[2], interject[3]):
+                self.interject(*interject, resident=resident, behind=other[0])
             resident.micro_batches += 1
             return True
 
@@ -434,7 +433,7 @@ class WorkerCore:
     def interject(self, lane: int, outer: set[int], cost: CostModel, outer_tokens: int, *, resident: Resident,
                   behind: int = 0) -> int:
         """Between two micro-batches of a batch for the clients `outer`, the
-        heaviest of them with `outer_tokens` left to run, run the requests of other
+        heaviest of them with `outer_tokens` in it, run the requests of other
         clients waiting at the head of `lane` as a batch of their own (as long as the
         head is one of theirs, within the contended budget and fewer tokens than
         `outer_tokens`: `runs_first`), so a light client waits for one

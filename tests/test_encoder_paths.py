@@ -74,7 +74,7 @@ def test_a_request_of_short_and_long_texts_is_cut_where_padding_costs_more(embed
     short, long_ = ["a cat"] * 4, [" ".join(CHECK_SET) * 2] * 2
     batch = [[long_[0], *short[:2]], [*short[2:], long_[1]]]
     runs: list[int] = []
-    embedder.wanted = lambda k, left: runs.append(k) or True
+    embedder.wanted = lambda k: runs.append(k) or True
     try:
         cut = embed(embedder, batch)
         by_count, embedder.fixed_tokens = embedder.fixed_tokens, None

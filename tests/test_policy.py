@@ -367,16 +367,14 @@ def test_lighter_client(seen, sizes, expected):
     assert lighter_client(seen, sizes, {7}, 550, 200) is expected
 
 
-@pytest.mark.parametrize("other, heaviest, left, expected", [
-    (40, 2_080, 1.0, True),  # a light client beside a flood's batch
-    (2_080, 2_080, 1.0, False),  # an equal request: the batch running keeps its turn
-    (2_080, 2_080, 0.5, False),
-    (1_000, 2_080, 0.75, True),  # shorter than what is left of the heaviest client
-    (1_000, 2_080, 0.25, False),  # ... not once most of the batch has run
-    (1, 2_080, 0.0, False),  # nothing left: the batch ends first
+@pytest.mark.parametrize("other, heaviest, expected", [
+    (40, 2_080, True),  # a light client beside a flood's batch
+    (2_080, 2_080, False),  # an equal request: the batch running keeps its turn
+    (2_000, 2_080, True),
+    (2_100, 2_080, False),  # a longer one never runs between
 ])
-def test_runs_first(other, heaviest, left, expected):
-    assert runs_first(other, heaviest, left) is expected
+def test_runs_first(other, heaviest, expected):
+    assert runs_first(other, heaviest) is expected
 
 
 @pytest.mark.parametrize("flows, batch, expected", [

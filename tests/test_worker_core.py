@@ -719,7 +719,7 @@ class MicroEmbedder(FakeEmbedder):
         texts = [t for r in requests for t in r.inputs]
         step = self.micro_items()
         for k, lo in enumerate(range(0, len(texts), step)):
-            check_wanted(self.wanted, k, 1.0 - lo / len(texts))
+            check_wanted(self.wanted, k)
             MicroEmbedder.micro.append(texts[lo : lo + step])
             time.sleep(len(texts[lo : lo + step]) * 0.004)  # 4 tokens a text at 1 ms a token
             if hook := self.spec.extra.get("after_micro"):
@@ -949,7 +949,7 @@ def test_a_request_no_shorter_than_a_clients_part_waits_for_the_batch(queue):
     # A batch of two clients' requests (client 1: 16 texts, 64 tokens; client 2's
     # shorter request filling it: 12 texts, 48 tokens) is not interrupted by a third
     # client's request of 64 tokens, though it is shorter than the batch (112): it is
-    # not shorter than what is left of client 1's part (`policy.runs_first`). Compared
+    # not shorter than client 1's part (`policy.runs_first`). Compared
     # with the batch's tokens (before), it ran between two micro-batches, and so would
     # every other client's request of that size while they kept sending.
     MicroEmbedder.micro = []
