@@ -1,6 +1,6 @@
 """Fair admission (issue 25): what a large request and a flooding client cost the others.
 
-Two scenarios against a fresh `fleetctl serve` at the shipped defaults (its own
+Scenarios against a fresh `fleetctl serve` at the shipped defaults (its own
 FLEET_HOME, MiniLM from its package), one after the other:
 
 `big` (deliverable 1): one request of `--texts` inputs of about `--tokens` tokens
@@ -29,10 +29,18 @@ each after 3 s of warm-up, `--rounds` times. Reported: requests/s of each client
 and in all, tokens a micro-batch. Two clients must move what one moves: micro-batches
 are cut short only beside a client of shorter requests (`policy.lighter_client`).
 
+`burst`: a cold start under a burst (tests/test_shutdown.py's load): `--connections`
+connections of one client (no X-Fleet-Client) each send one request of `--texts`
+~65-token texts at a time from the daemon's start, for `--seconds`. Reported: when
+the first request of each connection was answered (first, median, last; how many
+within a second of the last: answered together), how many ran as pieces, and the
+latencies of all.
+
     python -m bench.fairness big --out bench/results/fairness-big.json
     python -m bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
     python -m bench.fairness flood --out bench/results/fairness-flood.json
     python -m bench.fairness floods --out bench/results/fairness-floods.json
+    python -m bench.fairness burst --cpu-threads 1 --out bench/results/fairness-burst.json
 """
 
 from __future__ import annotations
@@ -237,6 +245,40 @@ async def floods(url: str, seconds: float, connections: int, texts: int, rounds:
             "two_over_one": round(sum(two) / sum(one), 2) if sum(one) else None}
 
 
+# ---- burst: connections of one client, one mid-size request each, from a cold start -------------
+
+#: ~65 tokens: test_shutdown's clients' text.
+BURST_TEXT = "the quick brown fox jumps over the lazy dog near the river bank " * 5
+
+
+async def burst(url: str, connections: int, texts: int, seconds: float) -> dict:
+    """`connections` connections without X-Fleet-Client (one client: every loopback
+    caller is one) each send one request of `texts` texts at a time, from the
+    daemon's start (the model not loaded, no answer seen) for `seconds`."""
+    body = {"model": MODEL, "inputs": [f"{i} {BURST_TEXT}" for i in range(texts)]}
+    t_start = time.monotonic()
+    spans: list[tuple[float, float, bool]] = []  # (sent s, answered s, ran as pieces)
+
+    async def one() -> None:
+        async with httpx.AsyncClient(timeout=300) as c:
+            while time.monotonic() - t_start < seconds:
+                t0 = time.monotonic()
+                r = await c.post(url + "/v1/embed", json=body)
+                r.raise_for_status()
+                spans.append((t0 - t_start, time.monotonic() - t_start, "x-fleet-pieces" in r.headers))
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+    first = sorted(spans, key=lambda s: s[0])[:connections]  # each connection's first request
+    ends = sorted(e for _, e, _ in first)
+    return {"connections": connections, "texts": texts, "seconds": seconds,
+            "first_wave": {"first_answer_s": round(ends[0], 2), "median_answer_s": round(ends[len(ends) // 2], 2),
+                           "last_answer_s": round(ends[-1], 2),
+                           "answered_within_1s_of_the_last": sum(e > ends[-1] - 1.0 for e in ends),
+                           "as_pieces": sum(p for _, _, p in first)},
+            "all": {**summary([(e - s) * 1e3 for s, e, _ in spans]), "requests": len(spans),
+                    "as_pieces": sum(p for _, _, p in spans)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="scenario", required=True)
@@ -256,17 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     ff.add_argument("--flood", type=int, default=16, help="connections of the one client; each of two gets half")
     ff.add_argument("--flood-texts", type=int, default=16)
     ff.add_argument("--rounds", type=int, default=2)
-    for p in (b, f, ff):
+    bu = sub.add_parser("burst")
+    bu.add_argument("--connections", type=int, default=12)
+    bu.add_argument("--texts", type=int, default=32)
+    bu.add_argument("--seconds", type=float, default=15.0)
+    bu.add_argument("--cpu-threads", type=int, help="FLEET_CPU_THREADS for the daemon (default: the shipped)")
+    for p in (b, f, ff, bu):
         p.add_argument("--url", help="a running daemon (default: start one at the shipped defaults)")
         p.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     doc = document(f"fairness-{a.scenario}", "bench.fairness", argv)
     with tempfile.TemporaryDirectory(prefix="fleet-fair-") as home:
-        daemon = None if a.url else LocalDaemon(home, inherit_fleet=False)
+        threads = getattr(a, "cpu_threads", None)
+        env = {"FLEET_CPU_THREADS": str(threads)} if threads else None
+        daemon = None if a.url else LocalDaemon(home, env=env, inherit_fleet=False)
         url = a.url or daemon.url
         try:
             if a.scenario == "big":
                 doc["result"] = asyncio.run(big(url, a.texts, a.tokens, a.every, a.lead))
+            elif a.scenario == "burst":
+                doc["result"] = asyncio.run(burst(url, a.connections, a.texts, a.seconds))
             elif a.scenario == "floods":
                 doc["result"] = asyncio.run(floods(url, a.seconds, a.flood, a.flood_texts, a.rounds))
             else:
