@@ -874,8 +874,8 @@ class Cluster:
         no per-object TTL or touch: the body is put again under the same name (new
         chunks, then the meta, then the old chunks purged) every KEEP_EVERY of the TTL,
         timed from the start of the last put, also while a box holds the request (it
-        may hand it back: `nak`, or die). A puller reading it just then reads purged chunks: its read is bounded (OBJECT_READ_S) and the
-        message read again. If this box dies, nobody puts the body again: an orphan
+        may hand it back: `nak`, or die). A puller reading it just then reads purged
+        chunks: its read is bounded (OBJECT_READ_S) and the message read again. If this box dies, nobody puts the body again: an orphan
         lives at most one TTL."""
         ttl = self.payload_ttl_s
         put_at = time.monotonic()  # the first put ended just before: an upper bound of its start

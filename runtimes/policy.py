@@ -186,9 +186,11 @@ def batch_token_cap(cost: CostModel | None, target_ms: float, max_padded_tokens:
     """
     if target_ms <= 0 or cost is None:
         return max_padded_tokens
+    if cost.samples == 0:
+        return 1
     if cost.samples < MIN_SAMPLES:
-        if cost.samples == 0 or cost.sy <= 0:
-            return 1 if cost.samples == 0 else max_padded_tokens
+        if cost.sy <= 0:
+            return max_padded_tokens
         return int(round(min(max_padded_tokens, max(target_ms * cost.sx / cost.sy, 1))))
     a, b = cost.fit()
     if b <= 0:

@@ -397,9 +397,9 @@ class WorkerCore:
         batch's flows, cost, its heaviest client's tokens): then, when the lane's
         head is another client's interactive request shorter than that client's
         part (`runs_first`; `LocalQueue.head_flow`, one lock-free read), it runs
-        first (`interject`): a light client's request does not wait
-        for a flood's batch, and a flood's does not stretch a light client's batch.
-        So does such a request behind the head when only the next
+        first (`interject`): a light client's request does not wait for a flood's
+        batch, and a flood's does not stretch a light client's batch. So does such
+        a request behind the head when only the next
         requests of this batch's own clients are ahead of it, up to INTERJECT_LOOK
         places (`LocalQueue.first_other_flow`, lock-free reads): the lane's fair
         order (start-time fair queueing, by tokens) puts a client served lately
@@ -434,11 +434,10 @@ class WorkerCore:
                   behind: int = 0) -> int:
         """Between two micro-batches of a batch for the clients `outer`, the
         heaviest of them with `outer_tokens` in it, run the requests of other
-        clients waiting at the head of `lane` as a batch of their own (as long as the
-        head is one of theirs, within the contended budget and fewer tokens than
-        `outer_tokens`: `runs_first`), so a light client waits for one
-        micro-batch of a flood, not for its batch. The
-        batch interrupted keeps its claims (leases are renewed by the heartbeat); its
+        clients waiting at the head of `lane` as a batch of their own (as long as
+        the head is one of theirs, within the contended budget and fewer tokens
+        than `outer_tokens`: `runs_first`), so a light client waits for one
+        micro-batch of a flood, not for its batch. The batch interrupted keeps its claims (leases are renewed by the heartbeat); its
         adapter state and progress bound are put back, the bound moved by the time
         taken here. `behind`: the other client's request waits behind that many
         requests of `outer`'s clients: all are claimed, those go back to their

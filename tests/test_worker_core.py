@@ -949,9 +949,9 @@ def test_a_request_no_shorter_than_a_clients_part_waits_for_the_batch(queue):
     # A batch of two clients' requests (client 1: 16 texts, 64 tokens; client 2's
     # shorter request filling it: 12 texts, 48 tokens) is not interrupted by a third
     # client's request of 64 tokens, though it is shorter than the batch (112): it is
-    # not shorter than client 1's part (`policy.runs_first`). Compared
-    # with the batch's tokens (before), it ran between two micro-batches, and so would
-    # every other client's request of that size while they kept sending.
+    # not shorter than client 1's part (`policy.runs_first`). Compared with the batch's
+    # tokens (before), it ran between two micro-batches, and so would every other
+    # client's request of that size while they kept sending.
     MicroEmbedder.micro = []
     lane = queue.lane_id("m")
     third = _encode(EmbedRequest(model="m", inputs=[f"c.{i}" for i in range(16)]))
