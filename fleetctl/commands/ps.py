@@ -127,13 +127,16 @@ def models_table(state: dict[str, Any], now: float) -> Table:
 
 def engine(m: dict[str, Any]) -> str:
     """What runs the forward and why (runtimes/engines.py: measured at load, a kept
-    verdict, the profile's), its measured speed, the one-thread size (runtimes/threads.py)
+    verdict, the profile's), its measured speed, whether it replays a traced graph and
+    how much faster that was measured (runtimes/traced.py), the one-thread size (runtimes/threads.py)
     and a forward's fixed cost in tokens, where micro-batches cut (runtimes/base.py)."""
     e = m.get("engine") or {}
     text = e.get("engine", "torch")
     if e.get("by"):
         text += f" ({e['by']}"
         text += f", {e['tokens_per_s']:,} tok/s)" if e.get("tokens_per_s") else ")"
+    if (m.get("forward") or {}).get("traced"):
+        text += f"; traced {m['forward']['speedup']}x"
     small = (m.get("threads") or {}).get("one_thread_up_to_tokens")
     if small:
         text += f"; 1 thread <= {small} tok"

@@ -1,0 +1,163 @@
+"""A CPU encoder's forward recorded once as a TorchScript graph: the model's Python runs at load, not per batch.
+
+A short text's forward on the CPU is a hundred-odd small operators, and
+transformers' modules spend about 2 ms of Python around them per call
+(MiniLM, one 10-token text, OMP_WAIT_POLICY=PASSIVE, AMD EPYC Zen 3: eager
+10.4-12.3 ms, traced 8.1-9.9 ms on one thread; 12.2-14.2 vs 8.5-8.9 ms on two).
+`torch.jit.trace` records the operators the forward ran on an example; the
+recorded graph replays them from C++ on the same module's weights (no copy).
+
+A trace keeps what Python decided for its example: a branch taken on a shape or
+a value is fixed in the graph. So a trace serves only where it has been shown
+to give what the eager forward gives:
+- the example is padded (texts of different lengths): masking stays in the graph;
+- every probe (one text, a padded batch, the longest input probed beside a short one) must give
+  the eager forward's output (`disagreement`: allclose, the same kernels run);
+- longer inputs than the longest probe (PROBE_TOKENS, or the model's limit)
+  run eagerly: there the operators' own time dwarfs the Python around them;
+- it must be measured at least as fast as the eager forward on the model's own
+  small shapes, in interleaved rounds (`ROUNDS`);
+- a batch whose feature keys or non-tensor entries differ from the example's
+  runs eagerly (`TracedForward.__call__` answers None).
+Otherwise the model runs eagerly and the log says why; `fleetctl ps` shows the verdict.
+
+`torch.jit.trace` is deprecated in favour of torch.compile and torch.export
+(torch 2.13 warns). Neither serves this: an exported program replays through
+Python (MiniLM, one text: 11.9 ms against eager 11.1-12.3, no gain) and
+torch.compile's CPU backend builds C++ at load, with a compiler not every box
+has. torch is pinned (scripts/setup.sh); if a later torch drops the tracer, the
+trace fails and the model runs eagerly, as it did before.
+
+Policy over one forward only: which batch runs it is the adapter's.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("fleet.worker")
+
+#: Timing rounds per shape (eager and traced, order alternating).
+ROUNDS = 3
+#: The trace must be at least this much faster (eager / traced, geometric mean over
+#: the timed shapes) to serve: a tie keeps eager, the code the model's authors ran.
+MIN_SPEEDUP = 1.0
+#: Probes must agree this closely (torch.allclose on float32 outputs).
+RTOL, ATOL = 1e-4, 1e-5
+#: The longest input probed, in tokens (the model's limit when lower); the trace
+#: serves up to it. Its forwards at load (eager and traced) stay cheap.
+PROBE_TOKENS = 512
+
+Run = Callable[[list[Any], dict[str, Any]], Any]
+
+
+class TracedForward:
+    """`run(modules, features)` as a recorded graph; call it with a batch's features."""
+
+    def __init__(self, graph: Any, keys: tuple[str, ...], fixed: dict[str, Any], max_tokens: int) -> None:
+        self._graph = graph
+        #: Tensor entries, in the graph's argument order.
+        self.keys = keys
+        #: Longer batches (tokens per row) run eagerly: the probes went this far.
+        self.max_tokens = max_tokens
+        #: Non-tensor entries as they were when traced (e.g. sentence-transformers' `modality`).
+        self.fixed = fixed
+        self._names = frozenset(keys) | frozenset(fixed)
+        #: Eager / traced time on the timed shapes (geometric mean), as measured at load.
+        self.speedup = 1.0
+
+    def __call__(self, features: dict[str, Any]) -> Any | None:
+        """The forward's output for `features`, or None when they are not shaped as the
+        traced example's or longer than the probes went."""
+        if features.keys() != self._names or any(features[k] != v for k, v in self.fixed.items()):
+            return None
+        tensors = [features[k] for k in self.keys]
+        if tensors[0].shape[-1] > self.max_tokens:
+            return None
+        return self._graph(*tensors)
+
+    def info(self) -> dict[str, Any]:
+        return {"traced": True, "speedup": round(self.speedup, 2), "up_to_tokens": self.max_tokens}
+
+
+def trace(torch: Any, name: str, modules: list[Any], run: Run, example: dict[str, Any],
+          probes: list[dict[str, Any]], timed: list[dict[str, Any]], *,
+          clock: Callable[[], float] = time.perf_counter) -> tuple[TracedForward | None, str]:
+    """(the traced forward or None, why) for `run(modules, features)` on the CPU.
+
+    `example`: features of texts of different lengths (padded) to record from;
+    `probes`: features the trace must agree on with `run` (the longest sets how far
+    the trace serves; `cut` one to PROBE_TOKENS); `timed`: the model's small shapes
+    (one short input first) both are timed on. Call under `torch.inference_mode()`."""
+    keys = tuple(k for k, v in example.items() if isinstance(v, torch.Tensor))
+    fixed = {k: v for k, v in example.items() if k not in keys}
+
+    class Positional(torch.nn.Module):
+        """`run` with the tensors as positional arguments (what the tracer takes);
+        the modules are held so that their weights are the graph's parameters."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.held = torch.nn.ModuleList(modules)
+
+        def forward(self, *tensors: Any) -> Any:
+            return run(list(self.held), {**fixed, **dict(zip(keys, tensors))})
+
+    try:
+        with warnings.catch_warnings():
+            # The tracer's notes on Python values it fixed, and its own deprecation: the probes decide.
+            warnings.simplefilter("ignore")
+            graph = torch.jit.trace(Positional().eval(), tuple(example[k] for k in keys),
+                                    strict=False, check_trace=False)
+    except Exception as exc:  # a module the tracer cannot record: eager is always correct
+        return None, f"trace failed ({type(exc).__name__}: {exc})"
+    traced = TracedForward(graph, keys, fixed, max(int(f[keys[0]].shape[-1]) for f in probes))
+    for features in probes:
+        if (detail := disagreement(torch, run(modules, dict(features)), traced(dict(features)))) is not None:
+            shape = tuple(features["attention_mask"].shape) if "attention_mask" in features else "?"
+            return None, f"disagrees with eager on a {shape} batch ({detail})"
+    eager_ms, traced_ms = timings(torch, lambda f: run(modules, dict(f)), traced, timed, clock)
+    traced.speedup = statistics.geometric_mean(e / t for e, t in zip(eager_ms, traced_ms))
+    measured = ", ".join(f"{e:.2f} vs {t:.2f} ms" for e, t in zip(eager_ms, traced_ms))
+    if traced.speedup <= MIN_SPEEDUP:
+        return None, f"no faster than eager ({measured}: eager vs traced)"
+    log.info("traced forward %s: %.2fx eager (%s)", name, traced.speedup, measured)
+    return traced, f"{traced.speedup:.2f}x eager ({measured})"
+
+
+def cut(torch: Any, features: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """`features` with every (rows, tokens) tensor cut to its first `tokens` tokens."""
+    return {k: v[:, :tokens] if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in features.items()}
+
+
+def disagreement(torch: Any, eager: Any, traced: Any) -> str | None:
+    """None when the traced output is the eager one (the same kernels ran), else how it differs."""
+    if traced is None:
+        return "the trace did not take the features"
+    if traced.shape != eager.shape:
+        return f"shape {tuple(traced.shape)} vs {tuple(eager.shape)}"
+    a, b = eager.float(), traced.float()
+    if not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+        return f"max abs difference {float((a - b).abs().max()):.3g}"
+    return None
+
+
+def timings(torch: Any, eager: Callable[[dict[str, Any]], Any], traced: TracedForward,
+            shapes: list[dict[str, Any]], clock: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """Median ms per shape of the eager and the traced forward, ROUNDS interleaved rounds each."""
+    out: tuple[list[float], list[float]] = ([], [])
+    for features in shapes:
+        runs: tuple[list[float], list[float]] = ([], [])
+        for r in range(ROUNDS):
+            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                start = clock()
+                (eager if which == 0 else traced)(features)
+                runs[which].append((clock() - start) * 1e3)
+        for which in (0, 1):
+            out[which].append(statistics.median(runs[which]))
+    return out
