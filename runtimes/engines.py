@@ -205,25 +205,26 @@ def note_name(device: str, threads: int) -> str:
     return f"engine-{device_class(device)}-t{threads}"
 
 
-def time_all(alive: dict[Candidate, Any], workloads: list[Workload],
-             clock: Callable[[], float]) -> dict[Candidate, dict[str, float]]:
+def time_all(alive: dict[Any, Any], workloads: list[Workload], clock: Callable[[], float], *,
+             rounds: tuple[int, int] = (MIN_ROUNDS, MAX_ROUNDS)) -> dict[Any, dict[str, float]]:
     """Median ms per (candidate, workload): one warm-up run each (kernel selection,
     a graph's first shapes), then rounds in rotating candidate order so the box's
-    drifts fall on every candidate alike, within MIN_ROUNDS..MAX_ROUNDS and BUDGET_S."""
+    drifts fall on every candidate alike, within `rounds` (at least, at most) and BUDGET_S."""
+    min_rounds, max_rounds = rounds
     order = list(alive)
     samples: dict[Candidate, dict[str, list[float]]] = {c: {w.label: [] for w in workloads} for c in order}
     for cand in order:
         for w in workloads:
             w.run(alive[cand])
     started = clock()
-    rounds = 0
-    while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or clock() - started < BUDGET_S):
+    done = 0
+    while done < max_rounds and (done < min_rounds or clock() - started < BUDGET_S):
         for w in workloads:
-            for cand in order[rounds % len(order):] + order[: rounds % len(order)]:
+            for cand in order[done % len(order):] + order[: done % len(order)]:
                 t0 = clock()
                 w.run(alive[cand])
                 samples[cand][w.label].append((clock() - t0) * 1e3)
-        rounds += 1
+        done += 1
     return {c: {w: statistics.median(v) for w, v in s.items()} for c, s in samples.items()}
 
 

@@ -15,8 +15,8 @@ to give what the eager forward gives:
   the eager forward's output (`disagreement`: allclose, the same kernels run);
 - longer inputs than the longest probe (PROBE_TOKENS, or the model's limit)
   run eagerly: there the operators' own time dwarfs the Python around them;
-- it must be measured at least as fast as the eager forward on the model's own
-  small shapes, in interleaved rounds (`ROUNDS`);
+- it must be measured faster than the eager forward on the model's own small
+  shapes, in interleaved rounds (`engines.time_all`, `ROUNDS` of them);
 - a batch whose feature keys or non-tensor entries differ from the example's
   runs eagerly (`TracedForward.__call__` answers None).
 Otherwise the model runs eagerly and the log says why; `fleetctl ps` shows the verdict.
@@ -40,9 +40,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from runtimes import engines
+
 log = logging.getLogger("fleet.worker")
 
-#: Timing rounds per shape (eager and traced, order alternating).
+#: Timing rounds per shape (eager and traced, order alternating), after one warm-up run each.
 ROUNDS = 3
 #: The trace must be at least this much faster (eager / traced, geometric mean over
 #: the timed shapes) to serve: a tie keeps eager, the code the model's authors ran.
@@ -121,7 +123,11 @@ def trace(torch: Any, name: str, modules: list[Any], run: Run, example: dict[str
         if (detail := disagreement(torch, run(modules, dict(features)), traced(dict(features)))) is not None:
             shape = tuple(features["attention_mask"].shape) if "attention_mask" in features else "?"
             return None, f"disagrees with eager on a {shape} batch ({detail})"
-    eager_ms, traced_ms = timings(torch, lambda f: run(modules, dict(f)), traced, timed, clock)
+    shapes = [engines.Workload(str(i), int(f[keys[0]].numel()), lambda forward, f=f: forward(f))
+              for i, f in enumerate(timed)]
+    ms = engines.time_all({"eager": lambda f: run(modules, dict(f)), "traced": traced}, shapes, clock,
+                          rounds=(ROUNDS, ROUNDS))
+    eager_ms, traced_ms = ([ms[which][w.label] for w in shapes] for which in ("eager", "traced"))
     traced.speedup = statistics.geometric_mean(e / t for e, t in zip(eager_ms, traced_ms))
     measured = ", ".join(f"{e:.2f} vs {t:.2f} ms" for e, t in zip(eager_ms, traced_ms))
     if traced.speedup <= MIN_SPEEDUP:
@@ -145,19 +151,3 @@ def disagreement(torch: Any, eager: Any, traced: Any) -> str | None:
     if not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
         return f"max abs difference {float((a - b).abs().max()):.3g}"
     return None
-
-
-def timings(torch: Any, eager: Callable[[dict[str, Any]], Any], traced: TracedForward,
-            shapes: list[dict[str, Any]], clock: Callable[[], float]) -> tuple[list[float], list[float]]:
-    """Median ms per shape of the eager and the traced forward, ROUNDS interleaved rounds each."""
-    out: tuple[list[float], list[float]] = ([], [])
-    for features in shapes:
-        runs: tuple[list[float], list[float]] = ([], [])
-        for r in range(ROUNDS):
-            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                start = clock()
-                (eager if which == 0 else traced)(features)
-                runs[which].append((clock() - start) * 1e3)
-        for which in (0, 1):
-            out[which].append(statistics.median(runs[which]))
-    return out

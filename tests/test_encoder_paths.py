@@ -236,19 +236,24 @@ def test_thread_measurement_stops_where_one_thread_loses():
 # ---- the traced CPU forward (runtimes/traced.py) ------------------------------------
 
 
-def fake_clock(eager_ms: float):
-    """(clock, run): every timed call reads 0.5 ms, and the eager forward (the model's
-    Python, which a traced graph does not call) `eager_ms` more."""
+#: What the fake clock moves per read, in s: a binary fraction (0.49 ms), so that equal
+#: durations compare equal whatever the clock read before.
+TICK = 2.0 ** -11
+
+
+def fake_clock(eager_ticks: int):
+    """(clock, run): every timed call reads one TICK, and the eager forward (the model's
+    Python, which a traced graph does not call) `eager_ticks` more."""
     from runtimes.sentence_transformer import pooled
 
     now = [0.0]
 
     def clock() -> float:
-        now[0] += 0.5e-3
+        now[0] += TICK
         return now[0]
 
     def run(modules, features):
-        now[0] += eager_ms / 1e3
+        now[0] += eager_ticks * TICK
         return pooled(modules, features)
 
     return clock, run
@@ -258,13 +263,13 @@ def fake_clock(eager_ms: float):
 PROBE_TEXTS = (CHECK_SET[1:2], CHECK_SET[:4], CHECK_SET)
 
 
-def traced_minilm(embedder, eager_ms: float = 1.0):
+def traced_minilm(embedder, eager_ticks: int = 2):
     """`traced.trace` on the loaded MiniLM's own modules and probes, timed by `fake_clock`."""
     import torch
 
     from runtimes import traced
 
-    clock, run = fake_clock(eager_ms)
+    clock, run = fake_clock(eager_ticks)
     probes = [embedder._tokenized(t) for t in PROBE_TEXTS]
     with torch.inference_mode():
         return traced.trace(torch, "m", embedder._modules, run, embedder._tokenized(CHECK_SET[:2]),
@@ -279,7 +284,7 @@ def test_the_traced_forward_gives_the_eager_vectors(embedder):
 
     got, why = traced_minilm(embedder)
     assert got is not None, why
-    assert got.speedup == pytest.approx(3.0) and "3.00x eager" in why  # 1.5 ms eager vs 0.5 traced
+    assert got.speedup == pytest.approx(3.0) and "3.00x eager" in why  # 3 ticks eager vs 1 traced
     assert got.max_tokens == max(int(embedder._tokenized(list(t))["input_ids"].shape[1]) for t in PROBE_TEXTS)
     batches = [[[t] for t in CHECK_SET[:6]], [texts(12, seed=s) for s in range(3)], [texts(1, seed=7)]]
     kept = embedder.compiled
@@ -309,8 +314,8 @@ def test_the_traced_forward_gives_the_eager_vectors(embedder):
 
 
 def test_a_trace_no_faster_than_eager_is_not_kept(embedder):
-    got, why = traced_minilm(embedder, eager_ms=0.0)  # both read 0.5 ms: a tie keeps eager
-    assert got is None and why.startswith("no faster than eager (0.50 vs 0.50 ms")
+    got, why = traced_minilm(embedder, eager_ticks=0)  # both read one tick: a tie keeps eager
+    assert got is None and why.startswith("no faster than eager (0.49 vs 0.49 ms")
 
 
 def test_a_trace_that_fixed_a_branch_is_refused():
@@ -331,5 +336,5 @@ def test_a_trace_that_fixed_a_branch_is_refused():
         got, why = traced.trace(torch, "m", [layer], run, short, [short, longer], [short])
         assert got is None and why.startswith("disagrees with eager on a")
         same, why = traced.trace(torch, "m", [layer], run, longer, [longer, {"x": torch.ones(1, 7)}], [longer],
-                                 clock=fake_clock(0.0)[0])
+                                 clock=fake_clock(0)[0])
     assert same is None and why.startswith("no faster")  # agreed on both; timed a tie
