@@ -8,7 +8,7 @@ One `multiprocessing.shared_memory` segment, no Python objects in it:
     lanes    int64[max_lanes, LF]    head, tail, depth, tokens, claimed, name length
     names    u8[max_lanes, 128]      lane (model) names, utf-8
     workers  int64[max_workers, WF]  gen, active, pid, heartbeat, claimed, lease, ...
-    devices  u8[max_workers, 64];  infos  u8[max_workers, 4096]
+    devices  u8[max_workers, 64];  infos  u8[max_workers, 16384]
     tags     u8[slab / 64]           buddy allocator tags (slab.py)
     refs     int32[slab / 64]        refcount of the block starting at each unit (blocks.py)
     slab     bytes                   payloads and results (blocks.py)
@@ -33,10 +33,13 @@ STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)
 
 MAGIC = 0x464C45455451  # "FLEETQ"
-VERSION = 6
+VERSION = 7
 NAME_BYTES = 128
 DEVICE_BYTES = 64
-INFO_BYTES = 4096
+#: A worker's info blob (runtimes/info.py): 570-720 bytes per resident model (its
+#: settings, engine verdict, traced forward), so 20-odd models before entries are cut
+#: to their summary (~180 bytes).
+INFO_BYTES = 16384
 SLOT_BITS, GEN_BITS, EPOCH_BITS = 24, 24, 15
 SLOT_MASK = (1 << SLOT_BITS) - 1
 GEN_MASK = (1 << GEN_BITS) - 1

@@ -111,21 +111,34 @@ def cost_info(cost: CostModel | None) -> dict:
     return {"a_ms": round(a, 3), "b_ms_per_1k_tokens": round(b * 1e3, 3), "samples": cost.samples}
 
 
+#: What a resident model's entry keeps when the whole blob does not fit INFO_BYTES:
+#: what the daemon and the peers act on (placement's bytes, costs and load times,
+#: pins) and what `fleetctl ps` lists per model; the settings, the engine verdict and
+#: the counters go first.
+SUMMARY = ("task", "dtype", "bytes", "loaded_at", "last_used", "served", "tokens", "load_ms", "pinned", "cost",
+           "loras")
+
+
 def encode_info(info: dict, residency: Residency) -> bytes:
     """`info` as MessagePack within INFO_BYTES."""
     blob = _encode(info)
-    if len(blob) > INFO_BYTES:
-        # Too many resident models for the worker record: publish names only,
-        # most recently used first, as many as fit (the batch must not fail).
-        models = residency.models
-        names = sorted(models, key=lambda n: models[n].last_used, reverse=True)
-        while True:
-            info["models"] = {name: {} for name in names}
-            blob = _encode(info)
-            if len(blob) <= INFO_BYTES:
-                break
-            if not names:  # what is left to cut: the reasons of unservable pins (their names stay)
-                info["unservable"] = dict.fromkeys(info["unservable"], "")
-                return _encode(info)
-            names.pop()
+    if len(blob) <= INFO_BYTES:
+        return blob
+    # Too many resident models for the worker record: each keeps its SUMMARY; then
+    # names only, most recently used first, as many as fit (the batch must not fail).
+    info["models"] = {name: {k: m[k] for k in SUMMARY if k in m} for name, m in info["models"].items()}
+    blob = _encode(info)
+    if len(blob) <= INFO_BYTES:
+        return blob
+    models = residency.models
+    names = sorted(models, key=lambda n: models[n].last_used, reverse=True)
+    while True:
+        info["models"] = {name: {} for name in names}
+        blob = _encode(info)
+        if len(blob) <= INFO_BYTES:
+            break
+        if not names:  # what is left to cut: the reasons of unservable pins (their names stay)
+            info["unservable"] = dict.fromkeys(info["unservable"], "")
+            return _encode(info)
+        names.pop()
     return blob

@@ -27,6 +27,7 @@ from local_queue import (
     UnknownWorker,
     put_id,
 )
+from local_queue.layout import INFO_BYTES
 
 LONG = 3_600_000  # ms: a lease that never runs out during a test
 FOREVER_NS = 1 << 62  # an expire_leases "now" past every lease
@@ -447,7 +448,7 @@ def test_workers_register_report_and_release(q):
     (info,) = q.workers()
     assert (info.wid, info.pid, info.device, info.claimed, info.info) == (w, 4242, "cuda:0", 3, b"\x81\xa6models\x90")
     with pytest.raises(ValueError):
-        q.set_worker_info(w, b"x" * 4097)
+        q.set_worker_info(w, b"x" * (INFO_BYTES + 1))
     assert q.release_worker(w) == 3
     assert q.workers() == [] and q.heartbeat(w) is False
     with pytest.raises(UnknownWorker):

@@ -276,3 +276,55 @@ def test_a_model_too_large_for_the_device_still_fails_its_requests(queue, home):
     assert codes([done]) == ["model_too_large"]
     assert "more than the whole cpu budget" in msgspec.msgpack.decode(_env.decode(done.result).body,
                                                                         type=WorkError).message
+
+
+def test_the_worker_record_keeps_every_resident_model_it_can(queue, home):
+    """`fleetctl ps`, the daemon and the peers read a worker's models from its info
+    blob (at most INFO_BYTES). A worker holding many keeps each model's summary
+    (what placement and ps use) before it cuts any to a name, and the most recently
+    used names before none. The record is the real one (`publish_info`), read back
+    from the queue; the extra residents are copies of a real one, each used at its
+    own time."""
+    import copy
+
+    from local_queue.layout import INFO_BYTES
+    from runtimes.info import SUMMARY
+
+    c = core(queue, home, 301)
+    put(queue, "tiny-x", 1)
+    assert c.step(0.1) == 1
+    results(queue, 1)
+    real = c.residency.models["tiny-x"]
+
+    def published() -> dict:
+        c.publish_info()
+        (blob,) = [w.info for w in queue.workers() if w.wid == c.worker_id]
+        assert len(blob) <= INFO_BYTES
+        return msgspec.msgpack.decode(blob)["models"]
+
+    full = published()["tiny-x"]
+    assert {"settings", "forward", "threads", "cost", "bytes"} <= full.keys(), full
+    summary = {k: full[k] for k in SUMMARY if k in full}
+    assert summary["bytes"] > 0 and len(summary) == len(SUMMARY)
+    seen = set()
+    try:
+        for n in (8, 40, 3000):
+            c.residency.models.clear()
+            for i in range(n):
+                c.residency.models[f"m{i:05d}"] = copy.copy(real)
+                c.residency.models[f"m{i:05d}"].last_used = real.last_used + i  # m{n-1} used last
+            got = published()
+            if all(m.keys() == full.keys() for m in got.values()):
+                seen.add("full")
+                assert len(got) == n
+            elif all(m.keys() == summary.keys() for m in got.values()):
+                seen.add("summary")
+                assert len(got) == n and all(m["bytes"] == summary["bytes"] for m in got.values())
+            else:
+                seen.add("names")
+                assert all(m == {} for m in got.values()) and 0 < len(got) < n
+                assert sorted(got) == [f"m{i:05d}" for i in range(n - len(got), n)]  # the latest used
+        assert seen == {"full", "summary", "names"}, seen
+    finally:
+        c.residency.models.clear()
+        c.residency.models["tiny-x"] = real
