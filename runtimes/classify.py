@@ -29,7 +29,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import ClassifyResult, WorkError
 from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino
+from runtimes import engines, openvino, traced
 
 
 class SequenceClassifier(LoraHost, Adapter):
@@ -41,6 +41,10 @@ class SequenceClassifier(LoraHost, Adapter):
     #: The tokenizer's Rust tokenizer called directly, checked at load to give
     #: what the tokenizer gives (None: the tokenizer's own call).
     direct: DirectTokenizer | None = None
+    #: The torch forward as a traced graph on the CPU (runtimes/traced.py); None: eager.
+    compiled: traced.TracedForward | None = None
+    #: Why the CPU forward is traced or not (`fleetctl ps`; None: not tried).
+    traced_why: str | None = None
 
     def load(self) -> None:
         import torch
@@ -59,6 +63,8 @@ class SequenceClassifier(LoraHost, Adapter):
             self.torch_model = model
         else:
             self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
+        if self.device == "cpu" and self.engine == "torch":
+            self.compiled, self.traced_why = self._trace()
         #: Per bank slot: (labels, multi-label?) of the rows of that adapter (slot 0: the base's).
         self.label_sets: list[tuple[list[str], bool]] = [(self.labels, self.multi_label)]
         self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
@@ -82,11 +88,23 @@ class SequenceClassifier(LoraHost, Adapter):
             outputs=self._check_probs, agree=labels_agree(),
             workloads=engines.short_and_full(run, short, full, "texts"))
 
+    def _trace(self) -> tuple[traced.TracedForward | None, str]:
+        """The torch model's logits traced on the CPU (runtimes/traced.py), probed as
+        the embedder's forward is."""
+        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
+        return traced.trace_probed(
+            self._torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
+            lambda texts: dict(to_device((self.direct or self._own_features)(texts), self.device)),
+            list(CHECK_SET), longest, self.max_seq_len)
+
     def lora_bank(self) -> Loras | None:
-        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""
+        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter
+        (its base rows replay a traced forward, as a model torch served from the start)."""
         if not engines.back_to_torch(self):
             return None
         self.model, self.torch_model = self.torch_model, None
+        if self.device == "cpu":
+            self.compiled, self.traced_why = self._trace()
         return Loras(self.spec.name, self.model, self.spec.profile.max_loras)
 
     def _check_probs(self, model: Any) -> np.ndarray:
@@ -197,8 +215,13 @@ class SequenceClassifier(LoraHost, Adapter):
     def _forward(self, model: Any, texts: list[str], slots: np.ndarray | None = None) -> tuple[Any, Any]:
         """(logits, tokens per text) of one micro-batch, each row with its LoRA slot (None: the base alone)."""
         features = to_device((self.direct or self._own_features)(texts), self.device)
-        with self.loras.rows(slots, self.device) if slots is not None else nullcontext():
-            logits = model(**features).logits.float()
+        base = slots is None or not slots.any()
+        # Rows of the base alone replay the traced graph where it takes them (the adapters' hooks run only eagerly).
+        logits = self.compiled(features) if base and self.compiled is not None and model is self.model else None
+        if logits is None:
+            with nullcontext() if base else self.loras.rows(slots, self.device):
+                logits = model(**features).logits
+        logits = logits.float()
         return logits, features["attention_mask"].sum(dim=1)
 
     def _logits(self, texts: list[str], slots: np.ndarray | None = None,
@@ -219,5 +242,5 @@ class SequenceClassifier(LoraHost, Adapter):
         return logits, tokens
 
     def unload(self) -> None:
-        self.direct = None
+        self.direct = self.compiled = None
         self.model = self.torch_model = None

@@ -38,7 +38,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import RerankResult, WorkError
 from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino
+from runtimes import engines, openvino, traced
 
 log = logging.getLogger("fleet.worker")
 
@@ -53,6 +53,10 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     #: The torch model in fp32, kept while OpenVINO serves (tokenizing config, and
     #: what LoRA adapters attach to: `lora_bank`); None while torch serves.
     torch_model: Any = None
+    #: The torch forward as a traced graph on the CPU (runtimes/traced.py); None: eager.
+    compiled: traced.TracedForward | None = None
+    #: Why the CPU forward is traced or not (`fleetctl ps`; None: not tried).
+    traced_why: str | None = None
 
     #: Set by `load`: tokens per pair the model takes, the tokenizer, the model,
     #: and the activation applied to logits (a tensor -> tensor callable, or None).
@@ -65,8 +69,9 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     direct: DirectTokenizer | None = None
 
     @abc.abstractmethod
-    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
-        """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch."""
+    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
+        """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch
+        (`base`: every pair is the base model's, no LoRA row: the traced forward may run)."""
 
     @abc.abstractmethod
     def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
@@ -83,6 +88,12 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     @abc.abstractmethod
     def _transformers_model(self) -> Any:
         """The transformers module of the served model (LoRA adapters attach to it), or None."""
+
+    def _model_logits(self, model: Any, features: dict[str, Any], base: bool) -> Any:
+        """`_logits_of` the serving model, by its traced graph where that takes the
+        features (`base`: no LoRA row; the adapters' hooks run only eagerly)."""
+        out = self.compiled(features) if base and self.compiled is not None and model is self.model else None
+        return self._logits_of(model, features) if out is None else out
 
     def _features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
         """Token tensors of one micro-batch of pairs, padded to its longest pair."""
@@ -104,6 +115,8 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         # LoRA adapters patch torch's modules: none while OpenVINO serves (`lora_bank`).
         target = None if self.engine == "openvino" else self._transformers_model()
         self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
+        if self.device == "cpu" and self.engine == "torch":
+            self.compiled, self.traced_why = self._trace()
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
 
@@ -127,11 +140,23 @@ class CrossEncoderAdapter(LoraHost, Adapter):
             stand_in=lambda forward: self._stand_in(forward, model), outputs=self._check_scores,
             agree=scores_agree(), workloads=engines.short_and_full(run, short, full, "pairs"))
 
+    def _trace(self) -> tuple[traced.TracedForward | None, str]:
+        """The torch model's logits traced on the CPU (runtimes/traced.py), probed on
+        (query, document) pairs as the embedder's forward is on texts."""
+        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
+        return traced.trace_probed(
+            self._torch, self.spec.name, [self.model], lambda held, f: self._logits_of(held[0], f),
+            lambda pairs: dict(to_device(self._features(self.model, *unzipped(pairs)), self.device)), CHECK_PAIRS,
+            (longest, longest), self.max_seq_len)
+
     def lora_bank(self) -> Loras | None:
-        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter."""
+        """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter
+        (its base rows replay a traced forward, as a model torch served from the start)."""
         if not engines.back_to_torch(self):
             return None
         self.model, self.torch_model = self.torch_model, None
+        if self.device == "cpu":
+            self.compiled, self.traced_why = self._trace()
         target = self._transformers_model()
         return None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
 
@@ -220,15 +245,17 @@ class CrossEncoderAdapter(LoraHost, Adapter):
                    + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
-                with self.loras.rows(slots[idx], self.device) if slots is not None else nullcontext():
-                    raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx])
+                rows = slots[idx] if slots is not None and slots[idx].any() else None
+                with self.loras.rows(rows, self.device) if rows is not None else nullcontext():
+                    raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx],
+                                              base=rows is None)
                 logits[idx] = raw.cpu().numpy()
                 activated[idx] = (self.activation(raw) if self.activation is not None else raw).cpu().numpy()
                 tokens[idx] = used.cpu().numpy()
         return logits, activated, tokens
 
     def unload(self) -> None:
-        self.direct = None
+        self.direct = self.compiled = None
         self.model = self.torch_model = None
 
 
@@ -260,10 +287,10 @@ class TransformersReranker(CrossEncoderAdapter):
     def _stand_in(self, forward: Any, model: Any) -> Any:
         return openvino.LogitsModel(forward)
 
-    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
+    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
         # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
-        logits = self._logits_of(model, features).float()
+        logits = self._model_logits(model, features, base).float()
         return one_score(logits, self.spec.name), features["attention_mask"].sum(dim=1)
 
 
@@ -304,9 +331,9 @@ class SentenceTransformersReranker(CrossEncoderAdapter):
     def _stand_in(self, forward: Any, model: Any) -> Any:
         return openvino.ScoresModel(forward, model)
 
-    def _forward(self, model: Any, queries: list[str], docs: list[str]) -> tuple[Any, Any]:
+    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
         features = to_device(self._features(model, queries, docs), self.device)
-        scores = self._logits_of(model, features).float()
+        scores = self._model_logits(model, features, base).float()
         return one_score(scores.reshape(len(docs), -1), self.spec.name), features["attention_mask"].sum(dim=1)
 
 

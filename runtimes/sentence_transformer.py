@@ -141,10 +141,15 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 (the model kept
-        for tokenizing) for a LoRA adapter: its modules serve again."""
+        for tokenizing) for a LoRA adapter: its modules serve again, traced on the CPU
+        as a model torch served from the start."""
+        from sentence_transformers.models import Transformer
+
         if not engines.back_to_torch(self):
             return None
         self._modules = list(self.model)[:-1] if self._trailing else list(self.model)
+        if self.device == "cpu" and isinstance(self._modules[0], Transformer):
+            self.compiled, self.traced_why = self._trace()
         self.threads = self._measure_threads()
         target = getattr(self._modules[0], "auto_model", None)
         return None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
@@ -219,17 +224,10 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         """The base's forward traced on the CPU (runtimes/traced.py), checked on one
         short text, a padded batch and the longest input probed beside a short one,
         timed on one short text and four."""
-        torch = self._torch
-        tokens = min(self.max_seq_len, traced.PROBE_TOKENS)
-        longest = " ".join(CHECK_SET) * (tokens // 8 + 1)
-        probes = [self._tokenized(list(t)) for t in (CHECK_SET[1:2], CHECK_SET[:4], [longest, CHECK_SET[0]])]
-        probes[2] = traced.cut(torch, probes[2], tokens)
-        with torch.inference_mode():
-            got, why = traced.trace(torch, self.spec.name, self._modules, pooled,
-                                    self._tokenized(list(CHECK_SET[:2])), probes, probes[:2])
-        if got is None:
-            log.info("traced forward %s: off, %s; running eagerly", self.spec.name, why)
-        return got, why
+        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
+        return traced.trace_probed(self._torch, self.spec.name, self._modules, pooled,
+                                   lambda texts: self._tokenized(list(texts)), list(CHECK_SET), longest,
+                                   self.max_seq_len)
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Unit vectors from a full forward (the check compares directions)."""

@@ -136,6 +136,22 @@ def trace(torch: Any, name: str, modules: list[Any], run: Run, example: dict[str
     return traced, f"{traced.speedup:.2f}x eager ({measured})"
 
 
+def trace_probed(torch: Any, name: str, modules: list[Any], run: Run, tokenized: Callable[[list[Any]], dict[str, Any]],
+                 inputs: list[Any], longest: Any, max_tokens: int) -> tuple[TracedForward | None, str]:
+    """`trace` with the probes every encoder takes: recorded on two of `inputs`
+    (texts or pairs) padded together, checked on one input, four padded together and
+    `longest` (cut to min(`max_tokens`, PROBE_TOKENS) tokens) beside a short one, timed
+    on the first two. `tokenized`: the adapter's features of some inputs, as it serves
+    them. The log says why when it runs eagerly."""
+    tokens = min(max_tokens, PROBE_TOKENS)
+    probes = [tokenized(inputs[1:2]), tokenized(inputs[:4]), cut(torch, tokenized([longest, inputs[0]]), tokens)]
+    with torch.inference_mode():
+        got, why = trace(torch, name, modules, run, tokenized(inputs[:2]), probes, probes[:2])
+    if got is None:
+        log.info("traced forward %s: off, %s; running eagerly", name, why)
+    return got, why
+
+
 def cut(torch: Any, features: dict[str, Any], tokens: int) -> dict[str, Any]:
     """`features` with every (rows, tokens) tensor cut to its first `tokens` tokens."""
     return {k: v[:, :tokens] if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in features.items()}

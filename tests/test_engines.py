@@ -289,19 +289,23 @@ def test_openvino_bf16_serves_when_forced(heads, task):
 def test_auto_weighs_both_engines_and_goes_back_to_torch_for_a_lora(heads, task, monkeypatch):
     """`auto` times torch and OpenVINO (here OpenVINO is made the fastest: the
     timing is the box's, the choice's rule is under test) and serves it; a LoRA
-    adapter then takes the model back to torch fp32, which scores as before."""
+    adapter then takes the model back to torch fp32, which scores as before, its
+    forward traced as at a torch load (kept whatever it measured: MIN_SPEEDUP 0)."""
+    from runtimes import traced
     from runtimes.info import engine_info
 
     openvino_timed_fastest(monkeypatch)
+    monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)
     a = head_adapter(heads, task, "transformers", "auto", "float32")
     scores = rerank_scores if task == "rerank" else class_scores
     try:
         assert a.choice.by == "measured" and a.choice.candidate == engines.Candidate("openvino", "float32")
         assert {"torch float32", "openvino float32"} <= set(a.choice.table)
-        assert engine_info(a)["engine"]["engine"] == "openvino" and a.loras is None
+        assert engine_info(a)["engine"]["engine"] == "openvino" and a.loras is None and a.compiled is None
         before = scores(a)
         assert a.lora_bank() is not None  # what `attach_lora` asks for a first adapter
         assert a.choice.by == "lora" and a.engine == "torch" and openvino.weight_bytes(a.model) == 0
+        assert a.compiled is not None and engine_info(a)["forward"]["traced"] is True, a.traced_why
         assert np.abs(scores(a) - before).max() <= 1e-3
     finally:
         a.unload()
@@ -323,10 +327,12 @@ def openvino_timed_fastest(monkeypatch) -> None:
 
 @needs_openvino
 def test_an_embedder_on_openvino_goes_back_to_torch_for_a_lora(tmp_path, monkeypatch):
+    from runtimes import traced
     from runtimes.sentence_transformer import SentenceTransformerEmbedder
     from tests.arch_models import sentence_transformer
 
     openvino_timed_fastest(monkeypatch)
+    monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)  # the trace kept whatever it measured
     folder = sentence_transformer("bert", "mean", tmp_path / "st")
     a = SentenceTransformerEmbedder(ModelSpec("tiny", folder, "embed", "sentence-transformers",
                                               profile=Profile(dtype="float32", micro_batch_items=4)), "cpu")
@@ -336,6 +342,7 @@ def test_an_embedder_on_openvino_goes_back_to_torch_for_a_lora(tmp_path, monkeyp
         before = vectors(a, TEXTS)
         assert a.lora_bank() is not None and a.choice.by == "lora" and a.engine == "torch"
         assert openvino.weight_bytes(a._modules) == 0 and a.threads is not None  # torch's modules serve again
+        assert a.compiled is not None, a.traced_why  # traced, as at a torch load
         assert float(np.sum(vectors(a, TEXTS) * before, axis=1).min()) >= 0.9999
     finally:
         a.unload()

@@ -51,12 +51,12 @@ def ref(models) -> References:
     return References(*models)
 
 
-def served(models, key: str, task: str, runtime: str, loras: list[str]):
+def served(models, key: str, task: str, runtime: str, loras: list[str], profile: Profile = PROFILE):
     """The runtime adapter of base `key` (store name "base"), loaded, with `loras` attached."""
     from runtimes.registry import adapter_class
 
     bases, folders = models
-    adapter = adapter_class(task, runtime)(ModelSpec("base", bases[key], task, runtime, PROFILE), "cpu")
+    adapter = adapter_class(task, runtime)(ModelSpec("base", bases[key], task, runtime, profile), "cpu")
     adapter.load()
     for name in loras:
         adapter.attach_lora(ModelSpec(name, folders[name], task, "peft", extra={"base": "base"}))
@@ -209,3 +209,63 @@ def test_an_adapter_of_another_size_is_refused_and_leaves_nothing(models, tmp_pa
     plain, body = adapter.run_batch([ClassifyRequest(model="base", inputs=TEXTS), ClassifyRequest(model="emb-a",
                                                                                                    inputs=TEXTS)])
     assert np.abs(classified(plain)[1] - classified(body)[1]).max() > 0.01
+
+
+# ---- the traced CPU forward (runtimes/traced.py) beside LoRA rows ------------------
+
+def scores_of(adapter, reqs) -> list[np.ndarray]:
+    """Each result's scores in input order (rerank: per document; classify: per label)."""
+    out = []
+    for res in adapter.run_batch(reqs):
+        assert not isinstance(res, WorkError), res
+        if hasattr(res, "labels"):
+            out.append(classified(res)[1])
+        else:
+            got = np.empty(len(np.frombuffer(res.index, "<i4")), dtype=np.float32)
+            got[np.frombuffer(res.index, "<i4")] = np.frombuffer(res.scores, "<f4")
+            out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("task, runtime, key, loras", [
+    ("rerank", "transformers", "reranker", ["rr-head", "rr-body"]),
+    ("rerank", "sentence-transformers", "cross-encoder", ["ce-head", "ce-body"]),
+    ("classify", "transformers", "classifier", ["cls-head", "cls-topics"]),
+])
+def test_base_rows_replay_the_traced_forward_and_adapter_rows_run_eagerly(models, monkeypatch, task, runtime, key,
+                                                                         loras) -> None:
+    """Rerankers and classifiers trace their CPU forward at load, as the embedder does:
+    micro-batches of base rows replay the graph, with the eager forward's scores; a
+    micro-batch with any adapter row runs eagerly (the adapters' hooks are Python a
+    graph does not call), with its adapter's answers. MIN_SPEEDUP 0: whether the graph
+    is faster is timing, measured in bench/; here it is kept whatever it measured."""
+    from runtimes import traced
+    from runtimes.info import engine_info
+
+    monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)
+    # engine torch: where OpenVINO is installed and measured faster it would serve instead (no trace).
+    adapter = served(models, key, task, runtime, loras, Profile(dtype="float32", engine="torch", micro_batch_items=3))
+    assert adapter.compiled is not None, adapter.traced_why
+    assert engine_info(adapter)["forward"]["traced"] is True
+    if task == "rerank":
+        base = [RerankRequest(model="base", query=QUERY, documents=DOCS), RerankRequest(model="base", query="kittens",
+                                                                                         documents=DOCS[2:])]
+        tuned = [RerankRequest(model=loras[0], query=QUERY, documents=DOCS),
+                 RerankRequest(model="base", query="kittens", documents=DOCS[2:], adapter=loras[1])]
+    else:
+        base = [ClassifyRequest(model="base", inputs=TEXTS), ClassifyRequest(model="base", inputs=TEXTS[2:])]
+        tuned = [ClassifyRequest(model=loras[0], inputs=TEXTS), ClassifyRequest(model=loras[1], inputs=TEXTS[2:])]
+    graph, calls = adapter.compiled._graph, [0]
+    adapter.compiled._graph = lambda *a: (calls.__setitem__(0, calls[0] + 1), graph(*a))[1]
+    replayed, replayed_tuned = scores_of(adapter, base), scores_of(adapter, tuned)
+    assert calls[0] >= 2  # base micro-batches (of 3 rows) ran the graph...
+    in_base = calls[0]
+    mixed = scores_of(adapter, [base[0], tuned[0]])
+    # ... none with an adapter row: the mixed batch pairs each base row with the same input's
+    # adapter row (equal lengths keep input order), so every micro-batch of 3 has one.
+    assert calls[0] == in_base
+    adapter.compiled = None
+    eager, eager_tuned = scores_of(adapter, base), scores_of(adapter, tuned)
+    for got, want in zip([*replayed, *replayed_tuned, *mixed], [*eager, *eager_tuned, eager[0], eager_tuned[0]]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    assert np.abs(eager_tuned[0] - eager[0]).max() > 0.01  # the adapter rows really are the adapter's
