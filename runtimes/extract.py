@@ -33,6 +33,7 @@ from runtimes.hf_common import (
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from runtimes.lora import Loras, LoraHost
+from runtimes import traced
 
 
 def tag_tables(labels: list[str]) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
@@ -78,8 +79,16 @@ def group_spans(rows: np.ndarray, label: np.ndarray, score: np.ndarray, group: n
     return first, last, mean.astype(np.float32)
 
 
+#: Features the tokenizer gives for spans, not the model's inputs.
+SPAN_KEYS = ("offset_mapping", "special_tokens_mask")
+
+
 class TokenClassifier(LoraHost, Adapter):
     request_type = ExtractRequest
+    #: The model's forward as a traced graph on the CPU (runtimes/traced.py); None: eager.
+    compiled: traced.TracedForward | None = None
+    #: Why the CPU forward is traced or not (`fleetctl ps`; None: not tried).
+    traced_why: str | None = None
 
     def load(self) -> None:
         import torch
@@ -99,6 +108,11 @@ class TokenClassifier(LoraHost, Adapter):
             run=self._check_probs, agree=labels_agree(max_prob_diff=0.02),
         )
         self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
+        if self.device == "cpu":
+            longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
+            self.compiled, self.traced_why = traced.trace_probed(
+                torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
+                lambda texts: model_inputs(self._features(texts)), list(CHECK_SET), longest, self.max_seq_len)
         self._extract(CHECK_SET)  # warm-up: pay kernel selection at load
 
     def _set_tables(self, label_sets: list[list[str]]) -> None:
@@ -183,10 +197,16 @@ class TokenClassifier(LoraHost, Adapter):
         return to_device(features, self.device)
 
     def _logits(self, model: Any, features: dict[str, Any], slots: np.ndarray | None = None) -> Any:
-        """Label logits (rows, tokens, labels), each row with its LoRA slot (None: the base alone)."""
-        inputs = {k: v for k, v in features.items() if k not in ("offset_mapping", "special_tokens_mask")}
-        with self.loras.rows(slots, self.device) if slots is not None else nullcontext():
-            return model(**inputs).logits.float()
+        """Label logits (rows, tokens, labels), each row with its LoRA slot (None: the
+        base alone). Rows of the base alone replay the traced graph where it takes
+        them (the adapters' hooks run only eagerly)."""
+        inputs = model_inputs(features)
+        base = slots is None or not slots.any()
+        logits = self.compiled(inputs) if base and self.compiled is not None and model is self.model else None
+        if logits is None:
+            with nullcontext() if base else self.loras.rows(slots, self.device):
+                logits = model(**inputs).logits
+        return logits.float()
 
     def _extract(self, texts: list[str], slots: np.ndarray | None = None,
                  ) -> tuple[list[list[EntitySpan]], np.ndarray]:
@@ -223,4 +243,9 @@ class TokenClassifier(LoraHost, Adapter):
         return spans, tokens
 
     def unload(self) -> None:
-        self.model = None
+        self.model = self.compiled = None
+
+
+def model_inputs(features: dict[str, Any]) -> dict[str, Any]:
+    """The model's inputs of a micro-batch's features (the span keys left out)."""
+    return {k: v for k, v in features.items() if k not in SPAN_KEYS}

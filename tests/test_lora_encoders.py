@@ -213,17 +213,22 @@ def test_an_adapter_of_another_size_is_refused_and_leaves_nothing(models, tmp_pa
 
 # ---- the traced CPU forward (runtimes/traced.py) beside LoRA rows ------------------
 
-def scores_of(adapter, reqs) -> list[np.ndarray]:
-    """Each result's scores in input order (rerank: per document; classify: per label)."""
+def answers_of(adapter, reqs) -> list[tuple[tuple, np.ndarray]]:
+    """Each result as (what must be equal, scores in input order): rerank (-, per
+    document), classify (labels, per label), extract (spans' entity and offsets, their
+    scores)."""
     out = []
     for res in adapter.run_batch(reqs):
         assert not isinstance(res, WorkError), res
-        if hasattr(res, "labels"):
-            out.append(classified(res)[1])
+        if hasattr(res, "spans"):
+            spans = [s for row in res.spans for s in row]
+            out.append((tuple((s.entity, s.start, s.end) for s in spans), np.array([s.score for s in spans])))
+        elif hasattr(res, "labels"):
+            out.append((tuple(res.labels), classified(res)[1]))
         else:
             got = np.empty(len(np.frombuffer(res.index, "<i4")), dtype=np.float32)
             got[np.frombuffer(res.index, "<i4")] = np.frombuffer(res.scores, "<f4")
-            out.append(got)
+            out.append(((), got))
     return out
 
 
@@ -231,11 +236,13 @@ def scores_of(adapter, reqs) -> list[np.ndarray]:
     ("rerank", "transformers", "reranker", ["rr-head", "rr-body"]),
     ("rerank", "sentence-transformers", "cross-encoder", ["ce-head", "ce-body"]),
     ("classify", "transformers", "classifier", ["cls-head", "cls-topics"]),
+    ("extract", "transformers", "tagger", ["ner-own", "ner-body"]),
 ])
 def test_base_rows_replay_the_traced_forward_and_adapter_rows_run_eagerly(models, monkeypatch, task, runtime, key,
                                                                          loras) -> None:
-    """Rerankers and classifiers trace their CPU forward at load, as the embedder does:
-    micro-batches of base rows replay the graph, with the eager forward's scores; a
+    """Rerankers, classifiers and taggers trace their CPU forward at load, as the
+    embedder does: micro-batches of base rows replay the graph, with the eager
+    forward's answers; a
     micro-batch with any adapter row runs eagerly (the adapters' hooks are Python a
     graph does not call), with its adapter's answers. MIN_SPEEDUP 0: whether the graph
     is faster is timing, measured in bench/; here it is kept whatever it measured."""
@@ -253,19 +260,23 @@ def test_base_rows_replay_the_traced_forward_and_adapter_rows_run_eagerly(models
         tuned = [RerankRequest(model=loras[0], query=QUERY, documents=DOCS),
                  RerankRequest(model="base", query="kittens", documents=DOCS[2:], adapter=loras[1])]
     else:
-        base = [ClassifyRequest(model="base", inputs=TEXTS), ClassifyRequest(model="base", inputs=TEXTS[2:])]
-        tuned = [ClassifyRequest(model=loras[0], inputs=TEXTS), ClassifyRequest(model=loras[1], inputs=TEXTS[2:])]
+        kind = ClassifyRequest if task == "classify" else ExtractRequest
+        base = [kind(model="base", inputs=TEXTS), kind(model="base", inputs=TEXTS[2:])]
+        tuned = [kind(model=loras[0], inputs=TEXTS), kind(model=loras[1], inputs=TEXTS[2:])]
     graph, calls = adapter.compiled._graph, [0]
     adapter.compiled._graph = lambda *a: (calls.__setitem__(0, calls[0] + 1), graph(*a))[1]
-    replayed, replayed_tuned = scores_of(adapter, base), scores_of(adapter, tuned)
+    replayed, replayed_tuned = answers_of(adapter, base), answers_of(adapter, tuned)
     assert calls[0] >= 2  # base micro-batches (of 3 rows) ran the graph...
     in_base = calls[0]
-    mixed = scores_of(adapter, [base[0], tuned[0]])
+    mixed = answers_of(adapter, [base[0], tuned[0]])
     # ... none with an adapter row: the mixed batch pairs each base row with the same input's
     # adapter row (equal lengths keep input order), so every micro-batch of 3 has one.
     assert calls[0] == in_base
     adapter.compiled = None
-    eager, eager_tuned = scores_of(adapter, base), scores_of(adapter, tuned)
+    eager, eager_tuned = answers_of(adapter, base), answers_of(adapter, tuned)
     for got, want in zip([*replayed, *replayed_tuned, *mixed], [*eager, *eager_tuned, eager[0], eager_tuned[0]]):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
-    assert np.abs(eager_tuned[0] - eager[0]).max() > 0.01  # the adapter rows really are the adapter's
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=2e-6)
+    # The adapter rows really are the adapter's.
+    (base_keys, base_scores), (tuned_keys, tuned_scores) = eager[0], eager_tuned[0]
+    assert base_keys != tuned_keys or np.abs(tuned_scores - base_scores).max() > 0.01
