@@ -91,11 +91,10 @@ class SequenceClassifier(LoraHost, Adapter):
     def _trace(self) -> tuple[traced.TracedForward | None, str]:
         """The torch model's logits traced on the CPU (runtimes/traced.py), probed as
         the embedder's forward is."""
-        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
         return traced.trace_probed(
             self._torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
-            lambda texts: dict(to_device((self.direct or self._own_features)(texts), self.device)),
-            list(CHECK_SET), longest, self.max_seq_len)
+            lambda texts: dict(self._features(texts)), list(CHECK_SET),
+            traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter
@@ -209,12 +208,16 @@ class SequenceClassifier(LoraHost, Adapter):
         # verbose=False: counting a text over the limit is the point here, not a reason to warn.
         return self.tokenizer(inputs, truncation=False, return_length=True, verbose=False)["length"]
 
+    def _features(self, texts: list[str]) -> Any:
+        """Token tensors of one micro-batch on the device, as the model is fed them."""
+        return to_device((self.direct or self._own_features)(texts), self.device)
+
     def _own_features(self, texts: list[str]) -> Any:
         return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
 
     def _forward(self, model: Any, texts: list[str], slots: np.ndarray | None = None) -> tuple[Any, Any]:
         """(logits, tokens per text) of one micro-batch, each row with its LoRA slot (None: the base alone)."""
-        features = to_device((self.direct or self._own_features)(texts), self.device)
+        features = self._features(texts)
         base = slots is None or not slots.any()
         # Rows of the base alone replay the traced graph where it takes them (the adapters' hooks run only eagerly).
         logits = self.compiled(features) if base and self.compiled is not None and model is self.model else None

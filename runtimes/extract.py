@@ -109,10 +109,10 @@ class TokenClassifier(LoraHost, Adapter):
         )
         self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
         if self.device == "cpu":
-            longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
             self.compiled, self.traced_why = traced.trace_probed(
                 torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
-                lambda texts: model_inputs(self._features(texts)), list(CHECK_SET), longest, self.max_seq_len)
+                lambda texts: model_inputs(self._features(texts)), list(CHECK_SET),
+                traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
         self._extract(CHECK_SET)  # warm-up: pay kernel selection at load
 
     def _set_tables(self, label_sets: list[list[str]]) -> None:

@@ -143,7 +143,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     def _trace(self) -> tuple[traced.TracedForward | None, str]:
         """The torch model's logits traced on the CPU (runtimes/traced.py), probed on
         (query, document) pairs as the embedder's forward is on texts."""
-        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
+        longest = traced.long_text(CHECK_SET, self.max_seq_len)
         return traced.trace_probed(
             self._torch, self.spec.name, [self.model], lambda held, f: self._logits_of(held[0], f),
             lambda pairs: dict(to_device(self._features(self.model, *unzipped(pairs)), self.device)), CHECK_PAIRS,
@@ -245,7 +245,8 @@ class CrossEncoderAdapter(LoraHost, Adapter):
                    + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
         with torch.inference_mode():
             for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
-                rows = slots[idx] if slots is not None and slots[idx].any() else None
+                rows = None if slots is None else slots[idx]
+                rows = rows if rows is not None and rows.any() else None
                 with self.loras.rows(rows, self.device) if rows is not None else nullcontext():
                     raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx],
                                               base=rows is None)

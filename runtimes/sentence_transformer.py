@@ -224,10 +224,9 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         """The base's forward traced on the CPU (runtimes/traced.py), checked on one
         short text, a padded batch and the longest input probed beside a short one,
         timed on one short text and four."""
-        longest = " ".join(CHECK_SET) * (min(self.max_seq_len, traced.PROBE_TOKENS) // 8 + 1)
         return traced.trace_probed(self._torch, self.spec.name, self._modules, pooled,
-                                   lambda texts: self._tokenized(list(texts)), list(CHECK_SET), longest,
-                                   self.max_seq_len)
+                                   lambda texts: self._tokenized(list(texts)), list(CHECK_SET),
+                                   traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Unit vectors from a full forward (the check compares directions)."""

@@ -141,8 +141,8 @@ def trace_probed(torch: Any, name: str, modules: list[Any], run: Run, tokenized:
     """`trace` with the probes every encoder takes: recorded on two of `inputs`
     (texts or pairs) padded together, checked on one input, four padded together and
     `longest` (cut to min(`max_tokens`, PROBE_TOKENS) tokens) beside a short one, timed
-    on the first two. `tokenized`: the adapter's features of some inputs, as it serves
-    them. The log says why when it runs eagerly."""
+    on the first two (`long_text` makes a long one). `tokenized`: the adapter's features
+    of some inputs, as it serves them. The log says why when it runs eagerly."""
     tokens = min(max_tokens, PROBE_TOKENS)
     probes = [tokenized(inputs[1:2]), tokenized(inputs[:4]), cut(torch, tokenized([longest, inputs[0]]), tokens)]
     with torch.inference_mode():
@@ -150,6 +150,12 @@ def trace_probed(torch: Any, name: str, modules: list[Any], run: Run, tokenized:
     if got is None:
         log.info("traced forward %s: off, %s; running eagerly", name, why)
     return got, why
+
+
+def long_text(texts: list[str], max_tokens: int) -> str:
+    """`texts` repeated into one text of at least min(`max_tokens`, PROBE_TOKENS)
+    tokens (they have 8 or more tokens each): `trace_probed`'s longest probe."""
+    return " ".join(texts) * (min(max_tokens, PROBE_TOKENS) // 8 + 1)
 
 
 def cut(torch: Any, features: dict[str, Any], tokens: int) -> dict[str, Any]:
