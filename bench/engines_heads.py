@@ -43,23 +43,28 @@ from bench.tokens import package_model_dir
 
 BATCH = 32
 LABELS = ["negative", "neutral", "positive"]
+#: Head -> its labels: a one-label cross-encoder, a three-label classifier (both
+#: sequence classification) and a five-label BIO tagger (token classification).
+HEADS = {"rerank": ["relevant"], "classify": LABELS, "extract": ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]}
 
 
-def build(root: Path) -> dict[str, Path]:
-    """The two MiniLM-size heads, random weights, MiniLM's tokenizer."""
+def build(root: Path, tasks: tuple[str, ...] = ("rerank", "classify")) -> dict[str, Path]:
+    """MiniLM-size heads of `tasks` (HEADS), random weights (seed 0), MiniLM's tokenizer."""
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification
 
     src = package_model_dir()
     tok = AutoTokenizer.from_pretrained(src)
     base = BertConfig.from_pretrained(src).to_dict()
     out = {}
-    for task, labels in (("rerank", ["relevant"]), ("classify", LABELS)):
+    for task in tasks:
+        labels = HEADS[task]
         cfg = BertConfig(**{**base, "num_labels": len(labels), "id2label": dict(enumerate(labels)),
                             "label2id": {n: i for i, n in enumerate(labels)}})
         torch.manual_seed(0)
         folder = root / task
-        BertForSequenceClassification(cfg).eval().save_pretrained(folder)
+        head = BertForTokenClassification if task == "extract" else BertForSequenceClassification
+        head(cfg).eval().save_pretrained(folder)
         tok.save_pretrained(folder)
         out[task] = folder
     return out

@@ -26,31 +26,7 @@ import time
 from pathlib import Path
 
 from bench import corpus
-from bench.tokens import package_model_dir
-
-BATCH = 32
-HEADS = {"rerank": ["relevant"], "classify": ["negative", "neutral", "positive"],
-         "extract": ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]}
-
-
-def build(root: Path) -> dict[str, Path]:
-    """The three MiniLM-size heads, random weights (seed 0), MiniLM's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification
-
-    src = package_model_dir()
-    tok = AutoTokenizer.from_pretrained(src)
-    base = BertConfig.from_pretrained(src).to_dict()
-    out = {}
-    for task, labels in HEADS.items():
-        cfg = BertConfig(**{**base, "num_labels": len(labels), "id2label": dict(enumerate(labels)),
-                            "label2id": {n: i for i, n in enumerate(labels)}})
-        torch.manual_seed(0)
-        cls = BertForTokenClassification if task == "extract" else BertForSequenceClassification
-        cls(cfg).eval().save_pretrained(root / task)
-        tok.save_pretrained(root / task)
-        out[task] = root / task
-    return out
+from bench.engines_heads import BATCH, HEADS, build
 
 
 def measure(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
@@ -102,7 +78,7 @@ def main() -> None:
     import torch
 
     with tempfile.TemporaryDirectory(prefix="fleet-traced-heads-") as tmp:
-        folders = build(Path(tmp))
+        folders = build(Path(tmp), tuple(HEADS))
         doc = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
                "load_average_before": os.getloadavg(), "heads": measure(folders, corpus.load(), args.rounds),
                "load_average_after": os.getloadavg()}
