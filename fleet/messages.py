@@ -67,7 +67,7 @@ class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
 #: What `Envelope.stamps` marks, in order: the step that served the batch began
 #: (the worker woke), its head was claimed, lingering for more ended, the payloads
 #: were decoded; the adapter's last micro-batch was tokenized, through the forward
-#: and pooling, its vectors on the host (`Adapter.marks`: adapters that stamp);
+#: and pooling, its vectors on the host (`BatchContext.marks`: adapters that stamp);
 #: the batch's results were out of the adapter.
 WORKER_STAGES = ("woke", "claimed", "lingered", "decoded", "tokenized", "forward", "host", "ran")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator
 from typing import Any, ClassVar
 
 import msgspec
@@ -29,10 +29,34 @@ CPU_FIXED_TOKENS = 128.0
 TYPICAL_CHARS_PER_TOKEN = 4.0
 
 
-class NotWanted(Exception):
-    """Raised between the micro-batches of `run_batch` (`Adapter.wanted` said so): no
-    request of the batch is wanted any longer (each passed its deadline or was
-    withdrawn), so the rest is not computed. The worker answers them `timeout`."""
+#: What `Adapter.batch` returns: yields (nothing) before each micro-batch, returns the results.
+Steps = Generator[None, None, list]
+
+
+@dataclass
+class BatchContext:
+    """What one batch tells its adapter, and what the adapter tells back: explicit,
+    one per batch, so a batch run between two micro-batches of another has its own
+    (nothing on the adapter is set by someone else and put back).
+
+    `micro_cap`: inputs per micro-batch while clients share the model (None: the
+    profile's `micro_batch_items`), so that another client's request waits at most
+    one short micro-batch. `marks`: when the batch's last micro-batch was
+    tokenized, through the forward (and pooling) and on the host (CLOCK_MONOTONIC
+    ns), the request timeline's adapter stages (fleet.messages.WORKER_STAGES);
+    adapters that do not stamp leave zeros."""
+
+    micro_cap: int | None = None
+    marks: tuple[int, int, int] = (0, 0, 0)
+
+
+def run_through(steps: Steps) -> list:
+    """Every step of `steps` (`Adapter.batch`) in one call: its results."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass(frozen=True)
@@ -88,21 +112,6 @@ class Adapter(abc.ABC):
         #: What runs the forward and how it was chosen (runtimes.engines.Choice; None:
         #: torch, never measured). `fleetctl ps` shows it.
         self.choice: Any = None
-        #: When the last `run_batch` had its last micro-batch tokenized, through the
-        #: forward (and pooling) and on the host (CLOCK_MONOTONIC ns): the request
-        #: timeline's adapter stages (fleet.messages.WORKER_STAGES). Adapters that
-        #: do not stamp leave zeros.
-        self.marks: tuple[int, int, int] = (0, 0, 0)
-        #: Set by the worker around `run_batch` (None: never asked): called with the
-        #: index of the micro-batch about to run, False once no request of the batch
-        #: is wanted; an adapter that loops over micro-batches asks before each
-        #: (`hf_common.micro_batches`) and raises NotWanted. Cheap: lock-free reads.
-        self.wanted: Callable[[int], bool] | None = None
-        #: Set by the worker around `run_batch` while clients share the model (None:
-        #: the profile's `micro_batch_items`): fewer inputs per micro-batch, so that
-        #: another client's request waits at most one short micro-batch (`wanted`
-        #: runs it between two). Adapters read `micro_items()`.
-        self.micro_cap: int | None = None
         #: A forward's fixed cost in padded tokens on this device (per-layer dispatch,
         #: thread wake-ups): micro-batches are cut where padding texts to one length
         #: costs more than another forward (`hf_common.micro_batches`). A CPU starts
@@ -115,10 +124,10 @@ class Adapter(abc.ABC):
         """What runs the forward: the measured or forced choice's engine, else torch."""
         return self.choice.candidate.engine if self.choice is not None else "torch"
 
-    def micro_items(self) -> int:
-        """Inputs per micro-batch for the batch running now: the profile's, or fewer (`micro_cap`)."""
+    def micro_items(self, ctx: BatchContext) -> int:
+        """Inputs per micro-batch for the batch of `ctx`: the profile's, or fewer (`BatchContext.micro_cap`)."""
         step = self.spec.profile.micro_batch_items
-        return step if self.micro_cap is None else max(1, min(step, self.micro_cap))
+        return step if ctx.micro_cap is None else max(1, min(step, ctx.micro_cap))
 
     def fixed_chars(self) -> float:
         """`fixed_tokens` in the characters adapters measure texts in for
@@ -133,9 +142,20 @@ class Adapter(abc.ABC):
     def footprint_bytes(self) -> int:
         """Bytes this model holds on its device (measured after load)."""
 
-    @abc.abstractmethod
-    def run_batch(self, requests: list[Any]) -> list[msgspec.Struct]:
-        """Run decoded requests together; one result (or WorkError) per request, in order."""
+    def run_batch(self, requests: list[Any], ctx: BatchContext | None = None) -> list[msgspec.Struct]:
+        """Run decoded requests together; one result (or WorkError) per request, in order.
+        Adapters that cut micro-batches implement `batch` instead, and this runs all of it."""
+        return run_through(self.batch(requests, BatchContext() if ctx is None else ctx))
+
+    def batch(self, requests: list[Any], ctx: BatchContext) -> Steps:
+        """`run_batch` as steps: a generator that yields before each micro-batch (the
+        worker's step loop decides there whether the rest is still wanted, and what
+        runs before it) and returns the results. An adapter without micro-batches
+        implements `run_batch(requests)` alone: it is then one step with no boundary."""
+        if type(self).run_batch is Adapter.run_batch:
+            raise TypeError(f"{type(self).__name__} implements neither run_batch nor batch: this is a bug")
+        return self.run_batch(requests)
+        yield  # a generator with no boundary
 
     def unload(self) -> None:
         """Release device memory. Default: drop references."""

@@ -26,6 +26,7 @@ at pull: pulls run in the API process, which never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from fleet.errors import BadRequest, ModelLoadFailed
 from fleet.messages import SparseEmbedResult, SparseVec, TokenEmbedResult, WorkError
 from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
     CHECK_SET, Agreement, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
@@ -138,7 +139,8 @@ class BgeM3Embedder(Adapter):
             run=self._check_rows, agree=rows_agree(MIN_COSINE),
         )
         # Warm-up: the first forward of each shape pays kernel selection; pay it at load.
-        self._embed(CHECK_SET, np.arange(len(CHECK_SET)) % 3, np.zeros(len(CHECK_SET), dtype=np.int64))
+        run_through(self._embed(CHECK_SET, np.arange(len(CHECK_SET)) % 3, np.zeros(len(CHECK_SET), dtype=np.int64),
+                                ctx=BatchContext()))
 
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
@@ -170,7 +172,7 @@ class BgeM3Embedder(Adapter):
                 return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
-    def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
+    def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
@@ -183,7 +185,7 @@ class BgeM3Embedder(Adapter):
                                       count=len(live)), counts)
         top_k = np.repeat(np.fromiter((requests[i].top_k or 0 for i in live), dtype=np.int64, count=len(live)),
                           counts)
-        dense, per_token, sparse, tokens = self._embed(texts, wants, top_k)
+        dense, per_token, sparse, tokens = yield from self._embed(texts, wants, top_k, ctx=ctx)
         # 3. One result per request: dense vectors cut, normalised and converted as
         #    each asks (runtimes.dense), token vectors normalised as each asks.
         if dense_live := [i for i in live if requests[i].output == "dense"]:
@@ -214,11 +216,15 @@ class BgeM3Embedder(Adapter):
     def _forward(self, model: Any, features: dict[str, Any]) -> Any:
         return model["backbone"](**to_device(features, self.device)).last_hidden_state
 
-    def _embed(self, texts: list[str], wants: np.ndarray, top_k: np.ndarray,
-               ) -> tuple[np.ndarray, dict[int, np.ndarray], list[Any], np.ndarray]:
+    def _embed(self, texts: list[str], wants: np.ndarray, top_k: np.ndarray, *, ctx: BatchContext,
+               ) -> Generator[None, None, tuple[np.ndarray, dict[int, np.ndarray], list[Any], np.ndarray]]:
         """Per text, in input order: its dense vector (rows of `dense` for texts
         that want it), token vectors (t_i - 1, d'), sparse vector (SparseVec),
-        tokens read. Only the heads some text of a micro-batch wants run on it."""
+        tokens read. Only the heads some text of a micro-batch wants run on it.
+        Texts run in length-sorted micro-batches, the generator yielding before
+        each (the worker's step loop decides there whether the rest is wanted:
+        `Adapter.batch`), outside inference mode (a thread-local switch another
+        batch's steps may flip between)."""
         torch = self._torch
         n = len(texts)
         dense = np.empty((n, self.dim), dtype=np.float32)
@@ -226,8 +232,9 @@ class BgeM3Embedder(Adapter):
         sparse: list[Any] = [None] * n
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 features = (self.direct or self._own_features)([texts[j] for j in idx])
                 mask = features["attention_mask"]
                 used = mask.sum(dim=1).numpy()

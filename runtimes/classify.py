@@ -15,13 +15,14 @@ gives its rows -inf past their own width, which no row's answer includes.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from fleet.protocol import ClassifyRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, labels_agree, load_transformers, max_length, micro_batches, offsets, over_char_bound,
@@ -67,7 +68,7 @@ class SequenceClassifier(LoraHost, Adapter):
             self.compiled, self.traced_why = self._trace()
         #: Per bank slot: (labels, multi-label?) of the rows of that adapter (slot 0: the base's).
         self.label_sets: list[tuple[list[str], bool]] = [(self.labels, self.multi_label)]
-        self._logits(CHECK_SET)  # warm-up: pay kernel selection at load
+        run_through(self._logits(CHECK_SET, ctx=BatchContext()))  # warm-up: pay kernel selection at load
 
     def _serve(self, model: Any) -> Any:
         """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
@@ -150,7 +151,7 @@ class SequenceClassifier(LoraHost, Adapter):
             return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
-    def run_batch(self, requests: list[ClassifyRequest]) -> list[Any]:
+    def batch(self, requests: list[ClassifyRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that refuse truncation and have an input over the limit fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
@@ -163,7 +164,7 @@ class SequenceClassifier(LoraHost, Adapter):
         request_slots = np.zeros(len(live), dtype=np.int64) if slots is None else slots[offsets(counts)[0]]
         sets = [self.label_sets[k] for k in request_slots.tolist()]
         width = max(len(labels) for labels, _ in sets)
-        logits, tokens = self._logits(texts, slots, width)
+        logits, tokens = yield from self._logits(texts, slots, width, ctx=ctx)
         # 3. Every row's scores in each form, then each row takes the one its request asked for.
         mode = np.repeat(np.fromiter((self._mode(requests[i], multi) for i, (_, multi) in zip(live, sets)),
                                      dtype=np.int8, count=len(live)), counts)
@@ -227,17 +228,21 @@ class SequenceClassifier(LoraHost, Adapter):
         logits = logits.float()
         return logits, features["attention_mask"].sum(dim=1)
 
-    def _logits(self, texts: list[str], slots: np.ndarray | None = None,
-                width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _logits(self, texts: list[str], slots: np.ndarray | None = None, width: int | None = None, *,
+                ctx: BatchContext) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
         """float32 logits (n, width) and tokens per text, in input order; a row's
-        columns past its own head's width are -inf."""
+        columns past its own head's width are -inf. Texts run in length-sorted
+        micro-batches, the generator yielding before each (the worker's step loop
+        decides there whether the rest is wanted: `Adapter.batch`), outside
+        inference mode (a thread-local switch another batch's steps may flip between)."""
         torch = self._torch
         n = len(texts)
         logits = np.full((n, width or len(self.labels)), -np.inf, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 raw, used = self._forward(self.model, [texts[j] for j in idx],
                                           None if slots is None else slots[idx])
                 logits[idx, : raw.shape[1]] = raw.cpu().numpy()

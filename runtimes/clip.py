@@ -4,7 +4,7 @@ Any transformers folder whose model has `get_image_features` and
 `get_text_features` (CLIPModel, SiglipModel, Siglip2Model and other dual
 encoders of that shape) with its tokenizer and image processor
 (`preprocessor_config.json`). An item of `inputs` is a text or `{image: bytes}`;
-both kinds of one batch run in the same `run_batch`, texts through the text
+both kinds of one batch run in the same `batch`, texts through the text
 tower and images through the vision tower.
 
 SigLIP and SigLIP 2 (model types `siglip`, which SigLIP 2's fixed-resolution
@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import inspect
 import io
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
 
 from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
-    CHECK_SET, char_bound, check_wanted, choose_dtype, cut_to_bound, first_too_long, footprint_bytes,
+    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, min_cosine, to_device,
 )
 from fleet.messages import WorkError
@@ -113,8 +114,8 @@ class ClipEmbedder(Adapter):
         self.dim = int(self._check_vectors(self.model).shape[1])  # also the warm-up forward of both towers
 
     def _check_vectors(self, model: Any) -> np.ndarray:
-        texts, _ = self._texts(model, CHECK_SET)
-        images, _ = self._images(model, check_images())
+        texts, _ = run_through(self._texts(model, CHECK_SET, ctx=BatchContext()))
+        images, _ = run_through(self._images(model, check_images(), ctx=BatchContext()))
         rows = np.concatenate([texts, images])
         return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
@@ -153,7 +154,7 @@ class ClipEmbedder(Adapter):
                                           self.max_seq_len)
         return items, None
 
-    def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
+    def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Decode images and check inputs per request: a bad one fails alone.
         results: list[Any] = [None] * len(requests)
         live, items = [], []
@@ -173,20 +174,28 @@ class ClipEmbedder(Adapter):
         vectors = np.empty((len(items), self.dim), dtype=np.float32)
         tokens = np.full(len(items), self.image_tokens, dtype=np.int64)
         if len(text_at):
-            vectors[text_at], tokens[text_at] = self._texts(self.model, [items[j] for j in text_at])
+            vectors[text_at], tokens[text_at] = yield from self._texts(self.model, [items[j] for j in text_at],
+                                                                       ctx=ctx)
         if len(image_at):
-            vectors[image_at], tokens[image_at] = self._images(self.model, [items[j] for j in image_at])
+            vectors[image_at], tokens[image_at] = yield from self._images(self.model, [items[j] for j in image_at],
+                                                                          ctx=ctx)
         # 3. Cut, normalise and convert per request, and split back (runtimes.dense).
         finish_dense(vectors, tokens, requests, live, results)
         return results
 
-    def _texts(self, model: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(n, d) float32 text features in input order, tokens per text."""
+    def _texts(self, model: Any, texts: list[str], *, ctx: BatchContext,
+               ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """(n, d) float32 text features in input order, tokens per text. Texts run
+        in length-sorted micro-batches, the generator yielding before each (the
+        worker's step loop decides there whether the rest is wanted: `Adapter.batch`),
+        outside inference mode (a thread-local switch another batch's steps may flip
+        between)."""
         torch = self._torch
         out, used = None, np.empty(len(texts), dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 enc = self.tokenizer(cut_to_bound([texts[j] for j in idx], self.max_seq_len), padding=self.padding,
                                      truncation=True, max_length=self.max_seq_len, return_tensors="pt")
                 # Only what a text tower takes (a BERT-style tokenizer adds token_type_ids).
@@ -198,18 +207,22 @@ class ClipEmbedder(Adapter):
                 used[idx] = enc["attention_mask"].sum(dim=1).cpu().numpy()
         return out, used
 
-    def _images(self, model: Any, images: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    def _images(self, model: Any, images: list[Any], *, ctx: BatchContext,
+                ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
         """(n, d) float32 image features in order, vision positions per image
         (images are resized to one shape or patch budget, so micro-batches need
-        no length sort)."""
+        no length sort). Images run in micro-batches, the generator yielding before
+        each (the worker's step loop decides there whether the rest is wanted:
+        `Adapter.batch`), outside inference mode (a thread-local switch another
+        batch's steps may flip between)."""
         torch = self._torch
-        step = self.micro_items()
+        step = self.micro_items(ctx)
         parts = []
         used = np.full(len(images), self.image_tokens, dtype=np.int64)
         dtype = next(model.parameters()).dtype
-        with torch.inference_mode():
-            for k, lo in enumerate(range(0, len(images), step)):
-                check_wanted(self.wanted, k)
+        for lo in range(0, len(images), step):
+            yield
+            with torch.inference_mode():
                 out = self.processor(images=images[lo : lo + step], return_tensors="pt")
                 inputs = to_device({k: out[k] for k in self.image_inputs if k in out}, self.device)
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)

@@ -19,6 +19,7 @@ row's offset plus its argmax.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from contextlib import nullcontext
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
     load_transformers, max_length, micro_batches, over_char_bound, split_refused, to_device,
@@ -113,7 +114,7 @@ class TokenClassifier(LoraHost, Adapter):
                 torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
                 lambda texts: model_inputs(self._features(texts)), list(CHECK_SET),
                 traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
-        self._extract(CHECK_SET)  # warm-up: pay kernel selection at load
+        run_through(self._extract(CHECK_SET, ctx=BatchContext()))  # warm-up: pay kernel selection at load
 
     def _set_tables(self, label_sets: list[list[str]]) -> None:
         """The tag tables of every bank slot's labels laid end to end; `offset[slot]`
@@ -153,7 +154,7 @@ class TokenClassifier(LoraHost, Adapter):
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model) + self.lora_bytes()
 
-    def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
+    def batch(self, requests: list[ExtractRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot serve as asked fail alone.
         results, live = split_refused(requests, self._refusal)
         if not live:
@@ -162,7 +163,7 @@ class TokenClassifier(LoraHost, Adapter):
         counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
         # 2. All texts together in length-sorted micro-batches, each row with its LoRA
         #    adapter (bank slot); spans per text.
-        spans, tokens = self._extract(texts, self.row_slots(requests, live, counts))
+        spans, tokens = yield from self._extract(texts, self.row_slots(requests, live, counts), ctx=ctx)
         # 3. Split back per request.
         at = 0
         for i in live:
@@ -208,17 +209,21 @@ class TokenClassifier(LoraHost, Adapter):
                 logits = model(**inputs).logits
         return logits.float()
 
-    def _extract(self, texts: list[str], slots: np.ndarray | None = None,
-                 ) -> tuple[list[list[EntitySpan]], np.ndarray]:
+    def _extract(self, texts: list[str], slots: np.ndarray | None = None, *, ctx: BatchContext,
+                 ) -> Generator[None, None, tuple[list[list[EntitySpan]], np.ndarray]]:
         """Entity spans per text and tokens per text, in input order (`slots`: the
-        LoRA bank slot per text, None: all the base's)."""
+        LoRA bank slot per text, None: all the base's). Texts run in length-sorted
+        micro-batches, the generator yielding before each (the worker's step loop
+        decides there whether the rest is wanted: `Adapter.batch`), outside
+        inference mode (a thread-local switch another batch's steps may flip between)."""
         torch = self._torch
         n = len(texts)
         spans: list[list[EntitySpan]] = [[] for _ in range(n)]
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 features = self._features([texts[j] for j in idx])
                 row_slots = None if slots is None else slots[idx]
                 # Softmax over the row's own labels: a narrower head's -inf columns get 0.

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from fleet.errors import ModelLoadFailed
 from fleet.gliner_backbone import BACKBONE_DIR
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.protocol import ExtractRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps
 from runtimes.hf_common import (
     CHECK_SET, choose_dtype, cut_to_bound, footprint_bytes, input_too_long, labels_agree, micro_batches,
     over_char_bound, to_device,
@@ -351,7 +352,7 @@ class GlinerExtractor(Adapter):
                 return input_too_long(self.spec.name, f"input {over}", words[over], self.max_words, "words")
         return None
 
-    def run_batch(self, requests: list[ExtractRequest]) -> list[Any]:
+    def batch(self, requests: list[ExtractRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that cannot run fail alone; the others group by their labels.
         results: list[Any] = [self.refuse(r) for r in requests]
         groups: dict[tuple[str, ...], list[int]] = {}
@@ -361,7 +362,7 @@ class GlinerExtractor(Adapter):
         # 2. One run per label list over all of its requests' texts; split back.
         for labels, members in groups.items():
             texts = cut_to_bound([t for i in members for t in requests[i].inputs], self.max_words)
-            spans, words = self.extract(texts, list(labels))
+            spans, words = yield from self.extract(texts, list(labels), ctx=ctx)
             at = 0
             for i in members:
                 n = len(requests[i].inputs)
@@ -369,16 +370,20 @@ class GlinerExtractor(Adapter):
                 at += n
         return results
 
-    def extract(self, texts: list[str], labels: list[str]) -> tuple[list[list[EntitySpan]], np.ndarray]:
+    def extract(self, texts: list[str], labels: list[str], *, ctx: BatchContext,
+                ) -> Generator[None, None, tuple[list[list[EntitySpan]], np.ndarray]]:
         """Spans per text (text order) and words read per text; texts run in
-        length-sorted micro-batches. A text without a word has no span and no forward."""
+        length-sorted micro-batches, the generator yielding before each (the
+        worker's step loop decides there whether the rest is wanted: `Adapter.batch`).
+        A text without a word has no span and no forward."""
         n = len(texts)
         out: list[list[EntitySpan]] = [[] for _ in range(n)]
         split = [split_words(t, self.max_words) for t in texts]
         words_read = np.fromiter((len(w) for w, _, _ in split), dtype=np.int64, count=n)
         live = np.flatnonzero(words_read > 0)
         lengths = np.fromiter((len(texts[j]) for j in live), dtype=np.int64, count=len(live))
-        for part in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for part in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
             idx = live[part]
             probs = self._probs(self.model, [split[j][0] for j in idx], labels)
             for row, j in enumerate(idx.tolist()):

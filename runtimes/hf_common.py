@@ -26,7 +26,7 @@ import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
-from runtimes.base import ModelSpec, NotWanted
+from runtimes.base import ModelSpec
 from runtimes.device import fast_dtypes
 
 log = logging.getLogger("fleet.worker")
@@ -342,8 +342,7 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
     return results, [i for i, r in enumerate(results) if r is None]
 
 
-def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int], bool] | None = None,
-                  fixed: float = 0.0) -> Iterator[np.ndarray]:
+def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
     `lengths` is any per-input size proxy (characters are enough: the order
@@ -351,14 +350,11 @@ def micro_batches(lengths: np.ndarray, step: int, wanted: Callable[[int], bool] 
     `fixed`: a forward's fixed cost in the units of `lengths` (`Adapter.fixed_chars`):
     the sorted inputs are cut where padding them to one length would cost more
     than another forward (`padding_cuts`); 0 cuts by count alone.
-    `wanted` (the adapter's `wanted`, set by the worker) is asked before each
-    micro-batch (`check_wanted`): the rest of a batch nobody waits for is not run.
     """
     order = np.argsort(lengths, kind="stable")
     n, step = len(order), max(1, step)
     bounds = padding_cuts(lengths[order], step, fixed) if fixed > 0 and n > 1 else [*range(0, n, step), n]
     for k in range(len(bounds) - 1):
-        check_wanted(wanted, k)
         yield order[bounds[k] : bounds[k + 1]]
 
 
@@ -387,12 +383,6 @@ def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:
     while bounds[-1]:
         bounds.append(int(back[bounds[-1]]))
     return bounds[::-1]
-
-
-def check_wanted(wanted: Callable[[int], bool] | None, k: int) -> None:
-    """Before micro-batch `k` of a batch: NotWanted when no request of it is wanted any longer."""
-    if wanted is not None and not wanted(k):
-        raise NotWanted
 
 
 def offsets(counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Generator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,7 +44,7 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import RerankResult, WorkError
 from fleet.protocol import RerankRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.hf_common import (
     CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long,
     micro_batches, offsets, over_char_bound, split_refused, to_device, tokenize_probes,
@@ -344,7 +345,7 @@ class LlmReranker(Adapter):
                            (("false_token", self.fmt.false_token), ("true_token", self.fmt.true_token))]
         self.fast = prompt_tokenizer(tokenizer, self.fmt, self._own_features, self.spec.name)
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
-        self._score(self.fmt.inputs(self.instruction, CHECK_SET[1], CHECK_SET))
+        run_through(self._score(self.fmt.inputs(self.instruction, CHECK_SET[1], CHECK_SET), ctx=BatchContext()))
 
     def _dtype(self) -> str:
         wanted = self.spec.profile.dtype
@@ -380,7 +381,7 @@ class LlmReranker(Adapter):
     def _instruction(self, req: RerankRequest) -> str | None:
         return self.instruction if req.instruction is None else req.instruction
 
-    def run_batch(self, requests: list[RerankRequest]) -> list[Any]:
+    def batch(self, requests: list[RerankRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that refuse truncation and have a pair over the limit fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
@@ -393,7 +394,7 @@ class LlmReranker(Adapter):
             inputs.extend(self.fmt.inputs(self._instruction(req), query, cut_to_bound(req.docs, self.max_seq_len)))
         counts = np.fromiter((len(requests[i].docs) for i in live), dtype=np.int64, count=len(live))
         # 3. Score them together, length-sorted into micro-batches.
-        logits, tokens = self._score(inputs)
+        logits, tokens = yield from self._score(inputs, ctx=ctx)
         # 4. Per request: log-odds or their sigmoid, best first, cut to top_n.
         activated = 1.0 / (1.0 + np.exp(-logits))
         starts, ends = offsets(counts)
@@ -425,16 +426,21 @@ class LlmReranker(Adapter):
             return self.fast(inputs)
         return self._own_features(inputs)
 
-    def _score(self, inputs: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """(log-odds float32, tokens read int64) per pair, in input order."""
+    def _score(self, inputs: list[Any], *, ctx: BatchContext) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """(log-odds float32, tokens read int64) per pair, in input order. Pairs run
+        in length-sorted micro-batches, the generator yielding before each (the
+        worker's step loop decides there whether the rest is wanted: `Adapter.batch`),
+        outside inference mode (a thread-local switch another batch's steps may flip
+        between)."""
         torch = self._torch
         n = len(inputs)
         logits = np.empty(n, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         lengths = np.fromiter((len(x) if x.__class__ is str else len(x[0]) + len(x[1]) for x in inputs),
                               dtype=np.int64, count=n)
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 features = self._features([inputs[j] for j in idx])
                 tokens[idx] = features["attention_mask"].sum(dim=1).numpy()
                 features = to_device(features, self.device)

@@ -524,3 +524,8 @@ def attach_lora(adapter: Any, lora: str, resolve: Callable[[str], ModelSpec],
         log.exception("attaching %s failed", lora)
         return WorkError("model_load_failed", f"cannot attach LoRA adapter {lora!r}: {type(exc).__name__}: {exc}")
     return None
+
+
+def batch_loras(adapter: Any, requests: list) -> tuple[str, ...]:
+    """The LoRA adapters a batch mixes (store names, sorted): its replies' `X-Batch-Adapters`."""
+    return tuple(sorted({lora for r in requests if (lora := adapter.lora_of(r)) is not None}))

@@ -42,6 +42,27 @@ log = logging.getLogger("fleet.worker")
 _LIBC: Any = None
 
 
+#: Heap trims (`HeapTrim`) at most this often: one costs a few ms on a large heap.
+TRIM_EVERY_NS = 1_000_000_000
+
+
+@dataclass
+class HeapTrim:
+    """Returns the heap freed by a worker's batches to the system when it idles, at
+    most every TRIM_EVERY_NS (issue 16: worker RSS kept climbing under mixed load)."""
+
+    trim: Callable[[], None] = field(default=lambda: return_freed_heap())
+    #: (batches run, clock ns) at the last trim.
+    last: tuple[int, int] = (0, 0)
+
+    def if_due(self, batches: int, now_ns: int) -> None:
+        """Nothing waits: trim if batches ran since the last trim, long enough ago."""
+        seq, at = self.last
+        if batches != seq and now_ns - at >= TRIM_EVERY_NS:
+            self.trim()
+            self.last = (batches, now_ns)
+
+
 def return_freed_heap() -> None:
     """Give the C heap's free pages back to the system (glibc `malloc_trim`). Freed
     batch buffers (tokenizer output, activations under glibc's raised mmap threshold)

@@ -558,3 +558,18 @@ def should_load_copy(queued_tokens: int, holders: int, cost: BatchCost | None, l
     if cost is None:
         return False
     return cost.predict_ms(queued_tokens) > holders * load_ms
+
+
+def rows_of(requests: list) -> int:
+    """Inputs a batch's requests carry (texts; a rerank's documents, `RerankRequest.docs`),
+    0 when their type names none (`micro_items_cap` then leaves micro-batches as the
+    profile says)."""
+    rows = 0
+    for r in requests:
+        inputs = getattr(r, "inputs", None)
+        if inputs is None:
+            inputs = getattr(r, "docs", None)
+        if inputs is None:
+            return 0
+        rows += len(inputs)
+    return rows

@@ -80,6 +80,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     from local_queue import LocalQueue
     from runtimes.memory import LoadLock, device_budget, device_used_bytes
     from runtimes.policy import paused_ns
+    from runtimes.residency import Hosting
     from runtimes.resolve import store_profiles, store_resolver
     from runtimes.worker import WorkerCore
 
@@ -90,14 +91,15 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     core = WorkerCore(
         queue, worker_id, device, store_resolver(settings, device),
         served_by=f"{settings.box_name}/{index}", lease_ms=settings.lease_ms,
-        memory=device_budget(
-            device, cpu_budget_bytes=settings.cpu_budget_bytes, cpu_budget_fraction=settings.cpu_budget_fraction,
-            cpu_reserve_bytes=settings.cpu_reserve_bytes, gpu_reserve_bytes=settings.gpu_reserve_bytes,
-            fleet_used_bytes=device_used_bytes(queue, device),
+        hosting=Hosting(
+            memory=device_budget(
+                device, cpu_budget_bytes=settings.cpu_budget_bytes, cpu_budget_fraction=settings.cpu_budget_fraction,
+                cpu_reserve_bytes=settings.cpu_reserve_bytes, gpu_reserve_bytes=settings.gpu_reserve_bytes,
+                fleet_used_bytes=device_used_bytes(queue, device),
+            ),
+            load_timeout_ms=settings.load_timeout_ms, load_lock=LoadLock.for_device(settings.home, device),
         ),
-        load_lock=LoadLock.for_device(settings.home, device),
         max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
-        load_timeout_ms=settings.load_timeout_ms,
     )
     core.residency.profile_of = store_profiles(settings, device)  # a SIGHUP's `profile` command
     core.publish_info()

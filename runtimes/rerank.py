@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
+from collections.abc import Generator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound, scores_agree,
@@ -118,7 +119,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         if self.device == "cpu" and self.engine == "torch":
             self.compiled, self.traced_why = self._trace()
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
-        self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
+        run_through(self._score([q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS], ctx=BatchContext()))
 
     def _serve(self, model: Any) -> Any:
         """What serves: torch in fp32 or a fast dtype, or OpenVINO f32 / bf16, the
@@ -175,7 +176,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         """A new adapter must score with one output, as the base does (`_forward` checks)."""
         for slot, adapter in enumerate(self.loras.by_slot):
             if adapter is not None and adapter.info is None:
-                self._score(*map(list, zip(*CHECK_PAIRS[:1])), np.array([slot]))
+                run_through(self._score(*map(list, zip(*CHECK_PAIRS[:1])), np.array([slot]), ctx=BatchContext()))
                 adapter.info = True
 
     def refuse(self, req: RerankRequest) -> WorkError | None:
@@ -191,7 +192,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
             return input_too_long(self.spec.name, f"query + document {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
-    def run_batch(self, requests: list[RerankRequest]) -> list[Any]:
+    def batch(self, requests: list[RerankRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that refuse truncation and have a pair over the limit fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
@@ -206,7 +207,8 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         counts = np.fromiter((len(requests[i].docs) for i in live), dtype=np.int64, count=len(live))
         # 3. Score them together, length-sorted into micro-batches, each pair with its
         #    request's LoRA adapter (bank slot).
-        logits, activated, tokens = self._score(queries, docs, self.row_slots(requests, live, counts))
+        logits, activated, tokens = yield from self._score(queries, docs, self.row_slots(requests, live, counts),
+                                                           ctx=ctx)
         # 4. Per request: its scores (raw or activated), best first, cut to top_n.
         starts, ends = offsets(counts)
         token_sums = np.add.reduceat(tokens, starts)
@@ -232,10 +234,14 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         # verbose=False: counting a pair over the limit is the point here, not a reason to warn.
         return self.tokenizer(queries, docs, truncation=False, return_length=True, verbose=False)["length"]
 
-    def _score(self, queries: list[str], docs: list[str], slots: np.ndarray | None = None,
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _score(self, queries: list[str], docs: list[str], slots: np.ndarray | None = None, *, ctx: BatchContext,
+               ) -> Generator[None, None, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(logits, activated scores, tokens) per pair, float32 / float32 / int64, in
-        input order (`slots`: the LoRA bank slot per pair; None: all the base's)."""
+        input order (`slots`: the LoRA bank slot per pair; None: all the base's).
+        Pairs run in length-sorted micro-batches, the generator yielding before
+        each (the worker's step loop decides there whether the rest is wanted:
+        `Adapter.batch`), outside inference mode (a thread-local switch another
+        batch's steps may flip between)."""
         torch = self._torch
         n = len(docs)
         logits = np.empty(n, dtype=np.float32)
@@ -243,8 +249,9 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         tokens = np.empty(n, dtype=np.int64)
         lengths = (np.fromiter((len(d) for d in docs), dtype=np.int64, count=n)
                    + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
-        with torch.inference_mode():
-            for idx in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            with torch.inference_mode():
                 rows = None if slots is None else slots[idx]
                 rows = rows if rows is not None and rows.any() else None
                 with self.loras.rows(rows, self.device) if rows is not None else nullcontext():

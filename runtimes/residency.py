@@ -84,6 +84,24 @@ def return_freed_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """How a worker hosts models on its device, beside its budget: the effects and
+    bounds its `Residency` is built with (injected: a simulated device sizes models
+    itself and has no allocator)."""
+
+    #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
+    memory: DeviceMemory | None = None
+    #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
+    load_timeout_ms: float = 300_000.0
+    #: One load at a time per device, across this daemon's workers (none when None: bare tests).
+    load_lock: LoadLock | None = None
+    #: A model's footprint before it loads (headers).
+    estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
+    #: Gives freed device memory back.
+    return_freed: Callable[[str], None] = return_freed_memory
+
+
 @dataclass(kw_only=True)
 class Residency:
     queue: object  # local_queue.LocalQueue

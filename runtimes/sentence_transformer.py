@@ -12,6 +12,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, nullcontext
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,10 @@ import numpy as np
 from fleet.errors import BadRequest, FleetError, ModelLoadFailed
 from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, GraphedForward, check_wanted, choose_dtype, cut_to_bound, direct_tokenizer,
+    CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
     first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
     prefetched, split_refused, to_device,
 )
@@ -135,7 +136,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         self.loras = None if target is None else Loras(self.spec.name, target, self.spec.profile.max_loras)
         # Warm-up: the first forward of each shape pays kernel selection (oneDNN,
         # cuBLAS); pay it at load, not in the first client's latency.
-        self._embed(CHECK_SET)
+        run_through(self._embed(CHECK_SET, ctx=BatchContext()))
         if self.device == "cpu" and self.engine == "torch":
             self.threads = self._measure_threads()
 
@@ -289,7 +290,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
-    def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
+    def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer (images, sparse, too long with
         #    truncate=false) fail alone.
         results, live = split_refused(requests, self.refuse)
@@ -313,8 +314,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         unit = want_tokens is None and all(requests[i].normalize for i in live)
         # 2. Embed all texts of the batch together, length-sorted into micro-batches,
         #    each text with its request's LoRA adapter (bank slot).
-        vectors, tokens, per_token = self._embed(texts, want_tokens, prompt_tokens,
-                                                 self.row_slots(requests, live, counts), unit=unit)
+        vectors, tokens, per_token = yield from self._embed(texts, want_tokens, prompt_tokens,
+                                                            self.row_slots(requests, live, counts), unit=unit, ctx=ctx)
         # 3. Split back, one result per request: per-token blocks, then dense vectors
         #    (cut, normalised and converted per request: runtimes.dense).
         if per_token:
@@ -376,8 +377,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
-               slots: np.ndarray | None = None, *, unit: bool = False,
-               ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+               slots: np.ndarray | None = None, *, unit: bool = False, ctx: BatchContext,
+               ) -> Generator[None, None, tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]:
         """float32 vectors (n, d) in input order, tokens used per text, and for
         the inputs flagged in `want_tokens` their token vectors (t_i, d) without
         padding (right-padded rows: the first `mask.sum()` positions are real).
@@ -389,7 +390,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         1. Length-sorted micro-batches (`micro_batches`): each is padded only to
            its own longest text.
         2. The `tokenize_ahead` thread tokenizes micro-batch k+1 while k runs;
-           before each, the worker's `wanted` is asked (NotWanted: nobody waits).
+           before each, the generator yields: the worker's step loop decides
+           there whether the rest is wanted and what runs first (`Adapter.batch`).
         3. Each micro-batch runs by CUDA-graph replay when a captured shape holds
            it, else eagerly; on CUDA its vectors come back by an async copy and
            the batch synchronises once at the end, not once per micro-batch.
@@ -402,7 +404,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             batches = [ONE_ROW]
         else:
             lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-            batches = list(micro_batches(lengths, self.micro_items(), fixed=self.fixed_chars()))
+            batches = list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_chars()))
         out = np.empty((n, self.dim), dtype=np.float32)
         cuda = self.device.startswith("cuda")
         # CUDA: vectors land in pinned host memory in sorted order by async copies,
@@ -411,8 +413,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         lo = 0
         with torch.inference_mode(), closing(prefetched(
                 batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead)) as ready:
-            for k, (idx, host) in enumerate(ready):
-                check_wanted(self.wanted, k)
+            for idx, host in ready:
+                yield
                 tokenized = time.monotonic_ns()
                 used = host["attention_mask"].sum(dim=1).numpy()
                 tokens[idx] = used
@@ -444,7 +446,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 finally:
                     if one:
                         self.threads.leave()
-                self.marks = (tokenized, forward, time.monotonic_ns())
+                ctx.marks = (tokenized, forward, time.monotonic_ns())
                 if wants:
                     rows = np.flatnonzero(want_tokens[idx])
                     block = features["token_embeddings"][torch.from_numpy(rows).to(self.device)].float().cpu().numpy()

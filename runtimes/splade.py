@@ -16,12 +16,13 @@ folder says "SPLADE", so `fleetctl pull` never guesses it: pull with
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
 
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter
+from runtimes.base import Adapter, BatchContext, Steps
 from runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, min_cosine, offsets, over_char_bound,
@@ -80,7 +81,7 @@ class SpladeEmbedder(Adapter):
                 return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
         return None
 
-    def run_batch(self, requests: list[EmbedRequest]) -> list[Any]:
+    def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
@@ -91,7 +92,7 @@ class SpladeEmbedder(Adapter):
         #    request's top_k applied per row.
         top_k = np.repeat(np.fromiter((requests[i].top_k or 0 for i in live), dtype=np.int64, count=len(live)),
                           counts)
-        vectors, tokens = self._sparse(texts, top_k)
+        vectors, tokens = yield from self._sparse(texts, top_k, ctx=ctx)
         # 3. One result per request.
         starts, ends = offsets(counts)
         for k, i in enumerate(live):
@@ -110,52 +111,65 @@ class SpladeEmbedder(Adapter):
         """Dense (n, V) float32 term weights (the dtype check compares these)."""
         out = np.empty((len(texts), self.vocab), dtype=np.float32)
         with self._torch.inference_mode():
-            for idx, weights, _ in self._passes(model, texts):
-                out[idx] = weights.float().cpu().numpy()
+            for group in self._groups(texts, BatchContext()):
+                for idx, weights, _ in self._passes(model, texts, group):
+                    out[idx] = weights.float().cpu().numpy()
         return out
 
-    def _passes(self, model: Any, texts: list[str]):
-        """(input indices, (b, V) weights on the device, tokens per input) per forward pass."""
-        torch = self._torch
+    def _groups(self, texts: list[str], ctx: BatchContext) -> Iterator[np.ndarray]:
+        """Input indices per micro-batch of the batch of `ctx`, shortest texts first."""
         lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-        for group in micro_batches(lengths, self.micro_items(), self.wanted, self.fixed_chars()):
-            enc = (self.direct or self._own_features)([texts[j] for j in group])
-            rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
-            for lo in range(0, len(group), rows):
-                part = {k: v[lo : lo + rows] for k, v in enc.items()}
-                mask = part["attention_mask"]
-                width = int(mask.sum(dim=1).max())  # drop padding columns no row of this slice needs
-                part = to_device({k: v[:, :width] for k, v in part.items()}, self.device)
-                logits = model(**part).logits
-                logits = logits.masked_fill(~part["attention_mask"].bool().unsqueeze(-1), float("-inf"))
-                weights = torch.log1p(torch.relu(logits.amax(dim=1)))
-                yield group[lo : lo + rows], weights, mask.sum(dim=1).numpy()
+        return micro_batches(lengths, self.micro_items(ctx), self.fixed_chars())
 
-    def _sparse(self, texts: list[str], top_k: np.ndarray) -> tuple[list[SparseVec], np.ndarray]:
-        """Per text its non-zero terms (ascending ids) cut to its top_k (0 = all), and tokens used."""
+    def _passes(self, model: Any, texts: list[str], group: np.ndarray) -> Iterator[tuple[np.ndarray, Any, np.ndarray]]:
+        """(input indices, (b, V) weights on the device, tokens per input) per forward
+        pass of micro-batch `group` (input indices): as many rows a pass as keep its
+        logits within MAX_LOGIT_ELEMENTS."""
+        torch = self._torch
+        enc = (self.direct or self._own_features)([texts[j] for j in group])
+        rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
+        for lo in range(0, len(group), rows):
+            part = {k: v[lo : lo + rows] for k, v in enc.items()}
+            mask = part["attention_mask"]
+            width = int(mask.sum(dim=1).max())  # drop padding columns no row of this slice needs
+            part = to_device({k: v[:, :width] for k, v in part.items()}, self.device)
+            logits = model(**part).logits
+            logits = logits.masked_fill(~part["attention_mask"].bool().unsqueeze(-1), float("-inf"))
+            weights = torch.log1p(torch.relu(logits.amax(dim=1)))
+            yield group[lo : lo + rows], weights, mask.sum(dim=1).numpy()
+
+    def _sparse(self, texts: list[str], top_k: np.ndarray, *, ctx: BatchContext,
+                ) -> Generator[None, None, tuple[list[SparseVec], np.ndarray]]:
+        """Per text its non-zero terms (ascending ids) cut to its top_k (0 = all), and
+        tokens used. Texts run in length-sorted micro-batches, the generator yielding
+        before each (the worker's step loop decides there whether the rest is wanted:
+        `Adapter.batch`), outside inference mode (a thread-local switch another
+        batch's steps may flip between)."""
         torch = self._torch
         vectors: list[Any] = [None] * len(texts)
         tokens = np.empty(len(texts), dtype=np.int64)
-        with torch.inference_mode():
-            for idx, weights, used in self._passes(self.model, texts):
-                tokens[idx] = used
-                weights = weights.float()
-                ks = top_k[idx]
-                for k in np.unique(ks[ks > 0]):
-                    # Rows with the same k: keep their k largest in one topk call.
-                    rows = torch.from_numpy(np.flatnonzero(ks == k)).to(weights.device)
-                    sub = weights[rows]
-                    kept = torch.zeros_like(sub).scatter_(1, sub.topk(min(int(k), self.vocab), dim=1).indices, 1.0)
-                    weights[rows] = sub * kept
-                w = weights.cpu().numpy()
-                # Row-major nonzero: ids come out ascending within each row.
-                r, c = np.nonzero(w)
-                bounds = np.searchsorted(r, np.arange(len(idx) + 1))
-                values = w[r, c]
-                ids = c.astype("<i4")
-                for j, target in enumerate(idx):
-                    lo, hi = bounds[j], bounds[j + 1]
-                    vectors[int(target)] = SparseVec(ids[lo:hi].tobytes(), values[lo:hi].astype("<f4").tobytes())
+        for group in self._groups(texts, ctx):
+            yield
+            with torch.inference_mode():
+                for idx, weights, used in self._passes(self.model, texts, group):
+                    tokens[idx] = used
+                    weights = weights.float()
+                    ks = top_k[idx]
+                    for k in np.unique(ks[ks > 0]):
+                        # Rows with the same k: keep their k largest in one topk call.
+                        rows = torch.from_numpy(np.flatnonzero(ks == k)).to(weights.device)
+                        sub = weights[rows]
+                        kept = torch.zeros_like(sub).scatter_(1, sub.topk(min(int(k), self.vocab), dim=1).indices, 1.0)
+                        weights[rows] = sub * kept
+                    w = weights.cpu().numpy()
+                    # Row-major nonzero: ids come out ascending within each row.
+                    r, c = np.nonzero(w)
+                    bounds = np.searchsorted(r, np.arange(len(idx) + 1))
+                    values = w[r, c]
+                    ids = c.astype("<i4")
+                    for j, target in enumerate(idx):
+                        lo, hi = bounds[j], bounds[j + 1]
+                        vectors[int(target)] = SparseVec(ids[lo:hi].tobytes(), values[lo:hi].astype("<f4").tobytes())
         return vectors, tokens
 
     def unload(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from runtimes.base import Adapter
 from runtimes.memory import Footprint
+from runtimes.policy import LastRun
 
 
 @dataclass
@@ -26,10 +28,10 @@ class Resident:
     #: prompt and generated), cumulative: the daemon turns differences into tokens/s (`fleetctl top`).
     tokens: int = 0
     #: Micro-batches run and items dropped between them because nobody waited for
-    #: them any longer (`Adapter.wanted`, NotWanted), cumulative.
+    #: them any longer (the worker closed the adapter's `batch` steps), cumulative.
     micro_batches: int = 0
     dropped: int = 0
-    #: Items of other clients run between the micro-batches of a batch (`WorkerCore.interject`), cumulative.
+    #: Items of other clients run between the micro-batches of a batch (runtimes.flows), cumulative.
     interjected: int = 0
     load_ms: float = 0.0
     #: Measured weights and the activation allowance (runtimes.memory).
@@ -65,6 +67,29 @@ class BatchStats:
     #: Generation: the prompt and generated tokens of the sequences in the step (`tokens` is their sum).
     prompt_tokens: int = 0
     generated_tokens: int = 0
+
+
+@dataclass
+class Ledger:
+    """The batches this worker ran, for its info blob and its linger rule.
+
+    Cumulative counters (published in the info blob; the daemon diffs them, so no
+    event between two reads is missed): batches run (`seq`) and the last
+    BATCH_RING of them as (model, items, tokens); the last batch whole (`/v1/ps`,
+    the turn rule of `busy_continuous`); each model's last batch here, when it was
+    acked with its items and time (`runs`: the linger rule, `linger_window`)."""
+
+    last: BatchStats = field(default_factory=BatchStats)
+    seq: int = 0
+    ring: deque = field(default_factory=lambda: deque(maxlen=BATCH_RING))
+    runs: dict[str, LastRun] = field(default_factory=dict)
+
+    def ran(self, stats: BatchStats, acked_ns: int) -> None:
+        """A batch of `stats` was acked at `acked_ns` (the worker's clock)."""
+        self.last = stats
+        self.runs[stats.model] = LastRun(acked_ns, stats.items, stats.ms)
+        self.seq += 1
+        self.ring.append((stats.model, stats.items, stats.tokens))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import pytest
 
 from fleet.messages import EmbedResult
 from fleet.protocol import EmbedRequest
-from runtimes.base import ModelSpec, Profile
+from runtimes.base import BatchContext, ModelSpec, Profile
 from runtimes.hf_common import CHECK_SET, GRAPH_ROWS, GRAPH_TOKENS, graph_shape, padded_to, prefetched
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
@@ -48,7 +48,23 @@ def embedder():
 
 
 def embed(a: SentenceTransformerEmbedder, batch: list[list[str]]) -> list[np.ndarray]:
-    out = a.run_batch([EmbedRequest(model="all-minilm-l6-v2", inputs=t) for t in batch])
+    return vectors(a.run_batch([EmbedRequest(model="all-minilm-l6-v2", inputs=t) for t in batch]))
+
+
+def embed_counted(a: SentenceTransformerEmbedder, batch: list[list[str]]) -> tuple[list[np.ndarray], int]:
+    """`embed` through the adapter's steps (`Adapter.batch`), driven as the worker
+    drives them: the vectors, and how many micro-batches ran (the steps' yields)."""
+    steps = a.batch([EmbedRequest(model="all-minilm-l6-v2", inputs=t) for t in batch], BatchContext())
+    runs = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return vectors(done.value), runs
+        runs += 1
+
+
+def vectors(out: list) -> list[np.ndarray]:
     assert all(isinstance(r, EmbedResult) for r in out), out
     return [np.frombuffer(r.data, dtype="<f4").reshape(r.shape) for r in out]
 
@@ -74,17 +90,14 @@ def test_a_request_of_short_and_long_texts_is_cut_where_padding_costs_more(embed
     assert embedder.fixed_tokens is not None  # the CPU's fixed cost, measured at load or the default
     short, long_ = ["a cat"] * 4, [" ".join(CHECK_SET) * 2] * 2
     batch = [[long_[0], *short[:2]], [*short[2:], long_[1]]]
-    runs: list[int] = []
-    embedder.wanted = lambda k: runs.append(k) or True
+    measured = embedder.fixed_tokens
     try:
-        cut = embed(embedder, batch)
-        by_count, embedder.fixed_tokens = embedder.fixed_tokens, None
-        runs_by_padding = len(runs)
-        runs.clear()
-        whole = embed(embedder, batch)
+        cut, runs_by_padding = embed_counted(embedder, batch)
+        embedder.fixed_tokens = None  # cut by count alone
+        whole, runs = embed_counted(embedder, batch)
     finally:
-        embedder.wanted, embedder.fixed_tokens = None, by_count
-    assert runs_by_padding == 2 and len(runs) == 1  # 6 texts: one micro-batch of 8 by count
+        embedder.fixed_tokens = measured
+    assert runs_by_padding == 2 and runs == 1  # 6 texts: one micro-batch of 8 by count
     for x, y in zip(cut, whole):
         assert min_cos(x, y) >= 0.99999
 

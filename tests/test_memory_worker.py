@@ -23,6 +23,7 @@ from local_queue import LocalQueue
 from fleet.control import Command, CommandDone, control_lane
 from runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
 from fleet.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
+from runtimes.residency import Hosting
 from runtimes.resolve import store_resolver
 from runtimes.worker import WorkerCore
 from tests.conftest import default_model_dir
@@ -78,8 +79,9 @@ class Clock:
 def core(queue: LocalQueue, home: Path, pid: int, budget: int = 1 << 30, **kw) -> WorkerCore:
     settings = load_settings(home=str(home))
     wid = queue.register_worker(pid, "cpu")
-    c = WorkerCore(queue, wid, "cpu", store_resolver(settings), memory=DeviceMemory("cpu", budget, lambda: 1 << 40),
-                   load_lock=LoadLock.for_device(home, "cpu"), max_wait_ms=500, **kw)
+    c = WorkerCore(queue, wid, "cpu", store_resolver(settings),
+                   hosting=Hosting(memory=DeviceMemory("cpu", budget, lambda: 1 << 40),
+                                   load_lock=LoadLock.for_device(home, "cpu")), max_wait_ms=500, **kw)
     c.publish_info()
     return c
 

@@ -188,7 +188,7 @@ def test_device_keeps_exact_device_time():
 
 
 def test_pull_runs_the_real_worker_core_on_simulated_devices():
-    from bench.sim.pull import SimWorkerCore
+    from bench.sim.pull import keep_freed
     from runtimes.worker import WorkerCore
 
     models = make_models(3)
@@ -196,7 +196,7 @@ def test_pull_runs_the_real_worker_core_on_simulated_devices():
     rec.begin(1, 40)
     system = PullSystem(models, 2, 1, rec)
     try:
-        assert all(isinstance(c, SimWorkerCore) and isinstance(c, WorkerCore) for c in system.cores)
+        assert all(type(c) is WorkerCore and c.residency.return_freed is keep_freed for c in system.cores)
         system.start()
         payload = memoryview(b"x" * 400)
         for rid in range(1, 41):

@@ -526,9 +526,6 @@ def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
     assert [len(c) for c in micro_batches(lengths, 64, fixed=10_000.0)] == [6]
     assert [len(c) for c in micro_batches(lengths, 64)] == [6]
     assert [len(c) for c in micro_batches(np.full(10, 7), 4, fixed=5.0)] == [4, 4, 2]
-    asked: list[int] = []
-    assert len(list(micro_batches(lengths, 64, lambda k: asked.append(k) or True, 100.0))) == 2
-    assert asked == [0, 1]  # `wanted` before each micro-batch
 
 
 def test_a_forwards_fixed_cost_is_fitted_from_the_thread_timings():

@@ -23,9 +23,8 @@ from fleet.config import Settings
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import EmbedRequest
 from local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
-from runtimes.base import Adapter, ModelSpec, Profile
+from runtimes.base import Adapter, BatchContext, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from runtimes.hf_common import check_wanted
 from runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from runtimes.worker import WorkerCore
@@ -207,7 +206,7 @@ def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_
     assert lane_order(queue, "m")[0] == 21
     core.step()
     assert FakeEmbedder.batches[-1] == ("m", [["light2"]])
-    assert core.recent_flows["m"].keys() == {1, 2}
+    assert core.flows.seen["m"].keys() == {1, 2}
     # 3. Two clients are current: batches aim for a quarter of the target (40 ms). With a
     #    fitted cost of 1 ms a token, 10 ms: one item of 10 tokens, where one client alone
     #    gets 40 ms, four items.
@@ -218,7 +217,7 @@ def test_a_batch_is_formed_for_its_heads_client_and_shrinks_while_clients_share_
         put_for(1, f"f{rid}", rid)
     core.step()
     assert FakeEmbedder.batches[-1] == ("m", [["f5"]])
-    core.recent_flows["m"].clear()  # flow 2 went quiet
+    core.flows.seen["m"].clear()  # flow 2 went quiet
     core.step()
     assert FakeEmbedder.batches[-1] == ("m", [["f6"], ["f7"], ["f8"], ["f9"]])
     assert len(results(queue, 11)) == 11
@@ -448,7 +447,7 @@ class MarkerEmbedder(SentenceTransformerEmbedder):
     (SIGKILL), STALL freezes it once (SIGSTOP: heartbeat thread too), HANG never
     returns from the forward while the heartbeat thread runs on."""
 
-    def run_batch(self, requests):
+    def batch(self, requests, ctx: BatchContext):
         texts = [t for r in requests for t in r.inputs]
         if POISON in texts:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -458,7 +457,7 @@ class MarkerEmbedder(SentenceTransformerEmbedder):
             os.kill(os.getpid(), signal.SIGSTOP)
         if HANG in texts:
             threading.Event().wait()
-        return super().run_batch(requests)
+        return (yield from super().batch(requests, ctx))
 
 
 def marker_worker_main(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
@@ -668,7 +667,7 @@ def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
     # The real MiniLM embedder in this process, cut into micro-batches of 2 texts: a
     # request of 200 texts is withdrawn (LocalQueue.cancel, what the daemon does at its
     # deadline) once a few micro-batches ran. The worker asks before each micro-batch
-    # (`Adapter.wanted`), so it stops at the next one and answers `timeout`; the counters
+    # (the adapter's `batch` yields there), so it stops at the next one and answers `timeout`; the counters
     # it publishes say how far it got. Observed by counters, not by time.
     from dataclasses import replace
 
@@ -704,8 +703,8 @@ def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
 
 
 class MicroEmbedder(FakeEmbedder):
-    """Runs a batch's texts in micro-batches of `micro_items()`, asking `wanted` before
-    each, as the real encoders do (`hf_common.micro_batches`), 4 ms a text; logs each
+    """Runs a batch's texts in micro-batches of `micro_items(ctx)`, yielding to the
+    worker's step loop before each, as the real encoders do (`Adapter.batch`), 4 ms a text; logs each
     micro-batch's texts in `micro` and calls extra `after_micro(k)` after micro-batch k.
     Its forward has no fixed cost (`fixed_tokens` 0: 4 ms a text, nothing per forward)."""
 
@@ -715,11 +714,11 @@ class MicroEmbedder(FakeEmbedder):
         super().__init__(spec, device)
         self.fixed_tokens = 0.0
 
-    def run_batch(self, requests):
+    def batch(self, requests, ctx: BatchContext):
         texts = [t for r in requests for t in r.inputs]
-        step = self.micro_items()
+        step = self.micro_items(ctx)
         for k, lo in enumerate(range(0, len(texts), step)):
-            check_wanted(self.wanted, k)
+            yield
             MicroEmbedder.micro.append(texts[lo : lo + step])
             time.sleep(len(texts[lo : lo + step]) * 0.004)  # 4 tokens a text at 1 ms a token
             if hook := self.spec.extra.get("after_micro"):
@@ -764,7 +763,7 @@ def test_another_clients_request_runs_at_the_next_micro_batch_boundary(queue, sh
     MicroEmbedder.micro = []
     core = micro_core(queue, light_during_first_micro_batch(queue))  # the light request arrives during micro-batch 0
     now = core.clock_ns()
-    core.recent_flows["m"] = {1: now, 2: now} if shared else {1: now}
+    core.flows.seen["m"] = {1: now, 2: now} if shared else {1: now}
     for rid in range(1, 5):
         queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
                   tokens=64, request_id=rid, flow=1)
@@ -812,7 +811,7 @@ def light_behind_the_floods_next(queue, after: int) -> WorkerCore:
 
     core = micro_core(queue, {"m": {"after_micro": after_micro}})
     now = core.clock_ns()
-    core.recent_flows["m"] = {1: now, 2: now}
+    core.flows.seen["m"] = {1: now, 2: now}
     for rid in range(1, 4):  # keys 0, 64, 128 (flow 1 finishes at 192)
         queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
                   tokens=64, request_id=rid, flow=1)
@@ -873,7 +872,7 @@ def test_micro_batches_are_cut_to_the_share_only_beside_a_client_of_shorter_requ
     MicroEmbedder.micro = []
     lane = queue.lane_id("m")
     core = micro_core(queue)
-    core.recent_flows["m"] = {1: core.clock_ns()}
+    core.flows.seen["m"] = {1: core.clock_ns()}
     queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"o.{i}" for i in range(other_texts)])),
               tokens=4 * other_texts, request_id=2, flow=2)
     queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"f.{i}" for i in range(16)])),
@@ -881,7 +880,7 @@ def test_micro_batches_are_cut_to_the_share_only_beside_a_client_of_shorter_requ
     assert core.step(timeout_s=0.1) == 1 and MicroEmbedder.micro[0][0] == "o.0"
     assert core.step(timeout_s=0.1) == 1
     assert [len(t) for t in MicroEmbedder.micro[1:]] == micro
-    assert core.flow_tokens["m"] == {1: 64, 2: 4 * other_texts}
+    assert core.flows.fewest["m"] == {1: 64, 2: 4 * other_texts}
     got = results(queue, 2)
     assert sorted(got) == [1, 2] and all(status == STATUS_OK for status, _ in got.values())
 
@@ -894,7 +893,7 @@ def test_a_client_arriving_during_a_lone_clients_batch_waits_for_one_micro_batch
     # BEHIND_TARGETS targets while the lane is behind). Counted, not timed.
     MicroEmbedder.micro = []
     core = micro_core(queue, light_during_first_micro_batch(queue), micro_items=8)
-    core.recent_flows["m"] = {1: core.clock_ns()}
+    core.flows.seen["m"] = {1: core.clock_ns()}
     for rid in range(1, 3):
         queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
                   tokens=64, request_id=rid, flow=1)
@@ -913,7 +912,7 @@ def test_a_lone_clients_batch_behind_its_target_ends_a_micro_batch_every_target(
     # all of it (issue 25: a light request behind a flood's whole backlog).
     MicroEmbedder.micro = []
     core = micro_core(queue, light_during_first_micro_batch(queue))
-    core.recent_flows["m"] = {1: core.clock_ns()}
+    core.flows.seen["m"] = {1: core.clock_ns()}
     for rid in range(1, 5):
         queue.put(queue.lane_id("m"), _encode(EmbedRequest(model="m", inputs=[f"f{rid}.{i}" for i in range(16)])),
                   tokens=64, request_id=rid, flow=1)
@@ -932,7 +931,7 @@ def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
     MicroEmbedder.micro = []
     core = micro_core(queue)
     now = core.clock_ns()
-    core.recent_flows["m"] = {1: now, 2: now}
+    core.flows.seen["m"] = {1: now, 2: now}
     lane = queue.lane_id("m")
     queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"l{i}" for i in range(8)])), tokens=32,
               request_id=20, flow=2)
@@ -961,7 +960,7 @@ def test_a_request_no_shorter_than_a_clients_part_waits_for_the_batch(queue):
             queue.put(lane, third, tokens=64, request_id=3, flow=3)
 
     core = micro_core(queue, {"m": {"after_micro": after_micro}}, micro_items=8)
-    core.recent_flows["m"] = {1: core.clock_ns()}
+    core.flows.seen["m"] = {1: core.clock_ns()}
     cost = core.costs["m"] = CostModel()  # a forward's fixed cost dominates (96 ms): client 2's request fills
     for _ in range(4):
         cost.observe(16, 100.0)

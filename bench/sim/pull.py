@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from dataclasses import InitVar, dataclass
 from pathlib import Path
 
 import msgspec
@@ -38,6 +36,7 @@ from fleet.config import Settings
 from local_queue import LocalQueue, QueueFull
 from runtimes.base import Adapter, ModelSpec
 from runtimes.memory import DeviceMemory, Footprint
+from runtimes.residency import Hosting
 from runtimes.worker import WorkerCore
 
 #: One simulated model's size: a device holds `slots` of them.
@@ -85,13 +84,6 @@ def keep_freed(device: str) -> None:
     """A simulated device has no allocator to give memory back to."""
 
 
-@dataclass
-class SimWorkerCore(WorkerCore):
-    """The real core; a simulated device has no allocator to give memory back to."""
-
-    return_freed: InitVar[Callable[[str], None]] = keep_freed
-
-
 class PullSystem:
 
     def __init__(self, models: list[SimModel], workers: int, slots: int, recorder, *, time_scale: float = 1.0,
@@ -128,12 +120,12 @@ class PullSystem:
 
         wid = self.queue.register_worker(os.getpid(), device)
         scale = self.time_scale
-        core = SimWorkerCore(
+        core = WorkerCore(
             self.queue, wid, device, resolve, adapter_for=lambda task, runtime: adapter, served_by=f"sim/{w}",
             lease_ms=int(settings.lease_ms * scale), max_wait_ms=int(settings.lane_max_wait_ms * scale),
             target_ms=settings.batch_target_ms * scale, linger_ms=settings.linger_ms * scale,
-            memory=DeviceMemory(device, slots * SLOT_BYTES, lambda: 1 << 62, "simulated"),
-            estimate_footprint=lambda spec: Footprint(SLOT_BYTES),
+            hosting=Hosting(memory=DeviceMemory(device, slots * SLOT_BYTES, lambda: 1 << 62, "simulated"),
+                            estimate_footprint=lambda spec: Footprint(SLOT_BYTES), return_freed=keep_freed),
         )
         core.publish_info()
         return core
