@@ -105,20 +105,31 @@ class Check:
 
 # ---- models built here ------------------------------------------------------------
 
+#: What a BERT built here has unless its caller says otherwise.
+BERT_DEFAULTS = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                 "max_position_embeddings": 512, "initializer_range": 0.3}
+
+
+def build_bert(folder: Path, cls: Any, seed: int, vocab_size: int, **cfg: Any) -> Path:
+    """Random weights of the transformers BERT class `cls` (BERT_DEFAULTS, then `cfg`),
+    saved to `folder` (config.json, model.safetensors)."""
+    import torch
+    from transformers import BertConfig
+
+    torch.manual_seed(seed)
+    cls(BertConfig(vocab_size=vocab_size, **{**BERT_DEFAULTS, **cfg})).eval().save_pretrained(folder)
+    return folder
+
+
 def build_models(root: Path, sizes: Sizes, minilm: Path) -> dict[str, Path]:
     """Tiny task models (BERTs with the all-MiniLM tokenizer, a Llama with two
     LoRA adapters), the 110M-class embedder and the vram-budget model."""
-    import torch
-    from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification,
-                              BertForTokenClassification, BertModel)
+    from transformers import AutoTokenizer, BertForSequenceClassification, BertForTokenClassification, BertModel
 
     tok = AutoTokenizer.from_pretrained(minilm)
 
     def bert(name: str, cls: Any, seed: int, **cfg: Any) -> Path:
-        torch.manual_seed(seed)
-        cfg = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-               "max_position_embeddings": 512, "initializer_range": 0.3, **cfg}
-        cls(BertConfig(vocab_size=tok.vocab_size, **cfg)).eval().save_pretrained(root / name)
+        build_bert(root / name, cls, seed, tok.vocab_size, **cfg)
         tok.save_pretrained(root / name)
         return root / name
 
