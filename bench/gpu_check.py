@@ -20,6 +20,11 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
    for a BERT-base-class embedder (~110M, random weights of the real
    architecture, built here) and all-minilm-l6-v2; MFU = achieved FLOP/s over
    the device's peak (PEAK_TFLOPS).
+4b. host-path: bench.host_path against the device daemon (a 1-layer BERT of
+   hidden size 32: a nearly free forward): tokens/s, CPU-us per token of the
+   API process, each worker and their busiest thread, the tokenizer's own cost
+   and the timeline's stage p50s, in the check's data (issue 34's goals are
+   printed, not judged: every request answered and the CPU read is the check).
 5. cuda-graphs: every embedder load on CUDA captured its small-shape graphs
    and kept them (replay agreed with eager). nvml-budget: NVML's memory view against torch.cuda.mem_get_info and the
    budget the worker computes (runtimes.memory.device_budget). Runs last: it
@@ -83,13 +88,17 @@ class Sizes:
     step_s: float
     generators: int  # load generator processes
     two_worker_requests: int
+    host_clients: int  # the host-path check (bench.host_path): clients, measured and timeline seconds
+    host_s: float
+    host_timeline_s: float
 
 
 GPU = Sizes(base=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
             budget_hidden=1536, budget_layers=24, clients=(4, 8, 16, 32, 64, 128, 256), step_s=4.0,
-            generators=4, two_worker_requests=96)
+            generators=4, two_worker_requests=96, host_clients=16, host_s=6.0, host_timeline_s=2.0)
 CPU = Sizes(base=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-            budget_hidden=64, budget_layers=2, clients=(1,), step_s=2.0, generators=1, two_worker_requests=8)
+            budget_hidden=64, budget_layers=2, clients=(1,), step_s=2.0, generators=1, two_worker_requests=8,
+            host_clients=4, host_s=1.5, host_timeline_s=0.5)
 
 
 @dataclass
@@ -108,6 +117,10 @@ class Check:
 #: What a BERT built here has unless its caller says otherwise.
 BERT_DEFAULTS = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
                  "max_position_embeddings": 512, "initializer_range": 0.3}
+#: all-MiniLM-L6-v2's tokenizer and sentence-transformers files, copied as they are into
+#: an embedder built here (its vocabulary is the model's: the token counts are MiniLM's).
+MINILM_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                "sentence_bert_config.json", "config_sentence_transformers.json")
 
 
 def build_bert(folder: Path, cls: Any, seed: int, vocab_size: int, **cfg: Any) -> Path:
@@ -118,6 +131,29 @@ def build_bert(folder: Path, cls: Any, seed: int, vocab_size: int, **cfg: Any) -
 
     torch.manual_seed(seed)
     cls(BertConfig(vocab_size=vocab_size, **{**BERT_DEFAULTS, **cfg})).eval().save_pretrained(folder)
+    return folder
+
+
+def build_st_embedder(folder: Path, minilm: Path, seed: int = 0, **cfg: Any) -> Path:
+    """A random BertModel in sentence-transformers' folder layout: modules.json with
+    Transformer -> Pooling (mean) -> Normalize, config.json, safetensors weights, and
+    all-MiniLM-L6-v2's tokenizer files (MINILM_FILES) copied from `minilm`."""
+    from transformers import BertModel
+
+    build_bert(folder, BertModel, seed, json.loads((minilm / "config.json").read_text())["vocab_size"], **cfg)
+    for name in MINILM_FILES:
+        if (minilm / name).is_file():
+            shutil.copyfile(minilm / name, folder / name)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}], indent=1))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": int(cfg.get("hidden_size", BERT_DEFAULTS["hidden_size"])),
+        "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False}, indent=1))
+    (folder / "2_Normalize").mkdir(exist_ok=True)
     return folder
 
 
@@ -501,6 +537,20 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
                  "for this device)") + f"; errors {errors}", data)
 
 
+def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:
+    """bench.host_path against the device daemon: its CPU per token with a nearly free forward."""
+    from bench import host_path  # it imports this module: imported when the check runs
+
+    res = host_path.measure(url, host_path.MODEL, model_dir=minilm, clients=sizes.host_clients, duration_s=sizes.host_s,
+                            timeline_s=sizes.host_timeline_s, generators=min(sizes.generators, sizes.host_clients),
+                            warmup_s=min(host_path.WARMUP_S, sizes.host_s / 2))
+    load, cpu = res["load"], res["cpu"]
+    roles = [p["role"] for p in cpu["processes"] if not p.get("gone")]
+    read = "api" in roles and any(r.startswith("worker") for r in roles)
+    ok = load["errors"] == 0 and load["ok"] > 0 and res["timeline"]["errors"] == 0 and read
+    return Check("host-path", ok, host_path.summary(res) + ("" if read else "; API or worker CPU not read"), res)
+
+
 def _log_msg(line: str) -> str:
     """A daemon log line's message (the log is JSON lines; plain text passes through)."""
     try:
@@ -601,6 +651,10 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
     minilm = minilm_dir or package_model_dir()
     folders = build_models(work / "models", sizes, minilm)
     served = {**TASK_MODELS, "bert-base-random": ("bert-base-random", "embed", "sentence-transformers", "")}
+    from bench import host_path  # it imports this module: imported when the run starts
+
+    folders[host_path.MODEL] = host_path.build_model(work / "models", minilm)
+    served[host_path.MODEL] = (host_path.MODEL, "embed", "sentence-transformers", "")
     if minilm_dir:
         folders["all-minilm-l6-v2"] = minilm_dir
         served["all-minilm-l6-v2"] = ("all-minilm-l6-v2", "embed", "sentence-transformers", "")
@@ -641,6 +695,7 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
             cfg = json.loads((minilm / "config.json").read_text())
             stage("knee/all-minilm-l6-v2", lambda: knee_check(
                 dev.url, "all-minilm-l6-v2", cfg, sizes, device_name, minilm), dev)
+            stage("host-path", lambda: host_path_check(dev.url, sizes, minilm), dev)
             stage("cuda-graphs", lambda: graphs_check(dev.log(), device), dev)
     finally:
         ref.stop()
