@@ -185,8 +185,17 @@ class DirectTokenizer:
     Private copies (`Tokenizer.from_str`): transformers re-configures its
     backend's truncation and padding on every call, so the shared one is not
     ours to configure. Each copy is configured once and never changed after, so
-    the tokenize-ahead thread and the batch thread call them without a lock.
+    the tokenize-ahead threads and the batch thread call them without a lock.
     Build it only through `direct_tokenizer`, which checks it first.
+
+    The Rust side only truncates; padding is numpy's. Each encoding's Python
+    lists are the part that holds the GIL (all a thread pool of tokenizers
+    cannot run at once): the ids of the real tokens are read once, flat, and
+    scattered into the padded array, the mask is the lengths', and a single
+    input's type ids (its post-processor's template, the same for every text)
+    are not read when the template's are zero. All-MiniLM-L6-v2's tokenizer on
+    the bench corpus, 32 texts a call: 0.37 -> 0.19 CPU-us a token converting,
+    2.9 -> 2.6 in all (issue 34).
     """
 
     def __init__(self, tokenizer: Any, max_tokens: int, example: dict[str, Any]) -> None:
@@ -196,18 +205,22 @@ class DirectTokenizer:
         from tokenizers import Tokenizer
 
         spec = tokenizer.backend_tokenizer.to_str()
-        self._padded = Tokenizer.from_str(spec)
+        self._cut = Tokenizer.from_str(spec)
         self._whole = Tokenizer.from_str(spec)
-        for copy_ in (self._padded, self._whole):
+        for copy_ in (self._cut, self._whole):
             copy_.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
             copy_.no_truncation()
             copy_.no_padding()
-        self._padded.enable_truncation(max_tokens, strategy="longest_first", direction=tokenizer.truncation_side)
-        self._padded.enable_padding(direction=tokenizer.padding_side, pad_id=tokenizer.pad_token_id,
-                                    pad_token=tokenizer.pad_token, pad_type_id=tokenizer.pad_token_type_id)
+        self._cut.enable_truncation(max_tokens, strategy="longest_first", direction=tokenizer.truncation_side)
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no padding token")
+        #: What padding positions read: (input id, type id); left or right of the tokens.
+        self._pad = {"ids": int(tokenizer.pad_token_id), "type_ids": int(tokenizer.pad_token_type_id)}
+        self._left = tokenizer.padding_side == "left"
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which nothing here reads.
-        self._encode_padded = getattr(self._padded, "encode_batch_fast", self._padded.encode_batch)
+        self._encode_cut = getattr(self._cut, "encode_batch_fast", self._cut.encode_batch)
         self._encode_whole = getattr(self._whole, "encode_batch_fast", self._whole.encode_batch)
+        self._single_types = any(self._whole.encode("a").type_ids)
         unknown = [k for k, v in example.items() if hasattr(v, "shape") and k not in ENCODING_FIELDS]
         if unknown:
             raise ValueError(f"features {unknown} are not read from an encoding")
@@ -221,10 +234,26 @@ class DirectTokenizer:
         (rows, tokens) over numpy arrays."""
         import torch
 
-        encodings = self._encode_padded(inputs)
-        return {key: (torch.from_numpy(np.array(list(map(attrgetter(field), encodings)), dtype=np.int64))
-                      if field else value)
-                for key, field, value in self.layout}
+        encodings = self._encode_cut(inputs)
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        width = int(lengths.max(initial=0))
+        columns = np.arange(width)
+        mask = columns >= (width - lengths)[:, None] if self._left else columns < lengths[:, None]
+        read = ("ids", "type_ids") if self._single_types or (inputs and not isinstance(inputs[0], str)) else ("ids",)
+        out: dict[str, Any] = {}
+        for key, field, value in self.layout:
+            if field is None:
+                out[key] = value
+                continue
+            if field == "attention_mask":
+                array = mask.astype(np.int64)
+            else:
+                array = np.full(mask.shape, self._pad[field], dtype=np.int64)
+                # Row by row, the real tokens' places in the padded array are the flat list's order.
+                array[mask] = (np.fromiter(chain.from_iterable(map(attrgetter(field), encodings)), dtype=np.int64,
+                                           count=int(lengths.sum())) if field in read else 0)
+            out[key] = torch.from_numpy(array)
+        return out
 
     def lengths(self, inputs: list[Any]) -> np.ndarray:
         """Tokens of each input with the special tokens, not truncated (int64)."""

@@ -193,6 +193,27 @@ def test_a_tokenizer_that_works_in_python_is_refused(embedder, caplog):
     assert any("direct tokenizer rewriting: off (input_ids" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_either_side_and_pairs_read_as_the_tokenizer_gives_them(embedder, side):
+    # numpy pads what the Rust tokenizer only truncates (issue 34: fewer of its Python
+    # lists read under the GIL); the features equal transformers' own call with the
+    # tokenizer's padding side, on single texts and on pairs (type ids 0 and 1).
+    import copy
+
+    tokenizer = copy.deepcopy(embedder.model.tokenizer)
+    tokenizer.padding_side = side
+    direct = direct_tokenizer(tokenizer, 64, lambda batch: tokenizer(
+        batch, padding=True, truncation=True, max_length=64, return_tensors="pt"), f"pad-{side}")
+    assert direct is not None
+    singles = texts(9, seed=5)
+    pairs = list(zip(texts(9, seed=6), texts(9, seed=7)))
+    for inputs in (singles, pairs, singles[:1]):
+        want = tokenizer(inputs, padding=True, truncation="longest_first", max_length=64, return_tensors="pt")
+        got = direct(inputs)
+        assert features_differ(dict(want), got) is None, inputs[:1]
+    assert direct(pairs)["token_type_ids"].max() == 1
+
+
 # ---- the other encoders: classify, rerank (both runtimes), SPLADE -------------------
 
 @pytest.fixture(scope="module")
