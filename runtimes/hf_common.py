@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
@@ -115,28 +116,55 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def prefetched(items: Sequence[T], prepare: Callable[[T], U], pool: ThreadPoolExecutor | None,
-               ) -> Iterator[tuple[T, U]]:
-    """`(item, prepare(item))` in order. With `pool` (one thread), item k+1 is
-    prepared in the pool's thread while the caller works on item k: tokenizing
-    (the fast tokenizer releases the GIL) overlaps the forward pass (torch releases it too).
+#: Tokenizer threads one adapter keeps at most (`tokenize_threads`): each holds the
+#: GIL for ~0.23 of its ~1.8 CPU-us a token (the encodings' lists turned into
+#: arrays; all-MiniLM-L6-v2's tokenizer on the bench corpus), so past about 1.8 /
+#: 0.23 threads the GIL, not the cores, would bound them.
+TOKENIZE_THREADS_MAX = 8
 
-    Closing the iterator early waits for the one pending `prepare`: the tokenizer
-    is not safe to call from two threads at once, and the caller's next batch uses it.
+
+def tokenize_threads(torch: Any, direct: Any, device: str) -> int:
+    """Threads that tokenize an adapter's micro-batches ahead of its forward. On an
+    accelerator, one per core torch may use (its intra-op threads: the worker's share
+    of the box), at most TOKENIZE_THREADS_MAX, when the tokenizer is a
+    `DirectTokenizer` (safe to call from several threads at once): one thread
+    tokenizing every micro-batch is a ceiling of ~0.6 M tokens/s a model whatever the
+    device (issue 34). On the CPU the forward's own threads hold the cores: one
+    (two on the 2-vCPU box cost the tiny model's forward 0-10 % of its tokens/s,
+    bench.host_path)."""
+    if direct is None or device == "cpu":
+        return 1
+    return max(1, min(TOKENIZE_THREADS_MAX, torch.get_num_threads()))
+
+
+def prefetched(items: Sequence[T], prepare: Callable[[T], U], pool: ThreadPoolExecutor | None, depth: int = 1,
+               ) -> Iterator[tuple[T, U]]:
+    """`(item, prepare(item))` in order. With `pool`, items k+1 .. k+`depth` are
+    prepared in the pool's threads while the caller works on item k: tokenizing
+    (the Rust tokenizer releases the GIL) overlaps the forward pass (torch releases
+    it too), and with `depth` threads scales with the cores instead of one thread
+    carrying every micro-batch's tokens (issue 34). `depth` > 1 only where
+    `prepare` may run in several threads at once (a `DirectTokenizer`:
+    transformers' own tokenizer re-configures itself on every call).
+
+    Closing the iterator early waits for the pending `prepare`s: the caller's
+    next batch may use the same tokenizer.
     """
     if pool is None or len(items) < 2:
         for item in items:
             yield item, prepare(item)
         return
-    pending: Future | None = pool.submit(prepare, items[0])
+    depth = max(1, depth)
+    pending: deque[Future] = deque(pool.submit(prepare, item) for item in items[:depth])
     try:
         for k, item in enumerate(items):
-            ready = pending.result()
-            pending = pool.submit(prepare, items[k + 1]) if k + 1 < len(items) else None
+            ready = pending.popleft().result()
+            if k + depth < len(items):
+                pending.append(pool.submit(prepare, items[k + depth]))
             yield item, ready
     finally:
-        if pending is not None:
-            pending.exception()  # wait; its result is not wanted
+        for future in pending:
+            future.exception()  # wait; its result is not wanted
 
 
 # ---- tokenizing -----------------------------------------------------------------

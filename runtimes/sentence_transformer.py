@@ -25,7 +25,7 @@ from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
     first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
-    prefetched, split_refused, to_device,
+    prefetched, split_refused, to_device, tokenize_threads,
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from runtimes.lora import Loras, LoraHost
@@ -51,9 +51,11 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     request_type = EmbedRequest
     engines = ("torch", "openvino")
 
-    #: The thread that tokenizes the next micro-batch while the current one runs
-    #: (None: tokenize in turn, e.g. to compare).
+    #: The threads that tokenize the next micro-batches while the current one runs
+    #: (`hf_common.tokenize_threads`; None: tokenize in turn, e.g. to compare), and
+    #: how many micro-batches they tokenize ahead (one each).
     tokenize_ahead: ThreadPoolExecutor | None = None
+    tokenize_depth: int = 1
     #: The base's forward recorded at load: CUDA graphs of the small micro-batch shapes on
     #: CUDA, a traced graph on the CPU (runtimes/traced.py); None when its check or measurement failed.
     compiled: GraphedForward | traced.TracedForward | None = None
@@ -123,7 +125,9 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                      self.spec.name, type(modules[0]).__name__ if modules else "none")
         dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim())
-        self.tokenize_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{self.spec.name}")
+        self.tokenize_depth = tokenize_threads(torch, self.direct, self.device)
+        self.tokenize_ahead = ThreadPoolExecutor(max_workers=self.tokenize_depth,
+                                                 thread_name_prefix=f"tokenize-{self.spec.name}")
         if self.device.startswith("cuda"):
             with torch.inference_mode():
                 graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
@@ -389,7 +393,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
         1. Length-sorted micro-batches (`micro_batches`): each is padded only to
            its own longest text.
-        2. The `tokenize_ahead` thread tokenizes micro-batch k+1 while k runs;
+        2. The `tokenize_ahead` threads tokenize micro-batches k+1.. while k runs;
            before each, the generator yields: the worker's step loop decides
            there whether the rest is wanted and what runs first (`Adapter.batch`).
         3. Each micro-batch runs by CUDA-graph replay when a captured shape holds
@@ -412,7 +416,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         landing = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=True) if cuda else None
         lo = 0
         with torch.inference_mode(), closing(prefetched(
-                batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead)) as ready:
+                batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead,
+                self.tokenize_depth)) as ready:
             for idx, host in ready:
                 yield
                 tokenized = time.monotonic_ns()

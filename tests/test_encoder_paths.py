@@ -141,6 +141,48 @@ def test_the_next_micro_batch_is_prepared_while_the_caller_works():
         assert events.index(("start", k + 1)) < events.index(("used", k)), events
 
 
+def test_with_several_threads_the_next_micro_batches_are_prepared_together():
+    """`prefetched` with `depth` threads: items k+1 .. k+depth are prepared at once
+    while the caller holds item k (issue 34: no one tokenizer thread carries every
+    micro-batch), in the caller's order whatever order they finish in."""
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def prepare(k: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05 if k % 2 else 0.1)  # odd items finish first
+        with lock:
+            running[0] -= 1
+        return k * 10
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        got = [(k, value) for k, value in prefetched(list(range(7)), prepare, pool, depth=3)]
+    assert got == [(k, 10 * k) for k in range(7)]
+    assert most[0] == 3
+
+
+def test_tokenizer_threads_per_device():
+    # A thread per core torch may use on an accelerator (at most TOKENIZE_THREADS_MAX),
+    # with a tokenizer safe to share; one where the forward holds the cores (the CPU)
+    # or where the model's own tokenizer reconfigures itself per call.
+    from types import SimpleNamespace
+
+    from runtimes.hf_common import TOKENIZE_THREADS_MAX, tokenize_threads
+
+    for cores, want in ((1, 1), (4, 4), (64, TOKENIZE_THREADS_MAX)):
+        torch = SimpleNamespace(get_num_threads=lambda cores=cores: cores)
+        assert tokenize_threads(torch, object(), "cuda:0") == want
+        assert tokenize_threads(torch, object(), "cpu") == 1
+        assert tokenize_threads(torch, None, "cuda:0") == 1
+
+
+def test_the_loaded_embedder_tokenizes_ahead_on_its_devices_threads(embedder):
+    assert embedder.direct is not None and embedder.device == "cpu"
+    assert embedder.tokenize_depth == 1 and embedder.tokenize_ahead._max_workers == 1
+
+
 def test_closing_early_waits_for_the_pending_prepare():
     done = threading.Event()
 
@@ -150,11 +192,13 @@ def test_closing_early_waits_for_the_pending_prepare():
             done.set()
         return k
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        it = prefetched([0, 1, 2], prepare, pool)
-        assert next(it) == (0, 0)
-        it.close()  # the caller's forward failed: nothing may still use the tokenizer
-        assert done.is_set()
+    for depth in (1, 2):
+        done.clear()
+        with ThreadPoolExecutor(max_workers=depth) as pool:
+            it = prefetched([0, 1, 2], prepare, pool, depth)
+            assert next(it) == (0, 0)
+            it.close()  # the caller's forward failed: nothing may still use the tokenizer
+            assert done.is_set()
 
 
 @pytest.mark.parametrize(("rows", "tokens", "shape"), [
