@@ -79,12 +79,13 @@ class LocalDaemon(Child):
     With `wait` (the default) the constructor returns once /readyz answers 200,
     and raises RuntimeError with the log's tail if the daemon exits or is not
     ready within `timeout_s` (it is stopped first); with `wait=False` call
-    `wait_ready()` yourself, e.g. after starting several.
+    `wait_ready()` yourself, e.g. after starting several. `module`: what runs
+    `serve` (`python -m MODULE serve`; bench.stand_in for a stand-in forward).
     """
 
     def __init__(self, home: str | Path, *, env: Mapping[str, str] | None = None, args: Sequence[str] = (),
                  timeout_s: float = 300.0, wait: bool = True, inherit_fleet: bool = True,
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, module: str = "fleetctl") -> None:
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -93,7 +94,7 @@ class LocalDaemon(Child):
         full = {**base, "FLEET_HOME": str(self.home), "FLEET_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
                 **(env or {})}
         full.pop("FLEET_URL", None)
-        super().__init__([sys.executable, "-m", "fleetctl", "serve", *args], full, log or self.home / "daemon.log")
+        super().__init__([sys.executable, "-m", module, "serve", *args], full, log or self.home / "daemon.log")
         if wait:
             self.wait_ready(timeout_s)
 

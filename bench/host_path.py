@@ -65,7 +65,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, loadgen, report
+from bench import corpus, loadgen, report, stand_in
 from bench.daemon import LocalDaemon
 from bench.gpu_check import build_st_embedder, make_home
 from bench.httpclient import BlockingConn, Endpoint, build_request
@@ -366,7 +366,7 @@ def measure(url: str, model: str, *, model_dir: Path, clients: int = 16, texts: 
     if loaded.status_code != 200:
         raise RuntimeError(f"{model} did not load: HTTP {loaded.status_code} {loaded.text[:500]}")
     roles, ps = daemon_processes(url)
-    served = {str(w.get("pid")): {k: m.get(k) for k in ("dtype", "engine", "threads", "fixed_tokens")}
+    served = {str(w.get("pid")): {k: m.get(k) for k in ("dtype", "engine", "forward", "threads", "fixed_tokens")}
               for w in ps.get("workers", []) for name, m in w.get("models", {}).items() if name == model}
     setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=corpus_texts, lengths=lengths,
                           batch=texts)
@@ -420,12 +420,15 @@ def build_model(root: Path, minilm: Path) -> Path:
     return build_st_embedder(root / MODEL, minilm, **MODEL_CONFIG)
 
 
-def start_daemon(work: Path, device: str, workers: int, minilm: Path) -> LocalDaemon:
-    """The tiny embedder built into `work`, pulled into a FLEET_HOME there, served on `device`."""
+def start_daemon(work: Path, device: str, workers: int, minilm: Path, forward: str | None = None) -> LocalDaemon:
+    """The tiny embedder built into `work`, pulled into a FLEET_HOME there, served on
+    `device`; with `forward` ("fixed_us,per_token_us") its forward is bench.stand_in's wait."""
     folder = build_model(work / "models", minilm)
     home = make_home(work / "home", {MODEL: folder}, {MODEL: (MODEL, "embed", "sentence-transformers", "")}, "auto")
-    return LocalDaemon(home, env={"FLEET_PRELOAD": MODEL, "FLEET_DEVICE": device, "FLEET_WORKERS": str(workers)},
-                       inherit_fleet=False)
+    env = {"FLEET_PRELOAD": MODEL, "FLEET_DEVICE": device, "FLEET_WORKERS": str(workers)}
+    if forward is None:
+        return LocalDaemon(home, env=env, inherit_fleet=False)
+    return LocalDaemon(home, env=env | {stand_in.ENV: forward}, inherit_fleet=False, module="bench.stand_in")
 
 
 def summary(res: dict) -> str:
@@ -514,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the embedder to load with --url")
     ap.add_argument("--model-dir", type=Path, help="its folder, for token counts (default: all-MiniLM-L6-v2's, "
                     "the tokenizer the built model has)")
+    ap.add_argument("--forward", metavar="FIXED_US,PER_TOKEN_US",
+                    help="a stand-in forward (bench.stand_in): a GIL-free wait of FIXED_US per forward plus "
+                         "PER_TOKEN_US per padded token, as an accelerator costs the host thread; default: the "
+                         "tiny model's real forward, on this machine's cores")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<time>-host-path.json)")
     args = ap.parse_args(argv)
     if args.url and not args.model:
@@ -522,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     minilm = package_model_dir()
     model_dir = args.model_dir or minilm
     with tempfile.TemporaryDirectory(prefix="fleet-host-path-") as tmp:
-        daemon = None if args.url else start_daemon(Path(tmp), args.device, args.workers, minilm)
+        daemon = None if args.url else start_daemon(Path(tmp), args.device, args.workers, minilm, args.forward)
         url = args.url.rstrip("/") if args.url else daemon.url
         try:
             res = measure(url, args.model or MODEL, model_dir=model_dir, clients=args.clients, texts=args.texts,
@@ -531,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             if daemon:
                 daemon.stop()
     print_report(console, res)
-    doc = report.document("host-path", "bench.host_path", argv) | {"device": args.device,
+    doc = report.document("host-path", "bench.host_path", argv) | {"device": args.device, "forward": args.forward,
                                                                     "started_daemon": daemon is not None, **res}
     out = report.save(doc, args.out, "host-path")
     Console(stderr=True).print(f"results: {out}")

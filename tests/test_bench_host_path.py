@@ -47,3 +47,18 @@ def test_the_bench_measures_the_daemons_host_path_and_writes_its_json(tmp_path: 
     for stage in tl["stages"]:
         assert stage["n"] > 0 and stage["p50_ms"] >= 0 and stage["p50_us_per_token"] >= 0, stage
     assert doc["machine"]["cpus_logical"] >= 1 and doc["kind"] == "host-path"
+
+
+def test_a_stand_in_forward_serves_through_the_product_path(tmp_path: Path) -> None:
+    # `--forward`: the daemon is `fleetctl serve` with its workers' forward replaced by a
+    # GIL-free wait (bench.stand_in), an accelerator's cost to the host thread. Every
+    # request is still answered through the real API, queue and worker; /v1/ps names
+    # the stand-in.
+    out = tmp_path / "host-path.json"
+    rc = host_path.main(["--clients", "4", "--duration", "2", "--timeline", "0.5", "--forward", "100,0.5",
+                         "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["forward"] == "100,0.5"
+    assert doc["load"]["errors"] == 0 and doc["load"]["ok"] == doc["load"]["sent"] > 0
+    [served] = doc["served"].values()
+    assert served["forward"] == {"traced": False, "stand_in": {"fixed_us": 100.0, "per_token_us": 0.5}}
