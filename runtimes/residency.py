@@ -314,6 +314,10 @@ class Residency:
         self.not_now[name] = NotNowMemo(self.clock_ns() + int(IDLE_NAP_S * 1e9), left_to_holders)
         return exc
 
+    def left_until(self, names) -> int:
+        """When the first of the "not here, now" verdicts on `names` lapses (clock ns)."""
+        return min((m.until_ns for n in names if (m := self.not_now.get(n)) is not None), default=0)
+
     def not_now_for(self, name: str, now_ns: int) -> NotNowMemo | None:
         """The remembered "not here, now" verdict for `name` while it holds and the
         model is not resident here, else None (the lane may be served)."""

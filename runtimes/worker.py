@@ -115,11 +115,6 @@ class WorkerCore:
         self.round = Round(self.queue, self.residency, self.served_by, self.lease_ms, self.max_wait_ms, self.clock_ns,
                            decoder_for, self.progress, self.publish_info, self.record_batch)
 
-    @property
-    def control(self) -> str:
-        """This worker's control lane (fleet.control)."""
-        return control_lane(self.worker_id)
-
     def abort_generation(self, name: str, adapter: Adapter) -> None:
         """`name` is being unloaded: generation in flight on it is answered now, not left leased."""
         abort_in_flight(self.round, adapter, WorkError("overloaded", f"{name} was unloaded from {self.device} "
@@ -156,12 +151,19 @@ class WorkerCore:
         lane would starve (then it is decided again here; a lane that starves and is
         still left to its holders is looked at again after a nap); or, when other work
         waits that is not ours now (room held by busier models), nap briefly instead
-        of spinning."""
+        of spinning. Work only for the lanes left to their holders ends the wait once
+        those verdicts lapse, not at every put (a step per put beside a busy holder)."""
         waiting = sum(1 for s in stats if s.depth)
         if waiting and since is not None and len(declined) == waiting:
+            now = self.clock_ns()
             oldest = min(s.oldest_enqueue_ns for s in declined)
-            starve_s = (oldest + self.max_wait_ms * 1_000_000 - self.clock_ns()) / 1e9
-            self.queue.wait_for_work(min(timeout_s, max(IDLE_NAP_S, starve_s)), since=since)
+            starve_s = (oldest + self.max_wait_ms * 1_000_000 - now) / 1e9
+            until = now + int(min(timeout_s, max(IDLE_NAP_S, starve_s)) * 1e9)
+            left, lapse = {s.lane for s in declined}, self.residency.left_until(s.model for s in declined)
+            while (wait_ns := until - self.clock_ns()) > 0 and self.queue.wait_for_work(wait_ns / 1e9, since=since):
+                since = self.queue.work_generation()  # before the look: work put after it ends the next wait
+                if self.clock_ns() >= lapse or any(s.depth and s.lane not in left for s in self.queue.lane_stats()):
+                    return
         elif waiting:
             time.sleep(min(timeout_s, IDLE_NAP_S))
         else:
@@ -182,7 +184,7 @@ class WorkerCore:
         #    may serve: starving first, then models held here, then oldest.
         since = self.queue.work_generation()  # before lane_stats: work put after it ends the wait below
         stats = self.queue.lane_stats()
-        control = next((s.lane for s in stats if s.model == self.control and s.depth), None)
+        control = next((s.lane for s in stats if s.model == control_lane(self.worker_id) and s.depth), None)
         if control is not None and (done := serve_control(self.queue, control, self.residency, lease_ms=self.lease_ms,
                                                           served_by=self.served_by)):
             return done

@@ -168,6 +168,27 @@ def test_a_declining_worker_blocks_until_new_work_instead_of_polling(queue):
     assert b.step(0.1) == 1 and "n" in b.residency.models and "m" not in b.residency.models
 
 
+def test_work_for_lanes_left_to_their_holders_does_not_wake_a_declining_worker(queue):
+    # Issue 34: a worker beside a busy holder ran a whole step for every request put
+    # into the holder's lane. While its "not here, now" verdict holds (a clock that
+    # stands still: it never lapses), work for that lane leaves it waiting for its
+    # timeout; work for another lane still ends the wait at once.
+    holder_of_m(queue)
+    frozen = time.monotonic_ns()
+    b = core(queue, "dev:1", clock_ns=lambda: frozen)
+    put(queue, "m", 10, 40)
+    for at, rid in ((0.05, 41), (0.1, 42), (0.15, 43)):
+        threading.Timer(at, put, args=(queue, "m", 10, rid)).start()
+    t0 = time.monotonic()
+    assert b.step(0.4) == 0
+    assert time.monotonic() - t0 >= 0.35 and depth(queue, "m") == 4
+    threading.Timer(0.1, put, args=(queue, "n", 10, 44)).start()
+    t0 = time.monotonic()
+    assert b.step(2.0) == 0
+    assert 0.08 <= time.monotonic() - t0 < 1.0
+    assert b.step(0.1) == 1 and "n" in b.residency.models and "m" not in b.residency.models
+
+
 def test_a_lane_behind_for_a_load_time_gets_a_copy_on_the_same_device(queue):
     """Rent or buy (runtimes.placement.replica_wanted): a second worker of the holder's
     device loads a copy once the lane has been behind (head waiting past the batch
