@@ -534,19 +534,35 @@ def pair_order_agreement(ref: np.ndarray, got: np.ndarray) -> float:
 
 # ---- CUDA graphs ----------------------------------------------------------------
 
-#: Micro-batch shapes (rows, tokens) captured as CUDA graphs. Small batches are
-#: launch-bound: a BERT forward is ~200 kernel launches whose CPU cost exceeds the
-#: maths below ~8 x 128 tokens; a graph replays them as one launch. A micro-batch
-#: within the largest shape is padded up to the next captured one.
-GRAPH_ROWS = (1, 2, 4, 8)
-GRAPH_TOKENS = (16, 32, 64, 128)
+#: Micro-batch shapes (rows, tokens) captured as CUDA graphs: every pair of these
+#: within the model's length and GRAPH_MAX_TOKENS. A BERT forward is ~200 kernel
+#: launches, each a few us of the host thread's CPU; a graph replays them as one
+#: launch. Graphs up to 8 x 128 left the common micro-batches eager (a GPU cuts
+#: by count: `micro_batch_items`, 64, texts of 32-text requests): on the H200 run
+#: the host thread was busy 96-100 % with the SM busy 5-15 % (issue 34). A
+#: micro-batch is padded up to the smallest captured shape that holds it.
+GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
+#: Padded tokens of the largest graph (64 x 256, 32 x 512): the graphs share one
+#: memory pool, whose size is the largest graph's activations.
+GRAPH_MAX_TOKENS = 16_384
 
 
-def graph_shape(rows: int, tokens: int, token_sizes: Sequence[int] = GRAPH_TOKENS) -> tuple[int, int] | None:
-    """The smallest captured (rows, tokens) holding a micro-batch, or None (run it eagerly)."""
-    r = next((b for b in GRAPH_ROWS if b >= rows), None)
-    t = next((n for n in token_sizes if n >= tokens), None)
-    return None if r is None or t is None else (r, t)
+def graph_shapes(max_tokens: int) -> tuple[tuple[int, int], ...]:
+    """The (rows, tokens) shapes captured for a model of `max_tokens` positions."""
+    return tuple((r, t) for r in GRAPH_ROWS for t in GRAPH_TOKENS if t <= max_tokens and r * t <= GRAPH_MAX_TOKENS)
+
+
+#: What a model of 512 positions captures (the shapes `graph_shape` picks among by default).
+DEFAULT_GRAPH_SHAPES = graph_shapes(512)
+
+
+def graph_shape(rows: int, tokens: int, shapes: Sequence[tuple[int, int]] = DEFAULT_GRAPH_SHAPES,
+                ) -> tuple[int, int] | None:
+    """The smallest captured (rows, tokens) holding a micro-batch (fewest padded
+    tokens, then fewest rows), or None (run it eagerly)."""
+    return min(((r, t) for r, t in shapes if r >= rows and t >= tokens), key=lambda s: (s[0] * s[1], s[0]),
+               default=None)
 
 
 def fill_padded(static: dict[str, Any], features: dict[str, Any]) -> dict[str, Any]:
@@ -583,8 +599,8 @@ def sliced(features: dict[str, Any], rows: int, tokens: int) -> dict[str, Any]:
 
 class GraphedForward:
     """CUDA graphs of `forward` (token tensors -> (rows, d) tensor) for every
-    shape of GRAPH_ROWS x GRAPH_TOKENS up to `max_tokens`, captured at load from
-    `example` (host token tensors of several texts: slices of it fill each shape).
+    shape of `graph_shapes(max_tokens)`, captured at load from `example` (host
+    token tensors of at least max(GRAPH_ROWS) texts: slices of it fill each shape).
 
     Kept only if every graph's replay agrees with the eager forward on the same
     inputs (`agree`, on unit rows); a failed capture or check leaves the model
@@ -597,7 +613,7 @@ class GraphedForward:
 
         self._forward = forward
         self._device = device
-        self.token_sizes = tuple(n for n in GRAPH_TOKENS if n <= max_tokens)
+        self.shapes = graph_shapes(max_tokens)
         self.graphs: dict[tuple[int, int], tuple[Any, dict[str, Any], Any]] = {}
         try:
             self._capture_all(torch, example, device)
@@ -616,19 +632,19 @@ class GraphedForward:
         pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
         side = torch.cuda.Stream(device)
         example = to_device(example, device)
-        for rows in GRAPH_ROWS:
-            for tokens in self.token_sizes:
-                static = padded_to(sliced(example, rows, tokens), rows, tokens)
-                # Warm-up on a side stream before capture (lazy init, library handles, autotuning).
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._forward(dict(static))
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(dict(static))
-                self.graphs[(rows, tokens)] = (graph, static, out)
+        # Largest first: the pool is sized by the first capture, the others fit in it.
+        for rows, tokens in sorted(self.shapes, key=lambda s: -s[0] * s[1]):
+            static = padded_to(sliced(example, rows, tokens), rows, tokens)
+            # Warm-up on a side stream before capture (lazy init, library handles, autotuning).
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(dict(static))
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(dict(static))
+            self.graphs[(rows, tokens)] = (graph, static, out)
 
     def _check(self, torch: Any, example: dict[str, Any], agree: Agreement) -> str | None:
         """None if every graph agrees with the eager forward, else why not."""
@@ -647,7 +663,7 @@ class GraphedForward:
         """The forward's output for `features` (host or device tensors) by graph
         replay, or None when no captured shape holds them."""
         rows, tokens = features["attention_mask"].shape
-        shape = graph_shape(rows, tokens, self.token_sizes)
+        shape = graph_shape(rows, tokens, self.shapes)
         entry = self.graphs.get(shape) if shape else None
         if entry is None:
             return None

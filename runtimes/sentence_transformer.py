@@ -23,7 +23,7 @@ from fleet.protocol import EmbedRequest
 from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.dense import finish_dense, too_wide
 from runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
+    CHECK_SET, GRAPH_ROWS, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
     first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
     prefetched, split_refused, to_device, tokenize_threads,
 )
@@ -130,7 +130,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                                                  thread_name_prefix=f"tokenize-{self.spec.name}")
         if self.device.startswith("cuda"):
             with torch.inference_mode():
-                graphs = GraphedForward(self._pooled, self.model.preprocess(CHECK_SET), self.device,
+                example = self.model.preprocess(engines.repeated(CHECK_SET, max(GRAPH_ROWS)))
+                graphs = GraphedForward(self._pooled, example, self.device,
                                         self.max_seq_len, min_cosine(MIN_COSINE), self.spec.name)
             self.compiled = graphs if graphs.graphs else None
         elif self.device == "cpu" and self.engine == "torch" and modules and isinstance(modules[0], Transformer):

@@ -22,7 +22,9 @@ import pytest
 from fleet.messages import EmbedResult
 from fleet.protocol import EmbedRequest
 from runtimes.base import BatchContext, ModelSpec, Profile
-from runtimes.hf_common import CHECK_SET, GRAPH_ROWS, GRAPH_TOKENS, graph_shape, padded_to, prefetched
+from runtimes.hf_common import (
+    CHECK_SET, GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to, prefetched,
+)
 from runtimes.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
@@ -203,15 +205,22 @@ def test_closing_early_waits_for_the_pending_prepare():
 
 @pytest.mark.parametrize(("rows", "tokens", "shape"), [
     (1, 5, (1, 16)), (1, 16, (1, 16)), (2, 17, (2, 32)), (3, 64, (4, 64)), (8, 128, (8, 128)),
-    (9, 10, None), (4, 129, None),
+    (9, 10, (16, 16)), (4, 129, (4, 256)), (64, 200, (64, 256)), (32, 500, (32, 512)), (33, 130, (64, 256)),
+    (64, 257, None), (65, 16, None), (1, 513, None),
 ])
 def test_graph_shape_is_the_smallest_captured_shape_that_holds_the_micro_batch(rows, tokens, shape):
+    # Issue 34: a GPU's common micro-batches (up to 64 texts of a few hundred tokens)
+    # replay a graph; past GRAPH_MAX_TOKENS padded tokens they run eagerly.
     assert graph_shape(rows, tokens) == shape
 
 
-def test_graph_shapes_stop_at_the_models_length():
-    assert graph_shape(1, 100, tuple(n for n in GRAPH_TOKENS if n <= 64)) is None
+def test_graph_shapes_stop_at_the_models_length_and_the_pools_bound():
+    assert graph_shape(1, 100, graph_shapes(64)) is None
     assert GRAPH_ROWS[0] == 1  # a one-text request has a graph
+    shapes = graph_shapes(512)
+    assert all(r * t <= GRAPH_MAX_TOKENS and t <= 512 for r, t in shapes)
+    assert (64, 256) in shapes and (32, 512) in shapes and (64, 512) not in shapes
+    assert len(shapes) == len(set(shapes)) == 41
 
 
 def test_padding_to_a_graph_shape_changes_no_vector(embedder):
