@@ -33,7 +33,7 @@ from fleet.protocol import (
     ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest, ClassifyReply, ClassifyRequest,
     CohereRerankReply, CompletionReply, CompletionRequest, EmbedReplyJson, EmbedRequestJson, EmbedSparseReply,
     EmbedTokensReplyJson, ErrorReply, ExtractReply, ExtractRequest, GenerateChunkReply, GenerateReply,
-    GenerateRequest, ModelCard, ModelList, OpenAIEmbeddingsReply, OpenAIEmbeddingsRequest, OpenAIErrorReply,
+    GenerateRequest, ModelList, OpenAIEmbeddingsReply, OpenAIEmbeddingsRequest, OpenAIErrorReply,
     RerankReply, RerankRequest,
 )
 from fleet.protocol import ModelDetail

@@ -382,7 +382,7 @@ def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
     except (msgspec.ValidationError, ValueError) as exc:
         raise BadRequest(f"{where}: {exc}") from None
     try:
-        entry.parsed_source
+        _ = entry.parsed_source  # validates the source
         if entry.base is not None:
             validate_name(entry.base)
     except BadRequest as exc:

@@ -75,7 +75,7 @@ def main() -> None:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in SERVER_MODULES:
             raise
-        err.print(f"[bold red]error[/]: " + escape(f"this needs fleet's server side ({exc.name} is not installed): "
+        err.print("[bold red]error[/]: " + escape(f"this needs fleet's server side ({exc.name} is not installed): "
                                                   f"pip install 'fleet[server]'"))
         sys.exit(1)
     except KeyboardInterrupt:

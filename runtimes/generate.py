@@ -52,7 +52,7 @@ from fleet.protocol import GenerateRequest
 from runtimes.base import Adapter, ModelSpec
 from runtimes.grammar import Grammars
 from runtimes.hf_common import char_bound
-from runtimes.lora import BASE_ROW, Loras, LoraHost
+from runtimes.lora import Loras, LoraHost
 from runtimes.memory import NotNow, is_out_of_memory
 
 log = logging.getLogger("fleet.worker")

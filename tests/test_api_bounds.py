@@ -11,7 +11,6 @@ answered meanwhile. Before: one 15 MB `/tokenize` took the API process from
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx

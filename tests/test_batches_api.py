@@ -374,7 +374,8 @@ def test_the_window_closing_expires_the_batch_and_keeps_what_is_done(client, tmp
     assert len(expired) == MAX_LINES - b.request_counts.completed - b.request_counts.failed
 
 
-def fleetctl(d: DaemonProc, *args: str) -> "subprocess.CompletedProcess[str]":
+def fleetctl(d: DaemonProc, *args: str):
+    """`fleetctl ARGS` against `d` (a subprocess.CompletedProcess of text)."""
     import os
     import subprocess
     import sys

@@ -25,7 +25,7 @@ import pytest
 
 from fleet.vectors import OUTPUT_DTYPES, WIRE_DTYPES, quantize, scalar_ranges
 from tests.conftest import DaemonProc, default_model_dir, start_daemon
-from tests.gen_embedders import INSTRUCTOR_PROMPTS, QWEN3_QUERY, build_instructor_embedder, build_qwen3_embedder
+from tests.gen_embedders import QWEN3_QUERY, build_instructor_embedder, build_qwen3_embedder
 
 MSGPACK = "application/msgpack"
 MINILM = "all-minilm-l6-v2"

@@ -8,7 +8,6 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import msgspec

@@ -10,7 +10,6 @@ tested alone, with fakes.
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
 import statistics

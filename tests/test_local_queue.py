@@ -425,7 +425,7 @@ def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
 
 
 def test_lane_stats_report_busy_lanes(q):
-    a, b, idle = q.lane_id("a"), q.lane_id("b"), q.lane_id("idle")
+    a, b, _ = q.lane_id("a"), q.lane_id("b"), q.lane_id("idle")
     t0 = time.monotonic_ns()
     put_all(q, a, [1, 2, 3], tokens=5)
     put_all(q, b, [4], tokens=7)

@@ -606,7 +606,7 @@ def test_a_request_shorter_than_three_ack_waits_survives_its_holders_death(boxes
     late = [(i, round(sent_at[i][0] - at_kill["t"], 2), round(sent_at[i][1] - sent_at[i][0], 2))
             for i, status, _, _ in answers if status != 200]
     assert not codes, f"{codes}: (request, sent s after the kill, answered after s): {late}"
-    for i, _, served_by, body in answers:
+    for i, _, _served_by, body in answers:
         vecs = np.asarray(body["embeddings"], dtype=np.float32)
         ref = references[texts_of(i, 4)]
         assert np.min(np.sum(vecs * ref, axis=1) / (np.linalg.norm(vecs, axis=1) * np.linalg.norm(ref, axis=1))) > 0.999

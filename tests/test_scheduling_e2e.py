@@ -187,7 +187,7 @@ def test_queue_bound_answers_overloaded_with_retry_after(tmp_path):
         over = [r for r in results if r[0] == 429]
         ok = [r for r in results if r[0] == 200]
         assert over and ok and len(over) + len(ok) == 48, {r[0] for r in results}
-        for status, body, headers in over:
+        for _status, body, headers in over:
             assert body["error"]["code"] == "overloaded"
             assert int(headers["retry-after"]) >= 1
         # Nothing left behind; the daemon serves again once the burst is over.

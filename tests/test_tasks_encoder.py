@@ -69,7 +69,7 @@ def build_models(root: Path) -> dict[str, Path]:
     """Tiny BERTs with the all-MiniLM tokenizer, saved as the hub saves them."""
     import torch
     from sentence_transformers import CrossEncoder
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
 

@@ -159,8 +159,8 @@ def test_the_engine_verdict_table_is_read_from_the_daemon_log():
                 "openvino bfloat16": "1 short=4.00ms 32 texts=50.00ms",
                 "torch bfloat16": "refused: min cosine 0.99 (need 0.9999)"}
     log = "\n".join([
-        json.dumps({"level": "info", "logger": "fleet.worker", "msg": f"engine other: torch float32, fastest that "
-                    f"agrees ({{'torch float32': 'x'}})"}),
+        json.dumps({"level": "info", "logger": "fleet.worker", "msg": "engine other: torch float32, fastest that "
+                    "agrees ({'torch float32': 'x'})"}),
         json.dumps({"level": "info",
                     "msg": f"engine check {MODEL} openvino bfloat16: min cosine 0.99999 -> candidate"}),
         json.dumps({"level": "info", "msg": f"engine {MODEL}: openvino bfloat16, fastest that agrees ({measured!r})",

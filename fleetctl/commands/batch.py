@@ -40,7 +40,8 @@ def endpoint_of(path: Path) -> str:
                         return url
                     break
     except (OSError, ValueError, AttributeError) as exc:
-        raise BadRequest(f"cannot read the endpoint from {path}: {exc}", hint="give it: --endpoint /v1/embeddings")
+        raise BadRequest(f"cannot read the endpoint from {path}: {exc}",
+                         hint="give it: --endpoint /v1/embeddings") from None
     raise BadRequest(f"{path} has no request line with a `url`", hint="give it: --endpoint /v1/embeddings")
 
 
