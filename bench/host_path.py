@@ -3,7 +3,7 @@
 The full serving path (HTTP, MessagePack, the API process, the shared-memory
 queue, a worker, its tokenizer, results back) with a model whose forward costs
 next to nothing: a random 1-layer BERT of hidden size 32 in sentence-transformers'
-folder layout with all-MiniLM-L6-v2's real tokenizer (`bench.gpu_check.build_st_embedder`).
+folder layout with all-MiniLM-L6-v2's real tokenizer (`bench.models.build_st_embedder`).
 What the daemon's processes burn per token is then the host path's own cost.
 
 In one run:
@@ -36,7 +36,7 @@ Usage:
   flock /tmp/fleet-bench.lock python -m bench.host_path [--clients 16] [--texts 32] [--duration 6]
       [--device cpu] [--workers 0] [--url URL --model NAME] [--out bench/results/<time>-host-path.json]
 Without --url the bench builds the model, pulls it into a temporary FLEET_HOME
-(`bench.gpu_check.make_home`), runs `fleetctl serve` on a free loopback port
+(`bench.models.make_home`), runs `fleetctl serve` on a free loopback port
 (`bench.daemon.LocalDaemon`, shipped defaults besides the device and workers)
 and stops it by PID at the end. With --url the daemon must run on this machine
 (its processes are read through /proc).
@@ -67,7 +67,7 @@ from rich.table import Table
 
 from bench import corpus, loadgen, report, stand_in
 from bench.daemon import LocalDaemon
-from bench.gpu_check import build_st_embedder, make_home
+from bench.models import build_st_embedder, make_home
 from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.knee import CLOSED
 from bench.targets import request_windows

@@ -9,8 +9,8 @@ Everything else is the product: `fleetctl serve`, the API process, the queue,
 a spawned worker process running `runtimes.process.run`, the sentence-transformers
 adapter with its tokenizer threads, pooling-free vectors of the model's width.
 
-`python -m bench.stand_in serve [fleetctl serve options]`: `fleetctl serve`, its
-supervisor spawning `stand_in_worker` (the tests start marker workers the same
+`python -m bench.stand_in serve`: what `fleetctl serve` runs (settings from the
+FLEET_* environment), its supervisor spawning `stand_in_worker` (the tests start marker workers the same
 way, tests/test_worker_core.py). The worker registers `StandInEmbedder` for the
 sentence-transformers runtime (bench/stand_in_forward.py, imported in the
 worker only: the API process never loads torch) before it resolves any model,
@@ -40,8 +40,15 @@ def stand_in_worker(queue_name: str, index: int, device: str, settings_blob: byt
 
 
 def main() -> None:
+    """`serve`, as `fleetctl serve` with no options runs it (the bench configures the
+    daemon through its FLEET_* environment)."""
     from daemon import core
-    from fleetctl.app import main as fleetctl
+    from daemon.logs import setup_logging
+    from daemon.server import serve
+    from fleet.config import load_settings
+
+    if sys.argv[1:] != ["serve"]:
+        sys.exit("usage: python -m bench.stand_in serve (settings from the FLEET_* environment)")
 
     class StandInSupervisor(core.Supervisor):
         def __init__(self, *args, **kw) -> None:
@@ -49,7 +56,9 @@ def main() -> None:
 
     # The name daemon.core builds its supervisor by: the one place the worker entry is chosen.
     core.Supervisor = StandInSupervisor
-    sys.exit(fleetctl())
+    settings = load_settings()
+    setup_logging(settings.log_level, home=settings.home_path)
+    serve(settings)
 
 
 if __name__ == "__main__":
