@@ -11,7 +11,8 @@ import pytest
 
 from fleet.protocol import GenerateRequest
 from runtimes.base import ModelSpec, Profile
-from runtimes.generate import BASE_ROW, CausalLM, stop_cut, streamable_end
+from runtimes.generate import CausalLM, stop_cut, streamable_end
+from runtimes.lora import BASE_ROW
 from fleet.messages import GenerateChunk, GenerateResult, WorkError
 from tests.gen_models import Reference, build_llama, build_lora
 
