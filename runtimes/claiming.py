@@ -97,6 +97,10 @@ class Claimer:
         self.ack_errors(late, WorkError("timeout", "the request's deadline passed before it ran"))
         return [c for c in claims if not (c.deadline_ns and c.deadline_ns <= now)], len(late)
 
+    def error_ack(self, item_id: int, error: WorkError) -> tuple[int, bytes, int]:
+        """The ack answering claim `item_id` with `error` (for `ack_many`)."""
+        return item_id, _encode(Envelope(0.0, 0.0, self.served_by, error)), STATUS_ERROR
+
     def ack_errors(self, claims: list, error: WorkError) -> None:
         payload = _encode(Envelope(0.0, 0.0, self.served_by, error))
         self.queue.ack_many([(c.item_id, payload, STATUS_ERROR) for c in claims])

@@ -332,10 +332,10 @@ class WorkerCore:
                   ctx: BatchContext, plan: Interjection | None) -> tuple[list, bool, tuple[int, float]]:
         """Run `requests` (of `claims`) as the adapter's steps (`Adapter.batch`); returns
         (one result per request, whether it was cut short as unwanted, (items, ms) of
-        other clients' batches run between its micro-batches). At each micro-batch boundary k > 0: if no claim is wanted any
-        longer (its deadline passed, or it was withdrawn: `LocalQueue.cancel` sets a
-        claimed item's deadline to 1; lock-free reads, a few us), the steps are closed
-        and every request answered `timeout`. Then, with a `plan`, another client's
+        other clients' batches run between its micro-batches). At each micro-batch
+        boundary k > 0: if no claim is wanted any longer (its deadline passed, or it was
+        withdrawn: `LocalQueue.cancel` sets a claimed item's deadline to 1; lock-free
+        reads, a few us), the steps are closed and every request answered `timeout`. Then, with a `plan`, another client's
         request that runs first (`runtimes.flows.other_first`) runs as a batch of its
         own (`interject`). A model failure answers the whole batch; the worker stays up."""
         adapter, model = resident.adapter, resident.adapter.spec.name
@@ -437,10 +437,9 @@ class WorkerCore:
             try:
                 runnable.append((c, decoder.decode(c.payload)))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                error = WorkError("bad_request", f"undecodable work item: {exc}")
-                acks.append((c.item_id, _encode(Envelope(0.0, 0.0, self.served_by, error)), STATUS_ERROR))
+                acks.append(self.claimer.error_ack(c.item_id, WorkError("bad_request",
+                                                                        f"undecodable work item: {exc}")))
         if failed := attach_batch(adapter, [r for _, r in runnable], self.residency.resolve):
-            acks += [(runnable[i][0].item_id, _encode(Envelope(0.0, 0.0, self.served_by, e)), STATUS_ERROR)
-                     for i, e in failed.items()]
+            acks += [self.claimer.error_ack(runnable[i][0].item_id, e) for i, e in failed.items()]
             runnable = [x for i, x in enumerate(runnable) if i not in failed]
         return runnable, acks
