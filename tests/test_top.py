@@ -134,14 +134,18 @@ STATE = {
 
 
 def test_view_fits_80_columns_and_cuts_no_name() -> None:
-    console = Console(width=80, record=True, highlight=False)
-    console.print(render(STATE))
-    text = console.export_text()
-    assert max(len(line) for line in text.splitlines()) <= 80
-    assert "…" not in text  # names fold across lines, never cut
-    for part in ("a-very-long-model-na", "-0.6b", "batch_0123456789ab", "cdef"):
-        assert part in text, part
-    for figure in ("123.4", "99k", "12.3", "457", "32/256", "12k/33k", "93", "250", "evicted (lru)"):
+    name = STATE["models"][0]["model"]
+    for width in (80, 120, 160):
+        console = Console(width=width, record=True, highlight=False)
+        console.print(render(STATE))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "…" not in text  # nothing is cut
+        # The name and the job id whole on one line each; the name's row has its figures.
+        assert "batch_0123456789abcdef0123456789abcdef" in text
+        assert next(line for line in text.splitlines() if line.startswith(name)).split()[1] == "123.4"
+    # Wide enough, every figure is there; narrower, the table says which columns gave way.
+    for figure in ("123.4", "99k", "12.3", "457", "32/256", "12k/33k", "93", "250", "evicted (lru)", "3 evicted"):
         assert figure in text, figure
 
 

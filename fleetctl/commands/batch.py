@@ -10,6 +10,7 @@ to stdout, progress and hints to stderr; `--json` prints the batch object.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,10 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
 from fleet.errors import BadRequest
+from fleetctl.tables import FitTable
 
 #: Statuses of a batch that is over (OpenAI's).
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -91,11 +92,17 @@ def summary(b: dict[str, Any]) -> str:
             f"{c['failed']} with errors")
 
 
-def batches_table(batches: list[dict[str, Any]], title: str = "Batches") -> Table:
-    t = Table(title=title, title_justify="left", title_style="bold", box=None, pad_edge=False)
-    t.add_column("batch", no_wrap=True)  # ids are what the next command takes: never folded
-    for name in ("status", "endpoint", "done", "total", "errors", "created"):
-        t.add_column(name, no_wrap=True)
+def batches_table(batches: list[dict[str, Any]], title: str = "Batches") -> FitTable:
+    """The batch id is what the next command takes: whole at any width; at 80 columns
+    the created time and the endpoint give way."""
+    t = FitTable(title)
+    t.add_column("batch")
+    t.add_column("status", drop=5)
+    t.add_column("endpoint", drop=2)
+    t.add_column("done", drop=4, justify="right")
+    t.add_column("total", drop=4, justify="right")
+    t.add_column("errors", drop=3, justify="right")
+    t.add_column("created", drop=1)
     for b in batches:
         c = b["request_counts"]
         t.add_row(b["id"], b["status"], b["endpoint"], str(c["completed"] + c["failed"]), str(c["total"]),
@@ -146,7 +153,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps(page["data"], indent=2))
         else:
-            Console(highlight=False).print(batches_table(page["data"]))
+            # Piped output is for other programs: every column, none cut (a terminal gets what fits).
+            Console(highlight=False, width=None if sys.stdout.isatty() else 4096).print(batches_table(page["data"]))
 
     @batch_app.command()
     def show(batch_id: str, as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")) -> None:

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from fleetctl.tables import CUT, FitTable
+
 
 def register(app: typer.Typer) -> None:
     @app.command("list")
@@ -20,10 +22,8 @@ def register(app: typer.Typer) -> None:
         """List pulled models: name, task, runtime, size, source, revision, pulled at (with --catalog:
         name, task, runtime, license, parameters, size, pulled, source)."""
         import msgspec
-        from rich.table import Table
 
         from fleet.catalog import load_catalog
-        from fleetctl.commands.pull import human_size
         from fleet.config import load_settings
         from fleet.store import Store, damage_fix
 
@@ -33,8 +33,6 @@ def register(app: typer.Typer) -> None:
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 4096)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         if catalog:
-            from fleetctl.catalog_table import UNKNOWN, format_count, format_size
-
             entries = load_catalog(settings.home).all()
             pulled = set(store.names())
             sizes = {e.name: known_size(e, store, pulled) for e in entries}
@@ -45,18 +43,7 @@ def register(app: typer.Typer) -> None:
                          "size_from": sizes[e.name][1]} for e in entries]
                 sys.stdout.buffer.write(msgspec.json.encode(rows) + b"\n")
                 return
-            table = Table(box=None)
-            table.add_column("name", no_wrap=True, min_width=max((len(e.name) for e in entries), default=4))
-            for column in ("task", "runtime", "license", "params", "size", "pulled", "source"):
-                table.add_column(column, overflow="fold")
-            for e in entries:
-                size, size_from = sizes[e.name]
-                # "~": the catalog's figure, not measured on this box.
-                shown = format_size(size) if size_from != "catalog" else "~" + format_size(size)
-                cells = (e.name, e.task, e.runtime, e.license or UNKNOWN, format_count(e.params), shown,
-                         "yes" if e.name in pulled else "no", e.source)
-                table.add_row(*map(escape, cells))
-            out.print(table)
+            out.print(catalog_table(entries, pulled, sizes))
             return
 
         manifests = store.list()
@@ -71,19 +58,50 @@ def register(app: typer.Typer) -> None:
         if not manifests:
             err.print("no models pulled yet; try `fleetctl pull all-minilm-l6-v2` (see `fleetctl list --catalog`)")
             return
-        table = Table(box=None)
-        # Names are what people copy into the next command: never cut them.
-        table.add_column("name", no_wrap=True, min_width=max(len(m.name) for m in manifests))
-        for column in ("task", "runtime", "size", "source", "revision", "pulled at"):
-            table.add_column(column, overflow="fold")
-        for m in manifests:
-            revision = m.revision or ""
-            # Cells are plain text (a folder may be named `[x]`), never markup.
-            cells = (m.name, m.task, m.runtime, human_size(m.size_bytes), m.source,
-                     revision[:12] if len(revision) == 40 else revision,
-                     m.created_at.replace("T", " ").removesuffix("Z")[:16])
-            table.add_row(*map(escape, cells))
-        out.print(table)
+        out.print(store_table(manifests))
+
+
+def catalog_table(entries, pulled: set[str], sizes: dict) -> FitTable:
+    """`list --catalog`: names whole; at 80 columns source, runtime and license give way."""
+    from fleetctl.catalog_table import UNKNOWN, format_count, format_size
+
+    table = FitTable()
+    table.add_column("name")
+    table.add_column("task", drop=6)
+    table.add_column("runtime", drop=2)
+    table.add_column("license", drop=3)
+    table.add_column("params", drop=4, justify="right")
+    table.add_column("size", drop=5, justify="right")
+    table.add_column("pulled", drop=7)
+    table.add_column("source", CUT, drop=1)
+    for e in entries:
+        size, size_from = sizes[e.name]
+        # "~": the catalog's figure, not measured on this box.
+        shown = format_size(size) if size_from != "catalog" else "~" + format_size(size)
+        table.add_row(e.name, e.task, e.runtime, e.license or UNKNOWN, format_count(e.params), shown,
+                      "yes" if e.name in pulled else "no", e.source)
+    return table
+
+
+def store_table(manifests) -> FitTable:
+    """`list`: names whole; at 80 columns revision, runtime and the pull time give way
+    and the source is cut."""
+    from fleetctl.commands.pull import human_size
+
+    table = FitTable()
+    table.add_column("name")
+    table.add_column("task", drop=5)
+    table.add_column("runtime", drop=2)
+    table.add_column("size", drop=4, justify="right")
+    table.add_column("source", CUT, drop=6)
+    table.add_column("revision", drop=1)
+    table.add_column("pulled at", drop=3)
+    for m in manifests:
+        revision = m.revision or ""
+        table.add_row(m.name, m.task, m.runtime, human_size(m.size_bytes), m.source,
+                      revision[:12] if len(revision) == 40 else revision,
+                      m.created_at.replace("T", " ").removesuffix("Z")[:16])
+    return table
 
 
 def known_size(entry, store, pulled: set[str]) -> tuple[int | None, str | None]:

@@ -1,9 +1,9 @@
 """`fleetctl ps`: what the daemon runs now (workers, models, devices, lanes).
 
-Readable in an 80-column terminal: one titled table per kind, model names wrapped
-(never cut: they are what people copy into the next command), numbers never
-split over lines, sizes in MiB only, LoRA adapters under their base model, and
-the worker ids of `ps --json` and `fleetctl pin`.
+Readable in an 80-column terminal: one titled table per kind, model names whole on
+one line (they are what people copy into the next command; fleetctl.tables),
+numbers never split over lines, sizes in MiB only, LoRA adapters under their base
+model, and the worker ids of `ps --json` and `fleetctl pin`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import typer
 from rich.console import Console, Group
-from rich.table import Table
 
 from fleetctl.commands.batch import batches_table, running_batches
 from fleetctl.residency import device_rows
+from fleetctl.tables import NAMES, TEXT, FitTable
 
 
 def register(app: typer.Typer) -> None:
@@ -47,17 +47,12 @@ def mib(n: int | float) -> str:
     return f"{n / (1 << 20):,.1f}"
 
 
-def table(title: str, *columns: str) -> Table:
-    """A titled table; every column keeps its numbers on one line, text columns fold."""
-    t = Table(title=title, title_justify="left", title_style="bold", box=None, pad_edge=False)
+def table(title: str, *columns: str) -> FitTable:
+    """A titled table whose first columns are names and numbers, each whole on one line."""
+    t = FitTable(title)
     for name in columns:
-        t.add_column(name, no_wrap=True)
+        t.add_column(name)
     return t
-
-
-def text_column(t: Table, name: str, **kw: Any) -> None:
-    # fold: a long unbroken name wraps at the column edge instead of being cut with "…".
-    t.add_column(name, overflow="fold", **kw)
 
 
 def render(state: dict[str, Any], now: float | None = None) -> Group:
@@ -76,9 +71,11 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
     return Group(*parts)
 
 
-def workers_table(state: dict[str, Any]) -> Table:
-    t = table("Workers", "worker", "pid", "device", "state", "restarts", "claimed")
-    text_column(t, "last batch", ratio=1)
+def workers_table(state: dict[str, Any]) -> FitTable:
+    t = table("Workers", "worker", "pid", "device", "state")
+    t.add_column("restarts", drop=1, justify="right")
+    t.add_column("claimed", drop=2, justify="right")
+    t.add_column("last batch", NAMES, drop=3)
     for w in state["workers"]:
         t.add_row(str(w["worker"]), str(w["pid"]), w["device"], "up" if w["up"] else "down",
                   str(w.get("restarts", 0)), str(w["claimed"]), last_batch(w.get("last_batch") or {}))
@@ -89,12 +86,12 @@ def workers_table(state: dict[str, Any]) -> Table:
     return t
 
 
-def devices_table(state: dict[str, Any]) -> Table:
+def devices_table(state: dict[str, Any]) -> FitTable:
     """Budget and use per device (a device's use is the sum over its workers)."""
     t = table("Devices", "device")
     for name in ("budget MiB", "used MiB", "free MiB", "models"):
-        t.add_column(name, no_wrap=True, justify="right")
-    text_column(t, "loading", ratio=1)
+        t.add_column(name, justify="right")
+    t.add_column("loading", NAMES)
     for d in device_rows(state):
         loading = ", ".join(m["name"] for m in d["models"] if m.get("loading"))
         resident = sum(1 for m in d["models"] if not m.get("loading"))
@@ -103,14 +100,14 @@ def devices_table(state: dict[str, Any]) -> Table:
     return t
 
 
-def models_table(state: dict[str, Any], now: float) -> Table:
+def models_table(state: dict[str, Any], now: float) -> FitTable:
     """Resident models per worker, LoRA adapters under their base."""
-    t = table("Models", "worker")
-    text_column(t, "model", ratio=1)
-    t.add_column("dtype", no_wrap=True)
-    t.add_column("pinned", no_wrap=True)
-    for name in ("MiB", "served", "idle s"):
-        t.add_column(name, no_wrap=True, justify="right")
+    t = table("Models", "worker", "model")
+    t.add_column("dtype", drop=3)
+    t.add_column("pinned", drop=2)
+    t.add_column("MiB", drop=5, justify="right")
+    t.add_column("served", drop=4, justify="right")
+    t.add_column("idle s", drop=1, justify="right")
     for w in state["workers"]:
         for name, m in sorted(w["models"].items()):
             if not m:  # the worker's record was too small for details
@@ -145,21 +142,20 @@ def engine(m: dict[str, Any]) -> str:
     return text
 
 
-def profiles_table(state: dict[str, Any]) -> Table:
+def profiles_table(state: dict[str, Any]) -> FitTable:
     """Which serving profile each model runs with, its settings in force and where each
-    came from, and its batch cost as fitted from its batches."""
-    t = table("Profiles")
-    text_column(t, "model", ratio=1)
-    t.add_column("profile", no_wrap=True)
-    text_column(t, "settings (from)", ratio=2)
-    text_column(t, "batch cost (fitted)", ratio=1)
-    text_column(t, "engine (chosen by)", ratio=1)
+    came from, its batch cost as fitted from its batches, and its engine: one line each
+    beside the model's name, so the name stays whole at 80 columns."""
+    t = table("Profiles", "model")
+    t.add_column("serving", TEXT)
     seen = set()
     for w in state["workers"]:
         for name, m in sorted(w["models"].items()):
             if m and (name, m.get("profile")) not in seen:
                 seen.add((name, m.get("profile")))
-                t.add_row(name, m.get("profile", "default"), settings(m), cost(m.get("cost") or {}), engine(m))
+                t.add_row(name, "\n".join((f"profile {m.get('profile', 'default')}", f"settings (from) {settings(m)}",
+                                           f"batch cost (fitted) {cost(m.get('cost') or {})}",
+                                           f"engine (chosen by) {engine(m)}")))
     return t
 
 
@@ -174,11 +170,12 @@ def settings(m: dict) -> str:
                      for key, label in SETTING_NAMES.items() if key in values) or "-"
 
 
-def lanes_table(state: dict[str, Any]) -> Table:
-    t = table("Lanes")
-    text_column(t, "lane", ratio=1)
-    for name in ("waiting", "tokens", "claimed", "oldest ms"):
-        t.add_column(name, no_wrap=True, justify="right")
+def lanes_table(state: dict[str, Any]) -> FitTable:
+    t = table("Lanes", "lane")
+    t.add_column("waiting", justify="right")
+    t.add_column("tokens", drop=2, justify="right")
+    t.add_column("claimed", drop=1, justify="right")
+    t.add_column("oldest ms", drop=3, justify="right")
     for lane in state["lanes"]:
         t.add_row(lane["model"], str(lane["depth"]), str(lane["tokens"]), str(lane["claimed"]),
                   f"{lane['oldest_wait_ms']:.0f}")

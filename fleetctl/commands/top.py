@@ -2,7 +2,8 @@
 workers, devices, batch jobs, loads and evictions), from `GET /v1/top`.
 
 Readable in an 80-column terminal: short column names, numbers never split, model
-names folded (never cut). `--once` prints one view and exits; `--json` prints the
+names and job ids whole on one line (fleetctl.tables); narrower, the right-hand
+columns give way and the table says which. `--once` prints one view and exits; `--json` prints the
 daemon's snapshot for scripts. Rates and percentiles are the daemon's, over its
 window (daemon/top.py); CPU % is measured between two reads, so `--once` reads twice.
 """
@@ -15,9 +16,9 @@ from typing import Any
 
 import typer
 from rich.console import Console, Group
-from rich.table import Table
 
-from fleetctl.commands.ps import mib, table, text_column
+from fleetctl.commands.ps import mib, table
+from fleetctl.tables import NAMES, FitTable
 
 
 def register(app: typer.Typer) -> None:
@@ -73,14 +74,14 @@ def render(state: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def models_table(state: dict[str, Any]) -> Table:
-    """Per model: requests/s, tokens/s, p50/p95 ms, queue depth and oldest wait, and its
-    batches (mean items and tokens) against its live profile's budget."""
-    t = Table(title="Models", title_justify="left", title_style="bold", box=None, pad_edge=False)
-    text_column(t, "model", ratio=1)
-    for name in ("req/s", "tok/s", "p50", "p95", "queue", "wait ms"):
-        t.add_column(name, no_wrap=True, justify="right")
-    t.add_column("batch items · tok", no_wrap=True, justify="right")
+def models_table(state: dict[str, Any]) -> FitTable:
+    """Per model: requests/s, tokens/s, p50/p95 ms, queue depth and oldest wait, its
+    batches (mean items and tokens) against its live profile's budget, and what is
+    wrong with it. The name stays whole; narrower, the columns on the right give way."""
+    t = table("Models", "model", "req/s")
+    for name, drop in (("tok/s", 3), ("p50", 6), ("p95", 4), ("queue", 5), ("wait ms", 2), ("batch items · tok", 1)):
+        t.add_column(name, drop=drop, justify="right")
+    t.add_column("notes", NAMES, drop=7)
     for m in state["models"]:
         batch = "-"
         if m["batches"]:
@@ -93,27 +94,33 @@ def models_table(state: dict[str, Any]) -> Table:
             flags.append(f"{m['evictions']} evicted")
         if not m["workers"]:
             flags.append("not loaded")
-        name = m["model"] + (f" ({', '.join(flags)})" if flags else "")
-        t.add_row(name, f"{m['requests_per_s']:.1f}", short(m["tokens_per_s"]), ms(m["p50_ms"]), ms(m["p95_ms"]),
-                  str(m["depth"]), ms(m["oldest_wait_ms"]) if m["depth"] else "-", batch)
+        t.add_row(m["model"], f"{m['requests_per_s']:.1f}", short(m["tokens_per_s"]), ms(m["p50_ms"]),
+                  ms(m["p95_ms"]), str(m["depth"]), ms(m["oldest_wait_ms"]) if m["depth"] else "-", batch,
+                  ", ".join(flags))
     return t
 
 
-def workers_table(state: dict[str, Any]) -> Table:
-    t = table("Workers", "worker", "pid", "device", "CPU %", "MiB", "state")
-    text_column(t, "models", ratio=1)
+def workers_table(state: dict[str, Any]) -> FitTable:
+    t = table("Workers", "worker")
+    t.add_column("pid", drop=3)
+    t.add_column("device")
+    t.add_column("CPU %", drop=2, justify="right")
+    t.add_column("MiB", drop=1, justify="right")
+    t.add_column("state")
+    t.add_column("models", NAMES)
     for w in state["workers"]:
         cpu = "-" if w.get("cpu_percent") is None else f"{w['cpu_percent']:.0f}"
         rss = "-" if w.get("rss_bytes") is None else f"{w['rss_bytes'] / (1 << 20):,.0f}"
-        st = ("up" if w["up"] else "down") + (f", loading {w['loading']}" if w.get("loading") else "")
-        t.add_row(str(w["worker"]), str(w["pid"]), w["device"], cpu, rss, st, ", ".join(w["models"]) or "-")
+        models = ", ".join(w["models"]) + (f"{', ' if w['models'] else ''}loading {w['loading']}" if w.get("loading")
+                                           else "")
+        t.add_row(str(w["worker"]), str(w["pid"]), w["device"], cpu, rss, "up" if w["up"] else "down", models or "-")
     for slot in state.get("slots", []):
         if slot["pid"] is None:
             t.add_row("-", "-", slot["device"], "-", "-", f"restarting ({slot['restarts']})", "-")
     return t
 
 
-def devices_table(state: dict[str, Any]) -> Table:
+def devices_table(state: dict[str, Any]) -> FitTable:
     """fleet's budget and use per device; for GPUs, NVML's utilisation and memory."""
     t = table("Devices", "device", "used MiB", "budget MiB", "GPU %", "GPU mem MiB")
     for d in state["devices"]:
@@ -124,21 +131,23 @@ def devices_table(state: dict[str, Any]) -> Table:
     return t
 
 
-def batches_table(jobs: list[dict[str, Any]]) -> Table:
-    t = table("Batch jobs", "status", "done", "failed", "total")
-    text_column(t, "job", ratio=1)
-    text_column(t, "model", ratio=1)
+def batches_table(jobs: list[dict[str, Any]]) -> FitTable:
+    t = table("Batch jobs", "job")
+    t.add_column("model", drop=4)
+    t.add_column("status", drop=3)
+    t.add_column("done", drop=2, justify="right")
+    t.add_column("failed", drop=1, justify="right")
+    t.add_column("total", drop=2, justify="right")
     for j in jobs:
         c = j.get("request_counts") or {}
-        t.add_row(j["status"], str(c.get("completed", 0)), str(c.get("failed", 0)), str(c.get("total", 0)), j["id"],
-                  j.get("model") or "-")
+        t.add_row(j["id"], j.get("model") or "-", j["status"], str(c.get("completed", 0)), str(c.get("failed", 0)),
+                  str(c.get("total", 0)))
     return t
 
 
-def events_table(events: list[dict[str, Any]]) -> Table:
+def events_table(events: list[dict[str, Any]]) -> FitTable:
     """Loads and evictions of the last minute, newest first (an eviction thrash shows here)."""
-    t = table("Loads and evictions", "s ago", "what")
-    text_column(t, "model", ratio=1)
+    t = table("Loads and evictions", "s ago", "what", "model")
     for e in events[:8]:
         t.add_row(f"{e['ago_s']:.0f}", "loaded" if e["what"] == "load" else f"evicted ({e['what']})", e["model"])
     return t
