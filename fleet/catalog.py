@@ -32,14 +32,14 @@ import msgspec
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.files import replace_file
 
-Task = Literal["embed", "rerank", "classify", "extract", "generate"]
+Task = Literal["embed", "rerank", "classify", "extract", "generate", "decide"]
 #: LLM rerankers' prompt formats (runtimes/llm_rerank.FORMATS).
 RerankPrompt = Literal["qwen3", "mxbai-v2"]
 #: sentence-transformers' pooling modes (1_Pooling/config.json), as catalog facts.
 Pooling = Literal["cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate")
+TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate", "decide")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 #: What runs an encoder's forward (runtimes/engines.py): `auto` measures at load.
 Engine = Literal["auto", "torch", "openvino"]

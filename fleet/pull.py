@@ -61,6 +61,8 @@ DEFAULT_RUNTIME = {
     "classify": "transformers",
     "extract": "transformers",
     "generate": "transformers",
+    # Typed decisions (runtimes/decide.py): a causal LM read by scoring.
+    "decide": "transformers",
 }
 #: (task the folder looks like, task it is pulled as) -> runtime: a causal LM
 #: pulled with --task rerank is an LLM reranker (its prompt asks for a yes/no token).
@@ -277,7 +279,7 @@ def _metadata(
             raise BadRequest(
                 f"cannot tell what kind of model {origin} is (no modules.json, adapter_config.json "
                 "or known architecture in config.json)",
-                hint="pass --task embed|rerank|classify|extract|generate (and --runtime)",
+                hint="pass --task embed|rerank|classify|extract|generate|decide (and --runtime)",
             )
         known_task = kind.task
     if known_runtime is None:

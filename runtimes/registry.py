@@ -25,6 +25,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     # LoRA adapters (runtime "peft") are no entry: they attach to their base's
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
     ("generate", "transformers"): "runtimes.generate:CausalLM",
+    ("decide", "transformers"): "runtimes.decide:DecisionLM",
 }
 
 

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
             help="A catalog name (see `fleetctl list --catalog`), hf:ORG/NAME\\[@REV], path:DIR or pkg:PACKAGE.",
         )],
         name: Annotated[Optional[str], typer.Option(help="Store name for an hf:/path:/pkg: source.")] = None,
-        task: Annotated[Optional[str], typer.Option(help="embed|rerank|classify|extract|generate (else detected).")] = None,
+        task: Annotated[Optional[str], typer.Option(help="embed|rerank|classify|extract|generate|decide (else detected).")] = None,
         runtime: Annotated[Optional[str], typer.Option(help="Worker runtime, e.g. sentence-transformers, transformers, peft.")] = None,
         base: Annotated[Optional[str], typer.Option(help="LoRA adapters: the base model's name (else from adapter_config.json).")] = None,
         force: Annotated[bool, typer.Option("--force", help="Pull again even if the stored copy is up to date.")] = False,

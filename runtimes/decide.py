@@ -1,0 +1,455 @@
+"""Typed decisions from a causal LM (task `decide`, runtime `transformers`): the
+answer is read from the model's next-token distribution, nothing is generated.
+
+Every request's state is a shared prefix: it is run once (once per batch for
+requests that share it, and kept for later batches: `PrefixCache`), and each
+question's rows continue from its key/value cache. A question never sees another:
+its rows hold the state and itself only, so adding, removing or reordering the
+other questions of a request leaves its answer as it was (to float rounding of
+the batch's shapes, under 1e-5).
+
+    prefix = template head + "Read the following, then answer the question after it." + state
+    row    = "Question: ..." + options listed "A. ...", "B. ..." + template tail + "Answer:"
+
+- Up to `len(labels)` options (the letters that are one token each after the cue,
+  at most 26): two rows, the options listed in request order and in reverse; each
+  row's next-token logits at the label tokens, divided by the question's temperature,
+  give a distribution over the options it listed; the answer is the mean of the
+  two (the position bias of one order cancels against the other's).
+- More options (up to 255): one row per option, the question then the option's
+  name after the cue; its summed log-likelihood, over the temperature, is the
+  option's logit, and a softmax over the options gives the answer.
+
+The template is the model's chat template rendered around the user's turn, with
+thinking off (`enable_thinking=False`, which templates that know no thinking
+ignore); a model without one reads the plain text. Temperatures are per question
+kind and option-count bucket (`fleet.decisions.temperature_key`), 1 unless the
+model's catalog entry sets them (`decide_temperatures`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fleet.decisions import DecideRequest, DecideResult, temperature_key
+from fleet.errors import FleetError, ModelLoadFailed
+from fleet.messages import WorkError
+from runtimes.base import Adapter, BatchContext, Steps, run_through
+from runtimes.hf_common import char_bound, footprint_bytes
+
+log = logging.getLogger("fleet.worker")
+
+#: Positions a decision model reads when neither the store nor its config says.
+DEFAULT_MAX_TOKENS = 8192
+INTRO = "Read the following, then answer the question after it.\n\n"
+CUE = "Answer:"
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+#: Device bytes of gathered key/value rows one micro-batch may hold (each row holds its
+#: own copy of its state's cache while the forward runs): rows are cut to fit.
+ROW_CACHE_BYTES = 256 << 20
+#: Bytes of vocabulary logits one micro-batch may hold (the likelihood rows keep one
+#: row of logits per option token).
+LOGIT_BYTES = 128 << 20
+#: Device bytes of state caches kept between batches (`PrefixCache`), at most the
+#: weights' own bytes; counted in the footprint.
+PREFIX_CACHE_BYTES = 64 << 20
+_SENTINEL = "\x00FLEET-DECIDE-CONTENT\x00"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The text around a request: `head` before the state, `tail` after a question
+    (the end of the user's turn, the assistant's start), `cue` before the answer."""
+
+    head: str
+    tail: str
+    cue: str
+    templated: bool
+
+
+def chat_frame(tokenizer: Any) -> Frame:
+    """The model's chat template split around one user message (thinking off), or plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=False)
+        except Exception as exc:  # a template that needs a system turn, tools, ...
+            log.info("decide: chat template not used (%s: %s); plain text", type(exc).__name__, exc)
+        else:
+            if text.count(_SENTINEL) == 1:
+                head, tail = text.split(_SENTINEL)
+                return Frame(head, tail, ("" if not tail or tail[-1].isspace() else " ") + CUE, True)
+    return Frame("", "\n", CUE, False)
+
+
+def single_token_labels(tokenizer: Any, frame: Frame) -> tuple[list[str], list[int], str]:
+    """(labels, their token ids, the cue they follow): the letters A, B, ... that the
+    tokenizer reads as one token after the cue, as " A" (else "A" after the cue and a
+    space), in order up to the first that is not; fewer than two: none (every question
+    is then scored by likelihood)."""
+    probe = "Question: x\n" + frame.tail
+    for space in (" ", ""):
+        cue = frame.cue + ("" if space else " ")
+        base = tokenizer(probe + cue, add_special_tokens=False)["input_ids"]
+        ids = []
+        for letter in LETTERS:
+            full = tokenizer(probe + cue + space + letter, add_special_tokens=False)["input_ids"]
+            if len(full) != len(base) + 1 or full[: len(base)] != base:
+                break
+            ids.append(int(full[-1]))
+        if len(ids) >= 2 and len(set(ids)) == len(ids):
+            return [space + c for c in LETTERS[: len(ids)]], ids, cue
+    return [], [], frame.cue
+
+
+class PrefixCache:
+    """States' key/value caches kept between batches, least recently used out first,
+    within PREFIX_CACHE_BYTES: an agent asking new questions of the same state pays
+    its prefix once. Keyed by the prefix's token ids."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.entries: OrderedDict[bytes, tuple[list[tuple[Any, Any]], int]] = OrderedDict()
+
+    def get(self, key: bytes) -> list[tuple[Any, Any]] | None:
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        self.entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: bytes, layers: list[tuple[Any, Any]]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if size > self.limit or key in self.entries:
+            return
+        while self.used + size > self.limit:
+            _, (_, old) = self.entries.popitem(last=False)
+            self.used -= old
+        self.entries[key] = (layers, size)
+        self.used += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.used = 0
+
+
+@dataclass
+class Plan:
+    """A batch's rows (one entry per row) and questions (one per question, request order)."""
+
+    ids: list[list[int]]  # a row's tokens after its state: the question, options, cue[, the option]
+    owner: np.ndarray  # the request (index into the live requests) a row belongs to
+    keep: np.ndarray  # likelihood rows: how many of the last tokens are the option (0: a label row)
+    questions: list[tuple[str, int, int, bool]]  # (kind, first row, options, read from labels)
+    per_request: list[int]  # questions of each live request
+
+
+class DecisionLM(Adapter):
+    request_type = DecideRequest
+
+    def load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._torch = torch
+        self.dtype = self._dtype()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code,
+                use_safetensors=True, dtype=getattr(torch, self.dtype))
+        except FleetError:
+            raise
+        except Exception as exc:  # the library raises many types for bad folders
+            raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a causal LM: {exc}") from exc
+        self.tokenizer = tokenizer
+        self.model = model.to(self.device).eval()
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
+                          tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
+        positions = int(getattr(model.config, "max_position_embeddings", 0) or DEFAULT_MAX_TOKENS)
+        self.max_len = min(int(self.spec.max_seq_len or positions), positions)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.frame = chat_frame(tokenizer)
+        self.labels, self.label_ids, self.label_cue = single_token_labels(tokenizer, self.frame)
+        self.temperatures: dict[str, float] = dict(self.spec.extra.get("decide_temperatures") or {})
+        self.prefixes = PrefixCache(min(PREFIX_CACHE_BYTES, footprint_bytes(self.model)))
+        #: Bytes one token of one row holds in the key/value cache, measured at warm-up.
+        self.kv_token_bytes = 0
+        log.info("decide %s: %d single-token labels, %s", self.spec.name, len(self.labels),
+                 "chat template" if self.frame.templated else "plain text")
+        self._warm_up()
+
+    def _dtype(self) -> str:
+        wanted = self.spec.profile.dtype
+        if wanted != "auto":
+            return wanted
+        if self.device.startswith("cuda"):
+            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
+        return "float32"
+
+    def _warm_up(self) -> None:
+        """One decision at load: kernel selection now, not in the first client's
+        latency; refuses caches this adapter cannot gather; measures a token's cache bytes."""
+        from fleet.decisions import DecideQuestion
+
+        probe = DecideRequest(self.spec.name, "hello", [
+            DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
+            DecideQuestion("choice", "Which?", ["red", "green", "blue"], ["red", "green", "blue"])])
+        res = run_through(self.batch([probe], BatchContext()))[0]
+        if isinstance(res, WorkError):
+            raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
+
+    def footprint_bytes(self) -> int:
+        return footprint_bytes(self.model) + self.prefixes.limit
+
+    def unload(self) -> None:
+        self.prefixes.clear()
+        self.model = None
+
+    # -- one batch ----------------------------------------------------------------
+
+    def refuse(self, req: DecideRequest) -> WorkError | None:
+        if len(req.state) > char_bound(self.max_len):
+            return too_long(self.spec.name, "state", len(req.state), char_bound(self.max_len), "characters")
+        return None
+
+    def batch(self, requests: list[DecideRequest], ctx: BatchContext) -> Steps:
+        results: list[Any] = [self.refuse(r) for r in requests]
+        live = [i for i, r in enumerate(results) if r is None]
+        # 1. Token ids: each state framed as a prefix, each question as its rows.
+        prefix_ids = self._prefix_ids([requests[i].state for i in live])
+        plan = self._plan([requests[i] for i in live])
+        row_len = np.fromiter(map(len, plan.ids), dtype=np.int64, count=len(plan.ids))
+        # 2. A request whose state and longest row do not fit the model's positions fails alone.
+        prefix_len = np.fromiter(map(len, prefix_ids), dtype=np.int64, count=len(prefix_ids))
+        longest = np.zeros(len(live), dtype=np.int64)
+        np.maximum.at(longest, plan.owner, row_len)
+        ok = prefix_len + longest <= self.max_len
+        for k in np.flatnonzero(~ok):
+            results[live[k]] = too_long(self.spec.name, "state and question", int(prefix_len[k] + longest[k]),
+                                        self.max_len, "tokens")
+        # 3. Each distinct state once: from the cache of earlier batches, else one forward.
+        keys = [np.asarray(p, dtype=np.int64).tobytes() for p in prefix_ids]
+        distinct: dict[bytes, int] = {}
+        state_of = np.array([distinct.setdefault(key, len(distinct)) for key in keys], dtype=np.int64)
+        first_of = {s: k for k, s in reversed(list(enumerate(state_of.tolist())))}
+        caches: list[Any] = [self.prefixes.get(key) for key in distinct]
+        todo = [s for s in range(len(caches)) if caches[s] is None and ok[first_of[s]]]
+        if todo:
+            yield from self._run_prefixes([prefix_ids[first_of[s]] for s in todo], todo, caches, ctx)
+            for s in todo:
+                self.prefixes.put(keys[first_of[s]], caches[s])
+        # 4. The rows of the requests that fit, by state, in micro-batches.
+        scores = np.zeros(len(plan.ids), dtype=np.float64)
+        label_logits = np.zeros((len(plan.ids), max(1, len(self.label_ids))), dtype=np.float64)
+        which = np.flatnonzero(ok[plan.owner])
+        yield from self._run_rows(plan, state_of[plan.owner], which, caches, scores, label_logits, ctx)
+        # 5. Probabilities per question, then per request.
+        probs = self._combine(plan, scores, label_logits)
+        used = prefix_len.copy()
+        np.add.at(used, plan.owner, row_len)
+        for k, i in enumerate(live):
+            if ok[k]:
+                results[i] = DecideResult(probs[k].astype("<f8").tobytes(), int(used[k]))
+        return results
+
+    def _prefix_ids(self, states: list[str]) -> list[list[int]]:
+        texts = [self.frame.head + INTRO + s + "\n\n" for s in states]
+        return self.tokenizer(texts, add_special_tokens=not self.frame.templated)["input_ids"] if texts else []
+
+    def _plan(self, requests: list[DecideRequest]) -> Plan:
+        """Every question's rows as token ids. A question of up to `len(labels)`
+        options has two label rows (its options listed in order, then reversed); one
+        of more has a likelihood row per option (the question, the cue, the option);
+        one with a single option has none (its answer is certain)."""
+        texts: list[str] = []
+        owner: list[int] = []
+        options: list[str] = []
+        option_rows: list[int] = []
+        questions: list[tuple[str, int, int, bool]] = []
+        n_labels = len(self.labels)
+        tail = self.frame.tail
+        for k, req in enumerate(requests):
+            for q in req.questions:
+                n = len(q.options)
+                head = f"Question: {q.text}\n"
+                labelled = n <= n_labels or n <= 1
+                questions.append((q.kind, len(texts), n, labelled))
+                if n <= 1:
+                    continue
+                if labelled:
+                    for order in (q.options, q.options[::-1]):
+                        listed = "".join(f"{c.strip()}. {o}\n" for c, o in zip(self.labels, order))
+                        texts.append(f"{head}{listed}Reply with the letter of the best option.{tail}{self.label_cue}")
+                        owner.append(k)
+                else:
+                    context = f"{head}Reply with one of the options.{tail}{self.frame.cue}"
+                    for name in q.names:
+                        option_rows.append(len(texts))
+                        options.append(" " + name)
+                        texts.append(context)
+                        owner.append(k)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        keep = np.zeros(len(texts), dtype=np.int64)
+        if options:
+            # A likelihood row ends with its option's tokens; `keep` counts them.
+            for j, option in zip(option_rows, self.tokenizer(options, add_special_tokens=False)["input_ids"]):
+                ids[j] = ids[j] + option
+                keep[j] = len(option)
+        return Plan(ids, np.asarray(owner, dtype=np.int64), keep, questions,
+                    [len(r.questions) for r in requests])
+
+    def _run_prefixes(self, prefixes: list[list[int]], slots: list[int], caches: list[Any], ctx: BatchContext):
+        """Forward the states (right-padded, so every row's first column is real and no
+        query attends to nothing) in micro-batches; each state's cache is a copy of its
+        row's keys and values cut to its length."""
+        torch = self._torch
+        lengths = np.fromiter(map(len, prefixes), dtype=np.int64, count=len(prefixes))
+        step = max(1, min(self.micro_items(ctx), ROW_CACHE_BYTES // max(1, int(lengths.max()) * self._kv_bytes())))
+        for idx in micro_batches_by_count(lengths, step):
+            yield
+            width = int(lengths[idx].max())
+            ids = np.full((len(idx), width), self.pad_id, dtype=np.int64)
+            mask = np.zeros((len(idx), width), dtype=np.int64)
+            for r, j in enumerate(idx):
+                ids[r, : lengths[j]] = prefixes[j]
+                mask[r, : lengths[j]] = 1
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.from_numpy(ids).to(self.device),
+                                 attention_mask=torch.from_numpy(mask).to(self.device), use_cache=True,
+                                 logits_to_keep=1)
+                layers = plain_layers(getattr(out, self.cache_kw))
+                if not self.kv_token_bytes:
+                    self.kv_token_bytes = sum(k.element_size() * k.shape[1] * k.shape[3] * 2 for k, _ in layers)
+                for r, j in enumerate(idx):
+                    n = int(lengths[j])
+                    # Copies: a view would hold the whole micro-batch's cache while the state is kept.
+                    caches[slots[j]] = [(k[r : r + 1, :, :n].clone(), v[r : r + 1, :, :n].clone()) for k, v in layers]
+
+    def _kv_bytes(self) -> int:
+        return self.kv_token_bytes or 1
+
+    def _run_rows(self, plan: Plan, state: np.ndarray, which: np.ndarray, caches: list[Any], scores: np.ndarray,
+                  label_logits: np.ndarray, ctx: BatchContext):
+        """Forward the rows `which` (left-padded, so column -1 is every row's last token)
+        on their states' caches (`state`: per row), grouped by state then length; label
+        rows give their label logits, likelihood rows the summed log-probability of their
+        option's tokens."""
+        torch = self._torch
+        if not len(which):
+            return
+        lengths = np.fromiter((len(plan.ids[j]) for j in which), dtype=np.int64, count=len(which))
+        order = which[np.lexsort((lengths, state[which]))]
+        prefix_len = np.array([c[0][0].shape[2] if c is not None else 0 for c in caches], dtype=np.int64)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        label_ids = torch.tensor(self.label_ids or [0], dtype=torch.long, device=self.device)
+        start = 0
+        while start < len(order):
+            # 1. As many rows as the micro-batch, the gathered caches and the logits allow.
+            chunk = order[start : start + self.micro_items(ctx)]
+            width = int(prefix_len[state[chunk]].max()) + max(len(plan.ids[j]) for j in chunk)
+            fits = min(ROW_CACHE_BYTES // (width * self._kv_bytes()),
+                       LOGIT_BYTES // ((int(plan.keep[chunk].max()) + 1) * vocab * 4))
+            chunk = chunk[: max(1, fits)]
+            start += len(chunk)
+            yield
+            used, local = np.unique(state[chunk], return_inverse=True)
+            p_width = int(prefix_len[used].max())
+            s_width = max(len(plan.ids[j]) for j in chunk)
+            keep = int(plan.keep[chunk].max())
+            # 2. Inputs: each row's state (right-padded to the widest), then its tokens (left-padded).
+            ids = np.full((len(chunk), s_width), self.pad_id, dtype=np.int64)
+            mask = np.zeros((len(chunk), p_width + s_width), dtype=np.int64)
+            for r, j in enumerate(chunk):
+                row = plan.ids[j]
+                ids[r, s_width - len(row):] = row
+                mask[r, : prefix_len[state[j]]] = 1
+                mask[r, p_width + s_width - len(row):] = 1
+            positions = prefix_len[state[chunk]][:, None] + np.cumsum(mask[:, p_width:], axis=1) - 1
+            with torch.inference_mode():
+                cache = gathered([caches[s] for s in used], p_width, torch.from_numpy(local).to(self.device))
+                out = self.model(input_ids=torch.from_numpy(ids).to(self.device),
+                                 attention_mask=torch.from_numpy(mask).to(self.device),
+                                 position_ids=torch.from_numpy(np.maximum(positions, 0)).to(self.device),
+                                 use_cache=True, logits_to_keep=keep + 1, **{self.cache_kw: cache})
+                logits = out.logits.float()
+                # 3. Label rows: the label logits at the last position.
+                label_logits[chunk] = logits[:, -1, label_ids].double().cpu().numpy()
+                if keep:
+                    # 4. Likelihood rows: log p of each option token, read at the position before it.
+                    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+                    target = torch.from_numpy(ids[:, s_width - keep:]).to(self.device)
+                    picked = logp.gather(-1, target[..., None])[..., 0]
+                    counts = torch.from_numpy(plan.keep[chunk]).to(self.device)
+                    mine = torch.arange(keep, device=self.device)[None, :] >= (keep - counts)[:, None]
+                    scores[chunk] = (picked * mine).sum(dim=1).double().cpu().numpy()
+
+    def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray) -> list[np.ndarray]:
+        """Per live request, its questions' probabilities laid end to end."""
+        flat: list[np.ndarray] = []
+        for kind, first, n, labelled in plan.questions:
+            if n <= 1:
+                flat.append(np.ones(n))
+                continue
+            t = float(self.temperatures.get(temperature_key(kind, n), 1.0))
+            if labelled:
+                forward = softmax(label_logits[first, :n] / t)
+                backward = softmax(label_logits[first + 1, :n] / t)[::-1]
+                flat.append((forward + backward) / 2)
+            else:
+                flat.append(softmax(scores[first : first + n] / t))
+        ends = np.cumsum(plan.per_request)
+        return [np.concatenate(flat[e - c : e]) for c, e in zip(plan.per_request, ends)]
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def too_long(model: str, what: str, size: int, limit: int, unit: str) -> WorkError:
+    return WorkError("input_too_long", f"the {what} come to {size} {unit}; {model} reads at most {limit} {unit} "
+                                       "per question: send a shorter state")
+
+
+def micro_batches_by_count(lengths: np.ndarray, step: int):
+    order = np.argsort(lengths, kind="stable")
+    for a in range(0, len(order), step):
+        yield order[a : a + step]
+
+
+def plain_layers(cache: Any) -> list[tuple[Any, Any]]:
+    """Each layer's (keys, values) of a cache of full-attention layers; others are refused."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
+        raise ModelLoadFailed(f"decisions read full-attention key/value caches; this model uses {', '.join(kinds)}")
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def gathered(states: list[list[tuple[Any, Any]]], width: int, rows: Any) -> Any:
+    """A cache whose row r holds state `rows[r]`'s keys and values, right-padded to `width`
+    (the padding is masked; zeros keep it finite)."""
+    from transformers import DynamicCache
+
+    layers = []
+    for layer in range(len(states[0])):
+        k0, v0 = states[0][layer]
+        keys = k0.new_zeros((len(states), k0.shape[1], width, k0.shape[3]))
+        values = v0.new_zeros((len(states), v0.shape[1], width, v0.shape[3]))
+        for s, state in enumerate(states):
+            k, v = state[layer]
+            keys[s, :, : k.shape[2]] = k[0]
+            values[s, :, : v.shape[2]] = v[0]
+        layers.append((keys.index_select(0, rows), values.index_select(0, rows)))
+    return DynamicCache(ddp_cache_data=layers)
