@@ -30,6 +30,7 @@ from daemon.controllers.ollama import OllamaController, OllamaRootController
 from daemon.controllers.ollama_create import OllamaCreateController, sweep_blobs_loop
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.responses import ResponsesController
+from daemon.controllers.systemone import SystemOneController
 from daemon.controllers.tei import TeiController
 from daemon.controllers.tgi import TgiController
 from daemon.controllers.top import TopController
@@ -75,10 +76,19 @@ def create_app(daemon: Daemon) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        daemon.start(loop)
-        # Offline jobs: batches left unfinished by the last stop resume now.
-        daemon.batches = Batches(daemon, daemon.dispatch or app)
-        await daemon.batches.start()
+        try:
+            daemon.start(loop)
+            # Offline jobs: batches left unfinished by the last stop resume now.
+            daemon.batches = Batches(daemon, daemon.dispatch or app)
+            await daemon.batches.start()
+        except BaseException as exc:
+            # What started stops (workers, the queue), so the process can exit: uvicorn
+            # then ends `serve`, which exits 1 naming this (daemon.server).
+            daemon.startup_error = f"{type(exc).__name__}: {exc}"
+            if daemon.batches is not None:
+                await daemon.batches.stop()
+            daemon.stop()
+            raise
 
         async def ready() -> bool:
             return daemon.is_serving() and (await daemon.readiness())[0]
@@ -111,7 +121,7 @@ def create_app(daemon: Daemon) -> Litestar:
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
                         CohereEmbedController, TgiController, OllamaCreateController, TopController,
-                        ResponsesController],
+                        ResponsesController, SystemOneController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         before_request=refuse_undeclared(query_table),

@@ -147,6 +147,8 @@ class Daemon:
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False
+    #: Why the app's start failed ("Type: message"), for `serve`'s exit line (daemon.app).
+    startup_error: str = ""
     #: True from SIGTERM on (the drain bound runs). Requests are not refused for it:
     #: uvicorn closes the listener and idle connections within 0.1 s, and one that
     #: still arrives before that is served like the others (or answered at the bound);

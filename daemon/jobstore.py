@@ -13,10 +13,19 @@ one whole line per write, fsynced; daemon/batchfile.py reads them back on a
 restart), so a million-line batch costs no million rows and no second write
 per line. One process (the daemon, which holds `run/daemon.lock`) opens the
 database; every call runs on its event loop's thread.
+
+A damaged store (bytes overwritten, a truncated file: sqlite's "malformed" or
+"not a database", or a `quick_check` that finds a broken page) stops nothing:
+at open, the whole `batches/` folder (database, journal and the files it names)
+is renamed to `batches.damaged-<UTC time>` next to it, that is logged once, and
+the daemon starts with a fresh, empty store; `fleetctl doctor` names what was set
+aside (as damaged pins are: fleet.pins). Any other failure to open it (a
+permission, a full disk) is not damage and stops the start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sqlite3
@@ -27,6 +36,13 @@ import msgspec
 
 from fleet.batches import Batch, FileObject
 from fleet.errors import NotFound
+
+log = logging.getLogger("fleet.batches")
+
+#: Where a damaged store goes (module doc): `FLEET_HOME/batches.damaged-<UTC time>[-n]`.
+DAMAGED_PREFIX = "batches.damaged-"
+#: sqlite's primary result codes that mean the file itself is damaged.
+DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 
 #: The ids this store gives (daemon/openapi.py documents them as the path parameters' patterns).
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
@@ -82,15 +98,39 @@ def new_batch_id() -> str:
     return "batch_" + os.urandom(16).hex()
 
 
+class Damaged(Exception):
+    """The store's database is damaged (module doc); the message says how."""
+
+
 class JobStore:
     def __init__(self, home: Path) -> None:
         self.root = home / "batches"
         self.files_dir = self.root / "files"
+        try:
+            self.db = self._open()
+        except Damaged as exc:
+            set_aside(self.root, str(exc))
+            self.db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.root / "jobs.db", isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(_SCHEMA)
+        db = sqlite3.connect(self.root / "jobs.db", isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+            # Reads every page once (rows per file and per batch, never per line: small);
+            # a page that opening did not touch may be the damaged one.
+            found = [row[0] for row in db.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            if exc.sqlite_errorcode & 0xFF in DAMAGE_CODES:  # extended codes keep the primary in the low byte
+                raise Damaged(str(exc)) from None
+            raise
+        if found != ["ok"]:
+            db.close()
+            raise Damaged(found[-1] if found else "quick_check answered nothing")
+        return db
 
     def close(self) -> None:
         self.db.close()
@@ -127,6 +167,10 @@ class JobStore:
                  uses: list[tuple[str, str | None, int]] | None = None) -> None:
         self.db.execute("INSERT INTO files (id, doc, expires_at, lines, span, uses) VALUES (?, ?, ?, ?, ?, ?)",
                         (f.id, _encode(f), f.expires_at, lines, span, _encode(uses or [])))
+
+    def files_bytes(self) -> int:
+        """Bytes of every stored file (uploads and finished batches' results)."""
+        return int(self.db.execute("SELECT total(json_extract(doc, '$.bytes')) FROM files").fetchone()[0])
 
     def get_file(self, file_id: str) -> StoredFile:
         row = self.db.execute("SELECT doc, lines, span, uses FROM files WHERE id = ?", (file_id,)).fetchone()
@@ -217,6 +261,21 @@ class JobStore:
         if row is None:
             raise NotFound(f"`after`: no {table[:-1]} {item_id!r}", param="after")
         return row[0]
+
+
+def set_aside(root: Path, damage: str) -> Path:
+    """Rename the damaged store `root` (module doc), keeping every earlier one; log it once."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = root.with_name(DAMAGED_PREFIX + stamp)
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = root.with_name(f"{DAMAGED_PREFIX}{stamp}-{n}")
+    os.rename(root, aside)
+    log.error("%s is damaged (%s): set aside as %s with the files it names; starting with an empty batch store "
+              "(earlier batches and files are not served until it is repaired and put back)",
+              root / "jobs.db", damage, aside.name)
+    return aside
 
 
 def now_s() -> int:

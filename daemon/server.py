@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 from fleet.config import Settings
+from fleet.errors import FleetError
 
 from daemon.core import Daemon
 
@@ -143,4 +144,13 @@ def serve(settings: Settings) -> None:
     )
     server = FleetServer(config)
     daemon.is_serving = lambda: server.started
-    server.run()
+    try:
+        server.run()
+    except SystemExit:
+        if server.started:
+            raise
+    if not server.started:
+        # Whatever stopped the start (the app's lifespan, a port in use): `serve` exits 1 with
+        # one line (fleetctl.app), after what had started was stopped; the log has the rest.
+        raise FleetError(f"the daemon did not start: {daemon.startup_error or 'see the log above'}",
+                         hint="fleetctl doctor checks this box")

@@ -242,6 +242,21 @@ def check_catalog(home: Path) -> Finding:
     return Finding("catalog", OK, f"{len(catalog.all())} catalog entries ({', '.join(map(str, catalog.files))})")
 
 
+def check_set_aside(home: Path) -> list[Finding]:
+    """Damaged files the daemon set aside and started without: the batch store
+    (`batches.damaged-*`: daemon.jobstore) and the pins file (`pins.json.damaged-*`: fleet.pins)."""
+    from daemon.jobstore import DAMAGED_PREFIX
+    from fleet.pins import PINS_FILE
+
+    found = []
+    for what, prefix, lost in (("the batch store", DAMAGED_PREFIX, "its batches and files are not served"),
+                               ("the pins file", f"{PINS_FILE}.damaged-", "its pins are not kept")):
+        for aside in sorted(home.glob(prefix + "*")) if home.is_dir() else ():
+            found.append(Finding("damaged", WARN, f"{what} was damaged and set aside as {aside}: {lost}",
+                                 f"repair it and put it back while the daemon is stopped, or remove {aside}"))
+    return found
+
+
 # ---- the daemon -----------------------------------------------------------------------------
 
 def check_daemon(url: str, key: str | None, get: Callable[..., Any] | None = None) -> list[Finding]:
@@ -308,6 +323,7 @@ def run_checks() -> list[Finding]:
     findings.append(check_files(settings.max_connections + 64))
     findings.append(check_unit(SYSTEM_UNIT_DIRS, gpus))
     findings += config + [check_catalog(settings.home_path)] + check_store(Store(settings.store_path))
+    findings += check_set_aside(settings.home_path)
     findings += check_daemon(client_url(), os.environ.get("FLEET_API_KEY") or _key_file())
     return findings
 
