@@ -129,7 +129,17 @@ def encode_msgpack(obj: Any) -> bytes:
 OLLAMA_PREFIX = "/api/"
 
 
+#: Typed decisions' System One route (daemon/systemone.py): errors are its shape,
+#: `{"detail": {"error_type", "message"}}`, whatever refuses the request; its error
+#: types are fleet's codes but where its clients read their own names.
+DETAIL_PATHS = frozenset({"/v1/systemone"})
+DETAIL_TYPES = {"unauthorized": "authentication_error", "forbidden": "permission_error"}
+
+
 def error_body(exc: FleetError, *, msgpack: bool, path: str = "") -> bytes:
     if path.startswith(OLLAMA_PREFIX):
         return encode({"error": exc.message}, msgpack=msgpack)
+    if path in DETAIL_PATHS:
+        return encode({"detail": {"error_type": DETAIL_TYPES.get(exc.code, exc.code), "message": exc.message}},
+                      msgpack=msgpack)
     return encode(ErrorReply(ErrorBody(exc.code, exc.message)), msgpack=msgpack)

@@ -38,6 +38,7 @@ from fleet.protocol import (
 )
 from fleet.protocol import ModelDetail
 
+from daemon import systemone
 from daemon.controllers import ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
@@ -180,6 +181,11 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/v1/batches/{batch_id}/cancel"): Op("Cancel a batch: no new line starts, lines in flight are "
                                                   "withdrawn, the rest answered `batch_cancelled`.", reply=Batch,
                                                   **_JOBS),
+    # -- TypeSafe System One (typed decisions) ----------------------------------------------
+    ("POST", "/v1/systemone"): Op("Typed decisions: noul, choice and score questions about a state, answered with "
+                                  "probabilities and confidence (422 `detail[]` for what does not fit the schema).",
+                                  "systemone", systemone.REQUEST_SCHEMA, systemone.REPLY_SCHEMA, returns=(JSON,),
+                                  errors=systemone.ERROR_SCHEMA, unknown_fields="ignored", names_ignored=True),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
     ("POST", "/v2/embed"): Op("Cohere v2 embed: `input_type` picks the model's prompt, `embedding_types` float, "

@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fleet.errors import BadRequest, ModelNotFound, Unsupported
+from fleet.decisions import DecideRequest, DecideResult
+from fleet.errors import BadRequest, ModelNotFound, PayloadTooLarge, Unsupported
 from fleet.prompts import first_prompt, folder_prompts, prompt_table, resolve_prompt
 from fleet.vectors import SCALAR, from_wire
 from fleet.messages import (
@@ -59,6 +60,10 @@ _classify = msgspec.msgpack.Decoder(ClassifyResult)
 _extract = msgspec.msgpack.Decoder(ExtractResult)
 _generate = msgspec.msgpack.Decoder(GenerateResult)
 _chunk = msgspec.msgpack.Decoder(GenerateChunk)
+_decide = msgspec.msgpack.Decoder(DecideResult)
+#: Options a question lists under it and reads from single-token labels
+#: (runtimes/decide.py); a question with more reads a row per option.
+LISTED_OPTIONS = 26
 
 
 # ---- shared checks and estimates ---------------------------------------------------------
@@ -363,6 +368,35 @@ async def extract(daemon: Daemon, req: ExtractRequest, payload: bytes) -> tuple[
     results = [[Entity(s.entity, text[s.start : s.end], s.start, s.end, s.score) for s in spans]
                for text, spans in zip(req.inputs, res.spans)]
     return results, Usage(input_tokens=res.input_tokens), answer
+
+
+# ---- decide --------------------------------------------------------------------------------
+
+def decide_tokens(req: DecideRequest) -> int:
+    """Batch-budget tokens of a decision (~4 characters a token): the state once, and
+    each question's rows: two listing its options, or one per option past LISTED_OPTIONS."""
+    total = len(req.state) // 4 + 2
+    for q in req.questions:
+        n = len(q.options)
+        if n <= LISTED_OPTIONS:
+            rows, chars = 2, 2 * (len(q.text) + sum(map(len, q.options)))
+        else:
+            rows, chars = n, n * len(q.text) + sum(map(len, q.names))
+        total += chars // 4 + 8 * rows
+    return total
+
+
+async def decide(daemon: Daemon, req: DecideRequest) -> tuple[DecideResult, Answer]:
+    """Queue one decision request (every route's shape rendered into `req`); the
+    probabilities per option of each question. Over a budget is 413: more questions
+    than `max_inputs`, more tokens than `max_request_tokens`."""
+    if len(req.questions) > daemon.settings.max_inputs:
+        raise PayloadTooLarge(f"{len(req.questions)} questions is more than the limit of "
+                              f"{daemon.settings.max_inputs} per request (max_inputs)")
+    tokens = decide_tokens(req)
+    check_ceiling(req.model, tokens, daemon.settings.max_request_tokens, what="state and questions")
+    answer = await daemon.submit("decide", req.model, _encode(req), tokens=tokens, timeout_ms=req.timeout_ms)
+    return _decide.decode(answer.body), answer
 
 
 # ---- generate ------------------------------------------------------------------------------

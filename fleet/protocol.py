@@ -256,9 +256,22 @@ class ModelDetail(ModelCard, frozen=True):
     profiles: list[ProfileView] = []
 
 
+class DecisionModelCard(msgspec.Struct, frozen=True):
+    """A model `POST /v1/systemone` takes, as System One lists it: its name, what it is,
+    and the date it was pulled (YYYY-MM-DD)."""
+
+    name: str
+    description: str
+    release_date: str
+
+
 class ModelList(msgspec.Struct, frozen=True):
+    """OpenAI's list (`data`), and System One's (`models`: the decision models and the
+    `jev-latest` alias when it names one); each client reads its own key."""
+
     data: list[ModelCard]
     object: str = "list"
+    models: list[DecisionModelCard] = []
 
 
 # ---- /v1/rerank ---------------------------------------------------------------

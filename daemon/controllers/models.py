@@ -11,11 +11,14 @@ from litestar import Controller, Request, Response, get
 
 from fleet import __version__
 from fleet.errors import BadRequest, ModelNotFound
-from fleet.protocol import ModelCard, ModelDetail, ModelList
+from fleet.errors import FleetError
+from fleet.protocol import DecisionModelCard, ModelCard, ModelDetail, ModelList
 from fleet.store import Manifest
 
 from daemon.core import Daemon, live_profiles
+from daemon.controllers.systemone import decision_model
 from daemon.http import reply
+from daemon.systemone import DEFAULT_ALIAS
 from daemon.model_urls import SCOPE_MODEL
 
 
@@ -43,6 +46,24 @@ def model_card(m: Manifest, loaded: set[str], pinned: set[str]) -> ModelCard:
                      loaded=m.name in loaded, pinned=m.name in pinned)
 
 
+def decision_cards(daemon: Daemon, listed: list[Manifest]) -> list[DecisionModelCard]:
+    """System One's model list: the decision models, after the `jev-latest` alias when
+    it names one of them."""
+    how = {"transformers": "a causal LM read by scoring", "nli": "an NLI cross-encoder"}
+    cards = {m.name: DecisionModelCard(m.name, f"Typed decisions (noul, choice, score) from "
+                                               f"{how.get(m.runtime, m.runtime)}", m.created_at[:10])
+             for m in listed if m.task == "decide" and not m.base}
+    try:
+        default = decision_model(daemon, DEFAULT_ALIAS)
+    except FleetError:
+        return list(cards.values())
+    if default not in cards:
+        return list(cards.values())
+    alias = DecisionModelCard(DEFAULT_ALIAS, f"This box's default decision model: {default}",
+                              cards[default].release_date)
+    return [alias, *cards.values()]
+
+
 class ModelsController(Controller):
     path = "/v1"
 
@@ -51,8 +72,9 @@ class ModelsController(Controller):
         loaded = await daemon.loaded_models()
         pinned = daemon.pinned_models()
         only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
-        return reply(request, ModelList([model_card(m, loaded, pinned) for m in daemon.store.list()
-                                         if only is None or m.name == only]))
+        listed = [m for m in daemon.store.list() if only is None or m.name == only]
+        return reply(request, ModelList([model_card(m, loaded, pinned) for m in listed],
+                                        models=decision_cards(daemon, listed)))
 
     @get("/models/{model_id:str}")
     async def model(self, request: Request, daemon: Daemon, model_id: str) -> Response:

@@ -1,0 +1,69 @@
+"""`POST /v1/systemone`: typed decisions in TypeSafe's System One shape (daemon/systemone.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, post
+
+from fleet.errors import BadRequest, InputTooLong, ModelNotFound, Unsupported
+
+from daemon import systemone, tasks
+from daemon.controllers.common import stored_tasks
+from daemon.core import Daemon
+from daemon.fields import ignored_header
+from daemon.http import answer_headers, body_is_msgpack, reply
+
+
+def decision_model(daemon: Daemon, name: str) -> str:
+    """The store name a request's `model` runs on: `jev-latest` is this box's default
+    decision model (config `default_models.decide`, else the only stored one)."""
+    if name != systemone.DEFAULT_ALIAS:
+        return name
+    configured = daemon.settings.default_models.get("decide")
+    if configured:
+        return configured
+    stored = sorted(n for n, task in stored_tasks(daemon.store) if task == "decide")
+    if len(stored) == 1:
+        return stored[0]
+    if not stored:
+        raise ModelNotFound(f"{name!r} is this box's default decision model, and none is stored",
+                            hint="fleetctl pull path:DIR --task decide (any causal LM) adds one")
+    raise BadRequest(f"{name!r} is this box's default decision model, and {len(stored)} are stored: name one of "
+                     f"{', '.join(stored)}, or set default_models.decide in config.toml", param="model")
+
+
+def read_body(body: bytes, *, msgpack: bool) -> Any:
+    """The body as plain data; one that does not parse is a validation error, as the
+    original server answers it (422, `json_invalid` at the byte it stopped)."""
+    try:
+        return msgspec.msgpack.decode(body) if msgpack else msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        where = str(exc).rpartition("(byte ")[2].rstrip(")")
+        loc = [int(where)] if where.isdigit() else []
+        raise systemone.Invalid([systemone.problem(loc, "JSON decode error", "json_invalid", {},
+                                                   {"error": str(exc)})]) from None
+
+
+class SystemOneController(Controller):
+    path = "/v1"
+
+    @post("/systemone", status_code=200)
+    async def systemone(self, request: Request, daemon: Daemon) -> Response:
+        try:
+            parsed = systemone.parse(read_body(await request.body(), msgpack=body_is_msgpack(request)))
+        except systemone.Invalid as exc:
+            return reply(request, {"detail": exc.detail}, status=exc.status)
+        if parsed.unsupported:
+            raise Unsupported(parsed.unsupported)
+        model = decision_model(daemon, parsed.model)
+        try:
+            res, answer = await tasks.decide(daemon, parsed.request(model))
+        except InputTooLong as exc:
+            exc.status = 413  # over the model's budget: System One's status for it
+            raise
+        body = {"model": model, "answers": systemone.answers(parsed, res),
+                "usage": {"input_tokens": res.input_tokens, "output_tokens": 0}}
+        headers = {**answer_headers(answer), **ignored_header(parsed.ignored)}
+        return reply(request, body, headers=headers)

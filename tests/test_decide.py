@@ -1,0 +1,207 @@
+"""Typed decisions (`POST /v1/systemone`, task `decide`) end to end: a real daemon
+serving a tiny random Llama pulled with `--task decide`, driven over HTTP by the
+official `typesafe-sdk`, judged by the `jevcompat` conformance suite, and checked
+against a plain forward of the same folder (the prompt as runtimes/decide.py
+documents it, each question's full sequence run alone, no cache).
+
+One daemon serves the whole module (a few seconds to start; the model loads at start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import start_daemon
+from tests.gen_models import build_llama, pull
+
+MODEL = "tiny-decider"
+TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
+NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?",
+        "criteria": {"true": "They want a refund"}}
+CHOICE = {"type": "choice", "instructions": "Which team should handle this ticket?",
+          "criteria": {"Billing": "Payments, invoices, refunds", "Technical": None, "Sales": "Pricing"}}
+SCORE = {"type": "score", "instructions": {"scale": "frustration"},
+         "criteria": ["Calm", "Frustrated", {"label": "Very angry"}, "Furious"]}
+#: More options than the 26 single-token labels: read by each option's likelihood.
+MANY = {"type": "choice", "instructions": "Which queue?",
+        "criteria": {f"Queue {i:02d}": None for i in range(30)}}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 2048 positions: a 26-option question with descriptions is listed in full.
+    return build_llama(tmp_path_factory.mktemp("decider") / "model", max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def daemon(folder: Path, tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("home")
+    pull(home, folder, MODEL, "--task", "decide")
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": MODEL})
+    yield d
+    d.stop()
+
+
+def ask(d, questions: dict, state=TICKET, **extra) -> httpx.Response:
+    return httpx.post(d.url + "/v1/systemone", json={"model": "jev-latest", "state": state, "questions": questions,
+                                                     **extra}, timeout=60)
+
+
+def vector(answer: dict) -> np.ndarray:
+    if answer["type"] == "noul":
+        return np.array([answer["noul"]])
+    return np.array(list(answer["probabilities"].values()))
+
+
+# ---- the official SDK and the conformance suite ---------------------------------------------
+
+def test_official_sdk_calls_work_unchanged(daemon):
+    from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
+
+    with TypeSafeClient(api_key="any", base_url=daemon.url) as client:
+        r = client.system_one(state={"document": TICKET}, questions={
+            "refund": Noul(instructions=NOUL["instructions"], criteria=NOUL["criteria"]),
+            "team": Choice(instructions=CHOICE["instructions"], criteria=CHOICE["criteria"]),
+            "anger": Score(instructions="How frustrated is the customer?", criteria=SCORE["criteria"])})
+        listed = client.models.list()
+    assert r.model == MODEL  # jev-latest resolved: the reply names the model that answered
+    assert r.usage.output_tokens == 0 and r.usage.input_tokens > 0
+    assert 0 <= r.nouls["refund"].noul <= 1
+    team = r.choices["team"]
+    assert set(team.probabilities) == set(CHOICE["criteria"])
+    assert math.isclose(sum(team.probabilities.values()), 1, abs_tol=1e-9)
+    assert team.choice == max(team.probabilities, key=team.probabilities.get)
+    p = np.array(list(team.probabilities.values()))
+    assert math.isclose(team.confidence, (p.max() - 1 / 3) / (1 - 1 / 3), abs_tol=1e-9)
+    anger = r.scores["anger"]
+    assert anger.legend == dict(enumerate(SCORE["criteria"]))
+    assert math.isclose(anger.score, sum(i * q for i, q in anger.probabilities.items()), abs_tol=1e-9)
+    assert [m.name for m in listed.models] == ["jev-latest", MODEL]
+
+
+def test_jevcompat_musts_and_shoulds_pass(daemon):
+    from jevcompat.runner import run
+
+    report = run(daemon.url, timeout=60)
+    failed = {r.id: [f.message for f in r.findings] for r in report.results if r.status == "fail"}
+    assert not failed
+    assert report.verdict == "conformant", report.summary()
+    skipped = {r.id for r in report.results if r.status == "skip"}
+    # Only the checks that need a key are left (tests/test_decide_auth.py runs them with one).
+    assert skipped <= {"auth.bearer", "auth.missing", "auth.invalid"}, skipped
+
+
+# ---- semantics: a question never sees another ------------------------------------------------
+
+def test_answers_do_not_move_with_other_questions(daemon):
+    alone = {name: vector(ask(daemon, {"q": q}).json()["answers"]["q"])
+             for name, q in (("refund", NOUL), ("team", CHOICE), ("anger", SCORE), ("queue", MANY))}
+    together = ask(daemon, {"refund": NOUL, "team": CHOICE, "anger": SCORE, "queue": MANY}).json()["answers"]
+    reordered = ask(daemon, {"Q 🙂": MANY, "x.y": SCORE, "team": CHOICE, "zz": NOUL}).json()["answers"]
+    renamed = {"refund": "zz", "team": "team", "anger": "x.y", "queue": "Q 🙂"}
+    for name, p in alone.items():
+        assert np.abs(vector(together[name]) - p).max() <= 1e-5, name
+        assert np.abs(vector(reordered[renamed[name]]) - p).max() <= 1e-5, name
+
+
+def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
+    """The shared prefix, the batch's padding and the two orders change nothing: each
+    question's answer is what its own full sequence gives, run alone without a cache."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = {"subject": "Charged twice", "body": TICKET}
+    got = ask(daemon, {"refund": NOUL, "team": CHOICE, "anger": SCORE, "queue": MANY}, state=state).json()["answers"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    # The prompt runtimes/decide.py documents: the chat template around the user turn.
+    rendered = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                       add_generation_prompt=True)
+    head, tail = rendered.split("\x00")
+    cue = (" " if not tail[-1].isspace() else "") + "Answer:"
+    prefix = tok(head + "Read the following, then answer the question after it.\n\n"
+                 + json.dumps(state, separators=(",", ":")) + "\n\n", add_special_tokens=False)["input_ids"]
+    # This tokenizer has no single-token " A": the labels are "A", "B", ... after "Answer: ".
+    labels = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "ABCD"]
+
+    def next_logits(row: str, extra: list[int] = ()) -> torch.Tensor:
+        ids = prefix + tok(row, add_special_tokens=False)["input_ids"] + list(extra)
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].double()
+
+    def listed(text: str, options: list[str]) -> np.ndarray:
+        rows = []
+        for order in (options, options[::-1]):
+            body = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", order))
+            logits = next_logits(f"Question: {text}\n{body}Reply with the letter of the best option.{tail}{cue} ")
+            rows.append(torch.softmax(logits[-1, labels[: len(options)]], 0).numpy())
+        return (rows[0] + rows[1][::-1]) / 2
+
+    expect = {
+        "refund": listed(NOUL["instructions"], ["Yes: They want a refund", "No"])[:1],
+        "team": listed(CHOICE["instructions"], ["Billing: Payments, invoices, refunds", "Technical", "Sales: Pricing"]),
+        "anger": listed('{"scale":"frustration"}', ["Calm", "Frustrated", '{"label":"Very angry"}', "Furious"]),
+    }
+    context = f"Question: Which queue?\nReply with one of the options.{tail}{cue}"
+    scores = []
+    for name in MANY["criteria"]:
+        option = tok(" " + name, add_special_tokens=False)["input_ids"]
+        logp = torch.log_softmax(next_logits(context, option), -1)
+        n = len(option)
+        scores.append(float(sum(logp[-n - 1 + k, option[k]] for k in range(n))))
+    expect["queue"] = torch.softmax(torch.tensor(scores), 0).numpy()
+    for name, p in expect.items():
+        assert np.abs(vector(got[name]) - p).max() <= 1e-5, name
+
+
+# ---- refusals: the contract's shapes, and nothing else changes --------------------------------
+
+@pytest.mark.parametrize("body, loc", [
+    ({"model": "jev-latest", "questions": {"q": NOUL}}, ["body", "state"]),
+    ({"model": "jev-latest", "state": "x", "questions": {}}, ["body", "questions"]),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "boolean"}}}, ["body", "questions", "q"]),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "score", "criteria": {"0": "a"}}}},
+     ["body", "questions", "q", "score", "criteria"]),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "score", "criteria": ["a", None]}}},
+     ["body", "questions", "q", "score", "criteria", 1]),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {**MANY, "criteria": {str(i): None for i in range(256)}}}},
+     ["body", "questions", "q", "choice", "criteria"]),
+])
+def test_invalid_requests_get_422_with_detail(daemon, body, loc):
+    r = httpx.post(daemon.url + "/v1/systemone", json=body, timeout=30)
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/json")
+    assert loc in [d["loc"] for d in r.json()["detail"]]
+
+
+def test_other_refusals_carry_error_type_and_message(daemon):
+    r = httpx.post(daemon.url + "/v1/systemone", json={"model": "no-such-model", "state": "x",
+                                                       "questions": {"q": NOUL}}, timeout=30)
+    assert r.status_code == 404 and r.json()["detail"]["error_type"] == "model_not_found"
+    r = ask(daemon, {"where": {"type": "box", "instructions": "the dog"}})
+    assert r.status_code == 400 and r.json()["detail"]["error_type"] == "unsupported"
+    r = httpx.get(daemon.url + "/v1/systemone", timeout=30)
+    assert r.status_code == 405 and set(r.json()["detail"]) == {"error_type", "message"}
+
+
+def test_a_state_over_the_models_positions_is_413_and_fails_alone(daemon):
+    """A too-long state sent beside a good request: 413 for it, the answer for the other."""
+    long_state = " ".join(f"word{i}" for i in range(3000))  # ~4 tokens a word, past 2048 positions
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, daemon, {"q": NOUL}, state=s) for s in (long_state, TICKET) * 2]
+        replies = [f.result() for f in futures]
+    assert [r.status_code for r in replies] == [413, 200] * 2
+    assert replies[0].json()["detail"]["error_type"] == "input_too_long"
+    assert ask(daemon, {"q": CHOICE}).status_code == 200
+
+
+def test_unknown_fields_are_ignored_and_named(daemon):
+    r = ask(daemon, {"q": {**NOUL, "weight": 2}}, seed=7, x_trace_id="t")
+    assert r.status_code == 200
+    assert set(r.headers["x-fleet-ignored-fields"].split(",")) == {"seed", "x_trace_id", "questions.q.weight"}
