@@ -19,6 +19,7 @@ from daemon.controllers.admin import AdminController
 from daemon.controllers.batches import BatchesController
 from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cohere import CohereEmbedController
+from daemon.controllers.decisions import DecisionsController
 from daemon.controllers.cluster import ClusterController
 from daemon.controllers.docs import DocsController
 from daemon.controllers.embed import EmbedController
@@ -121,7 +122,7 @@ def create_app(daemon: Daemon) -> Litestar:
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
                         CohereEmbedController, TgiController, OllamaCreateController, TopController,
-                        ResponsesController, SystemOneController],
+                        ResponsesController, SystemOneController, DecisionsController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         before_request=refuse_undeclared(query_table),

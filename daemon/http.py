@@ -67,7 +67,7 @@ def reply(request: Request, obj: Any, *, status: int = 200, headers: dict[str, s
 
 #: Routes that speak OpenAI's API: their error bodies also carry `type` and `param`.
 OPENAI_ROUTES = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                           "/v1/responses"})
+                           "/v1/responses", "/v1/decisions"})
 
 
 def is_openai_route(path: str) -> bool:

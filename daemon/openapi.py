@@ -39,7 +39,7 @@ from fleet.protocol import (
 from fleet.protocol import ModelDetail
 
 from daemon import systemone
-from daemon.controllers import ollama_create, responses, tei, tgi
+from daemon.controllers import decisions, ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.fields import IGNORED_FIELDS_HEADER
@@ -95,6 +95,8 @@ _OLLAMA = dict(tag="ollama", errors=ow.ErrorLine, returns=(JSON,), unknown_field
 _TEI = dict(returns=(JSON,), unknown_fields="ignored")
 _OPENAI = dict(errors=OpenAIErrorReply, names_ignored=True)
 _JOBS = dict(tag="batches", errors=OpenAIErrorReply)
+_DECISION = _object("Answers in question order, the model that answered, and its token counts.",
+                    answers=_array({"type": "object"}), model=_STRING, usage={"type": "object"})
 #: `POST /v1/files`: OpenAI's form (daemon/batchfile.receive_upload reads it as it streams in).
 _UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
     "file": {"type": "string", "format": "binary",
@@ -186,6 +188,9 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                   "probabilities and confidence (422 `detail[]` for what does not fit the schema).",
                                   "systemone", systemone.REQUEST_SCHEMA, systemone.REPLY_SCHEMA, returns=(JSON,),
                                   errors=systemone.ERROR_SCHEMA, unknown_fields="ignored", names_ignored=True),
+    ("POST", "/v1/decisions"): Op("OpenAI Decisions: predicate, choice and score questions about an input, "
+                                  "answered in order (the same answers as /v1/systemone).", "openai",
+                                  decisions.DecisionRequest, _DECISION, returns=(JSON, MSGPACK), **_OPENAI),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
     ("POST", "/v2/embed"): Op("Cohere v2 embed: `input_type` picks the model's prompt, `embedding_types` float, "

@@ -205,3 +205,39 @@ def test_unknown_fields_are_ignored_and_named(daemon):
     r = ask(daemon, {"q": {**NOUL, "weight": 2}}, seed=7, x_trace_id="t")
     assert r.status_code == 200
     assert set(r.headers["x-fleet-ignored-fields"].split(",")) == {"seed", "x_trace_id", "questions.q.weight"}
+
+
+# ---- OpenAI's Decisions shape: a translation onto the same path -------------------------------
+
+def test_openai_decisions_give_the_same_answers_as_system_one(daemon):
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(api_key="any", base_url=daemon.url + "/v1")
+    levels = ["Calm", "Frustrated", "Very angry"]
+    d = client.decisions.create(model="jev-latest", input=TICKET, questions=[
+        {"type": "predicate", "instructions": NOUL["instructions"], "name": "refund"},
+        {"type": "choice", "instructions": CHOICE["instructions"],
+         "choices": [{"value": "Billing", "description": "Payments, invoices, refunds"}, {"value": "Technical"},
+                     {"value": "Sales", "description": "Pricing"}]},
+        {"type": "score", "instructions": "How frustrated is the customer?",
+         "levels": [{"label": x} for x in levels]}])
+    same = ask(daemon, {"refund": {"type": "noul", "instructions": NOUL["instructions"]}, "team": CHOICE,
+                        "anger": {"type": "score", "instructions": "How frustrated is the customer?",
+                                  "criteria": levels}}).json()["answers"]
+    refund, team, anger = d.answers
+    assert d.model == MODEL and refund.name == "refund" and team.name is None
+    assert abs(refund.probability - same["refund"]["noul"]) <= 1e-5
+    assert team.choice == same["team"]["choice"] and abs(team.confidence - same["team"]["confidence"]) <= 1e-5
+    assert [(p.value, round(p.probability, 5)) for p in team.probabilities] == \
+        [(k, round(v, 5)) for k, v in same["team"]["probabilities"].items()]
+    assert [(p.label, p.value) for p in anger.probabilities] == [(x, i) for i, x in enumerate(levels)]
+    assert abs(anger.score - same["anger"]["score"]) <= 1e-5
+    assert d.usage.output_tokens == 0 and d.usage.total_tokens == d.usage.input_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.decisions.create(model="jev-latest", input=TICKET, questions=[
+            {"type": "choice", "instructions": "?", "choices": [{"value": "only one"}]}])
+    assert refused.value.body["code"] == "bad_request"
+    with pytest.raises(openai.BadRequestError):
+        client.decisions.create(model="jev-latest", input=TICKET, extra_body={"temprature": 1},
+                                questions=[{"type": "predicate", "instructions": "?"}])
