@@ -78,8 +78,10 @@ class Broker:
         self._waiting: dict[int, asyncio.Future[Done]] = {}
         #: request id -> where its partial results go (streaming requests only).
         self._partials: dict[int, Callable[[Done], None]] = {}
-        #: request id -> its queue item (so a shutdown can take unclaimed ones back out).
-        self._items: dict[int, int] = {}
+        #: request id -> (its queue item, its lane) (so a shutdown can take unclaimed ones back out).
+        self._items: dict[int, tuple[int, str]] = {}
+        #: Told of each item withdrawn (`cancel`), on the loop: (lane, whether it left its lane unrun).
+        self.on_withdrawn: Callable[[str, bool], None] | None = None
         self._lanes: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False
@@ -120,9 +122,9 @@ class Broker:
         their results are dropped on arrival. Returns the requests answered."""
         failed = 0
         for request_id, fut in list(self._waiting.items()):
-            item_id = self._items.get(request_id)
-            if item_id is not None:
-                self.cancel(item_id)
+            item = self._items.get(request_id)
+            if item is not None:
+                self.cancel(*item)
             if not fut.done():
                 fut.set_exception(exc)
                 failed += 1
@@ -148,13 +150,20 @@ class Broker:
             return await self._loop.run_in_executor(  # type: ignore[union-attr]
                 self._queue_thread, functools.partial(fn, *args, **kwargs))
 
-    def cancel(self, item_id: int) -> None:
-        """Withdraw a queue item, now or soon (on the queue thread when the lock is busy)."""
+    def cancel(self, item_id: int, lane: str) -> None:
+        """Withdraw a queue item of `lane`, now or soon (on the queue thread when the lock
+        is busy), and tell `on_withdrawn`."""
         try:
             with self.queue.no_wait():
-                self.queue.cancel(item_id)
+                self._withdrawn(lane, self.queue.cancel(item_id))
         except LockBusy:
-            self._queue_thread.submit(self.queue.cancel, item_id)
+            self._queue_thread.submit(self.queue.cancel, item_id).add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None
+                or self._loop.call_soon_threadsafe(self._withdrawn, lane, f.result()))  # type: ignore[union-attr]
+
+    def _withdrawn(self, lane: str, unrun: bool) -> None:
+        if self.on_withdrawn is not None:
+            self.on_withdrawn(lane, unrun)
 
     async def read(self, fn: Callable[[], object]) -> bool:
         """Run `fn` (reads of the queue that must stay on the loop, like the gauges'
@@ -206,8 +215,8 @@ class Broker:
         if on_partial is not None:
             self._partials[request_id] = on_partial
         try:
-            item_id = await self.call(self.queue.put, lane, payload, tokens=tokens, request_id=request_id,
-                                      deadline_ns=deadline_ns, batch=batch, flow=flow)
+            item_id = await self.put(model, lane, payload, tokens=tokens, request_id=request_id,
+                                     deadline_ns=deadline_ns, batch=batch, flow=flow)
         except BaseException as exc:
             del self._waiting[request_id]
             self._partials.pop(request_id, None)
@@ -216,7 +225,7 @@ class Broker:
             if isinstance(exc, QueueError):
                 raise Overloaded(f"queue memory is full: {exc}; retry shortly", retry_after_s=1.0) from None
             raise
-        self._items[request_id] = item_id
+        self._items[request_id] = (item_id, model)
         if batch:
             self._batch_items[request_id] = (item_id, time.monotonic_ns())
         timeline.stamp("put")
@@ -227,10 +236,10 @@ class Broker:
         except TimeoutError:
             # Not started yet: drop it from its lane. Started: its worker stops at its next
             # step (a generation) or finishes, and the result is dropped on arrival.
-            self.cancel(item_id)
+            self.cancel(item_id, model)
             raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms") from None
         except asyncio.CancelledError:
-            self.cancel(item_id)  # the client went away (a stream closed): the same
+            self.cancel(item_id, model)  # the client went away (daemon.departures): the same
             raise
         finally:
             self._waiting.pop(request_id, None)
@@ -238,6 +247,22 @@ class Broker:
             self._items.pop(request_id, None)
             self._batch_items.pop(request_id, None)
         return done
+
+    async def put(self, model: str, lane: int, payload: bytes | memoryview, **kwargs) -> int:
+        """`LocalQueue.put` as `call` makes it. Cancelled while the queue thread puts (the
+        client left meanwhile): the item, once put, is withdrawn, so it never runs unwanted."""
+        try:
+            with self.queue.no_wait():
+                return self.queue.put(lane, payload, **kwargs)
+        except LockBusy:
+            pass
+        fut = self._loop.run_in_executor(  # type: ignore[union-attr]
+            self._queue_thread, functools.partial(self.queue.put, lane, payload, **kwargs))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.cancel(f.result(), model))
+            raise
 
     async def promote_loop(self) -> None:
         """Batch work's starvation bound: every quarter of `batch_max_wait_ms`, batch

@@ -25,6 +25,10 @@ calls, two segments on the wire; the client then wakes for the head, and again
 for the body. Writes made in one turn of the event loop go out in one call at
 the end of that turn instead.
 
+And departures: each request carries a `daemon.departures.Departure` in its scope;
+a connection that closes before its response started tells it (`left`), so a
+request whose client went away stops waiting and withdraws its queued work.
+
 Each connection is in one phase: IDLE (waiting for a request's headers, or kept
 alive), BODY (headers in, body still arriving), SERVED (whole request in, the app
 answering). Invariant: a protocol is in the table from `connection_made` (admitted)
@@ -43,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from daemon.departures import SCOPE_KEY, Departure
 
 log = logging.getLogger("fleet.daemon")
 
@@ -205,12 +211,19 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             table.drop(self)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                # The client left before its answer: its waits stop, its work is withdrawn.
+                departure = cycle.scope.get(SCOPE_KEY)
+                if departure is not None:
+                    departure.left()
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
             self.phase = BODY
             self._body_bytes = 0
             self._arm(limits.body_timeout_s, self._body_window_ends)
+            self.scope[SCOPE_KEY] = Departure()  # before the request's task starts (super)
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:

@@ -31,6 +31,7 @@ from fleet.control import PROFILE, Command, control_lane, decode_done, is_contro
 
 from daemon.broker import Answer, Broker
 from daemon.clients import CLIENT
+from daemon.departures import DEPARTURE
 from daemon.metrics import Metrics
 from daemon.pieces import Sizing, joined, run_pieces
 from daemon.top import Recent
@@ -209,6 +210,7 @@ class Daemon:
         )
         self.broker = Broker(self.queue, max_depth=self.settings.queue_max_depth, max_attempts=self.settings.max_attempts,
                              batch_max_wait_ms=self.settings.batch_max_wait_ms)
+        self.broker.on_withdrawn = self.metrics.withdrawn
         self.broker.start(loop)
         devices = detect_devices(self.settings.device, self.settings.workers)
         self.sizing.window = max(1, len(devices))
@@ -374,7 +376,11 @@ class Daemon:
                 lane, local = model, False
             work = BATCH_WORK.get()
             timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
-            answer = await run(lane, local, timeout_s)
+            departure = DEPARTURE.get()
+            if departure is None:
+                answer = await run(lane, local, timeout_s)
+            else:  # a client's request: it stops waiting, and its work is withdrawn, when the client leaves
+                answer = await departure.wait(model, run(lane, local, timeout_s))
         except FleetError as exc:
             self.metrics.observe_request(model, task, exc.code, time.perf_counter() - t0)
             self.recent.request(self.metrics.model_label(model), time.perf_counter() - t0, False)

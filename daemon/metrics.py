@@ -60,6 +60,12 @@ class Metrics:
         self.inference_seconds = Histogram(
             "fleet_inference_duration_seconds", "Time the request's batch spent in the model.",
             ("model",), buckets=LATENCY_BUCKETS_S, registry=r)
+        self.withdrawn_items = Counter(
+            "fleet_withdrawn_items",
+            "Queue items withdrawn before their answer was used (the client left, the request timed out, another "
+            "piece of it failed, a shutdown), by stage: queued (left its lane unrun) or claimed (a worker held it: "
+            "it stops at the next micro-batch boundary, or its answer is dropped).",
+            ("model", "stage"), registry=r)
         self.lane_depth = Gauge(
             "fleet_lane_depth", "Items waiting (not yet claimed) in a model's lane.", ("model",), registry=r)
         self.lane_oldest_wait = Gauge(
@@ -145,6 +151,10 @@ class Metrics:
             queue.observe(queue_ms / 1000.0)
         if inference_ms is not None:
             inference.observe(inference_ms / 1000.0)
+
+    def withdrawn(self, model: str, queued: bool) -> None:
+        """A queue item of `model` withdrawn: `queued` it left its lane unrun, else a worker held it."""
+        self.withdrawn_items.labels(self._model(model), "queued" if queued else "claimed").inc()
 
     def set_lane(self, model: str, depth: int, oldest_wait_s: float) -> None:
         label = self._model(model)

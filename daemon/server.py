@@ -76,6 +76,7 @@ def serve(settings: Settings) -> None:
     from daemon.clients import ClientMiddleware
     from daemon.home import claim_home
     from daemon.connections import connection_limits, guarded_protocol
+    from daemon.departures import DepartureMiddleware
     from daemon.guard import BrowserGuard
     from daemon.hot import HotRoutes
     from daemon.http import PRIVATE_PATHS
@@ -107,8 +108,10 @@ def serve(settings: Settings) -> None:
     # so 404/405 answers are guarded too; /healthz stays open. Inside auth, the hot
     # route (daemon.hot) before the Litestar app, and before it the per-model URLs and
     # the root dispatch (daemon.model_urls), which rewrite a request for either; before
-    # them, the request's client (its fair share of a lane: daemon.clients).
-    guarded = LiveApp(ClientMiddleware(ModelUrls(HotRoutes(litestar_app, daemon), daemon)), settings.api_key)
+    # them, the request's client (its fair share of a lane: daemon.clients) and whether it
+    # is still there (a request whose client left withdraws its work: daemon.departures).
+    guarded = LiveApp(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon), daemon))),
+                      settings.api_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
                                  cors_origins=settings.cors_origins)
     # OpenTelemetry spans only when the OTEL_ variables ask for them (daemon.tracing): inside

@@ -130,6 +130,14 @@ class Timeout(FleetError):
     code, status = "timeout", 504
 
 
+class ClientClosed(FleetError):
+    """The client closed its connection before the answer: the request stopped waiting
+    and its work left the queue (daemon.departures). Nobody reads the reply; the code
+    counts it in `fleet_requests_total` (499: the client closed the request)."""
+
+    code, status = "client_closed", 499
+
+
 class SourceUnreachable(FleetError):
     """A pull source (hub, path, package) could not be read."""
 
@@ -143,7 +151,7 @@ BY_CODE: dict[str, type[FleetError]] = {
     for cls in (
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
         NotFound, MethodNotAllowed, Unsupported, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
-        Unavailable, Timeout, SourceUnreachable, Forbidden, UnsupportedMediaType, InsufficientStorage,
+        Unavailable, Timeout, ClientClosed, SourceUnreachable, Forbidden, UnsupportedMediaType, InsufficientStorage,
     )
 }
 
