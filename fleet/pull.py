@@ -66,7 +66,9 @@ DEFAULT_RUNTIME = {
 }
 #: (task the folder looks like, task it is pulled as) -> runtime: a causal LM
 #: pulled with --task rerank is an LLM reranker (its prompt asks for a yes/no token).
-OTHER_TASK_RUNTIME = {("generate", "rerank"): "llm-rerank"}
+OTHER_TASK_RUNTIME = {("generate", "rerank"): "llm-rerank",
+                      # A sequence classifier pulled --task decide: an NLI cross-encoder (runtimes/decide_nli.py).
+                      ("classify", "decide"): "nli"}
 #: peft's `task_type` -> fleet task.
 PEFT_TASKS = {
     "FEATURE_EXTRACTION": "embed",

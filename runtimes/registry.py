@@ -26,6 +26,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
     ("generate", "transformers"): "runtimes.generate:CausalLM",
     ("decide", "transformers"): "runtimes.decide:DecisionLM",
+    ("decide", "nli"): "runtimes.decide_nli:NliDecider",
 }
 
 

@@ -2,7 +2,9 @@
 serving a tiny random Llama pulled with `--task decide`, driven over HTTP by the
 official `typesafe-sdk`, judged by the `jevcompat` conformance suite, and checked
 against a plain forward of the same folder (the prompt as runtimes/decide.py
-documents it, each question's full sequence run alone, no cache).
+documents it, each question's full sequence run alone, no cache). Beside it, a
+tiny random DeBERTa-v3 NLI classifier pulled the same way (runtime `nli`), checked
+against transformers' zero-shot classification pipeline on its folder.
 
 One daemon serves the whole module (a few seconds to start; the model loads at start).
 """
@@ -18,10 +20,12 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.arch_models import encoder
 from tests.conftest import start_daemon
 from tests.gen_models import build_llama, pull
 
 MODEL = "tiny-decider"
+NLI = "tiny-nli"
 TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
 NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?",
         "criteria": {"true": "They want a refund"}}
@@ -41,10 +45,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(folder: Path, tmp_path_factory: pytest.TempPathFactory):
+def nli_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return encoder("deberta-v2", "seq", tmp_path_factory.mktemp("nli") / "model",
+                   labels=["contradiction", "neutral", "entailment"], max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def daemon(folder: Path, nli_folder: Path, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("home")
     pull(home, folder, MODEL, "--task", "decide")
-    d = start_daemon(home, extra_env={"FLEET_PRELOAD": MODEL})
+    pull(home, nli_folder, NLI, "--task", "decide")
+    # Two decision models: jev-latest is the configured one.
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}"})
     yield d
     d.stop()
 
@@ -83,7 +95,7 @@ def test_official_sdk_calls_work_unchanged(daemon):
     anger = r.scores["anger"]
     assert anger.legend == dict(enumerate(SCORE["criteria"]))
     assert math.isclose(anger.score, sum(i * q for i, q in anger.probabilities.items()), abs_tol=1e-9)
-    assert [m.name for m in listed.models] == ["jev-latest", MODEL]
+    assert [m.name for m in listed.models] == ["jev-latest", MODEL, NLI]
 
 
 def test_jevcompat_musts_and_shoulds_pass(daemon):
@@ -241,3 +253,26 @@ def test_openai_decisions_give_the_same_answers_as_system_one(daemon):
     with pytest.raises(openai.BadRequestError):
         client.decisions.create(model="jev-latest", input=TICKET, extra_body={"temprature": 1},
                                 questions=[{"type": "predicate", "instructions": "?"}])
+
+
+# ---- an NLI cross-encoder --------------------------------------------------------------------
+
+def test_an_nli_cross_encoder_answers_as_the_zero_shot_pipeline(daemon, nli_folder):
+    from transformers import pipeline
+
+    names = ["Billing", "Technical", "Sales"]
+    got = httpx.post(daemon.url + "/v1/systemone", timeout=60, json={"model": NLI, "state": TICKET, "questions": {
+        "team": {"type": "choice", "instructions": CHOICE["instructions"], "criteria": dict.fromkeys(names)},
+        "refund": {"type": "noul", "instructions": NOUL["instructions"]}}})
+    assert got.status_code == 200 and got.json()["model"] == NLI
+    answers = got.json()["answers"]
+    zero_shot = pipeline("zero-shot-classification", model=str(nli_folder), device="cpu")
+    team = zero_shot(TICKET, names, hypothesis_template=CHOICE["instructions"] + " {}", multi_label=False)
+    expect = dict(zip(team["labels"], team["scores"]))
+    assert max(abs(answers["team"]["probabilities"][n] - expect[n]) for n in names) <= 1e-5
+    yes = zero_shot(TICKET, ["Yes"], hypothesis_template=NOUL["instructions"] + " {}", multi_label=True)
+    assert abs(answers["refund"]["noul"] - yes["scores"][0]) <= 1e-5
+    # The hypothesis pairs fit 512 positions; a state that does not is 413, alone.
+    r = httpx.post(daemon.url + "/v1/systemone", timeout=60, json={
+        "model": NLI, "state": " ".join(["refund"] * 600), "questions": {"refund": NOUL}})
+    assert r.status_code == 413 and r.json()["detail"]["error_type"] == "input_too_long"
