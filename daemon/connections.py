@@ -20,6 +20,20 @@ enough of them exhaust the process's descriptors and every new client fails.
   client can never keep a quick one out; with every connection of the scope being
   served, the new one is refused (503).
 
+And a request's head, checked before any app sees it (`head_refusal`):
+- at most `max_header_bytes` of request line and headers: past it the answer is
+  431 and nothing more is parsed (httptools keeps a header's whole value until it
+  ends: a 32 MB header held 32 MB per connection). The parser is fed at most the
+  room left while a head is being read;
+- a `Transfer-Encoding` other than a single `chunked`: 501 for a coding fleet does
+  not decode (gzip, identity, ...), 400 for a malformed list; httptools itself
+  answered 400 in plain text to some and read `gzip, chunked` as plain chunked;
+- one `Host` (two of them: 400; the browser guard would read only the last);
+- what httptools cannot parse: 400 in the contract's shape, not uvicorn's plain text.
+A refusal (`refuse`) is written, the sending side shut, and whatever the client
+still sends is read and dropped for LINGER_S before the close: closing with unread
+bytes resets the connection, and the client could lose the answer.
+
 And `OneWrite`: uvicorn writes a response's head and its body in two `write`
 calls, two segments on the wire; the client then wakes for the head, and again
 for the body. Writes made in one turn of the event loop go out in one call at
@@ -46,7 +60,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from fleet.errors import BadRequest, FleetError, HeadersTooLarge, NotImplementedCoding
+
+from daemon import codec
+from daemon.http import error_parts
 
 from daemon.departures import SCOPE_KEY, Departure
 
@@ -66,6 +85,11 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json
             b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
 
 
+#: After a refusal, how long what the client still sends is read and dropped before
+#: the close (s), so that it reads the refusal first (module doc).
+LINGER_S = 2.0
+
+
 IDLE, BODY, SERVED = "idle", "body", "served"
 
 
@@ -75,6 +99,8 @@ class ConnectionLimits:
     body_timeout_s: float
     max_connections: int
     max_per_client: int
+    #: Settings.max_header_bytes (its default here too, for tests that build limits).
+    max_header_bytes: int = 64 << 10
 
 
 def fit_to_descriptors(max_connections: int, soft_limit: int, open_now: int) -> int:
@@ -91,6 +117,7 @@ def connection_limits(settings: Any) -> ConnectionLimits:
         body_timeout_s=settings.body_timeout_ms / 1000.0,
         max_connections=total,
         max_per_client=max(1, min(settings.max_connections_per_client, total)),
+        max_header_bytes=settings.max_header_bytes,
     )
 
 
@@ -175,8 +202,30 @@ class OneWrite:
         self.flush()
         self._transport.close()
 
+    def write_eof(self) -> None:
+        self.flush()
+        if not self._transport.is_closing() and self._transport.can_write_eof():
+            self._transport.write_eof()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+def head_refusal(special: list[tuple[bytes, bytes]]) -> FleetError | None:
+    """The refusal a request's head earns (module doc), from its `Host` and
+    `Transfer-Encoding` headers (lower-cased names), or None."""
+    hosts = sum(1 for name, _ in special if name == b"host")
+    if hosts > 1:
+        return BadRequest(f"the request has {hosts} Host headers: send one")
+    codings = [c.strip().lower() for name, v in special if name == b"transfer-encoding" for c in v.split(b",")]
+    if not codings or codings == [b"chunked"]:
+        return None
+    other = [c for c in codings if c and c != b"chunked"]
+    if other:
+        return NotImplementedCoding(f"Transfer-Encoding {other[0].decode('latin-1')!r} is not supported: send the "
+                                    "body as it is, with Content-Length or chunked")
+    return BadRequest("Transfer-Encoding must be chunked once, not "
+                      f"{', '.join(c.decode('latin-1') for c in codings)!r}")
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
@@ -192,6 +241,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self.client_host = ""
             self._deadline: asyncio.TimerHandle | None = None
             self._body_bytes = 0  # body bytes received in the current window
+            self._in_head = True  # the next bytes parsed belong to a request's head
+            self._head_bytes = 0  # bytes of the current head fed to the parser (at most max_header_bytes)
+            self._refused = False  # answered by `refuse`: the rest is dropped until the close
 
         def close(self) -> None:
             self._disarm()
@@ -220,6 +272,14 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
+            self._in_head = False
+            # Most requests carry one Host and no Transfer-Encoding: nothing more to check.
+            special = [(n, v) for n, v in self.headers if n == b"host" or n == b"transfer-encoding"]
+            if len(special) > 1 or (special and special[0][0] != b"host"):
+                refusal = head_refusal(special)
+                if refusal is not None:
+                    self.refuse(refusal, path=self.url.partition(b"?")[0].decode("latin-1"))
+                    return
             self.phase = BODY
             self._body_bytes = 0
             self._arm(limits.body_timeout_s, self._body_window_ends)
@@ -227,21 +287,68 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
+            if self._refused:
+                return
             self._body_bytes += len(body)
             super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self._in_head, self._head_bytes = True, 0
+            if self._refused:
+                return
             if self.phase == BODY:
                 self.phase = SERVED
                 self._disarm()
             super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # read and dropped until the close (module doc)
             if self._deadline is None and self.phase == IDLE:
                 # The first byte after a kept-alive wait: the next request's headers
                 # are now due within the header deadline.
                 self._arm(limits.header_timeout_s, self._headers_late)
+            if self._in_head:
+                # Counted before the parser runs: a message that ends in `data` resets the
+                # count for the next one (`on_message_complete`), which then starts at zero.
+                room = limits.max_header_bytes - self._head_bytes
+                if len(data) > room:
+                    data, rest = data[:room], data[room:]
+                    self._head_bytes += len(data)
+                    super().data_received(data)
+                    if self._refused or self.transport.is_closing():
+                        return
+                    if self._in_head:
+                        self.refuse(HeadersTooLarge(f"the request's headers are over the limit of "
+                                                    f"{limits.max_header_bytes} bytes (max_header_bytes)"))
+                        return
+                    data = rest
+                else:
+                    self._head_bytes += len(data)
             super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            # httptools could not parse the request (uvicorn's data_received): the contract's shape.
+            if not self._refused:
+                self.refuse(BadRequest("the request is not valid HTTP/1.1"))
+
+        def refuse(self, exc: FleetError, *, path: str = "") -> None:
+            """Answer `exc` on this connection and end it (module doc): nothing more is parsed."""
+            self._refused = True
+            self.phase = IDLE  # the first to go at the connection caps
+            headers = dict(self.headers or ())
+            msgpack = codec.reply_is_msgpack(headers.get(b"accept", b"").decode("latin-1"),
+                                             headers.get(b"content-type", b"").decode("latin-1"))
+            method = self.scope.get("method", "") if self.scope else ""
+            body, _ = error_parts(exc, method=method, path=path, msgpack=msgpack, private=())
+            head = [STATUS_LINE[exc.status]]
+            for name, value in self.server_state.default_headers:
+                head += [name, b": ", value, b"\r\n"]
+            head.append(b"content-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                        % ((codec.MSGPACK if msgpack else codec.JSON).encode(), len(body)))
+            self.transport.write(b"".join(head) + body)
+            self.transport.write_eof()
+            self._arm(LINGER_S, self.close)
 
         def on_response_complete(self) -> None:
             # Kept alive: uvicorn closes the connection after `keep_alive_timeout_ms`

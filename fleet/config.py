@@ -47,6 +47,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: over each `body_timeout_ms` window; slower ones are closed (slowloris).
     header_timeout_ms: int = 10_000
     body_timeout_ms: int = 10_000
+    #: The most bytes a request's head (request line and headers) may take; past it the
+    #: answer is 431 and the rest is never parsed or kept (a bearer token and a few
+    #: cookies take a few KiB; a 32 MB header once held 32 MB per connection).
+    max_header_bytes: int = 64 << 10
     #: An idle keep-alive connection is closed after this long. Longer than the idle
     #: expiry of common clients (httpx 5 s, aiohttp 15 s, Go 90 s, load balancers
     #: 60 s): a client whose own expiry equals the server's sends its next request

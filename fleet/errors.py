@@ -108,6 +108,19 @@ class InsufficientStorage(FleetError):
     code, status = "insufficient_storage", 507
 
 
+class HeadersTooLarge(FleetError):
+    """A request's head (request line and headers) past `max_header_bytes` (daemon.connections)."""
+
+    code, status = "headers_too_large", 431
+
+
+class NotImplementedCoding(FleetError):
+    """A request body in a transfer coding the daemon does not decode (only `chunked` is):
+    501, as HTTP/1.1 asks of a server that meets a coding it does not implement."""
+
+    code, status = "not_implemented", 501
+
+
 class ModelLoadFailed(FleetError):
     code, status = "model_load_failed", 500
 
