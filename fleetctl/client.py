@@ -157,17 +157,39 @@ def generate_body(model: str, prompt: str | None, messages: Sequence[dict] | Non
 
 
 def error_of(resp: httpx.Response, content: bytes) -> FleetError:
-    """The typed error of a failed reply (`{error: {code, message}}` in either format)."""
+    """The typed error of a failed reply (`{error: {code, message}}` in either format; on
+    `/v1/systemone`, System One's `{detail: ...}`)."""
+    msgpack = resp.headers.get("content-type", "").startswith(MSGPACK)
     try:
-        decoder = _errors if resp.headers.get("content-type", "").startswith(MSGPACK) else _json_errors
-        body = decoder.decode(content)
+        body = (_errors if msgpack else _json_errors).decode(content)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        err = FleetError(f"HTTP {resp.status_code}: {content[:200].decode(errors='replace')}")
+        err = detail_error(content, msgpack) or FleetError(
+            f"HTTP {resp.status_code}: {content[:200].decode(errors='replace')}")
     else:
         err = from_code(body.error.code, body.error.message)
     if isinstance(err, Overloaded):
         err.retry_after_s = retry_after_s(resp) or err.retry_after_s
     return err
+
+
+#: System One's error types that are not fleet's codes (daemon.codec.DETAIL_TYPES, reversed).
+_DETAIL_CODES = {"authentication_error": "unauthorized", "permission_error": "forbidden"}
+
+
+def detail_error(content: bytes, msgpack: bool) -> FleetError | None:
+    """System One's error body as its fleet error: `detail[]` (what does not fit the
+    schema) as one `bad_request` naming each place, `detail: {error_type, message}` by type."""
+    try:
+        detail = (msgspec.msgpack.decode if msgpack else msgspec.json.decode)(content).get("detail")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    if isinstance(detail, list):
+        return from_code("bad_request", "; ".join(
+            f"{'.'.join(map(str, d.get('loc', [])[1:])) or 'body'}: {d.get('msg')}" for d in detail))
+    if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+        kind = str(detail.get("error_type"))
+        return from_code(_DETAIL_CODES.get(kind, kind), detail["message"])
+    return None
 
 
 def retry_after_s(resp: httpx.Response) -> float | None:
@@ -376,6 +398,13 @@ class Client(_Base):
         except httpx.TransportError as exc:
             raise unreachable(self.url, exc) from None
         return size
+
+    def decide(self, state: Any, questions: dict[str, dict[str, Any]], *, model: str = "jev-latest",
+               timeout_ms: int | None = None) -> dict[str, Any]:
+        """`POST /v1/systemone`: `questions` by id in System One's shape; the reply
+        (`model`, `answers` by id, `usage`) as plain data."""
+        body = _optional({"model": model, "state": state, "questions": questions}, x_timeout_ms=timeout_ms)
+        return _any.decode(self.request("POST", "/v1/systemone", body))
 
     # -- models and state -------------------------------------------------------------
 

@@ -276,3 +276,29 @@ def test_an_nli_cross_encoder_answers_as_the_zero_shot_pipeline(daemon, nli_fold
     r = httpx.post(daemon.url + "/v1/systemone", timeout=60, json={
         "model": NLI, "state": " ".join(["refund"] * 600), "questions": {"refund": NOUL}})
     assert r.status_code == 413 and r.json()["detail"]["error_type"] == "input_too_long"
+
+
+# ---- fleetctl decide ---------------------------------------------------------------------------
+
+def test_fleetctl_decide_prints_one_line_per_answer(daemon):
+    import os
+    import subprocess
+    import sys
+
+    def decide(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fleetctl", "decide", TICKET, *args], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "FLEET_URL": daemon.url})
+
+    out = decide("--noul", NOUL["instructions"], "--choice", "Which team?|Billing|Technical|Sales",
+                 "--score", "How angry?|Calm|Frustrated|Very angry")
+    assert out.returncode == 0, out.stderr
+    lines = [row.split("\t") for row in out.stdout.splitlines()]
+    assert [(r[0], r[1]) for r in lines] == [(NOUL["instructions"], "noul"), ("Which team?", "choice"),
+                                              ("How angry?", "score")]
+    same = ask(daemon, {"c": {"type": "choice", "instructions": "Which team?",
+                              "criteria": dict.fromkeys(["Billing", "Technical", "Sales"])}}).json()["answers"]["c"]
+    assert lines[1][2] == same["choice"]
+    assert f"answered by {MODEL}" in out.stderr
+    refused = decide("--score", "How angry?|" + "|".join(f"level {i}" for i in range(11)))
+    assert refused.returncode == 1 and "How angry?.score.criteria" in refused.stderr
+    assert decide("--noul", "?", "--model", "no-such-model").returncode == 1
