@@ -30,11 +30,14 @@ def too_wide(name: str, req: EmbedRequest, width: int) -> WorkError | None:
 
 
 def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[EmbedRequest], live: list[int],
-                 results: list[Any], *, unit: bool = False) -> None:
+                 results: list[Any], *, unit: bool = False, model_unit: bool = False) -> None:
     """Fill `results[i]` for each request in `live` from its rows of `vectors`
     ((rows, width) float32, the live requests' inputs in order) and `tokens` (per row).
     `unit`: the rows are unit length already (the adapter normalised them on the
     device, where its kernels are warm: every live request normalises).
+    `model_unit`: the model's own last module makes its output unit length
+    (sentence-transformers' Normalize): every row is unit length before it is cut,
+    `normalize: false` included, as the reference's `normalize_embeddings=False` is.
 
     1. Rows of requests that normalise are divided by their norm, in one pass.
     2. Per request: its rows cut to `dimensions` (and made unit length again
@@ -47,7 +50,7 @@ def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[Emb
     """
     width = vectors.shape[1]
     reqs = [requests[i] for i in live]
-    norms = [r.normalize for r in reqs]
+    norms = [r.normalize or model_unit for r in reqs]
     if not unit and any(norms):
         unit_rows = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         if all(norms):

@@ -99,8 +99,10 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         self.tokenizer = model.tokenizer
         self._torch = torch
         profile = self.spec.profile
-        # A trailing Normalize module is applied by us, per request (normalize=false
-        # returns the pooled vector); everything before it runs as the model says.
+        # A trailing Normalize module is applied by us (on the device after the
+        # forward, or in runtimes.dense.finish_dense: model_unit): every vector of
+        # such a model is unit length before `dimensions` cuts it, `normalize: false`
+        # included, as sentence-transformers' encode gives it.
         trailing = self._trailing = bool(list(model)) and isinstance(list(model)[-1], Normalize)
         if self.device == "cpu" and isinstance(list(model)[0], Transformer) and (
                 profile.engine != "auto" or openvino.available()):
@@ -314,9 +316,10 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         # call costs tens of us on a cold CPU, the case of a lone client's request).
         wants = [requests[i].output == "tokens" for i in live]
         want_tokens = np.repeat(np.array(wants), counts) if any(wants) else None
-        # Every request normalises (the default): the rows are made unit length by
-        # torch right after the forward, while its kernels are warm.
-        unit = want_tokens is None and all(requests[i].normalize for i in live)
+        # Every request normalises (the default), or the model's own Normalize module
+        # does: the rows are made unit length by torch right after the forward, while
+        # its kernels are warm.
+        unit = want_tokens is None and (self._trailing or all(requests[i].normalize for i in live))
         # 2. Embed all texts of the batch together, length-sorted into micro-batches,
         #    each text with its request's LoRA adapter (bank slot).
         vectors, tokens, per_token = yield from self._embed(texts, want_tokens, prompt_tokens,
@@ -331,7 +334,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                 return results
             keep = ~want_tokens
             vectors, tokens = vectors[keep], tokens[keep]
-        finish_dense(vectors, tokens, requests, live, results, unit=unit)
+        finish_dense(vectors, tokens, requests, live, results, unit=unit, model_unit=self._trailing)
         return results
 
     def _prompt_length(self, prompt: str) -> int:

@@ -277,10 +277,10 @@ ENCODERS: dict[str, dict] = {
 
 
 def sentence_transformer(model_type: str, pooling: str, folder: Path, *, dense: tuple[int, ...] = (),
-                         backbone: Callable[[Path], Path] | None = None) -> Path:
+                         backbone: Callable[[Path], Path] | None = None, normalize: bool = True) -> Path:
     """An embedder as sentence-transformers saves it: the backbone in the root,
     modules.json, 1_Pooling (`pooling`: mean | cls | lasttoken), optional Dense
-    layers (2_Dense, 3_Dense, ...) and a final Normalize."""
+    layers (2_Dense, 3_Dense, ...) and a final Normalize (unless `normalize` is False)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
 
@@ -294,7 +294,8 @@ def sentence_transformer(model_type: str, pooling: str, folder: Path, *, dense: 
     for out in dense:
         modules.append(models.Dense(width, out, bias=False, activation_function=torch.nn.Identity()))
         width = out
-    modules.append(models.Normalize())
+    if normalize:
+        modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return folder
 
@@ -389,6 +390,9 @@ ENCODER_CASES: dict[str, Case] = {
                         lambda f: sentence_transformer("bert", "cls", f)),
     "st-bert-mean": Case("embed", "sentence-transformers", "bert",
                          lambda f: sentence_transformer("bert", "mean", f)),
+    # No Normalize module (the pooled vector is the model's output: `normalize: false` returns it).
+    "st-bert-mean-unnormalized": Case("embed", "sentence-transformers", "bert",
+                                      lambda f: sentence_transformer("bert", "mean", f, normalize=False)),
     "st-mpnet-mean": Case("embed", "sentence-transformers", "mpnet",
                           lambda f: sentence_transformer("mpnet", "mean", f)),
     "st-xlm-roberta-mean": Case("embed", "sentence-transformers", "xlm-roberta",

@@ -92,10 +92,15 @@ def test_embedder_matches_sentence_transformers(fleet, folders, name):
     LARGEST[name] = f"min cosine {cos.min():.7f}, max |diff| {np.abs(got - ref).max():.1e}"
     assert cos.min() > 0.99999, cos
     np.testing.assert_allclose(got, ref, atol=1e-5)
-    # Without normalisation the pooled vectors themselves (Dense layers included).
+    # normalize: false is the reference's normalize_embeddings=False: the model's own
+    # output (its Normalize module applied where it has one, the pooled vector where not) ...
     raw = np.asarray(post(fleet, "/v1/embed", {"model": name, "inputs": TEXTS, "normalize": False})["embeddings"])
-    pooled = SentenceTransformer(modules=list(model)[:-1], device="cpu").encode(TEXTS, convert_to_numpy=True)
-    np.testing.assert_allclose(raw, pooled, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(raw, model.encode(TEXTS, convert_to_numpy=True), rtol=1e-4, atol=1e-5)
+    unit = np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-5)
+    assert unit == (type(list(model)[-1]).__name__ == "Normalize")
+    # ... and cut by `dimensions` as truncate_dim cuts it (not made unit length again).
+    cut = post(fleet, "/v1/embed", {"model": name, "inputs": TEXTS, "normalize": False, "dimensions": 8})
+    np.testing.assert_allclose(cut["embeddings"], model.encode(TEXTS, truncate_dim=8), rtol=1e-4, atol=1e-5)
     features = model.tokenize(TEXTS)
     assert reply["usage"]["input_tokens"] == int(features["attention_mask"].sum())
 
