@@ -6,7 +6,8 @@ generator and a second embedder A does not have) joined through a real
 `nats-server -js` on 127.0.0.1, at the shipped NATS settings (ack wait, heartbeat,
 fetch credit, timeouts). Requests go to A only; the scenarios check that both boxes
 serve them, that large bodies and large replies go through the object store, that
-pieces of a stream cross boxes and a dropped stream stops the box that runs it, that
+pieces of a stream cross boxes and a dropped stream (or a generation whose client left
+unanswered) stops the box that runs it, that
 SIGHUP keeps the deadline at three ack waits or more, that a reply survives its
 requester's blip, and that a NATS restart, a kill -9 of box B (also under requests
 whose deadlines are shorter than three ack waits), a SIGTERM of box B and a NATS outage
@@ -20,6 +21,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -410,6 +412,32 @@ def test_a_client_that_drops_a_stream_stops_the_remote_box_within_a_second(boxes
     stopped_s = time.monotonic() - closed
     print(f"a dropped stream stopped box B's work {stopped_s * 1e3:.0f} ms after its client left")
     assert worker_claims(boxes.b) == 0, "B still runs the stream 10 s after its client left"
+    assert stopped_s < 1.0, f"B stopped {stopped_s:.2f} s after the client left"
+    after = box_entry(boxes.a.url, "box-b")
+    assert after["cancelled"] - before["cancelled"] == 1
+    assert asyncio.run(_held_anywhere(boxes.nats.url, ENDLESS)) == 0  # termed, not left to redeliver
+
+
+def test_a_client_that_leaves_a_generation_unanswered_stops_the_remote_box(boxes: Boxes) -> None:
+    """The same, not streamed (issue 42): a generation through A of the endless generator
+    only B stores, whose client closes its socket once B runs it, unanswered. A's request
+    stops waiting (its client left) and cancels across boxes: B's worker drops it."""
+    before = box_entry(boxes.a.url, "box-b")
+    body = json.dumps({"model": ENDLESS, "prompt": "hello world", "max_tokens": 4000, "temperature": 0}).encode()
+    host, port = boxes.a.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        started = time.monotonic()
+        while worker_claims(boxes.b) != 1:
+            assert time.monotonic() - started < 30, "B does not run the generation"
+            time.sleep(0.02)
+    closed = time.monotonic()
+    while worker_claims(boxes.b) and time.monotonic() - closed < 10:
+        time.sleep(0.02)
+    stopped_s = time.monotonic() - closed
+    print(f"an abandoned generation stopped box B's work {stopped_s * 1e3:.0f} ms after its client left")
+    assert worker_claims(boxes.b) == 0, "B still runs the generation 10 s after its client left"
     assert stopped_s < 1.0, f"B stopped {stopped_s:.2f} s after the client left"
     after = box_entry(boxes.a.url, "box-b")
     assert after["cancelled"] - before["cancelled"] == 1
