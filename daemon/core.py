@@ -33,7 +33,7 @@ from daemon.broker import Answer, Broker
 from daemon.clients import CLIENT
 from daemon.departures import DEPARTURE
 from daemon.metrics import Metrics
-from daemon.pieces import Sizing, joined, run_pieces
+from daemon.pieces import Sizing, check_deadline, joined, run_pieces
 from daemon.top import Recent
 from fleet.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
@@ -344,6 +344,18 @@ class Daemon:
         except ModelNotFound:
             lane = model  # not stored here: sized by its answers (`submit` says what it is)
         return self.sizing.whole(lane, most)
+
+    def check_deadline(self, model: str, task: str, tokens: int, timeout_ms: int | None) -> None:
+        """413 for a request of `tokens` its model cannot read within its deadline at the
+        rate large requests run here (daemon.pieces, 5). Asked for requests cut into
+        pieces only: with NATS none is (`whole_budget`), another box may answer it."""
+        try:
+            lane = self.lane_of(self.manifest(model, task))
+        except ModelNotFound:
+            return
+        work = BATCH_WORK.get()
+        timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
+        check_deadline(model, tokens, timeout_s, *self.sizing.piece_rate(lane))
 
     async def send(self, lane: str, task: str, payload: bytes | memoryview, tokens: int, timeout_s: float, *,
                    local: bool, on_partial: Callable[[Done], None] | None = None) -> Answer:

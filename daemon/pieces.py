@@ -29,6 +29,15 @@ request behind it waited. Now:
    or running are cancelled (their queue items withdrawn; a running one stops
    at its next micro-batch, `Adapter.wanted`) and no piece is answered again.
    The request's deadline is the pieces' deadline.
+5. The deadline sizes the ceiling too (`check_deadline`): a request its model
+   cannot read within its `timeout_ms` at the rate its batches of a piece's size
+   or more ran on this box (`Sizing.piece_rate`: smoothed, times the workers
+   that take pieces at once) is refused at once, 413 naming the rate, the time
+   it needs and the most tokens that fit; before any such batch ran the rate is
+   unknown and the request runs, and a timeout then says how long the whole
+   would have needed at the rate its answered pieces ran. (1 150 texts of 256
+   tokens, under `max_request_tokens`, need ~40-140 s of a 2-vCPU box's MiniLM:
+   past the default 30 s, they were a 504 after 30 s of work.)
 
 The pieces' answers come back in input order; the task's function joins their
 results (daemon.tasks).
@@ -77,6 +86,22 @@ def check_ceiling(model: str, total: int, limit: int, what: str = "inputs") -> N
             hint="raise max_request_tokens in config.toml (FLEET_MAX_REQUEST_TOKENS) to allow more")
 
 
+def check_deadline(model: str, total: int, timeout_s: float, per_s: float | None, rate: str = "") -> None:
+    """The ceiling the deadline sets (module doc, 5): `total` tokens at `per_s` tokens a
+    second (`rate` in words; None: not measured yet, the request runs) within `timeout_s`."""
+    if per_s and total > per_s * timeout_s:
+        raise PayloadTooLarge(
+            f"the inputs of this request come to about {total} tokens as {model} reads them; at the rate it "
+            f"runs here ({rate}) they need about {seconds(total / per_s)} s, more than the request's timeout_ms of "
+            f"{timeout_s * 1000:.0f}: send at most about {int(per_s * timeout_s)} tokens per request, "
+            "or a larger timeout_ms",
+            hint="timeout_ms may be set per request (at most 600000) or in config.toml")
+
+
+def seconds(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.1f}"
+
+
 def text_costs(lengths: np.ndarray, cap: int | None) -> np.ndarray:
     """Tokens the model reads per text of `lengths` characters: ~4 characters a token
     plus two special tokens, at most `cap` (the model's max_seq_len, when it cuts)."""
@@ -101,6 +126,9 @@ class Sizing:
     window: int = 1
     #: Model (lane) -> tokens per ms its workers processed in the batches its pieces ran in.
     rates: dict[str, float] = field(default_factory=dict)
+    #: The same, over batches of MIN_PIECE_TOKENS or more only: the rate a large request's
+    #: pieces run at (short requests' batches read far fewer tokens per ms).
+    piece_rates: dict[str, float] = field(default_factory=dict)
 
     def budget(self, lane: str, most: int) -> int:
         """Tokens a piece of a request for `lane` holds (at most `most`)."""
@@ -118,12 +146,23 @@ class Sizing:
             return min(int(INITIAL_PIECE_TOKENS * WHOLE_SHARE), most)
         return int(min(most, max(MIN_PIECE_TOKENS, rate * self.target_ms * WHOLE_SHARE)))
 
+    def piece_rate(self, lane: str) -> tuple[float | None, str]:
+        """(tokens a second a large request of `lane` is read at, that in words): `piece_rates`
+        times the pieces run at once; (None, "") before a batch of a piece's size ran."""
+        rate = self.piece_rates.get(lane)
+        if rate is None:
+            return None, ""
+        per_s = rate * 1000.0 * self.window
+        return per_s, f"about {per_s:.0f} tokens/s" + (f" over {self.window} workers" if self.window > 1 else "")
+
     def observe(self, lane: str, answer: Answer) -> None:
         if answer.inference_ms <= 0 or answer.batch_tokens <= 0:
             return
         rate = answer.batch_tokens / answer.inference_ms
-        old = self.rates.get(lane)
-        self.rates[lane] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+        for rates, counts in ((self.rates, True), (self.piece_rates, answer.batch_tokens >= MIN_PIECE_TOKENS)):
+            if counts:
+                old = rates.get(lane)
+                rates[lane] = rate if old is None else old + RATE_WEIGHT * (rate - old)
 
 
 async def run_pieces(model: str, cum: np.ndarray, payload_of: Callable[[int, int], bytes],
@@ -134,10 +173,11 @@ async def run_pieces(model: str, cum: np.ndarray, payload_of: Callable[[int, int
     inputs a..b. Returns (first input, answer) per piece in input order, or raises
     the first failure (an input it names is numbered in the whole request)."""
     n = len(cum)
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     spans: dict[asyncio.Future, tuple[int, int]] = {}
     answers: list[tuple[int, Answer]] = []
-    start = done_inputs = 0
+    start = done_inputs = done_tokens = 0
     try:
         while start < n or spans:
             while start < n and len(spans) < window:
@@ -157,11 +197,17 @@ async def run_pieces(model: str, cum: np.ndarray, payload_of: Callable[[int, int
                     continue
                 answers.append((a, fut.result()))
                 done_inputs += b - a
+                done_tokens += int(cum[b - 1]) - (int(cum[a - 1]) if a else 0)
             if failed is not None:
                 raise failed
     except (Timeout, TimeoutError):
+        # How long the whole would take at the rate its answered inputs came (module doc, 5),
+        # said when that is past the deadline (not when the time went to waiting in the queue).
+        whole_s = (time.monotonic() - started) * int(cum[-1]) / done_tokens if done_tokens else 0.0
+        whole = (f"; at the rate they were answered the whole request needs about {seconds(whole_s)} s: send "
+                 "fewer inputs per request, or a larger timeout_ms") if whole_s > timeout_s else ""
         raise Timeout(f"{model}: no answer within {timeout_s * 1000:.0f} ms "
-                      f"({done_inputs} of {n} inputs were answered)") from None
+                      f"({done_inputs} of {n} inputs were answered){whole}") from None
     finally:
         for fut in spans:  # a failure or the client gone: withdraw the rest (broker.run cancels their items)
             fut.cancel()

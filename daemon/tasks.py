@@ -102,7 +102,9 @@ async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: 
     (first input, answer) per item, in input order. `tokens` is the cheap estimate
     (bytes, `estimate_tokens`: never below what `costs(cap)` sums to); `costs(cap)`
     gives the tokens per input, `cap` being the model's max_seq_len (None: unknown)
-    when it cuts. Refused at once past `max_request_tokens` (`check_ceiling`)."""
+    when it cuts. Refused at once past `max_request_tokens` (`check_ceiling`), and, one
+    cut into pieces, past what its model reads here within its deadline
+    (`Daemon.check_deadline`)."""
     timeout_ms = req.timeout_ms
     if tokens <= MIN_PIECE_TOKENS:  # a small request: no per-input work (the lone client's path)
         return [(0, await daemon.submit(task, model, payload, tokens=tokens, timeout_ms=timeout_ms))]
@@ -122,6 +124,7 @@ async def submit_inputs(daemon: Daemon, task: str, model: str, req: Any, field: 
     check_ceiling(model, total, limit)
     if total <= budget or len(per_input) < 2:
         return [(0, await daemon.submit(task, model, payload, tokens=total, timeout_ms=timeout_ms))]
+    daemon.check_deadline(model, task, total, timeout_ms)
     items = getattr(req, field)
 
     def payload_of(a: int, b: int) -> bytes:

@@ -9,6 +9,11 @@ real worker, real MiniLM weights, real HTTP.
 2. A client flooding the model does not queue another client behind its backlog:
    each of the light client's requests is answered before the backlog queued when
    it was sent drains (counted in answers, not timed).
+3. The deadline sizes the ceiling (issue 42, item 9): once the model has run a batch
+   of a piece's size, the largest request `max_request_tokens` admits (1 150 texts of
+   256 tokens) is refused at once when it cannot be read within the default
+   `timeout_ms` at the rate measured (before: a 504 after 30 s of work); on a box fast
+   enough, it is answered. (2. runs first, cold: nothing measured, it is admitted.)
 Latencies are measured in bench/fairness.py (bench/README.md), not asserted here.
 """
 
@@ -153,3 +158,28 @@ def test_a_flooding_client_does_not_queue_another_behind_its_backlog(fleet):
     assert min(depths) >= 20, depths
     assert sum(passed) <= sum(depths) // 4, (passed, depths)
     assert sorted(passed)[len(passed) // 2] < min(depths) // 2, (passed, depths)
+
+
+def test_the_largest_admitted_request_never_times_out_at_the_default_deadline(fleet):
+    url = fleet.url
+    # A batch of a piece's size has run: the model's rate is measured (4 texts, 1 024 tokens).
+    warm = httpx.post(url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [letters(600, i) for i in range(4)]},
+                      timeout=60)
+    assert warm.status_code == 200, warm.text
+    idle(url)
+    timeouts = timeouts_answered(url)
+    # 1 150 texts MiniLM reads as 256 tokens each (it cuts there): 294 400 tokens, under
+    # max_request_tokens; no timeout_ms, so the shipped 30 s.
+    texts = [letters(600, i) for i in range(1150)]
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": texts}, timeout=120)
+    took = time.monotonic() - t0
+    if r.status_code == 200:  # a box that reads them within the deadline
+        assert took < 30 and r.json()["shape"] == [1150, 384]
+    else:
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == "payload_too_large" and "about 294400 tokens" in err["message"], err
+        assert "tokens/s" in err["message"] and "timeout_ms of 30000" in err["message"], err
+        assert took < 10  # at once, nothing queued
+    assert timeouts_answered(url) == timeouts

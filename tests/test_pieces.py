@@ -6,6 +6,7 @@ test_fair_admission.py)."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -13,8 +14,8 @@ import pytest
 from daemon.broker import Answer
 from daemon.clients import client_of, flow_of
 from daemon.pieces import (
-    INITIAL_PIECE_TOKENS, MIN_PIECE_TOKENS, Sizing, check_ceiling, in_request, joined, next_cut, run_pieces, text_costs,
-    WHOLE_SHARE,
+    INITIAL_PIECE_TOKENS, MIN_PIECE_TOKENS, Sizing, check_ceiling, check_deadline, in_request, joined, next_cut,
+    run_pieces, text_costs, WHOLE_SHARE,
 )
 from fleet.errors import BadRequest, InputTooLong, Overloaded, PayloadTooLarge, Timeout
 
@@ -65,6 +66,35 @@ def test_pieces_and_whole_requests_are_sized_by_the_models_answers():
     assert s.budget("m", 16384) == s.whole("m", 16384) == MIN_PIECE_TOKENS
     s.rates["m"] = 1e6
     assert s.budget("m", 16384) == 16384  # a GPU: a piece is the profile's whole batch
+
+
+def test_the_deadline_sizes_the_ceiling_at_the_rate_large_requests_run():
+    s = Sizing(target_ms=250.0, window=2)
+    s.observe("m", answer(MIN_PIECE_TOKENS - 1, 100.0))  # a short request's batch: not a piece's rate
+    assert s.piece_rate("m") == (None, "")
+    check_deadline("m", 10**9, 30.0, *s.piece_rate("m"))  # not measured yet: the request runs
+    s.observe("m", answer(1000, 100.0))  # 10 tokens/ms on each of 2 workers: 20 000 tokens/s
+    per_s, words = s.piece_rate("m")
+    assert per_s == 20_000 and words == "about 20000 tokens/s over 2 workers"
+    check_deadline("m", 600_000, 30.0, per_s, words)  # just fits 30 s
+    with pytest.raises(PayloadTooLarge) as err:
+        check_deadline("m", 600_001, 30.0, per_s, words)
+    message = err.value.message
+    assert "600001 tokens" in message and "about 20000 tokens/s over 2 workers" in message
+    assert "need about 30 s, more than the request's timeout_ms of 30000" in message
+    assert "at most about 600000 tokens per request" in message and err.value.status == 413
+
+
+def test_a_timeout_says_how_long_the_whole_request_needs():
+    async def send(payload: bytes, tokens: int, left_s: float) -> Answer:
+        await asyncio.wait_for(asyncio.sleep(0.05), left_s)  # 0.05 s a piece: 20 of 50 tokens in 0.12 s
+        return answer(tokens, 50.0)
+
+    with pytest.raises(Timeout) as err:
+        joined_run(10, 1, send, timeout_s=0.12)
+    assert re.fullmatch(r"m: no answer within 120 ms \([1-4] of 10 inputs were answered\); at the rate they were "
+                        r"answered the whole request needs about 0\.\d s: send fewer inputs per request, or a larger "
+                        r"timeout_ms", err.value.message), err.value.message
 
 
 def test_an_error_naming_an_input_is_numbered_in_the_whole_request():
