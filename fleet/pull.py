@@ -10,8 +10,10 @@ One entry point, `pull_model`. Steps, for every source kind:
    sizes + sha256 of the source files; hf: the same commit) and still verify,
    it is up to date: at most its manifest metadata is refreshed.
 4. Otherwise copy (hashing as it goes) or download into a staging directory,
-   detect task/runtime where nobody said them, write the manifest, rename into
-   place.
+   detect task/runtime where nobody said them, check the weights against the
+   architecture the runtime builds (`fleet.weights`: a folder whose weights do
+   not fit its config.json is refused, not served as random weights), write the
+   manifest, rename into place.
 
 `huggingface_hub` is imported only for `hf:` sources.
 """
@@ -41,6 +43,7 @@ from fleet.prompts import check_default, merged_prompts, prompt_table
 from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
+from fleet.weights import check_weights, refusal
 
 #: Weight files that unpickle on load (arbitrary code): refused unless allowed.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -414,8 +417,12 @@ def pull_model(
     force: bool = False,
     catalog: Catalog | None = None,
     progress: Progress = NO_PROGRESS,
+    weights_check: bool = True,
 ) -> PullResult:
-    """Pull `target` (catalog name, stored name, `hf:`/`path:`/`pkg:` source) into `store`."""
+    """Pull `target` (catalog name, stored name, `hf:`/`path:`/`pkg:` source) into `store`.
+
+    `weights_check`: refuse weights that do not fit the architecture now
+    (`check_mismatched_weights`); a worker checks again before every load anyway."""
     if task is not None and task not in TASKS:
         raise BadRequest(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
     if runtime is not None and not RUNTIME_RE.match(runtime):
@@ -440,7 +447,7 @@ def pull_model(
             existing = None
         args = dict(store=store, name=name, source=source, entry=entry, previous=previous,
                     existing=existing, task=task, runtime=runtime, base=base, catalog=catalog,
-                    progress=progress)
+                    progress=progress, weights_check=weights_check)
         try:
             if source.kind == "hf":
                 return _pull_hub(**args)
@@ -460,7 +467,7 @@ def remote_code(entry: CatalogEntry | None, previous: Manifest | None) -> bool:
 def _pull_local(
     *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
     existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
-    catalog: Catalog, progress: Progress,
+    catalog: Catalog, progress: Progress, weights_check: bool,
 ) -> PullResult:
     if source.kind == "pkg":
         folder, revision = package_folder(source.ref)
@@ -492,6 +499,8 @@ def _pull_local(
             staging.copy_in(src, rel, progress)
         progress.finish()
         add_backbone(staging, source_text)
+        if weights_check:
+            check_mismatched_weights(staging.path, name, meta)
         manifest = Manifest(
             name=name, source=source_text, revision=revision, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),
@@ -501,6 +510,16 @@ def _pull_local(
         )
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
+
+
+def check_mismatched_weights(folder: Path, name: str, meta: _Meta) -> None:
+    """BadRequest when the weights in `folder` do not fit the architecture the
+    model's runtime builds from its config.json (fleet.weights): transformers would
+    load it with random parameters, and fleet would serve noise."""
+    report = check_weights(folder, meta.task, meta.runtime, trust_remote_code=meta.trust_remote_code)
+    if (why := refusal(report, meta.task, meta.runtime)) is not None:
+        raise BadRequest(f"cannot pull {name}: {why}",
+                         hint="pull the folder a model was saved to whole (config.json with its own weights)")
 
 
 def add_backbone(staging: Any, origin: str) -> None:
@@ -587,7 +606,7 @@ def _progress_bar_class(progress: Progress) -> type:
 def _pull_hub(
     *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
     existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
-    catalog: Catalog, progress: Progress,
+    catalog: Catalog, progress: Progress, weights_check: bool,
 ) -> PullResult:
     revision = source.revision or "main"
     source_text = f"hf:{source.ref}@{revision}"
@@ -670,6 +689,8 @@ def _pull_hub(
                          runtime=runtime, base=base, catalog=catalog, origin=source_text)
         meta = _checked_adapter(store, meta, staging.path, task=task or (entry.task if entry else None),
                                 origin=source_text)
+        if weights_check:
+            check_mismatched_weights(staging.path, name, meta)
         manifest = Manifest(
             name=name, source=source_text, revision=commit, task=meta.task, runtime=meta.runtime,
             base=meta.base, files=list(staging.files), created_at=utc_now(),
@@ -687,8 +708,10 @@ def ensure_model(store: Store, name: str, *, catalog: Catalog | None = None,
 
     The daemon calls this at start-up for its preloaded models: with a `pkg:`
     source it works offline on a fresh machine. Files are not re-hashed here
-    (`Store.open` does that on load).
+    (`Store.open` does that on load), nor are the weights checked against their
+    architecture (that needs torch, which the daemon's process never imports; the
+    worker checks before it loads, and a preload that fails is named unservable).
     """
     if store.exists(name):
         return store.get(name)
-    return pull_model(store, name, catalog=catalog, progress=progress).manifest
+    return pull_model(store, name, catalog=catalog, progress=progress, weights_check=False).manifest

@@ -24,6 +24,7 @@ import msgspec
 
 from fleet.control import EVICT, Command, CommandDone, control_lane
 from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
+from fleet.weights import check_weights, refusal
 from local_queue import QueueFull
 from runtimes.base import Adapter, ModelSpec, Profile
 from runtimes.memory import (
@@ -72,6 +73,18 @@ def footprint_from_headers(spec: ModelSpec) -> Footprint:
         spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
         micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
     )
+
+
+def refuse_mismatched_weights(spec: ModelSpec) -> None:
+    """ModelLoadFailed when the weights do not fit the architecture the runtime builds
+    (fleet.weights, checked in this process from the headers): transformers would fill
+    the gaps with random parameters. A model stored before pulls checked this is
+    refused here instead of served."""
+    report = check_weights(spec.path, spec.task, spec.runtime, trust_remote_code=spec.trust_remote_code, here=True)
+    if (why := refusal(report, spec.task, spec.runtime)) is not None:
+        raise ModelLoadFailed(f"cannot load {spec.name!r}: {why}",
+                              hint=f"pull it again from a folder with its own weights (fleetctl pull ... --name "
+                                   f"{spec.name} --force)")
 
 
 def return_freed_memory(device: str) -> None:
@@ -134,6 +147,8 @@ class Residency:
     estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
     #: Gives freed memory of the device back (injected: a simulated device has no allocator).
     return_freed: Callable[[str], None] = return_freed_memory
+    #: Refuses weights that do not fit their architecture, before each load.
+    check_weights: Callable[[ModelSpec], None] = refuse_mismatched_weights
     #: A model's profile as the catalog names it now (runtimes.resolve.store_profiles): a
     #: SIGHUP's `profile` command applies it to resident models. None: not re-read (bare tests).
     profile_of: Callable[[str], tuple[Profile, str, dict[str, str]]] | None = None
@@ -273,6 +288,7 @@ class Residency:
         t0 = time.perf_counter()
         try:
             with self.progress.running(f"loading {name}", self.load_timeout_ms):
+                self.check_weights(spec)
                 adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
                 if spec.profile.engine not in ("auto", *adapter.engines):
                     raise ModelLoadFailed(f"{name}: runtime {spec.runtime!r} runs on {', '.join(adapter.engines)}; "

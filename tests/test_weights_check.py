@@ -1,0 +1,164 @@
+"""Weights that do not fit their architecture are refused, never served (issue 42, item 3).
+
+A folder with MiniLM's config.json and a model.safetensors holding one tensor `foo`
+used to pull, load (transformers initialised every parameter at random and only
+warned), answer 200 with noise, and measure 1.74 GB against an estimate of 4 bytes:
+that ratio then sized every other model of its runtime 4e8 times too large (507 for
+each) until a restart. Now the pull asks transformers, from the safetensors headers
+on the meta device (fleet.weights), what a load would leave at random, and refuses;
+a worker asks again before every load, so a model stored before the check is
+refused there; and no measurement scales another model's estimate past
+RATIO_BOUNDS (tests/test_memory_policy.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fleet.errors import BadRequest
+from fleet.pull import pull_model
+from fleet.store import Store
+from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon
+
+FOO = "foo-weights"
+TWIN = "minilm-twin"
+
+
+def minilm_with(folder: Path, tensors: dict) -> Path:
+    """MiniLM's folder (config.json, tokenizer, sentence-transformers modules) with other weights."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(default_model_dir(), folder)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def minilm_tensors() -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(default_model_dir() / "model.safetensors"))
+
+
+def foo_folder(folder: Path) -> Path:
+    """The issue's folder: a transformers config and one tensor named foo."""
+    import torch
+
+    return minilm_with(folder, {"foo": torch.zeros(1)})
+
+
+def test_the_issue_folder_is_refused_at_pull_naming_what_is_missing(tmp_path: Path):
+    store = Store(tmp_path / "home" / "models")
+    with pytest.raises(BadRequest) as caught:
+        pull_model(store, f"path:{foo_folder(tmp_path / 'foo')}", name=FOO)
+    message = caught.value.message
+    assert message.startswith(f"cannot pull {FOO}: its weights do not match its architecture (BertModel")
+    assert "101 parameters missing (embeddings.LayerNorm.bias, " in message and "and 98 more" in message
+    assert "initialise at random" in message and "1 tensors the architecture does not have (foo)" in message
+    assert str(tmp_path) not in message  # names the model, never a path
+    assert not store.exists(FOO) and store.names() == []
+
+
+@pytest.mark.parametrize(("case", "task", "runtime", "why"), [
+    # An embedder without its pooler (sentence-transformers and TEI folders often lack
+    # it): embedders pool token states themselves, the pooler is never read.
+    ("no pooler", None, None, None),
+    # The same weights as a BERT cross-encoder: its classifier reads the pooler, and
+    # the classifier itself is missing.
+    ("no pooler", "rerank", "transformers", "4 parameters missing (bert.pooler.dense.bias, bert.pooler.dense.weight, "
+                                            "classifier.bias and 1 more)"),
+    # Saved under the architecture's prefix (a BertFor... checkpoint): transformers strips it.
+    ("bert. prefix", None, None, None),
+    ("shape", None, None, "1 of another shape (encoder.layer.0.intermediate.dense.weight [10, 384] where the "
+                          "architecture has [1536, 384])"),
+])
+def test_what_transformers_tolerates_pulls_and_what_it_would_randomise_does_not(
+        tmp_path: Path, case: str, task: str | None, runtime: str | None, why: str | None):
+    import torch
+
+    tensors = minilm_tensors()
+    if case == "no pooler":
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("pooler.")}
+    elif case == "bert. prefix":
+        tensors = {f"bert.{k}": v for k, v in tensors.items()}
+    else:
+        tensors["encoder.layer.0.intermediate.dense.weight"] = torch.zeros(10, 384)
+    folder = minilm_with(tmp_path / "m", tensors)
+    if task is not None:
+        (folder / "modules.json").unlink()
+    store = Store(tmp_path / "home" / "models")
+    if why is None:
+        result = pull_model(store, f"path:{folder}", name="m", task=task, runtime=runtime)
+        assert result.status == "pulled" and store.exists("m")
+        return
+    with pytest.raises(BadRequest, match="its weights do not match its architecture") as caught:
+        pull_model(store, f"path:{folder}", name="m", task=task, runtime=runtime)
+    assert why in caught.value.message
+    assert not store.exists("m")
+
+
+def test_an_index_naming_a_shard_that_is_not_there_is_refused(tmp_path: Path):
+    folder = minilm_with(tmp_path / "m", minilm_tensors())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"embeddings.word_embeddings.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(BadRequest, match="its weights cannot be read: model-00002-of-00002.safetensors"):
+        pull_model(Store(tmp_path / "home" / "models"), f"path:{folder}", name="m")
+
+
+def test_fleetctl_pull_refuses_it_in_one_line_and_exit_1(tmp_path: Path):
+    """The CLI never imports torch itself: the check runs in a child process."""
+    home = tmp_path / "home"
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_URL": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "-m", "fleetctl", "pull", f"path:{foo_folder(tmp_path / 'foo')}",
+                          "--name", FOO], env=env, capture_output=True, text=True, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 1, out.stderr
+    assert "its weights do not match its architecture" in out.stderr and "(foo)" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not Store(home / "models").exists(FOO)
+
+
+# ---- a store from before the check: the worker refuses the load ----------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    root = tmp_path_factory.mktemp("weights")
+    home = root / "home"
+    store = Store(home / "models")
+    pull_model(store, DEFAULT_MODEL)
+    # Stored as a pull before this check stored it (the check is what is under test).
+    pull_model(store, f"path:{foo_folder(root / 'foo')}", name=FOO, weights_check=False)
+    pull_model(store, f"path:{default_model_dir()}", name=TWIN)
+    d = start_daemon(home, args=["--workers", "1"])
+    yield d
+    d.stop()
+
+
+def embed(d: DaemonProc, model: str) -> httpx.Response:
+    return httpx.post(d.url + "/v1/embed", json={"model": model, "inputs": ["hello world"]}, timeout=120)
+
+
+def test_a_stored_model_with_mismatched_weights_is_refused_at_load_and_sizes_nothing(served: DaemonProc):
+    r = embed(served, FOO)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_load_failed"
+    assert f"cannot load '{FOO}': its weights do not match its architecture" in error["message"]
+    assert "101 parameters missing" in error["message"] and "(foo)" in error["message"]
+    # Another model of the same runtime, not yet resident, loads and answers: nothing
+    # measured from the refused one scaled its estimate.
+    twin = embed(served, TWIN)
+    assert twin.status_code == 200, twin.text
+    assert embed(served, DEFAULT_MODEL).json()["embeddings"] == twin.json()["embeddings"]
+    ps = httpx.get(served.url + "/v1/ps", timeout=30).json()
+    resident = {m for w in ps["workers"] for m in w.get("models", {})}
+    assert TWIN in resident and FOO not in resident
