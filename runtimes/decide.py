@@ -8,8 +8,12 @@ its rows hold the state and itself only, so adding, removing or reordering the
 other questions of a request leaves its answer as it was (to float rounding of
 the batch's shapes, under 1e-5).
 
-    prefix = template head + "Read the following, then answer the question after it." + state
+    prefix = template head + INTRO (what to answer) + state
     row    = "Question: ..." + options listed "A. ...", "B. ..." + template tail + "Answer:"
+
+A row holds only what differs per question, so a question costs its own few tokens
+and the state's are read once: eight questions on a long state cost little more
+than one (bench/README, "Typed decisions").
 
 - Up to `len(labels)` options (the letters that are one token each after the cue,
   at most 26): two rows, the options listed in request order and in reverse; each
@@ -47,7 +51,9 @@ log = logging.getLogger("fleet.worker")
 
 #: Positions a decision model reads when neither the store nor its config says.
 DEFAULT_MAX_TOKENS = 8192
-INTRO = "Read the following, then answer the question after it.\n\n"
+#: Read once per state: everything a row would repeat for every question is said here.
+INTRO = ("Read the following, then answer the question after it: the letter of the best option when the options "
+         "are lettered, else the option itself.\n\n")
 CUE = "Answer:"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 #: Device bytes of gathered key/value rows one micro-batch may hold (each row holds its
@@ -288,10 +294,10 @@ class DecisionLM(Adapter):
                 if labelled:
                     for order in (q.options, q.options[::-1]):
                         listed = "".join(f"{c.strip()}. {o}\n" for c, o in zip(self.labels, order))
-                        texts.append(f"{head}{listed}Reply with the letter of the best option.{tail}{self.label_cue}")
+                        texts.append(f"{head}{listed}{tail}{self.label_cue}")
                         owner.append(k)
                 else:
-                    context = f"{head}Reply with one of the options.{tail}{self.frame.cue}"
+                    context = f"{head}{tail}{self.frame.cue}"
                     for name in q.names:
                         option_rows.append(len(texts))
                         options.append(" " + name)

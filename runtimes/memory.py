@@ -27,6 +27,7 @@ No torch import at module level: the daemon imports the pure half.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -193,27 +194,55 @@ def estimate_footprint(folder: Path, runtime: str, *, dtype: str = "auto", max_b
     return Footprint(weights, activation)
 
 
+#: A model's measured/estimated weight bytes outside these bounds say its headers did
+#: not describe what loaded (a checkpoint that lacks most of its architecture's
+#: weights), not how its runtime stores weights: that ratio corrects no other model's
+#: estimate. Within them: a dtype changed at load (bf16 or fp16 stored, fp32 loaded:
+#: 2; 8-bit stored, fp32 loaded: 4) or buffers the headers do not list.
+RATIO_BOUNDS = (0.25, 4.0)
+
+
 @dataclass
 class Estimates:
     """Footprint estimates, corrected by measurement.
 
     After a load, the measured weight bytes of that model replace its header
-    estimate (a reload is then exact), and the measured/estimated ratio of the
-    runtime scales the header estimates of models not yet loaded.
+    estimate (a reload is then exact), and the models' measured/estimated ratios
+    within RATIO_BOUNDS scale the header estimates of the runtime's models not yet
+    loaded, by their median: one model's measurement never scales another's
+    estimate by more than the bounds, and one outlier among several moves nothing.
     """
 
     measured: dict[str, int] = field(default_factory=dict)
-    ratio: dict[str, float] = field(default_factory=dict)
+    #: runtime -> model -> its measured/estimated weight ratio (within RATIO_BOUNDS).
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def ratio(self, runtime: str) -> float:
+        """What scales the runtime's header estimates: the median of its models' ratios (1 with none)."""
+        seen = sorted(self.ratios.get(runtime, {}).values())
+        if not seen:
+            return 1.0
+        mid = len(seen) // 2
+        return seen[mid] if len(seen) % 2 else (seen[mid - 1] + seen[mid]) / 2
 
     def estimate(self, name: str, runtime: str, header: Footprint) -> Footprint:
         if name in self.measured:
-            return Footprint(self.measured[name], header.activation_bytes)
-        return Footprint(int(header.weights_bytes * self.ratio.get(runtime, 1.0)), header.activation_bytes)
+            return dataclasses.replace(header, weights_bytes=self.measured[name])
+        return dataclasses.replace(header, weights_bytes=int(header.weights_bytes * self.ratio(runtime)))
 
     def record(self, name: str, runtime: str, header: Footprint, measured_bytes: int) -> None:
         self.measured[name] = measured_bytes
-        if header.weights_bytes > 0:
-            self.ratio[runtime] = measured_bytes / header.weights_bytes
+        mine = self.ratios.setdefault(runtime, {})
+        mine.pop(name, None)
+        if header.weights_bytes <= 0:
+            return
+        ratio = measured_bytes / header.weights_bytes
+        low, high = RATIO_BOUNDS
+        if low <= ratio <= high:
+            mine[name] = ratio
+        else:
+            log.warning("%s measured %d bytes against %d estimated from its headers: not used to size other "
+                        "%s models", name, measured_bytes, header.weights_bytes, runtime)
 
 
 # ---- policy ------------------------------------------------------------------------

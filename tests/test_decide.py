@@ -138,8 +138,10 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
                                        add_generation_prompt=True)
     head, tail = rendered.split("\x00")
     cue = (" " if not tail[-1].isspace() else "") + "Answer:"
-    prefix = tok(head + "Read the following, then answer the question after it.\n\n"
-                 + json.dumps(state, separators=(",", ":")) + "\n\n", add_special_tokens=False)["input_ids"]
+    intro = ("Read the following, then answer the question after it: the letter of the best option when the "
+             "options are lettered, else the option itself.\n\n")
+    prefix = tok(head + intro + json.dumps(state, separators=(",", ":")) + "\n\n",
+                 add_special_tokens=False)["input_ids"]
     # This tokenizer has no single-token " A": the labels are "A", "B", ... after "Answer: ".
     labels = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "ABCD"]
 
@@ -152,7 +154,7 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
         rows = []
         for order in (options, options[::-1]):
             body = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", order))
-            logits = next_logits(f"Question: {text}\n{body}Reply with the letter of the best option.{tail}{cue} ")
+            logits = next_logits(f"Question: {text}\n{body}{tail}{cue} ")
             rows.append(torch.softmax(logits[-1, labels[: len(options)]], 0).numpy())
         return (rows[0] + rows[1][::-1]) / 2
 
@@ -161,7 +163,7 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
         "team": listed(CHOICE["instructions"], ["Billing: Payments, invoices, refunds", "Technical", "Sales: Pricing"]),
         "anger": listed('{"scale":"frustration"}', ["Calm", "Frustrated", '{"label":"Very angry"}', "Furious"]),
     }
-    context = f"Question: Which queue?\nReply with one of the options.{tail}{cue}"
+    context = f"Question: Which queue?\n{tail}{cue}"
     scores = []
     for name in MANY["criteria"]:
         option = tok(" " + name, add_special_tokens=False)["input_ids"]

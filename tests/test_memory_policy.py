@@ -19,8 +19,8 @@ from fleet.pins import PinStore
 from fleet.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
 from fleetctl.residency import device_rows
 from runtimes.memory import (
-    LOAD, TOO_LARGE, WAIT, DeviceMemory, Estimates, Footprint, LoadLock, LoadPlan, ResidentView, device_budget,
-    estimate_footprint, find_model_to_evict, fits_on_device, is_out_of_memory, load_error, plan_load,
+    LOAD, RATIO_BOUNDS, TOO_LARGE, WAIT, DeviceMemory, Estimates, Footprint, LoadLock, LoadPlan, ResidentView,
+    device_budget, estimate_footprint, find_model_to_evict, fits_on_device, is_out_of_memory, load_error, plan_load,
     run_split_on_oom, used_bytes, weights_bytes,
 )
 
@@ -180,6 +180,29 @@ def test_estimates_are_corrected_by_what_was_measured():
     assert est.estimate("a", "st", header) == Footprint(50, 7)  # exact on reload
     assert est.estimate("b", "st", Footprint(200, 9)) == Footprint(100, 9)  # same runtime: scaled
     assert est.estimate("c", "other", Footprint(200, 9)) == Footprint(200, 9)
+
+
+def test_one_outlier_measurement_sizes_no_other_model():
+    """Issue 42: a model whose headers said 4 bytes and which measured 1.74 GB (weights
+    transformers initialised at random) made every other model of its runtime 4e8
+    times too large to load. A ratio outside RATIO_BOUNDS corrects no other estimate;
+    within them the runtime's models' median does, so no one model moves it past the
+    bounds, and one outlier among several moves it little."""
+    est = Estimates()
+    est.record("foo", "st", Footprint(4, 7), 1_740_000_000)
+    assert est.estimate("foo", "st", Footprint(4, 7)) == Footprint(1_740_000_000, 7)  # its own reload: as measured
+    assert est.estimate("twin", "st", Footprint(90_000_000, 9)) == Footprint(90_000_000, 9)
+    low, high = RATIO_BOUNDS
+    est.record("a", "st", Footprint(100), int(100 * high))  # alone at the bound: it scales the others by it
+    assert est.ratio("st") == high
+    est.record("b", "st", Footprint(100), 200)  # bf16 stored, fp32 loaded
+    est.record("c", "st", Footprint(100), 210)
+    assert est.ratio("st") == 2.1  # the median of 2.0, 2.1 and 4.0
+    assert est.estimate("twin", "st", Footprint(90_000_000, 9)) == Footprint(189_000_000, 9)
+    est.record("a", "st", Footprint(100), 100)  # reloaded and measured again: its latest ratio counts
+    assert est.ratio("st") == 2.0
+    est.record("d", "st", Footprint(100), int(100 * low) - 1)  # under the bounds: not used either
+    assert est.ratio("st") == 2.0 and est.ratio("other") == 1.0
 
 
 # ---- OOM --------------------------------------------------------------------------------------
