@@ -210,7 +210,7 @@ class Estimates:
     estimate (a reload is then exact), and the models' measured/estimated ratios
     within RATIO_BOUNDS scale the header estimates of the runtime's models not yet
     loaded, by their median: one model's measurement never scales another's
-    estimate by more than the bounds, and one outlier among several moves nothing.
+    estimate past the bounds, and one odd model among several moves it little.
     """
 
     measured: dict[str, int] = field(default_factory=dict)
