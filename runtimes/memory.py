@@ -4,7 +4,8 @@ Two halves (STYLE.md 3):
 
 * **Pure policy** over plain data, tested with tables: `estimate_footprint`
   (weights from safetensors headers by dtype, plus an activation allowance
-  from the batch budget), `fits_on_device`, `find_model_to_evict`, and
+  from the batch budget; for a generator, one step of its continuous batcher:
+  `decoder_step`), `fits_on_device`, `find_model_to_evict`, and
   `plan_load`, which composes them into one decision: load now (after
   evicting these), wait (the room is held by models with more demand), or
   never (`model_too_large`, naming what holds the memory).
@@ -16,7 +17,8 @@ Two halves (STYLE.md 3):
 Units: bytes everywhere; times in seconds (wall clock, `time.time()`).
 
 Accounting. A device's `used` is the weights of every model resident on it
-(all workers on the device, read from their info blobs) plus, per worker, the
+(all workers on the device, read from their info blobs; a generator's counts
+the key/value cache its admitted sequences reserve) plus, per worker, the
 largest activation allowance among its models: a worker runs one batch at a
 time, so its models share one activation area; two workers on one device can
 run batches at once, so their areas add up.
@@ -104,15 +106,21 @@ RELOAD_CREDIT = 1.0
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one model holds on its device: weights (resident) and an activation
-    allowance (the largest batch its profile allows, shared per worker)."""
+    """What one model holds on its device: weights (resident), an activation
+    allowance (the largest batch its profile allows, shared per worker) and, for a
+    generator about to load, the key/value cache of the tokens one step of its
+    batcher admits (`cache_tokens`): room its first step needs. Once it is resident
+    the cache its admitted sequences reserve is counted instead, with its weights
+    (runtimes.generate `reserved_bytes`)."""
 
     weights_bytes: int
     activation_bytes: int = 0
+    cache_bytes: int = 0
+    cache_tokens: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes
+        return self.weights_bytes + self.activation_bytes + self.cache_bytes
 
 
 def safetensors_tensors(path: Path) -> Iterator[tuple[str, list[int]]]:
@@ -169,7 +177,7 @@ def activation_allowance(runtime: str, shape: dict[str, int], *, max_batch_token
                          max_seq_len: int | None, dtype_bytes: int) -> int:
     """Peak bytes of one forward pass at the profile's largest micro-batch.
 
-    Encoders (every runtime we have): a micro-batch is at most
+    Encoders (every runtime but the decoders of `estimate_footprint`): a micro-batch is at most
     `micro_batch_items` inputs padded to the longest sequence, capped by the
     batch token budget. Per padded token, one layer at its peak holds a few
     hidden-size tensors (residual, q/k/v, output), the feed-forward
@@ -183,11 +191,85 @@ def activation_allowance(runtime: str, shape: dict[str, int], *, max_batch_token
     return tokens * per_token * dtype_bytes
 
 
-def estimate_footprint(folder: Path, runtime: str, *, dtype: str = "auto", max_batch_tokens: int = 16384,
-                       micro_batch_items: int = 64, max_seq_len: int | None = None) -> Footprint:
-    """Footprint of the model in `folder` before loading it: headers and configs only."""
+#: Context a causal LM's config that names none gets (runtimes.generate's default).
+DEFAULT_CONTEXT = 2048
+
+
+def decoder_shape(folder: Path) -> dict[str, int]:
+    """What sizes one step of a causal LM, from its config.json (a multimodal config's
+    `text_config`): widths, heads, layers, vocabulary and position table."""
+    cfg = _read_json(folder / "config.json")
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 768)
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 12)
+    return {
+        "hidden": hidden,
+        "intermediate": int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden),
+        "heads": heads,
+        "kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // heads),
+        "layers": int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 12),
+        "vocab": int(cfg.get("vocab_size") or 32000),
+        "positions": int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or DEFAULT_CONTEXT),
+    }
+
+
+def kv_token_bytes(shape: dict[str, int], dtype_bytes: int) -> int:
+    """Bytes one token takes in a causal LM's key/value cache: keys and values of every layer."""
+    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype_bytes
+
+
+def decoder_step(shape: dict[str, int], *, rows: int, max_batch_tokens: int, max_seq_len: int | None,
+                 dtype_bytes: int) -> tuple[int, int]:
+    """(tokens, peak activation bytes) of one forward of a causal LM over a step's rows.
+
+    The tokens a step admits: at most `rows` sequences of at most the context
+    (`max_seq_len`, never past the position table: runtimes.generate's `max_len`),
+    cut to `max_batch_tokens` (a prefill group's budget). Attention is SDPA, which
+    holds no seq x seq score matrix (measured: one 16 384-token row on the CPU held
+    ~80 KB a token, where materialised scores would take 14 heads x 16 384 x 4 bytes
+    = 900 KB a token); a padded prefill of two rows or more carries a boolean mask
+    of rows x width x width. Per token, one layer at its peak holds four hidden-size
+    tensors (residual, normed input, attention and MLP outputs), three intermediate
+    (gate, up, their product), queries, keys and values twice (projected, rotated),
+    and two hidden-size vectors in fp32 (normalisation); layers run one after
+    another, so one layer's peak is the step's. The logits are the last position's
+    only (`logits_to_keep=1`), upcast to fp32 for the pick. Checked against peak RSS
+    of real prefills (2 x 8 192 padded tokens, bf16): Qwen2 0.90, Qwen3 0.78, Gemma-3
+    0.92, Phi-3 0.75 of this estimate.
+    """
+    context = min(max_seq_len, shape["positions"]) if max_seq_len else shape["positions"]
+    tokens = min(rows * context, max_batch_tokens)
+    width = min(context, tokens // 2) if rows > 1 else 0  # the widest padded prefill of two rows or more
+    qkv = shape["heads"] * shape["head_dim"] + 2 * shape["kv_heads"] * shape["head_dim"]
+    per_token = (4 * shape["hidden"] + 3 * shape["intermediate"] + 2 * qkv) * dtype_bytes + 2 * 4 * shape["hidden"]
+    logits = rows * shape["vocab"] * (dtype_bytes + 4)
+    return tokens, tokens * (per_token + width) + logits
+
+
+def estimate_footprint(folder: Path, runtime: str, *, task: str = "", dtype: str = "auto",
+                       max_batch_tokens: int = 16384, max_batch_items: int = 64, micro_batch_items: int = 64,
+                       max_seq_len: int | None = None) -> Footprint:
+    """Footprint of the model in `folder` before loading it: headers and configs only.
+
+    A generator (task `generate`) is sized as one step of its continuous batcher:
+    `max_batch_items` rows, the tokens `decoder_step` admits, and the key/value
+    cache of those tokens; the cache of longer contexts is reserved as sequences
+    are admitted (runtimes.generate), so a long context window alone never refuses
+    a model. An LLM reranker (runtime `llm-rerank`) runs the same decoder over
+    micro-batches, without a cache. Every other runtime is an encoder
+    (`activation_allowance`)."""
     weights = weights_bytes(folder, dtype)
     act_bytes = _PROFILE_BYTES.get(dtype, 4)
+    if task == "generate" or runtime == "llm-rerank":
+        shape = decoder_shape(folder)
+        rows = max_batch_items if task == "generate" else micro_batch_items
+        tokens, activation = decoder_step(shape, rows=rows, max_batch_tokens=max_batch_tokens,
+                                          max_seq_len=max_seq_len, dtype_bytes=act_bytes)
+        if task != "generate":
+            return Footprint(weights, activation)
+        return Footprint(weights, activation, tokens * kv_token_bytes(shape, act_bytes), tokens)
     activation = activation_allowance(runtime, encoder_shape(folder), max_batch_tokens=max_batch_tokens,
                                       micro_batch_items=micro_batch_items, max_seq_len=max_seq_len,
                                       dtype_bytes=act_bytes)
@@ -291,11 +373,11 @@ class NotNow(Exception):
 
 
 def used_bytes(residents: Iterable[ResidentView]) -> int:
-    """Weights of all, plus the largest activation allowance per worker."""
+    """Weights (and cache room) of all, plus the largest activation allowance per worker."""
     weights = 0
     act: dict[int, int] = {}
     for r in residents:
-        weights += r.footprint.weights_bytes
+        weights += r.footprint.weights_bytes + r.footprint.cache_bytes
         act[r.worker] = max(act.get(r.worker, 0), r.footprint.activation_bytes)
     return weights + sum(act.values())
 
@@ -385,9 +467,14 @@ def too_large_reason(name: str, incoming: Footprint, holders: list[ResidentView]
                      budget_bytes: int, free_now_bytes: int) -> str:
     """One clear sentence: what the model needs, what the device allows, who holds the rest."""
     need = f"{name} needs {_mb(incoming.total_bytes)} ({_mb(incoming.weights_bytes)} weights + " \
-           f"{_mb(incoming.activation_bytes)} activations)"
+           f"{_mb(incoming.activation_bytes)} activations"
+    if incoming.cache_bytes:
+        need += f" + {_mb(incoming.cache_bytes)} key/value cache for the {incoming.cache_tokens} tokens one step admits"
+    need += ")"
     if incoming.total_bytes > budget_bytes:
-        return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}; {budget_setting(device)}"
+        smaller = (", or lower its profile's max_batch_tokens (models.toml) for a smaller step"
+                   if incoming.cache_bytes else "")
+        return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}; {budget_setting(device)}{smaller}"
     held = sorted(holders, key=lambda r: -r.footprint.weights_bytes)
     parts = [
         f"{r.name} ({_mb(r.footprint.weights_bytes)}, {'pinned' if r.pinned else f'worker {r.worker}'})"

@@ -70,7 +70,8 @@ class PeersAsked(NotNow):
 def footprint_from_headers(spec: ModelSpec) -> Footprint:
     """A model's footprint before loading it: its safetensors headers and configs."""
     return estimate_footprint(
-        spec.path, spec.runtime, dtype=spec.profile.dtype, max_batch_tokens=spec.profile.max_batch_tokens,
+        spec.path, spec.runtime, task=spec.task, dtype=spec.profile.dtype,
+        max_batch_tokens=spec.profile.max_batch_tokens, max_batch_items=spec.profile.max_batch_items,
         micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
     )
 
