@@ -23,6 +23,8 @@ import msgspec
 
 from fleet.errors import Unauthorized
 
+from daemon.codec import DETAIL_PATHS, DETAIL_TYPES
+
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
@@ -95,11 +97,21 @@ class BearerAuthMiddleware:
             "missing bearer token: send 'Authorization: Bearer <FLEET_API_KEY>'", b'Bearer realm="fleet"')
         self._invalid = self._bodies(
             "invalid API key", b'Bearer realm="fleet", error="invalid_token"')
+        # The same two on System One's route, in its shape (daemon.codec.DETAIL_PATHS).
+        self._detail = {id(r): (self._detail_body(r[0]), self._detail_body(r[1], msgpack=True), r[2])
+                        for r in (self._missing, self._invalid)}
 
     @staticmethod
     def _bodies(message: str, challenge: bytes) -> tuple[bytes, bytes, bytes]:
         body = _error(message)
         return msgspec.json.encode(body), msgspec.msgpack.encode(body), challenge
+
+    @staticmethod
+    def _detail_body(encoded: bytes, *, msgpack: bool = False) -> bytes:
+        """A pre-encoded refusal as `{"detail": {"error_type", "message"}}`."""
+        error = (msgspec.msgpack.decode if msgpack else msgspec.json.decode)(encoded)["error"]
+        body = {"detail": {"error_type": DETAIL_TYPES[error["code"]], "message": error["message"]}}
+        return msgspec.msgpack.encode(body) if msgpack else msgspec.json.encode(body)
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
         kind = scope["type"]
@@ -125,6 +137,8 @@ class BearerAuthMiddleware:
         if kind == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
+        if scope["path"] in DETAIL_PATHS:
+            refusal = self._detail[id(refusal)]
         await self._refuse(send, refusal, _wants_msgpack(accept, content_type))
 
     @staticmethod

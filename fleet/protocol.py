@@ -267,11 +267,12 @@ class DecisionModelCard(msgspec.Struct, frozen=True):
 
 class ModelList(msgspec.Struct, frozen=True):
     """OpenAI's list (`data`), and System One's (`models`: the decision models and the
-    `jev-latest` alias when it names one); each client reads its own key."""
+    `jev-latest` alias when it names one; left out on a box without decision models);
+    each client reads its own key."""
 
     data: list[ModelCard]
     object: str = "list"
-    models: list[DecisionModelCard] = []
+    models: list[DecisionModelCard] | msgspec.UnsetType = msgspec.UNSET
 
 
 # ---- /v1/rerank ---------------------------------------------------------------

@@ -6,13 +6,16 @@ documents it, each question's full sequence run alone, no cache). Beside it, a
 tiny random DeBERTa-v3 NLI classifier pulled the same way (runtime `nli`), checked
 against transformers' zero-shot classification pipeline on its folder.
 
-One daemon serves the whole module (a few seconds to start; the model loads at start).
+One daemon serves the whole module (a few seconds to start; the models load at start),
+with an API key, which every client sends as it would to the original server (so the
+conformance suite also runs its auth checks).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +29,8 @@ from tests.gen_models import build_llama, pull
 
 MODEL = "tiny-decider"
 NLI = "tiny-nli"
+KEY = "decide-test-key-3f9a2c41b7e8"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
 NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?",
         "criteria": {"true": "They want a refund"}}
@@ -56,14 +61,29 @@ def daemon(folder: Path, nli_folder: Path, tmp_path_factory: pytest.TempPathFact
     pull(home, folder, MODEL, "--task", "decide")
     pull(home, nli_folder, NLI, "--task", "decide")
     # Two decision models: jev-latest is the configured one.
-    d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}"})
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}",
+                                      "FLEET_API_KEY": KEY}, wait_ready=False)
+    deadline = time.time() + 300
+    while not ready(d):  # readiness needs the key too
+        assert time.time() < deadline, d.tail()
+        time.sleep(0.3)
     yield d
     d.stop()
 
 
+def ready(d) -> bool:
+    try:
+        return httpx.get(d.url + "/readyz", headers=AUTH, timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def ask(d, questions: dict, state=TICKET, **extra) -> httpx.Response:
-    return httpx.post(d.url + "/v1/systemone", json={"model": "jev-latest", "state": state, "questions": questions,
-                                                     **extra}, timeout=60)
+    return post(d, {"model": "jev-latest", "state": state, "questions": questions, **extra})
+
+
+def post(d, body: dict) -> httpx.Response:
+    return httpx.post(d.url + "/v1/systemone", json=body, headers=AUTH, timeout=60)
 
 
 def vector(answer: dict) -> np.ndarray:
@@ -77,7 +97,7 @@ def vector(answer: dict) -> np.ndarray:
 def test_official_sdk_calls_work_unchanged(daemon):
     from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
-    with TypeSafeClient(api_key="any", base_url=daemon.url) as client:
+    with TypeSafeClient(api_key=KEY, base_url=daemon.url) as client:
         r = client.system_one(state={"document": TICKET}, questions={
             "refund": Noul(instructions=NOUL["instructions"], criteria=NOUL["criteria"]),
             "team": Choice(instructions=CHOICE["instructions"], criteria=CHOICE["criteria"]),
@@ -101,13 +121,13 @@ def test_official_sdk_calls_work_unchanged(daemon):
 def test_jevcompat_musts_and_shoulds_pass(daemon):
     from jevcompat.runner import run
 
-    report = run(daemon.url, timeout=60)
+    report = run(daemon.url, key=KEY, timeout=60)
     failed = {r.id: [f.message for f in r.findings] for r in report.results if r.status == "fail"}
     assert not failed
     assert report.verdict == "conformant", report.summary()
+    # With a key every requirement applies but auth.ignored-when-off (the one for servers without one).
     skipped = {r.id for r in report.results if r.status == "skip"}
-    # Only the checks that need a key are left (tests/test_decide_auth.py runs them with one).
-    assert skipped <= {"auth.bearer", "auth.missing", "auth.invalid"}, skipped
+    assert skipped == {"auth.ignored-when-off"}, skipped
 
 
 # ---- semantics: a question never sees another ------------------------------------------------
@@ -189,18 +209,17 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
      ["body", "questions", "q", "choice", "criteria"]),
 ])
 def test_invalid_requests_get_422_with_detail(daemon, body, loc):
-    r = httpx.post(daemon.url + "/v1/systemone", json=body, timeout=30)
+    r = post(daemon, body)
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/json")
     assert loc in [d["loc"] for d in r.json()["detail"]]
 
 
 def test_other_refusals_carry_error_type_and_message(daemon):
-    r = httpx.post(daemon.url + "/v1/systemone", json={"model": "no-such-model", "state": "x",
-                                                       "questions": {"q": NOUL}}, timeout=30)
+    r = post(daemon, {"model": "no-such-model", "state": "x", "questions": {"q": NOUL}})
     assert r.status_code == 404 and r.json()["detail"]["error_type"] == "model_not_found"
     r = ask(daemon, {"where": {"type": "box", "instructions": "the dog"}})
     assert r.status_code == 400 and r.json()["detail"]["error_type"] == "unsupported"
-    r = httpx.get(daemon.url + "/v1/systemone", timeout=30)
+    r = httpx.get(daemon.url + "/v1/systemone", headers=AUTH, timeout=30)
     assert r.status_code == 405 and set(r.json()["detail"]) == {"error_type", "message"}
 
 
@@ -227,7 +246,7 @@ def test_openai_decisions_give_the_same_answers_as_system_one(daemon):
     import openai
     from openai import OpenAI
 
-    client = OpenAI(api_key="any", base_url=daemon.url + "/v1")
+    client = OpenAI(api_key=KEY, base_url=daemon.url + "/v1")
     levels = ["Calm", "Frustrated", "Very angry"]
     d = client.decisions.create(model="jev-latest", input=TICKET, questions=[
         {"type": "predicate", "instructions": NOUL["instructions"], "name": "refund"},
@@ -263,7 +282,7 @@ def test_an_nli_cross_encoder_answers_as_the_zero_shot_pipeline(daemon, nli_fold
     from transformers import pipeline
 
     names = ["Billing", "Technical", "Sales"]
-    got = httpx.post(daemon.url + "/v1/systemone", timeout=60, json={"model": NLI, "state": TICKET, "questions": {
+    got = post(daemon, {"model": NLI, "state": TICKET, "questions": {
         "team": {"type": "choice", "instructions": CHOICE["instructions"], "criteria": dict.fromkeys(names)},
         "refund": {"type": "noul", "instructions": NOUL["instructions"]}}})
     assert got.status_code == 200 and got.json()["model"] == NLI
@@ -275,8 +294,7 @@ def test_an_nli_cross_encoder_answers_as_the_zero_shot_pipeline(daemon, nli_fold
     yes = zero_shot(TICKET, ["Yes"], hypothesis_template=NOUL["instructions"] + " {}", multi_label=True)
     assert abs(answers["refund"]["noul"] - yes["scores"][0]) <= 1e-5
     # The hypothesis pairs fit 512 positions; a state that does not is 413, alone.
-    r = httpx.post(daemon.url + "/v1/systemone", timeout=60, json={
-        "model": NLI, "state": " ".join(["refund"] * 600), "questions": {"refund": NOUL}})
+    r = post(daemon, {"model": NLI, "state": " ".join(["refund"] * 600), "questions": {"refund": NOUL}})
     assert r.status_code == 413 and r.json()["detail"]["error_type"] == "input_too_long"
 
 
@@ -289,7 +307,7 @@ def test_fleetctl_decide_prints_one_line_per_answer(daemon):
 
     def decide(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fleetctl", "decide", TICKET, *args], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "FLEET_URL": daemon.url})
+                              text=True, timeout=120, env={**os.environ, "FLEET_URL": daemon.url, "FLEET_API_KEY": KEY})
 
     out = decide("--noul", NOUL["instructions"], "--choice", "Which team?|Billing|Technical|Sales",
                  "--score", "How angry?|Calm|Frustrated|Very angry")

@@ -74,7 +74,7 @@ class ModelsController(Controller):
         only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
         listed = [m for m in daemon.store.list() if only is None or m.name == only]
         return reply(request, ModelList([model_card(m, loaded, pinned) for m in listed],
-                                        models=decision_cards(daemon, listed)))
+                                        models=decision_cards(daemon, listed) or msgspec.UNSET))
 
     @get("/models/{model_id:str}")
     async def model(self, request: Request, daemon: Daemon, model_id: str) -> Response:
