@@ -136,9 +136,31 @@ DETAIL_PATHS = frozenset({"/v1/systemone"})
 DETAIL_TYPES = {"unauthorized": "authentication_error", "forbidden": "permission_error"}
 
 
+#: TEI's and TGI's routes: errors there are their `{"error": "message", "error_type":
+#: code}` (fleet's code), the string Hugging Face's clients show (huggingface_hub reads
+#: `error`; @huggingface/inference shows only "an HTTP error occurred" when it is not a
+#: string). `POST /` and a per-model base URL's TEI and TGI routes (`/models/NAME/...`)
+#: answer the same; its `/v1/...` routes keep theirs.
+HF_PATHS = frozenset({"/", "/embed", "/embed_sparse", "/embed_all", "/rerank", "/predict", "/tokenize", "/info",
+                      "/similarity", "/decode", "/generate", "/generate_stream", "/pipeline/token-classification"})
+
+
+def is_hf_path(path: str) -> bool:
+    if path.startswith("/models/"):
+        path = "/" + path[len("/models/"):].partition("/")[2]
+    return path in HF_PATHS
+
+
+def hf_error(exc: FleetError) -> dict[str, str]:
+    """TEI's and TGI's error object (a streamed TGI error event is the same)."""
+    return {"error": exc.message, "error_type": exc.code}
+
+
 def error_body(exc: FleetError, *, msgpack: bool, path: str = "") -> bytes:
     if path.startswith(OLLAMA_PREFIX):
         return encode({"error": exc.message}, msgpack=msgpack)
+    if is_hf_path(path):
+        return encode(hf_error(exc), msgpack=msgpack)
     if path in DETAIL_PATHS:
         return encode({"detail": {"error_type": DETAIL_TYPES.get(exc.code, exc.code), "message": exc.message}},
                       msgpack=msgpack)

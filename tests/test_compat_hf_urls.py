@@ -183,7 +183,7 @@ def test_model_url_ignores_and_names_a_placeholder_model(d) -> None:
     assert ok(httpx.get(f"{d.url}/models/{DEFAULT_MODEL}/info"))["model_id"] == DEFAULT_MODEL
     assert httpx.get(f"{d.url}/models/tiny-llama/api/tags").status_code == 404
     missing = post(d, "/models/no-such-model/embed", {"inputs": TEXT})
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert missing.status_code == 404 and missing.json()["error_type"] == "model_not_found"  # TEI's error shape
 
 
 def test_query_model_is_applied(d) -> None:

@@ -45,7 +45,7 @@ from litestar.response import Stream
 from fleet.errors import BadRequest, FleetError, Unsupported
 from fleet.messages import GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
-from fleet.protocol import EmbedRequest, ErrorBody, ErrorReply, ExtractRequest, GenerateRequest
+from fleet.protocol import EmbedRequest, ExtractRequest, GenerateRequest
 
 from daemon import codec, fields, tasks
 from daemon.controllers.common import default_model
@@ -291,7 +291,7 @@ async def stream_events(req: GenerateRequest, tgi: TgiGenerateRequest, stream: t
             pending = TgiStreamReply(1, TgiToken(-1, "", 0.0, special=True))
         yield sse(msgspec.structs.replace(pending, generated_text=prefix + res.text, details=details))
     except FleetError as exc:
-        yield sse(ErrorReply(ErrorBody(exc.code, exc.message)))
+        yield sse(codec.hf_error(exc))  # TGI's error event: huggingface_hub reads its `error` string
 
 
 async def stream_reply(daemon: Daemon, tgi: TgiGenerateRequest, model: str, dropped: list[str]) -> Stream:
