@@ -69,6 +69,24 @@ class Child:
         self.stop()
 
 
+#: The daemons this process started, by URL: their admin keys are at hand (`admin_headers`).
+_STARTED: dict[str, LocalDaemon] = {}
+
+
+def admin_headers(url: str) -> dict[str, str]:
+    """What the routes that change a daemon (load, pin, ...) take: the admin key of a daemon
+    this process started, else the one `fleetctl` would send (fleet.admin.client_key:
+    `FLEET_ADMIN_KEY`, or the key of the daemon serving FLEET_HOME); none when neither."""
+    started = _STARTED.get(url.rstrip("/"))
+    if started is not None:
+        return started.admin
+    from fleet.admin import client_key
+    from fleet.config import default_home
+
+    key = client_key(default_home(), url)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class LocalDaemon(Child):
     """`fleetctl serve [args]` on a free loopback port with FLEET_HOME = `home`.
 
@@ -94,9 +112,19 @@ class LocalDaemon(Child):
         full = {**base, "FLEET_HOME": str(self.home), "FLEET_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
                 **(env or {})}
         full.pop("FLEET_URL", None)
+        self.env = full
         super().__init__([sys.executable, "-m", module, "serve", *args], full, log or self.home / "daemon.log")
+        _STARTED[self.url] = self
         if wait:
             self.wait_ready(timeout_s)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers carrying the operator's admin key (fleet.admin), as `fleetctl` sends
+        it: what the routes that change the daemon (pin, load, pull, ...) take."""
+        from fleet.admin import key_path, read_key
+
+        return {"Authorization": f"Bearer {read_key(key_path(self.home, self.env.get('FLEET_ADMIN_KEY_FILE', '')))}"}
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.time() + timeout_s

@@ -55,7 +55,7 @@ import httpx
 import numpy as np
 
 from bench import corpus, loadgen
-from bench.daemon import LocalDaemon
+from bench.daemon import LocalDaemon, admin_headers
 from bench.models import build_bert, make_home
 from bench.knee import CLOSED, StepResult, find_knee
 from bench.tokens import TokenCounter, package_model_dir
@@ -398,7 +398,8 @@ def vram_budget_check(work: Path, folders: dict[str, Path], device: str) -> Chec
     env = ({"FLEET_GPU_RESERVE_BYTES": str(info[1] - budget)} if info else {"FLEET_CPU_BUDGET_BYTES": str(budget)})
     d = serve(home, device, 1, env)
     try:
-        if httpx.post(f"{d.url}/v1/models/{names[0]}/pin", timeout=TIMEOUT_MS / 1000).status_code != 200:
+        if httpx.post(f"{d.url}/v1/models/{names[0]}/pin", headers=d.admin,
+                      timeout=TIMEOUT_MS / 1000).status_code != 200:
             return Check("vram-budget", False, f"pin {names[0]} failed:\n{d.tail()}")
         statuses: list[int] = []
         worst: list[str] = []
@@ -439,7 +440,8 @@ def peak_tflops(device_name: str | None) -> float | None:
 def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str | None, minilm: Path) -> Check:
     texts = corpus.load()
     lengths = TokenCounter(minilm).count(texts)
-    if httpx.post(f"{url}/v1/models/{model}/load", timeout=TIMEOUT_MS / 1000).status_code != 200:
+    if httpx.post(f"{url}/v1/models/{model}/load", headers=admin_headers(url),
+                  timeout=TIMEOUT_MS / 1000).status_code != 200:
         return Check(f"knee/{model}", False, "load failed")
     dtype = resident(url)[model].get("dtype", "?")
     setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts, lengths=lengths,

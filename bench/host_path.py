@@ -66,7 +66,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import corpus, loadgen, report, stand_in
-from bench.daemon import LocalDaemon
+from bench.daemon import LocalDaemon, admin_headers
 from bench.models import build_st_embedder, make_home
 from bench.httpclient import BlockingConn, Endpoint, build_request
 from bench.knee import CLOSED
@@ -362,7 +362,7 @@ def measure(url: str, model: str, *, model_dir: Path, clients: int = 16, texts: 
     counter = TokenCounter(model_dir)
     lengths = counter.count(corpus_texts)
     windows = request_windows(len(corpus_texts), texts)  # the first generator's windows (its seed)
-    loaded = httpx.post(f"{url}/v1/models/{model}/load", timeout=TIMEOUT_S)
+    loaded = httpx.post(f"{url}/v1/models/{model}/load", headers=admin_headers(url), timeout=TIMEOUT_S)
     if loaded.status_code != 200:
         raise RuntimeError(f"{model} did not load: HTTP {loaded.status_code} {loaded.text[:500]}")
     roles, ps = daemon_processes(url)

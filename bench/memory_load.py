@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from bench.daemon import admin_headers
+
 MODEL = "all-minilm-l6-v2"
 TWINS = ("minilm-fp32-a", "minilm-fp32-b")
 
@@ -59,7 +61,7 @@ def phases(home: Path) -> dict[str, float]:
 
 
 def post(url: str, path: str) -> dict:
-    r = httpx.post(url + path, timeout=300)
+    r = httpx.post(url + path, headers=admin_headers(url), timeout=300)  # load, unload: the operator's
     r.raise_for_status()
     return r.json()
 

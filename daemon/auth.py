@@ -3,6 +3,8 @@
 Rule (DESIGN.md, safety defaults): a loopback bind may run without a key; any
 other bind refuses to start without one. With a key, every path except the open
 ones (`/healthz`) needs `Authorization: Bearer <key>`, compared in constant time.
+The operator's admin key (fleet.admin) is taken in its place: it opens everything
+the API key opens, and the routes that change the daemon too (daemon.operator).
 
 `BearerAuthMiddleware` is plain ASGI: it looks at the scope's raw headers and
 either passes the call through untouched or answers 401 itself, with bodies
@@ -86,11 +88,14 @@ def _error(message: str) -> dict[str, Any]:
 class BearerAuthMiddleware:
     """ASGI middleware answering 401 unless `Authorization: Bearer <api_key>` matches."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = OPEN_PATHS) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = OPEN_PATHS,
+                 admin_key: str = "") -> None:
         if not api_key:
             raise ValueError("BearerAuthMiddleware needs a non-empty api_key; without one, do not install it")
         self.app = app
         self._key = api_key.encode()
+        # Compared with the same key when there is none: the time taken never tells which matched.
+        self._admin = admin_key.encode() if admin_key else self._key
         self._open = frozenset(open_paths)
         # Both refusals, pre-encoded in both formats: (body_json, body_msgpack, www-authenticate).
         self._missing = self._bodies(
@@ -128,7 +133,8 @@ class BearerAuthMiddleware:
             elif name == b"content-type":
                 content_type = value
         if token[:7].lower() == b"bearer ":
-            if hmac.compare_digest(token[7:].strip(), self._key):
+            sent = token[7:].strip()
+            if hmac.compare_digest(sent, self._key) | hmac.compare_digest(sent, self._admin):
                 await self.app(scope, receive, send)
                 return
             refusal = self._invalid
@@ -167,8 +173,10 @@ def _wants_msgpack(accept: bytes, content_type: bytes) -> bool:
     return content_type.split(b";")[0].strip().lower() in _MSGPACK
 
 
-def bearer_auth(api_key: str, open_paths: Iterable[str] = OPEN_PATHS) -> Callable[[ASGIApp], ASGIApp]:
+def bearer_auth(api_key: str, open_paths: Iterable[str] = OPEN_PATHS,
+                admin_key: str = "") -> Callable[[ASGIApp], ASGIApp]:
     """`wrap = bearer_auth(key)`; `wrap(app)` is the guarded app. With no key, the app unchanged.
+    `admin_key`, when given, is taken in place of `api_key`.
 
     Also usable as a Litestar middleware entry (`Litestar(middleware=[bearer_auth(key)])`),
     which then guards matched routes only.
@@ -176,4 +184,4 @@ def bearer_auth(api_key: str, open_paths: Iterable[str] = OPEN_PATHS) -> Callabl
     paths = tuple(open_paths)
     if not api_key:
         return lambda app: app
-    return lambda app: BearerAuthMiddleware(app, api_key, paths)
+    return lambda app: BearerAuthMiddleware(app, api_key, paths, admin_key)

@@ -39,9 +39,11 @@ import contextvars
 import logging
 import os
 import re
+import shutil
+import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -503,6 +505,9 @@ class Batches:
     def __init__(self, daemon: Daemon, dispatch: Any) -> None:
         self.daemon = daemon
         self.dispatch = dispatch
+        #: Bytes of uploads in flight, taken from the quota (`room`); changed on upload threads.
+        self.uploading = 0
+        self._uploading_lock = threading.Lock()
         s = daemon.settings
         self.store = JobStore(s.home_path)
         self.window = Window(s.batch_inflight, s.batch_inflight_bytes)
@@ -605,8 +610,10 @@ class Batches:
         s = self.daemon.settings
         file_id = new_file_id()
         tmp = self.store.temp_path(file_id)
+        taken = [0]
         try:
-            sink = UploadSink(tmp, InputCheck(s.max_body_bytes, s.batch_max_lines), s.batch_max_file_bytes)
+            sink = UploadSink(tmp, InputCheck(s.max_body_bytes, s.batch_max_lines), s.batch_max_file_bytes,
+                              self.room(taken))
         except OSError as exc:
             if is_disk_full(exc):
                 raise InsufficientStorage("no space left for the file on the disk that holds FLEET_HOME") from None
@@ -623,6 +630,7 @@ class Batches:
         except BaseException:
             sink.close()
             tmp.unlink(missing_ok=True)
+            self.give_back(taken)
             raise
         sink.close()
         now = now_s()
@@ -634,8 +642,35 @@ class Batches:
         except Exception:
             self.store.path(file_id).unlink(missing_ok=True)
             raise
+        finally:
+            self.give_back(taken)  # stored (counted by files_bytes) or gone
         log.info("file %s: %d request lines, %d bytes", file_id, sink.check.lines, up.size)
         return f
+
+    def room(self, taken: list[int]) -> Callable[[int], None]:
+        """The quota of one upload: `take(n)` (on an upload thread) takes n bytes of what
+        batch files may still take (`batch_files_max_bytes`, else a quarter of the disk),
+        counting the files stored when the upload began and the uploads in flight, or
+        raises 507; `taken[0]` is what this upload holds (given back by `give_back`)."""
+        limit = self.daemon.settings.batch_files_max_bytes or shutil.disk_usage(self.store.files_dir).total // 4
+        stored = self.store.files_bytes()
+
+        def take(n: int) -> None:
+            with self._uploading_lock:
+                if stored + self.uploading + n > limit:
+                    raise InsufficientStorage(
+                        f"batch files would take more than their quota of {limit} bytes (batch_files_max_bytes; "
+                        f"by default a quarter of the disk): delete the files no longer needed "
+                        f"(DELETE /v1/files/{{id}}), or raise the quota", param="file")
+                self.uploading += n
+                taken[0] += n
+
+        return take
+
+    def give_back(self, taken: list[int]) -> None:
+        with self._uploading_lock:
+            self.uploading -= taken[0]
+            taken[0] = 0
 
     @staticmethod
     def _upload_expiry(fields: dict[str, str]) -> int | None:

@@ -25,7 +25,7 @@ import errno
 import hashlib
 import os
 from array import array
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,8 +192,10 @@ class UploadSink:
     """The file part of an upload, written to `tmp` and checked, one piece at a time
     (`write` runs on a thread: the event loop only gathers the next piece)."""
 
-    def __init__(self, tmp: Path, check: InputCheck, max_bytes: int) -> None:
-        self.tmp, self.check, self.max_bytes = tmp, check, max_bytes
+    def __init__(self, tmp: Path, check: InputCheck, max_bytes: int,
+                 room: Callable[[int], None] | None = None) -> None:
+        """`room(n)`: takes n more bytes of the batch files' quota, or raises (Batches.room)."""
+        self.tmp, self.check, self.max_bytes, self.room = tmp, check, max_bytes, room
         self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self.size = 0
 
@@ -202,6 +204,8 @@ class UploadSink:
         if self.size > self.max_bytes:
             raise PayloadTooLarge(f"the file is over the limit of {self.max_bytes} bytes (batch_max_file_bytes)",
                                   param="file")
+        if self.room is not None:
+            self.room(len(piece))
         self.check.feed(piece)
         view = memoryview(piece)
         try:

@@ -68,7 +68,7 @@ HEARTBEAT_STALE_S = 30.0
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
                  "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens",
-                 "max_token_vector_bytes", "blob_keep_ms")
+                 "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models")
 
 
 def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:

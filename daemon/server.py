@@ -39,17 +39,18 @@ GRACE_S = 5.0
 
 
 class LiveApp:
-    """The ASGI app with its bearer-auth wrapper swappable on SIGHUP (api_key may change live)."""
+    """The ASGI app with its bearer-auth wrapper swappable on SIGHUP (api_key may change live;
+    the admin key is taken in its place)."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, admin_key: str = "") -> None:
         from daemon.auth import bearer_auth
 
         self._inner = app
         self._bearer_auth = bearer_auth
-        self.app = bearer_auth(api_key)(app)
+        self.app = bearer_auth(api_key, admin_key=admin_key)(app)
 
-    def set_key(self, api_key: str) -> None:
-        self.app = self._bearer_auth(api_key)(self._inner)
+    def set_key(self, api_key: str, admin_key: str = "") -> None:
+        self.app = self._bearer_auth(api_key, admin_key=admin_key)(self._inner)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.app(scope, receive, send)
@@ -68,6 +69,16 @@ def set_body_limit(litestar_app: Any, limit: int) -> None:
                 handler._resolved_request_max_body_size = Empty
 
 
+def admin_key(settings: Settings, *, create: bool) -> str:
+    """The operator's admin key (fleet.admin), made on the first start; "" when `admin = "open"`."""
+    from fleet.admin import OPEN, ensure_key, key_path, read_key
+
+    if settings.admin == OPEN:
+        return ""
+    path = key_path(settings.home, settings.admin_key_file)
+    return ensure_key(path) if create else read_key(path, strict=True)
+
+
 def serve(settings: Settings) -> None:
     import uvicorn
 
@@ -82,6 +93,7 @@ def serve(settings: Settings) -> None:
     from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
     from daemon.model_urls import ModelUrls
+    from daemon.operator import OperatorMark
     from daemon.notify import SystemdServer
     from fleet.catalog import load_catalog
 
@@ -98,6 +110,8 @@ def serve(settings: Settings) -> None:
         check_access(settings)
     # Before anything starts: a second daemon on this FLEET_HOME stops here, naming the first.
     claim_home(settings)
+    # The home is this daemon's now: its admin key, made on the first start (0600).
+    operator_key = admin_key(settings, create=True)
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
     litestar_app.state[PRIVATE_PATHS] = ((str(settings.store_path), "<store>"), (str(settings.home_path), "<home>"))
@@ -110,8 +124,11 @@ def serve(settings: Settings) -> None:
     # the root dispatch (daemon.model_urls), which rewrite a request for either; before
     # them, the request's client (its fair share of a lane: daemon.clients) and whether it
     # is still there (a request whose client left withdraws its work: daemon.departures).
-    guarded = LiveApp(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon), daemon))),
-                      settings.api_key)
+    # Inside auth, before the per-model URLs' rewrite, the operator's mark (daemon.operator):
+    # the routes that change the daemon read it, whatever URL reached them.
+    marked = OperatorMark(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon), daemon))),
+                          key=operator_key, mode=settings.admin)
+    guarded = LiveApp(marked, settings.api_key, operator_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
                                  cors_origins=settings.cors_origins)
     # OpenTelemetry spans only when the OTEL_ variables ask for them (daemon.tracing): inside
@@ -122,7 +139,13 @@ def serve(settings: Settings) -> None:
     app = RequestIdMiddleware(traced)
 
     def on_reload(new: Settings) -> None:
-        guarded.set_key(new.api_key)
+        nonlocal operator_key
+        try:  # a rotated key file applies on SIGHUP; one that cannot be read keeps the current key
+            operator_key = admin_key(settings, create=False)
+        except FleetError as exc:
+            log.error("reload: keeping the current admin key: %s", exc.message)
+        marked.configure(key=operator_key, mode=settings.admin)
+        guarded.set_key(new.api_key, operator_key)
         browser_guard.configure(new.allowed_hosts, new.cors_origins)
         set_body_limit(litestar_app, new.max_body_bytes)
         server.config.timeout_graceful_shutdown = new.drain_timeout_ms / 1000.0 + GRACE_S

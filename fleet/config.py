@@ -11,7 +11,7 @@ import os
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -34,6 +34,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     api_key: str = ""
     api_key_file: str = ""
+    #: Who may change the daemon (pins, load/unload, Ollama's pull, delete, copy, create,
+    #: blobs): "key" = only requests carrying the admin key (fleet.admin), which the
+    #: daemon writes on first start to `admin_key_file` (default FLEET_HOME/admin.key,
+    #: mode 0600) and `fleetctl` sends on its own; "open" = anyone who may call the
+    #: daemon (a box with one user). Inference stays open either way.
+    admin: Literal["key", "open"] = "key"
+    admin_key_file: str = ""
     #: Names this daemon is reached by besides its bind address (and, on a loopback
     #: bind, the loopback names): any other `Host` is refused, so a web page cannot
     #: reach a loopback daemon through DNS rebinding. A wildcard bind accepts any Host
@@ -168,6 +175,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: file a `POST /v1/files` takes, and its most request lines.
     batch_max_file_bytes: int = 4 << 30
     batch_max_lines: int = 1_000_000
+    #: Bytes all batch files (uploads and results) may take together: an upload that
+    #: would pass it is refused (507 insufficient_storage). 0 = a quarter of the disk
+    #: that holds FLEET_HOME, so clients of the API never fill the box's disk.
+    batch_files_max_bytes: int = 0
     #: Input, output and error files of batches are deleted this long after they were
     #: created (OpenAI's default for batch files; a file's own `expires_after` wins).
     batch_retention_days: float = 30.0
@@ -182,6 +193,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Blobs uploaded for `ollama create` (`POST /api/blobs`, fleet.blobs) that no stored
     #: model holds are removed this long after their last use (upload, HEAD, create).
     blob_keep_ms: int = 3_600_000
+    #: Models the store may hold: a copy, create or pull through the API that would add
+    #: one past this is refused (507 insufficient_storage). A copy shares its original's
+    #: files (hard links), so this bounds what copies make: directories and manifests.
+    store_max_models: int = 1000
 
     @property
     def home_path(self) -> Path:

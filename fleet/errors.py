@@ -50,7 +50,8 @@ class Unauthorized(FleetError):
 
 
 class Forbidden(FleetError):
-    """A foreign Host (DNS rebinding) or a cross-origin request from an Origin not on `cors_origins`."""
+    """A foreign Host (DNS rebinding), a cross-origin request from an Origin not on `cors_origins`,
+    or a route that changes the daemon called with a key that is not the admin key (daemon.operator)."""
 
     code, status = "forbidden", 403
 

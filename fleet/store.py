@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -40,7 +41,7 @@ from pathlib import Path, PurePosixPath
 import msgspec
 
 from fleet.catalog import Profile, load_catalog, validate_name
-from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound
+from fleet.errors import BadRequest, FleetError, InsufficientStorage, IntegrityError, ModelNotFound
 
 log = logging.getLogger("fleet.store")
 # The CLI prints its own line for a damaged model (fleetctl list, doctor); a daemon's
@@ -52,6 +53,8 @@ MANIFEST_FORMAT = 1
 #: Modes of store files and directories: the daemon's user reads and writes, its
 #: group reads (a service's operators), others nothing; a umask can only tighten them.
 FILE_MODE = 0o640
+#: errno values of a filesystem (or a mount option) that cannot hard-link: a copy copies bytes there.
+NO_LINKS = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
 DIR_MODE = 0o750
 #: What a runtime reads from a model folder: configs and tokenizers (.json, vocab
 #: .txt, sentencepiece .model, ...), safetensors weights and chat templates. Pickle
@@ -497,6 +500,44 @@ class Store:
                 raise self.missing(name) from None
             shutil.rmtree(gone, ignore_errors=True)
         return manifest
+
+    def clone(self, source: Manifest, name: str) -> Manifest:
+        """Store `name` as a copy of the stored model `source` (Ollama's copy): the same
+        files, hard-linked, so a copy takes no room on the disk (store files are never
+        written in place: a pull writes new ones and swaps the folder); the same source
+        and revision, so pulling the copy again asks the original's origin. Where the
+        filesystem cannot link, the bytes are copied (and checked against the original's
+        sha256), and only while a quarter of the disk stays free."""
+        validate_name(name)
+        with self.lock(name):
+            if self.exists(name):
+                raise BadRequest(f"model {name!r} already exists: delete it first (fleetctl rm {name})")
+            with self.staging(name) as staging:
+                folder = self.path(source.name)
+                for entry in source.files:
+                    dst = staging.path / safe_relpath(entry.path)
+                    dst.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+                    try:
+                        os.link(folder / entry.path, dst)
+                    except FileNotFoundError:
+                        raise ModelNotFound(f"model {source.name!r} was removed while it was copied") from None
+                    except OSError as exc:
+                        if exc.errno not in NO_LINKS:
+                            raise
+                        self._copy_unlinked(folder / entry.path, dst, entry, source)
+                    staging.files.append(entry)
+                manifest = msgspec.structs.replace(source, name=name, created_at=utc_now())
+                self.commit(staging, manifest)
+        return manifest
+
+    def _copy_unlinked(self, src: Path, dst: Path, entry: FileEntry, source: Manifest) -> None:
+        usage = shutil.disk_usage(self.root)
+        if usage.free - entry.size < usage.total // 4:
+            raise InsufficientStorage(f"copying {source.name!r} would leave less than a quarter of the disk free "
+                                      "(this filesystem cannot share the files of a copy)")
+        if copy_hashed(src, dst)[1] != entry.sha256:
+            raise IntegrityError(f"model {source.name!r}: {entry.path} does not match its recorded sha256",
+                                 hint=damage_fix(source.name))
 
     def dependents(self, name: str) -> list[str]:
         """Stored models (LoRA adapters) whose base is `name`."""

@@ -12,6 +12,10 @@ typed errors from the contract's codes, bounded retries on 429/503.
 returns an async iterator). Each client holds one httpx connection pool, so
 keep one per process (or per thread for `Client`) rather than one per call.
 
+Keys: `api_key`, else the operator's admin key when this user has it (`operator_key`:
+`fleetctl pin`, `unpin` and the other verbs that change the daemon need it), else
+`FLEET_API_KEY` (or the file `FLEET_API_KEY_FILE` names).
+
 Retries: a 429 (`overloaded`) or 503 (`unavailable`) answer is retried up to
 `retries` times, after the server's `Retry-After` seconds (capped at
 `max_retry_wait_s`; 0.5 s doubling when the header is missing). Other errors
@@ -235,10 +239,21 @@ def env_api_key() -> str:
                            hint="point FLEET_API_KEY_FILE at a readable file, or set FLEET_API_KEY") from None
 
 
+def operator_key(url: str) -> str:
+    """The operator's admin key for the daemon at `url` (fleet.admin.client_key):
+    `FLEET_ADMIN_KEY`, else FLEET_HOME's `admin.key` when `url` is the daemon serving
+    that home and this user may read the key; else "". The daemon takes it in place
+    of the API key, so a client that has it sends it alone."""
+    from fleet.admin import client_key
+    from fleet.config import default_home
+
+    return client_key(default_home(), url)
+
+
 class _Base:
     def __init__(self, url: str | None, api_key: str | None, retries: int, max_retry_wait_s: float) -> None:
         self.url = (url or client_url()).rstrip("/")
-        key = api_key if api_key is not None else env_api_key()
+        key = api_key if api_key is not None else (operator_key(self.url) or env_api_key())
         self.headers = {"Accept": MSGPACK}
         if key:
             self.headers["Authorization"] = f"Bearer {key}"

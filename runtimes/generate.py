@@ -32,9 +32,12 @@ they generated and wait to be prefilled again, with it, once a sequence
 leaves (`shed_count`); only a lone sequence that does not fit fails.
 
 Per-row extras: a grammar matcher (structured output, runtimes.grammar) masks
-the row's logits before its pick; `logprobs` records the chosen token's
-log-probability and the top ones, from the distribution the pick used (after
-the grammar mask, before temperature and top-p).
+the row's logits before its pick, and EOS ends the row only where the matcher
+accepts; a matcher that fails (an engine limit hit mid-generation) fails its
+own row (`Sequence.error`), which leaves the batch while the others go on.
+`logprobs` records the chosen token's log-probability and the top ones, from
+the distribution the pick used (after the grammar mask, before temperature and
+top-p).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Sequence:
     lp_bytes: list = field(default_factory=list)  # each token of `ids`, as bytes (logprob rows only)
     lp_ends: list = field(default_factory=list)  # characters of the text once each token was added
     lp_sent: int = 0  # logprobs already streamed
+    error: WorkError | None = None  # its grammar failed: the row leaves with this answer
 
     @property
     def final_len(self) -> int:
@@ -546,7 +550,9 @@ class CausalLM(LoraHost, Adapter):
         requests repeat whatever batch they share); then the logprobs asked for."""
         constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
         if constrained:
-            self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
+            for j in self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained]):
+                s = rows[constrained[j]]
+                s.error = s.error or self.grammars.row_error(s.matcher, len(s.ids))
         out = logits.argmax(dim=-1)
         sampled = [i for i, s in enumerate(rows) if s.generator is not None]
         if sampled:
@@ -588,9 +594,16 @@ class CausalLM(LoraHost, Adapter):
         torch = self._torch
         last = self.last.tolist()
         is_eos = torch.isin(self.last, self.eos).tolist() if len(self.eos) else [False] * len(last)
-        # 1. Append each row's new token (and its logprob); EOS, the end of the row's
-        #    grammar and max_tokens end a row.
+        # 1. Append each row's new token (and its logprob); EOS (where its grammar
+        #    accepts), the end of the row's grammar and max_tokens end a row; a failed
+        #    grammar ends it with its error.
         for s, tok, eos in zip(self.rows, last, is_eos):
+            if eos and s.matcher is not None and s.error is None and not s.matcher.is_accepting():
+                s.error = self.grammars.row_error(s.matcher, len(s.ids)) if s.matcher.is_error() else \
+                    WorkError("inference_failed", "EOS was picked before the grammar accepted the output; this is a bug")
+            if s.error is not None:
+                s.finish = "error"
+                continue
             if eos:
                 s.finish = "stop"
                 continue
@@ -599,9 +612,9 @@ class CausalLM(LoraHost, Adapter):
                 s.lps.append(s.step_lp)
                 s.lp_bytes.append(self.grammars.token_bytes([tok])[0])
             if s.matcher is not None:
-                if not s.matcher.consume_token(tok):
-                    raise RuntimeError(f"the grammar refused token {tok}, which its own mask allowed: "
-                                       f"{s.matcher.get_error()}; this is a bug")
+                if not s.matcher.consume_token(tok):  # a limit hit advancing it, or a bug (row_error says)
+                    s.error, s.finish = self.grammars.row_error(s.matcher, len(s.ids) - 1), "error"
+                    continue
                 if s.matcher.is_stopped():  # the output is complete: nothing but EOS may follow
                     s.finish = "stop"
                     continue
@@ -610,7 +623,7 @@ class CausalLM(LoraHost, Adapter):
         # 2. Rows that need their text now (stop strings, streaming, logprobs, finished):
         #    one batch decode. Logprob rows note where the text ends after their new
         #    token (characters, before any stop cut): it places each token in the text.
-        need = [s for s in self.rows if s.stop or s.stream or s.finish or s.top_logprobs >= 0]
+        need = [s for s in self.rows if (s.stop or s.stream or s.finish or s.top_logprobs >= 0) and s.error is None]
         if need:
             texts = self.tokenizer.batch_decode([s.ids for s in need], skip_special_tokens=True)
             for s, text in zip(need, texts):
@@ -623,6 +636,9 @@ class CausalLM(LoraHost, Adapter):
                 s.text = text
         partials, finished, keep = [], [], []
         for i, s in enumerate(self.rows):
+            if s.error is not None:
+                finished.append((s.key, s.error))
+                continue
             if s.finish:
                 finished.append((s.key, GenerateResult(s.text, s.finish, len(s.prompt_ids), len(s.ids),
                                                        self._final_logprobs(s))))

@@ -68,3 +68,13 @@ def fleet_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def copy_default_model(dst: Path) -> Path:
     shutil.copytree(default_model_dir(), dst)
     return dst
+
+
+def ollama_operator(d: DaemonProc, **kwargs):
+    """The `ollama` Python client as the operator runs it: it sends `OLLAMA_API_KEY` as its
+    bearer token, here the daemon's admin key (README, "On a shared box")."""
+    import ollama
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OLLAMA_API_KEY", d.admin["Authorization"].removeprefix("Bearer "))
+        return ollama.Client(host=d.url, **kwargs)

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import DEFAULT_MODEL, default_model_dir, start_daemon
+from tests.conftest import DEFAULT_MODEL, default_model_dir, ollama_operator, start_daemon
 from tests.gen_models import build_llama, build_lora, pull
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list on import otherwise
@@ -122,7 +122,7 @@ def test_create_a_lora_model_from_blobs(env) -> None:
     import ollama
 
     d, lora = env
-    client = ollama.Client(host=d.url)
+    client = ollama_operator(d)  # create, copy and push are the operator's
     adapters = {f.name: client.create_blob(f) for f in sorted(Path(lora).iterdir()) if f.is_file()}
     assert client.create(model="tone", from_="tiny-llama", adapters=adapters).status == "success"
     assert native_generate(d, "tone", PROMPT, 8) == native_generate(d, "tone-pulled", PROMPT, 8)

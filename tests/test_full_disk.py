@@ -110,29 +110,30 @@ def daemon_on_small_disk(small_disk: Path, tmp_path: Path) -> Iterator[tuple[Loc
 def test_pin_and_unpin_on_a_full_disk_answer_507(daemon_on_small_disk: tuple[LocalDaemon, Path]) -> None:
     d, home = daemon_on_small_disk
     pin = f"{d.url}/v1/models/{COPY}/pin"
-    assert httpx.post(pin, timeout=120).status_code == 200  # room: persisted
+    admin = d.admin  # read before the disk is full (the key lives on it)
+    assert httpx.post(pin, headers=admin, timeout=120).status_code == 200  # room: persisted
     unpinned_default = f"{d.url}/v1/models/{DEFAULT_MODEL}/pin"
     before = (home / "pins.json").read_bytes()
     filler = fill(home.parent)
 
-    refused = httpx.delete(pin, timeout=60)
+    refused = httpx.delete(pin, headers=admin, timeout=60)
     assert refused.status_code == 507, refused.text
     err = refused.json()["error"]
     assert err["code"] == "insufficient_storage" and COPY in err["message"] and str(home) not in err["message"]
-    refused = httpx.post(unpinned_default, timeout=120)
+    refused = httpx.post(unpinned_default, headers=admin, timeout=120)
     assert refused.status_code == 507, refused.text
     assert leftovers(home) == [] and (home / "pins.json").read_bytes() == before
     assert set(PinStore(home).load()) == {COPY}
 
     filler.unlink()
     (home.parent / "filler-tail").unlink()
-    assert httpx.delete(pin, timeout=60).status_code == 200
-    assert httpx.post(unpinned_default, timeout=120).status_code == 200
+    assert httpx.delete(pin, headers=admin, timeout=60).status_code == 200
+    assert httpx.post(unpinned_default, headers=admin, timeout=120).status_code == 200
     assert set(PinStore(home).load()) == {DEFAULT_MODEL} and leftovers(home) == []
 
     # A pin that cannot be saved is not made: the worker lets go of it again.
     fill(home.parent)
-    refused = httpx.post(pin, timeout=120)
+    refused = httpx.post(pin, headers=admin, timeout=120)
     assert refused.status_code == 507 and refused.json()["error"]["code"] == "insufficient_storage"
     held = {n: m for w in httpx.get(d.url + "/v1/ps", timeout=30).json()["workers"] for n, m in w["models"].items()}
     assert held[COPY]["pinned"] is False and held[DEFAULT_MODEL]["pinned"] is True

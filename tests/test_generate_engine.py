@@ -196,3 +196,41 @@ def test_the_kv_cache_keyword_follows_the_installed_transformers(folders, ref: R
         results.update(adapter.step()[1])
     for key, prompt in enumerate(PROMPTS[:2]):
         assert (results[key].text, results[key].output_tokens) == ref.greedy(prompt, 6), prompt
+
+
+#: Grammars past the grammar engine's limits (its lexer is built as tokens are matched):
+#: the first fails on its first token, the second on its second, the third after eight
+#: forced `z` tokens, mid-generation.
+REPEAT_BOMB = "a{1000000000}"
+AMBIGUOUS = "(" + "(a|aa)*" * 500 + ")b"
+LATE_BOMB = "z" * 8 + AMBIGUOUS
+
+
+@pytest.mark.parametrize("regex", [REPEAT_BOMB, AMBIGUOUS])
+def test_a_grammar_past_the_engines_limits_is_refused_at_admission(folders, regex: str) -> None:
+    adapter = make(folders)
+    err = adapter.admit(1, greedy("hello", 8, regex=regex))
+    assert isinstance(err, WorkError) and err.code == "bad_request", err
+    assert "limit of the grammar engine" in err.message and "lexer error" in err.message
+    assert not adapter.has_active()
+
+
+def test_a_grammar_failing_mid_generation_ends_its_row_alone(folders, ref: Reference) -> None:
+    adapter = make(folders)
+    plain = {k: PROMPTS[k] for k in range(3)}
+    for k, prompt in plain.items():
+        assert adapter.admit(k, greedy(prompt, 30)) is None
+    assert adapter.admit("bomb", greedy("hello", 30, regex=LATE_BOMB, stream=True)) is None
+    results, streamed = {}, ""
+    while adapter.has_active():
+        partials, finished = adapter.step()
+        streamed += "".join(c.text for k, c in partials if k == "bomb")
+        results.update(finished)
+    # Its own row: an error naming the limit, never a text ended by EOS as if complete.
+    err = results["bomb"]
+    assert isinstance(err, WorkError) and err.code == "bad_request", err
+    assert "lexer error" in err.message
+    assert streamed.startswith("z" * 8)  # what it sent before the limit stays sent
+    # The rows beside it decode on, token for token as they would alone.
+    for k, prompt in plain.items():
+        assert (results[k].text, results[k].output_tokens) == ref.greedy(prompt, 30), prompt

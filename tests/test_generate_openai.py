@@ -11,7 +11,9 @@ mid-stream freeing its sequence at once.
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -355,3 +357,91 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(gen_daemon: Dae
     r = httpx.post(gen_daemon.url + "/v1/generate", json={"model": LONG, "prompt": prompt, "max_tokens": 5,
                                                           "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["text"] == long_ref.greedy(prompt, 5)[0]
+
+
+# ---- a client's grammar fails its own request only --------------------------------------
+# Grammars past the grammar engine's limits (llguidance's lexer): compiling them is cheap,
+# but the lexer they need is built as tokens are matched, and blows its limit there.
+#: 13 characters whose first token already needs more lexer than the engine builds.
+REPEAT_BOMB = "a{1000000000}"
+#: Ambiguous repetitions: the lexer passes the first token and fails on the second.
+AMBIGUOUS = "(" + "(a|aa)*" * 500 + ")b"
+#: The same, after eight forced `z` tokens: the engine fails mid-generation, past any
+#: check made before the request runs.
+LATE_BOMB = "z" * 8 + AMBIGUOUS
+#: A JSON Schema's `pattern` is searched for in the string: anchored, it is the whole string.
+BOMB_SCHEMA = {"type": "string", "pattern": f"^{REPEAT_BOMB}$"}
+
+
+def plain_stream(d: DaemonProc, started) -> dict:
+    """A plain generation of another client, streamed from LONG (it never ends by
+    itself): `started` is set at its first piece; returns its last event."""
+    body = {"model": LONG, "prompt": "hello world", "max_tokens": 300, "temperature": 0, "stream": True}
+    events = []
+    with httpx.stream("POST", d.url + "/v1/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+    return events[-1]
+
+
+def error_of(r: httpx.Response) -> tuple[str | None, str]:
+    """(code, message) of an error reply in the route's shape: the contract's
+    `{error: {code, message}}`, TGI's `{error, error_type}`, Ollama's `{error}`."""
+    body = r.json()
+    if isinstance(body["error"], dict):
+        return body["error"]["code"], body["error"]["message"]
+    return body.get("error_type"), body["error"]
+
+
+def assert_grammar_refused(r: httpx.Response) -> None:
+    assert r.status_code == 400, r.text
+    code, message = error_of(r)
+    assert code in ("bad_request", None) and "grammar engine" in message, r.text
+    assert "lexer" in message  # the limit it hit, in the engine's words
+
+
+@pytest.mark.parametrize("grammar", [REPEAT_BOMB, LATE_BOMB], ids=["refused-at-admission", "fails-mid-generation"])
+def test_a_grammar_past_the_engines_limits_fails_only_its_own_request(gen_daemon: DaemonProc, grammar: str) -> None:
+    # Four other clients' plain generations are decoding in the worker's batch
+    # (each streamed its first piece) when the grammar arrives for the same model.
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(len(started)) as pool:
+        victims = [pool.submit(plain_stream, gen_daemon, ev) for ev in started]
+        assert all(ev.wait(60) for ev in started)
+        r = httpx.post(gen_daemon.url + "/generate", timeout=120, json={
+            "model": LONG, "inputs": "hello", "parameters": {"max_new_tokens": 20,
+                                                             "grammar": {"type": "regex", "value": grammar}}})
+        last = [v.result() for v in victims]
+    assert_grammar_refused(r)
+    assert all(e.get("finish_reason") == "length" and e["usage"]["output_tokens"] == 300 for e in last), last
+
+
+def test_eos_never_ends_a_grammar_before_it_accepts(gen_daemon: DaemonProc) -> None:
+    # The engine failing on the second token once left EOS as the only token allowed:
+    # a 200 with "a" and finish_reason eos_token, text the grammar does not match.
+    for grammar in (AMBIGUOUS, LATE_BOMB):
+        r = httpx.post(gen_daemon.url + "/generate", timeout=120, json={
+            "model": MODEL, "inputs": "hello", "parameters": {"max_new_tokens": 20,
+                                                              "grammar": {"type": "regex", "value": grammar}}})
+        assert_grammar_refused(r)
+    # Streamed: the failure comes after `z`s were sent, as the stream's error event.
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 20, "regex": LATE_BOMB, "stream": True}
+    with httpx.stream("POST", gen_daemon.url + "/v1/generate", json=body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e.get("text", "") for e in events[:-1]).startswith("zzz")
+    assert events[-1]["error"]["code"] == "bad_request", events
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 20, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": BOMB_SCHEMA}}}),
+    ("/v1/generate", {"prompt": "hello", "max_tokens": 20, "format": BOMB_SCHEMA}),
+    ("/v1/generate", {"prompt": "hello", "max_tokens": 20, "regex": AMBIGUOUS}),
+    ("/api/generate", {"prompt": "hello", "stream": False, "options": {"num_predict": 20}, "format": BOMB_SCHEMA}),
+], ids=["openai-json-schema", "native-format", "native-regex", "ollama-format"])
+def test_every_route_refuses_a_grammar_past_the_limits_with_a_400(gen_daemon: DaemonProc, route: str,
+                                                                  body: dict) -> None:
+    assert_grammar_refused(httpx.post(gen_daemon.url + route, timeout=120, json={"model": MODEL, **body}))

@@ -163,5 +163,5 @@ def test_non_json_bodies_are_415(daemon, ctype, body):
 
 
 def test_admin_without_body_still_works(daemon):
-    resp = httpx.post(daemon.url + f"/v1/models/{DEFAULT_MODEL}/load", timeout=120)
+    resp = httpx.post(daemon.url + f"/v1/models/{DEFAULT_MODEL}/load", headers=daemon.admin, timeout=120)
     assert resp.status_code == 200, resp.text

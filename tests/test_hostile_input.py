@@ -97,7 +97,7 @@ def test_api_refuses_names_with_control_characters(daemon):
         resp = httpx.post(daemon.url + "/v1/embed", json={"model": name, "inputs": ["a"]}, timeout=60)
         assert 400 <= resp.status_code < 500 and error_of(resp)["code"] in ("bad_request", "model_not_found")
     for encoded in (DEFAULT_MODEL + "%0A", DEFAULT_MODEL + "%0D", DEFAULT_MODEL + "%00"):
-        resp = httpx.post(daemon.url + f"/v1/models/{encoded}/pin", timeout=60)
+        resp = httpx.post(daemon.url + f"/v1/models/{encoded}/pin", headers=daemon.admin, timeout=60)
         assert 400 <= resp.status_code < 500, (encoded, resp.status_code, resp.text)
     listed = [m["id"] for m in httpx.get(daemon.url + "/v1/models", timeout=30).json()["data"]]
     assert all(name.isprintable() for name in listed)
@@ -135,7 +135,7 @@ def test_errors_name_models_not_paths(daemon, tmp_path):
         assert resp.status_code == 404
         message = error_of(resp)["message"]
         assert "no-such-model" in message and str(daemon.home) not in message and "/" not in message
-    resp = httpx.post(daemon.url + "/v1/models/no-such-model/load", timeout=60)
+    resp = httpx.post(daemon.url + "/v1/models/no-such-model/load", headers=daemon.admin, timeout=60)
     assert resp.status_code == 404 and str(daemon.home) not in resp.text
     # A stored model that fails to load: the loader's error quotes its folder.
     src = copy_default_model(tmp_path / "broken-src")
@@ -145,7 +145,7 @@ def test_errors_name_models_not_paths(daemon, tmp_path):
     live = Store(daemon.home / "models")
     pull_model(live, f"path:{src}", name="broken-model", task="embed", runtime="sentence-transformers")
     try:
-        resp = httpx.post(daemon.url + "/v1/models/broken-model/load", timeout=120)
+        resp = httpx.post(daemon.url + "/v1/models/broken-model/load", headers=daemon.admin, timeout=120)
     finally:
         live.remove("broken-model")
     assert resp.status_code >= 400, resp.text

@@ -217,24 +217,28 @@ def test_ps_shows_budget_used_and_each_resident_model(fleet, tiny_home):
 
 
 def test_admin_unload_then_load_and_pinned_unload_is_refused(fleet):
-    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", timeout=60)
+    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", headers=fleet.admin, timeout=60)
     assert r.status_code == 200, r.text
     assert "tiny-b" in resident(fleet.url)
-    r = httpx.post(fleet.url + "/v1/models/tiny-b/unload", timeout=60)
+    r = httpx.post(fleet.url + "/v1/models/tiny-b/unload", headers=fleet.admin, timeout=60)
     assert r.status_code == 200 and r.json()["results"][0]["loaded"] is False
     assert "tiny-b" not in resident(fleet.url)
-    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", timeout=60)
+    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", headers=fleet.admin, timeout=60)
     result = r.json()["results"][0]
     assert r.status_code == 200 and result["loaded"] and result["load_ms"] > 0 and not result.get("already")
-    assert httpx.post(fleet.url + "/v1/models/tiny-b/load", timeout=60).json()["results"][0]["already"] is True
-    assert httpx.post(fleet.url + "/v1/models/tiny-b/pin", timeout=60).status_code == 200
-    status, code, message = error(httpx.post(fleet.url + "/v1/models/tiny-b/unload", timeout=60))
+    again = httpx.post(fleet.url + "/v1/models/tiny-b/load", headers=fleet.admin, timeout=60)
+    assert again.json()["results"][0]["already"] is True
+    assert httpx.post(fleet.url + "/v1/models/tiny-b/pin", headers=fleet.admin, timeout=60).status_code == 200
+    status, code, message = error(httpx.post(fleet.url + "/v1/models/tiny-b/unload", headers=fleet.admin, timeout=60))
     assert (status, code) == (400, "bad_request") and "unpin it first" in message
     assert "tiny-b" in resident(fleet.url)
-    assert httpx.delete(fleet.url + "/v1/models/tiny-b/pin", timeout=60).json()["was_pinned"] is True
-    assert error(httpx.post(fleet.url + "/v1/models/nope/load", timeout=60))[:2] == (404, "model_not_found")
-    assert error(httpx.post(fleet.url + "/v1/models/BAD..name/pin", timeout=60))[:2] == (400, "bad_request")
-    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", json={"device": "cuda:3"}, timeout=60)
+    unpinned = httpx.delete(fleet.url + "/v1/models/tiny-b/pin", headers=fleet.admin, timeout=60)
+    assert unpinned.json()["was_pinned"] is True
+    missing = httpx.post(fleet.url + "/v1/models/nope/load", headers=fleet.admin, timeout=60)
+    assert error(missing)[:2] == (404, "model_not_found")
+    bad = httpx.post(fleet.url + "/v1/models/BAD..name/pin", headers=fleet.admin, timeout=60)
+    assert error(bad)[:2] == (400, "bad_request")
+    r = httpx.post(fleet.url + "/v1/models/tiny-b/load", json={"device": "cuda:3"}, headers=fleet.admin, timeout=60)
     assert error(r)[:2] == (400, "bad_request") and "no worker runs on device 'cuda:3'" in error(r)[2]
 
 
@@ -253,14 +257,14 @@ def test_a_model_bigger_than_the_budget_gets_model_too_large(fleet, tiny_home):
 
 def test_pinning_more_than_fits_names_what_holds_the_memory(fleet):
     for model in ("tiny-a", "tiny-b"):
-        assert httpx.post(fleet.url + f"/v1/models/{model}/pin", timeout=60).status_code == 200
-    status, code, message = error(httpx.post(fleet.url + "/v1/models/tiny-c/pin", timeout=60))
+        assert httpx.post(fleet.url + f"/v1/models/{model}/pin", headers=fleet.admin, timeout=60).status_code == 200
+    status, code, message = error(httpx.post(fleet.url + "/v1/models/tiny-c/pin", headers=fleet.admin, timeout=60))
     assert (status, code) == (507, "model_too_large")
     assert "tiny-a (" in message and "tiny-b (" in message and "pinned" in message
     # A request for the third model cannot evict pins either: a clear error, not an OOM.
     assert error(embed(fleet.url, "tiny-c", ["x"]))[:2] == (507, "model_too_large")
     for model in ("tiny-a", "tiny-b"):
-        assert httpx.delete(fleet.url + f"/v1/models/{model}/pin", timeout=60).status_code == 200
+        assert httpx.delete(fleet.url + f"/v1/models/{model}/pin", headers=fleet.admin, timeout=60).status_code == 200
     assert vectors(embed(fleet.url, "tiny-c", ["room again"])).shape == (1, 64)
 
 
@@ -274,7 +278,7 @@ def test_a_load_that_fails_answers_its_requests_and_the_worker_stays_healthy(fle
 
 def test_pins_survive_a_daemon_restart(tiny_home, fleet):
     home, budget = tiny_home
-    assert httpx.post(fleet.url + "/v1/models/tiny-c/pin", timeout=60).status_code == 200
+    assert httpx.post(fleet.url + "/v1/models/tiny-c/pin", headers=fleet.admin, timeout=60).status_code == 200
     fleet.stop()
     again = serve(home, budget)
     try:

@@ -76,7 +76,7 @@ def test_batches_loads_evictions_memory_restarts_move(tmp_path):
             value(before, "fleet_batch_items_bucket", model=m, le="1.0") == 4
 
         # 3. An operator unload is an eviction `unload`; the next request loads it again.
-        r = httpx.post(f"{d.url}/v1/models/{m}/unload", timeout=60)
+        r = httpx.post(f"{d.url}/v1/models/{m}/unload", headers=d.admin, timeout=60)
         assert r.status_code == 200, r.text
         unloaded = scrape(d.url)
         assert value(unloaded, "fleet_model_evictions_total", model=m, reason="unload") == 1

@@ -18,7 +18,7 @@ import numpy as np
 import ollama
 import pytest
 
-from tests.conftest import DaemonProc, default_model_dir, start_daemon
+from tests.conftest import DaemonProc, default_model_dir, ollama_operator, start_daemon
 from tests.gen_models import Reference, build_llama, pull
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def served(tiny: tuple[Path, Path]):
 
 @pytest.fixture(scope="module")
 def client(served: DaemonProc) -> ollama.Client:
-    return ollama.Client(host=served.url, timeout=120)
+    return ollama_operator(served, timeout=120)  # pull, delete and keep_alive are the operator's
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,8 @@ BAD = [
 @pytest.mark.parametrize("method,path,body,status", BAD, ids=[f"{p}-{i}" for i, (_, p, _, _) in enumerate(BAD)])
 def test_bad_input_gets_a_clean_4xx_in_ollamas_shape(served: DaemonProc, method: str, path: str, body, status: int):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.request(method, served.url + path, headers={"content-type": "application/json"}, timeout=60, **kwargs)
+    r = httpx.request(method, served.url + path, headers={"content-type": "application/json", **served.admin},
+                      timeout=60, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()
     assert set(err) == {"error"} and isinstance(err["error"], str) and err["error"]

@@ -21,7 +21,7 @@ import pytest
 
 from fleet import blobs
 from fleet.store import Store
-from tests.conftest import start_daemon
+from tests.conftest import ollama_operator, start_daemon
 from tests.gen_models import build_llama, build_lora, pull
 
 #: The daemon's keep time in these tests (the shipped one is an hour): sweeps every 1.5 s.
@@ -99,12 +99,10 @@ def upload_adapter(client, lora: Path) -> dict[str, str]:
 
 
 def test_unused_uploads_are_swept_and_a_models_blobs_go_with_it(served) -> None:
-    import ollama
-
     d, lora = served
-    client = ollama.Client(host=d.url)
+    client = ollama_operator(d)
     stray = f"sha256:{digest_of(b'never used by a create')}"
-    assert httpx.post(d.url + f"/api/blobs/{stray}", content=b"never used by a create",
+    assert httpx.post(d.url + f"/api/blobs/{stray}", content=b"never used by a create", headers=d.admin,
                       timeout=30).status_code == 201
     adapters = upload_adapter(client, lora)
     assert client.create(model="tone", from_="tiny-llama", adapters=adapters).status == "success"
@@ -118,23 +116,23 @@ def test_unused_uploads_are_swept_and_a_models_blobs_go_with_it(served) -> None:
 
     # The unused uploads go after their keep time; the adapter's blobs stay, held by "tone".
     wait_for(lambda: not {stray_file, readme} & blob_files(d.home), "the unused blobs were never swept")
-    assert httpx.head(d.url + f"/api/blobs/{stray}", timeout=10).status_code == 404
+    assert httpx.head(d.url + f"/api/blobs/{stray}", headers=d.admin, timeout=10).status_code == 404
     time.sleep(2 * KEEP_MS / 1000)  # past the keep time of the adapter's blobs too, and a sweep more
     assert adapter_files <= blob_files(d.home)
     for name in adapter_files:
-        assert httpx.head(d.url + f"/api/blobs/{name.replace('-', ':')}", timeout=10).status_code == 200
+        assert httpx.head(d.url + f"/api/blobs/{name.replace('-', ':')}", headers=d.admin,
+                          timeout=10).status_code == 200
 
     # Deleting the model releases its blobs at once.
     client.delete("tone")
     assert not adapter_files & blob_files(d.home)
-    assert httpx.head(d.url + f"/api/blobs/{adapters['adapter_model.safetensors']}", timeout=10).status_code == 404
+    gone = httpx.head(d.url + f"/api/blobs/{adapters['adapter_model.safetensors']}", headers=d.admin, timeout=10)
+    assert gone.status_code == 404
 
 
 def test_fleetctl_rm_releases_blobs_no_other_model_holds(served) -> None:
-    import ollama
-
     d, lora = served
-    client = ollama.Client(host=d.url)
+    client = ollama_operator(d)
     pull(d.home, lora, "tone-pulled", "--base", "tiny-llama")  # the same files, pulled from the folder
     adapters = upload_adapter(client, lora)
     for name in ("tone-a", "tone-b"):

@@ -54,14 +54,15 @@ def resident(d: DaemonProc) -> dict[str, dict]:
 def test_keep_alive_keeps_a_model_for_the_life_of_the_daemon_only(home: Path) -> None:
     d = start_daemon(home)
     try:
+        # The operator's keep (a client without the admin key keeps nothing: test_shared_host).
         kept = httpx.post(d.url + "/api/embed", json={"model": COPY, "input": "a text", "keep_alive": FOREVER},
-                          timeout=120)
+                          headers=d.admin, timeout=120)
         assert kept.status_code == 200, kept.text
         assert resident(d)[COPY]["pinned"] is True
         assert COPY not in PinStore(home).load()  # nothing persisted
         # keep_alive 0 cannot release what the operator keeps (the preload), and says so.
         refused = httpx.post(d.url + "/api/embed", json={"model": DEFAULT_MODEL, "input": "a", "keep_alive": 0},
-                             timeout=60)
+                             headers=d.admin, timeout=60)
         assert refused.status_code == 400 and "fleetctl unpin" in refused.json()["error"]
         assert DEFAULT_MODEL in resident(d)
     finally:

@@ -123,7 +123,8 @@ def test_the_real_daemon_as_systemd_sees_it(tmp_path):
         assert r.status_code == 200 and r.headers["x-request-id"] == "req-42"
         assert len(get(d.url, "/v1/ps", "bad id\twith spaces").headers["x-request-id"]) == 16
 
-        # 4. The pins file damaged while serving: the admin and readiness endpoints
+        # 4. The pins file damaged while serving: the admin (with the operator's admin key,
+        #    which the daemon takes in place of the API key) and readiness endpoints
         #    still answer 200 (a server-side problem is never a 4xx); the first reader
         #    sets the file aside, in its request's log context.
         (home / "pins.json").write_bytes(b"\0garbage")
@@ -132,11 +133,11 @@ def test_the_real_daemon_as_systemd_sees_it(tmp_path):
             assert r.status_code == 200, (path, r.text)
         assert get(d.url, "/v1/ps").json()["ready"] is True
         assert len(list(home.glob("pins.json.damaged-*"))) == 2
-        r = httpx.delete(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=AUTH, timeout=60)
+        r = httpx.delete(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=d.admin, timeout=60)
         assert r.status_code == 200 and r.json()["was_pinned"] is True  # the preload's pin
 
         # 5. Unpinned, then unloaded: readiness no longer waits for the preloaded model.
-        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/unload", headers=AUTH, timeout=60)
+        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/unload", headers=d.admin, timeout=60)
         assert r.status_code == 200 and r.json()["results"][0]["loaded"] is False
         assert DEFAULT_MODEL not in resident(d.url)
         assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
@@ -151,7 +152,7 @@ def test_the_real_daemon_as_systemd_sees_it(tmp_path):
         assert get(d.url, "/readyz").json() == {"ready": True, "status": "ready"}
         # Pinned again: loaded now (by the pin: the restart did not preload it), persisted,
         # and readiness waits for it again.
-        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=AUTH, timeout=120)
+        r = httpx.post(d.url + f"/v1/models/{DEFAULT_MODEL}/pin", headers=d.admin, timeout=120)
         assert r.status_code == 200 and r.json()["results"][0]["pinned"] is True
         assert not r.json()["results"][0].get("already") and d.log().count(f"loaded {DEFAULT_MODEL} on cpu") == 2
         assert card(d.url, DEFAULT_MODEL) == (True, True)

@@ -82,9 +82,10 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 
 def send(d: DaemonProc, path: str, body: Any, *, msgpack: bool = False, method: str = "POST") -> httpx.Response:
+    """As the operator sends it (with the admin key): fields are checked on every route, its admin ones too."""
     content = msgspec.msgpack.encode(body) if msgpack else json.dumps(body).encode()
     return httpx.request(method, d.url + path, content=content, timeout=120,
-                         headers={"Content-Type": MSGPACK if msgpack else "application/json"})
+                         headers={"Content-Type": MSGPACK if msgpack else "application/json", **d.admin})
 
 
 def answer(resp: httpx.Response) -> Any:
@@ -216,7 +217,7 @@ def box_state(d: DaemonProc) -> dict[str, Any]:
         "resident": sorted((name, bool(m.get("pinned"))) for w in workers for name, m in w["models"].items()),
         "files": sorted(f["id"] for f in ok(httpx.get(d.url + "/v1/files", timeout=30))["data"]),
         "batches": sorted(b["id"] for b in ok(httpx.get(d.url + "/v1/batches?limit=100", timeout=30))["data"]),
-        "blob": httpx.head(f"{d.url}/api/blobs/{DIGEST}", timeout=30).status_code,
+        "blob": httpx.head(f"{d.url}/api/blobs/{DIGEST}", headers=d.admin, timeout=30).status_code,
     }
 
 
@@ -265,7 +266,9 @@ def test_every_route_refuses_a_query_parameter_it_does_not_declare_and_changes_n
     for method, template, _ in app_handlers():
         path = _TEMPLATE.sub(lambda m: {**values, **per_route.get((method, template), {})}[m.group(1)], template)
         body = acting.get((method, template), {"json": {}} if method in ("POST", "DELETE") else {})
-        resp = httpx.request(method, served.url + path, params={"bogus_param": "1"}, timeout=60, **body)
+        # As the operator: the routes that change the daemon refuse anyone else first (daemon.operator).
+        resp = httpx.request(method, served.url + path, params={"bogus_param": "1"}, headers=served.admin,
+                             timeout=60, **body)
         query_error(resp, method, path, "bogus_param")
         swept += 1
     assert swept >= 60

@@ -9,6 +9,8 @@ Optional body (JSON or MessagePack): `{"device": "cpu" | "cuda:K"}` for pin and
 load (unpin and unload act on every copy and refuse it). Replies: `{model, op,
 results: [{worker, device, loaded, pinned, bytes, load_ms, evicted, already}]}`,
 one entry per worker that acted.
+
+Every route here is the operator's (daemon.operator): without the admin key, 401/403.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, contro
 from daemon import codec
 from daemon.core import Daemon
 from daemon.http import body_is_msgpack, reply
+from daemon.operator import operator_only
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,6 +93,7 @@ async def holders(daemon: Daemon, name: str) -> list[dict[str, Any]]:
 
 class AdminController(Controller):
     path = "/v1/models/{name:str}"
+    guards = [operator_only]
 
     @post("/pin", status_code=200)
     async def pin(self, request: Request, daemon: Daemon, name: str) -> Response:

@@ -20,10 +20,15 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
   client's keep is released first; a model the operator pinned or preloads is
   refused with 400, before anything runs), any other duration = fleet's LRU
   eviction (no timer). A request with no prompt / messages / input only applies it
-  (Ollama's load/unload idiom).
+  (Ollama's load/unload idiom). Keeping and unloading are the operator's
+  (daemon.operator): without the admin key, a negative or 0 `keep_alive` is not
+  applied (LRU, named in `X-Fleet-Ignored-Fields`), so one user of a shared box
+  cannot hold memory against, or unload the models of, the others.
 * `/api/pull` pulls catalog or stored names only (never a source given by the
   client) through `fleet.pull`, reporting progress as Ollama's status lines;
-  `/api/delete` releases, unloads and removes a model from the store.
+  `/api/delete` releases, unloads and removes a model from the store. Both are the
+  operator's (daemon.operator); a pull that adds a model past `store_max_models`
+  is refused (507).
 
 Durations are nanoseconds: `total_duration` is the daemon's wall time,
 `load_duration` the worker's load time when this request found the model not
@@ -44,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -56,7 +62,7 @@ from litestar.response import Stream
 from fleet import blobs
 from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
-from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded
+from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound, Overloaded, SourceUnreachable
 from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest, TokenLogprob
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
@@ -73,8 +79,9 @@ from daemon.controllers.ollama_wire import (
 )
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.core import Daemon
-from daemon.http import body_is_msgpack
+from daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
 from daemon.offload import build_reply
+from daemon.operator import is_operator, operator_only
 from daemon.tasks import TextStream, check_generate, token_logprobs
 
 log = logging.getLogger("fleet.daemon")
@@ -97,7 +104,7 @@ def on_error(request: Request, exc: Exception) -> Response:
     """Every error of an /api route in Ollama's shape, with the contract's status."""
     headers = {}
     if isinstance(exc, FleetError):
-        status, message = exc.status, exc.message
+        status, message = exc.status, shown(request, exc)
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     elif isinstance(exc, HTTPException):
@@ -106,6 +113,45 @@ def on_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         status, message = 500, f"internal error: {type(exc).__name__}"
     return json_reply(ErrorLine(message), headers=headers, status=status)
+
+
+def shown(request: Request, exc: FleetError) -> str:
+    """The message a client reads: the store and FLEET_HOME named as such, never by path."""
+    message = hide_paths(exc.message, request.app.state.get(PRIVATE_PATHS, ()))
+    if message != exc.message:
+        log.warning("%s on %s %s: %s", exc.code, request.method, request.url.path, exc.message)
+    return message
+
+
+def room_for_model(daemon: Daemon, name: str) -> None:
+    """A model added through the API (pull, copy, create) must fit `store_max_models`."""
+    limit = daemon.settings.store_max_models
+    if daemon.store.exists(name):
+        return
+    held = len(daemon.store.names())
+    if held >= limit:
+        raise InsufficientStorage(f"the store holds {held} models, its limit (store_max_models = {limit}): "
+                                  f"delete one first (ollama rm, fleetctl rm), or raise store_max_models")
+
+
+def pullable(daemon: Daemon, name: str, catalog: Any) -> None:
+    """A stored model that is not in the catalog is pulled again from its recorded source;
+    one pulled from a folder that is gone has none: said by its name, not the folder's."""
+    if name in catalog:
+        return
+    source = daemon.store.get(name).source
+    if source.startswith("path:") and not Path(source[len("path:"):]).is_dir():
+        raise SourceUnreachable(f"model '{name}' was pulled from a folder that is no longer there: there is nothing "
+                                "to pull it from again; the stored model is kept as it is")
+
+
+def client_keep(request: Request, value: Any, dropped: list[str]) -> tuple[Keep, list[str]]:
+    """`keep_alive` as Ollama reads it; keeping (< 0) and unloading (0) only for the
+    operator, else not applied and named among the ignored fields (see the module doc)."""
+    keep = choose_keep(value)
+    if keep is Keep.LRU or is_operator(request):
+        return keep, dropped
+    return Keep.LRU, dropped + ["keep_alive"]
 
 
 async def decode(request: Request, type_: type[Any]) -> tuple[Any, list[str]]:
@@ -429,7 +475,7 @@ class OllamaController(Controller):
         name = serving(daemon, body.model, "generate")
         refuse_unsupported(body.model, {"images": body.images, "think": body.think, "suffix": body.suffix,
                                         "template": body.template, "context": body.context})
-        keep = choose_keep(body.keep_alive)
+        keep, dropped = client_keep(request, body.keep_alive, dropped)
         opts, ignored = read_options(body.options)
         frame = GenerateFrame(body.model)
         headers = ignored_headers(ignored, dropped)
@@ -449,7 +495,7 @@ class OllamaController(Controller):
                                         "images": any(m.images for m in messages)})
         if any(m.tool_calls for m in messages):
             raise BadRequest(f"{body.model!r} does not support tools (a message carries tool_calls)")
-        keep = choose_keep(body.keep_alive)
+        keep, dropped = client_keep(request, body.keep_alive, dropped)
         opts, ignored = read_options(body.options)
         frame = ChatFrame(body.model)
         headers = ignored_headers(ignored, dropped + message_fields(messages))
@@ -465,7 +511,7 @@ class OllamaController(Controller):
     async def api_embed(self, request: Request, daemon: Daemon) -> Response:
         body, dropped = await decode(request, EmbedBody)
         name = serving(daemon, body.model, "embed")
-        keep = choose_keep(body.keep_alive)
+        keep, dropped = client_keep(request, body.keep_alive, dropped)
         _, ignored = read_options(body.options)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         if not inputs or inputs == [""]:
@@ -484,7 +530,7 @@ class OllamaController(Controller):
     async def api_embeddings(self, request: Request, daemon: Daemon) -> Response:
         body, dropped = await decode(request, EmbeddingsBody)
         name = serving(daemon, body.model, "embed")
-        keep = choose_keep(body.keep_alive)
+        keep, dropped = client_keep(request, body.keep_alive, dropped)
         _, ignored = read_options(body.options)
         headers = ignored_headers(ignored, dropped)
         if not body.prompt:
@@ -495,7 +541,7 @@ class OllamaController(Controller):
         vectors, *_ = await embed_texts(daemon, req, keep)
         return json_reply(EmbeddingsReply(vectors[0].tolist()), headers)
 
-    @post("/pull", status_code=200)
+    @post("/pull", status_code=200, guards=[operator_only])
     async def api_pull(self, request: Request, daemon: Daemon) -> Response | Stream:
         body, dropped = await decode(request, NameBody)
         name = store_name(body.target)
@@ -505,6 +551,8 @@ class OllamaController(Controller):
         if name not in catalog and not daemon.store.exists(name):
             raise ModelNotFound(f"model '{body.target}' is neither in fleet's catalog (models.toml) nor stored",
                                 hint="fleetctl list --catalog shows what can be pulled")
+        pullable(daemon, name, catalog)
+        room_for_model(daemon, name)
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue[ProgressLine] = asyncio.Queue()
 
@@ -531,7 +579,7 @@ class OllamaController(Controller):
             try:
                 task.result()
             except FleetError as exc:
-                yield line(ErrorLine(exc.message))
+                yield line(ErrorLine(shown(request, exc)))
                 return
             except Exception as exc:  # the status line is sent: the error can only be the last line
                 log.exception("pulling %s failed", name)
@@ -541,7 +589,7 @@ class OllamaController(Controller):
 
         return Stream(lines(), media_type=NDJSON, headers=headers)
 
-    @delete("/delete", status_code=200)
+    @delete("/delete", status_code=200, guards=[operator_only])
     async def api_delete(self, request: Request, daemon: Daemon) -> Response:
         body, dropped = await decode(request, NameBody)
         name = stored_manifest(daemon, body.target).name

@@ -16,9 +16,14 @@
   They stay while a stored model holds them and for `blob_keep_ms` after their
   last use (upload, HEAD, create); the rest go (fleet.blobs: `sweep_blobs_loop`
   here, and `release` when a model is removed).
-- `/api/copy` copies a stored model under a new name (its files are pulled
-  again, re-hashed: the copy stays if the original is removed).
+- `/api/copy` copies a stored model under a new name (`Store.clone`): its files
+  hard-linked, so a copy takes no room on the disk and stays if the original is
+  removed; its manifest keeps the original's source and revision, so pulling the copy
+  asks the original's origin (never a temporary folder).
 - `/api/push`: fleet has no registry to push to; a 400 says so.
+
+Every route here changes the daemon: the operator's only (daemon.operator). A copy
+or create that would take the store past `store_max_models` is refused (507).
 """
 
 from __future__ import annotations
@@ -42,10 +47,13 @@ from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
 from fleet.pull import pull_model
 
 from daemon import fields
-from daemon.controllers.ollama import NDJSON, decode, ignored_headers, json_reply, line, on_error, stored_manifest
+from daemon.controllers.ollama import (
+    NDJSON, decode, ignored_headers, json_reply, line, on_error, room_for_model, stored_manifest,
+)
 from daemon.controllers.ollama_wire import Progress as ProgressLine
 from daemon.controllers.ollama_wire import store_name
 from daemon.core import Daemon
+from daemon.operator import operator_only
 
 DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 #: File names a LoRA folder's blobs may take (no folders, no hidden files).
@@ -121,6 +129,7 @@ def adapter_folder(daemon: Daemon, adapters: dict[str, str], into: Path) -> None
 class OllamaCreateController(Controller):
     path = "/api"
     exception_handlers = {FleetError: on_error, HTTPException: on_error, Exception: on_error}
+    guards = [operator_only]
 
     @head("/blobs/{digest:str}", status_code=200)
     async def blob_exists(self, daemon: Daemon, digest: str) -> None:
@@ -167,6 +176,7 @@ class OllamaCreateController(Controller):
             raise Unsupported("fleet creates LoRA models only: send `adapters` with `from`", param="adapters")
         name = new_name(daemon, body.model or body.name)
         base = stored_manifest(daemon, body.from_).name
+        room_for_model(daemon, name)
 
         def work() -> None:
             with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
@@ -185,21 +195,8 @@ class OllamaCreateController(Controller):
         body, dropped = await decode(request, CopyBody)
         source = stored_manifest(daemon, body.source)
         name = new_name(daemon, body.destination)
-
-        def work() -> None:
-            # The model's own files (not its manifest), linked into a folder that is pulled as a new model.
-            folder = daemon.store.path(source.name)
-            with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
-                for f in source.files:
-                    (Path(tmp) / f.path).parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        (Path(tmp) / f.path).hardlink_to(folder / f.path)
-                    except OSError:
-                        shutil.copyfile(folder / f.path, Path(tmp) / f.path)
-                pull_model(daemon.store, f"path:{tmp}", name=name, task=source.task, runtime=source.runtime,
-                           base=source.base)
-
-        await asyncio.to_thread(work)
+        room_for_model(daemon, name)
+        await asyncio.to_thread(daemon.store.clone, source, name)
         return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
 
     @post("/push", status_code=400)
