@@ -42,6 +42,7 @@ import msgspec
 
 from fleet.catalog import Profile, load_catalog, validate_name
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, IntegrityError, ModelNotFound
+from fleet.files import NO_ROOM
 
 log = logging.getLogger("fleet.store")
 # The CLI prints its own line for a damaged model (fleetctl list, doctor); a daemon's
@@ -442,15 +443,22 @@ class Store:
     @contextlib.contextmanager
     def staging(self, name: str) -> Iterator[Staging]:
         """A fresh staging dir for `name`; removed unless `commit` moved it into place.
+        A full disk (or quota) while staging or committing is `InsufficientStorage` naming
+        the model (a pull, a copy, a create: 507), and nothing is left behind.
 
         The caller must hold `lock(name)`.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f".tmp-{validate_name(name)}-{secrets.token_hex(4)}"
-        path.mkdir(mode=DIR_MODE)
-        staging = Staging(path)
         try:
-            yield staging
+            path.mkdir(mode=DIR_MODE)
+            yield Staging(path)
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
+            raise InsufficientStorage(f"no space left to store model {name!r}: the disk is full",
+                                      hint="free space on the disk that holds the store (fleetctl doctor shows it)"
+                                      ) from None
         finally:
             if path.exists():
                 shutil.rmtree(path, ignore_errors=True)
