@@ -23,7 +23,15 @@ from tests.lora_models import bert_config, build_bases, build_lora, load_base, t
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_bases(tmp_path_factory.mktemp("lora-pull-bases"))
+    from transformers import BertForMaskedLM
+
+    root = tmp_path_factory.mktemp("lora-pull-bases")
+    out = build_bases(root)
+    # A SPLADE model is a masked LM: a bare encoder pulled as one is refused (its head would be random).
+    tok = tokenizer()
+    BertForMaskedLM(bert_config(tok)).save_pretrained(root / "masked-lm")
+    tok.save_pretrained(root / "masked-lm")
+    return out | {"masked-lm": root / "masked-lm"}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ def store(tmp_path: Path, bases: dict[str, Path]) -> Store:
     store = Store(tmp_path / "models")
     for name, key, task, runtime in (("tiny-emb", "embedder", None, None), ("tiny-cls", "classifier", None, None),
                                      ("tiny-rr", "reranker", None, None), ("tiny-ner", "tagger", None, None),
-                                     ("tiny-splade", "bert", "embed", "splade")):
+                                     ("tiny-splade", "masked-lm", "embed", "splade")):
         pull_model(store, f"path:{bases[key]}", name=name, task=task, runtime=runtime)
     return store
 
