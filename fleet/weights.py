@@ -12,8 +12,9 @@ is read), and returns its report: parameters missing after its own allowances (i
 classes' `_keys_to_ignore_on_load_missing`, tied weights, the base-model prefix
 such as `bert.`, legacy names), tensors of another shape, tensors the architecture
 does not have. `refusal` turns a report into the reason a model is refused: any
-parameter missing or of another shape, beyond those the runtime never reads
-(`UNREAD`: an embedder's pooler, which sentence-transformers folders often lack).
+parameter missing (a buffer is the module's own) or of another shape, beyond those
+the runtime never reads (`UNREAD`: an embedder's pooler, which sentence-transformers
+folders often lack).
 Tensors the architecture does not have are named in a refusal but are no reason
 for one (transformers leaves them unused).
 
@@ -59,6 +60,8 @@ RUNTIME_CLASSES: dict[tuple[str, str], str] = {
     ("classify", "transformers"): "AutoModelForSequenceClassification",
     ("extract", "transformers"): "AutoModelForTokenClassification",
     ("generate", "transformers"): "AutoModelForCausalLM",
+    ("decide", "transformers"): "AutoModelForCausalLM",
+    ("decide", "nli"): "AutoModelForSequenceClassification",
 }
 #: sentence-transformers' `transformer_task` (sentence_bert_config.json) -> the Auto class it loads.
 ST_TASK_CLASSES = {
@@ -112,7 +115,7 @@ def check_weights(folder: Path, task: str, runtime: str, *, trust_remote_code: b
     (a worker, which imports torch to load anyway) or torch is imported here already,
     else in a child process (the API process never maps torch)."""
     if (task, runtime) not in RUNTIME_CLASSES:
-        return WeightsReport(skipped=f"runtime {runtime} ({task}) has no transformers class to check against")
+        return WeightsReport(skipped=_no_class(task, runtime))
     if trust_remote_code:
         return WeightsReport(skipped="it runs its own code (trust_remote_code): not built here")
     if here or "torch" in sys.modules:
@@ -140,6 +143,10 @@ def refusal(report: WeightsReport, task: str, runtime: str) -> str | None:
     return f"its weights do not match its architecture ({report.model_class} from config.json): " + "; ".join(parts)
 
 
+def _no_class(task: str, runtime: str) -> str:
+    return f"runtime {runtime} ({task}) has no transformers class to check against"
+
+
 def _few(items: list[str]) -> str:
     shown = ", ".join(sorted(items)[:SHOWN])
     return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
@@ -154,7 +161,9 @@ def target(folder: Path, task: str, runtime: str) -> tuple[Path, str] | str:
     A sentence-transformers folder names its transformers module in modules.json
     (the folder itself, or a subfolder such as `0_Transformer`) and, in its
     sentence_bert_config.json, the `transformer_task` that picks the class."""
-    auto = RUNTIME_CLASSES[(task, runtime)]
+    auto = RUNTIME_CLASSES.get((task, runtime))
+    if auto is None:
+        return _no_class(task, runtime)
     if runtime != "sentence-transformers":
         return folder, auto
     modules = _read_json(folder / "modules.json")
@@ -247,13 +256,16 @@ def weights_report(folder: Path, task: str, runtime: str) -> WeightsReport:
     quiet = logging.getLogger("transformers.modeling_utils")
     quiet.addFilter(_drop)
     try:
-        _, info = cls.from_pretrained(None, config=config, state_dict=state, device_map="meta",
-                                      output_loading_info=True, ignore_mismatched_sizes=True, use_kernels=False)
+        model, info = cls.from_pretrained(None, config=config, state_dict=state, device_map="meta",
+                                          output_loading_info=True, ignore_mismatched_sizes=True, use_kernels=False)
     finally:
         quiet.removeFilter(_drop)
+    # Buffers the checkpoint lacks are the modules' own (position ids, rotary tables): only
+    # parameters come from training.
+    learned = set(dict(model.named_parameters(remove_duplicate=False)))
     return WeightsReport(
         model_class=cls.__name__,
-        missing=sorted(info.get("missing_keys") or ()),
+        missing=sorted(k for k in info.get("missing_keys") or () if k in learned),
         mismatched=sorted((str(k), list(got), list(want)) for k, got, want in info.get("mismatched_keys") or ()),
         unexpected=sorted(info.get("unexpected_keys") or ()),
     )
