@@ -80,13 +80,16 @@ def root_route(task: str, runtime: str, body: dict[str, Any]) -> str:
 
 
 def body_tasks(body: dict[str, Any]) -> tuple[str, ...]:
-    """The tasks a root body's shape allows: TEI's rerank and similarity bodies, TGI's
-    generation (a `stream` flag or generation parameters), else any of ROOT_TASKS."""
+    """The tasks a root body's shape allows: TEI's rerank and similarity bodies, zero-shot
+    classification (`candidate_labels`), TGI's generation (a `stream` flag or generation
+    parameters), else any of ROOT_TASKS."""
     if "query" in body:
         return ("rerank",)
     if isinstance(body.get("inputs"), dict):
         return ("embed",)
     params = body.get("parameters")
+    if isinstance(params, dict) and "candidate_labels" in params:  # zero-shot classification
+        return ("classify",)
     if "stream" in body or (isinstance(params, dict) and TGI_PARAMETERS.intersection(params)):
         return ("generate",)
     return ROOT_TASKS

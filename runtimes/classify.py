@@ -11,6 +11,15 @@ with its own: an adapter that trained its own head answers with its own labels
 (its folder's `config.json` `id2label` and `problem_type`, else the base's
 when the widths agree, else `LABEL_<i>`); one of another width than the base
 gives its rows -inf past their own width, which no row's answer includes.
+
+Zero-shot (`candidate_labels`, on an NLI model: one whose labels include
+entailment and contradiction) is transformers' zero-shot classification
+pipeline: each (input, `hypothesis_template` with a label) pair runs through
+the model, the premise truncated where `truncate` allows; the labels' scores are
+the softmax of their entailment logits over the labels, or with `multi_label`
+(or one label) softmax([contradiction, entailment]) per label; `raw_scores`
+returns the entailment logits. It runs eagerly on the torch model, its pairs in
+length-sorted micro-batches.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
 from runtimes.base import Adapter, BatchContext, Steps, run_through
 from runtimes.hf_common import (
@@ -55,6 +65,8 @@ class SequenceClassifier(LoraHost, Adapter):
         config = model.config
         self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self.multi_label = config.problem_type == "multi_label_classification"
+        #: (entailment, contradiction) label ids of an NLI model (zero-shot); None for any other.
+        self.nli = nli_ids(self.labels)
         self.max_seq_len = max_length(self.spec, self.tokenizer, config)
         self.direct = direct_tokenizer(self.tokenizer, self.max_seq_len, self._own_features, self.spec.name,
                                        lengths=self._own_lengths)
@@ -152,8 +164,13 @@ class SequenceClassifier(LoraHost, Adapter):
         return None
 
     def batch(self, requests: list[ClassifyRequest], ctx: BatchContext) -> Steps:
-        # 1. Requests that refuse truncation and have an input over the limit fail alone.
+        # 1. Requests that refuse truncation and have an input over the limit fail alone;
+        #    zero-shot requests run their (input, hypothesis) pairs first.
         results, live = split_refused(requests, self.refuse)
+        zero_shot = [i for i in live if requests[i].candidate_labels]
+        if zero_shot:
+            yield from self._zero_shot(requests, zero_shot, results, ctx)
+            live = [i for i in live if not requests[i].candidate_labels]
         if not live:
             return results
         texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
@@ -193,6 +210,110 @@ class SequenceClassifier(LoraHost, Adapter):
                 int(token_sums[k]),
             )
         return results
+
+    def _zero_shot(self, requests: list[ClassifyRequest], which: list[int], results: list[Any],
+                   ctx: BatchContext) -> Generator[None, None, None]:
+        """Answer the zero-shot requests `which` into `results`, as transformers'
+        zero-shot classification pipeline scores them.
+
+        1. Each request's pairs: every input with every label's hypothesis; a request
+           on a model that is no NLI model, or with a pair over the model's positions
+           where it refuses truncation, fails alone.
+        2. All pairs in length-sorted micro-batches: their entailment and
+           contradiction logits, and tokens per pair.
+        3. Per request: its labels' scores per input, best first, cut to `top_k`."""
+        torch = self._torch
+        premises: list[str] = []
+        claims: list[str] = []
+        owned: list[tuple[int, int, int]] = []  # (request, first pair, inputs) per request that runs
+        hyp_tokens: list[np.ndarray] = []  # per request that runs: its hypotheses' tokens, per pair
+        # A hypothesis that leaves no room for the input: nothing to cut, the pair cannot run.
+        room = self.max_seq_len - self.tokenizer.num_special_tokens_to_add(pair=True)
+        for i in which:
+            req = requests[i]
+            if self.nli is None:
+                results[i] = WorkError("bad_request", f"zero-shot classification needs an NLI model (labels with "
+                                                      f"entailment and contradiction); {self.spec.name!r} has "
+                                                      f"{', '.join(self.labels)}")
+                continue
+            if req.adapter:
+                results[i] = WorkError("bad_request", "zero-shot classification runs on the NLI model itself: send "
+                                                      "it without `adapter`")
+                continue
+            try:
+                said = hypotheses(req.hypothesis_template or DEFAULT_HYPOTHESIS, req.candidate_labels)
+            except ValueError as exc:
+                results[i] = WorkError("bad_request", str(exc))
+                continue
+            owned.append((i, len(premises), len(req.inputs)))
+            hyp_tokens.append(np.tile(self.tokenizer(said, add_special_tokens=False, return_length=True,
+                                                     verbose=False)["length"], len(req.inputs)))
+            # A text to be cut anyway is cut to the characters the model can read first (hf_common.cut_to_bound).
+            premises.extend(t for t in (cut_to_bound(req.inputs, self.max_seq_len) if req.truncate else req.inputs)
+                            for _ in said)
+            claims.extend(said * len(req.inputs))
+        if not owned:
+            return
+        n = len(premises)
+        logits = np.zeros((n, 2), dtype=np.float64)  # (entailment, contradiction)
+        tokens = np.zeros(n, dtype=np.int64)
+        too_long = np.zeros(n, dtype=bool)
+        hyp = np.concatenate(hyp_tokens)
+        no_room = hyp >= room
+        truncate = np.zeros(n, dtype=bool)
+        for i, first, count in owned:
+            truncate[first:first + count * len(requests[i].candidate_labels)] = requests[i].truncate
+        lengths = np.fromiter((len(p) + len(c) for p, c in zip(premises, claims)), dtype=np.int64, count=n)
+        model = self.torch_model if self.torch_model is not None else self.model
+        entail, contradict = self.nli
+        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+            yield
+            too_long[idx] = no_room[idx]
+            keep = idx[~truncate[idx] & ~no_room[idx]]
+            if keep.size:  # pairs that may not be cut: their whole length, refused past the model's positions
+                whole = self.tokenizer([premises[j] for j in keep], [claims[j] for j in keep], truncation=False,
+                                       return_length=True, verbose=False)["length"]
+                tokens[keep] = whole
+                too_long[keep] = np.asarray(whole) > self.max_seq_len
+            run = idx[~too_long[idx]]
+            if not run.size:
+                continue
+            # As the pipeline: only the premise is cut, to the model's positions.
+            features = self.tokenizer([premises[j] for j in run], [claims[j] for j in run], padding=True,
+                                      truncation="only_first", max_length=self.max_seq_len, return_tensors="pt")
+            with torch.inference_mode():
+                out = model(**to_device(features, self.device)).logits.double()
+            logits[run] = out[:, [entail, contradict]].cpu().numpy()
+            tokens[run] = features["attention_mask"].sum(dim=1).numpy()
+        for i, first, count in owned:
+            req = requests[i]
+            k = len(req.candidate_labels)
+            span = slice(first, first + count * k)
+            if no_room[span].any():
+                at = int(np.argmax(no_room[span])) + first
+                results[i] = WorkError("input_too_long", f"the hypothesis {claims[at][:80]!r} has {hyp[at]} "
+                                                         f"tokens: with an input it cannot fit {self.spec.name}'s "
+                                                         f"{self.max_seq_len} (a shorter label or hypothesis_template)")
+                continue
+            if too_long[span].any():
+                results[i] = input_too_long(self.spec.name, "an input with its hypothesis", int(tokens[span].max()),
+                                            self.max_seq_len)
+                continue
+            pair = logits[span].reshape(count, k, 2)
+            if req.raw_scores:
+                scores = pair[:, :, 0]
+            elif req.multi_label or k == 1:  # each label alone: entailment against contradiction
+                with np.errstate(over="ignore"):  # exp past 88 is inf: the score is then 0, as it should be
+                    scores = 1.0 / (1.0 + np.exp(pair[:, :, 1] - pair[:, :, 0]))
+            else:  # the labels against each other: a softmax of their entailment logits
+                shifted = np.exp(pair[:, :, 0] - pair[:, :, 0].max(axis=1, keepdims=True))
+                scores = shifted / shifted.sum(axis=1, keepdims=True)
+            scores = scores.astype(np.float32)
+            keep = k if req.top_k is None else min(req.top_k, k)
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :keep].astype("<i4")
+            ranked = np.take_along_axis(scores, order, axis=1)
+            results[i] = ClassifyResult(list(req.candidate_labels), np.ascontiguousarray(order).tobytes(),
+                                        np.ascontiguousarray(ranked).tobytes(), (count, keep), int(tokens[span].sum()))
 
     def _mode(self, req: ClassifyRequest, multi_label: bool) -> int:
         """0 = logits, 1 = softmax, 2 = sigmoid (`multi_label`: the model's, or its adapter's, default)."""

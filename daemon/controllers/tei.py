@@ -12,6 +12,14 @@ errors are the native ones; errors keep the contract's `{error: {code, message}}
 Clients that post TEI's `{"inputs", "parameters": {...}}` (huggingface_hub)
 have `normalize`, `truncate` and `dimensions` read from `parameters` too.
 
+Hugging Face's clients (huggingface_hub's InferenceClient, @huggingface/inference)
+call the URL they are given, `POST /` or a model's `/models/NAME`, with the HF
+Inference API's bodies: there `/predict` answers that API's shapes, a list of
+labels per input for text classification (`parameters.top_k`, `function_to_apply`
+applied), and zero-shot classification for `parameters.candidate_labels` (an NLI
+model answers it, daemon.zero_shot; any other is refused), one list for one text.
+`/predict` called by name keeps TEI's shapes.
+
 TEI's request types do not deny unknown fields (serde ignores them), so these
 routes ignore them too, and name them in the `X-Fleet-Ignored-Fields` reply
 header with the fields a route accepts and does not apply (`normalize` and
@@ -23,7 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -40,6 +48,7 @@ from daemon.controllers.common import default_model
 from daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from daemon.core import Daemon, live_profiles
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from daemon.model_urls import SCOPE_ROOT
 from daemon.offload import build_reply, off_loop, text_bytes_over, too_large
 
 _json = msgspec.json.Encoder().encode
@@ -76,6 +85,17 @@ class TeiEmbedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: str | None = None
 
 
+class TeiPredictParameters(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The HF Inference API's `parameters` of text classification and of zero-shot
+    classification (`candidate_labels`: a list, or one string of comma-separated labels)."""
+
+    top_k: int | None = None
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+    candidate_labels: list[str] | str | None = None
+    multi_label: bool | None = None
+    hypothesis_template: str | None = None
+
+
 class TeiPredictRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`inputs`: a text, a `[text]`, or a batch `[[text], ...]` (TEI's sentence pairs are refused:
     fleet's classifiers take one text)."""
@@ -86,6 +106,7 @@ class TeiPredictRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     truncation_direction: str = "right"
     raw_scores: bool = False
     timeout_ms: int | None = None
+    parameters: TeiPredictParameters | None = None
 
 
 class TeiRerankRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -399,17 +420,35 @@ class TeiController(Controller):
 
     @post("/predict", status_code=200)
     async def predict(self, request: Request, daemon: Daemon) -> Response:
-        """Every label of the model, best first, per input; one list for one input, a list per input for a batch."""
+        """Every label of the model, best first, per input; one list for one input, a list per input for a
+        batch. Called at a model's URL (`POST /`, HF's clients): a list per input, and zero-shot classification
+        for `parameters.candidate_labels`."""
         tei, dropped = codec.decode_lenient(await request.body(), TeiPredictRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported(None, tei.truncation_direction)
         texts, batch = predict_texts(tei.inputs)
+        params = tei.parameters or TeiPredictParameters()
+        labels = params.candidate_labels
+        if labels.__class__ is str:  # the HF Inference API's "a, b, c"
+            labels = [x.strip() for x in labels.split(",") if x.strip()]
+        zero_shot = labels is not None
+        not_applied = [f"parameters.{name}" for name, given in (
+            ("function_to_apply", zero_shot and params.function_to_apply is not None),
+            ("multi_label", not zero_shot and params.multi_label is not None),
+            ("hypothesis_template", not zero_shot and params.hypothesis_template is not None)) if given]
         req = ClassifyRequest(model=tei.model or default_model(daemon, "classify"), inputs=texts,
-                              raw_scores=tei.raw_scores, truncate=True if tei.truncate is None else tei.truncate,
-                              timeout_ms=tei.timeout_ms)
+                              top_k=params.top_k, raw_scores=tei.raw_scores or params.function_to_apply == "none",
+                              multi_label=params.multi_label if zero_shot else
+                              {"sigmoid": True, "softmax": False}.get(params.function_to_apply or ""),
+                              truncate=True if tei.truncate is None else tei.truncate, timeout_ms=tei.timeout_ms,
+                              candidate_labels=labels, hypothesis_template=params.hypothesis_template if zero_shot
+                              else None)
         results, _, answer = await tasks.classify(daemon, req, codec.encode_msgpack(req))
         rows = [[TeiPrediction(x.score, x.label) for x in labels] for labels in results]
-        return reply(request, rows if batch else rows[0],
-                     headers={**answer_headers(answer), **fields.ignored_header(dropped)})
+        headers = {**answer_headers(answer), **fields.ignored_header(dropped + not_applied)}
+        if request.scope.get(SCOPE_ROOT) and not zero_shot:
+            # The HF Inference API's text classification: a list of labels per input, one input too.
+            return reply(request, rows, headers=headers)
+        return reply(request, rows if batch else rows[0], headers=headers)
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, request: Request, daemon: Daemon) -> Response:
