@@ -2,27 +2,30 @@
 answer is read from the model's next-token distribution, nothing is generated.
 
 Every request's state is a shared prefix: it is run once (once per batch for
-requests that share it, and kept for later batches: `PrefixCache`), and each
-question's rows continue from its key/value cache. A question never sees another:
-its rows hold the state and itself only, so adding, removing or reordering the
-other questions of a request leaves its answer as it was (to float rounding of
-the batch's shapes, under 1e-5).
+requests that share it, and kept for later batches: `PrefixCache`), and its
+questions continue from its key/value cache, packed end to end into one sequence
+(`PackBuilder`): each question's head (its text) once, then its rows, each row
+seeing the state, its head and itself only (an attention mask; positions count on
+from the head as if the row were alone). A question never sees another, so adding,
+removing or reordering the other questions of a request leaves its answer as it was
+(to float rounding of the batch's shapes, under 1e-5).
 
     prefix = template head + INTRO (what to answer) + state
-    row    = "Question: ..." + options listed "A. ...", "B. ..." + template tail + "Answer:"
+    head   = "Question: ..."
+    row    = options listed "A. ...", "B. ..." + template tail + "Answer:"
 
-A row holds only what differs per question, so a question costs its own few tokens
-and the state's are read once: eight questions on a long state cost little more
-than one (bench/README, "Typed decisions").
+The state is read once and a question's text once, whatever the number of questions
+and rows; what eight questions cost against one is measured in bench/README ("Typed
+decisions").
 
 - Up to `len(labels)` options (the letters that are one token each after the cue,
   at most 26): two rows, the options listed in request order and in reverse; each
   row's next-token logits at the label tokens, divided by the question's temperature,
   give a distribution over the options it listed; the answer is the mean of the
   two (the position bias of one order cancels against the other's).
-- More options (up to 255): one row per option, the question then the option's
-  name after the cue; its summed log-likelihood, over the temperature, is the
-  option's logit, and a softmax over the options gives the answer.
+- More options (up to 255): the head holds the question, the template's tail and
+  the cue; one row per option holds its name, whose summed log-likelihood, over the
+  temperature, is the option's logit, and a softmax over the options gives the answer.
 
 The template is the model's chat template rendered around the user's turn, with
 thinking off (`enable_thinking=False`, which templates that know no thinking
@@ -56,9 +59,11 @@ INTRO = ("Read the following, then answer the question after it: the letter of t
          "are lettered, else the option itself.\n\n")
 CUE = "Answer:"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-#: Device bytes of gathered key/value rows one micro-batch may hold (each row holds its
-#: own copy of its state's cache while the forward runs): rows are cut to fit.
+#: Device bytes of gathered key/value rows one micro-batch may hold (each pack holds its
+#: own copy of its state's cache while the forward runs): packs are cut to fit.
 ROW_CACHE_BYTES = 256 << 20
+#: Tokens of one state's rows packed into one sequence (its attention mask is square in them).
+PACK_TOKENS = 1024
 #: Bytes of vocabulary logits one micro-batch may hold (the likelihood rows keep one
 #: row of logits per option token).
 LOGIT_BYTES = 128 << 20
@@ -148,13 +153,71 @@ class PrefixCache:
 
 @dataclass
 class Plan:
-    """A batch's rows (one entry per row) and questions (one per question, request order)."""
+    """A batch's questions (request order) and their rows. A question's head (its
+    text; with the cue too when its rows are options' likelihoods) is read once; each
+    row is a branch after it (the options listed, the template's tail and the cue; or
+    one option's tokens)."""
 
-    ids: list[list[int]]  # a row's tokens after its state: the question, options, cue[, the option]
-    owner: np.ndarray  # the request (index into the live requests) a row belongs to
-    keep: np.ndarray  # likelihood rows: how many of the last tokens are the option (0: a label row)
+    heads: list[list[int]]
     questions: list[tuple[str, int, int, bool]]  # (kind, first row, options, read from labels)
+    owner: np.ndarray  # per question: the request (index into the live requests) it belongs to
+    ids: list[list[int]]  # per row: its tokens after its question's head
+    question_of: np.ndarray  # per row: its question
+    keep: np.ndarray  # per row: a likelihood row's option tokens (its whole branch); 0: a label row
     per_request: list[int]  # questions of each live request
+
+
+class PackBuilder:
+    """One sequence after a state's cache: questions' heads, each followed by branches
+    that see the state, their head and themselves only (the rest is masked)."""
+
+    def __init__(self, state: int) -> None:
+        self.state = state
+        self.ids: list[int] = []
+        self.seg: list[int] = []  # per token: where its own segment starts
+        self.head_lo: list[int] = []  # per token: its question's head in the pack ([lo, hi); empty for heads)
+        self.head_hi: list[int] = []
+        self.offset: list[int] = []  # per token: its position after the state's
+        self.head: tuple[int, int, int] = (-1, 0, 0)  # (question, start, end) of the last head added
+        self.label_rows: list[int] = []
+        self.label_at: list[int] = []
+        self.option_rows: list[int] = []
+        self.option_at: list[int] = []
+        self.option_tokens: list[int] = []
+        self.option_first: list[int] = []
+
+    def add_head(self, question: int, tokens: list[int]) -> None:
+        start = len(self.ids)
+        self._add(tokens, start, 0, 0, 0)
+        self.head = (question, start, len(self.ids))
+
+    def add_row(self, row: int, tokens: list[int], keep: int) -> None:
+        _, lo, hi = self.head
+        start = len(self.ids)
+        self._add(tokens, start, lo, hi, hi - lo)
+        if keep:  # each option token is read at the position before it: the head's last, then its own
+            self.option_rows.append(row)
+            self.option_first.append(len(self.option_at))
+            self.option_at.extend([hi - 1, *range(start, start + keep - 1)])
+            self.option_tokens.extend(tokens)
+        else:
+            self.label_rows.append(row)
+            self.label_at.append(len(self.ids) - 1)
+
+    def _add(self, tokens: list[int], start: int, lo: int, hi: int, base: int) -> None:
+        n = len(tokens)
+        self.ids.extend(tokens)
+        self.seg.extend([start] * n)
+        self.head_lo.extend([lo] * n)
+        self.head_hi.extend([hi] * n)
+        self.offset.extend(range(base, base + n))
+
+    @property
+    def rows(self) -> int:
+        return len(self.label_rows) + len(self.option_rows)
+
+    def reads(self) -> np.ndarray:
+        return np.unique(np.asarray(self.label_at + self.option_at, dtype=np.int64))
 
 
 class DecisionLM(Adapter):
@@ -230,14 +293,18 @@ class DecisionLM(Adapter):
     def batch(self, requests: list[DecideRequest], ctx: BatchContext) -> Steps:
         results: list[Any] = [self.refuse(r) for r in requests]
         live = [i for i, r in enumerate(results) if r is None]
-        # 1. Token ids: each state framed as a prefix, each question as its rows.
+        # 1. Token ids: each state framed as a prefix, each question as its head and rows.
         prefix_ids = self._prefix_ids([requests[i].state for i in live])
         plan = self._plan([requests[i] for i in live])
+        head_len = np.fromiter(map(len, plan.heads), dtype=np.int64, count=len(plan.heads))
         row_len = np.fromiter(map(len, plan.ids), dtype=np.int64, count=len(plan.ids))
-        # 2. A request whose state and longest row do not fit the model's positions fails alone.
+        # 2. A request whose state, a question's head and its longest row do not fit the
+        #    model's positions fails alone.
         prefix_len = np.fromiter(map(len, prefix_ids), dtype=np.int64, count=len(prefix_ids))
+        question_len = head_len.copy()
+        np.maximum.at(question_len, plan.question_of, row_len + head_len[plan.question_of])
         longest = np.zeros(len(live), dtype=np.int64)
-        np.maximum.at(longest, plan.owner, row_len)
+        np.maximum.at(longest, plan.owner, question_len)
         ok = prefix_len + longest <= self.max_len
         for k in np.flatnonzero(~ok):
             results[live[k]] = too_long(self.spec.name, "state and question", int(prefix_len[k] + longest[k]),
@@ -253,15 +320,16 @@ class DecisionLM(Adapter):
             yield from self._run_prefixes([prefix_ids[first_of[s]] for s in todo], todo, caches, ctx)
             for s in todo:
                 self.prefixes.put(keys[first_of[s]], caches[s])
-        # 4. The rows of the requests that fit, by state, in micro-batches.
+        # 4. The questions of the requests that fit, packed by state, in micro-batches.
         scores = np.zeros(len(plan.ids), dtype=np.float64)
         label_logits = np.zeros((len(plan.ids), max(1, len(self.label_ids))), dtype=np.float64)
-        which = np.flatnonzero(ok[plan.owner])
+        which = np.flatnonzero(ok[plan.owner]) if len(plan.owner) else plan.owner
         yield from self._run_rows(plan, state_of[plan.owner], which, caches, scores, label_logits, ctx)
-        # 5. Probabilities per question, then per request.
+        # 5. Probabilities per question, then per request; tokens read: the state once, each head, each row.
         probs = self._combine(plan, scores, label_logits)
         used = prefix_len.copy()
-        np.add.at(used, plan.owner, row_len)
+        np.add.at(used, plan.owner, head_len)
+        np.add.at(used, plan.owner[plan.question_of], row_len)
         for k, i in enumerate(live):
             if ok[k]:
                 results[i] = DecideResult(probs[k].astype("<f8").tobytes(), int(used[k]))
@@ -272,46 +340,46 @@ class DecisionLM(Adapter):
         return self.tokenizer(texts, add_special_tokens=not self.frame.templated)["input_ids"] if texts else []
 
     def _plan(self, requests: list[DecideRequest]) -> Plan:
-        """Every question's rows as token ids. A question of up to `len(labels)`
-        options has two label rows (its options listed in order, then reversed); one
-        of more has a likelihood row per option (the question, the cue, the option);
-        one with a single option has none (its answer is certain)."""
+        """Every question's head and rows as token ids. A question of up to
+        `len(labels)` options has two label rows (its options listed in order, then
+        reversed); one of more has a likelihood row per option (after a head that ends
+        with the cue); one with a single option has none (its answer is certain)."""
+        heads: list[str] = []
         texts: list[str] = []
         owner: list[int] = []
-        options: list[str] = []
-        option_rows: list[int] = []
+        question_of: list[int] = []
+        options: list[int] = []
         questions: list[tuple[str, int, int, bool]] = []
         n_labels = len(self.labels)
         tail = self.frame.tail
         for k, req in enumerate(requests):
             for q in req.questions:
                 n = len(q.options)
-                head = f"Question: {q.text}\n"
                 labelled = n <= n_labels or n <= 1
+                qi = len(questions)
                 questions.append((q.kind, len(texts), n, labelled))
+                owner.append(k)
                 if n <= 1:
-                    continue
-                if labelled:
+                    heads.append("")
+                elif labelled:
+                    heads.append(f"Question: {q.text}\n")
                     for order in (q.options, q.options[::-1]):
                         listed = "".join(f"{c.strip()}. {o}\n" for c, o in zip(self.labels, order))
-                        texts.append(f"{head}{listed}{tail}{self.label_cue}")
-                        owner.append(k)
+                        texts.append(f"{listed}{tail}{self.label_cue}")
+                        question_of.append(qi)
                 else:
-                    context = f"{head}{tail}{self.frame.cue}"
+                    heads.append(f"Question: {q.text}\n{tail}{self.frame.cue}")
                     for name in q.names:
-                        option_rows.append(len(texts))
-                        options.append(" " + name)
-                        texts.append(context)
-                        owner.append(k)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+                        options.append(len(texts))
+                        texts.append(" " + name)
+                        question_of.append(qi)
+        tokenize = self.tokenizer
+        head_ids = tokenize(heads, add_special_tokens=False)["input_ids"] if heads else []
+        ids = tokenize(texts, add_special_tokens=False)["input_ids"] if texts else []
         keep = np.zeros(len(texts), dtype=np.int64)
-        if options:
-            # A likelihood row ends with its option's tokens; `keep` counts them.
-            for j, option in zip(option_rows, self.tokenizer(options, add_special_tokens=False)["input_ids"]):
-                ids[j] = ids[j] + option
-                keep[j] = len(option)
-        return Plan(ids, np.asarray(owner, dtype=np.int64), keep, questions,
-                    [len(r.questions) for r in requests])
+        keep[options] = [len(ids[j]) for j in options]
+        return Plan(head_ids, questions, np.asarray(owner, dtype=np.int64), ids,
+                    np.asarray(question_of, dtype=np.int64), keep, [len(r.questions) for r in requests])
 
     def _run_prefixes(self, prefixes: list[list[int]], slots: list[int], caches: list[Any], ctx: BatchContext):
         """Forward the states (right-padded, so every row's first column is real and no
@@ -345,58 +413,94 @@ class DecisionLM(Adapter):
 
     def _run_rows(self, plan: Plan, state: np.ndarray, which: np.ndarray, caches: list[Any], scores: np.ndarray,
                   label_logits: np.ndarray, ctx: BatchContext):
-        """Forward the rows `which` (left-padded, so column -1 is every row's last token)
-        on their states' caches (`state`: per row), grouped by state then length; label
-        rows give their label logits, likelihood rows the summed log-probability of their
-        option's tokens."""
+        """Forward the questions `which` on their states' caches (`state`: per question).
+        A state's questions are packed end to end into one sequence (`PackBuilder`):
+        the state's keys are held once per sequence, not once per row, and a question's
+        head once for all its rows. Label rows give the label logits at their last
+        token, likelihood rows the summed log-probability of their option's tokens."""
         torch = self._torch
         if not len(which):
             return
-        lengths = np.fromiter((len(plan.ids[j]) for j in which), dtype=np.int64, count=len(which))
-        order = which[np.lexsort((lengths, state[which]))]
         prefix_len = np.array([c[0][0].shape[2] if c is not None else 0 for c in caches], dtype=np.int64)
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
         label_ids = torch.tensor(self.label_ids or [0], dtype=torch.long, device=self.device)
-        start = 0
-        while start < len(order):
-            # 1. As many rows as the micro-batch, the gathered caches and the logits allow.
-            chunk = order[start : start + self.micro_items(ctx)]
-            width = int(prefix_len[state[chunk]].max()) + max(len(plan.ids[j]) for j in chunk)
-            fits = min(ROW_CACHE_BYTES // (width * self._kv_bytes()),
-                       LOGIT_BYTES // ((int(plan.keep[chunk].max()) + 1) * vocab * 4))
-            chunk = chunk[: max(1, fits)]
-            start += len(chunk)
+        for batch in self._packs(plan, state, which, prefix_len, vocab, ctx):
             yield
-            used, local = np.unique(state[chunk], return_inverse=True)
+            # 1. Inputs: each pack's state right-padded to the widest, then the pack.
+            used, local = np.unique([pk.state for pk in batch], return_inverse=True)
             p_width = int(prefix_len[used].max())
-            s_width = max(len(plan.ids[j]) for j in chunk)
-            keep = int(plan.keep[chunk].max())
-            # 2. Inputs: each row's state (right-padded to the widest), then its tokens (left-padded).
-            ids = np.full((len(chunk), s_width), self.pad_id, dtype=np.int64)
-            mask = np.zeros((len(chunk), p_width + s_width), dtype=np.int64)
-            for r, j in enumerate(chunk):
-                row = plan.ids[j]
-                ids[r, s_width - len(row):] = row
-                mask[r, : prefix_len[state[j]]] = 1
-                mask[r, p_width + s_width - len(row):] = 1
-            positions = prefix_len[state[chunk]][:, None] + np.cumsum(mask[:, p_width:], axis=1) - 1
+            q_width = max(len(pk.ids) for pk in batch)
+            ids = np.full((len(batch), q_width), self.pad_id, dtype=np.int64)
+            positions = np.zeros((len(batch), q_width), dtype=np.int64)
+            allowed = np.zeros((len(batch), q_width, p_width + q_width), dtype=bool)
+            q = np.arange(q_width)
+            for b, pk in enumerate(batch):
+                n = len(pk.ids)
+                ids[b, :n] = pk.ids
+                # A token sees the state, its question's head and its own segment up to
+                # itself; padding sees the state and itself.
+                seg = np.concatenate([pk.seg, q[n:]])
+                lo = np.concatenate([pk.head_lo, np.zeros(q_width - n, dtype=np.int64)])
+                hi = np.concatenate([pk.head_hi, np.zeros(q_width - n, dtype=np.int64)])
+                allowed[b, :, : prefix_len[pk.state]] = True
+                allowed[b, :, p_width:] = (((q[None, :] >= seg[:, None]) & (q[None, :] <= q[:, None]))
+                                           | ((q[None, :] >= lo[:, None]) & (q[None, :] < hi[:, None])))
+                positions[b] = prefix_len[pk.state] + np.concatenate([pk.offset, np.zeros(q_width - n, np.int64)])
+            # 2. The positions whose next-token logits are read, shared by the batch's packs.
+            keep = np.unique(np.concatenate([pk.reads() for pk in batch]))
             with torch.inference_mode():
+                mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
+                mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(self.model.dtype).min)
                 cache = gathered([caches[s] for s in used], p_width, torch.from_numpy(local).to(self.device))
                 out = self.model(input_ids=torch.from_numpy(ids).to(self.device),
-                                 attention_mask=torch.from_numpy(mask).to(self.device),
-                                 position_ids=torch.from_numpy(np.maximum(positions, 0)).to(self.device),
-                                 use_cache=True, logits_to_keep=keep + 1, **{self.cache_kw: cache})
+                                 attention_mask=mask[:, None].to(self.device),
+                                 position_ids=torch.from_numpy(positions).to(self.device), use_cache=True,
+                                 logits_to_keep=torch.from_numpy(keep).to(self.device), **{self.cache_kw: cache})
                 logits = out.logits.float()
-                # 3. Label rows: the label logits at the last position.
-                label_logits[chunk] = logits[:, -1, label_ids].double().cpu().numpy()
-                if keep:
-                    # 4. Likelihood rows: log p of each option token, read at the position before it.
-                    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-                    target = torch.from_numpy(ids[:, s_width - keep:]).to(self.device)
-                    picked = logp.gather(-1, target[..., None])[..., 0]
-                    counts = torch.from_numpy(plan.keep[chunk]).to(self.device)
-                    mine = torch.arange(keep, device=self.device)[None, :] >= (keep - counts)[:, None]
-                    scores[chunk] = (picked * mine).sum(dim=1).double().cpu().numpy()
+                for b, pk in enumerate(batch):
+                    if pk.label_rows:
+                        at = torch.from_numpy(np.searchsorted(keep, pk.label_at)).to(self.device)
+                        label_logits[pk.label_rows] = logits[b, at][:, label_ids].double().cpu().numpy()
+                    if pk.option_rows:
+                        at = torch.from_numpy(np.searchsorted(keep, pk.option_at)).to(self.device)
+                        token = torch.tensor(pk.option_tokens, device=self.device)
+                        picked = torch.log_softmax(logits[b, at], dim=-1).gather(-1, token[:, None])[:, 0]
+                        scores[pk.option_rows] = np.add.reduceat(picked.double().cpu().numpy(), pk.option_first)
+
+    def _packs(self, plan: Plan, state: np.ndarray, which: np.ndarray, prefix_len: np.ndarray, vocab: int,
+               ctx: BatchContext):
+        """The questions `which` as packs (a state's questions end to end, at most
+        PACK_TOKENS tokens and `micro_items` rows; a question too long for one pack
+        repeats its head in the next), in micro-batches of at most `micro_items` rows
+        whose gathered caches and kept logits fit ROW_CACHE_BYTES and LOGIT_BYTES."""
+        step = self.micro_items(ctx)
+        rows_of = np.split(np.argsort(plan.question_of, kind="stable"),
+                           np.cumsum(np.bincount(plan.question_of, minlength=len(plan.heads)))[:-1])
+        packs: list[PackBuilder] = []
+        pack: PackBuilder | None = None
+        for qi in which[np.argsort(state[which], kind="stable")]:
+            head = plan.heads[qi]
+            for r in rows_of[qi]:
+                row = plan.ids[r]
+                if pack is None or pack.state != state[qi] or pack.rows >= step or (
+                        len(pack.ids) + len(row) + (len(head) if pack.head[0] != qi else 0) > PACK_TOKENS):
+                    pack = PackBuilder(int(state[qi]))
+                    packs.append(pack)
+                if pack.head[0] != qi:
+                    pack.add_head(int(qi), head)
+                pack.add_row(int(r), row, int(plan.keep[r]))
+        batch: list[PackBuilder] = []
+        for pk in packs:
+            grown = [*batch, pk]
+            width = int(prefix_len[[x.state for x in grown]].max()) + max(len(x.ids) for x in grown)
+            reads = len(np.unique(np.concatenate([x.reads() for x in grown])))
+            if batch and (sum(x.rows for x in grown) > step or len(grown) * width * self._kv_bytes() > ROW_CACHE_BYTES
+                          or len(grown) * reads * vocab * 8 > LOGIT_BYTES):
+                yield batch
+                grown = [pk]
+            batch = grown
+        if batch:
+            yield batch
 
     def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray) -> list[np.ndarray]:
         """Per live request, its questions' probabilities laid end to end."""

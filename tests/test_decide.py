@@ -144,8 +144,10 @@ def test_answers_do_not_move_with_other_questions(daemon):
 
 
 def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
-    """The shared prefix, the batch's padding and the two orders change nothing: each
-    question's answer is what its own full sequence gives, run alone without a cache."""
+    """The shared prefix, the packing of questions and rows into one sequence, the
+    batch's padding and the two orders change nothing: each question's answer is what
+    its own full sequences give (the state, the question's head, one row), each run
+    alone without a cache."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,8 +167,10 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
     # This tokenizer has no single-token " A": the labels are "A", "B", ... after "Answer: ".
     labels = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "ABCD"]
 
-    def next_logits(row: str, extra: list[int] = ()) -> torch.Tensor:
-        ids = prefix + tok(row, add_special_tokens=False)["input_ids"] + list(extra)
+    def next_logits(question: str, row: str | list[int]) -> torch.Tensor:
+        # The question's head and its row are tokenized apart, as the worker reads them.
+        row_ids = row if isinstance(row, list) else tok(row, add_special_tokens=False)["input_ids"]
+        ids = prefix + tok(question, add_special_tokens=False)["input_ids"] + row_ids
         with torch.no_grad():
             return model(torch.tensor([ids])).logits[0].double()
 
@@ -174,7 +178,7 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
         rows = []
         for order in (options, options[::-1]):
             body = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", order))
-            logits = next_logits(f"Question: {text}\n{body}{tail}{cue} ")
+            logits = next_logits(f"Question: {text}\n", f"{body}{tail}{cue} ")
             rows.append(torch.softmax(logits[-1, labels[: len(options)]], 0).numpy())
         return (rows[0] + rows[1][::-1]) / 2
 
