@@ -588,8 +588,11 @@ class Batches:
         """The model a line of `task` runs on (its default when it names none); raises
         what the route would answer for a model that cannot run it."""
         from daemon.controllers.common import default_model
+        from daemon.controllers.systemone import decision_model
 
-        name = model or default_model(self.daemon, task)
+        # A decision line's `jev-latest` is the box's default decision model, as on its route.
+        name = decision_model(self.daemon, model) if task == "decide" and model else model or default_model(
+            self.daemon, task)
         try:
             self.daemon.manifest(name, task)
         except ModelNotFound:

@@ -18,11 +18,13 @@ FINAL = frozenset({FAILED, COMPLETED, EXPIRED, CANCELLED})
 
 #: The routes a batch may run: OpenAI's and fleet's native inference endpoints.
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions",
-             "/v1/embed", "/v1/rerank", "/v1/classify", "/v1/extract", "/v1/generate")
+             "/v1/embed", "/v1/rerank", "/v1/classify", "/v1/extract", "/v1/generate",
+             "/v1/systemone", "/v1/decisions")
 #: The task of each endpoint (the model a line names must serve it).
 ENDPOINT_TASK = {"/v1/embeddings": "embed", "/v1/chat/completions": "generate", "/v1/completions": "generate",
                  "/v1/embed": "embed", "/v1/rerank": "rerank", "/v1/classify": "classify",
-                 "/v1/extract": "extract", "/v1/generate": "generate"}
+                 "/v1/extract": "extract", "/v1/generate": "generate",
+                 "/v1/systemone": "decide", "/v1/decisions": "decide"}
 
 
 class FileObject(msgspec.Struct):

@@ -326,3 +326,37 @@ def test_fleetctl_decide_prints_one_line_per_answer(daemon):
     refused = decide("--score", "How angry?|" + "|".join(f"level {i}" for i in range(11)))
     assert refused.returncode == 1 and "How angry?.score.criteria" in refused.stderr
     assert decide("--noul", "?", "--model", "no-such-model").returncode == 1
+
+
+# ---- a batch file of decisions ------------------------------------------------------------------
+
+def test_a_batch_of_decisions_answers_as_the_route_does(daemon, tmp_path):
+    import openai
+
+    client = openai.OpenAI(api_key=KEY, base_url=daemon.url + "/v1", max_retries=0)
+    states = [f"Ticket {i}. {TICKET}" for i in range(6)]
+    lines = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/systemone",
+              "body": {"model": "jev-latest", "state": s, "questions": {"team": CHOICE, "refund": NOUL}}}
+             for i, s in enumerate(states)]
+    lines.insert(3, {"custom_id": "bad", "method": "POST", "url": "/v1/systemone",
+                     "body": {"model": "jev-latest", "state": "x", "questions": {}}})
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    f = client.files.create(file=path.open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/systemone", completion_window="24h")
+    end = time.monotonic() + 120
+    while b.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < end, b
+        time.sleep(0.2)
+        b = client.batches.retrieve(b.id)
+    assert b.status == "completed" and b.model == MODEL, b
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (7, 6, 1)
+    out = {r["custom_id"]: r["response"] for r in map(json.loads, client.files.content(b.output_file_id).text.splitlines())}
+    for i in (0, 5):
+        alone = ask(daemon, {"team": CHOICE, "refund": NOUL}, state=states[i]).json()
+        assert out[f"t{i}"]["status_code"] == 200
+        for q in ("team", "refund"):
+            assert np.abs(vector(out[f"t{i}"]["body"]["answers"][q]) - vector(alone["answers"][q])).max() <= 1e-5
+    [bad] = map(json.loads, client.files.content(b.error_file_id).text.splitlines())
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 422
+    assert bad["response"]["body"]["detail"][0]["loc"] == ["body", "questions"]
