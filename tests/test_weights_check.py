@@ -31,6 +31,8 @@ from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_d
 
 FOO = "foo-weights"
 TWIN = "minilm-twin"
+#: The foo folder as an operator's catalog entry (FLEET_HOME/models.toml): what /api/pull takes.
+LISTED_FOO = "foo-listed"
 
 
 def minilm_with(folder: Path, tensors: dict) -> Path:
@@ -136,8 +138,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     store = Store(home / "models")
     pull_model(store, DEFAULT_MODEL)
     # Stored as a pull before this check stored it (the check is what is under test).
-    pull_model(store, f"path:{foo_folder(root / 'foo')}", name=FOO, weights_check=False)
+    foo = foo_folder(root / "foo")
+    pull_model(store, f"path:{foo}", name=FOO, weights_check=False)
     pull_model(store, f"path:{default_model_dir()}", name=TWIN)
+    (home / "models.toml").write_text(f'[models."{LISTED_FOO}"]\nsource = "path:{foo}"\ntask = "embed"\n'
+                                      'runtime = "sentence-transformers"\n')
     d = start_daemon(home, args=["--workers", "1"])
     yield d
     d.stop()
@@ -162,3 +167,16 @@ def test_a_stored_model_with_mismatched_weights_is_refused_at_load_and_sizes_not
     ps = httpx.get(served.url + "/v1/ps", timeout=30).json()
     resident = {m for w in ps["workers"] for m in w.get("models", {})}
     assert TWIN in resident and FOO not in resident
+
+
+def test_a_pull_through_the_api_is_refused_400_and_the_daemon_keeps_serving(served: DaemonProc):
+    """The API process never maps torch: its pull checks in a child process."""
+    r = httpx.post(served.url + "/api/pull", json={"model": LISTED_FOO, "stream": False}, headers=served.admin,
+                   timeout=300)
+    assert r.status_code == 400, r.text
+    assert f"cannot pull {LISTED_FOO}: its weights do not match its architecture" in r.json()["error"]
+    assert "(foo)" in r.json()["error"]
+    assert not Store(served.home / "models").exists(LISTED_FOO)
+    tags = httpx.get(served.url + "/api/tags", timeout=30).json()["models"]
+    assert tags and not any(m["name"].startswith(LISTED_FOO) for m in tags)
+    assert embed(served, DEFAULT_MODEL).status_code == 200
