@@ -225,16 +225,14 @@ class DecisionLM(Adapter):
 
     def load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self._torch = torch
         self.dtype = self._dtype()
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code,
-                use_safetensors=True, dtype=getattr(torch, self.dtype))
+            model = load_causal_lm(self.spec, getattr(torch, self.dtype))
         except FleetError:
             raise
         except Exception as exc:  # the library raises many types for bad folders
@@ -246,6 +244,8 @@ class DecisionLM(Adapter):
         positions = int(getattr(model.config, "max_position_embeddings", 0) or DEFAULT_MAX_TOKENS)
         self.max_len = min(int(self.spec.max_seq_len or positions), positions)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # SDPA takes the packs' mask as booleans (True: attend); the eager attention adds it.
+        self.bool_mask = getattr(model.config, "_attn_implementation", "") == "sdpa"
         self.frame = chat_frame(tokenizer)
         self.labels, self.label_ids, self.label_cue = single_token_labels(tokenizer, self.frame)
         self.temperatures: dict[str, float] = dict(self.spec.extra.get("decide_temperatures") or {})
@@ -449,8 +449,11 @@ class DecisionLM(Adapter):
             # 2. The positions whose next-token logits are read, shared by the batch's packs.
             keep = np.unique(np.concatenate([pk.reads() for pk in batch]))
             with torch.inference_mode():
-                mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
-                mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(self.model.dtype).min)
+                if self.bool_mask:
+                    mask = torch.from_numpy(allowed)
+                else:
+                    mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
+                    mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(self.model.dtype).min)
                 cache = gathered([caches[s] for s in used], p_width, torch.from_numpy(local).to(self.device))
                 out = self.model(input_ids=torch.from_numpy(ids).to(self.device),
                                  attention_mask=mask[:, None].to(self.device),
@@ -476,6 +479,11 @@ class DecisionLM(Adapter):
         step = self.micro_items(ctx)
         rows_of = np.split(np.argsort(plan.question_of, kind="stable"),
                            np.cumsum(np.bincount(plan.question_of, minlength=len(plan.heads)))[:-1])
+        # A state's questions in packs of about equal length (no pack padded far past its own).
+        tokens = np.fromiter(map(len, plan.heads), dtype=np.int64, count=len(plan.heads))
+        np.add.at(tokens, plan.question_of, np.fromiter(map(len, plan.ids), dtype=np.int64, count=len(plan.ids)))
+        per_state = np.bincount(state[which], weights=tokens[which], minlength=int(state.max(initial=0)) + 1)
+        limit = np.ceil(per_state / np.maximum(1, np.ceil(per_state / PACK_TOKENS))).astype(np.int64)
         packs: list[PackBuilder] = []
         pack: PackBuilder | None = None
         for qi in which[np.argsort(state[which], kind="stable")]:
@@ -483,7 +491,7 @@ class DecisionLM(Adapter):
             for r in rows_of[qi]:
                 row = plan.ids[r]
                 if pack is None or pack.state != state[qi] or pack.rows >= step or (
-                        len(pack.ids) + len(row) + (len(head) if pack.head[0] != qi else 0) > PACK_TOKENS):
+                        len(pack.ids) + len(row) + (len(head) if pack.head[0] != qi else 0) > limit[state[qi]]):
                     pack = PackBuilder(int(state[qi]))
                     packs.append(pack)
                 if pack.head[0] != qi:
@@ -518,6 +526,18 @@ class DecisionLM(Adapter):
                 flat.append(softmax(scores[first : first + n] / t))
         ends = np.cumsum(plan.per_request)
         return [np.concatenate(flat[e - c : e]) for c, e in zip(plan.per_request, ends)]
+
+
+def load_causal_lm(spec: Any, dtype: Any) -> Any:
+    """The model with SDPA attention (the packs' mask as booleans), else as its config
+    says (a model without SDPA: eager, with an additive mask)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(local_files_only=True, trust_remote_code=spec.trust_remote_code, use_safetensors=True, dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(spec.path), attn_implementation="sdpa", **kwargs)
+    except ValueError:  # "does not support an attention implementation through torch.nn.functional.sdpa"
+        return AutoModelForCausalLM.from_pretrained(str(spec.path), **kwargs)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
