@@ -3,7 +3,9 @@
 The daemon's admin routes, and peers of the device asking for room
 (`Residency.ask_peers_to_evict`), put `Command`s into `ctl:<worker>`; the step
 loop serves them before any lane (`serve_control`), each acked with a
-`CommandDone` or a `WorkError` as soon as it is done.
+`CommandDone` or a `WorkError` as soon as it is done. A load or pin whose load
+runs beside serving while other work waits (runtimes.loading) keeps its claim
+(the heartbeat renews it) and is answered when the load settles (`settle`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, PROFILE, UNLOAD,
 from fleet.control import decode_command as _decode_command
 from fleet.errors import BadRequest, FleetError
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
+from runtimes.loading import LoadRuns, PendingLoad
 from runtimes.memory import NotNow
 from runtimes.residency import PeersAsked, Residency
 
@@ -32,29 +35,57 @@ def serve_control(queue, lane: int, residency: Residency, *, lease_ms: int, serv
     claims = queue.claim(lane, worker=residency.worker_id, max_items=CONTROL_BATCH, max_tokens=1 << 30,
                          lease_ms=lease_ms)
     for c in claims:
-        try:
-            body = apply_command(residency, _decode_command(c.payload))
-            status = STATUS_OK
-        except FleetError as exc:
-            body, status = WorkError(exc.code, exc.message), STATUS_ERROR
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            body, status = WorkError("bad_request", f"undecodable control command: {exc}"), STATUS_ERROR
-        except NotNow as exc:
-            body, status = WorkError("overloaded", f"{exc}; retry shortly"), STATUS_ERROR
-        except Exception as exc:  # the worker stays up; the caller learns why
-            log.exception("control command failed")
-            body, status = WorkError("internal", f"{type(exc).__name__}: {exc}"), STATUS_ERROR
-        queue.ack_many([(c.item_id, _encode(Envelope(0.0, 0.0, served_by, body)), status)])
+        answer(queue, residency, c.item_id, c.payload, time.perf_counter(), served_by=served_by)
     return len(claims)
 
 
-def apply_command(residency: Residency, cmd: Command) -> CommandDone:
-    """Apply one control command to this worker's models."""
+def settle(queue, residency: Residency, *, served_by: str) -> None:
+    """Once per step: settle the load that ran beside serving if it is done
+    (`Residency.settle_load`), then answer the commands that waited for a load."""
+    residency.settle_load()
+    while residency.settled:
+        load = residency.settled.pop(0)
+        for item_id, cmd, started in load.waiters:
+            answer(queue, residency, item_id, cmd, started, served_by=served_by, waited=load)
+
+
+def answer(queue, residency: Residency, item_id: int, cmd: bytes | Command, started: float, *, served_by: str,
+           waited: PendingLoad | None = None) -> None:
+    """Apply one command (`started`: perf_counter when claimed) and ack it, unless its
+    load runs beside serving now: then it waits for that load (`settle`)."""
+    try:
+        cmd = cmd if isinstance(cmd, Command) else _decode_command(cmd)
+        body = apply_command(residency, cmd, started, waited)
+        status = STATUS_OK
+    except LoadRuns as runs:
+        runs.load.waiters.append((item_id, cmd, started))
+        return
+    except FleetError as exc:
+        body, status = WorkError(exc.code, exc.message), STATUS_ERROR
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        body, status = WorkError("bad_request", f"undecodable control command: {exc}"), STATUS_ERROR
+    except NotNow as exc:
+        body, status = WorkError("overloaded", f"{exc}; retry shortly"), STATUS_ERROR
+    except Exception as exc:  # the worker stays up; the caller learns why
+        log.exception("control command failed")
+        body, status = WorkError("internal", f"{type(exc).__name__}: {exc}"), STATUS_ERROR
+    queue.ack_many([(item_id, _encode(Envelope(0.0, 0.0, served_by, body)), status)])
+
+
+def apply_command(residency: Residency, cmd: Command, started: float | None = None,
+                  waited: PendingLoad | None = None) -> CommandDone:
+    """Apply one control command to this worker's models. `waited`: the load the
+    command waited for (its model's: the load's outcome is the command's)."""
     name, op, device = cmd.model, cmd.op, residency.device
     if op in (LOAD, PIN):
-        was = name in residency.models
         evicted: list[str] = []
-        t0 = time.perf_counter()
+        if waited is not None and waited.name == name:
+            if waited.error is not None:
+                raise waited.error
+            was, evicted = False, list(waited.evicted)
+        else:
+            was = name in residency.models
+        t0 = time.perf_counter() if started is None else started
         try:
             resident = residency.ensure(name, pin=op == PIN, explicit=True, evicted=evicted)
         except PeersAsked as asked:

@@ -647,19 +647,32 @@ class LoadLock:
     def held(self, *, blocking: bool = True) -> Iterator[bool]:
         """Hold the lock for the block; with `blocking=False` the block gets False at
         once (holding nothing) when another process holds it."""
-        if self.path is None:
-            yield True
-            return
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not self.acquire(blocking=blocking):
             yield False
             return
         try:
             yield True
         finally:
+            self.release()
+
+    def acquire(self, *, blocking: bool = True) -> bool:
+        """Take the lock (False at once, holding nothing, when another process holds it
+        and `blocking` is false). Held until `release`, whichever thread calls it: a load
+        that runs beside serving holds it from its decision to its settling
+        (runtimes.residency). Not reentrant: the flock is this process's, so one worker
+        takes it once (`Residency.pending` keeps one load at a time)."""
+        if self.path is None:
+            return True
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        if self.path is not None and self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 

@@ -16,7 +16,6 @@ import gc
 import importlib
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from fleet.weights import check_weights, refusal
 from local_queue import QueueFull
 from runtimes.base import Adapter, ModelSpec, Profile
+from runtimes.loading import LoadRuns, PendingLoad
 from runtimes.memory import (
     IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
     estimate_footprint, is_out_of_memory, load_error, used_bytes,
@@ -57,6 +57,9 @@ BEHIND_LOOK_GAP_NS = 1_000_000_000
 #: A model's sizing (resolve: every file re-hashed, its headers read) serves the load
 #: decisions of this long; the load itself always sizes it afresh.
 SIZED_KEEP_NS = 10_000_000_000
+#: A lazy load that failed beside serving answers its lane at the lane's next turn within
+#: this long (the step loop looks at the lanes every step); later requests load again.
+FAILED_KEEP_NS = 1_000_000_000
 
 
 class PeersAsked(NotNow):
@@ -172,6 +175,12 @@ class Residency:
     #: model -> (spec, header footprint, when sized (clock_ns)): what a load decision
     #: that does not load reuses (`ensure`).
     sized: dict[str, tuple[ModelSpec, Footprint, int]] = field(default_factory=dict)
+    #: The load running beside serving (runtimes.loading), until the step loop settles it.
+    pending: PendingLoad | None = None
+    #: Loads settled with control commands still to answer (runtimes.commands.settle).
+    settled: list[PendingLoad] = field(default_factory=list)
+    #: model -> (why its lazy load failed, when (clock_ns)): its lane's next `ensure` is answered so.
+    failed: dict[str, tuple[FleetError, int]] = field(default_factory=dict)
     #: The model being loaded now ("" when none), published so peers do not load it too.
     loading: str = ""
     #: When `loading` was announced (monotonic ns): of two workers announcing one load, the earlier goes ahead.
@@ -186,7 +195,8 @@ class Residency:
     # queue calls). Under the LoadLock a worker takes its snapshot of the
     # device, decides once (runtimes.placement.decide_load), evicts, loads and
     # publishes its new info before releasing, so the next worker of the
-    # device decides on what is really resident.
+    # device decides on what is really resident. The load itself runs beside
+    # serving (runtimes.loading): the lock is held until it settles.
 
     def ensure(self, name: str, *, pin: bool = False, explicit: bool = False,
                evicted: list[str] | None = None) -> Resident:
@@ -194,18 +204,40 @@ class Residency:
         or an explicit one (control path, `explicit=True`, which may evict
         busy unpinned models because an operator asked).
 
-        One attempt: size the model up (outside the device lock), then under the
-        lock take one `snapshot` and apply the one verdict `decide_load` gives.
+        Starts its load (`begin_load`) unless one runs here (one at a time), and
+        waits for the one running (`await_load`) while no other work waits here:
+        `LoadRuns` (NotNow) when some does, which the step loop serves meanwhile. A
+        lazy load that failed answers its lane once (`failed`)."""
+        resident = self.models.get(name)
+        if resident is None:
+            failed = self.failed.pop(name, None)
+            if failed is not None and not explicit and self.clock_ns() - failed[1] <= FAILED_KEEP_NS:
+                raise failed[0]
+            if self.pending is None:
+                self.begin_load(name, pin=pin, explicit=explicit)
+            load = self.await_load()
+            if load.name != name:  # another model's load ran first: now this one's turn
+                if not explicit:  # the step loop chooses again (it prefers the model just loaded)
+                    raise NotNow(f"{load.name} was loading on {self.device}; {name} waits its turn")
+                return self.ensure(name, pin=pin, explicit=explicit, evicted=evicted)
+            if evicted is not None:
+                evicted += load.evicted
+            if load.error is not None:
+                self.failed.pop(name, None)
+                raise load.error
+            resident = self.models[name]
+        if pin and name not in self.pinned:
+            self.pinned.add(name)
+            self.publish()
+        return resident
+
+    def begin_load(self, name: str, *, pin: bool, explicit: bool) -> None:
+        """One attempt to load `name` here: size the model up (outside the device lock),
+        then under the lock take one `snapshot`, apply the one verdict `decide_load`
+        gives and, to load, evict and start the load (`pending`), which keeps the lock.
         Raises `ModelTooLarge` for TOO_LARGE; `NotNow` for every "not here, now"
         verdict (its requests stay queued), remembered for `not_now_for`; a lazy
-        attempt that finds another load holding the device lock is NotNow too.
-        """
-        resident = self.models.get(name)
-        if resident is not None:
-            if pin and name not in self.pinned:
-                self.pinned.add(name)
-                self.publish()
-            return resident
+        attempt that finds another load holding the device lock is NotNow too."""
         # A worker that leaves a lane to its holders decides again every IDLE_NAP_S while
         # new work comes: its decisions reuse one sizing (a resolve re-hashes every file)
         # for SIZED_KEEP_NS. A load only ever follows a sizing of its own attempt: a
@@ -226,9 +258,10 @@ class Residency:
                 # here" has the library ready when it takes the model over from a peer that
                 # died (a load then costs the weights only; load_ms stays what a reload costs).
                 importlib.import_module(library)
-            with self.load_lock.held(blocking=explicit) as locked:
-                if not locked:
-                    raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
+            if not self.load_lock.acquire(blocking=explicit):
+                raise self.remember(name, NotNow(f"another load holds {self.device}; {name} waits its turn"))
+            started = False
+            try:
                 snap = self.snapshot(self.queue.lane_stats())
                 verdict = decide_load(snap, name, estimate, explicit=explicit)
                 if verdict.kind == TOO_LARGE:
@@ -243,19 +276,18 @@ class Residency:
                     kept = None
                     continue
                 self.announce_load(name, snap, look=not explicit)
+                load = PendingLoad(spec, header, estimate, pin=pin)
                 for victim in verdict.evict:
                     log.info("evicting %s from %s to make room for %s", victim, self.device, name)
                     self.unload(victim, reason="lru")
-                    if evicted is not None:
-                        evicted.append(victim)
-                resident = self.load_adapter(spec, header, estimate)
-            break
-        self.not_now.pop(name, None)
-        self.unservable.pop(name, None)
-        if pin:
-            self.pinned.add(name)
-            self.publish()
-        return resident
+                    load.evicted.append(victim)
+                self.pending = load
+                load.start(lambda: self.build_adapter(spec), self.progress, self.load_timeout_ms)
+                started = True
+                return
+            finally:
+                if not started:  # else the load holds the lock until it settles
+                    self.load_lock.release()
 
     def size_up(self, name: str) -> tuple[ModelSpec, Footprint]:
         """Resolve `name` (re-hashes its files) and read its footprint from its headers."""
@@ -280,49 +312,105 @@ class Residency:
             self.publish()
             raise self.remember(name, NotNow(f"another worker announced {name} first; it loads it"))
 
-    def load_adapter(self, spec: ModelSpec, header: Footprint, estimate: Footprint) -> Resident:
-        """The load itself (`loading` published), then measure, correct the estimate
-        and publish. Out of memory while loading is "not here, now" (the memory was
-        taken meanwhile: the lane waits and the next attempt decides again) until
-        MAX_LOAD_OOMS in a row; other failures are the model's (`load_error`)."""
-        name = spec.name
-        t0 = time.perf_counter()
+    def build_adapter(self, spec: ModelSpec) -> Adapter:
+        """The load itself, on its own thread (runtimes.loading): it touches nothing else here."""
+        self.check_weights(spec)
+        adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
+        if spec.profile.engine not in ("auto", *adapter.engines):
+            raise ModelLoadFailed(f"{spec.name}: runtime {spec.runtime!r} runs on {', '.join(adapter.engines)}; "
+                                  f"the profile's engine {spec.profile.engine!r} cannot serve it")
+        adapter.load()
+        return adapter
+
+    def await_load(self) -> PendingLoad:
+        """Wait for the load running here and settle it; `LoadRuns` as soon as other work
+        waits here (`work_beside`: the step loop serves it, the load goes on). New work
+        ends each nap at once; a load done is seen within IDLE_NAP_S."""
+        load = self.pending
+        if load is None:
+            raise RuntimeError("await_load without a load running: this is a bug")
+        since = self.queue.work_generation()  # before the look: work put after it ends the nap
+        while not load.done.is_set():
+            if self.work_beside():
+                raise self.remember(load.name, LoadRuns(load, self.device))
+            self.queue.wait_for_work(IDLE_NAP_S, since=since)
+            since = self.queue.work_generation()
+        self.settle_load()
+        return load
+
+    def work_beside(self) -> bool:
+        """Is there work this worker serves while its load runs: requests for a model
+        resident here, a command in its control lane, generation in flight?"""
+        if any(r.adapter.continuous and r.adapter.has_active() for r in self.models.values()):
+            return True
+        ctl = control_lane(self.worker_id)
+        return any(s.depth and (s.model in self.models or s.model == ctl) for s in self.queue.lane_stats())
+
+    def settle_load(self) -> PendingLoad | None:
+        """The load that ran beside serving once its thread is done (else None): installed
+        or its failure kept, the info published, then the device lock released; with
+        control commands waiting, kept in `settled` (runtimes.commands answers them)."""
+        load = self.pending
+        if load is None or not load.done.is_set():
+            return None
+        self.pending = None
         try:
-            with self.progress.running(f"loading {name}", self.load_timeout_ms):
-                self.check_weights(spec)
-                adapter = self.adapter_for(spec.task, spec.runtime)(spec, self.device)
-                if spec.profile.engine not in ("auto", *adapter.engines):
-                    raise ModelLoadFailed(f"{name}: runtime {spec.runtime!r} runs on {', '.join(adapter.engines)}; "
-                                          f"the profile's engine {spec.profile.engine!r} cannot serve it")
-                adapter.load()
-        except Exception as exc:
-            # Drop every reference to the half-loaded model (the traceback's frames
-            # hold it too) so its memory is free before the next decision.
-            adapter = None
-            traceback.clear_frames(exc.__traceback__)
-            self.release_memory()
-            if is_out_of_memory(exc):
-                self.load_ooms[name] = self.load_ooms.get(name, 0) + 1
-                if self.load_ooms[name] < MAX_LOAD_OOMS:
-                    log.warning("out of memory loading %s on %s (%d in a row); its requests wait", name,
-                                self.device, self.load_ooms[name])
-                    raise self.remember(name, NotNow(f"out of memory loading {name} on {self.device}")) from None
-            self.load_ooms.pop(name, None)
-            raise load_error(name, self.device, exc) from exc
+            if load.error is None:
+                self.install(load)
+            else:
+                load.error = self.load_failed(load)
         finally:
             self.loading, self.loading_since_ns = "", 0
+            try:
+                self.publish()
+            finally:
+                self.load_lock.release()
+        if load.waiters:
+            self.settled.append(load)
+        return load
+
+    def install(self, load: PendingLoad) -> Resident:
+        """Measure the loaded adapter, correct the estimate, make it resident."""
+        name, adapter = load.name, load.adapter
+        load.adapter = None
         self.load_ooms.pop(name, None)
         measured = adapter.footprint_bytes()
-        self.estimates.record(name, spec.runtime, header, measured)
+        self.estimates.record(name, load.spec.runtime, load.header, measured)
         now = time.time()
-        resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=(time.perf_counter() - t0) * 1e3,
-                            footprint=Footprint(measured, estimate.activation_bytes))
+        resident = Resident(adapter, loaded_at=now, last_used=now, load_ms=load.load_ms,
+                            footprint=Footprint(measured, load.estimate.activation_bytes))
         self.models[name] = resident
         self.loads[name] = self.loads.get(name, 0) + 1
+        self.not_now.pop(name, None)
+        self.unservable.pop(name, None)
+        if load.pin:
+            self.pinned.add(name)
         log.info("loaded %s on %s as %s in %.0f ms: %d bytes (estimated %d)", name, self.device, adapter.dtype,
-                 resident.load_ms, measured, estimate.weights_bytes)
-        self.publish()
+                 resident.load_ms, measured, load.estimate.weights_bytes)
         return resident
+
+    def load_failed(self, load: PendingLoad) -> Exception:
+        """What a failed load answers: out of memory is "not here, now" (the memory was
+        taken meanwhile: the lane waits and the next attempt decides again) until
+        MAX_LOAD_OOMS in a row; other failures are the model's (`load_error`), kept
+        for its lane (`failed`) and, for a model to keep, published as unservable."""
+        name, exc = load.name, load.error
+        self.release_memory()  # the half-loaded model's memory is free before the next decision
+        if is_out_of_memory(exc):
+            self.load_ooms[name] = self.load_ooms.get(name, 0) + 1
+            if self.load_ooms[name] < MAX_LOAD_OOMS:
+                log.warning("out of memory loading %s on %s (%d in a row); its requests wait", name,
+                            self.device, self.load_ooms[name])
+                return self.remember(name, NotNow(f"out of memory loading {name} on {self.device}"))
+        self.load_ooms.pop(name, None)
+        error = load_error(name, self.device, exc)
+        if error is not exc:
+            error.__cause__ = exc
+        if isinstance(error, FleetError):
+            self.failed[name] = (error, self.clock_ns())
+            if load.pin:
+                self.unservable[name] = f"{error.code}: {error.message}"[:UNSERVABLE_CHARS]
+        return error
 
     def remember(self, name: str, exc: NotNow, *, left_to_holders: bool = False) -> NotNow:
         """Keep a "not here, now" verdict for an IDLE_NAP_S, so that the next rounds skip
@@ -433,7 +521,9 @@ class Residency:
     # -- what the device holds: own views, peers' blobs, one snapshot ----------
 
     def used_bytes(self) -> int:
-        return used_bytes(self._own_views({}))
+        """What this worker holds, the weights of the load running here included."""
+        loading = self.pending.estimate.weights_bytes if self.pending is not None else 0
+        return used_bytes(self._own_views({})) + loading
 
     def kv_limit_bytes(self, adapter: Adapter) -> int:
         """The most `adapter`'s requests may reserve now: the device budget less what

@@ -108,32 +108,37 @@ class Progress:
 
     `busy` is one tuple (what, started ns, deadline ns, `paused_ns` at the start) or
     None, replaced whole by the main thread: the heartbeat thread never sees a torn
-    record. `paused_ns` is written by the heartbeat thread only (`excuse`): time this
-    process did not run at all (a paused box: runtimes.policy.paused_ns), which no
-    work's bound counts. Monotonic ns."""
+    record. `load` is the same for the model load running beside the batches, written
+    by its own thread only (runtimes.loading). `paused_ns` is written by the heartbeat
+    thread only (`excuse`): time this process did not run at all (a paused box:
+    runtimes.policy.paused_ns), which no work's bound counts. Monotonic ns."""
 
     busy: tuple[str, int, int, int] | None = None
+    load: tuple[str, int, int, int] | None = None
     paused_ns: int = 0
 
     @contextlib.contextmanager
-    def running(self, what: str, bound_ms: float) -> Iterator[None]:
+    def running(self, what: str, bound_ms: float, *, slot: str = "busy") -> Iterator[None]:
+        """`what` runs for the block, within `bound_ms`; `slot`: "busy" (the step loop's
+        work) or "load" (the load beside it)."""
         now = time.monotonic_ns()
-        self.busy = (what, now, now + int(bound_ms * 1e6), self.paused_ns)
+        setattr(self, slot, (what, now, now + int(bound_ms * 1e6), self.paused_ns))
         try:
             yield
         finally:
-            self.busy = None
+            setattr(self, slot, None)
 
     def excuse(self, ns: int) -> None:
         """`ns` of the last heartbeat gap this process was paused: not the work's time."""
         self.paused_ns += ns
 
     def overdue(self, now_ns: int) -> tuple[str, float] | None:
-        """(what, ms it has run, pauses left out) when the work in progress is past its bound, else None."""
-        busy = self.busy
-        if busy is None:
-            return None
-        ran_ns = now_ns - busy[1] - (self.paused_ns - busy[3])
-        if busy[1] + ran_ns <= busy[2]:
-            return None
-        return busy[0], ran_ns / 1e6
+        """(what, ms it has run, pauses left out) when the work in progress (a batch, or
+        the load beside it) is past its bound, else None."""
+        for busy in (self.busy, self.load):
+            if busy is None:
+                continue
+            ran_ns = now_ns - busy[1] - (self.paused_ns - busy[3])
+            if busy[1] + ran_ns > busy[2]:
+                return busy[0], ran_ns / 1e6
+        return None

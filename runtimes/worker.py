@@ -30,7 +30,7 @@ from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from local_queue import Claim, QueueFull
 from runtimes.base import Adapter, BatchContext, ModelSpec
 from runtimes.claiming import Claimer
-from runtimes.commands import serve_control
+from runtimes.commands import serve_control, settle
 from runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
 from runtimes.flows import Flows, Interjection, claim_other, other_first
 from runtimes.info import encode_info, worker_info
@@ -180,8 +180,10 @@ class WorkerCore:
     def step(self, timeout_s: float = 0.5) -> int:
         """Serve one batch if work waits (blocking up to `timeout_s` for it). Returns items answered."""
         woke_ns = time.monotonic_ns()  # the request timeline's stamps (fleet.messages.WORKER_STAGES)
-        # 1. Control commands first; then choose a lane among those this worker
+        # 1. A load that ran beside serving is installed once done (runtimes.loading);
+        #    control commands first; then choose a lane among those this worker
         #    may serve: starving first, then models held here, then oldest.
+        settle(self.queue, self.residency, served_by=self.served_by)
         since = self.queue.work_generation()  # before lane_stats: work put after it ends the wait below
         stats = self.queue.lane_stats()
         control = next((s.lane for s in stats if s.model == control_lane(self.worker_id) and s.depth), None)
@@ -193,8 +195,9 @@ class WorkerCore:
         if (busy := busy_continuous(self.round, servable, self.ledger.last.model)) is not None:
             return serve_continuous(self.round, busy, stats)
         # 2. Make sure the model is here before claiming: while it loads, its requests
-        #    stay queued (and can time out or be cancelled there). A lane whose load
-        #    attempt says "not here, now" is skipped (remembered) and another is chosen.
+        #    stay queued (and can time out or be cancelled there), and the lanes of the
+        #    models held here are served (`LoadRuns`). A lane whose load attempt says
+        #    "not here, now" is skipped (remembered) and another is chosen.
         tried: set[str] = set()
         while True:
             lane = choose_lane(servable, set(self.residency.models), self.clock_ns(), self.max_wait_ms * 1_000_000)
