@@ -27,8 +27,8 @@ from fleet.messages import (
 )
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import (
-    ClassifyRequest, EmbedRequest, Entity, ExtractRequest, GenerateRequest, ImageInput, LabelScore, RerankDocument,
-    RerankHit, RerankRequest, TokenLogprob, TopLogprob, Usage,
+    ANSWER_RESERVE_TOKENS, ClassifyRequest, EmbedRequest, Entity, ExtractRequest, GenerateRequest, ImageInput,
+    LabelScore, RerankDocument, RerankHit, RerankRequest, TokenLogprob, TopLogprob, Usage,
 )
 from local_queue import Done
 
@@ -42,6 +42,8 @@ from daemon.pieces import MIN_PIECE_TOKENS, check_ceiling, joined, text_costs
 IMAGE_TOKENS = 256
 #: Upper bound checked here; the worker checks the model's own (prompt + max_tokens <= its context).
 MAX_TOKENS_LIMIT = 1 << 20
+#: Names the server limit that ended a reply's text (`length_limit_headers`).
+LENGTH_LIMIT_HEADER = "X-Fleet-Length-Limit"
 MAX_STOPS = 8
 #: Most likely tokens per step: chat and native `top_logprobs` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -418,7 +420,7 @@ def check_generate(req: GenerateRequest) -> None:
         raise BadRequest("`prompt` is empty")
     if req.messages is not None and not req.messages:
         raise BadRequest("`messages` is empty: send at least one message")
-    if not 1 <= req.max_tokens <= MAX_TOKENS_LIMIT:
+    if req.max_tokens is not None and not 1 <= req.max_tokens <= MAX_TOKENS_LIMIT:
         raise BadRequest(f"max_tokens must be at least 1 (and within the model's context), got {req.max_tokens}")
     if not 0.0 <= req.temperature <= 2.0:
         raise BadRequest(f"temperature must be between 0 and 2, got {req.temperature}")
@@ -457,11 +459,27 @@ def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> 
                                            "adds an adapter")
 
 
+def generate_tokens(req: GenerateRequest, payload: bytes) -> int:
+    """Admission tokens of a generation: its prompt and its answer, which is `max_tokens`
+    at most, or with none of the client's, the ANSWER_RESERVE_TOKENS its worker reserves
+    first (what it runs to is not known before it ends; the context's room would make
+    every such request look as long as its model's context)."""
+    return estimate_tokens(payload, 1) + (ANSWER_RESERVE_TOKENS if req.max_tokens is None else req.max_tokens)
+
+
+def length_limit_headers(res: GenerateResult) -> dict[str, str]:
+    """`X-Fleet-Length-Limit` when a server limit (not the client's) ended the text:
+    which one, and the tokens (prompt and generated) the sequence held then."""
+    if not res.length_limit:
+        return {}
+    return {LENGTH_LIMIT_HEADER: f"{res.length_limit}; tokens={res.input_tokens + res.output_tokens}"}
+
+
 async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
     """Queue one generation and wait for the whole text."""
     check_generate(req)
     answer = await daemon.submit("generate", target_model(daemon, "generate", req.model, req.adapter), payload,
-                                 tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms)
+                                 tokens=generate_tokens(req, payload), timeout_ms=req.timeout_ms)
     return _generate.decode(answer.body), answer
 
 
@@ -490,8 +508,7 @@ class TextStream:
         self.pieces: asyncio.Queue[Done] = asyncio.Queue()
         self.task = asyncio.ensure_future(daemon.submit(
             "generate", target_model(daemon, "generate", req.model, req.adapter), payload,
-            tokens=estimate_tokens(payload, 1) + req.max_tokens, timeout_ms=req.timeout_ms,
-            on_partial=self.pieces.put_nowait,
+            tokens=generate_tokens(req, payload), timeout_ms=req.timeout_ms, on_partial=self.pieces.put_nowait,
         ))
         self.sent = 0  # characters of the final text already sent
         self.logprobs_sent = 0  # token logprobs already sent

@@ -176,6 +176,10 @@ class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
     output_tokens: int
     #: Per token of `text`, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    #: The server's limit that ended it (finish_reason "length" on a request with no
+    #: max_tokens): "context" (the model's context is full) or "memory" (no room for its
+    #: key/value cache to grow on the device); "" when the client's limit, a stop or the model did.
+    length_limit: str = ""
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):

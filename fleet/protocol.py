@@ -441,10 +441,19 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
 GenerateFormat = Literal["json"] | dict
 
 
+#: An answer with no `max_tokens` of its client's: admission counts it as its prompt and this
+#: many tokens, and the worker reserves key/value cache for this many tokens past what the
+#: sequence holds, growing the reserve by as much each time the sequence reaches it
+#: (runtimes.generate). The answer itself runs until the model stops or its context is full.
+ANSWER_RESERVE_TOKENS = 512
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One generation: a `prompt`, or chat `messages` rendered with the model's
     chat template. `model` may name a LoRA adapter directly, or the base with
-    the adapter in `adapter`. `temperature` 0 is greedy; `seed` makes sampling
+    the adapter in `adapter`. `max_tokens` None: until the model stops or its
+    context is full (as OpenAI and Ollama do; the reply's `length_limit` says
+    when a server limit ended it). `temperature` 0 is greedy; `seed` makes sampling
     reproducible; the text is cut before the first `stop` string. `format`
     constrains the output (GenerateFormat); `logprobs` returns each generated
     token's log-probability and, with `top_logprobs` = k, the k most likely
@@ -454,7 +463,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_un
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     adapter: str | None = None
-    max_tokens: int = 128
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -490,11 +499,16 @@ class TokenLogprob(msgspec.Struct, frozen=True):
 
 
 class GenerateReply(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`length_limit`: the server's limit that ended the text (finish_reason `length`
+    with no `max_tokens` of the client's, or one past it): "context" (the model's
+    context is full) or "memory" (its key/value cache found no room to grow)."""
+
     model: str
     text: str
     finish_reason: str  # stop | length
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    length_limit: str | None = None
 
 
 class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -506,6 +520,7 @@ class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    length_limit: str | None = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -667,10 +682,14 @@ class ChatLogprobs(msgspec.Struct, frozen=True):
 
 
 class ChatChoice(msgspec.Struct, frozen=True):
+    """`length_limit` (fleet's, only when one applies): the server limit that ended the
+    text, as GenerateReply's."""
+
     index: int
     message: AssistantMessage
     finish_reason: str
     logprobs: ChatLogprobs | None = None
+    length_limit: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionReply(msgspec.Struct, frozen=True):
@@ -692,6 +711,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    length_limit: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True):

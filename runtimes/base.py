@@ -199,6 +199,11 @@ class Adapter(abc.ABC):
         key/value cache reserve); the worker counts them in the device budget."""
         return 0
 
+    def needs_room(self) -> bool:
+        """Does the next `step` grow `reserved_bytes` (a generator's open-ended
+        answers)? The worker then refreshes the adapter's bound on it first."""
+        return False
+
     def abort(self) -> list[Any]:
         """Drop every admitted request (after a failed step); returns their keys."""
         return []

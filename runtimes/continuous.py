@@ -137,7 +137,11 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
         rnd.publish()  # their cache reserve is free
     if not adapter.has_active():
         return answered
-    # 3. One step for every sequence in flight.
+    # 3. One step for every sequence in flight. An open-ended answer about to outgrow
+    #    its cache reserve is checked against the room the device has now.
+    reserved = adapter.reserved_bytes()
+    if adapter.needs_room():
+        adapter.kv_limit_bytes = rnd.residency.kv_limit_bytes(adapter)
     t0 = time.perf_counter()
     try:
         # A step past its bound renews no lease (runtimes.state.Progress): a hung decode loses them.
@@ -187,8 +191,8 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
     resident.last_used = time.time()
     ms = (time.perf_counter() - t0) * 1e3
     rnd.record(BatchStats(name, items, prompt + generated, 0, ms, time.time(), 0, loras, prompt, generated))
-    if finished:
-        rnd.publish()
+    if finished or adapter.reserved_bytes() != reserved:
+        rnd.publish()  # the other workers of the device count the new reserve
     return answered
 
 

@@ -26,6 +26,12 @@ max_tokens among them) tokens wide, so that is what the batch reserves
 (`reserved_bytes`, counted in the device budget by the worker). A request
 whose reserve does not fit waits in its lane (`admit` raises NotNow) until a
 sequence leaves; one that could not fit even alone fails `model_too_large`.
+A request with no max_tokens (open-ended: it runs until the model stops or the
+context is full) reserves ANSWER_RESERVE_TOKENS past what it holds, and grows
+that reserve by as much each time it reaches it (`_grow_reserves`, before a
+decode step; the worker refreshes `kv_limit_bytes` first, `needs_room`); when
+the device has no room for the growth, the row ends there with finish_reason
+"length" and `length_limit` "memory" (at the context's end: "context").
 A step that runs out of memory anyway (other processes share the device) is
 undone, and the newest half of the batch is shed: those sequences keep what
 they generated and wait to be prefilled again, with it, once a sequence
@@ -51,7 +57,7 @@ from typing import Any
 
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
 from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
-from fleet.protocol import GenerateRequest
+from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
 from runtimes.base import Adapter, ModelSpec
 from runtimes.grammar import Grammars
 from runtimes.hf_common import char_bound
@@ -96,11 +102,22 @@ class Sequence:
     lp_ends: list = field(default_factory=list)  # characters of the text once each token was added
     lp_sent: int = 0  # logprobs already streamed
     error: WorkError | None = None  # its grammar failed: the row leaves with this answer
+    #: Open-ended (no max_tokens of its client's): `max_new` is the context's room, and the
+    #: cache is reserved `reserve` tokens wide, grown as the row reaches it.
+    open_ended: bool = False
+    reserve: int = 0
+    length_limit: str = ""  # the server's limit that ended it: "context" | "memory"
 
     @property
     def final_len(self) -> int:
-        """Tokens the row's cache holds at most: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.max_new
+        """Tokens the row's cache is reserved for: prompt + max_tokens, or an
+        open-ended row's reserve so far."""
+        return self.reserve if self.open_ended else len(self.prompt_ids) + self.max_new
+
+    def held(self) -> int:
+        """Tokens the row's cache holds after its next decode step (which feeds its
+        newest token)."""
+        return len(self.prompt_ids) + len(self.ids)
 
     def context(self) -> list[int]:
         """What a prefill feeds: the prompt, and what was generated before the row was shed."""
@@ -303,12 +320,15 @@ class CausalLM(LoraHost, Adapter):
         if room < 1:
             raise InputTooLong(f"the prompt has {len(ids)} tokens; {self.spec.name} takes at most {self.max_len} "
                                "with room for one generated token")
-        if not 1 <= req.max_tokens <= room:
+        open_ended = req.max_tokens is None
+        max_new = room if open_ended else req.max_tokens
+        if not 1 <= max_new <= room:
             raise BadRequest(f"max_tokens must be between 1 and {room} for this prompt ({len(ids)} tokens; "
                              f"{self.spec.name} takes {self.max_len} in all), got {req.max_tokens}")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
-        self._check_room(len(ids) + req.max_tokens)
+        reserve = len(ids) + min(max_new, ANSWER_RESERVE_TOKENS)
+        self._check_room(reserve)
         matcher = self._grammars().matcher(req.format, req.regex) \
             if req.format is not None or req.regex is not None else None
         if req.logprobs:
@@ -321,9 +341,33 @@ class CausalLM(LoraHost, Adapter):
                 generator.manual_seed(req.seed)
             else:
                 generator.seed()
-        return Sequence(key, ids, req.max_tokens, req.temperature, req.top_p, generator, stop, req.stream,
+        return Sequence(key, ids, max_new, req.temperature, req.top_p, generator, stop, req.stream,
                         lora, matcher,
-                        req.top_logprobs if req.logprobs else -1)
+                        req.top_logprobs if req.logprobs else -1, open_ended=open_ended, reserve=reserve)
+
+    def needs_room(self) -> bool:
+        """Does the next step grow an open-ended row's reserve (`_grow_reserves`; the
+        worker refreshes `kv_limit_bytes` before it)?"""
+        return any(s.open_ended and s.held() > s.reserve for s in self.rows)
+
+    def _grow_reserves(self) -> list:
+        """Before a decode step: each open-ended row about to outgrow its reserve gets
+        ANSWER_RESERVE_TOKENS more (never past its context), if the batch's reserve
+        then stays within `kv_limit_bytes`; one that cannot grow ends here, its cache
+        full to its reserve ("length", `length_limit` "memory"). Returns their results."""
+        ended = []
+        for s in self.rows:
+            if not (s.open_ended and s.held() > s.reserve):
+                continue
+            before, s.reserve = s.reserve, min(len(s.prompt_ids) + s.max_new, s.reserve + ANSWER_RESERVE_TOKENS)
+            if self.kv_limit_bytes is not None and self.reserved_bytes() > self.kv_limit_bytes:
+                s.reserve, s.finish, s.length_limit = before, "length", "memory"
+                ended.append(s)
+        if not ended:
+            return []
+        texts = self.tokenizer.batch_decode([s.ids for s in ended], skip_special_tokens=True)
+        self._keep_rows([i for i, s in enumerate(self.rows) if not s.finish])
+        return [(s.key, self._result(s, text)) for s, text in zip(ended, texts)]
 
     def _check_room(self, final_len: int) -> None:
         """Does the batch's reserve, with a row of `final_len` tokens more, stay within
@@ -381,13 +425,14 @@ class CausalLM(LoraHost, Adapter):
         return results
 
     def step(self) -> tuple[list, list]:
-        """1. One decode step for the rows in the batch; 2. prefill the newly
+        """0. Grow the reserves of open-ended rows (or end those that find no room);
+        1. one decode step for the rows in the batch; 2. prefill the newly
         admitted ones (their first token) and merge them in; 3. finish rows that
         hit EOS, a stop string, the end of their grammar or max_tokens, and
         stream what is safe to send. A phase that runs out of memory is undone
         and sheds rows (module doc); other failures raise."""
         torch = self._torch
-        failed: list = []
+        failed: list = self._grow_reserves() if self.rows else []
         with torch.inference_mode():
             if self.rows:
                 try:
@@ -395,7 +440,7 @@ class CausalLM(LoraHost, Adapter):
                 except Exception as exc:
                     if not is_out_of_memory(exc):
                         raise
-                    return [], self._shed_rows(exc)
+                    return [], failed + self._shed_rows(exc)
             if self.pending and not self.hold:
                 try:
                     self._prefill_and_merge()
@@ -620,6 +665,8 @@ class CausalLM(LoraHost, Adapter):
                     continue
             if len(s.ids) >= s.max_new:
                 s.finish = "length"
+                if s.open_ended:
+                    s.length_limit = "context"
         # 2. Rows that need their text now (stop strings, streaming, logprobs, finished):
         #    one batch decode. Logprob rows note where the text ends after their new
         #    token (characters, before any stop cut): it places each token in the text.
@@ -640,8 +687,7 @@ class CausalLM(LoraHost, Adapter):
                 finished.append((s.key, s.error))
                 continue
             if s.finish:
-                finished.append((s.key, GenerateResult(s.text, s.finish, len(s.prompt_ids), len(s.ids),
-                                                       self._final_logprobs(s))))
+                finished.append((s.key, self._result(s, s.text)))
                 continue
             keep.append(i)
             if s.stream:
@@ -653,6 +699,11 @@ class CausalLM(LoraHost, Adapter):
         if len(keep) < len(self.rows):
             self._keep_rows(keep)
         return partials, finished
+
+    def _result(self, s: Sequence, text: str) -> GenerateResult:
+        """A finished row's answer."""
+        return GenerateResult(text, s.finish, len(s.prompt_ids), len(s.ids), self._final_logprobs(s),
+                              s.length_limit if s.finish == "length" else "")
 
     def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
         token_bytes = self.grammars.token_bytes

@@ -60,6 +60,19 @@ def build_llama(folder: Path, *, seed: int = 0, hidden: int = 64, layers: int = 
     return folder
 
 
+def never_ending(folder: Path) -> Path:
+    """The model in `folder` with its EOS row of the LM head zeroed: the EOS logit is
+    then 0 while the best token's is far above it, so greedy decoding runs to max_tokens
+    (or, with none, to the end of the context)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    weights["lm_head.weight"][1] = 0.0  # eos_token_id 1 (build_llama)
+    save_file(weights, path, metadata={"format": "pt"})
+    return folder
+
+
 def build_lora(base_folder: Path, folder: Path, *, seed: int, r: int = 4) -> Path:
     """A peft LoRA adapter of the model in `base_folder` with random, non-zero A and B
     (so it really changes the outputs), saved in peft format."""

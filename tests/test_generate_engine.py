@@ -11,10 +11,11 @@ import pytest
 
 from fleet.protocol import GenerateRequest
 from runtimes.base import ModelSpec, Profile
+from runtimes import generate
 from runtimes.generate import CausalLM, stop_cut, streamable_end
 from runtimes.lora import BASE_ROW
 from fleet.messages import GenerateChunk, GenerateResult, WorkError
-from tests.gen_models import Reference, build_llama, build_lora
+from tests.gen_models import Reference, build_llama, build_lora, never_ending
 
 MODEL = "tiny"
 PROMPTS = ["hello world", "the quick brown fox jumps over", "a", "invoices must be paid within", "z y", "fleet"]
@@ -234,3 +235,55 @@ def test_a_grammar_failing_mid_generation_ends_its_row_alone(folders, ref: Refer
     # The rows beside it decode on, token for token as they would alone.
     for k, prompt in plain.items():
         assert (results[k].text, results[k].output_tokens) == ref.greedy(prompt, 30), prompt
+
+
+# ---- answers with no max_tokens ---------------------------------------------------------------
+
+#: The reserve step in these tests: the policy is the same at the shipped 512 tokens, only
+#: each run is 16 times shorter.
+STEP = 32
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    """A model whose greedy output never stops (256 positions), loaded."""
+    folder = never_ending(build_llama(tmp_path_factory.mktemp("endless") / "endless"))
+    adapter = CausalLM(ModelSpec(MODEL, folder, "generate", "transformers", Profile()), "cpu")
+    adapter.load()
+    return adapter
+
+
+def run_alone(adapter: CausalLM, req: GenerateRequest) -> GenerateResult:
+    assert adapter.admit(0, req) is None
+    results = {}
+    while adapter.has_active():
+        results.update(adapter.step()[1])
+    return results[0]
+
+
+OPEN = GenerateRequest(model=MODEL, prompt="hello world", temperature=0.0)
+
+
+def test_an_answer_with_no_max_tokens_runs_to_the_end_of_the_context(endless, monkeypatch) -> None:
+    monkeypatch.setattr(generate, "ANSWER_RESERVE_TOKENS", STEP)
+    endless.kv_limit_bytes = None
+    res = run_alone(endless, OPEN)
+    assert res.finish_reason == "length" and res.length_limit == "context"
+    assert res.input_tokens + res.output_tokens == 256 > 128 + res.input_tokens
+    # The client's own limit is not a server limit.
+    assert run_alone(endless, greedy("hello world", 20)).length_limit == ""
+
+
+def test_an_answer_with_no_max_tokens_ends_where_its_cache_finds_no_room(endless, monkeypatch) -> None:
+    monkeypatch.setattr(generate, "ANSWER_RESERVE_TOKENS", STEP)
+    prompt = len(endless.prompt_ids(OPEN))
+    # Room for two reserves (prompt + 2 x STEP tokens), not three.
+    endless.kv_limit_bytes = endless.kv_token_bytes * (prompt + STEP * 5 // 2)
+    res = run_alone(endless, OPEN)
+    # Its cache full to its second reserve (the newest token needs none yet), never past it.
+    assert res.finish_reason == "length" and res.length_limit == "memory"
+    assert res.output_tokens == 2 * STEP + 1
+    # No room for even the first reserve: it waits for room, or alone is refused.
+    endless.kv_limit_bytes = endless.kv_token_bytes * (prompt + STEP - 1)
+    err = endless.admit(1, OPEN)
+    assert isinstance(err, WorkError) and err.code == "model_too_large", err

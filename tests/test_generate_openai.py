@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import DaemonProc, start_daemon
-from tests.gen_models import Reference, build_llama, pull
+from tests.gen_models import Reference, build_llama, never_ending, pull
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +38,6 @@ PERSON = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "describe a customer as JSON"}]
-
-
-def never_ending(folder: Path) -> Path:
-    """The model in `folder` with its EOS row of the LM head zeroed: the EOS logit is
-    then 0 while the best token's is far above it, so greedy decoding runs to max_tokens."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    weights["lm_head.weight"][1] = 0.0  # eos_token_id 1 (tests.gen_models)
-    save_file(weights, path, metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def generator_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def endless_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_generate_openai import never_ending
+    from tests.gen_models import never_ending
 
     return never_ending(build_llama(tmp_path_factory.mktemp("gen-models") / ENDLESS, max_positions=4096))
 

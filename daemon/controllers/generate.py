@@ -22,6 +22,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
@@ -39,7 +40,7 @@ from daemon import codec, fields, tasks
 from daemon.controllers.common import decode_request
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
-from daemon.tasks import TextStream, token_logprobs
+from daemon.tasks import TextStream, length_limit_headers, token_logprobs
 
 
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
@@ -154,6 +155,11 @@ def completion_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
+def limit_field(res: GenerateResult) -> str | msgspec.UnsetType:
+    """A reply's `length_limit`: there only when a server limit ended the text."""
+    return res.length_limit or msgspec.UNSET
+
+
 def openai_usage(res: GenerateResult) -> OpenAICompletionUsage:
     return OpenAICompletionUsage(res.input_tokens, res.output_tokens, res.input_tokens + res.output_tokens)
 
@@ -168,8 +174,8 @@ class GenerateController(Controller):
             res, answer = await tasks.generate(daemon, req, payload)
             usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
             return reply(request, GenerateReply(req.model, res.text, res.finish_reason, usage,
-                                                token_logprobs(res.logprobs)),
-                         headers=answer_headers(answer))
+                                                token_logprobs(res.logprobs), res.length_limit or None),
+                         headers={**answer_headers(answer), **length_limit_headers(res)})
         stream = TextStream(daemon, req, payload)
         await stream.started()
 
@@ -178,7 +184,8 @@ class GenerateController(Controller):
                 yield sse(GenerateChunkReply(req.model, text, logprobs=token_logprobs(lps)))
             res = stream.result
             yield sse(GenerateChunkReply(req.model, "", res.finish_reason,
-                                         Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)))
+                                         Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens),
+                                         length_limit=res.length_limit or None))
             yield SSE_DONE
 
         return event_stream(error_events(stream, events()))
@@ -254,9 +261,9 @@ class GenerateController(Controller):
         if not oreq.stream:
             res, answer = await tasks.generate(daemon, req, payload)
             logprobs = ChatLogprobs(token_logprobs(res.logprobs)) if oreq.logprobs else None
-            choice = ChatChoice(0, AssistantMessage(res.text), res.finish_reason, logprobs)
+            choice = ChatChoice(0, AssistantMessage(res.text), res.finish_reason, logprobs, limit_field(res))
             return reply(request, ChatCompletionReply(cid, created, oreq.model, [choice], openai_usage(res)),
-                         headers={**answer_headers(answer), **ignored})
+                         headers={**answer_headers(answer), **length_limit_headers(res), **ignored})
         stream = TextStream(daemon, req, payload)
         await stream.started()
         include_usage = oreq.stream_options is not None and oreq.stream_options.include_usage
@@ -269,7 +276,8 @@ class GenerateController(Controller):
                                               [ChatChunkChoice(0, ChatDelta(content=text), None, logprobs)]))
             res = stream.result
             yield sse(ChatCompletionChunk(cid, created, oreq.model,
-                                          [ChatChunkChoice(0, ChatDelta(), res.finish_reason)]))
+                                          [ChatChunkChoice(0, ChatDelta(), res.finish_reason, None,
+                                                           limit_field(res))]))
             if include_usage:
                 yield sse(ChatCompletionChunk(cid, created, oreq.model, [], openai_usage(res)))
             yield SSE_DONE

@@ -308,14 +308,15 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
     async def last(whole: str, logprobs: list[TokenLogprob] | None = None) -> Any:
         res = text.result
         return frame(whole, True, res.finish_reason,
-                     await clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs)
+                     await clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs,
+                     res.length_limit or None)
 
     if not stream:
         async for _ in text.deltas():
             pass
         done = await last(text.result.text, token_logprobs(text.result.logprobs))
         await keep_after(daemon, name, keep)
-        return json_reply(done, headers)
+        return json_reply(done, {**headers, **tasks.length_limit_headers(text.result)})
 
     async def lines() -> AsyncIterator[bytes]:
         try:
@@ -335,9 +336,9 @@ class GenerateFrame:
         self.label = label
 
     def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
-                 logprobs: list[TokenLogprob] | None = None) -> Any:
+                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None) -> Any:
         return GenerateLine(self.label, created_at(), text, done, done_reason, logprobs=logprobs,
-                            **(msgspec.structs.asdict(stats) if stats else {}))
+                            length_limit=length_limit, **(msgspec.structs.asdict(stats) if stats else {}))
 
 
 class ChatFrame:
@@ -345,9 +346,10 @@ class ChatFrame:
         self.label = label
 
     def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
-                 logprobs: list[TokenLogprob] | None = None) -> Any:
+                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None) -> Any:
         return ChatLine(self.label, created_at(), ReplyMessage("assistant", text), done, done_reason,
-                        logprobs=logprobs, **(msgspec.structs.asdict(stats) if stats else {}))
+                        logprobs=logprobs, length_limit=length_limit,
+                        **(msgspec.structs.asdict(stats) if stats else {}))
 
 
 def prompt_request(daemon: Daemon, name: str, body: GenerateBody, **kwargs: Any) -> GenerateRequest:

@@ -172,6 +172,8 @@ class GenerateLine(msgspec.Struct, frozen=True, omit_defaults=True):
     eval_duration: int | None = None
     #: Per token, with `logprobs` (Ollama's shape: token, logprob, bytes, top_logprobs).
     logprobs: list[TokenLogprob] | None = None
+    #: fleet's: the server limit that ended the text ("context" | "memory"), when one did.
+    length_limit: str | None = None
 
 
 class ChatLine(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -188,6 +190,8 @@ class ChatLine(msgspec.Struct, frozen=True, omit_defaults=True):
     eval_duration: int | None = None
     #: Per token, with `logprobs` (Ollama's shape: token, logprob, bytes, top_logprobs).
     logprobs: list[TokenLogprob] | None = None
+    #: fleet's: the server limit that ended the text ("context" | "memory"), when one did.
+    length_limit: str | None = None
 
 
 class EmbedReply(msgspec.Struct, frozen=True):
@@ -361,7 +365,7 @@ def sampling(opts: Options) -> dict[str, Any]:
     if opts.num_predict is not None:
         if opts.num_predict == 0:
             raise BadRequest("options.num_predict must be at least 1 (or -1: no limit of your own)")
-        # Negative (-1 "infinite", -2 "fill the context"): fleet's default max_tokens.
+        # Negative (-1 "infinite", -2 "fill the context"): no limit of the client's (the default).
         if opts.num_predict > 0:
             out["max_tokens"] = opts.num_predict
     if opts.stop:

@@ -126,7 +126,11 @@ class ResponseUsage(msgspec.Struct, frozen=True):
 
 
 class IncompleteDetails(msgspec.Struct, frozen=True):
+    """`length_limit` (fleet's): the server limit that ended the text, when one did
+    (GenerateReply's); the reason stays OpenAI's "max_output_tokens"."""
+
     reason: str
+    length_limit: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ResponseObject(msgspec.Struct, frozen=True):
@@ -227,7 +231,8 @@ class Shaper:
         output = [] if text is None else [self.message(text, "completed" if status == "completed" else status)]
         usage = ResponseUsage(res.input_tokens, res.output_tokens, res.input_tokens + res.output_tokens) \
             if res is not None else None
-        incomplete = IncompleteDetails("max_output_tokens") if status == "incomplete" else None
+        incomplete = IncompleteDetails("max_output_tokens", (res.length_limit if res is not None else "")
+                                       or msgspec.UNSET) if status == "incomplete" else None
         return ResponseObject(self.id, self.created, self.req.model, status, output, self.req.instructions,
                               self.req.max_output_tokens, self.gen.temperature, self.gen.top_p, self.text, usage,
                               incomplete, metadata=self.req.metadata or {})
@@ -283,7 +288,7 @@ class ResponsesController(Controller):
         if not req.stream:
             res, answer = await tasks.generate(daemon, gen, codec.encode_msgpack(gen))
             return reply(request, shape.response(status_of(res), res.text, res),
-                         headers={**answer_headers(answer), **ignored})
+                         headers={**answer_headers(answer), **tasks.length_limit_headers(res), **ignored})
         stream = tasks.TextStream(daemon, gen, codec.encode_msgpack(gen))
         await stream.started()
         return Stream(events(shape, stream), media_type="text/event-stream", headers={**SSE_HEADERS, **ignored})

@@ -57,8 +57,6 @@ from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.model_urls import SCOPE_ROOT
 from daemon.offload import off_loop, too_large
 
-#: huggingface_hub's documented default for `max_new_tokens` (TGI's own depends on the model's context).
-DEFAULT_MAX_NEW_TOKENS = 100
 #: TGI parameters fleet accepts and does not apply (named in X-Fleet-Ignored-Fields when set).
 IGNORED_TGI = ("top_k", "typical_p", "repetition_penalty", "frequency_penalty", "watermark", "truncate",
                "decoder_input_details")
@@ -222,7 +220,8 @@ def native_request(tgi: TgiGenerateRequest, model: str, *, stream: bool) -> tupl
     top = p.top_n_tokens or 0
     req = GenerateRequest(
         model=model, prompt=tgi.inputs, adapter=p.adapter_id, stream=stream, timeout_ms=tgi.timeout_ms,
-        max_tokens=p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        # No max_new_tokens: until the model stops or its context is full, as TGI does.
+        max_tokens=p.max_new_tokens,
         temperature=(p.temperature if p.temperature is not None else 1.0) if sampling else 0.0,
         top_p=p.top_p if p.top_p is not None else 1.0, seed=p.seed, stop=p.stop or None, format=fmt, regex=regex,
         logprobs=stream or p.details or top > 0, top_logprobs=top,
