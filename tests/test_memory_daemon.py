@@ -58,11 +58,10 @@ def tiny_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     folders = {name: build(name, i, 64, 2) for i, name in enumerate(TINY)}
     folders["tiny-big"] = build("tiny-big", 7, 256, 2)
     bad = build("tiny-bad", 8, 64, 2)
-    # A valid header whose tensor data is cut short: the store hashes it fine and the
-    # estimate reads it, but the load itself fails.
-    header = b'{"embeddings.word_embeddings.weight":{"dtype":"F32","shape":[1000,64],"data_offsets":[0,256000]}}'
-    header += b" " * (-len(header) % 8)
-    (bad / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 100)
+    # Its whole header (the pull checks every tensor against the architecture), the data
+    # cut short: the store hashes it fine and the estimate reads it, but the load itself fails.
+    raw = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(raw[:8 + int.from_bytes(raw[:8], "little")] + b"\0" * 100)
     folders["tiny-bad"] = bad
     (home / "models.toml").write_text("".join(
         f'[models."{name}"]\nsource = "path:{folder}"\ntask = "embed"\nruntime = "sentence-transformers"\n'
