@@ -324,17 +324,16 @@ class Residency:
 
     def await_load(self) -> PendingLoad:
         """Wait for the load running here and settle it; `LoadRuns` as soon as other work
-        waits here (`work_beside`: the step loop serves it, the load goes on). New work
-        ends each nap at once; a load done is seen within IDLE_NAP_S."""
+        waits here (`work_beside`: the step loop serves it, the load goes on), seen within
+        IDLE_NAP_S. The wait is on the load's event, not on the queue: a signal (the
+        worker's SIGTERM) never interrupts it into a failed load."""
         load = self.pending
         if load is None:
             raise RuntimeError("await_load without a load running: this is a bug")
-        since = self.queue.work_generation()  # before the look: work put after it ends the nap
         while not load.done.is_set():
             if self.work_beside():
                 raise self.remember(load.name, LoadRuns(load, self.device))
-            self.queue.wait_for_work(IDLE_NAP_S, since=since)
-            since = self.queue.work_generation()
+            load.done.wait(IDLE_NAP_S)
         self.settle_load()
         return load
 
