@@ -136,7 +136,7 @@ class BgeM3Embedder(Adapter):
         model = torch.nn.ModuleDict({"backbone": backbone, "sparse": sparse, "colbert": colbert}).to(self.device)
         self.model, self.dtype = choose_dtype(
             model.eval(), name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_rows, agree=rows_agree(MIN_COSINE),
+            run=self._check_rows, agree=rows_agree(MIN_COSINE), kept_in=self.spec.path,
         )
         # Warm-up: the first forward of each shape pays kernel selection; pay it at load.
         run_through(self._embed(CHECK_SET, np.arange(len(CHECK_SET)) % 3, np.zeros(len(CHECK_SET), dtype=np.int64),

@@ -107,7 +107,8 @@ class SequenceClassifier(LoraHost, Adapter):
         return traced.trace_probed(
             self._torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
             lambda texts: dict(self._features(texts)), list(CHECK_SET),
-            traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
+            traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len, kept_in=self.spec.path,
+            what="sequence-logits")
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter

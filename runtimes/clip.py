@@ -109,7 +109,7 @@ class ClipEmbedder(Adapter):
         self.image_tokens = int(getattr(embeddings, "num_positions", 1))
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_vectors, agree=min_cosine(MIN_COSINE),
+            run=self._check_vectors, agree=min_cosine(MIN_COSINE), kept_in=self.spec.path,
         )
         self.dim = int(self._check_vectors(self.model).shape[1])  # also the warm-up forward of both towers
 

@@ -253,7 +253,7 @@ def serve(adapter: Any, model: Any, *, what: str, forward: Callable[[dict[str, A
             raise ModelLoadFailed(f"{spec.name}: engine {profile.engine!r} runs on the CPU only "
                                   f"(this model runs on {device})")
         served, adapter.dtype = choose_dtype(model, name=spec.name, wanted=profile.dtype, device=device,
-                                             run=outputs, agree=agree)
+                                             run=outputs, agree=agree, kept_in=spec.path)
         return served
     threads = torch.get_num_threads()
     graph = openvino.Graph(spec.path, spec.name, what, forward, example, model)

@@ -106,14 +106,15 @@ class TokenClassifier(LoraHost, Adapter):
         self.max_seq_len = max_length(self.spec, self.tokenizer, config)
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_probs, agree=labels_agree(max_prob_diff=0.02),
+            run=self._check_probs, agree=labels_agree(max_prob_diff=0.02), kept_in=self.spec.path,
         )
         self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
         if self.device == "cpu":
             self.compiled, self.traced_why = traced.trace_probed(
                 torch, self.spec.name, [self.model], lambda held, f: held[0](**f).logits,
                 lambda texts: model_inputs(self._features(texts)), list(CHECK_SET),
-                traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
+                traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len, kept_in=self.spec.path,
+                what="token-logits")
         run_through(self._extract(CHECK_SET, ctx=BatchContext()))  # warm-up: pay kernel selection at load
 
     def _set_tables(self, label_sets: list[list[str]]) -> None:

@@ -319,7 +319,7 @@ class GlinerExtractor(Adapter):
         net = net.to(self.device).eval()
         self.model, self.dtype = choose_dtype(
             net, name=name, wanted=self.spec.profile.dtype, device=self.device,
-            run=self._check_probs, agree=labels_agree(max_prob_diff=0.02),
+            run=self._check_probs, agree=labels_agree(max_prob_diff=0.02), kept_in=self.spec.path,
         )
 
     def _check_probs(self, net: Any) -> np.ndarray:

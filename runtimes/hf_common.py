@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from operator import attrgetter
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
+from runtimes import kept
 from runtimes.base import ModelSpec
-from runtimes.device import fast_dtypes
+from runtimes.device import device_class, fast_dtypes
 
 log = logging.getLogger("fleet.worker")
 
@@ -459,28 +461,44 @@ def first_too_long(lengths: Sequence[int], limit: int) -> tuple[int, int] | None
 # ---- dtype ----------------------------------------------------------------------
 
 def choose_dtype(model: Any, *, name: str, wanted: str, device: str,
-                 run: Callable[[Any], np.ndarray], agree: Agreement) -> tuple[Any, str]:
+                 run: Callable[[Any], np.ndarray], agree: Agreement, kept_in: Path | None = None) -> tuple[Any, str]:
     """(model to serve, dtype name).
 
     An explicit profile dtype is obeyed. `auto` tries this device's fast dtypes
     (`runtimes.device.fast_dtypes`), fastest first, on a copy of the model and
     keeps the first whose outputs on the check set `agree` with fp32; else fp32.
     `run(model)` returns the task's outputs on the check set as float32.
+    `kept_in`: the model's folder: the verdict is kept beside it (runtimes.kept)
+    and a reload serves it without checking again.
     """
     import torch
 
     if wanted not in ("auto", "float32"):
         return model.to(getattr(torch, wanted)), wanted
-    if wanted == "float32":
+    fast = fast_dtypes(device)
+    if wanted == "float32" or not fast:
         return model, "float32"
+    note = f"dtype-{device_class(device)}"
+    under = kept.key(kept_in, device, torch, candidates=",".join(fast))
+    verdict = kept.recall(kept_in, note, under) if kept_in is not None else None
+    if verdict is not None and verdict.get("dtype") in ("float32", *fast):
+        dtype = verdict["dtype"]
+        log.info("dtype check %s: %s (kept verdict: %s)", name, dtype, verdict.get("detail", ""))
+        return (model if dtype == "float32" else model.to(getattr(torch, dtype))), dtype
     reference = run(model)
-    for dtype in fast_dtypes(device):
+    details = []
+    for dtype in fast:
         candidate = copy.deepcopy(model).to(getattr(torch, dtype))
         ok, detail = agree(reference, run(candidate))
         log.info("dtype check %s %s: %s -> %s", name, dtype, detail, "keep" if ok else "fp32")
+        details.append(f"{dtype}: {detail}")
         if ok:
+            if kept_in is not None:
+                kept.keep(kept_in, note, under, {"dtype": dtype, "detail": "; ".join(details)})
             return candidate, dtype
         del candidate
+    if kept_in is not None:
+        kept.keep(kept_in, note, under, {"dtype": "float32", "detail": "; ".join(details)})
     return model, "float32"
 
 

@@ -148,7 +148,7 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         return traced.trace_probed(
             self._torch, self.spec.name, [self.model], lambda held, f: self._logits_of(held[0], f),
             lambda pairs: dict(to_device(self._features(self.model, *unzipped(pairs)), self.device)), CHECK_PAIRS,
-            (longest, longest), self.max_seq_len)
+            (longest, longest), self.max_seq_len, kept_in=self.spec.path, what="cross-encoder-logits")
 
     def lora_bank(self) -> Loras | None:
         """OpenVINO chosen by measurement goes back to torch fp32 for a LoRA adapter

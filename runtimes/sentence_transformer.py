@@ -114,7 +114,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
                                       f"on the CPU only (this one runs on {self.device})")
             self.model, self.dtype = choose_dtype(
                 model, name=self.spec.name, wanted=profile.dtype, device=self.device,
-                run=lambda m: self._encode_with(m, CHECK_SET), agree=min_cosine(MIN_COSINE),
+                run=lambda m: self._encode_with(m, CHECK_SET), agree=min_cosine(MIN_COSINE), kept_in=self.spec.path,
             )
             modules = list(self.model)[:-1] if trailing else list(self.model)
         self._modules = modules
@@ -216,7 +216,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         for texts in (CHECK_SET[1:2], CHECK_SET[:4], (CHECK_SET * 2)[:16]):
             host = self._tokenized(list(texts))
             shapes.append((int(host["input_ids"].numel()), lambda host=host: self._forward_host(host)))
-        threads = measure_threads(self._torch, self.spec.name, shapes)
+        threads = measure_threads(self._torch, self.spec.name, shapes, kept_in=self.spec.path)
         # The same timings say what a forward costs before its tokens: where micro-batches cut.
         self.fixed_tokens = threads.fixed_tokens() or self.fixed_tokens
         return threads
@@ -234,7 +234,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         timed on one short text and four."""
         return traced.trace_probed(self._torch, self.spec.name, self._modules, pooled,
                                    lambda texts: self._tokenized(list(texts)), list(CHECK_SET),
-                                   traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len)
+                                   traced.long_text(CHECK_SET, self.max_seq_len), self.max_seq_len,
+                                   kept_in=self.spec.path, what="st-pooled")
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         """Unit vectors from a full forward (the check compares directions)."""

@@ -57,6 +57,7 @@ class SpladeEmbedder(Adapter):
         self.model, self.dtype = choose_dtype(
             model, name=self.spec.name, wanted=self.spec.profile.dtype, device=self.device,
             run=lambda m: unit_rows(self._weights_with(m, CHECK_SET)), agree=min_cosine(MIN_COSINE),
+            kept_in=self.spec.path,
         )
         self._weights_with(self.model, CHECK_SET)  # warm-up: first-shape kernel choice paid at load
 

@@ -29,9 +29,13 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from runtimes import kept
+from runtimes.device import device_class
 
 log = logging.getLogger("fleet.worker")
 
@@ -90,13 +94,20 @@ class Threads:
 
 
 def measure(torch: Any, name: str, shapes: list[tuple[int, Callable[[], Any]]], *,
-            clock: Callable[[], float] = time.perf_counter) -> Threads:
+            clock: Callable[[], float] = time.perf_counter, kept_in: Path | None = None) -> Threads:
     """Threads for a model whose forward on each shape is `run()`; `shapes` as
     (padded tokens, run), smallest first. Stops at the first shape where one thread
-    loses (bigger ones lose more) or when BUDGET_S is spent."""
+    loses (bigger ones lose more) or when BUDGET_S is spent. `kept_in`: the model's
+    folder: the verdict is kept beside it (runtimes.kept) and a reload serves it."""
     full = torch.get_num_threads()
     if full <= 1:
         return Threads(torch)
+    note = f"threads-{device_class('cpu')}-t{full}"
+    under = kept.key(kept_in, "cpu", torch, threads=full, shapes=",".join(str(t) for t, _ in shapes))
+    if kept_in is not None and (verdict := kept.recall(kept_in, note, under)) is not None:
+        log.info("threads %s: one thread up to %d tokens (kept verdict)", name, verdict["small"])
+        return Threads(torch, int(verdict["small"]), dict(verdict["table"]),
+                       [(int(t), float(ms)) for t, ms in verdict["full_ms"]])
     small, table, full_ms = 0, {}, []
     started = clock()
     try:
@@ -123,4 +134,6 @@ def measure(torch: Any, name: str, shapes: list[tuple[int, Callable[[], Any]]], 
     finally:
         torch.set_num_threads(full)
     log.info("threads %s: one thread up to %d tokens (%s)", name, small, table)
+    if kept_in is not None:
+        kept.keep(kept_in, note, under, {"small": small, "table": table, "full_ms": full_ms})
     return Threads(torch, small, table, full_ms)

@@ -21,6 +21,18 @@ to give what the eager forward gives:
   runs eagerly (`TracedForward.__call__` answers None).
 Otherwise the model runs eagerly and the log says why; `fleetctl ps` shows the verdict.
 
+A trace is made once per model, not once per load (`kept_trace`). The tracer
+registers every traced module's class and graph in torch's one process-wide
+compilation unit, which never frees them: each load of a traced model left its
+graphs and their execution plans behind after the unload (issue 42: +25 MiB a
+load/unload cycle of a 265 MB reranker, linear). So the graph is saved with its
+weights left out, with the verdict, beside the model in the store
+(`fleet.derived`, keyed by torch's version, the dtype, the thread count and the
+probes), and every load serves it loaded from there (`torch.jit.load`: a
+compilation unit of its own, freed with the model) with the model's own tensors
+bound in; one short probe checks it against the eager forward. A reload neither
+traces nor probes nor times again, and a verdict of eager is kept too.
+
 `torch.jit.trace` is deprecated in favour of torch.compile and torch.export
 (torch 2.13 warns). Neither serves this: an exported program replays through
 Python (MiniLM, one text: 11.9 ms against eager 11.1-12.3, no gain) and
@@ -33,14 +45,18 @@ Policy over one forward only: which batch runs it is the adapter's.
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from itertools import chain
+from pathlib import Path
 from typing import Any
 
-from runtimes import engines
+from runtimes import engines, kept
+from runtimes.device import device_class
 
 log = logging.getLogger("fleet.worker")
 
@@ -54,6 +70,8 @@ RTOL, ATOL = 1e-4, 1e-5
 #: The longest input probed, in tokens (the model's limit when lower); the trace
 #: serves up to it. Its forwards at load (eager and traced) stay cheap.
 PROBE_TOKENS = 512
+#: A kept trace's files (`kept_trace`): the graph without its weights, and the verdict.
+GRAPH, VERDICT = "graph.pt", "verdict.json"
 
 Run = Callable[[list[Any], dict[str, Any]], Any]
 
@@ -137,19 +155,110 @@ def trace(torch: Any, name: str, modules: list[Any], run: Run, example: dict[str
 
 
 def trace_probed(torch: Any, name: str, modules: list[Any], run: Run, tokenized: Callable[[list[Any]], dict[str, Any]],
-                 inputs: list[Any], longest: Any, max_tokens: int) -> tuple[TracedForward | None, str]:
+                 inputs: list[Any], longest: Any, max_tokens: int, *, kept_in: Path | None = None,
+                 what: str = "forward") -> tuple[TracedForward | None, str]:
     """`trace` with the probes every encoder takes: recorded on two of `inputs`
     (texts or pairs) padded together, checked on one input, four padded together and
     `longest` (cut to min(`max_tokens`, PROBE_TOKENS) tokens) beside a short one, timed
     on the first two (`long_text` makes a long one). `tokenized`: the adapter's features
-    of some inputs, as it serves them. The log says why when it runs eagerly."""
+    of some inputs, as it serves them. `kept_in`: the model's folder, where the trace
+    and its verdict are kept (`kept_trace`; `what` names the forward). The log says
+    why when it runs eagerly."""
     tokens = min(max_tokens, PROBE_TOKENS)
-    probes = [tokenized(inputs[1:2]), tokenized(inputs[:4]), cut(torch, tokenized([longest, inputs[0]]), tokens)]
+    example = tokenized(inputs[:2])
+
+    def measured() -> tuple[TracedForward | None, str]:
+        probes = [tokenized(inputs[1:2]), tokenized(inputs[:4]), cut(torch, tokenized([longest, inputs[0]]), tokens)]
+        return trace(torch, name, modules, run, example, probes, probes[:2])
+
     with torch.inference_mode():
-        got, why = trace(torch, name, modules, run, tokenized(inputs[:2]), probes, probes[:2])
+        if kept_in is None:
+            got, why = measured()
+        else:
+            got, why = kept_trace(torch, name, modules, run, example, tokenized(inputs[1:2]), kept_in, what, measured)
     if got is None:
         log.info("traced forward %s: off, %s; running eagerly", name, why)
     return got, why
+
+
+def kept_trace(torch: Any, name: str, modules: list[Any], run: Run, example: dict[str, Any], short: dict[str, Any],
+               model_dir: Path, what: str, measured: Callable[[], tuple[TracedForward | None, str]],
+               ) -> tuple[TracedForward | None, str]:
+    """The verdict `measured()` gives, made once and kept beside the model
+    (`fleet.derived`: re-hashed at each read, made again when the model's files or
+    the versions change): a graph to serve is saved without its weights, then loaded
+    into its own compilation unit with `modules`' tensors bound in and checked
+    against the eager forward on `short`. Anything failing here serves what
+    `measured()` gives, as before keeping (the log says why)."""
+    from fleet.derived import derived
+
+    keys = tuple(k for k, v in example.items() if isinstance(v, torch.Tensor))
+    fixed = {k: v for k, v in example.items() if k not in keys}
+    tensors = module_tensors(modules)
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "none"
+    threads = torch.get_num_threads()
+    made: list[tuple[TracedForward | None, str]] = []
+
+    def make(folder: Path) -> None:
+        got, why = measured()
+        made.append((got, why))
+        if got is not None:
+            save_unbound(torch, got, folder / GRAPH, tensors)
+        (folder / VERDICT).write_text(json.dumps({"on": got is not None, "why": why, "max_tokens": got.max_tokens
+                                                  if got is not None else 0,
+                                                  "speedup": got.speedup if got is not None else 0.0}))
+
+    try:
+        folder = derived(model_dir, f"traced-{what}-{device_class('cpu')}-{dtype}-t{threads}",
+                         {**kept.versions(torch), "keys": ",".join(keys), "fixed": repr(sorted(fixed.items())),
+                          "probe_tokens": str(PROBE_TOKENS), "rounds": str(ROUNDS)}, make)
+        verdict = json.loads((folder / VERDICT).read_text())
+        if not verdict["on"]:
+            return None, verdict["why"] + ("" if made else " (kept verdict)")
+        graph = torch.jit.load(str(folder / GRAPH), map_location="cpu")
+        bind(graph, tensors)
+    except Exception as exc:  # keeping is an optimisation: a load never fails on it
+        log.warning("traced forward %s: cannot keep or read its kept trace (%s: %s)", name, type(exc).__name__, exc)
+        return made[0] if made else measured()
+    traced = TracedForward(graph, keys, fixed, int(verdict["max_tokens"]))
+    traced.speedup = float(verdict["speedup"])
+    if (detail := disagreement(torch, run(modules, dict(short)), traced(dict(short)))) is not None:
+        return None, f"the kept trace disagrees with eager ({detail})"
+    if not made:
+        log.info("traced forward %s: %.2fx eager (kept verdict)", name, traced.speedup)
+    return traced, verdict["why"] + ("" if made else " (kept verdict)")
+
+
+def module_tensors(modules: list[Any]) -> dict[str, Any]:
+    """Every parameter and buffer of `modules` under its name in the traced graph
+    (`trace` holds them as `held.<i>.<name>`)."""
+    return {f"held.{i}.{n}": t for i, m in enumerate(modules)
+            for n, t in chain(m.named_parameters(), m.named_buffers())}
+
+
+def bind(graph: Any, tensors: dict[str, Any]) -> None:
+    """Set every parameter and buffer of the script module `graph` to the tensor of
+    its name (no copy); a graph whose names are not exactly these is refused."""
+    names = [n for n, _ in chain(graph.named_parameters(), graph.named_buffers())]
+    if sorted(names) != sorted(tensors):
+        raise ValueError(f"the graph's {len(names)} tensors are not the model's {len(tensors)}")
+    for name in names:
+        *path, leaf = name.split(".")
+        module = graph
+        for part in path:
+            module = getattr(module, part)
+        setattr(module, leaf, tensors[name])
+
+
+def save_unbound(torch: Any, traced: TracedForward, path: Path, tensors: dict[str, Any]) -> None:
+    """Save `traced`'s graph with empty tensors in place of the model's (kilobytes, not
+    the weights again), then bind the model's back (it may still serve)."""
+    graph = traced._graph
+    try:
+        bind(graph, {n: torch.empty(0, dtype=t.dtype) for n, t in tensors.items()})
+        torch.jit.save(graph, str(path))
+    finally:
+        bind(graph, tensors)
 
 
 def long_text(texts: list[str], max_tokens: int) -> str:

@@ -7,12 +7,16 @@ and a BERT cross-encoder built from a config (random weights, MiniLM's tokenizer
    (seconds: weights, the dtype check, the trace and its probes), the resident
    embedder answers every probe, each in a fraction of the load's time. Before,
    the worker's one step loop ran the load: every embed request waited for all of it.
+2. A reload serves what the first load measured (runtimes.kept): the trace is made
+   once and kept beside the model, the dtype checked once; before, every load
+   traced, probed, timed and checked again.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,3 +91,18 @@ def test_a_load_runs_beside_the_models_already_serving(served):
     assert max(during) < load_s / 3, (load_s, during)
     assert len(inside) >= 5, (load_s, during)
 
+
+def test_a_reload_serves_what_the_first_load_measured(served):
+    d = served
+    for op in ("load", "unload", "load"):  # a first load (unless an earlier test made it), then a reload
+        done = httpx.post(f"{d.url}/v1/models/{RERANKER}/{op}", headers=d.admin, timeout=300)
+        assert done.status_code == 200, done.text
+    assert rerank(d).status_code == 200
+    log = (Path(d.home) / "daemon.log").read_text()
+    assert log.count(f"loaded {RERANKER} on cpu") >= 2
+    # Traced, probed and timed once: every later load served the kept graph or verdict.
+    assert log.count("making traced-cross-encoder-logits-") == 1
+    assert f"traced forward {RERANKER}: " in log and "(kept verdict)" in log
+    assert len(list((Path(d.home) / "models" / RERANKER / ".fleet-derived").glob("traced-*/verdict.json"))) == 1
+    # The dtype checked at most once (a CPU without a fast dtype checks none).
+    assert log.count(f"dtype check {RERANKER} bfloat16:") <= 1
