@@ -20,6 +20,7 @@ import numpy as np
 from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import BadRequest, ModelNotFound, PayloadTooLarge, Unsupported
 from fleet.prompts import first_prompt, folder_prompts, prompt_table, resolve_prompt
+from fleet.tools import check_tools
 from fleet.vectors import SCALAR, from_wire
 from fleet.messages import (
     ClassifyResult, EmbedResult, EmbedResultRaw, ExtractResult, GenerateChunk, GenerateResult, RerankResult,
@@ -436,6 +437,18 @@ def check_generate(req: GenerateRequest) -> None:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if req.regex is not None and req.format is not None:
         raise BadRequest("send one of `format` or `regex`, not both", param="regex")
+    check_tools(req.tools, req.tool_choice)
+    if req.tools and req.tool_choice != "none":
+        # A call is held to its own grammar, and its tokens are not the text's.
+        if req.format is not None or req.regex is not None:
+            raise BadRequest("send `tools` or an output format (`format`, `regex`, `response_format`), not both",
+                             param="tools")
+        if req.logprobs:
+            raise BadRequest("`logprobs` are not given with `tools` (a call's tokens are not text)",
+                             param="logprobs")
+        if req.messages is None:
+            raise BadRequest("`tools` need chat `messages`: a prompt has no chat template to render them",
+                             param="tools")
 
 
 def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> str:

@@ -169,9 +169,16 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_ids: list[int] = []
 
 
+class CalledTool(msgspec.Struct, frozen=True, array_like=True):
+    """A tool call parsed from a generation: the function's name, its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
 class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
-    text: str  # the whole generated text, already cut before a stop string
-    finish_reason: str  # stop | length
+    text: str  # the whole generated text, already cut before a stop string (without tool calls)
+    finish_reason: str  # stop | length | tool_calls
     input_tokens: int
     output_tokens: int
     #: Per token of `text`, when the request asked for logprobs.
@@ -180,6 +187,8 @@ class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
     #: max_tokens): "context" (the model's context is full) or "memory" (no room for its
     #: key/value cache to grow on the device); "" when the client's limit, a stop or the model did.
     length_limit: str = ""
+    #: The tool calls the model made (requests with `tools`), in its order.
+    tool_calls: list[CalledTool] = []
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):

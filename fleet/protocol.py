@@ -235,6 +235,10 @@ class ModelCard(msgspec.Struct, frozen=True):
     owned_by: str = "fleet"
     loaded: bool = False
     pinned: bool = False
+    #: What it can do (fleet.tools.capabilities): embed, rerank, classify, extract, decide;
+    #: a generator: completion, chat (it has a chat template), tools (its template can
+    #: express them); vision (it takes images).
+    capabilities: list[str] = []
 
 
 class ProfileView(msgspec.Struct, frozen=True):
@@ -429,10 +433,66 @@ class ExtractReply(msgspec.Struct, frozen=True):
 
 # ---- /v1/generate, OpenAI /v1/completions and /v1/chat/completions -------------
 
+class FunctionDef(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A tool the model may call: its name, what it does, and its arguments' JSON Schema
+    (an object; none: no arguments). `strict` is OpenAI's: fleet always holds a
+    constrained call to the schema (fleet.tools)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One of `tools` (OpenAI's chat shape; Ollama's is the same)."""
+
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class FunctionName(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`tool_choice` naming one function: the model calls it (OpenAI's shape)."""
+
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+#: "none": no call; "auto": text or calls, as the model chooses; "required": one call or
+#: more; a NamedToolChoice: that function. With "required" or a name, decoding is held to
+#: the call format and the tools' schemas; with "auto", to text or such calls.
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(msgspec.Struct, frozen=True):
+    """A call: the function's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tool call of an assistant message, in history or in a reply (OpenAI's shape)."""
+
+    function: FunctionCall
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A chat turn: `role` and `content`; an assistant turn's `tool_calls`; a `tool`
+    turn's `tool_call_id` and the function's `name` (what the model's chat template reads)."""
+
     role: str
     #: Text, or OpenAI content parts (only `{"type": "text", "text": ...}` parts are taken).
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 #: Structured output of a generation: "json" = the text is one JSON object; a
@@ -476,6 +536,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_un
     #: The text must match this regular expression (enforced while decoding, as `format`;
     #: TGI's `grammar` of type regex). Not with `format`.
     regex: str | None = None
+    #: Functions the model may call (chat `messages` only), rendered by the model's chat
+    #: template and parsed in its family's format (fleet.tools); `tool_choice` None is
+    #: "auto" with tools. `parallel_tool_calls` false: one call at most.
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -505,10 +571,12 @@ class GenerateReply(msgspec.Struct, frozen=True, omit_defaults=True):
 
     model: str
     text: str
-    finish_reason: str  # stop | length
+    finish_reason: str  # stop | length | tool_calls
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
     length_limit: str | None = None
+    #: The calls the model made (`finish_reason` "tool_calls"); `text` is what it wrote beside them.
+    tool_calls: list[ToolCall] | None = None
 
 
 class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -521,6 +589,7 @@ class GenerateChunkReply(msgspec.Struct, frozen=True, omit_defaults=True):
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
     length_limit: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -672,8 +741,11 @@ class CompletionReply(msgspec.Struct, frozen=True):
 
 
 class AssistantMessage(msgspec.Struct, frozen=True):
-    content: str
+    """`content` is null when the model only called tools (as OpenAI answers)."""
+
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatLogprobs(msgspec.Struct, frozen=True):
@@ -701,9 +773,24 @@ class ChatCompletionReply(msgspec.Struct, frozen=True):
     object: str = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A streamed piece of the `index`-th call: its id, type and name on the first one."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):

@@ -43,7 +43,9 @@ accepts; a matcher that fails (an engine limit hit mid-generation) fails its
 own row (`Sequence.error`), which leaves the batch while the others go on.
 `logprobs` records the chosen token's log-probability and the top ones, from
 the distribution the pick used (after the grammar mask, before temperature and
-top-p).
+top-p). A request with tools holds a `Caller` (runtimes.tools): the tools go
+into its prompt, its calls' grammar is its matcher, a stream holds back what may
+be a call, and the finished text is split into text and calls.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from runtimes.grammar import Grammars
 from runtimes.hf_common import char_bound
 from runtimes.lora import Loras, LoraHost
 from runtimes.memory import NotNow, is_out_of_memory
+from runtimes.tools import Caller, added_id, template_messages
 
 log = logging.getLogger("fleet.worker")
 
@@ -89,7 +92,7 @@ class Sequence:
     stop: tuple[str, ...]
     stream: bool
     lora: str  # peft adapter name, BASE_ROW for the base model
-    matcher: Any = None  # llguidance matcher of `format`; None = free text
+    matcher: Any = None  # llguidance matcher of `format` or of tool calls; None = free text
     top_logprobs: int = -1  # -1: no logprobs; k >= 0: the chosen token's and the k most likely
     ids: list[int] = field(default_factory=list)  # generated tokens (no EOS)
     sent: int = 0  # characters already streamed
@@ -107,6 +110,7 @@ class Sequence:
     open_ended: bool = False
     reserve: int = 0
     length_limit: str = ""  # the server's limit that ended it: "context" | "memory"
+    caller: Caller | None = None  # the request's tools: its calls are parsed out of the text
 
     @property
     def final_len(self) -> int:
@@ -244,6 +248,12 @@ class CausalLM(LoraHost, Adapter):
             self.grammars = Grammars(self.tokenizer, self.vocab_size, eos)
         return self.grammars
 
+    def _engine_token(self, text: str) -> int | None:
+        """The id of `text` when it is one added token, which the grammar engine holds
+        apart from text (a grammar names it as a token)."""
+        tid = added_id(self.tokenizer, text)
+        return tid if tid is not None and self._grammars().tokenizer.is_special_token(tid) else None
+
     def footprint_bytes(self) -> int:
         held = sum(t.numel() * t.element_size() for t in itertools.chain(self.base.parameters(), self.base.buffers()))
         return held + self.lora_bytes()
@@ -313,7 +323,14 @@ class CausalLM(LoraHost, Adapter):
     def _sequence(self, key: Any, req: GenerateRequest) -> Sequence:
         torch = self._torch
         lora = self.loras.peft_name(self.lora_of(req))  # marks it recently used
-        ids = self.prompt_ids(req)
+        caller = None
+        if req.tools and req.tool_choice != "none":
+            if req.messages is None:
+                raise BadRequest("`tools` need chat `messages` (a prompt has no template to render them)",
+                                 param="tools")
+            caller = Caller(self.spec.name, self.tokenizer, req.tools, req.tool_choice, req.parallel_tool_calls,
+                            self._engine_token)
+        ids = self.prompt_ids(req, caller)
         if not ids:
             raise BadRequest("the prompt is empty")
         room = self.max_len - len(ids)
@@ -329,8 +346,9 @@ class CausalLM(LoraHost, Adapter):
             raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
         reserve = len(ids) + min(max_new, ANSWER_RESERVE_TOKENS)
         self._check_room(reserve)
-        matcher = self._grammars().matcher(req.format, req.regex) \
-            if req.format is not None or req.regex is not None else None
+        matcher = self._grammars().lark(caller.grammar(), "`tools`") if caller is not None else \
+            self._grammars().matcher(req.format, req.regex) if req.format is not None or req.regex is not None \
+            else None
         if req.logprobs:
             self._grammars()  # token bytes
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -343,7 +361,8 @@ class CausalLM(LoraHost, Adapter):
                 generator.seed()
         return Sequence(key, ids, max_new, req.temperature, req.top_p, generator, stop, req.stream,
                         lora, matcher,
-                        req.top_logprobs if req.logprobs else -1, open_ended=open_ended, reserve=reserve)
+                        req.top_logprobs if req.logprobs else -1, open_ended=open_ended, reserve=reserve,
+                        caller=caller)
 
     def needs_room(self) -> bool:
         """Does the next step grow an open-ended row's reserve (`_grow_reserves`; the
@@ -365,7 +384,7 @@ class CausalLM(LoraHost, Adapter):
                 ended.append(s)
         if not ended:
             return []
-        texts = self.tokenizer.batch_decode([s.ids for s in ended], skip_special_tokens=True)
+        texts = self._texts(ended)
         self._keep_rows([i for i, s in enumerate(self.rows) if not s.finish])
         return [(s.key, self._result(s, text)) for s, text in zip(ended, texts)]
 
@@ -388,17 +407,21 @@ class CausalLM(LoraHost, Adapter):
         self.waiting_room = True
         raise NotNow(f"{self.spec.name}: the cache reserve of {len(seqs)} sequences leaves no room for another")
 
-    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+    def prompt_ids(self, req: GenerateRequest, caller: Caller | None = None) -> list[int]:
         """Token ids of the prompt: the text as the tokenizer encodes it, or the chat
-        rendered by the model's template (its special tokens written by the template)."""
+        rendered by the model's template (its special tokens written by the template),
+        with the request's tools when `caller` holds them."""
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise BadRequest(f"{self.spec.name} has no chat template; send `prompt` instead of `messages`")
             if not req.messages:
                 raise BadRequest("`messages` is empty: send at least one message")
-            messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+            messages, kwargs = template_messages(req.messages), {}
+            if caller is not None:
+                messages, kwargs = caller.render(messages)
             try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **kwargs)
             except Exception as exc:  # templates raise on what they refuse (roles, order)
                 raise BadRequest(f"the chat template of {self.spec.name} refused these messages: {exc}") from exc
             self.check_prompt_chars(text)
@@ -670,14 +693,15 @@ class CausalLM(LoraHost, Adapter):
         # 2. Rows that need their text now (stop strings, streaming, logprobs, finished):
         #    one batch decode. Logprob rows note where the text ends after their new
         #    token (characters, before any stop cut): it places each token in the text.
+        #    A row with tools finds stop strings in its text before a call only.
         need = [s for s in self.rows if (s.stop or s.stream or s.finish or s.top_logprobs >= 0) and s.error is None]
         if need:
-            texts = self.tokenizer.batch_decode([s.ids for s in need], skip_special_tokens=True)
-            for s, text in zip(need, texts):
+            for s, text in zip(need, self._texts(need)):
                 if len(s.lp_ends) < len(s.lps):
                     s.lp_ends.append(len(text))
                 if s.stop:
-                    cut = stop_cut(text, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
+                    prose = text if s.caller is None else text[:s.caller.call_start(text)]
+                    cut = stop_cut(prose, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
                     if cut != -1:
                         text, s.finish, s.cut = text[:cut], "stop", True
                 s.text = text
@@ -692,6 +716,8 @@ class CausalLM(LoraHost, Adapter):
             keep.append(i)
             if s.stream:
                 end = streamable_end(s.text, s.stop)
+                if s.caller is not None:  # never a call's markup, nor the blank before one
+                    end = len(s.text[:min(end, s.caller.call_start(s.text))].rstrip())
                 if end > s.sent:
                     partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end], self._streamed_logprobs(s, end))))
                     s.sent = end
@@ -700,10 +726,28 @@ class CausalLM(LoraHost, Adapter):
             self._keep_rows(keep)
         return partials, finished
 
+    def _texts(self, rows: list[Sequence]) -> list[str]:
+        """Each row's generated text, in one batch decode; with special tokens for rows
+        whose call markers are special tokens (runtimes.tools strips the others)."""
+        kept = [s.caller is not None and s.caller.keeps_special for s in rows]
+        texts = self.tokenizer.batch_decode([s.ids for s, k in zip(rows, kept) if not k], skip_special_tokens=True)
+        if not any(kept):
+            return texts
+        special = iter(self.tokenizer.batch_decode([s.ids for s, k in zip(rows, kept) if k],
+                                                   skip_special_tokens=False))
+        plain = iter(texts)
+        return [next(special) if k else next(plain) for k in kept]
+
     def _result(self, s: Sequence, text: str) -> GenerateResult:
-        """A finished row's answer."""
-        return GenerateResult(text, s.finish, len(s.prompt_ids), len(s.ids), self._final_logprobs(s),
-                              s.length_limit if s.finish == "length" else "")
+        """A finished row's answer: with tools, its text beside the calls and the calls
+        (finish_reason "tool_calls" when it ended after them)."""
+        finish, calls = s.finish, []
+        if s.caller is not None:
+            text, calls = s.caller.split(text)
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        return GenerateResult(text, finish, len(s.prompt_ids), len(s.ids), self._final_logprobs(s),
+                              s.length_limit if s.finish == "length" else "", calls)
 
     def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
         token_bytes = self.grammars.token_bytes
@@ -748,13 +792,6 @@ class CausalLM(LoraHost, Adapter):
             layer.keys = layer.keys[idx, :, lead:]
             layer.values = layer.values[idx, :, lead:]
         self.mask = self.mask[:, lead:]
-
-
-def message_text(content: str | list[dict] | None) -> str:
-    """A chat message's text: the string, or its text parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
 
 
 def pad_left(t, n: int):

@@ -86,6 +86,19 @@ class Grammars:
             raise BadRequest(f"`format` is not a usable JSON Schema: {exc}") from None
         return self._checked(grammar, "`format`")
 
+    def lark(self, text: str, field: str) -> Any:
+        """A fresh matcher for an llguidance lark grammar fleet built from the request's
+        `field` (tool calls: runtimes.tools); BadRequest naming the field when a schema
+        in it is not one llguidance can enforce."""
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise BadRequest(f"{field}: the grammar they make is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} "
+                             "are taken")
+        try:
+            grammar = self._llg.LLMatcher.grammar_from_lark(text)
+        except ValueError as exc:
+            raise BadRequest(f"{field} cannot be enforced: {exc}") from None
+        return self._checked(grammar, field)
+
     def _checked(self, grammar: str, field: str) -> Any:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -141,3 +141,68 @@ class Reference:
         x = torch.tensor([self.tokenizer(prompt)["input_ids"]])
         with torch.inference_mode():
             return self.with_lora(lora)(input_ids=x).logits[0, -1].float()
+
+
+#: Qwen2.5-Instruct's chat template as the model ships it (tokenizer_config.json): it
+#: renders `tools` and history calls in the Hermes format (`<tool_call>` blocks).
+QWEN25_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-instruct.jinja"
+#: Where a scripted model's greedy choice goes, given the token it just read (module doc
+#: of build_tool_caller): (read, next, strength); the strongest one the grammar allows wins.
+TOOL_SCRIPT = [
+    ("\n", "<tool_call>", 3.0),  # the prompt ends "assistant\n": open a call at once
+    ("</tool_call>", "<|im_end|>", 3.0),  # then end the turn
+    ("{", '"', 2.0), (" ", '"', 1.0),  # keys and string values open
+    ('"', '"', 2.0), ('"', "}", 1.5),  # strings close empty, objects close
+    *((d, "}", 2.0) for d in "0123456789"), *((d, ",", 1.0) for d in "0123456789"),  # numbers stay short
+]
+
+
+def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0) -> Path:
+    """A tiny Qwen2 that calls tools, with Qwen2.5-Instruct's real chat template and
+    its added `<tool_call>` / `</tool_call>` tokens (not special, as in Qwen's).
+
+    Its one layer adds nothing (o_proj and down_proj are zero), so the logits are a
+    function of the last token read: each TOOL_SCRIPT entry adds that token's unit
+    embedding to the next token's LM-head row (256 dimensions keep the entries apart:
+    random unit vectors overlap by ~1/16). Greedy decoding then opens a call right after
+    the prompt, keeps strings and numbers short, and ends the turn after the call; the
+    grammar of the request (fleet's tool calls) chooses everything else. Unconstrained,
+    it writes nothing useful: it exists to show what grammar-held calls look like to
+    clients, deterministically, through the real loading path.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_tokens(["<tool_call>", "</tool_call>"])  # plain added tokens, as Qwen2.5's
+    fast.chat_template = QWEN25_TEMPLATE.read_text()
+    fast.save_pretrained(folder)
+    eos = fast.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      eos_token_id=eos, pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0.0, 1.0)
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.01)
+        for read, nxt, strength in TOOL_SCRIPT:
+            (r,), (n,) = fast(read, add_special_tokens=False)["input_ids"], [fast.convert_tokens_to_ids(nxt)] \
+                if nxt.startswith("<") else fast(nxt, add_special_tokens=False)["input_ids"]
+            head[n] += strength * emb[r] / emb[r].norm()
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(folder)
+    return folder

@@ -6,16 +6,19 @@ limit (OpenAI chat, Responses, Ollama chat), and say which server limit ended th
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import pytest
 
 from tests.conftest import DaemonProc, start_daemon
-from tests.gen_models import build_llama, never_ending, pull
+from tests.gen_models import build_llama, build_tool_caller, never_ending, pull
 
 pytestmark = pytest.mark.slow
 
 ENDLESS = "tiny-endless"  # 256 positions, greedy output never stops: it runs to the context's end
+CALLER = "tiny-qwen-tools"  # Qwen2.5-Instruct's chat template; calls a tool as soon as it may
+PLAIN = "tiny-llama"  # a chat template with no tools
 CONTEXT = 256
 ASK = [{"role": "user", "content": "hello world"}]
 
@@ -25,6 +28,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("agents-models")
     home = tmp_path_factory.mktemp("agents-home")
     pull(home, never_ending(build_llama(root / ENDLESS)), ENDLESS)
+    pull(home, build_tool_caller(root / CALLER), CALLER)
+    pull(home, build_llama(root / PLAIN), PLAIN)
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
     yield d
     d.stop()
@@ -78,3 +83,230 @@ def test_ollama_chat_with_no_limit_answers_to_the_end_of_the_context(served: Dae
     with httpx.stream("POST", served.url + "/api/chat", json=body, timeout=120) as r:
         last = json.loads(list(r.iter_lines())[-1])
     assert last["done_reason"] == "length" and last["length_limit"] == "context"
+
+
+# ---- tool calls -----------------------------------------------------------------------------
+
+SWITCH = {"type": "object", "properties": {"mode": {"enum": ["on", "off"]}, "loud": {"type": "boolean"}},
+          "required": ["mode", "loud"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "set_mode", "description": "Switch the device.",
+                                           "parameters": SWITCH}},
+         {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
+                                           "parameters": WEATHER}}]
+TURN_ON = [{"role": "user", "content": "turn it on"}]
+
+
+def fits(name: str, arguments: str) -> bool:
+    """Does a call parse and fit its tool's schema?"""
+    args = json.loads(arguments)
+    if name == "set_mode":
+        return set(args) == {"mode", "loud"} and args["mode"] in ("on", "off") and type(args["loud"]) is bool
+    return name == "get_weather" and set(args) == {"city", "days"} and isinstance(args["city"], str) \
+        and type(args["days"]) is int
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", None, {"type": "function", "function": {"name": "get_weather"}}])
+def test_chat_tool_calls_parse_and_fit_their_schema(openai_client, choice) -> None:
+    kw = {"tool_choice": choice} if choice is not None else {}
+    for seed in range(3):  # sampled too: the grammar holds every pick
+        chat = openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, seed=seed, **kw)
+        choice0 = chat.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+        calls = choice0.message.tool_calls
+        assert calls and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+        assert all(fits(c.function.name, c.function.arguments) for c in calls), calls
+        if isinstance(choice, dict):
+            assert {c.function.name for c in calls} == {"get_weather"}
+
+
+def test_chat_tool_calls_stream_as_deltas_and_history_renders(openai_client) -> None:
+    chunks = list(openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, stream=True,
+                                                        parallel_tool_calls=False, tool_choice="required"))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].type == "function"
+    assert fits(deltas[0].function.name, deltas[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The call and its result as history: the template renders them, the model answers.
+    history = [*TURN_ON, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": deltas[0].id, "type": "function",
+         "function": {"name": deltas[0].function.name, "arguments": deltas[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": deltas[0].id, "content": "switched on"}]
+    chat = openai_client.chat.completions.create(model=CALLER, messages=history, tools=TOOLS, tool_choice="none",
+                                                 max_tokens=4)
+    assert chat.choices[0].message.tool_calls is None and chat.usage.prompt_tokens > 0
+
+
+def test_chat_fields_beside_tools_are_understood_or_refused_by_name(served: DaemonProc, openai_client) -> None:
+    import openai
+
+    # n > 1: n choices, each a call.
+    chat = openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, n=2,
+                                                 tool_choice="required")
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(fits(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+               for c in chat.choices)
+    # stop applies to text, never inside a call: a stop string the call's JSON holds.
+    chat = openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, stop=['"'],
+                                                 tool_choice="required")
+    assert chat.choices[0].finish_reason == "tool_calls"
+    # Refused with the field named: logprobs with tools, a choice that names no tool,
+    # streamed n > 1; a template that cannot express tools says so. The daemon serves on.
+    for kw, param in (({"logprobs": True}, "logprobs"), ({"n": 2, "stream": True}, "n"),
+                      ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, **kw)
+        assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model=PLAIN, messages=TURN_ON, tools=TOOLS)
+    assert "the chat template of tiny-llama cannot express tools" in err.value.body["message"]
+    assert openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS).choices[0].message
+
+
+def test_responses_function_calls_and_their_outputs(openai_client) -> None:
+    import openai
+
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = openai_client.responses.create(model=CALLER, input="turn it on", tools=tools, tool_choice="required")
+    assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"] * len(resp.output)
+    call = resp.output[0]
+    assert call.call_id.startswith("call_") and fits(call.name, call.arguments)
+    with openai_client.responses.stream(model=CALLER, input="turn it on", tools=tools,
+                                        parallel_tool_calls=False) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["function_call"] and fits(final.output[0].name, final.output[0].arguments)
+    history = [{"role": "user", "content": "turn it on"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "switched on"}]
+    after = openai_client.responses.create(model=CALLER, input=history, tools=tools, tool_choice="none",
+                                           max_output_tokens=4)
+    assert [o.type for o in after.output] == ["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # a hosted tool: this server runs none
+        openai_client.responses.create(model=CALLER, input="hi", tools=[{"type": "web_search"}])
+    assert err.value.body["param"] == "tools[0]"
+
+
+def test_ollama_client_tool_calls(served: DaemonProc) -> None:
+    import ollama
+
+    def set_mode(mode: str, loud: bool) -> str:
+        """Switch the device.
+
+        Args:
+          mode: on or off
+          loud: whether to be loud
+        """
+        return f"switched {mode}"
+
+    client = ollama.Client(host=served.url, timeout=120)
+    # Ollama has no tool_choice: this model calls as soon as it may ("auto").
+    reply = client.chat(model=CALLER, messages=TURN_ON, tools=[set_mode])
+    calls = reply.message.tool_calls
+    assert reply.done_reason == "stop" and calls and calls[0].function.name == "set_mode"
+    assert set(calls[0].function.arguments) == {"mode", "loud"}
+    streamed = [c for part in client.chat(model=CALLER, messages=TURN_ON, tools=[set_mode], stream=True)
+                for c in part.message.tool_calls or []]
+    assert [c.function.name for c in streamed] == ["set_mode"]
+    history = [*TURN_ON, reply.message, {"role": "tool", "content": "switched on", "tool_name": "set_mode"}]
+    assert client.chat(model=CALLER, messages=history, options={"num_predict": 4}).message is not None
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model=PLAIN, messages=TURN_ON, tools=[set_mode])
+    assert err.value.status_code == 400 and "cannot express tools" in err.value.error
+
+
+def test_models_and_show_say_what_each_model_can_do(served: DaemonProc, openai_client) -> None:
+    import ollama
+
+    caps = {m.id: m.model_extra["capabilities"] for m in openai_client.models.list()}
+    assert caps[CALLER] == ["completion", "chat", "tools"] and caps[PLAIN] == ["completion", "chat"]
+    client = ollama.Client(host=served.url, timeout=60)
+    assert client.show(CALLER).capabilities == ["completion", "tools"]
+    assert client.show(PLAIN).capabilities == ["completion"]
+
+
+# ---- agent libraries, unchanged ----------------------------------------------------------------
+
+def test_pydantic_ai_structured_output_through_its_output_tool(served: DaemonProc) -> None:
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Switch(BaseModel):
+        mode: Literal["on", "off"]
+        loud: bool
+
+    model = OpenAIChatModel(CALLER, provider=OpenAIProvider(base_url=served.url + "/v1", api_key="unused"))
+    out = Agent(model, output_type=Switch).run_sync("turn it on").output
+    assert isinstance(out, Switch)
+
+
+def test_openai_agents_run_a_tool_on_responses_and_chat(served: DaemonProc) -> None:
+    import asyncio
+    from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
+    from agents import set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def set_mode(mode: Literal["on", "off"], loud: bool) -> str:
+        """Switch the device."""
+        calls.append(mode)
+        return f"switched {mode}"
+
+    async def run() -> list[str]:
+        client = AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        outs = []
+        for model in (OpenAIResponsesModel(CALLER, client), OpenAIChatCompletionsModel(CALLER, client)):
+            agent = Agent(name="switch", instructions="Use the tools.", tools=[set_mode], model=model,
+                          tool_use_behavior="stop_on_first_tool")
+            outs.append((await Runner.run(agent, "turn it on")).final_output)
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(calls) == 2 and outs == [f"switched {m}" for m in calls]
+
+
+def test_langchain_bind_tools(served: DaemonProc) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def set_mode(mode: Literal["on", "off"], loud: bool) -> str:
+        """Switch the device."""
+        return mode
+
+    llm = ChatOpenAI(model=CALLER, base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    bound = llm.bind_tools([set_mode], tool_choice="set_mode")
+    calls = bound.invoke("turn it on").tool_calls
+    assert [c["name"] for c in calls] == ["set_mode"] and set(calls[0]["args"]) == {"mode", "loud"}
+    merged = None
+    for chunk in bound.stream("turn it on"):
+        merged = chunk if merged is None else merged + chunk
+    assert [c["name"] for c in merged.tool_calls] == ["set_mode"]
+
+
+def test_smolagents_tool_calling_agent_calls_its_tool(served: DaemonProc) -> None:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool
+    def set_mode(mode: str, loud: bool) -> str:
+        """Switch the device.
+
+        Args:
+            mode: on or off
+            loud: whether to be loud
+        """
+        return f"switched {mode!r}"
+
+    model = OpenAIServerModel(model_id=CALLER, api_base=served.url + "/v1", api_key="unused")
+    agent = ToolCallingAgent(tools=[set_mode], model=model, max_steps=1, verbosity_level=0)
+    agent.run("turn it on")
+    step = next(s for s in agent.memory.steps if getattr(s, "tool_calls", None))
+    assert step.tool_calls[0].name in ("set_mode", "final_answer")
+    assert step.tool_calls[0].name != "set_mode" or "switched" in step.observations

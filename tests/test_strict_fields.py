@@ -378,7 +378,7 @@ def test_a_misspelled_field_inside_an_object_is_named_with_where_it_is(served: D
     ("/v2/rerank", {"documents": "a"}, "`documents` must be a list or null, got a string"),
     ("/v1/classify", {"multi_label": "yes"}, "`multi_label` must be a boolean or null, got a string"),
     ("/v1/extract", {"labels": "PER"}, "`labels` must be a list or null, got a string"),
-    ("/v1/generate", {"max_tokens": "3"}, "`max_tokens` must be an integer, got a string"),
+    ("/v1/generate", {"max_tokens": "3"}, "`max_tokens` must be an integer or null, got a string"),
     ("/v1/generate", {"prompt": None, "messages": [{"content": "hi"}]}, "`messages[0].role` is required"),
     (f"/v1/models/{CLASSIFY}/load", {"device": 0}, "`device` must be a string or null, got an integer"),
 ])
@@ -443,8 +443,9 @@ def test_the_openai_sdk_defaults_work_and_extra_body_typos_are_refused(served: D
 @pytest.mark.parametrize("extra,param", [
     ({"store": True}, "store"),
     ({"verbosity": "low"}, "verbosity"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call"),
+    ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0]"),
 ])
 def test_openai_fields_that_ask_for_what_fleet_does_not_do_are_refused(served: DaemonProc, extra: dict, param: str):
     resp = send(served, "/v1/chat/completions", {**OPENAI["/v1/chat/completions"][1], **extra})

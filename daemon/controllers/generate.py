@@ -7,7 +7,8 @@ before the first piece of text answer with their status; later ones end the
 stream with an `error` event. A client that goes away mid-stream cancels its
 request: the worker drops the sequence at its next step.
 
-OpenAI fields map onto the native request: `response_format` onto `format`
+OpenAI fields map onto the native request: `tools`, `tool_choice` and history calls
+onto the same (daemon.controllers.tool_calls), `response_format` onto `format`
 (grammar-constrained decoding in the worker), `logprobs`/`top_logprobs` onto
 the same; `stream_options.include_usage` adds the usage event. Fields fleet
 does not implement answer 400 `unsupported` naming the field when they ask for
@@ -32,11 +33,12 @@ from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest,
     ChatDelta, ChatLogprobs, ChatMessage, CompletionChoice, CompletionLogprobs, CompletionReply, CompletionRequest,
-    ErrorBody, ErrorReply, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage,
-    ResponseFormat, Usage,
+    ErrorBody, ErrorReply, FunctionDelta, GenerateChunkReply, GenerateReply, GenerateRequest, OpenAICompletionUsage,
+    ResponseFormat, ToolCallDelta, Usage,
 )
 
 from daemon import codec, fields, tasks
+from daemon.controllers import tool_calls
 from daemon.controllers.common import decode_request
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
@@ -45,16 +47,19 @@ from daemon.tasks import TextStream, length_limit_headers, token_logprobs
 
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
 MAX_LEGACY_LOGPROBS = 5
-#: OpenAI chat fields fleet does not implement: a request that sets one is refused by name.
-UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logit_bias", "audio", "prediction", "store",
+#: Most choices one chat request may ask for (`n`; OpenAI's limit is 128).
+MAX_CHOICES = 16
+#: OpenAI chat fields fleet does not implement: a request that sets one is refused by name
+#: (`functions` and `function_call` are the deprecated spelling of `tools`: send those).
+UNSUPPORTED_CHAT = ("functions", "function_call", "logit_bias", "audio", "prediction", "store",
                     "reasoning_effort", "verbosity", "web_search_options", "moderation")
 UNSUPPORTED_COMPLETION = ("echo", "suffix", "logit_bias")
-#: Message fields that belong to tool calling and audio, which fleet does not do.
-UNSUPPORTED_MESSAGE = ("tool_calls", "tool_call_id", "function_call", "audio")
+#: Message fields fleet does not take: the deprecated function call, audio.
+UNSUPPORTED_MESSAGE = ("function_call", "audio")
 #: OpenAI fields accepted and not applied (they ask for nothing fleet could honour):
 #: named in the reply's `X-Fleet-Ignored-Fields`.
 IGNORED_CHAT = ("user", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                "prompt_cache_options", "safety_identifier", "parallel_tool_calls")
+                "prompt_cache_options", "safety_identifier")
 IGNORED_MESSAGE = ("name", "refusal")
 IGNORED_COMPLETION = ("user",)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -62,8 +67,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest, fields: tuple[str, ...]) -> None:
     """400 `unsupported` for the first field that asks for something fleet does not do."""
-    if req.n != 1:
-        raise Unsupported(f"n must be 1 (one choice per request), got {req.n}", param="n")
+    if req.n != 1 and (isinstance(req, CompletionRequest) or req.stream):
+        when = "" if isinstance(req, CompletionRequest) else " when streamed"
+        raise Unsupported(f"n must be 1{when} (one choice per request), got {req.n}", param="n")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise BadRequest(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     for name in fields:
         if getattr(req, name) not in (None, False, [], {}):
             raise Unsupported(f"`{name}` is not supported by this server", param=name)
@@ -74,15 +82,43 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest, fields: t
 
 def refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
     refuse_unsupported(req, UNSUPPORTED_CHAT)
-    if req.tool_choice not in (None, "none", "auto"):
-        raise Unsupported("`tool_choice` is not supported by this server (no tool calling)", param="tool_choice")
     if req.modalities not in (None, ["text"]):
         raise Unsupported("only text output is supported: `modalities` may be [\"text\"]", param="modalities")
     for i, message in enumerate(req.messages):
         asked = fields.set_fields(message, UNSUPPORTED_MESSAGE)
         if asked:
-            raise Unsupported(f"`messages[{i}].{asked[0]}` is not supported by this server (no tool calling or audio)",
-                              param=f"messages[{i}].{asked[0]}")
+            raise Unsupported(f"`messages[{i}].{asked[0]}` is not supported by this server (send `tool_calls`; "
+                              "no audio)", param=f"messages[{i}].{asked[0]}")
+
+
+def chat_request(oreq: ChatCompletionRequest) -> GenerateRequest:
+    """The native request of an OpenAI chat one."""
+    max_tokens = oreq.max_completion_tokens or oreq.max_tokens
+    messages = tool_calls.named_results([
+        ChatMessage(m.role, m.content, tool_calls.chat_calls(m.tool_calls, f"messages[{i}].tool_calls"),
+                    m.tool_call_id)
+        for i, m in enumerate(oreq.messages)])
+    return GenerateRequest(model=oreq.model, messages=messages, temperature=oreq.temperature,
+                           top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream,
+                           format=output_format(oreq.response_format),
+                           regex=output_regex(oreq.response_format), logprobs=oreq.logprobs,
+                           top_logprobs=oreq.top_logprobs or 0, max_tokens=max_tokens,
+                           tools=tool_calls.chat_tools(oreq.tools), tool_choice=tool_calls.tool_choice(oreq.tool_choice),
+                           parallel_tool_calls=oreq.parallel_tool_calls is not False)
+
+
+def chat_choice(index: int, res: GenerateResult, logprobs: bool) -> ChatChoice:
+    """One choice: the text (null when the model only called tools) and the calls."""
+    calls = tool_calls.reply_calls(res.tool_calls) if res.tool_calls else msgspec.UNSET
+    content = None if res.tool_calls and not res.text else res.text
+    return ChatChoice(index, AssistantMessage(content, tool_calls=calls), res.finish_reason,
+                      ChatLogprobs(token_logprobs(res.logprobs)) if logprobs else None, limit_field(res))
+
+
+def call_deltas(res: GenerateResult) -> list[ToolCallDelta]:
+    """A stream's calls, each whole in one delta (the model's calls are parsed once it ends)."""
+    return [ToolCallDelta(i, FunctionDelta(c.function.name, c.function.arguments), c.id, "function")
+            for i, c in enumerate(tool_calls.reply_calls(res.tool_calls))]
 
 
 def ignored_chat_fields(req: ChatCompletionRequest) -> list[str]:
@@ -174,7 +210,8 @@ class GenerateController(Controller):
             res, answer = await tasks.generate(daemon, req, payload)
             usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
             return reply(request, GenerateReply(req.model, res.text, res.finish_reason, usage,
-                                                token_logprobs(res.logprobs), res.length_limit or None),
+                                                token_logprobs(res.logprobs), res.length_limit or None,
+                                                tool_calls.reply_calls(res.tool_calls) or None),
                          headers={**answer_headers(answer), **length_limit_headers(res)})
         stream = TextStream(daemon, req, payload)
         await stream.started()
@@ -185,7 +222,8 @@ class GenerateController(Controller):
             res = stream.result
             yield sse(GenerateChunkReply(req.model, "", res.finish_reason,
                                          Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens),
-                                         length_limit=res.length_limit or None))
+                                         length_limit=res.length_limit or None,
+                                         tool_calls=tool_calls.reply_calls(res.tool_calls) or None))
             yield SSE_DONE
 
         return event_stream(error_events(stream, events()))
@@ -248,22 +286,20 @@ class GenerateController(Controller):
         oreq = codec.decode(await request.body(), ChatCompletionRequest, msgpack=body_is_msgpack(request))
         refuse_unsupported_chat(oreq)
         ignored = fields.ignored_header(ignored_chat_fields(oreq))
-        max_tokens = oreq.max_completion_tokens or oreq.max_tokens
-        messages = [ChatMessage(m.role, m.content) for m in oreq.messages]
-        req = GenerateRequest(model=oreq.model, messages=messages, temperature=oreq.temperature,
-                              top_p=oreq.top_p, seed=oreq.seed, stop=oreq.stop, stream=oreq.stream,
-                              format=output_format(oreq.response_format),
-                              regex=output_regex(oreq.response_format), logprobs=oreq.logprobs,
-                              top_logprobs=oreq.top_logprobs or 0,
-                              **({"max_tokens": max_tokens} if max_tokens is not None else {}))
+        req = chat_request(oreq)
         payload = codec.encode_msgpack(req)
         cid, created = completion_id("chatcmpl"), int(time.time())
         if not oreq.stream:
-            res, answer = await tasks.generate(daemon, req, payload)
-            logprobs = ChatLogprobs(token_logprobs(res.logprobs)) if oreq.logprobs else None
-            choice = ChatChoice(0, AssistantMessage(res.text), res.finish_reason, logprobs, limit_field(res))
-            return reply(request, ChatCompletionReply(cid, created, oreq.model, [choice], openai_usage(res)),
-                         headers={**answer_headers(answer), **length_limit_headers(res), **ignored})
+            # n choices: n generations of the same request (seeded ones with seed, seed + 1, ...).
+            reqs = [req] + [msgspec.structs.replace(req, seed=None if req.seed is None else req.seed + i)
+                            for i in range(1, oreq.n)]
+            done = await asyncio.gather(*(tasks.generate(daemon, r, payload if r is req else codec.encode_msgpack(r))
+                                          for r in reqs))
+            choices = [chat_choice(i, res, oreq.logprobs) for i, (res, _) in enumerate(done)]
+            out = sum(res.output_tokens for res, _ in done)
+            usage = OpenAICompletionUsage(done[0][0].input_tokens, out, done[0][0].input_tokens + out)
+            return reply(request, ChatCompletionReply(cid, created, oreq.model, choices, usage),
+                         headers={**answer_headers(done[0][1]), **length_limit_headers(done[0][0]), **ignored})
         stream = TextStream(daemon, req, payload)
         await stream.started()
         include_usage = oreq.stream_options is not None and oreq.stream_options.include_usage
@@ -275,6 +311,9 @@ class GenerateController(Controller):
                 yield sse(ChatCompletionChunk(cid, created, oreq.model,
                                               [ChatChunkChoice(0, ChatDelta(content=text), None, logprobs)]))
             res = stream.result
+            if res.tool_calls:
+                yield sse(ChatCompletionChunk(cid, created, oreq.model,
+                                              [ChatChunkChoice(0, ChatDelta(tool_calls=call_deltas(res)))]))
             yield sse(ChatCompletionChunk(cid, created, oreq.model,
                                           [ChatChunkChoice(0, ChatDelta(), res.finish_reason, None,
                                                            limit_field(res))]))

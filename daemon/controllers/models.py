@@ -14,8 +14,10 @@ from fleet.errors import BadRequest, ModelNotFound
 from fleet.errors import FleetError
 from fleet.protocol import DecisionModelCard, ModelCard, ModelDetail, ModelList
 from fleet.store import Manifest
+from fleet.tools import capabilities
 
 from daemon.core import Daemon, live_profiles
+from daemon.controllers.ollama_facts import facts
 from daemon.controllers.systemone import decision_model
 from daemon.http import reply
 from daemon.systemone import DEFAULT_ALIAS
@@ -41,9 +43,20 @@ def unix_seconds(iso: str) -> int:
         return 0
 
 
-def model_card(m: Manifest, loaded: set[str], pinned: set[str]) -> ModelCard:
+def model_capabilities(daemon: Daemon, m: Manifest) -> list[str]:
+    """What `m` can do (fleet.tools.capabilities), a LoRA adapter what its base can; read
+    from the store's files (the chat template), cached per pull."""
+    try:
+        own = daemon.store.get(m.base) if m.base else m
+    except FleetError:
+        own = m
+    template = facts(daemon.store, own).template if m.task == "generate" else None
+    return capabilities(m.task, own.runtime, template)
+
+
+def model_card(daemon: Daemon, m: Manifest, loaded: set[str], pinned: set[str]) -> ModelCard:
     return ModelCard(id=m.name, created=unix_seconds(m.created_at), task=m.task, runtime=m.runtime,
-                     loaded=m.name in loaded, pinned=m.name in pinned)
+                     loaded=m.name in loaded, pinned=m.name in pinned, capabilities=model_capabilities(daemon, m))
 
 
 def decision_cards(daemon: Daemon, listed: list[Manifest]) -> list[DecisionModelCard]:
@@ -73,7 +86,7 @@ class ModelsController(Controller):
         pinned = daemon.pinned_models()
         only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
         listed = [m for m in daemon.store.list() if only is None or m.name == only]
-        return reply(request, ModelList([model_card(m, loaded, pinned) for m in listed],
+        return reply(request, ModelList([model_card(daemon, m, loaded, pinned) for m in listed],
                                         models=decision_cards(daemon, listed) or msgspec.UNSET))
 
     @get("/models/{model_id:str}")
@@ -85,7 +98,7 @@ class ModelsController(Controller):
         except ModelNotFound:
             raise ModelNotFound(f"unknown model {model_id!r}", hint="fleetctl list shows what is pulled",
                                 param="model") from None
-        card = model_card(manifest, await daemon.loaded_models(), daemon.pinned_models())
+        card = model_card(daemon, manifest, await daemon.loaded_models(), daemon.pinned_models())
         profiles = live_profiles(await daemon.workers(), manifest.name)
         return reply(request, ModelDetail(**msgspec.structs.asdict(card), profiles=profiles))
 

@@ -47,6 +47,7 @@ apply are named in `X-Fleet-Ignored-Options`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ from fleet import blobs
 from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound, Overloaded, SourceUnreachable
-from fleet.protocol import ChatMessage, EmbedRequest, GenerateRequest, TokenLogprob
+from fleet.protocol import ChatMessage, EmbedRequest, FunctionCall, GenerateRequest, TokenLogprob, ToolCall
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
 
@@ -71,9 +72,11 @@ from daemon import codec, fields, tasks
 from daemon.broker import Answer
 from daemon.controllers.admin import choose_worker, holders, send
 from daemon.controllers.ollama_facts import capabilities, details, facts
+from daemon.controllers import tool_calls
 from daemon.controllers.ollama_wire import (
     API_VERSION, IGNORED_MESSAGE, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody,
-    EmbeddingsReply, EmbedReply, ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, PsReply, ReplyMessage,
+    EmbeddingsReply, EmbedReply, ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, OllamaFunction,
+    OllamaToolCall, PsReply, ReplyMessage,
     RunningModel, ShowReply, Stats, TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields,
     ollama_name, output_format, read_options, refuse_unsupported, sampling, store_name,
 )
@@ -305,16 +308,18 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
     await text.started()  # an error before any text raises here: the client gets its status
     clock.first = time.perf_counter_ns()
 
-    async def last(whole: str, logprobs: list[TokenLogprob] | None = None) -> Any:
+    async def last(whole: str, logprobs: list[TokenLogprob] | None = None, calls: list | None = None) -> Any:
         res = text.result
-        return frame(whole, True, res.finish_reason,
+        # A turn that ended in calls is a "stop" to Ollama's clients (they read the calls).
+        reason = "stop" if res.finish_reason == "tool_calls" else res.finish_reason
+        return frame(whole, True, reason,
                      await clock.stats(daemon, text.task.result(), res.input_tokens, res.output_tokens), logprobs,
-                     res.length_limit or None)
+                     res.length_limit or None, calls)
 
     if not stream:
         async for _ in text.deltas():
             pass
-        done = await last(text.result.text, token_logprobs(text.result.logprobs))
+        done = await last(text.result.text, token_logprobs(text.result.logprobs), ollama_calls(text.result))
         await keep_after(daemon, name, keep)
         return json_reply(done, {**headers, **tasks.length_limit_headers(text.result)})
 
@@ -322,6 +327,9 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
         try:
             async for piece, logprobs in text.deltas():
                 yield line(frame(piece, False, logprobs=token_logprobs(logprobs)))
+            calls = ollama_calls(text.result)
+            if calls:  # as Ollama streams them: on a line of their own before the last
+                yield line(frame("", False, tool_calls=calls))
             yield line(await last(""))
         except FleetError as exc:
             yield line(ErrorLine(exc.message))
@@ -331,12 +339,33 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
     return Stream(lines(), media_type=NDJSON, headers=headers)
 
 
+def ollama_calls(res: Any) -> list[OllamaToolCall] | None:
+    """A result's calls in Ollama's shape (arguments as objects)."""
+    return [OllamaToolCall(OllamaFunction(c.name, json.loads(c.arguments))) for c in res.tool_calls] or None
+
+
+def history_calls(calls: list[Any] | None, where: str) -> list[ToolCall] | None:
+    """An assistant turn's Ollama `tool_calls` (arguments as an object or JSON text)."""
+    if not calls:
+        return None
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"`{where}[{j}]` must be {{\"function\": {{\"name\", \"arguments\"}}}}")
+        args = fn.get("arguments", {})
+        out.append(ToolCall(FunctionCall(fn["name"], args if isinstance(args, str) else json.dumps(args)),
+                            id=str(call.get("id", ""))))
+    return out
+
+
 class GenerateFrame:
     def __init__(self, label: str) -> None:
         self.label = label
 
     def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
-                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None) -> Any:
+                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None,
+                 tool_calls: list | None = None) -> Any:
         return GenerateLine(self.label, created_at(), text, done, done_reason, logprobs=logprobs,
                             length_limit=length_limit, **(msgspec.structs.asdict(stats) if stats else {}))
 
@@ -346,8 +375,9 @@ class ChatFrame:
         self.label = label
 
     def __call__(self, text: str, done: bool, done_reason: str | None = None, stats: Stats | None = None,
-                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None) -> Any:
-        return ChatLine(self.label, created_at(), ReplyMessage("assistant", text), done, done_reason,
+                 logprobs: list[TokenLogprob] | None = None, length_limit: str | None = None,
+                 tool_calls: list | None = None) -> Any:
+        return ChatLine(self.label, created_at(), ReplyMessage("assistant", text, tool_calls), done, done_reason,
                         logprobs=logprobs, length_limit=length_limit,
                         **(msgspec.structs.asdict(stats) if stats else {}))
 
@@ -468,7 +498,7 @@ class OllamaController(Controller):
             modelfile += f'TEMPLATE """{f.template}"""\n'
         parameters = f"num_ctx {f.context_length}" if f.context_length else ""
         return json_reply(ShowReply(modelfile, parameters, f.template, details(manifest, f), f.info,
-                                    capabilities(manifest), iso_utc(manifest.created_at)),
+                                    capabilities(manifest, f), iso_utc(manifest.created_at)),
                           ignored_headers([], dropped + fields.set_fields(body, ("verbose",))))
 
     @post("/generate", status_code=200)
@@ -493,10 +523,7 @@ class OllamaController(Controller):
         body, dropped = await decode(request, ChatBody)
         name = serving(daemon, body.model, "generate")
         messages = body.messages or []
-        refuse_unsupported(body.model, {"tools": body.tools, "think": body.think,
-                                        "images": any(m.images for m in messages)})
-        if any(m.tool_calls for m in messages):
-            raise BadRequest(f"{body.model!r} does not support tools (a message carries tool_calls)")
+        refuse_unsupported(body.model, {"think": body.think, "images": any(m.images for m in messages)})
         keep, dropped = client_keep(request, body.keep_alive, dropped)
         opts, ignored = read_options(body.options)
         frame = ChatFrame(body.model)
@@ -504,8 +531,12 @@ class OllamaController(Controller):
         if not messages:
             reason = await apply_keep(daemon, name, keep)
             return json_reply(frame("", True, reason), headers)
-        req = GenerateRequest(model=name, messages=[ChatMessage(m.role, m.content) for m in messages], stream=True,
-                              format=output_format(body.format), **logprob_fields(body.logprobs, body.top_logprobs),
+        turns = [ChatMessage(m.role, m.content, history_calls(m.tool_calls, f"messages[{i}].tool_calls"),
+                             name=m.tool_name) for i, m in enumerate(messages)]
+        # Ollama has no tool_choice: the model calls tools or answers, as it chooses ("auto").
+        req = GenerateRequest(model=name, messages=turns, stream=True, format=output_format(body.format),
+                              tools=tool_calls.chat_tools(body.tools), **logprob_fields(body.logprobs,
+                                                                                       body.top_logprobs),
                               **sampling(opts))
         return await run_text(daemon, name, req, keep, body.stream, frame, headers)
 

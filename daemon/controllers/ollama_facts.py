@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.store import MANIFEST, Manifest, Store
+from fleet.tools import capabilities as fleet_capabilities
 
 from daemon.controllers.ollama_wire import Details
 
@@ -135,5 +136,8 @@ def details(manifest: Manifest, f: Facts) -> Details:
                    quantization_level=f.quantization)
 
 
-def capabilities(manifest: Manifest) -> list[str]:
-    return list(CAPABILITIES.get(manifest.task, ()))
+def capabilities(manifest: Manifest, f: Facts) -> list[str]:
+    """Ollama's words for what a model can do: a generator whose chat template can
+    express tools also has "tools", an image embedder "vision"."""
+    own = fleet_capabilities(manifest.task, manifest.runtime, f.template)
+    return [*CAPABILITIES.get(manifest.task, ()), *(c for c in ("tools", "vision") if c in own)]

@@ -37,8 +37,8 @@ API_VERSION = "0.32.15"
 IGNORED_OPTIONS_HEADER = "X-Fleet-Ignored-Options"
 #: Options fleet applies (the rest are accepted and ignored, as Ollama does for options a runner does not use).
 APPLIED_OPTIONS = frozenset({"temperature", "top_p", "seed", "num_predict", "stop"})
-#: Message fields accepted and not applied (the chat template gets role and content).
-IGNORED_MESSAGE = ("tool_name", "thinking")
+#: Message fields accepted and not applied (the chat template gets role, content, calls and tool names).
+IGNORED_MESSAGE = ("thinking",)
 
 
 # ---- requests ------------------------------------------------------------------------
@@ -140,9 +140,21 @@ class NameBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # ---- replies ---------------------------------------------------------------------------
 
-class ReplyMessage(msgspec.Struct, frozen=True):
+class OllamaFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: dict[str, Any]
+
+
+class OllamaToolCall(msgspec.Struct, frozen=True):
+    """A call as Ollama spells it: arguments as an object, not JSON text."""
+
+    function: OllamaFunction
+
+
+class ReplyMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    tool_calls: list[OllamaToolCall] | None = None
 
 
 class Stats(msgspec.Struct, frozen=True):
@@ -394,7 +406,6 @@ def refuse_unsupported(model: str, fields: dict[str, Any]) -> None:
     the same for a model without that capability)."""
     for field, why in (
         ("images", "takes no images"),
-        ("tools", "does not support tools"),
         ("think", "does not support thinking"),
         ("suffix", "does not support insert (suffix)"),
         ("template", "does not take a custom template: fleet renders the model's own chat template"),

@@ -1,0 +1,243 @@
+"""Tool calls in the worker: tools into the prompt, decoding held to the call format,
+calls parsed out of the text.
+
+A request's tools meet its model's chat template (fleet.tools names the format
+the template speaks). `Caller` holds one request's side:
+
+1. `render`: the messages and template keywords that put the tools in the
+   prompt (`tools=` for Hermes and Llama templates; Phi-4-mini's reads them as
+   JSON text from the system turn), history calls with their arguments as
+   objects (templates write them with `tojson`).
+2. `grammar`: an llguidance lark grammar over the format, the call's JSON held
+   to the tools' schemas (`%json`): with "required" one call or more (one with
+   `parallel_tool_calls` false), with a named function that one, with "auto"
+   text that holds no call (an exclusion, or a special token the text cannot
+   spell) or calls, each after free text up to its opening marker (a lazy
+   lexeme). The constrained call always parses and fits its schema.
+3. `split`: the text beside the calls and the calls (name, arguments as JSON),
+   valid ones only; `call_start` says where a call may begin, so a stream never
+   sends a call's markup as text, and stop strings apply to text only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from fleet.errors import BadRequest
+from fleet.messages import CalledTool
+from fleet.protocol import ChatMessage, NamedToolChoice, ToolDef
+from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, tool_format
+from runtimes.grammar import JSON_OPTIONS
+
+#: Opening and closing markers of a call, per format (Llama's JSON has none).
+MARKERS = {HERMES: ("<tool_call>", "</tool_call>"), PHI4_MINI: ("<|tool_call|>", "<|/tool_call|>")}
+#: What Llama 3.x writes before a call's JSON (a special token: dropped from the text).
+PYTHON_TAG = "<|python_tag|>"
+#: Text with no call in it, for "auto" with a marker the text could spell.
+NO_CALL = "/(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/"
+#: Text that does not begin a Llama JSON call.
+NO_JSON_CALL = "/(.|\\n)*/ & ~/[ \\t\\n]*\\{(.|\\n)*/"
+EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def message_text(content: str | list[dict] | None) -> str:
+    """A chat message's text: the string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+
+
+def arguments_value(text: str) -> Any:
+    """A history call's arguments as the template writes them: the object its JSON
+    text holds (templates apply `tojson`), else the text itself."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Chat turns as chat templates read them (transformers' shapes)."""
+    out = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": message_text(m.content)}
+        if m.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name,
+                                                "arguments": arguments_value(c.function.arguments)}}
+                                  for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            turn["name"] = m.name
+        out.append(turn)
+    return out
+
+
+def tool_dict(tool: ToolDef) -> dict:
+    f = tool.function
+    return {"type": "function", "function": {"name": f.name, "description": f.description or "",
+                                             "parameters": f.parameters if f.parameters is not None
+                                             else {"type": "object", "properties": {}}}}
+
+
+class Caller:
+    """One request's tools in its model's call format (module doc)."""
+
+    def __init__(self, model: str, tokenizer: Any, tools: list[ToolDef], choice: Any, parallel: bool,
+                 engine_token: Callable[[str], int | None]) -> None:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        fmt = tool_format(template)
+        if fmt is None:
+            raise BadRequest(f"the chat template of {model} cannot express tools (it renders no tool "
+                             "definitions or calls): send the request without `tools`", param="tools")
+        self.format, self.tools, self.parallel = fmt, tools, parallel
+        self.template = template or ""
+        self.names = [t.function.name for t in tools]
+        self.choice = choice
+        self.markers = MARKERS.get(fmt)
+        # A marker that is one added token: the grammar names the token (`engine_token`:
+        # the grammar engine holds it apart from text); one the tokenizer calls special is
+        # dropped by a plain decode, so such rows decode with special tokens kept.
+        self.tokens = {m: tid for m in self.markers or () if (tid := engine_token(m)) is not None}
+        self.keeps_special = any(special_id(tokenizer, m) is not None for m in self.markers or ())
+        self.strip = [t for t in tokenizer.all_special_tokens if t not in (self.markers or ())]
+
+    # -- 1. the prompt ------------------------------------------------------------------
+
+    def render(self, messages: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+        tools = [tool_dict(t) for t in self.tools]
+        if self.format == PHI4_MINI:
+            listed = json.dumps([t["function"] for t in tools])
+            if messages and messages[0]["role"] == "system":
+                return [{**messages[0], "tools": listed}, *messages[1:]], {}
+            return [{"role": "system", "content": "", "tools": listed}, *messages], {}
+        kwargs: dict[str, Any] = {"tools": tools}
+        if "xml_tools" in self.template:  # SmolLM3's templates read the tools under this name
+            kwargs["xml_tools"] = tools
+        return messages, kwargs
+
+    # -- 2. the grammar -----------------------------------------------------------------
+
+    def grammar(self) -> str:
+        wanted = self.names if not isinstance(self.choice, NamedToolChoice) else [self.choice.function.name]
+        one_call = isinstance(self.choice, NamedToolChoice) or not self.parallel
+        args_key = "parameters" if self.format == LLAMA_JSON else "arguments"
+        params = {t.function.name: t.function.parameters or EMPTY_OBJECT for t in self.tools}
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, args_key: params[n]},
+                           "required": ["name", args_key], "additionalProperties": False} for n in wanted]}
+        if self.format == PHI4_MINI:
+            call = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if one_call else {})}
+        body = "%json " + json.dumps({**call, "x-guidance": JSON_OPTIONS})
+        auto = self.choice in (None, "auto")
+        if self.format == LLAMA_JSON:
+            return f"start: {'PROSE | ' if auto else ''}call\ncall: {body}\nPROSE: {NO_JSON_CALL}\n"
+        open_, close = self.markers
+        sep = '"\\n"' if self.format == HERMES else ""
+        opening, closing = self._symbol(open_), self._symbol(close)
+        calls = "call" if one_call or self.format == PHI4_MINI else f"call ({sep} call)*"
+        if not auto:
+            return f"start: {calls}\ncall: {opening} {sep} {body} {sep} {closing}\n"
+        # "auto": text with no call, or calls each after free text up to its marker.
+        many = "tagged" if one_call or self.format == PHI4_MINI else "tagged+"
+        if open_ in self.tokens:
+            return (f"start: PROSE | {many}\ntagged: PROSE {opening} {sep} {body} {sep} {closing}\n"
+                    f"PROSE: /(.|\\n)*/\n")
+        no_call = NO_CALL.format(marker=re.escape(open_).replace("/", "\\/"))
+        return (f"start: PROSE | {many}\ntagged: head {sep} {body} {sep} {closing}\n"
+                f"head[lazy]: TEXT {json.dumps(open_)}\nTEXT: /(.|\\n)*/\nPROSE: {no_call}\n")
+
+    def _symbol(self, marker: str) -> str:
+        tid = self.tokens.get(marker)
+        return f"<[{tid}]>" if tid is not None else json.dumps(marker)
+
+    # -- 3. the calls -------------------------------------------------------------------
+
+    def call_start(self, text: str) -> int:
+        """Where a call may begin in `text` (len(text): nowhere yet)."""
+        if self.format == LLAMA_JSON:
+            head = text.lstrip()
+            return len(text) - len(head) if not head or head.startswith(("{", PYTHON_TAG)) else len(text)
+        open_ = self.markers[0]
+        at = text.find(open_)
+        if at != -1:
+            return at
+        for k in range(min(len(open_) - 1, len(text)), 0, -1):  # a marker's beginning, at the end
+            if text.endswith(open_[:k]):
+                return len(text) - k
+        return len(text)
+
+    def split(self, text: str) -> tuple[str, list[CalledTool]]:
+        """(the text beside the calls, the calls) of a finished generation: a call that
+        does not parse, or names no tool, stays in the text."""
+        if self.format == LLAMA_JSON:
+            head = text.strip().removeprefix(PYTHON_TAG)
+            call = self._call(head, "parameters")
+            return ("", [call]) if call is not None else (self._clean(text), [])
+        open_, close = self.markers
+        pattern = re.compile(re.escape(open_) + r"(.*?)(?:" + re.escape(close) + r"|$)", re.S)
+        calls: list[CalledTool] = []
+        kept, at = [], 0
+        for m in pattern.finditer(text):
+            found = self._calls(m.group(1).strip())
+            if not found:
+                continue
+            calls += found
+            kept.append(text[at:m.start()])
+            at = m.end()
+        kept.append(text[at:])
+        rest = self._clean("".join(kept))
+        return (rest if rest.strip() else ""), calls
+
+    def _calls(self, body: str) -> list[CalledTool]:
+        if self.format == PHI4_MINI:
+            try:
+                items = json.loads(body)
+            except ValueError:
+                return []
+            found = [self._call(json.dumps(i), "arguments") for i in (items if isinstance(items, list) else [items])]
+            return [c for c in found if c is not None] if all(found) else []
+        call = self._call(body, "arguments")
+        return [call] if call is not None else []
+
+    def _call(self, body: str, key: str) -> CalledTool | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self.names:
+            return None
+        args = value.get(key, value.get("arguments", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return CalledTool(value["name"], json.dumps(args, ensure_ascii=False))
+
+    def _clean(self, text: str) -> str:
+        """Text decoded with special tokens kept, without the special tokens."""
+        if self.keeps_special:
+            for token in self.strip:
+                text = text.replace(token, "")
+        return text
+
+
+def added_id(tokenizer: Any, text: str) -> int | None:
+    """The id of `text` when the tokenizer holds it as one added token, else None."""
+    for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if added.content == text:
+            return int(tid)
+    return None
+
+
+def special_id(tokenizer: Any, text: str) -> int | None:
+    """The id of `text` when the tokenizer holds it as one special token, else None."""
+    tid = added_id(tokenizer, text)
+    return tid if tid is not None and tokenizer.added_tokens_decoder[tid].special else None
