@@ -226,6 +226,10 @@ def query_error(resp: httpx.Response, method: str, path: str, name: str) -> None
     assert resp.status_code == 400, (method, path, resp.text[:300])
     if method == "HEAD":
         return
+    if path == "/v1/systemone":  # System One's shape: {"detail": {"error_type", "message"}}
+        detail = resp.json()["detail"]
+        assert detail["error_type"] == "bad_request" and f"`{name}`" in detail["message"], (method, path, detail)
+        return
     err = resp.json()["error"]
     if path.startswith("/api/"):  # Ollama's shape: {"error": "..."}
         assert f"`{name}`" in err, (method, path, err)
