@@ -112,6 +112,9 @@ class Caller:
     def render(self, messages: list[dict]) -> tuple[list[dict], dict[str, Any]]:
         tools = [tool_dict(t) for t in self.tools]
         if self.format == PHI4_MINI:
+            # Its template writes a turn's content only: past calls go there, in its format.
+            messages = [{**m, "content": m["content"] + phi4_calls(m["tool_calls"])} if m.get("tool_calls") else m
+                        for m in messages]
             listed = json.dumps([t["function"] for t in tools])
             if messages and messages[0]["role"] == "system":
                 return [{**messages[0], "tools": listed}, *messages[1:]], {}
@@ -227,6 +230,12 @@ class Caller:
             for token in self.strip:
                 text = text.replace(token, "")
         return text
+
+
+def phi4_calls(calls: list[dict]) -> str:
+    """History calls as Phi-4-mini writes them."""
+    listed = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    return MARKERS[PHI4_MINI][0] + json.dumps(listed) + MARKERS[PHI4_MINI][1]
 
 
 def added_id(tokenizer: Any, text: str) -> int | None:

@@ -1,0 +1,126 @@
+"""Tool-call formats in the worker (runtimes.tools), in-process on a tiny model: each
+family's format is recognised from its chat template's text, rendered, held to the
+tools' schemas while decoding, and parsed back; text beside calls and calls that do
+not parse are kept apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet.protocol import (
+    ChatMessage, FunctionCall, FunctionDef, FunctionName, GenerateRequest, NamedToolChoice, ToolCall, ToolDef,
+)
+from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, tool_format
+from runtimes.base import ModelSpec, Profile
+from runtimes.generate import CausalLM
+from runtimes.tools import Caller
+from tests.gen_models import CHAT_TEMPLATE, QWEN25_TEMPLATE, build_tool_caller
+
+#: Phi-4-mini-instruct's chat template as the model ships it: tools as JSON text in the system turn.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+    "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+    "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+#: A template in Llama 3.x's tool format (its instruction line and its `ipython` turns).
+LLAMA_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}. Do not use variables.\n\n{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m['role'] == 'tool' else m['role'] }}"
+    "<|end_header_id|>\n\n{% if m.tool_calls %}{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+SWITCH = ToolDef(FunctionDef("set_mode", "Switch the device.", {
+    "type": "object", "properties": {"mode": {"enum": ["on", "off"]}, "loud": {"type": "boolean"}},
+    "required": ["mode", "loud"], "additionalProperties": False}))
+WEATHER = ToolDef(FunctionDef("get_weather", None, {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}))
+ASK = [ChatMessage("user", "turn it on")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    adapter = CausalLM(ModelSpec("caller", build_tool_caller(tmp_path_factory.mktemp("formats") / "caller"),
+                                 "generate", "transformers", Profile()), "cpu")
+    adapter.load()
+    return adapter
+
+
+def test_the_format_is_read_from_the_template() -> None:
+    assert tool_format(QWEN25_TEMPLATE.read_text()) == HERMES
+    assert tool_format(LLAMA_TEMPLATE) == LLAMA_JSON
+    assert tool_format(PHI4_TEMPLATE) == PHI4_MINI
+    assert tool_format(CHAT_TEMPLATE) is None and tool_format(None) is None
+
+
+def run(model: CausalLM, template: str, **kw) -> tuple:
+    model.tokenizer.chat_template = template
+    req = GenerateRequest(model="caller", messages=ASK, temperature=0.0, max_tokens=300, tools=[SWITCH, WEATHER],
+                          **kw)
+    assert model.admit(0, req) is None
+    results = {}
+    while model.has_active():
+        results.update(model.step()[1])
+    return results[0]
+
+
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
+                         ids=[HERMES, LLAMA_JSON, PHI4_MINI])
+def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, template: str) -> None:
+    try:
+        for choice in ("required", NamedToolChoice(FunctionName("get_weather"))):
+            res = run(model, template, tool_choice=choice, parallel_tool_calls=False)
+            assert res.finish_reason == "tool_calls" and len(res.tool_calls) == 1 and res.text == "", res
+            call = res.tool_calls[0]
+            args = json.loads(call.arguments)
+            if call.name == "set_mode":
+                assert args["mode"] in ("on", "off") and type(args["loud"]) is bool
+            else:
+                assert call.name == "get_weather" and isinstance(args["city"], str) and type(args["days"]) is int
+            assert not isinstance(choice, NamedToolChoice) or call.name == "get_weather"
+    finally:
+        model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
+                         ids=[HERMES, LLAMA_JSON, PHI4_MINI])
+def test_history_calls_are_rendered_in_the_format(model: CausalLM, template: str) -> None:
+    model.tokenizer.chat_template = template
+    try:
+        call = ToolCall(FunctionCall("set_mode", '{"mode": "on", "loud": false}'), id="call_1")
+        history = [*ASK, ChatMessage("assistant", None, [call]), ChatMessage("tool", "switched on", tool_call_id="call_1",
+                                                                              name="set_mode")]
+        caller = Caller("caller", model.tokenizer, [SWITCH], "auto", True, model._engine_token)
+        text = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=history,
+                                                                       tools=[SWITCH]), caller))
+        assert '"mode": "on"' in text and "switched on" in text and "Switch the device." in text
+    finally:
+        model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+def test_split_keeps_text_beside_calls_and_calls_that_do_not_parse(model: CausalLM) -> None:
+    caller = Caller("caller", model.tokenizer, [SWITCH], "auto", True, model._engine_token)
+    text = ('Sure. <tool_call>\n{"name": "set_mode", "arguments": {"mode": "on", "loud": true}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    rest, calls = caller.split(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("set_mode", {"mode": "on", "loud": True})]
+    assert rest.startswith("Sure. ") and '"nope"' in rest  # a call of no tool stays text
+    assert caller.call_start("Sure. <tool_") == len("Sure. ")  # a marker's beginning is held back
+    assert caller.split("no call here") == ("no call here", [])
+
+
+def test_a_template_with_no_tools_is_refused_saying_so(model: CausalLM) -> None:
+    model.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        err = model.admit(0, GenerateRequest(model="caller", messages=ASK, tools=[SWITCH]))
+        assert err.code == "bad_request" and "cannot express tools" in err.message
+        assert not model.has_active()
+    finally:
+        model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
