@@ -47,6 +47,7 @@ class Metrics:
         self._request_children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         self._lane_children: dict[str, tuple[Any, Any]] = {}
         self._batch_children: dict[str, tuple[Any, Any]] = {}
+        self._generation_children: dict[str, tuple[Any, Any]] = {}
 
         self.requests = Counter(
             "fleet_requests", "Requests answered, by model, task and status (ok or the error code).",
@@ -60,6 +61,13 @@ class Metrics:
         self.inference_seconds = Histogram(
             "fleet_inference_duration_seconds", "Time the request's batch spent in the model.",
             ("model",), buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft_seconds = Histogram(
+            "fleet_time_to_first_token_seconds",
+            "Generation: time from queueing a request to its first generated token (queue wait + prefill).",
+            ("model",), buckets=LATENCY_BUCKETS_S, registry=r)
+        self.generated_tokens = Counter(
+            "fleet_generated_tokens", "Generation: tokens generated for answered requests (rate() is tokens/s).",
+            ("model",), registry=r)
         self.withdrawn_items = Counter(
             "fleet_withdrawn_items",
             "Queue items withdrawn before their answer was used (the client left, the request timed out, another "
@@ -151,6 +159,16 @@ class Metrics:
             queue.observe(queue_ms / 1000.0)
         if inference_ms is not None:
             inference.observe(inference_ms / 1000.0)
+
+    def observe_generation(self, model: str, ttft_s: float, tokens: int) -> None:
+        """One answered generation: its time to first token and the tokens it generated."""
+        label = self._model(model)
+        children = self._generation_children.get(label)
+        if children is None:
+            children = self._generation_children[label] = (self.ttft_seconds.labels(label),
+                                                           self.generated_tokens.labels(label))
+        children[0].observe(ttft_s)
+        children[1].inc(tokens)
 
     def withdrawn(self, model: str, queued: bool) -> None:
         """A queue item of `model` withdrawn: `queued` it left its lane unrun, else a worker held it."""

@@ -488,12 +488,22 @@ def length_limit_headers(res: GenerateResult) -> dict[str, str]:
     return {LENGTH_LIMIT_HEADER: f"{res.length_limit}; tokens={res.input_tokens + res.output_tokens}"}
 
 
+def observe_generation(daemon: Daemon, model: str, answer: Answer, res: GenerateResult) -> None:
+    """An answered generation in /metrics and top: its time to first token (queue wait and
+    prefill, as the worker measured them) and the tokens it generated."""
+    ttft_s = (answer.queue_ms + res.first_token_ms) / 1e3
+    daemon.metrics.observe_generation(model, ttft_s, res.output_tokens)
+    daemon.recent.generation(daemon.metrics.model_label(model), ttft_s, res.output_tokens)
+
+
 async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
     """Queue one generation and wait for the whole text."""
     check_generate(req)
     answer = await daemon.submit("generate", target_model(daemon, "generate", req.model, req.adapter), payload,
                                  tokens=generate_tokens(req, payload), timeout_ms=req.timeout_ms)
-    return _generate.decode(answer.body), answer
+    res = _generate.decode(answer.body)
+    observe_generation(daemon, req.model, answer, res)
+    return res, answer
 
 
 def token_logprobs(wire: list[WireLogprob] | None) -> list[TokenLogprob] | None:
@@ -518,6 +528,7 @@ class TextStream:
 
     def __init__(self, daemon: Daemon, req: GenerateRequest, payload: bytes) -> None:
         check_generate(req)
+        self.daemon, self.model = daemon, req.model
         self.pieces: asyncio.Queue[Done] = asyncio.Queue()
         self.task = asyncio.ensure_future(daemon.submit(
             "generate", target_model(daemon, "generate", req.model, req.adapter), payload,
@@ -563,6 +574,7 @@ class TextStream:
                     self.logprobs_sent += len(piece.logprobs or ())
                     yield piece.text, piece.logprobs
             self.result = res = _generate.decode(self.task.result().body)
+            observe_generation(self.daemon, self.model, self.task.result(), res)
             rest = res.logprobs[self.logprobs_sent:] if res.logprobs is not None else None
             if len(res.text) > self.sent or rest:
                 text = res.text[self.sent:]

@@ -34,7 +34,7 @@ EVENTS_KEPT = 4096
 #: A model's window when nothing happened to it.
 QUIET: dict[str, Any] = {"requests_per_s": 0.0, "errors_per_s": 0.0, "p50_ms": None, "p95_ms": None,
                          "tokens_per_s": 0.0, "batches": 0, "batch_items": 0.0, "batch_tokens": 0.0, "loads": 0,
-                         "evictions": 0}
+                         "evictions": 0, "ttft_p50_ms": None, "generated_tokens_per_s": 0.0}
 
 
 class Recent:
@@ -51,6 +51,8 @@ class Recent:
         self.tokens: deque = deque(maxlen=EVENTS_KEPT)
         #: (at, model, what): "load" or the eviction's reason.
         self.events: deque = deque(maxlen=EVENTS_KEPT)
+        #: (at, model, time to first token in seconds, tokens generated) per answered generation.
+        self.generations: deque = deque(maxlen=EVENTS_KEPT)
 
     def request(self, model: str, seconds: float, ok: bool) -> None:
         self.requests[model].append((self.clock(), seconds, ok))
@@ -65,9 +67,13 @@ class Recent:
     def event(self, model: str, what: str) -> None:
         self.events.append((self.clock(), model, what))
 
+    def generation(self, model: str, ttft_s: float, tokens: int) -> None:
+        self.generations.append((self.clock(), model, ttft_s, tokens))
+
     def models(self, window_s: float = WINDOW_S) -> dict[str, dict[str, Any]]:
         """Per model: requests/s, errors/s, p50/p95 ms of the answered ones, tokens/s,
-        batches (count, mean items, mean tokens), loads and evictions, over the window."""
+        batches (count, mean items, mean tokens), loads and evictions, and for a generator
+        its median time to first token and generated tokens/s, over the window."""
         since = self.clock() - window_s
         out: dict[str, dict[str, Any]] = defaultdict(lambda: dict(QUIET))
         for model, kept in self.requests.items():
@@ -95,6 +101,14 @@ class Recent:
         for at, model, what in self.events:
             if at >= since:
                 out[model]["loads" if what == "load" else "evictions"] += 1
+        ttfts: dict[str, list[float]] = defaultdict(list)
+        for at, model, ttft_s, tokens in self.generations:
+            if at >= since:
+                ttfts[model].append(ttft_s)
+                out[model]["generated_tokens_per_s"] += tokens / window_s
+        for model, kept in ttfts.items():
+            out[model]["ttft_p50_ms"] = round(float(np.median(kept)) * 1e3, 2)
+            out[model]["generated_tokens_per_s"] = round(out[model]["generated_tokens_per_s"], 1)
         for m in out.values():
             m["tokens_per_s"] = round(m["tokens_per_s"], 1)
         return dict(out)

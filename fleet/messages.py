@@ -189,6 +189,9 @@ class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
     length_limit: str = ""
     #: The tool calls the model made (requests with `tools`), in its order.
     tool_calls: list[CalledTool] = []
+    #: From admission to the first generated token (its prefill), ms: with the queue wait,
+    #: the time to first token a client saw.
+    first_token_ms: float = 0.0
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):

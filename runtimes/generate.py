@@ -53,6 +53,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,8 @@ class Sequence:
     open_ended: bool = False
     reserve: int = 0
     length_limit: str = ""  # the server's limit that ended it: "context" | "memory"
+    admitted_ns: int = 0  # perf_counter_ns at admission
+    first_ns: int = 0  # perf_counter_ns when its first token was picked (0: not yet)
     caller: Caller | None = None  # the request's tools: its calls are parsed out of the text
 
     @property
@@ -362,7 +365,7 @@ class CausalLM(LoraHost, Adapter):
         return Sequence(key, ids, max_new, req.temperature, req.top_p, generator, stop, req.stream,
                         lora, matcher,
                         req.top_logprobs if req.logprobs else -1, open_ended=open_ended, reserve=reserve,
-                        caller=caller)
+                        caller=caller, admitted_ns=time.perf_counter_ns())
 
     def needs_room(self) -> bool:
         """Does the next step grow an open-ended row's reserve (`_grow_reserves`; the
@@ -578,6 +581,9 @@ class CausalLM(LoraHost, Adapter):
         logits, cache = self._forward(ids, mask, pos, DynamicCache(), [s.lora for s in new])
         check_cache(cache)
         first = self._pick(logits, new)
+        now = time.perf_counter_ns()
+        for s in new:  # a row shed and prefilled again keeps its first
+            s.first_ns = s.first_ns or now
         lengths = lengths.to(self.device)
         if not self.rows:
             self.cache, self.mask, self.pos, self.last, self.rows = cache, mask, lengths, first, new
@@ -747,7 +753,8 @@ class CausalLM(LoraHost, Adapter):
             if calls and finish == "stop":
                 finish = "tool_calls"
         return GenerateResult(text, finish, len(s.prompt_ids), len(s.ids), self._final_logprobs(s),
-                              s.length_limit if s.finish == "length" else "", calls)
+                              s.length_limit if s.finish == "length" else "", calls,
+                              (s.first_ns - s.admitted_ns) / 1e6 if s.first_ns else 0.0)
 
     def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
         token_bytes = self.grammars.token_bytes

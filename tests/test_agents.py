@@ -310,3 +310,23 @@ def test_smolagents_tool_calling_agent_calls_its_tool(served: DaemonProc) -> Non
     step = next(s for s in agent.memory.steps if getattr(s, "tool_calls", None))
     assert step.tool_calls[0].name in ("set_mode", "final_answer")
     assert step.tool_calls[0].name != "set_mode" or "switched" in step.observations
+
+
+# ---- generation metrics ------------------------------------------------------------------------
+
+def test_time_to_first_token_and_generated_tokens_per_model(served: DaemonProc, openai_client) -> None:
+    before = metric(served, "fleet_generated_tokens_total", ENDLESS)
+    chat = openai_client.chat.completions.create(model=ENDLESS, messages=ASK, temperature=0, max_tokens=40)
+    list(openai_client.chat.completions.create(model=ENDLESS, messages=ASK, temperature=0, max_tokens=40,
+                                               stream=True))
+    assert metric(served, "fleet_generated_tokens_total", ENDLESS) - before == 2 * chat.usage.completion_tokens
+    assert metric(served, "fleet_time_to_first_token_seconds_count", ENDLESS) >= 2
+    row = next(m for m in httpx.get(served.url + "/v1/top", timeout=30).json()["models"] if m["model"] == ENDLESS)
+    assert row["ttft_p50_ms"] > 0 and row["generated_tokens_per_s"] > 0
+
+
+def metric(d: DaemonProc, name: str, model: str) -> float:
+    """A series of `/metrics` for one model (0 when it has none yet)."""
+    prefix = f'{name}{{model="{model}"}} '
+    lines = httpx.get(d.url + "/metrics", timeout=30).text.splitlines()
+    return next((float(line[len(prefix):]) for line in lines if line.startswith(prefix)), 0.0)
