@@ -13,7 +13,8 @@ the template speaks). `Caller` holds one request's side:
    `parallel_tool_calls` false), with a named function that one, with "auto"
    text that holds no call (an exclusion, or a special token the text cannot
    spell) or calls, each after free text up to its opening marker (a lazy
-   lexeme). The constrained call always parses and fits its schema.
+   lexeme). The constrained call always parses and fits its schema, with the
+   properties the schema declares only unless it allows more (`declared_only`).
 3. `split`: the text beside the calls and the calls (name, arguments as JSON),
    valid ones only; `call_start` says where a call may begin, so a stream never
    sends a call's markup as text, and stop strings apply to text only.
@@ -130,7 +131,7 @@ class Caller:
         wanted = self.names if not isinstance(self.choice, NamedToolChoice) else [self.choice.function.name]
         one_call = isinstance(self.choice, NamedToolChoice) or not self.parallel
         args_key = "parameters" if self.format == LLAMA_JSON else "arguments"
-        params = {t.function.name: t.function.parameters or EMPTY_OBJECT for t in self.tools}
+        params = {t.function.name: declared_only(t.function.parameters) for t in self.tools}
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, args_key: params[n]},
                            "required": ["name", args_key], "additionalProperties": False} for n in wanted]}
         if self.format == PHI4_MINI:
@@ -230,6 +231,17 @@ class Caller:
             for token in self.strip:
                 text = text.replace(token, "")
         return text
+
+
+def declared_only(params: dict | None) -> dict:
+    """A function's arguments as the grammar holds them: the properties its schema
+    declares, no others unless the schema says so (JSON Schema allows any by default, and
+    a small model sampling an undeclared key makes a call its function refuses)."""
+    if params is None:
+        return EMPTY_OBJECT
+    if "properties" in params and "additionalProperties" not in params:
+        return {**params, "additionalProperties": False}
+    return params
 
 
 def phi4_calls(calls: list[dict]) -> str:

@@ -105,6 +105,25 @@ def test_history_calls_are_rendered_in_the_format(model: CausalLM, template: str
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
 
 
+def test_sampled_calls_hold_only_the_properties_their_schema_declares(model: CausalLM) -> None:
+    # No `additionalProperties` in the schema (LangChain's and Ollama's clients send none):
+    # an undeclared key would fit JSON Schema and fail the function it calls.
+    open_switch = ToolDef(FunctionDef("set_mode", None, {
+        "type": "object", "properties": {"mode": {"enum": ["on", "off"]}, "loud": {"type": "boolean"}},
+        "required": ["mode", "loud"]}))
+    keys = set()
+    for seed in range(32):
+        req = GenerateRequest(model="caller", messages=ASK, temperature=1.0, seed=seed, max_tokens=300,
+                              tools=[open_switch], tool_choice=NamedToolChoice(FunctionName("set_mode")))
+        assert model.admit(seed, req) is None
+    results = {}
+    while model.has_active():
+        results.update(model.step()[1])
+    for res in results.values():
+        keys |= {frozenset(json.loads(c.arguments)) for c in res.tool_calls}
+    assert keys == {frozenset({"mode", "loud"})}
+
+
 def test_split_keeps_text_beside_calls_and_calls_that_do_not_parse(model: CausalLM) -> None:
     caller = Caller("caller", model.tokenizer, [SWITCH], "auto", True, model._engine_token)
     text = ('Sure. <tool_call>\n{"name": "set_mode", "arguments": {"mode": "on", "loud": true}}\n</tool_call>\n'
