@@ -47,6 +47,13 @@ def exit_with_parent() -> None:
 
 
 def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
+    from runtimes.memory import CPU_HEAP_ARENAS, limit_heap_arenas
+
+    # Before the first thread: glibc fixes the arena limit when one first needs an
+    # arena. Accelerator workers keep glibc's default (their tokenizer threads, up to
+    # 8, would share one arena's lock).
+    if device == "cpu":
+        limit_heap_arenas(CPU_HEAP_ARENAS)
     exit_with_parent()
     settings = msgspec.msgpack.decode(settings_blob, type=Settings)
     # The daemon's log format (JSON lines off a terminal, readable on one) and its log

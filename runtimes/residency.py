@@ -29,7 +29,7 @@ from runtimes.base import Adapter, ModelSpec, Profile
 from runtimes.loading import LoadRuns, PendingLoad
 from runtimes.memory import (
     IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
-    estimate_footprint, is_out_of_memory, load_error, used_bytes,
+    estimate_footprint, is_out_of_memory, load_error, return_freed_heap, used_bytes,
 )
 from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from runtimes.placement import LOAD as PLACE_LOAD
@@ -93,12 +93,15 @@ def refuse_mismatched_weights(spec: ModelSpec) -> None:
 
 def return_freed_memory(device: str) -> None:
     """Give freed model memory back now, so the next decision reads it as free:
-    models hold reference cycles (gc), and torch caches freed CUDA blocks."""
+    models hold reference cycles (gc), torch caches freed CUDA blocks, and the C
+    heap keeps freed host memory (weights under glibc's mmap threshold, a load
+    thread's arena) in the worker's RSS until trimmed (`return_freed_heap`)."""
     gc.collect()
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.empty_cache()
+    return_freed_heap()
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,7 @@ class Residency:
         try:
             if load.error is None:
                 self.install(load)
+                return_freed_heap()  # the load's scratch (dtype check copies, probes) leaves the RSS now
             else:
                 load.error = self.load_failed(load)
         finally:
