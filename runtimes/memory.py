@@ -130,21 +130,18 @@ RELOAD_CREDIT = 1.0
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one model holds on its device: weights (resident), an activation
-    allowance (the largest batch its profile allows, shared per worker) and, for a
-    generator about to load, the key/value cache of the tokens one step of its
-    batcher admits (`cache_tokens`): room its first step needs. Once it is resident
-    the cache its admitted sequences reserve is counted instead, with its weights
-    (runtimes.generate `reserved_bytes`)."""
+    """What one model holds on its device: weights (resident) and an activation
+    allowance (the largest batch its profile allows, shared per worker). A
+    generator's key/value cache is not part of it: its sequences reserve their
+    cache as they are admitted and wait for room (runtimes.generate
+    `reserved_bytes`, counted with its weights once it is resident)."""
 
     weights_bytes: int
     activation_bytes: int = 0
-    cache_bytes: int = 0
-    cache_tokens: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes + self.cache_bytes
+        return self.weights_bytes + self.activation_bytes
 
 
 def safetensors_tensors(path: Path) -> Iterator[tuple[str, list[int]]]:
@@ -278,10 +275,11 @@ def estimate_footprint(folder: Path, runtime: str, *, task: str = "", dtype: str
     """Footprint of the model in `folder` before loading it: headers and configs only.
 
     A generator (task `generate`) is sized as one step of its continuous batcher:
-    `max_batch_items` rows, the tokens `decoder_step` admits, and the key/value
-    cache of those tokens; the cache of longer contexts is reserved as sequences
-    are admitted (runtimes.generate), so a long context window alone never refuses
-    a model. An LLM reranker (runtime `llm-rerank`) runs the same decoder over
+    `max_batch_items` rows and the tokens `decoder_step` admits. Its key/value
+    cache is reserved as sequences are admitted, bounded by the room left
+    (runtimes.generate: a sequence waits for room, and one that could never fit
+    is refused), so neither a long context window nor a full step's cache refuses
+    a model that can answer one request. An LLM reranker (runtime `llm-rerank`) runs the same decoder over
     micro-batches, without a cache. Every other runtime is an encoder
     (`activation_allowance`)."""
     weights = weights_bytes(folder, dtype)
@@ -289,11 +287,9 @@ def estimate_footprint(folder: Path, runtime: str, *, task: str = "", dtype: str
     if task == "generate" or runtime == "llm-rerank":
         shape = decoder_shape(folder)
         rows = max_batch_items if task == "generate" else micro_batch_items
-        tokens, activation = decoder_step(shape, rows=rows, max_batch_tokens=max_batch_tokens,
-                                          max_seq_len=max_seq_len, dtype_bytes=act_bytes)
-        if task != "generate":
-            return Footprint(weights, activation)
-        return Footprint(weights, activation, tokens * kv_token_bytes(shape, act_bytes), tokens)
+        _, activation = decoder_step(shape, rows=rows, max_batch_tokens=max_batch_tokens,
+                                     max_seq_len=max_seq_len, dtype_bytes=act_bytes)
+        return Footprint(weights, activation)
     activation = activation_allowance(runtime, encoder_shape(folder), max_batch_tokens=max_batch_tokens,
                                       micro_batch_items=micro_batch_items, max_seq_len=max_seq_len,
                                       dtype_bytes=act_bytes)
@@ -397,11 +393,11 @@ class NotNow(Exception):
 
 
 def used_bytes(residents: Iterable[ResidentView]) -> int:
-    """Weights (and cache room) of all, plus the largest activation allowance per worker."""
+    """Weights of all, plus the largest activation allowance per worker."""
     weights = 0
     act: dict[int, int] = {}
     for r in residents:
-        weights += r.footprint.weights_bytes + r.footprint.cache_bytes
+        weights += r.footprint.weights_bytes
         act[r.worker] = max(act.get(r.worker, 0), r.footprint.activation_bytes)
     return weights + sum(act.values())
 
@@ -491,13 +487,10 @@ def too_large_reason(name: str, incoming: Footprint, holders: list[ResidentView]
                      budget_bytes: int, free_now_bytes: int) -> str:
     """One clear sentence: what the model needs, what the device allows, who holds the rest."""
     need = f"{name} needs {_mb(incoming.total_bytes)} ({_mb(incoming.weights_bytes)} weights + " \
-           f"{_mb(incoming.activation_bytes)} activations"
-    if incoming.cache_bytes:
-        need += f" + {_mb(incoming.cache_bytes)} key/value cache for the {incoming.cache_tokens} tokens one step admits"
-    need += ")"
+           f"{_mb(incoming.activation_bytes)} activations)"
     if incoming.total_bytes > budget_bytes:
-        smaller = (", or lower its profile's max_batch_tokens (models.toml) for a smaller step"
-                   if incoming.cache_bytes else "")
+        smaller = (", or lower its profile's max_batch_tokens (models.toml) for smaller batches"
+                   if incoming.activation_bytes > incoming.weights_bytes else "")
         return f"{need}, more than the whole {device} budget of {_mb(budget_bytes)}; {budget_setting(device)}{smaller}"
     held = sorted(holders, key=lambda r: -r.footprint.weights_bytes)
     parts = [

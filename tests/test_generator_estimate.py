@@ -4,9 +4,10 @@ The estimate used to size a generator like an encoder whose attention scores
 span the whole context: a 1 MB Qwen2 with 32 768 positions "needed" 57 380 MiB of
 activations, and no catalog generator could load on a 24 GB box. It is now what
 one step of the continuous batcher holds (runtimes.memory.decoder_step): the
-tokens it admits (rows x context, cut to the profile's max_batch_tokens), their
-activations under SDPA (no seq x seq matrix) and their key/value cache; the cache
-of longer contexts is reserved as sequences are admitted (runtimes.generate).
+tokens it admits (rows x context, cut to the profile's max_batch_tokens) and their
+activations under SDPA (no seq x seq matrix). The key/value cache is reserved as
+sequences are admitted, and a sequence waits for room (runtimes.generate;
+tests/test_generate_openai.py's tight budget): a load needs no cache room.
 
 Each catalog generator is sized from its real config.json (tests/data/
 catalog_generators.json) and a safetensors header of its real tensor shapes (the
@@ -25,7 +26,7 @@ import pytest
 
 from fleet.catalog import load_catalog
 from runtimes.base import ModelSpec, Profile
-from runtimes.memory import TOO_LARGE, Footprint, decoder_shape, kv_token_bytes, plan_load
+from runtimes.memory import TOO_LARGE, Footprint, decoder_shape, decoder_step, kv_token_bytes, plan_load
 from runtimes.residency import footprint_from_headers
 
 CONFIGS = {k: v for k, v in json.loads((Path(__file__).parent / "data" / "catalog_generators.json").read_text()).items()
@@ -101,11 +102,9 @@ def test_each_catalog_generator_is_sized_as_one_step_and_fits_a_24_gb_box(tmp_pa
     fp = footprint_from_headers(spec)
     tokens = step_tokens(spec, cfg)
     weights = sum(2 * _count(s) for s in tensor_shapes(cfg).values())  # bf16, the profile's dtype
-    shape = decoder_shape(spec.path)
-    kv = tokens * kv_token_bytes(shape, 2)
     assert fp.weights_bytes == weights
-    # The cache of exactly the tokens one step admits, said in the footprint.
-    assert (fp.cache_tokens, fp.cache_bytes) == (tokens, kv)
+    # No cache room at load: sequences reserve theirs as they are admitted.
+    assert fp.total_bytes == fp.weights_bytes + fp.activation_bytes
     # Activations: more than one hidden and one intermediate tensor a token, less than a
     # few dozen of them plus a padded prefill's boolean mask and the last position's logits;
     # less than one layer's scores over the context window (what the old estimate counted).
@@ -123,7 +122,6 @@ def test_an_llm_reranker_is_sized_as_its_micro_batch_without_a_cache(tmp_path: P
     spec = spec_of(name, header_only_folder(tmp_path / name, cfg), tmp_path)
     fp = footprint_from_headers(spec)
     tokens = spec.profile.max_batch_tokens  # micro-batches of 64 inputs of up to 40 960 tokens, cut to the budget
-    assert fp.cache_bytes == 0
     per_token = (cfg["hidden_size"] + cfg["intermediate_size"]) * 4  # dtype auto: fp32 on the CPU
     assert tokens * per_token < fp.activation_bytes <= tokens * (12 * per_token + tokens // 2) + 64 * cfg["vocab_size"] * 8
     assert fp.total_bytes <= BOX_BUDGET
@@ -149,13 +147,14 @@ def tiny_qwen2(folder: Path, positions: int) -> Path:
     (4, None, 100, 100),          # a small budget
     (1, 500, 16384, 500),         # one row: its context
 ])
-def test_the_kv_term_is_the_rows_and_tokens_the_batcher_admits(tmp_path: Path, rows, max_seq_len, budget, tokens):
+def test_a_step_is_the_rows_and_tokens_the_batcher_admits(tmp_path: Path, rows, max_seq_len, budget, tokens):
     folder = tiny_qwen2(tmp_path / "q", 32768)
     spec = ModelSpec(name="q", path=folder, task="generate", runtime="transformers", max_seq_len=max_seq_len,
                      profile=Profile(max_batch_items=rows, max_batch_tokens=budget, dtype="float32"))
-    fp = footprint_from_headers(spec)
-    assert fp.cache_tokens == tokens
-    assert fp.cache_bytes == tokens * kv_token_bytes(decoder_shape(folder), 4)
+    step = decoder_step(decoder_shape(folder), rows=rows, max_batch_tokens=budget, max_seq_len=max_seq_len,
+                        dtype_bytes=4)
+    assert step[0] == tokens
+    assert footprint_from_headers(spec).activation_bytes == step[1]
 
 
 def test_the_config_sizes_a_cache_token_as_the_batcher_measures_it(tmp_path: Path):
@@ -193,11 +192,10 @@ def test_the_issue_36_folder_fits_and_a_refusal_names_every_term(tmp_path: Path)
     plan = plan_load("q", fp, [], worker=0, device="cpu", budget_bytes=fp.total_bytes - 1,
                      free_now_bytes=1 << 40)
     assert plan.verdict == TOO_LARGE
-    for part in (fp.total_bytes, fp.weights_bytes, fp.activation_bytes, fp.cache_bytes):
+    for part in (fp.total_bytes, fp.weights_bytes, fp.activation_bytes):
         assert f"{part / MiB:.1f} MiB" in plan.reason
-    assert f"key/value cache for the {fp.cache_tokens} tokens one step admits" in plan.reason
     assert "max_batch_tokens" in plan.reason
-    assert Footprint(fp.weights_bytes, fp.activation_bytes, fp.cache_bytes).total_bytes == fp.total_bytes
+    assert Footprint(fp.weights_bytes, fp.activation_bytes).total_bytes == fp.total_bytes
 
 
 def _count(shape: list[int]) -> int:
