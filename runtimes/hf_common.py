@@ -660,7 +660,10 @@ class GraphedForward:
                     self._forward(dict(static))
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # The load captures on its own thread while the step loop serves other models
+            # (runtimes.loading): only the capturing thread is held to capture's rules
+            # (the default, "global", refuses other threads' allocations and syncs meanwhile).
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._forward(dict(static))
             self.graphs[(rows, tokens)] = (graph, static, out)
 
