@@ -34,11 +34,12 @@ import fcntl
 import json
 import logging
 import os
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fleet.weights import read_header
 
 log = logging.getLogger("fleet.worker")
 
@@ -115,8 +116,6 @@ DTYPE_BYTES = {
 }
 _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
 _PROFILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: A safetensors header is JSON of at most this many bytes (the format's own limit).
-MAX_HEADER_BYTES = 100 << 20
 #: The library each runtime imports on its first load. The worker imports it
 #: before timing a load: a one-time import is not part of a reload's cost.
 RUNTIME_LIBRARIES = {"sentence-transformers": "sentence_transformers", "transformers": "transformers", "peft": "peft"}
@@ -146,17 +145,7 @@ class Footprint:
 
 def safetensors_tensors(path: Path) -> Iterator[tuple[str, list[int]]]:
     """(dtype tag, shape) of each tensor in a safetensors file, from its header only."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise ValueError(f"{path.name}: safetensors header of {n} bytes is over the format's limit")
-        header = json.loads(f.read(n))
-    for key, entry in header.items():
-        if key != "__metadata__":
-            yield entry["dtype"], entry["shape"]
+    yield from read_header(path).values()
 
 
 def weights_bytes(folder: Path, dtype: str = "auto") -> int:
