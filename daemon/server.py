@@ -92,6 +92,7 @@ def serve(settings: Settings) -> None:
     from daemon.hot import HotRoutes
     from daemon.http import PRIVATE_PATHS
     from daemon.logs import RequestIdMiddleware
+    from daemon.mcp_http import McpRoute
     from daemon.model_urls import ModelUrls
     from daemon.operator import OperatorMark
     from daemon.notify import SystemdServer
@@ -125,8 +126,10 @@ def serve(settings: Settings) -> None:
     # them, the request's client (its fair share of a lane: daemon.clients) and whether it
     # is still there (a request whose client left withdraws its work: daemon.departures).
     # Inside auth, before the per-model URLs' rewrite, the operator's mark (daemon.operator):
-    # the routes that change the daemon read it, whatever URL reached them.
-    marked = OperatorMark(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon), daemon))),
+    # the routes that change the daemon read it, whatever URL reached them. Inside it, MCP's
+    # `/mcp` (daemon.mcp_http), whose tool calls run the routes through `daemon.dispatch`.
+    marked = OperatorMark(McpRoute(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon),
+                                                                                  daemon))), daemon),
                           key=operator_key, mode=settings.admin)
     guarded = LiveApp(marked, settings.api_key, operator_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
