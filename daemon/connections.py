@@ -52,10 +52,13 @@ the event loop's thread.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import logging
 import os
 import resource
+import termios
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +77,9 @@ log = logging.getLogger("fleet.daemon")
 #: Descriptors kept for the daemon itself (queue, worker pipes, logs, NATS) on top of
 #: those open when serving starts, when the connection cap is fitted to RLIMIT_NOFILE.
 FD_HEADROOM = 32
+#: The server stops: how long a connection that opened and has sent nothing yet may take
+#: to start its request (`shutdown`) before it is closed.
+FRESH_GRACE_S = 1.0
 #: Slowest body upload accepted, averaged over each `body_timeout_s` window: far
 #: below any real client, far above a byte-a-second trickle.
 MIN_BODY_BYTES_PER_S = 1024
@@ -211,6 +217,13 @@ class OneWrite:
         return getattr(self._transport, name)
 
 
+def unread_bytes(fd: int) -> int:
+    """Bytes received on socket `fd` and not yet read (FIONREAD)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    return buf[0]
+
+
 def head_refusal(special: list[tuple[bytes, bytes]]) -> FleetError | None:
     """The refusal a request's head earns (module doc), from its `Host` and
     `Transfer-Encoding` headers (lower-cased names), or None."""
@@ -244,6 +257,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self._in_head = True  # the next bytes parsed belong to a request's head
             self._head_bytes = 0  # bytes of the current head fed to the parser (at most max_header_bytes)
             self._refused = False  # answered by `refuse`: the rest is dropped until the close
+            self._last_request = False  # the server stops: the request being read is this one's last
+            self._fresh = True  # no response written on this connection yet
 
         def close(self) -> None:
             self._disarm()
@@ -285,6 +300,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self._arm(limits.body_timeout_s, self._body_window_ends)
             self.scope[SCOPE_KEY] = Departure()  # before the request's task starts (super)
             super().on_headers_complete()
+            if self._last_request and self.cycle is not None:
+                self.cycle.keep_alive = False  # read after `shutdown`: the connection ends with it
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
@@ -350,11 +367,45 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self.transport.write_eof()
             self._arm(LINGER_S, self.close)
 
+        def shutdown(self) -> None:
+            """The server stops (SIGTERM): uvicorn lets a response in progress finish and closes
+            every other connection at once. One that already holds the start of a request (a
+            head being read, or bytes waiting in the socket: a client that connected and sent
+            just before the listener closed) would then lose a request its client believes
+            sent, with no answer at all. That one is read and answered like any other during
+            the drain (or `unavailable` at its bound), and the connection closes after it."""
+            cycle = self.cycle
+            idle = cycle is None or cycle.response_complete
+            if idle and not self._refused and not self.transport.is_closing():
+                if self._request_begun():
+                    self._last_request = True
+                    if self._deadline is None:
+                        self._arm(limits.header_timeout_s, self._headers_late)
+                    return
+                if self._fresh and cycle is None:
+                    # Connected, nothing sent yet: its request is on its way (a client
+                    # connects to send one). A short wait for its first byte, then the close.
+                    self._last_request = True
+                    self._arm(min(FRESH_GRACE_S, limits.header_timeout_s), self._fresh_grace_ends)
+                    return
+            super().shutdown()
+
+        def _request_begun(self) -> bool:
+            """Whether bytes of a next request were read (`_head_bytes`) or wait in the socket."""
+            if self._head_bytes:
+                return True
+            sock = self.transport.get_extra_info("socket")
+            try:
+                return bool(sock is not None and unread_bytes(sock.fileno()))
+            except OSError:
+                return False
+
         def on_response_complete(self) -> None:
             # Kept alive: uvicorn closes the connection after `keep_alive_timeout_ms`
             # without a byte; the header deadline starts with the next request's first
             # byte (data_received), so a long keep-alive does not let headers trickle.
             self.phase = IDLE
+            self._fresh = False
             self._disarm()
             super().on_response_complete()
             cycle = self.cycle
@@ -379,6 +430,15 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self._deadline = None
             if self.phase == IDLE and not self.transport.is_closing():
                 table.note_slow_close(f"request headers not received within {limits.header_timeout_s:g} s")
+                self.transport.close()
+
+        def _fresh_grace_ends(self) -> None:
+            self._deadline = None
+            if self.phase != IDLE or self.transport.is_closing():
+                return
+            if self._head_bytes:  # its request started: the header deadline applies to the rest
+                self._arm(limits.header_timeout_s, self._headers_late)
+            else:
                 self.transport.close()
 
         def _body_window_ends(self) -> None:

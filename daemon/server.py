@@ -1,9 +1,13 @@
 """`fleetctl serve`: bind checks, then uvicorn on uvloop running the Litestar app.
 
 Shutdown (SIGTERM or SIGINT), in order:
-1. `SystemdServer` says STOPPING=1; uvicorn closes its listening socket (new
-   connections are refused) and asks open connections to close after their
-   current response (idle ones at once); `Daemon.begin_drain` starts the
+1. `SystemdServer` says STOPPING=1; connections the kernel completed but
+   uvicorn had not accepted yet are accepted (`accept_backlog`: closing the
+   listener would reset them, losing requests their clients had sent); uvicorn
+   closes its listening socket (new connections are refused) and asks open
+   connections to close after their current response (idle ones at once; one
+   whose next request has begun arriving, or that has sent nothing yet, gets its
+   request answered first: daemon.connections); `Daemon.begin_drain` starts the
    drain bound (`drain_timeout_ms`, 10 s), and with NATS the box stops
    fetching work (the cluster's `stop_pulling` hook).
 2. Requests in flight finish (workers still run). At the bound, those still
@@ -22,7 +26,12 @@ SIGHUP (`systemctl reload`): `daemon.app.reload_now`.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import os
+import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -56,6 +65,31 @@ class LiveApp:
         await self.app(scope, receive, send)
 
 
+async def accept_backlog(servers: list[Any], protocol_factory: Callable[[], asyncio.Protocol]) -> int:
+    """Accept every connection waiting in the listening sockets' backlogs (module doc, 1),
+    served by `protocol_factory` like those the server accepted itself; how many."""
+    loop = asyncio.get_running_loop()
+    taken = 0
+    for server in servers:
+        for listening in server.sockets:
+            listener = socket.socket(fileno=os.dup(listening.fileno()))
+            try:
+                listener.setblocking(False)
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as exc:  # out of descriptors: the rest stay for the close
+                        log.warning("stopping: could not accept a waiting connection: %s", exc)
+                        break
+                    await loop.connect_accepted_socket(protocol_factory, conn)
+                    taken += 1
+            finally:
+                listener.close()
+    return taken
+
+
 def set_body_limit(litestar_app: Any, limit: int) -> None:
     """Apply a new `max_body_bytes` to a running Litestar app: each route handler caches
     the limit it resolved from its layers, so the app's value is set and the caches
@@ -82,6 +116,7 @@ def admin_key(settings: Settings, *, create: bool) -> str:
 def serve(settings: Settings) -> None:
     import uvicorn
 
+    from daemon.access import AccessLog
     from daemon.app import create_app
     from daemon.auth import check_bind
     from daemon.clients import ClientMiddleware
@@ -139,7 +174,8 @@ def serve(settings: Settings) -> None:
     from daemon import tracing
 
     traced = tracing.TracingMiddleware(browser_guard, daemon.box) if tracing.setup(daemon.box) else browser_guard
-    app = RequestIdMiddleware(traced)
+    # The access log inside the request id (its lines carry it), outside the rest (daemon.access).
+    app = RequestIdMiddleware(AccessLog(traced, daemon.settings))
 
     def on_reload(new: Settings) -> None:
         nonlocal operator_key
@@ -158,6 +194,14 @@ def serve(settings: Settings) -> None:
 
     class FleetServer(SystemdServer):
         """SystemdServer (STOPPING=1) that also starts the daemon's drain bound."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            taken = await accept_backlog(self.servers, functools.partial(
+                config.http_protocol_class, config=config, server_state=self.server_state,
+                app_state=self.lifespan.state))
+            if taken:
+                log.info("stopping: accepted %d connection(s) waiting in the listen backlog", taken)
+            await super().shutdown(sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             first = not self.should_exit
