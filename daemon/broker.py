@@ -56,10 +56,12 @@ class Answer:
     queue_ms: float
     inference_ms: float
     served_by: str
-    #: The batch it ran in (fleet.messages.Envelope): items, tokens, LoRA adapters mixed in.
+    #: The batch it ran in (fleet.messages.Envelope): inputs, tokenizer tokens, LoRA
+    #: adapters mixed in, and its size in the daemon's token estimate (daemon.pieces).
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+    batch_estimate: int = 0
     #: Queue items the request ran as (daemon.pieces: a large request is cut into pieces).
     pieces: int = 1
 
@@ -297,7 +299,7 @@ class Broker:
             err = _work_error.decode(env.body)
             raise from_code(err.code, err.message)
         return Answer(env.body, env.queue_ms, env.inference_ms, env.served_by, env.batch_items, env.batch_tokens,
-                      env.loras)
+                      env.loras, env.batch_estimate)
 
     # -- results ------------------------------------------------------------------
 

@@ -109,7 +109,8 @@ def lane_views(stats: list[LaneStats], now_ns: int) -> list[dict[str, Any]]:
         {
             "model": s.model,
             "depth": s.depth,
-            "tokens": s.tokens,
+            # Its items' sizes in the daemon's estimate (no tokenizer has run on them yet).
+            "estimated_tokens": s.tokens,
             "claimed": s.claimed,
             "oldest_wait_ms": round((now_ns - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
         }

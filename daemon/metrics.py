@@ -80,9 +80,13 @@ class Metrics:
             "fleet_lane_oldest_wait_seconds", "Age of the oldest waiting item in a model's lane.",
             ("model",), registry=r)
         self.batch_items = Histogram(
-            "fleet_batch_items", "Items per batch a worker ran.", ("model",), buckets=BATCH_ITEM_BUCKETS, registry=r)
+            "fleet_batch_items",
+            "Inputs per batch a worker ran (texts, images, a rerank's documents; generation: sequences).",
+            ("model",), buckets=BATCH_ITEM_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
-            "fleet_batch_tokens", "Tokens per batch a worker ran (the sum is the model's token total).",
+            "fleet_batch_tokens",
+            "Tokenizer tokens per batch a worker ran (generation: prompt and generated tokens of the step); "
+            "the sum is the model's token total.",
             ("model",), buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.model_loads = Counter("fleet_model_loads", "Model loads onto a device.", ("model",), registry=r)
         self.model_evictions = Counter(

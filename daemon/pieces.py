@@ -156,10 +156,13 @@ class Sizing:
         return per_s, f"about {per_s:.0f} tokens/s" + (f" over {self.window} workers" if self.window > 1 else "")
 
     def observe(self, lane: str, answer: Answer) -> None:
-        if answer.inference_ms <= 0 or answer.batch_tokens <= 0:
+        """Learn `lane`'s rate from an answer's batch, in the estimate pieces are cut by
+        (`Answer.batch_estimate`, as `text_costs`), not in the tokenizer's tokens."""
+        size = answer.batch_estimate
+        if answer.inference_ms <= 0 or size <= 0:
             return
-        rate = answer.batch_tokens / answer.inference_ms
-        for rates, counts in ((self.rates, True), (self.piece_rates, answer.batch_tokens >= MIN_PIECE_TOKENS)):
+        rate = size / answer.inference_ms
+        for rates, counts in ((self.rates, True), (self.piece_rates, size >= MIN_PIECE_TOKENS)):
             if counts:
                 old = rates.get(lane)
                 rates[lane] = rate if old is None else old + RATE_WEIGHT * (rate - old)
@@ -241,4 +244,5 @@ def joined(answers: list[Answer], body: object) -> Answer:
     served = ",".join(dict.fromkeys(a.served_by for a in answers))
     return Answer(body, sum(a.queue_ms for a in answers), sum(a.inference_ms for a in answers), served,  # type: ignore[arg-type]
                   max(a.batch_items for a in answers), max(a.batch_tokens for a in answers),
-                  tuple(sorted({lora for a in answers for lora in a.loras})), pieces=len(answers))
+                  tuple(sorted({lora for a in answers for lora in a.loras})),
+                  max(a.batch_estimate for a in answers), pieces=len(answers))

@@ -44,13 +44,19 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     #: clock every process on the box shares), in WORKER_STAGES order; 0 = not
     #: stamped. Read only for requests that ask for a timeline (`X-Fleet-Timeline`).
     stamps: tuple[int, ...] = ()
-    #: The batch this item ran in (the `X-Batch-*` reply headers): its items, its
-    #: tokens (the batch budget's count; generation: prompt and generated tokens of
-    #: the sequences in the step that finished it) and the LoRA adapters mixed into
-    #: it (store names; empty: the base model alone). 0 = not a batch (errors).
+    #: The batch this item ran in (the `X-Batch-*` reply headers): its inputs (texts,
+    #: images, a rerank's documents; generation: the sequences in the step that
+    #: finished it), the tokens its tokenizer gave them (the sum of the results'
+    #: `input_tokens`; generation: prompt and generated tokens of those sequences) and
+    #: the LoRA adapters mixed into it (store names; empty: the base model alone).
+    #: 0 = not a batch (errors).
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+    #: The batch's size in the daemon's token estimate (daemon.tasks.estimate_tokens,
+    #: made before any tokenizer ran), which batches are budgeted in: the unit
+    #: daemon.pieces measures a model's rate in, to cut requests by the same estimate.
+    batch_estimate: int = 0
 
 
 class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
@@ -62,6 +68,7 @@ class EnvelopeIn(msgspec.Struct, frozen=True, array_like=True):
     batch_items: int = 0
     batch_tokens: int = 0
     loras: tuple[str, ...] = ()
+    batch_estimate: int = 0
 
 
 #: What `Envelope.stamps` marks, in order: the step that served the batch began

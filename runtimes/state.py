@@ -24,7 +24,7 @@ class Resident:
     loaded_at: float
     last_used: float
     served: int = 0
-    #: Tokens of the requests it answered (encoders: the batch budget's count; generation:
+    #: Tokenizer tokens of the requests it answered (encoders: their inputs'; generation:
     #: prompt and generated), cumulative: the daemon turns differences into tokens/s (`fleetctl top`).
     tokens: int = 0
     #: Micro-batches run and items dropped between them because nobody waited for
@@ -56,10 +56,16 @@ BATCH_RING = 64
 
 @dataclass
 class BatchStats:
+    """One batch a worker ran. `items` are its inputs (texts, images, a rerank's
+    documents; a generation step's sequences) and `tokens` what its tokenizer gave
+    them: the numbers `/metrics`, `fleetctl top` and `/v1/ps` show. `padded` and
+    `requests` are the scheduler's units: the daemon's token estimate (requests x the
+    longest estimate) and queue items (one per request or piece of one)."""
+
     model: str = ""
     items: int = 0
     tokens: int = 0
-    padded: int = 0  # items x longest (tokens)
+    padded: int = 0
     ms: float = 0.0
     at: float = 0.0
     returned: int = 0  # over-pulled items given back when this batch was formed
@@ -67,6 +73,8 @@ class BatchStats:
     #: Generation: the prompt and generated tokens of the sequences in the step (`tokens` is their sum).
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    #: Queue items it ran (the linger rule's count: `LastRun.items`); 0: not an encoder batch.
+    requests: int = 0
 
 
 @dataclass
@@ -87,7 +95,7 @@ class Ledger:
     def ran(self, stats: BatchStats, acked_ns: int) -> None:
         """A batch of `stats` was acked at `acked_ns` (the worker's clock)."""
         self.last = stats
-        self.runs[stats.model] = LastRun(acked_ns, stats.items, stats.ms)
+        self.runs[stats.model] = LastRun(acked_ns, stats.requests, stats.ms)
         self.seq += 1
         self.ring.append((stats.model, stats.items, stats.tokens))
 

@@ -59,6 +59,13 @@ def decoder_for(request_type: type) -> msgspec.msgpack.Decoder:
     return decoder
 
 
+def tokens_read(results: list) -> int:
+    """Tokens a batch's model read: the sum of its results' `input_tokens`, which each
+    adapter takes from its tokenizer's own output (attention masks, token lists) and
+    clients get as `usage`. One addition per request, none per input; an error read none."""
+    return sum(getattr(r, "input_tokens", 0) for r in results)
+
+
 class Unwanted(Exception):
     """Between two micro-batches: no request of the batch is wanted any longer (each
     passed its deadline or was withdrawn); the rest is not computed."""
@@ -276,7 +283,11 @@ class WorkerCore:
         runnable, acks = self._decoded(adapter, claims)
         requests = [r for _, r in runnable]
         tokens = [c.tokens for c, _ in runnable]
-        padded, batch_tokens = padded_tokens(tokens), sum(tokens)
+        # `estimate`: the batch's size as the daemon estimated it before any tokenizer
+        # ran (daemon.tasks.estimate_tokens): what batches are formed, timed (`padded`,
+        # the cost model) and shared by, and what daemon.pieces measures its rate in.
+        # What the model read is counted from the results (`tokens_read`), after the run.
+        padded, estimate, rows = padded_tokens(tokens), sum(tokens), rows_of(requests)
         loras = batch_loras(adapter, requests)
         per_flow: dict[int, int] = {}  # interactive tokens of the batch, client by client
         for c, _ in runnable:
@@ -288,8 +299,8 @@ class WorkerCore:
         # shares the model, of a target otherwise: a batch that runs longer (up to
         # BEHIND_TARGETS targets behind) still ends a micro-batch about every target,
         # where a client arriving meanwhile is run (`run_steps`).
-        cut = shared and may_interject and self.flows.lighter(model, per_flow, batch_tokens, self.clock_ns())
-        ctx = BatchContext(micro_items_cap(cost, self.target_ms, batch_tokens, rows_of(requests), adapter.fixed_tokens,
+        cut = shared and may_interject and self.flows.lighter(model, per_flow, estimate, self.clock_ns())
+        ctx = BatchContext(micro_items_cap(cost, self.target_ms, estimate, rows, adapter.fixed_tokens,
                                            share=MICRO_SHARE if cut else 1.0) if may_interject else None)
         decoded_ns = time.monotonic_ns()
         t0 = time.perf_counter()
@@ -303,8 +314,11 @@ class WorkerCore:
         own_ms = ms - between[1]
         start_ns = self.clock_ns() - int(own_ms * 1e6)
         stamps = (*stamps, decoded_ns, *ctx.marks, time.monotonic_ns())
+        # The batch as clients and operators see it (X-Batch-*, /metrics, `fleetctl top`):
+        # its inputs, and the tokens its tokenizer gave them.
+        inputs, read = rows or len(requests), tokens_read(results)
         acks += [(c.item_id, _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, own_ms, self.served_by, r, stamps,
-                                              len(requests), batch_tokens, loras)),
+                                              inputs, read, loras, estimate)),
                   STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
                  for (c, _), r in zip(runnable, results)]
         acked_ns = self.clock_ns()  # before the ack: no answer of this batch is out yet (linger_window 1)
@@ -324,9 +338,9 @@ class WorkerCore:
             cost.observe(padded, own_ms)
         resident.last_used = time.time()
         resident.served += len(claims)
-        resident.tokens += batch_tokens
-        self.ledger.ran(BatchStats(model, len(claims), batch_tokens, padded, ms, time.time(), returned, loras),
-                        acked_ns)
+        resident.tokens += read
+        self.ledger.ran(BatchStats(model, inputs, read, padded, ms, time.time(), returned, loras,
+                                   requests=len(claims)), acked_ns)
         self.flows.served(lane, model, claims, acked_ns)
         self.publish_info()
         return len(claims) + between[0]

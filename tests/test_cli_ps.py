@@ -42,7 +42,7 @@ def state(now: float) -> dict:
                             "ms": 12.5, "returned": 3}},
         ],
         "slots": [{"index": 1, "pid": None, "device": "cpu", "restarts": 2, "restart_in_s": 1.5}],
-        "lanes": [{"model": LONG, "depth": 3, "tokens": 123_456, "claimed": 1, "oldest_wait_ms": 1_234.5}],
+        "lanes": [{"model": LONG, "depth": 3, "estimated_tokens": 123_456, "claimed": 1, "oldest_wait_ms": 1_234.5}],
     }
 
 

@@ -91,7 +91,7 @@ def ps_state(now: float) -> dict:
                          "models": {name: dict(model) for name in LONGEST},
                          "last_batch": {"model": LONGEST[1], "items": 32, "tokens": 1_234, "padded": 1_500,
                                         "ms": 12.5}}],
-            "slots": [], "lanes": [{"model": n, "depth": 3, "tokens": 123_456, "claimed": 1, "oldest_wait_ms": 1_234.5}
+            "slots": [], "lanes": [{"model": n, "depth": 3, "estimated_tokens": 123_456, "claimed": 1, "oldest_wait_ms": 1_234.5}
                                    for n in LONGEST],
             "batches": [{"id": IDS[0], "status": "in_progress", "endpoint": "/v1/embeddings", "created_at": now,
                          "request_counts": {"total": 10, "completed": 1, "failed": 0}}]}
@@ -137,7 +137,7 @@ def test_top_keeps_the_model_column(width: int) -> None:
     for name in LONGEST:  # the name, then its figures, on one line
         assert next(line for line in models if line.startswith(name)).split()[1] == "123.4"
     if width == 120:
-        assert "12k/33k" in "\n".join(lines) and "3 evicted" in "\n".join(lines)
+        assert "32 · 12k" in "\n".join(lines) and "3 evicted" in "\n".join(lines)
 
 
 @pytest.mark.parametrize("width", [80, 120])

@@ -32,7 +32,7 @@ from fleet.errors import ClientClosed
 from daemon.departures import Departure
 from local_queue import LocalQueue
 from local_queue.sweep import queue_name
-from tests.conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL, default_model_dir
 
 BIG_TEXTS = 600
 DROPPED = 160
@@ -43,9 +43,14 @@ def letters(n: int, seed: int = 0) -> str:
     return " ".join("abcdefghijklmnopqrstuvwxyz"[(seed + i) % 26] for i in range(n))
 
 
-def daemon_tokens(texts: list[str]) -> int:
-    """The tokens the daemon counts a request's texts as (daemon.pieces.text_costs)."""
-    return sum(len(t) // 4 + 2 for t in texts)
+def model_tokens(texts: list[str]) -> int:
+    """The tokens the model reads for `texts`, by its own tokenizer: what a worker's
+    token counter (/v1/ps) adds for the requests it answers."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    tok.no_padding()
+    return sum(len(e.ids) for e in tok.encode_batch(texts))
 
 
 def counters(url: str) -> dict[str, int]:
@@ -116,10 +121,10 @@ def post_and_hold(url: str, body: bytes, client: str, content_type: str = "appli
 class OtherClient:
     """Another client, one small request at a time, for as long as it runs."""
 
-    BODY = msgspec.msgpack.encode({"model": DEFAULT_MODEL, "inputs": ["another client's short sentence"]})
-    #: The tokens the worker counts it as: a MessagePack body is queued as sent, and
-    #: its estimate is bytes / 4 plus two a text (daemon.tasks.estimate_tokens).
-    TOKENS = len(BODY) // 4 + 2
+    TEXT = "another client's short sentence"
+    BODY = msgspec.msgpack.encode({"model": DEFAULT_MODEL, "inputs": [TEXT]})
+    #: The tokens the worker counts it as (its tokenizer's).
+    TOKENS = model_tokens([TEXT])
 
     def __init__(self, url: str) -> None:
         self.url, self.statuses, self._stop = url, [], threading.Event()
@@ -154,7 +159,7 @@ def test_a_big_request_whose_client_leaves_stops_at_the_next_micro_batch(daemon)
     assert httpx.post(url + "/v1/embed", content=OtherClient.BODY, timeout=120,
                       headers={"content-type": "application/msgpack"}).status_code == 200  # model resident
     texts = [letters(60, i) for i in range(BIG_TEXTS)]
-    big = daemon_tokens(texts)
+    big = model_tokens(texts)
     body = json.dumps({"model": DEFAULT_MODEL, "inputs": texts}).encode()
     c0, m0 = settled(url), metrics(url)
     with OtherClient(url) as other:
@@ -181,9 +186,9 @@ def test_requests_dropped_by_their_clients_leave_the_queue_unrun_and_free(daemon
     url = daemon.url
     assert httpx.post(url + "/v1/embed", content=OtherClient.BODY, timeout=120,
                       headers={"content-type": "application/msgpack"}).status_code == 200
-    bodies = [msgspec.msgpack.encode({"model": DEFAULT_MODEL, "inputs": [letters(30, 8 * i + j) for j in range(8)]})
-              for i in range(DROPPED)]
-    each = max(len(b) // 4 + 2 * 8 for b in bodies)  # the tokens the worker counts one as (at most)
+    inputs = [[letters(30, 8 * i + j) for j in range(8)] for i in range(DROPPED)]
+    bodies = [msgspec.msgpack.encode({"model": DEFAULT_MODEL, "inputs": texts}) for texts in inputs]
+    each = max(model_tokens(texts) for texts in inputs)  # the tokens the worker counts one as (at most)
     settled(url)
     m0 = metrics(url)
     with OtherClient(url) as other:
@@ -200,10 +205,9 @@ def test_requests_dropped_by_their_clients_leave_the_queue_unrun_and_free(daemon
         time.sleep(1.0)  # the other client goes on meanwhile
     after, m1 = settled(url), metrics(url)
     # Most of the dropped work never ran (before: all of it, ~10 s of the worker here). The
-    # token counter counts a batch cut at a micro-batch boundary whole: such batches' items
-    # (`dropped`) are taken out as the heaviest requests; the rest ran to their end.
-    cut = (after["dropped"] - at_close["dropped"]) * each
-    ran = after["tokens"] - at_close["tokens"] - cut
+    # token counter counts the tokens of requests answered: a batch cut at a micro-batch
+    # boundary (its items `dropped`) answers none and adds nothing; the rest ran to their end.
+    ran = after["tokens"] - at_close["tokens"]
     assert ran <= 0.25 * DROPPED * each + other.tokens_since(sent), (at_close, after, each)
     closed = delta(m1, m0, "client_closed")
     assert closed >= DROPPED // 2, (m0, m1)

@@ -46,8 +46,10 @@ def test_the_ceiling_names_the_setting_and_its_value():
     assert err.value.code == "payload_too_large" and err.value.status == 413
 
 
-def answer(tokens: int, ms: float, served: str = "box/0", items: int = 1) -> Answer:
-    return Answer(None, 1.0, ms, served, items, tokens)  # type: ignore[arg-type]
+def answer(tokens: int, ms: float, served: str = "box/0", items: int = 1, read: int | None = None) -> Answer:
+    """An answer whose batch was `tokens` in the daemon's estimate (what pieces are sized
+    by) and `read` tokenizer tokens (X-Batch-Tokens; default: the same)."""
+    return Answer(None, 1.0, ms, served, items, tokens if read is None else read, (), tokens)  # type: ignore[arg-type]
 
 
 def test_pieces_and_whole_requests_are_sized_by_the_models_answers():
@@ -57,7 +59,9 @@ def test_pieces_and_whole_requests_are_sized_by_the_models_answers():
     assert (s.whole("m", 16384), s.budget("m", 16384)) == (INITIAL_PIECE_TOKENS * WHOLE_SHARE,
                                                           INITIAL_PIECE_TOKENS // 4)
     assert s.budget("m", 100) == 100
-    s.observe("m", answer(2000, 1000.0))  # 2 tokens/ms: 2 000 tokens a batch, 500 a piece, cut past 8 batches
+    # 2 tokens/ms: 2 000 tokens a batch, 500 a piece, cut past 8 batches; in the estimate
+    # pieces are cut by, whatever the tokenizer counted.
+    s.observe("m", answer(2000, 1000.0, read=700))
     assert (s.whole("m", 16384), s.budget("m", 16384)) == (int(2000 * WHOLE_SHARE), 500)
     s.observe("m", answer(20000, 1000.0))  # smoothed towards 20 tokens/ms
     assert 500 < s.budget("m", 16384) < 5000

@@ -145,7 +145,7 @@ def test_view_fits_80_columns_and_cuts_no_name() -> None:
         assert "batch_0123456789abcdef0123456789abcdef" in text
         assert next(line for line in text.splitlines() if line.startswith(name)).split()[1] == "123.4"
     # Wide enough, every figure is there; narrower, the table says which columns gave way.
-    for figure in ("123.4", "99k", "12.3", "457", "32/256", "12k/33k", "93", "250", "evicted (lru)", "3 evicted"):
+    for figure in ("123.4", "99k", "12.3", "457", "32 · 12k", "93", "250", "evicted (lru)", "3 evicted"):
         assert figure in text, figure
 
 

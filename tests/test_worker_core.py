@@ -144,8 +144,10 @@ def test_overpull_goes_back_to_the_head_in_order(queue):
     assert {rid: st for rid, (st, _) in got.items()} == {1: STATUS_OK, 3: STATUS_OK}
     assert lane_order(queue, "m") == [2, 4, 5, 6]
     info = _info.decode(queue.workers()[0].info)
+    # Its inputs and the tokens the adapter read (FakeEmbedder: one a text), not the
+    # daemon's estimate the batch was formed by (`padded`: 2 x 10).
     assert info["last_batch"] | {"ms": 0, "at": 0} == {
-        "model": "m", "items": 2, "tokens": 20, "padded": 20, "ms": 0, "at": 0, "returned": 2, "loras": []}
+        "model": "m", "items": 2, "tokens": 2, "padded": 20, "ms": 0, "at": 0, "returned": 2, "loras": []}
 
 
 def test_returned_items_are_served_next_and_keep_their_attempts(queue):

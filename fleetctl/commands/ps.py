@@ -173,11 +173,11 @@ def settings(m: dict) -> str:
 def lanes_table(state: dict[str, Any]) -> FitTable:
     t = table("Lanes", "lane")
     t.add_column("waiting", justify="right")
-    t.add_column("tokens", drop=2, justify="right")
+    t.add_column("est. tokens", drop=2, justify="right")  # not tokenized yet: the daemon's estimate
     t.add_column("claimed", drop=1, justify="right")
     t.add_column("oldest ms", drop=3, justify="right")
     for lane in state["lanes"]:
-        t.add_row(lane["model"], str(lane["depth"]), str(lane["tokens"]), str(lane["claimed"]),
+        t.add_row(lane["model"], str(lane["depth"]), str(lane["estimated_tokens"]), str(lane["claimed"]),
                   f"{lane['oldest_wait_ms']:.0f}")
     return t
 
@@ -189,8 +189,8 @@ def last_batch(b: dict) -> str:
         text = (f"{b['model']}: {b['items']} seqs, {b['prompt_tokens']} prompt + {b['generated_tokens']} generated tok,"
                 f" {b['ms']:.1f} ms")
     else:
-        text = (f"{b['model']}: {b['items']} items, {b['tokens']} tok ({b.get('padded', b['tokens'])} padded), "
-                f"{b['ms']:.1f} ms")
+        # Inputs and the tokenizer's tokens (`padded`, the daemon's estimate, is in --json).
+        text = f"{b['model']}: {b['items']} inputs, {b['tokens']} tok, {b['ms']:.1f} ms"
     if b.get("returned"):
         text += f", {b['returned']} returned"
     if b.get("loras"):

@@ -76,8 +76,11 @@ def render(state: dict[str, Any]) -> Group:
 
 def models_table(state: dict[str, Any]) -> FitTable:
     """Per model: requests/s, tokens/s, p50/p95 ms, queue depth and oldest wait, its
-    batches (mean items and tokens) against its live profile's budget, a generator's
-    time to first token and generated tokens/s, and what is wrong with it. The name stays whole; narrower, the columns on the right give way."""
+    batches (mean inputs and tokenizer tokens), a generator's time to first token and
+    generated tokens/s, and what is wrong with it. The profile's budgets are not set
+    beside the batch means: they count other units (`max_batch_items` queue items,
+    `max_batch_tokens` the daemon's estimate before tokenizing; both in `--json`).
+    The name stays whole; narrower, the columns on the right give way."""
     t = table("Models", "model", "req/s")
     for name, drop in (("tok/s", 3), ("p50", 6), ("p95", 4), ("queue", 5), ("wait ms", 2), ("batch items · tok", 1)):
         t.add_column(name, drop=drop, justify="right")
@@ -85,8 +88,7 @@ def models_table(state: dict[str, Any]) -> FitTable:
     for m in state["models"]:
         batch = "-"
         if m["batches"]:
-            batch = (f"{m['batch_items']:.0f}/{short(m['max_batch_items'])} · "
-                     f"{short(m['batch_tokens'])}/{short(m['max_batch_tokens'])}")
+            batch = f"{m['batch_items']:.0f} · {short(m['batch_tokens'])}"
         flags = []
         if m.get("ttft_p50_ms") is not None:  # a generator: time to first token, generated tokens/s
             flags.append(f"ttft {ms(m['ttft_p50_ms'])} ms · {short(m['generated_tokens_per_s'])} gen tok/s")
