@@ -354,7 +354,7 @@ def plot(doc: dict, path: Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'fleet[bench]' (or pip install matplotlib)") from exc
+        raise RuntimeError("plotting needs matplotlib: pip install 'fleet-serve[bench]' (or pip install matplotlib)") from exc
     fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
     top = 0.0
     http = [t for t in doc["targets"] if t["kind"] != "st" and t["steps"]]

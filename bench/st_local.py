@@ -66,7 +66,7 @@ class STSetup(msgspec.Struct, frozen=True):
 
 #: dtype names of the targets -> fleet's (runtimes/base.Profile.dtype).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-INSTALL_OPENVINO = "pip install 'fleet[openvino]'"
+INSTALL_OPENVINO = "pip install 'fleet-serve[openvino]'"
 
 
 class LocalTarget(msgspec.Struct, frozen=True):

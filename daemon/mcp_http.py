@@ -87,7 +87,7 @@ class McpRoute:
             await asyncio.to_thread(_import_sdk)
         except ModuleNotFoundError as exc:
             raise Unsupported(f"MCP needs the mcp package ({exc.name} is not installed): "
-                              "pip install 'fleet[mcp]'") from None
+                              "pip install 'fleet-serve[mcp]'") from None
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
         manager = StreamableHTTPSessionManager(app=build_server(self.call), json_response=True, stateless=True,

@@ -3,7 +3,7 @@
 On when the standard variables ask for an exporter: `OTEL_TRACES_EXPORTER` (otlp,
 console; "none" is off) or an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), unless `OTEL_SDK_DISABLED=true`. The SDK and
-the OTLP exporter are the `otel` extra (`pip install 'fleet[otel]'`); the exporter
+the OTLP exporter are the `otel` extra (`pip install 'fleet-serve[otel]'`); the exporter
 reads its own variables (endpoint, headers, protocol, `OTEL_BSP_*` batching).
 `OTEL_SERVICE_NAME` names the service (default "fleet"); the box is `host.name`.
 
@@ -88,7 +88,7 @@ def setup(box: str, provider: Any = None) -> bool:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
         except ImportError:
             log.error("tracing is configured (OTEL_*) but OpenTelemetry is not installed: "
-                      "pip install 'fleet[otel]'; serving without traces")
+                      "pip install 'fleet-serve[otel]'; serving without traces")
             return False
         provider = TracerProvider(resource=Resource.create({
             "service.name": os.environ.get("OTEL_SERVICE_NAME", "fleet"), "host.name": box}))

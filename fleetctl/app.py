@@ -58,7 +58,7 @@ def fail(exc: FleetError) -> None:
         err.print(f"[dim]hint: {escape(exc.hint)}[/]")
 
 
-#: Top-level modules of the `server` extra: a client-only install (`pip install fleet`)
+#: Top-level modules of the `server` extra: a client-only install (`pip install fleet-serve`)
 #: lacks them, and a verb that needs one says which extra to install.
 SERVER_MODULES = frozenset({
     "uvloop", "uvicorn", "httptools", "litestar", "posix_ipc", "psutil", "huggingface_hub", "safetensors", "nats",
@@ -77,7 +77,7 @@ def main() -> None:
         if (exc.name or "").split(".")[0] not in SERVER_MODULES:
             raise
         err.print("[bold red]error[/]: " + escape(f"this needs fleet's server side ({exc.name} is not installed): "
-                                                  f"pip install 'fleet[server]'"))
+                                                  f"pip install 'fleet-serve[server]'"))
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

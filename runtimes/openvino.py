@@ -41,7 +41,7 @@ log = logging.getLogger("fleet.worker")
 GRAPH_XML, GRAPH_BIN = "model.xml", "model.bin"
 #: OpenVINO's inference precision per fleet dtype name.
 PRECISIONS = {"float32": "f32", "bfloat16": "bf16"}
-INSTALL = "pip install openvino (the fleet[openvino] extra)"
+INSTALL = "pip install openvino (the fleet-serve[openvino] extra)"
 
 
 def available() -> bool:

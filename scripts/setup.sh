@@ -10,10 +10,11 @@ PY=${PYTHON:-python3}
 # Pinned: an unpinned torch may pull a multi-GB CUDA build on a CPU-only box.
 .venv/bin/python -m pip install -q torch==2.13.0
 # The project with its server side (`server` extra); a machine that only talks to a
-# daemon needs `pip install fleet` alone (README, "A client without torch").
+# daemon needs `pip install .` alone, the fleet-serve distribution without extras
+# (README, "A client without torch").
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[server,test,bench]'
-  # OpenVINO (the fleet[openvino] extra, same pin) beside the venv, not in it: the
+  # OpenVINO (the fleet-serve[openvino] extra, same pin) beside the venv, not in it: the
   # OpenVINO tests run with PYTHONPATH=.venv/openvino (README's test command) while
   # the rest of the suite runs as an install without the extra. Its only other
   # requirement, numpy, is the venv's. 59 MB wheel, ~6 s.

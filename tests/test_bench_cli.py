@@ -117,7 +117,7 @@ def test_compare_runs_the_offline_limit_and_openvino_or_says_it_skipped(tmp_path
     assert all(4 * 10 <= s["tokens"] / s["ok"] <= 4 * 80 for s in lim["steps"])
     if importlib.util.find_spec("openvino") is None:
         assert list(by_name) == ["sorted-st-fp32"]
-        assert "ov-fp32: skipped: openvino is not installed (pip install 'fleet[openvino]')" in r.stderr
+        assert "ov-fp32: skipped: openvino is not installed (pip install 'fleet-serve[openvino]')" in r.stderr
         assert "ov-best: skipped" in r.stderr
     else:
         ov = by_name["ov-fp32"]

@@ -82,7 +82,7 @@ def test_in_process_names_resolve_per_machine():
     assert local_target("sorted-st-bf16", flags=avx2, openvino=False) == LocalTarget("sorted-st-bf16", "torch", "bf16", True)
     # A runtime that is not installed is a line saying so; an unknown name is None.
     assert local_target("ov-fp32", flags=bf16, openvino=False) == (
-        "ov-fp32: skipped: openvino is not installed (pip install 'fleet[openvino]')")
+        "ov-fp32: skipped: openvino is not installed (pip install 'fleet-serve[openvino]')")
     assert isinstance(local_target("sorted-ov-best", flags=bf16, openvino=False), str)
     for name in ("st-fp16", "ov", "sorted-fleet", "fleet", "sorted-sorted"):
         assert local_target(name, flags=bf16, openvino=True) is None, name

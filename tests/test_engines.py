@@ -2,7 +2,7 @@
 runs on, chosen by measurement, a second runtime family (OpenVINO) with parity
 against torch, and its converted graph kept as a checked derived file.
 
-The OpenVINO tests need the optional `openvino` package (the fleet[openvino]
+The OpenVINO tests need the optional `openvino` package (the fleet-serve[openvino]
 extra) and skip without it, saying so; the rest run everywhere. The suite's
 install leaves it out (`scripts/setup.sh --test` puts it in `.venv/openvino`);
 the README's test command and CI run this file again with it importable:
@@ -24,7 +24,7 @@ from runtimes.base import ModelSpec, Profile
 from tests.conftest import default_model_dir
 
 needs_openvino = pytest.mark.skipif(not openvino.available(),
-                                    reason="openvino is not installed (the fleet[openvino] extra; CI runs these "
+                                    reason="openvino is not installed (the fleet-serve[openvino] extra; CI runs these "
                                            "with PYTHONPATH=.venv/openvino)")
 TEXTS = ["How do I reset my router password?", "Best hiking trails near Lyon " * 8, "a",
          "¿Dónde está la biblioteca? 東京は日本の首都です。"]

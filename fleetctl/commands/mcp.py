@@ -36,7 +36,7 @@ async def serve_stdio(url: str | None = None) -> None:
         from mcp.server.stdio import stdio_server
     except ModuleNotFoundError as exc:
         raise FleetError(f"fleetctl mcp needs the mcp package ({exc.name} is not installed): "
-                         "pip install 'fleet[mcp]'") from None
+                         "pip install 'fleet-serve[mcp]'") from None
     base = (url or client_url()).rstrip("/")
     key = env_api_key() or operator_key(base)
     headers = {"Accept": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
