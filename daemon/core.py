@@ -29,6 +29,7 @@ from local_queue.sweep import queue_name, sweep_stale
 
 from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
 
+from daemon.aliases import AliasBook
 from daemon.broker import Answer, Broker
 from daemon.clients import CLIENT
 from daemon.departures import DEPARTURE
@@ -176,6 +177,8 @@ class Daemon:
         self.recent = Recent()
         #: How large a piece of a large request is, per model (daemon.pieces).
         self.sizing = Sizing(self.settings.batch_target_ms or 250.0)
+        #: Stable names clients use, each pointing at a stored version (daemon.aliases).
+        self.aliases = AliasBook(self.store.root)
         if self.settings.nats:
             from daemon.cluster import check_settings
 
@@ -200,6 +203,8 @@ class Daemon:
                 log.error("preload %s cannot be served: %s", name, exc.message)
         # 2. A damaged pins file is set aside now, before workers read it (fleet.pins).
         PinStore(self.settings.home).load()
+        #    The aliases route clients: a table that does not read stops the start, naming it.
+        self.aliases.load()
         # 3. What killed daemons left in /dev/shm goes (never a live daemon's), then
         #    the queue, the result path, and the workers that pull from it.
         swept = sweep_stale(QUEUE_PREFIX)
@@ -228,6 +233,9 @@ class Daemon:
                                    workers_up=lambda: self.workers_up, loaded=self.loaded_models,
                                    on_lag=LagGauges(self.metrics, lambda: self.cluster.js))
             self.cluster.start(loop)
+            from daemon.alias_kv import follow_aliases
+
+            follow_aliases(self)  # the alias table lives in the cluster's KV bucket
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
 
     def begin_drain(self, bound_s: float) -> None:
@@ -286,7 +294,9 @@ class Daemon:
 
     def manifest(self, name: str, task: str) -> Manifest:
         """The stored model `name`, which must serve `task`. Cached; a miss re-reads
-        the store, so a model pulled while the daemon runs is servable at once."""
+        the store, so a model pulled while the daemon runs is servable at once. An
+        alias is its version for the current request (daemon.aliases)."""
+        name = self.aliases.resolve(name)
         manifest = self._manifests.get(name)
         if manifest is None:
             try:
@@ -497,6 +507,7 @@ class Daemon:
         from daemon.auth import check_bind
 
         self._manifests.clear()
+        self.aliases.load()  # an alias table edited by hand (without NATS)
         new = load_settings(home=self.settings.home)
         applied = [f for f in LIVE_SETTINGS if getattr(new, f) != getattr(self.settings, f)]
         if "api_key" in applied:
@@ -622,6 +633,8 @@ class Daemon:
             return False, "starting", {}
         if self.cluster is not None and not self.cluster.joined:
             return False, "joining the NATS cluster", {}
+        if self.aliases.clustered and self.aliases.shared is None:
+            return False, "reading the NATS cluster's aliases", {}  # else it routes by a stale table
         workers = [w for w in await self.workers() if w["up"]]
         if not workers:
             return False, "no worker is up yet", {}

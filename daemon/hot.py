@@ -11,6 +11,11 @@ Litestar route calls. Errors take the contract's shape through
 `daemon.http.error_parts`, like the app's exception handlers. Everything
 else, and the OpenAPI document, stays Litestar's; the wrappers outside this
 one (request id, browser guard, auth) see both alike.
+
+Every request passes here, a batch's lines (daemon.batches) and MCP's tool calls too
+(`Daemon.dispatch`), so this is where each gets its view of the alias table
+(daemon.aliases.AliasScope): its aliases resolve once, and its reply names the version
+that served it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from litestar import Litestar
 from fleet.errors import FleetError, PayloadTooLarge
 
 from daemon import codec, timeline
+from daemon.aliases import AliasScope
 from daemon.controllers.embed import embed_exchange
 from daemon.core import Daemon
 from daemon.http import PRIVATE_PATHS, error_parts
@@ -46,8 +52,12 @@ class HotRoutes:
     def __init__(self, app: Litestar, daemon: Daemon) -> None:
         self.app = app
         self.daemon = daemon
+        self._scoped = AliasScope(self._route)
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        await self._scoped(scope, receive, send)
+
+    async def _route(self, scope: Any, receive: Receive, send: Send) -> None:
         # A query string goes the app's way: the route's query check (daemon.query) refuses
         # what it does not declare.
         if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/embed"

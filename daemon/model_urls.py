@@ -253,7 +253,9 @@ class ModelUrls:
             ignored = ignored or other
         if scope["path"] == "/":
             name = model or (sent if isinstance(sent, str) and sent else root_model(self.daemon, obj))
-            manifest = self.daemon.store.get(name) if self.daemon.store.exists(name) else None
+            # An alias routes by its version's task (an alias keeps one task: daemon.aliases).
+            version = self.daemon.aliases.resolve(name)
+            manifest = self.daemon.store.get(version) if self.daemon.store.exists(version) else None
             if manifest is None:
                 raise ModelNotFound(f"unknown model {name!r}", hint="fleetctl list shows what is pulled",
                                     param="model")

@@ -28,6 +28,7 @@ import msgspec.inspect as mi
 
 from fleet import __version__
 from fleet.batches import Batch, BatchCreateRequest, BatchList, FileDeleted, FileList, FileObject
+from fleet.aliases import ALIAS_RE
 from fleet.catalog import NAME_RE
 from fleet.protocol import (
     ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest, ClassifyReply, ClassifyRequest,
@@ -42,6 +43,7 @@ from daemon import systemone
 from daemon.controllers import decisions, ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
+from daemon.controllers.aliases import AliasNote, AliasSet
 from daemon.fields import IGNORED_FIELDS_HEADER
 from daemon.jobstore import BATCH_ID, FILE_ID
 
@@ -107,6 +109,11 @@ _UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
                                "description": "Delete the file this long after its upload (default: "
                                               "batch_retention_days)."}},
     "additionalProperties": False}
+_ALIAS = _object("An alias: the version it serves, its rollback target, its canary and their recent figures.",
+                 name=_STRING, version=_STRING, previous=_STRING, canary=_STRING, canary_percent=_NUMBER,
+                 at=_STRING, by=_STRING, change=_INT, versions={"type": "object"})
+_ALIAS_CHANGE = _object("The alias after the change, the version before it, and how long the switch took.",
+                        alias=_ALIAS, before=_STRING, seconds=_NUMBER)
 _AFTER = ("after", _STRING, "The id of the last item of the previous page: this page starts after it.")
 
 OPERATIONS: dict[tuple[str, str], Op] = {
@@ -250,6 +257,23 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                               reply=None, **_OLLAMA),
     ("POST", "/api/push"): Op("Ollama: refused, always (fleet has no registry); the body is not read.",
                               success=(), **_OLLAMA),
+    # -- aliases (daemon/controllers/aliases.py) ----------------------------------------------
+    ("GET", "/v1/aliases"): Op("Every alias: its version, rollback target and canary, with each version's request "
+                               "and error rates and latencies over the last seconds.", "aliases", None,
+                               _object("The aliases.", aliases=_array(_ALIAS))),
+    ("GET", "/v1/aliases/{alias}"): Op("One alias, as the list shows it.", "aliases", None, _ALIAS),
+    ("GET", "/v1/aliases/{alias}/history"): Op("Every change of the alias (set, promote, canary, rollback, remove), "
+                                               "oldest first.", "aliases", None,
+                                               _object("The alias's changes.", alias=_STRING,
+                                                       events=_array({"type": "object"}))),
+    ("PUT", "/v1/aliases/{alias}"): Op("Point the alias at a stored version (the operator's). Requests already "
+                                       "admitted finish on the version they started on.", "aliases", AliasSet,
+                                       _ALIAS_CHANGE),
+    ("POST", "/v1/aliases/{alias}/rollback"): Op("Back to the previous version, or end a running canary (the "
+                                                 "operator's).", "aliases", AliasNote, _ALIAS_CHANGE,
+                                                 body_required=False),
+    ("DELETE", "/v1/aliases/{alias}"): Op("Remove the alias (the operator's).", "aliases", AliasNote, _ALIAS_CHANGE,
+                                          body_required=False),
     # -- this document -----------------------------------------------------------------------
     ("GET", "/openapi.json"): Op("This document (OpenAPI 3.1).", "docs", None, {"type": "object"}, returns=(JSON,)),
     ("GET", "/docs"): Op("The API's docs page (Swagger UI, offline).", "docs", None, _STRING, returns=("text/html",)),
@@ -259,7 +283,7 @@ _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 _REF = "#/components/schemas/{name}"
 #: What a path parameter holds, by its name; any other is a model name.
 _PATH_PATTERNS = {"file_id": f"^{FILE_ID.pattern}$", "batch_id": f"^{BATCH_ID.pattern}$",
-                  "digest": ollama_create.DIGEST_RE.pattern}
+                  "digest": ollama_create.DIGEST_RE.pattern, "alias": ALIAS_RE.pattern}
 
 
 def openapi_path(litestar_path: str) -> str:

@@ -34,6 +34,7 @@ from fleet.protocol import (
 from local_queue import Done
 
 from daemon import zero_shot
+from daemon.aliases import resolved
 from daemon.broker import Answer
 from daemon.core import Daemon
 from daemon.pieces import MIN_PIECE_TOKENS, check_ceiling, joined, text_costs
@@ -156,6 +157,7 @@ async def embed(daemon: Daemon, req: EmbedRequest, payload: bytes, *, raw: bool 
 
     `payload` is the request as MessagePack (for MessagePack clients, the body
     exactly as received: no re-encoding; image bytes ride in it to the worker untouched)."""
+    req, payload = resolved(daemon.aliases, req, payload, _encode)
     check_inputs(daemon, req.inputs)
     if req.top_k is not None and (req.output != "sparse" or req.top_k < 1):
         raise BadRequest(f"top_k takes a count >= 1 and only with output 'sparse', got top_k={req.top_k} "
@@ -288,6 +290,7 @@ def check_rerank(daemon: Daemon, req: RerankRequest) -> None:
 
 async def rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[list[RerankHit], Usage, Answer]:
     """Queue one rerank request; its hits, best first, with documents as asked."""
+    req, payload = resolved(daemon.aliases, req, payload, _encode)
     check_rerank(daemon, req)
     docs = req.docs
     # Each pair carries the query again and one more special token than a single text.
@@ -332,6 +335,7 @@ async def rerank(daemon: Daemon, req: RerankRequest, payload: bytes) -> tuple[li
 async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
                    ) -> tuple[list[list[LabelScore]], Usage, Answer]:
     """Queue one classify request; per input, its labels with scores, best first."""
+    req, payload = resolved(daemon.aliases, req, payload, _encode)
     check_inputs(daemon, req.inputs)
     if req.top_k is not None and req.top_k < 1:
         raise BadRequest(f"top_k must be at least 1, got {req.top_k}")
@@ -363,6 +367,7 @@ async def classify(daemon: Daemon, req: ClassifyRequest, payload: bytes,
 
 async def extract(daemon: Daemon, req: ExtractRequest, payload: bytes) -> tuple[list[list[Entity]], Usage, Answer]:
     """Queue one extract request; per input, its entity spans."""
+    req, payload = resolved(daemon.aliases, req, payload, _encode)
     check_inputs(daemon, req.inputs)
     answers = await submit_inputs(daemon, "extract", target_model(daemon, "extract", req.model, req.adapter), req,
                                   "inputs", payload, estimate_tokens(payload, len(req.inputs)),
@@ -403,6 +408,7 @@ async def decide(daemon: Daemon, req: DecideRequest) -> tuple[DecideResult, Answ
     """Queue one decision request (every route's shape rendered into `req`); the
     probabilities per option of each question. Over a budget is 413: more questions
     than `max_inputs`, more tokens than `max_request_tokens`."""
+    req, _ = resolved(daemon.aliases, req, b"", _encode)
     if len(req.questions) > daemon.settings.max_inputs:
         raise PayloadTooLarge(f"{len(req.questions)} questions is more than the limit of "
                               f"{daemon.settings.max_inputs} per request (max_inputs)")
@@ -498,6 +504,7 @@ def observe_generation(daemon: Daemon, model: str, answer: Answer, res: Generate
 
 async def generate(daemon: Daemon, req: GenerateRequest, payload: bytes) -> tuple[GenerateResult, Answer]:
     """Queue one generation and wait for the whole text."""
+    req, payload = resolved(daemon.aliases, req, payload, _encode)
     check_generate(req)
     answer = await daemon.submit("generate", target_model(daemon, "generate", req.model, req.adapter), payload,
                                  tokens=generate_tokens(req, payload), timeout_ms=req.timeout_ms)
@@ -527,6 +534,7 @@ class TextStream:
     not arrive."""
 
     def __init__(self, daemon: Daemon, req: GenerateRequest, payload: bytes) -> None:
+        req, payload = resolved(daemon.aliases, req, payload, _encode)
         check_generate(req)
         self.daemon, self.model = daemon, req.model
         self.pieces: asyncio.Queue[Done] = asyncio.Queue()

