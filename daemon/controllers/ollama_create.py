@@ -8,11 +8,13 @@
   model: `fleetctl pull path:DIR --base FROM` through `fleet.pull`, which checks
   the adapter against its base. The older Modelfile string (`modelfile`) is
   refused with what to send instead (its `ADAPTER` names a folder on the client's
-  machine). A `from` alone, `files` (GGUF) and `quantize` are refused: fleet
-  serves Hugging Face folders. `template`, `system`, `parameters`, `license` and
+  machine). `files` naming one GGUF file (`FROM ./model.gguf`) pulls it as a
+  generator on the llama.cpp runtime (fleet.pull_gguf). A `from` alone and
+  `quantize` are refused. `template`, `system`, `parameters`, `license` and
   `messages` are not applied (named in `X-Fleet-Ignored-Fields`).
 - Blobs are checked against their sha256 digest while they arrive and kept in
-  `FLEET_HOME/blobs/`; at most `max_body_bytes` each (a LoRA adapter is small).
+  `FLEET_HOME/blobs/`; not bounded by `max_body_bytes` (a GGUF model is one blob):
+  written while a quarter of the disk stays free (fleet.blobs.check_room).
   They stay while a stored model holds them and for `blob_keep_ms` after their
   last use (upload, HEAD, create); the rest go (fleet.blobs: `sweep_blobs_loop`
   here, and `release` when a model is removed).
@@ -44,6 +46,7 @@ from litestar.exceptions import HTTPException
 from fleet import blobs
 from fleet.catalog import validate_name
 from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
+from fleet.gguf import is_gguf
 from fleet.pull import pull_model
 
 from daemon import fields
@@ -56,6 +59,8 @@ from daemon.core import Daemon
 from daemon.operator import operator_only
 
 DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+#: How often (bytes written) an upload checks the disk's room again.
+ROOM_CHECK_BYTES = 64 << 20
 #: File names a LoRA folder's blobs may take (no folders, no hidden files).
 _FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 IGNORED_CREATE = ("template", "system", "parameters", "license", "messages")
@@ -138,21 +143,31 @@ class OllamaCreateController(Controller):
             raise NotFound(f"blob {digest} not found")
         blobs.touch(path)  # the client will name it in a create: kept blob_keep_ms from now
 
-    @post("/blobs/{digest:str}", status_code=201)
+    # No body limit here: a GGUF model is its blob; the upload streams to disk, bounded by
+    # the disk's room (fleet.blobs.check_room) before it starts and as it goes.
+    @post("/blobs/{digest:str}", status_code=201, request_max_body_size=None)
     async def blob_upload(self, request: Request, daemon: Daemon, digest: str) -> Response:
         """The bytes are hashed as they arrive; a blob that does not match its digest is dropped."""
         path = blob_path(daemon, digest)
         if path.is_file():
             blobs.touch(path)
             return Response(content=b"", status_code=200)
+        home = daemon.settings.home_path
+        declared = request.headers.get("content-length", "")
+        blobs.check_room(home, int(declared) if declared.isdigit() else 0)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{id(request)}.part")
         sha = hashlib.sha256()
+        written, checked = 0, 0
         try:
             with part.open("wb") as out:
                 async for chunk in request.stream():
                     sha.update(chunk)
                     out.write(chunk)
+                    written += len(chunk)
+                    if written - checked >= ROOM_CHECK_BYTES:  # a body longer than it said, or a disk filling
+                        blobs.check_room(home, 0)
+                        checked = written
             if f"sha256:{sha.hexdigest()}" != digest.replace("sha256-", "sha256:"):
                 raise BadRequest(f"digest mismatch: the body's sha256 is {sha.hexdigest()}, not {digest}")
             part.replace(path)
@@ -167,9 +182,11 @@ class OllamaCreateController(Controller):
             raise Unsupported("a Modelfile string is the old /api/create: send `from` (a stored model) and "
                               "`adapters` (file name -> digest of each file of the LoRA folder, uploaded with "
                               "POST /api/blobs/sha256:...), as current ollama clients do", param="modelfile")
-        for field, value in (("files", body.files), ("quantize", body.quantize)):
-            if value:
-                raise Unsupported(f"`{field}`: fleet serves Hugging Face folders, not GGUF files", param=field)
+        if body.quantize:
+            raise Unsupported("`quantize`: fleet serves a GGUF file as it was uploaded; quantize it before",
+                              param="quantize")
+        if body.files:
+            return await self.create_gguf(request, daemon, body, dropped)
         if not body.from_:
             raise BadRequest("`from` is required: the stored model the adapter is for", param="from")
         if not body.adapters:
@@ -182,6 +199,29 @@ class OllamaCreateController(Controller):
             with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
                 adapter_folder(daemon, body.adapters or {}, Path(tmp))
                 pull_model(daemon.store, f"path:{tmp}", name=name, base=base)
+            daemon.forget(name)
+
+        await asyncio.to_thread(work)
+        headers = ignored_headers([], dropped + fields.set_fields(body, IGNORED_CREATE))
+        if body.stream:
+            return Response(content=line(ProgressLine("success")), media_type=NDJSON, headers=headers)
+        return json_reply(ProgressLine("success"), headers)
+
+    async def create_gguf(self, request: Request, daemon: Daemon, body: CreateBody, dropped: list[str]) -> Response:
+        """`files` naming one GGUF file (`ollama create` with `FROM ./model.gguf`): pulled as a
+        model of its own (fleet.pull_gguf), generate on the llama.cpp runtime."""
+        files = body.files or {}
+        if len(files) != 1 or not is_gguf(next(iter(files))) or body.adapters or body.from_:
+            raise Unsupported("`files` takes one GGUF model file (name -> digest), without `from` or `adapters`; "
+                              "a Hugging Face model is pulled by name (POST /api/pull)", param="files")
+        (file, digest), = files.items()
+        name = new_name(daemon, body.model or body.name)
+        room_for_model(daemon, name)
+
+        def work() -> None:
+            with tempfile.TemporaryDirectory(dir=daemon.settings.home_path) as tmp:
+                adapter_folder(daemon, {file: digest}, Path(tmp))
+                pull_model(daemon.store, f"path:{tmp}/{file}", name=name)
             daemon.forget(name)
 
         await asyncio.to_thread(work)

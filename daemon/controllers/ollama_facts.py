@@ -2,7 +2,8 @@
 
 Read from the store's files without loading anything: `config.json` (family,
 context, widths), `tokenizer_config.json` (chat template) and the safetensors
-headers (parameter count and dtype: 8 bytes of length, then JSON, per file).
+headers (parameter count and dtype: 8 bytes of length, then JSON, per file); a
+GGUF model's from its manifest (its header's facts, read at pull).
 A stored model's files change only with its manifest's `created_at`, so the
 facts are cached under (name, created_at); a re-pull reads them again.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.gguf import GgufFacts
 from fleet.store import MANIFEST, Manifest, Store
 from fleet.tools import capabilities as fleet_capabilities
 
@@ -110,6 +112,10 @@ def facts(store: Store, manifest: Manifest) -> Facts:
         digest = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
     except OSError:
         digest = ""
+    if manifest.gguf is not None:
+        found = gguf_facts(manifest, manifest.gguf, digest)
+        _cache[key] = found
+        return found
     config = read_json(folder / "config.json")
     arch = str(config.get("model_type") or manifest.runtime)
     parameters, dtype = count_parameters(folder, manifest)
@@ -130,8 +136,20 @@ def facts(store: Store, manifest: Manifest) -> Facts:
     return found
 
 
+def gguf_facts(manifest: Manifest, g: GgufFacts, digest: str) -> Facts:
+    """A GGUF model's facts: its header's, read at pull (`Manifest.gguf`)."""
+    context = manifest.max_seq_len or g.context_length
+    info: dict[str, Any] = {"general.architecture": g.architecture, "general.basename": manifest.name,
+                            "general.parameter_count": g.parameters, "general.file_type": g.file_type}
+    if context:
+        info[f"{g.architecture}.context_length"] = context
+    return Facts(digest=digest, family=g.architecture, parameters=g.parameters, quantization=g.file_type,
+                 context_length=context, info=info, template=g.chat_template)
+
+
 def details(manifest: Manifest, f: Facts) -> Details:
-    return Details(parent_model=f"{manifest.base}:latest" if manifest.base else "", format="safetensors",
+    return Details(parent_model=f"{manifest.base}:latest" if manifest.base else "",
+                   format="gguf" if manifest.gguf is not None else "safetensors",
                    family=f.family, families=[f.family], parameter_size=parameter_size(f.parameters),
                    quantization_level=f.quantization)
 
