@@ -30,6 +30,7 @@ from local_queue.sweep import queue_name, sweep_stale
 from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
 
 from daemon.aliases import AliasBook
+from daemon.access import note_model
 from daemon.broker import Answer, Broker
 from daemon.clients import CLIENT
 from daemon.departures import DEPARTURE
@@ -69,7 +70,7 @@ HEARTBEAT_STALE_S = 30.0
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
                  "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens",
-                 "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models")
+                 "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models", "access_log")
 
 
 def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
@@ -391,6 +392,7 @@ class Daemon:
         try:
             local = True
             try:
+        note_model(model)  # its access line names it (daemon.access)
                 lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:
                 if self.cluster is None:
