@@ -389,10 +389,10 @@ class Daemon:
         """Resolve the lane and timeout of a request, `run(lane, local, timeout_s)` it,
         record its metrics (`submit`, `submit_pieces`)."""
         t0 = time.perf_counter()
+        note_model(model)  # its access line names it (daemon.access)
         try:
             local = True
             try:
-        note_model(model)  # its access line names it (daemon.access)
                 lane = self.lane_of(self.manifest(model, task))
             except ModelNotFound:
                 if self.cluster is None:

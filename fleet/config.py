@@ -156,6 +156,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: 8 targets (runtimes.policy.behind).
     batch_target_ms: float = 250.0
     log_level: str = "info"
+    #: One line per HTTP request in the log (daemon.access: method, route, model, status,
+    #: ms, client); `false` turns it off (live on SIGHUP).
+    access_log: bool = True
     #: Intra-op threads for CPU workers; 0 = torch's default.
     cpu_threads: int = 0
     #: Memory budget of the CPU device for models (bytes); 0 = `cpu_budget_fraction`
@@ -173,9 +176,6 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout_ms: int = 10_000
     #: Offline jobs (the Files and Batches API, daemon/batches.py): the largest input
     #: file a `POST /v1/files` takes, and its most request lines.
-    #: One line per HTTP request in the log (daemon.access: method, route, model, status,
-    #: ms, client); `false` turns it off (live on SIGHUP).
-    access_log: bool = True
     batch_max_file_bytes: int = 4 << 30
     batch_max_lines: int = 1_000_000
     #: Bytes all batch files (uploads and results) may take together: an upload that
