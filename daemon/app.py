@@ -32,6 +32,7 @@ from daemon.controllers.ollama import OllamaController, OllamaRootController
 from daemon.controllers.ollama_create import OllamaCreateController, sweep_blobs_loop
 from daemon.controllers.rerank import RerankController
 from daemon.controllers.responses import ResponsesController
+from daemon.controllers.store import StoreController
 from daemon.controllers.systemone import SystemOneController
 from daemon.controllers.tei import TeiController
 from daemon.controllers.tgi import TgiController
@@ -123,7 +124,7 @@ def create_app(daemon: Daemon) -> Litestar:
                         ModelsController, AdminController, ClusterController, MetricsController, HealthController,
                         TeiController, OllamaController, OllamaRootController, DocsController,
                         CohereEmbedController, TgiController, OllamaCreateController, TopController,
-                        ResponsesController, SystemOneController, DecisionsController],
+                        ResponsesController, SystemOneController, DecisionsController, StoreController],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
         exception_handlers={FleetError: on_fleet_error, HTTPException: on_http_error, Exception: on_unexpected},
         before_request=refuse_undeclared(query_table),

@@ -43,6 +43,7 @@ from daemon import systemone
 from daemon.controllers import decisions, ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
+from daemon.controllers.store import PullBody as StorePullBody
 from daemon.controllers.aliases import AliasNote, AliasSet
 from daemon.fields import IGNORED_FIELDS_HEADER
 from daemon.jobstore import BATCH_ID, FILE_ID
@@ -198,6 +199,21 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/v1/decisions"): Op("OpenAI Decisions: predicate, choice and score questions about an input, "
                                   "answered in order (the same answers as /v1/systemone).", "openai",
                                   decisions.DecisionRequest, _DECISION, returns=(JSON, MSGPACK), **_OPENAI),
+    # -- the store, through the daemon that owns it (daemon/controllers/store.py) ----------------
+    ("GET", "/v1/store"): Op("The stored models with their sources, sizes and folders, and the damaged ones "
+                             "(the operator's; `fleetctl list --json`).", "admin", None,
+                             _object("This daemon's store.", home=_STRING, models=_array({"type": "object"}),
+                                     damaged=_array({"type": "object"}))),
+    ("POST", "/v1/store/pull"): Op(
+        "Pull a catalog or stored name, or an hf:, path: (absolute) or pkg: source, into this daemon's store; "
+        "resident copies of a model it changes are retired (the operator's; `fleetctl pull`). NDJSON lines: "
+        "`{status, total, completed}` per phase, last `{status: success, result, replaced}` or `{error}`.",
+        "admin", StorePullBody, None, returns=(NDJSON,), stream=(NDJSON, {"type": "object"})),
+    ("DELETE", "/v1/models/{model_id}"): Op(
+        "Unload every copy of the model, then remove it from the store (OpenAI's delete of a model; the "
+        "operator's; `fleetctl rm`).", "admin", None,
+        _object("The model removed.", id=_STRING, object=_STRING, deleted=_BOOL, size_bytes=_INT,
+                was_pinned=_BOOL, unloaded=_array(_INT))),
     # -- Cohere ------------------------------------------------------------------------------
     ("POST", "/v2/rerank"): Op("Cohere v2 rerank.", "cohere", RerankRequest, CohereRerankReply, names_ignored=True),
     ("POST", "/v2/embed"): Op("Cohere v2 embed: `input_type` picks the model's prompt, `embedding_types` float, "

@@ -76,7 +76,9 @@ def operator_only(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Litestar guard: the route changes the daemon; only the operator may call it."""
     if is_operator(connection):
         return
-    what = f"{connection.scope['method']} {connection.scope['path']} changes the daemon"
+    method = connection.scope["method"]
+    what = f"{method} {connection.scope['path']} " + (
+        "is the operator's (it names the store's folders)" if method == "GET" else "changes the daemon")
     if connection.scope.get(CREDENTIAL):
         raise Forbidden(f"{what}: it takes the operator's admin key (admin.key in the daemon's FLEET_HOME) as "
                         "the bearer token, and the one sent is not it")

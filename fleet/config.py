@@ -307,9 +307,19 @@ def client_url_source() -> tuple[str, str]:
             configured = True  # load_settings says what is wrong with it, in one line
     if configured:
         return load_settings(home=str(home)).url, "config"
+    holder = live_daemon(home)
+    if holder is not None:
+        return holder[1], "lock file"
+    return f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", "default"
+
+
+def live_daemon(home: str | Path) -> tuple[int, str] | None:
+    """(pid, URL) of the daemon running on FLEET_HOME `home`, from its lock file; None
+    when none runs (the lock file outlives its daemon: only a live pid counts)."""
     try:
-        holder = msgspec.json.decode((home / DAEMON_LOCK).read_bytes())
-        os.kill(int(holder["pid"]), 0)  # the lock file outlives its daemon: only a live one counts
-        return str(holder["url"]), "lock file"
+        holder = msgspec.json.decode((Path(home) / DAEMON_LOCK).read_bytes())
+        pid = int(holder["pid"])
+        os.kill(pid, 0)
+        return pid, str(holder["url"])
     except (OSError, ValueError, KeyError, TypeError, msgspec.DecodeError):
-        return f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", "default"
+        return None

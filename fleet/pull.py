@@ -20,6 +20,7 @@ One entry point, `pull_model`. Steps, for every source kind:
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import importlib.util
 import os
@@ -384,10 +385,21 @@ def _resolve(
     if store.exists(target):
         previous = store.get(target)
         return target, parse_source(previous.source), None, previous
+    close = difflib.get_close_matches(target, [e.name for e in catalog.all()] + store.names(), n=1, cutoff=0.6)
+    if close:
+        raise ModelNotFound(f"unknown model {target!r}: not in the catalog and not in the store; did you mean "
+                            f"{close[0]!r}?", hint=f"fleetctl pull {close[0]}")
     raise ModelNotFound(
         f"unknown model {target!r}: not in the catalog and not in the store",
         hint="see `fleetctl list --catalog` or models.toml; for a folder: `fleetctl pull path:DIR --name NAME`",
     )
+
+
+def resolve_name(store: Store, target: str, *, name: str | None = None, catalog: Catalog | None = None) -> str:
+    """The store name a pull of `target` writes (what `pull_model` resolves first): the
+    daemon checks it (`store_max_models`, a bad name, an unknown one: 4xx) before it
+    starts streaming a pull's progress."""
+    return _resolve(store, catalog or load_catalog(store.root.parent), target, name)[0]
 
 
 def _same_origin(stored: str, source: Source) -> bool:

@@ -206,8 +206,17 @@ def retry_after_s(resp: httpx.Response) -> float | None:
 
 
 def unreachable(url: str, exc: Exception) -> Unavailable:
-    return Unavailable(f"cannot reach the fleet daemon at {url}: {exc}",
-                       hint="start it with `fleetctl serve`, or point FLEET_URL at it")
+    """No answer from `url`: named with where the URL came from when FLEET_URL set it (the
+    CLI never falls back to another daemon), and, in a client-only install, that the daemon
+    runs elsewhere."""
+    import importlib.util
+
+    named = " (FLEET_URL)" if os.environ.get("FLEET_URL", "").rstrip("/") == url.rstrip("/") else ""
+    hint = "start it with `fleetctl serve`, or point FLEET_URL at it"
+    if importlib.util.find_spec("uvicorn") is None:
+        hint = ("this install is client-only (no `fleetctl serve` here): point FLEET_URL at a running daemon, "
+                "or pip install 'fleet[server]' to run one")
+    return Unavailable(f"cannot reach the fleet daemon at {url}{named}: {exc}", hint=hint)
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[GenerateChunkReply]:

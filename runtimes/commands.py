@@ -123,7 +123,13 @@ def reprofile(residency: Residency) -> list[str]:
     changed = []
     for name, r in residency.models.items():
         spec = r.adapter.spec
-        profile, which, sources = residency.profile_of(name)
+        try:
+            profile, which, sources = residency.profile_of(name)
+        except FleetError as exc:
+            # This model's entry or manifest cannot be read now (its files left the store
+            # while it was resident): it keeps its profile, the others still get theirs.
+            log.warning("reload: %s keeps its profile: %s", name, exc.message)
+            continue
         if profile == spec.profile and which == spec.extra.get("profile") and sources == spec.extra.get("profile_from"):
             continue
         diffs = [f"{k} {getattr(spec.profile, k)} -> {getattr(profile, k)}"

@@ -88,6 +88,8 @@ CHANGING = [
     ("POST", f"/api/blobs/{DIGEST}", BLOB),
     ("HEAD", f"/api/blobs/{DIGEST}", None),
     ("POST", "/api/push", {"model": SPARE}),
+    ("POST", "/v1/store/pull", {"source": DEFAULT_MODEL, "force": True}),
+    ("DELETE", f"/v1/models/{SPARE}", None),
 ]
 
 

@@ -21,7 +21,7 @@ import msgspec
 from litestar import Controller, Request, Response, delete, post
 
 from fleet.catalog import validate_name
-from fleet.errors import BadRequest, FleetError, ModelNotFound, Unavailable
+from fleet.errors import BadRequest, FleetError, Unavailable
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
 
 from daemon import codec
@@ -58,10 +58,20 @@ def choose_worker(workers: list[dict[str, Any]], name: str, device: str | None) 
 
 
 def stored(daemon: Daemon, name: str) -> str:
+    """`name` is stored, else `model_not_found` with the store's advice: `fleetctl pull
+    NAME` for a catalog model not pulled yet, else the closest stored or catalog name."""
     validate_name(name)
     if not daemon.store.exists(name):
-        raise ModelNotFound(f"unknown model {name!r}", hint=f"pull it first: fleetctl pull {name}")
+        raise daemon.store.missing(name)
     return name
+
+
+async def stored_or_held(daemon: Daemon, name: str) -> None:
+    """Unpin and unload also reach a copy still resident after its files left the store
+    by another way than the daemon (daemon.owner): it must not be left unreachable."""
+    validate_name(name)
+    if not daemon.store.exists(name) and not await holders(daemon, name):
+        raise daemon.store.missing(name)
 
 
 async def options(request: Request) -> AdminOptions:
@@ -116,7 +126,7 @@ class AdminController(Controller):
     @delete("/pin", status_code=200)
     async def unpin(self, request: Request, daemon: Daemon, name: str) -> Response:
         """Evictable again (stays resident until room is needed)."""
-        stored(daemon, name)
+        await stored_or_held(daemon, name)
         every_copy(await options(request), UNPIN)
         was_pinned = daemon.record_unpin(name)
         results = [await send(daemon, w, UNPIN, name) for w in await holders(daemon, name)]
@@ -131,7 +141,7 @@ class AdminController(Controller):
 
     @post("/unload", status_code=200)
     async def unload(self, request: Request, daemon: Daemon, name: str) -> Response:
-        stored(daemon, name)
+        await stored_or_held(daemon, name)
         every_copy(await options(request), UNLOAD)
         if name in daemon.pinned_models():
             raise BadRequest(f"{name} is pinned; unpin it first (fleetctl unpin {name})")

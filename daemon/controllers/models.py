@@ -7,7 +7,7 @@ import time
 from datetime import datetime
 
 import msgspec
-from litestar import Controller, Request, Response, get
+from litestar import Controller, Request, Response, delete, get
 
 from fleet import __version__
 from fleet.errors import BadRequest, ModelNotFound
@@ -22,6 +22,8 @@ from daemon.controllers.systemone import decision_model
 from daemon.http import reply
 from daemon.systemone import DEFAULT_ALIAS
 from daemon.model_urls import SCOPE_MODEL
+from daemon.operator import is_operator, operator_only
+from daemon.owner import delete_model
 
 
 async def workers_view(daemon: Daemon) -> list[dict]:
@@ -102,6 +104,13 @@ class ModelsController(Controller):
         profiles = live_profiles(await daemon.workers(), manifest.name)
         return reply(request, ModelDetail(**msgspec.structs.asdict(card), profiles=profiles))
 
+    @delete("/models/{model_id:str}", status_code=200, guards=[operator_only])
+    async def delete(self, request: Request, daemon: Daemon, model_id: str) -> Response:
+        """OpenAI's delete of a model: every copy unloaded, then the model leaves the
+        store (daemon.owner; `fleetctl rm` with a daemon running)."""
+        done = await delete_model(daemon, model_id)
+        return reply(request, {"id": model_id, "object": "model", "deleted": True, **done})
+
     @get("/ps")
     async def ps(self, request: Request, daemon: Daemon) -> Response:
         ready, why, unservable = await daemon.readiness_detail()
@@ -112,6 +121,8 @@ class ModelsController(Controller):
             "uptime_s": round(time.time() - daemon.started_at, 1),
             "ready": ready,
             "status": why,
+            # Which store this daemon serves, for its operator (`fleetctl ps` names it).
+            **({"home": daemon.settings.home} if is_operator(request) else {}),
             # Pins (preloads, persisted pins) that cannot be served: name -> why.
             "unservable": unservable,
             "queue": {"depth": daemon.queue.depth() if daemon.queue else 0,

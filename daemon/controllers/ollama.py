@@ -60,7 +60,6 @@ from litestar import Controller, Request, Response, delete, get, head, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from fleet import blobs
 from fleet.catalog import load_catalog
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound, Overloaded, SourceUnreachable
@@ -85,6 +84,7 @@ from daemon.core import Daemon
 from daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
 from daemon.offload import build_reply
 from daemon.operator import is_operator, operator_only
+from daemon.owner import delete_model, detached, retire_copies
 from daemon.tasks import TextStream, check_generate, token_logprobs
 
 log = logging.getLogger("fleet.daemon")
@@ -170,7 +170,7 @@ def stored_manifest(daemon: Daemon, ollama: str) -> Manifest:
     try:
         return daemon.store.get(name)
     except ModelNotFound:
-        raise ModelNotFound(f"model '{ollama}' not found, try pulling it first") from None
+        raise not_found(ollama, name) from None
 
 
 def serving(daemon: Daemon, ollama: str, task: str) -> str:
@@ -179,8 +179,15 @@ def serving(daemon: Daemon, ollama: str, task: str) -> str:
     try:
         daemon.manifest(name, task)
     except ModelNotFound:
-        raise ModelNotFound(f"model '{ollama}' not found, try pulling it first") from None
+        raise not_found(ollama, name) from None
     return name
+
+
+def not_found(ollama: str, name: str) -> ModelNotFound:
+    """Ollama's words (its clients match "not found, try pulling it first"), then how
+    fleet's operator pulls it."""
+    return ModelNotFound(f"model '{ollama}' not found, try pulling it first (ollama pull {ollama}, "
+                         f"or on the daemon's box: fleetctl pull {name})")
 
 
 def ignored_headers(options: list[str], dropped: list[str]) -> dict[str, str]:
@@ -589,19 +596,24 @@ class OllamaController(Controller):
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue[ProgressLine] = asyncio.Queue()
 
-        def work() -> None:
-            pull_model(daemon.store, name, catalog=catalog, progress=LineProgress(name, loop, progress))
+        def work() -> str:
+            result = pull_model(daemon.store, name, catalog=catalog, progress=LineProgress(name, loop, progress))
             loop.call_soon_threadsafe(progress.put_nowait, ProgressLine("verifying sha256 digest"))
             daemon.store.verify(name)
-            daemon.forget(name)  # the next request reads the new manifest
+            return result.status
+
+        async def run() -> None:
+            if await asyncio.to_thread(work) != "up_to_date":
+                await retire_copies(daemon, name)  # the next request loads the new files (daemon.owner)
+            daemon.forget(name)
 
         if not body.stream:
-            await asyncio.to_thread(work)
+            await run()
             return json_reply(ProgressLine("success"), headers)
 
         async def lines() -> AsyncIterator[bytes]:
             yield line(ProgressLine("pulling manifest"))
-            task = asyncio.ensure_future(asyncio.to_thread(work))
+            task = detached(run(), name)  # runs to its end if the client leaves
             while not task.done() or not progress.empty():
                 nxt = asyncio.ensure_future(progress.get())
                 await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
@@ -615,7 +627,6 @@ class OllamaController(Controller):
                 yield line(ErrorLine(shown(request, exc)))
                 return
             except Exception as exc:  # the status line is sent: the error can only be the last line
-                log.exception("pulling %s failed", name)
                 yield line(ErrorLine(f"internal error: {type(exc).__name__}"))
                 return
             yield line(ProgressLine("success"))
@@ -625,22 +636,8 @@ class OllamaController(Controller):
     @delete("/delete", status_code=200, guards=[operator_only])
     async def api_delete(self, request: Request, daemon: Daemon) -> Response:
         body, dropped = await decode(request, NameBody)
-        name = stored_manifest(daemon, body.target).name
-        dependents = daemon.store.dependents(name)
-        if dependents:
-            raise BadRequest(f"{name} is the base model of {', '.join(dependents)}: delete those first")
-        if name in daemon.settings.preload:
-            raise BadRequest(f"{name} is preloaded by this daemon's config (preload): take it out of preload "
-                             "before deleting it")
-        await unload(daemon, name, operator_pin=True)
-        await asyncio.to_thread(remove_model, daemon, name)
-        daemon.forget(name)
+        await delete_model(daemon, stored_manifest(daemon, body.target).name)
         return Response(content=b"", status_code=200, headers=ignored_headers([], dropped))
-
-
-def remove_model(daemon: Daemon, name: str) -> None:
-    """The model leaves the store, and the uploaded blobs only it held go with it (fleet.blobs)."""
-    blobs.release(daemon.settings.home_path, daemon.store, daemon.store.remove(name))
 
 
 async def embed_texts(daemon: Daemon, req: EmbedRequest, keep: Keep) -> tuple[np.ndarray, Answer, int, Clock]:

@@ -17,6 +17,7 @@ from litestar import Controller, Request, Response, get
 from daemon.controllers.models import workers_view
 from daemon.core import Daemon
 from daemon.http import reply
+from daemon.operator import is_operator
 from daemon.top import WINDOW_S, ProcessStats, gpu_stats, model_rows
 
 #: CPU % of each process is measured between two reads of the route; one reader
@@ -56,6 +57,8 @@ class TopController(Controller):
         api = stats.get(os.getpid(), {})
         return reply(request, {
             "box": daemon.box,
+            # Which store this daemon serves, for its operator (`fleetctl top` names it).
+            **({"home": daemon.settings.home} if is_operator(request) else {}),
             "uptime_s": round(time.time() - daemon.started_at, 1),
             "window_s": WINDOW_S,
             "queue": {"depth": sum(lane["depth"] for lane in lanes),

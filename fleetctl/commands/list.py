@@ -19,22 +19,28 @@ def register(app: typer.Typer) -> None:
         catalog: Annotated[bool, typer.Option("--catalog", help="List the catalog (models.toml) instead of the store.")] = False,
         json: Annotated[bool, typer.Option("--json", help="Print a JSON array on stdout.")] = False,
     ) -> None:
-        """List pulled models: name, task, runtime, size, source, revision, pulled at (with --catalog:
+        """List pulled models (the running daemon's store; with no daemon, FLEET_HOME's): name, task, runtime, size, source, revision, pulled at (with --catalog:
         name, task, runtime, license, parameters, size, pulled, source)."""
         import msgspec
 
         from fleet.catalog import load_catalog
         from fleet.config import load_settings
-        from fleet.store import Store, damage_fix
+        from fleet.store import Manifest, Store, damage_fix
+        from fleetctl.owner import store_daemon, without_daemon
 
         settings = load_settings()
         store = Store(settings.store_path)
         # Piped output is for other programs: never fold a row (a terminal folds the source).
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 4096)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
+        client = store_daemon()
         if catalog:
             entries = load_catalog(settings.home).all()
-            pulled = set(store.names())
+            if client is not None:  # what the daemon serves (open to every user: /v1/models)
+                with client:
+                    pulled = {m.id for m in client.models().data}
+            else:
+                pulled = set(store.names())
             sizes = {e.name: known_size(e, store, pulled) for e in entries}
             if json:
                 # size_bytes: measured here when this box holds the files (size_from "store",
@@ -46,15 +52,22 @@ def register(app: typer.Typer) -> None:
             out.print(catalog_table(entries, pulled, sizes))
             return
 
-        manifests = store.list()
-        for name, why in store.damage():
-            err.print(f"[yellow]damaged[/]: {escape(why)} ({escape(str(store.root / name))}); it is neither listed "
+        if client is not None:  # the daemon's store, as it reads it (daemon/controllers/store.py)
+            with client:
+                listing = client.get("/v1/store")
+            rows, damaged = listing["models"], [(d["name"], d["why"], d["path"]) for d in listing["damaged"]]
+        else:
+            without_daemon("listing")
+            rows = [{**msgspec.to_builtins(m), "size_bytes": m.size_bytes, "path": str(store.path(m.name))}
+                    for m in store.list()]
+            damaged = [(name, why, str(store.root / name)) for name, why in store.damage()]
+        for name, why, path in damaged:
+            err.print(f"[yellow]damaged[/]: {escape(why)} ({escape(path)}); it is neither listed "
                       f"nor served. fix: {escape(damage_fix(name))}")
         if json:
-            rows = [{**msgspec.to_builtins(m), "size_bytes": m.size_bytes, "path": str(store.path(m.name))}
-                    for m in manifests]
             sys.stdout.buffer.write(msgspec.json.encode(rows) + b"\n")
             return
+        manifests = [msgspec.convert(row, Manifest) for row in rows]
         if not manifests:
             err.print("no models pulled yet; try `fleetctl pull all-minilm-l6-v2` (see `fleetctl list --catalog`)")
             return

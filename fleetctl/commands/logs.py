@@ -51,9 +51,12 @@ def register(app: typer.Typer) -> None:
 
 
 def unit_active() -> bool:
-    if shutil.which("systemctl") is None:
+    """Is the fleetd unit running? False where systemd is not the init system (a
+    container, WSL): systemctl would only print why it cannot ask."""
+    if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
         return False
-    return subprocess.run(["systemctl", "is-active", "--quiet", UNIT], check=False).returncode == 0
+    return subprocess.run(["systemctl", "is-active", "--quiet", UNIT], check=False,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
 def journal(lines: int, follow: bool) -> Iterator[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 from rich.console import Console, Group
+from rich.markup import escape
 
 from fleetctl.commands.alias import aliases_table
 from fleetctl.commands.batch import batches_table, running_batches
@@ -26,18 +27,22 @@ def register(app: typer.Typer) -> None:
     def ps(as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
            cluster: bool = typer.Option(False, "--cluster", help="Every box in the NATS cluster, its models and load.")
            ) -> None:
-        """Show workers, resident models and queue lanes of the running daemon."""
+        """Show workers, resident models and queue lanes of the running daemon (the first
+        line names its URL, where that came from, and the FLEET_HOME it serves)."""
+        from fleet.config import client_url_source
         from fleetctl.client import Client
 
+        url, source = client_url_source()
         if cluster:
             from fleetctl.cluster_view import print_cluster
 
-            with Client() as client:
+            with Client(url) as client:
                 print_cluster(client.get("/v1/cluster"), as_json=as_json)
             return
-        with Client() as client:
+        with Client(url) as client:
             state = client.ps()
             state["batches"] = running_batches(client)
+        state["url"], state["url_from"] = url, source
         if as_json:
             print(json.dumps(state, indent=2))
             return
@@ -61,7 +66,7 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
     q = state["queue"]
     head = (f"[bold]{state['box']}[/] · {state['status']} · {q['depth']} waiting, {q['in_flight']} in flight"
             f" · up {state['uptime_s']:.0f} s")
-    parts: list[Any] = [head, workers_table(state), devices_table(state), models_table(state, now)]
+    parts: list[Any] = [head, *where(state), workers_table(state), devices_table(state), models_table(state, now)]
     profiles = profiles_table(state)
     if profiles.row_count:
         parts.append(profiles)
@@ -72,6 +77,20 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
     if state.get("batches"):
         parts.append(batches_table(state["batches"], "Batches running"))
     return Group(*parts)
+
+
+#: How `client_url_source` found the URL, as the header line says it.
+URL_FROM = {"env": "FLEET_URL", "config": "config.toml", "lock file": "this FLEET_HOME's daemon", "default": "default"}
+
+
+def where(state: dict[str, Any]) -> list[str]:
+    """The daemon this view shows: its URL (and where the URL came from) and the
+    FLEET_HOME it serves, which it tells its operator only (`home` needs the admin key)."""
+    if "url" not in state:
+        return []
+    home = state.get("home") or "not shown (the daemon tells its operator: admin key)"
+    return [escape(f"{state['url']} ({URL_FROM.get(state.get('url_from', ''), state.get('url_from', ''))})"
+                   f" · FLEET_HOME {home}")]
 
 
 def workers_table(state: dict[str, Any]) -> FitTable:

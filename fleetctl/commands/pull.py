@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from fleet.errors import FleetError
 from fleet.store import Progress
 
 
@@ -64,33 +65,88 @@ def register(app: typer.Typer) -> None:
         force: Annotated[bool, typer.Option("--force", help="Pull again even if the stored copy is up to date.")] = False,
         json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     ) -> None:
-        """Pull a model into the store (FLEET_HOME/models); a no-op if it is up to date."""
+        """Pull a model into the store of the running daemon (through its API), else, with
+        no daemon, into FLEET_HOME/models; a no-op if it is up to date."""
         import msgspec
 
-        from fleet.config import load_settings
-        from fleet.pull import pull_model
-        from fleet.store import Store
+        from fleetctl.owner import store_daemon
 
         err = Console(stderr=True, highlight=False, soft_wrap=True)
-        progress = RichProgress(err)
-        try:
-            result = pull_model(
-                Store(load_settings().store_path), target,
-                name=name, task=task, runtime=runtime, base=base, force=force, progress=progress,
-            )
-        finally:
-            progress.finish()
-        m = result.manifest
-        for rel in result.skipped:
+        options = dict(name=name, task=task, runtime=runtime, base=base, force=force)
+        client = store_daemon()
+        if client is not None:
+            with client:
+                done = pull_through(client, absolute_source(target), options, err)
+            result, replaced = done["result"], done.get("replaced") or []
+        else:
+            result, replaced = msgspec.to_builtins(pull_here(target, options, err)), []
+        m = result["manifest"]
+        for rel in result["skipped"]:
             err.print(f"[dim]skipped {escape(rel)}[/]")
         if json:
             sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
             return
-        size = human_size(m.size_bytes)
-        if result.status == "up_to_date":
-            line = f"{m.name} is already up to date ({len(m.files)} files, {size})"
-        elif result.status == "updated":
-            line = f"{m.name} is up to date; manifest metadata refreshed"
+        size = human_size(sum(f["size"] for f in m["files"]))
+        if result["status"] == "up_to_date":
+            line = f"{m['name']} is already up to date ({len(m['files'])} files, {size})"
+        elif result["status"] == "updated":
+            line = f"{m['name']} is up to date; manifest metadata refreshed"
         else:
-            line = f"pulled {m.name}: {m.task}/{m.runtime}, {len(m.files)} files, {size} -> {result.path}"
+            line = (f"pulled {m['name']}: {m['task']}/{m['runtime']}, {len(m['files'])} files, {size} -> "
+                    f"{result['path']}")
         print(line)
+        for r in replaced:
+            how = "loaded again from the new files (pinned)" if r["pinned"] else "unloaded: the next request loads the new files"
+            print(f"the copy on worker {r['worker']} ({r['device']}) was {how}")
+
+
+def absolute_source(target: str) -> str:
+    """`path:DIR` as an absolute folder: the daemon does not share this shell's directory."""
+    import os
+    from pathlib import Path
+
+    kind, sep, ref = target.partition(":")
+    if sep and kind == "path":
+        return f"path:{Path(os.path.expanduser(ref)).resolve()}"
+    return target
+
+
+def pull_through(client, target: str, options: dict, err: Console) -> dict:
+    """The daemon pulls (POST /v1/store/pull), its progress drawn here; its last line."""
+    from fleetctl.owner import stream_lines
+
+    progress = RichProgress(err)
+    phase, seen = None, 0
+    try:
+        for line in stream_lines(client, "/v1/store/pull", {"source": target, **options}):
+            if line.get("status") == "success":
+                return line
+            if "total" in line:
+                if line["status"] != phase:
+                    phase, seen = line["status"], 0
+                    progress.start(phase, line["total"])
+                progress.advance(line["completed"] - seen)
+                seen = line["completed"]
+            else:
+                progress.finish()
+                err.print(f"[dim]{escape(line.get('status', ''))}[/]")
+    finally:
+        progress.finish()
+    raise FleetError("the daemon ended the pull without a result", hint="see `fleetctl logs`")
+
+
+def pull_here(target: str, options: dict, err: Console):
+    """No daemon runs: this process writes FLEET_HOME's store, and says so."""
+    from fleetctl.owner import need_server_side, without_daemon
+
+    need_server_side("pulling")
+    from fleet.config import load_settings
+    from fleet.pull import pull_model
+    from fleet.store import Store
+
+    without_daemon("pulling into")
+    progress = RichProgress(err)
+    try:
+        return pull_model(Store(load_settings().store_path), target, progress=progress, **options)
+    finally:
+        progress.finish()

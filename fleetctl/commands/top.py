@@ -17,7 +17,7 @@ from typing import Any
 import typer
 from rich.console import Console, Group
 
-from fleetctl.commands.ps import mib, table
+from fleetctl.commands.ps import mib, table, where
 from fleetctl.tables import NAMES, FitTable
 
 
@@ -28,13 +28,18 @@ def register(app: typer.Typer) -> None:
             as_json: bool = typer.Option(False, "--json", help="Print one snapshot as JSON for scripts and exit."),
             ) -> None:
         """Watch the running daemon: per-model load and latency, queues, batches, workers, devices."""
+        from fleet.config import client_url_source
         from fleetctl.client import Client
 
-        with Client() as client:
+        url, source = client_url_source()
+        with Client(url) as client:
+            def snapshot() -> dict[str, Any]:
+                return {**client.top(), "url": url, "url_from": source}
+
             if once or as_json:
                 client.get("/v1/top")  # CPU % is measured between two reads
                 time.sleep(min(interval, 1.0))
-                state = client.top()
+                state = snapshot()
                 if as_json:
                     print(json.dumps(state, indent=2))
                 else:
@@ -42,11 +47,11 @@ def register(app: typer.Typer) -> None:
                 return
             from rich.live import Live
 
-            with Live(render(client.top()), refresh_per_second=4, screen=False) as live:
+            with Live(render(snapshot()), refresh_per_second=4, screen=False) as live:
                 try:
                     while True:
                         time.sleep(interval)
-                        live.update(render(client.top()))
+                        live.update(render(snapshot()))
                 except KeyboardInterrupt:
                     return
 
@@ -66,7 +71,7 @@ def render(state: dict[str, Any]) -> Group:
     q = state["queue"]
     head = (f"[bold]{state['box']}[/] · up {state['uptime_s']:.0f} s · {q['depth']} waiting, {q['in_flight']} in flight"
             f" · CPU {state.get('cpu_percent', 0):.0f}% · last {state['window_s']:.0f} s")
-    parts: list[Any] = [head, models_table(state), workers_table(state), devices_table(state)]
+    parts: list[Any] = [head, *where(state), models_table(state), workers_table(state), devices_table(state)]
     if state.get("batches"):
         parts.append(batches_table(state["batches"]))
     if state.get("events"):
