@@ -217,9 +217,13 @@ def machine() -> dict:
 
 
 def versions(extra: dict[str, str] | None = None) -> dict:
-    out = {"python": platform.python_version()}
-    # Read from package metadata: importing torch here is exactly what must not happen.
-    for dist in ("fleet", "torch", "transformers", "sentence-transformers", "tokenizers", "msgspec",
+    from fleet import __version__
+
+    # fleet's own from the package (its distribution is fleet-serve, and PyPI's unrelated
+    # `fleet` may be installed too); the rest from package metadata: importing torch here
+    # is exactly what must not happen.
+    out = {"python": platform.python_version(), "fleet": __version__}
+    for dist in ("torch", "transformers", "sentence-transformers", "tokenizers", "msgspec",
                  "numpy", "litestar", "uvicorn", "uvloop", "psutil", "nvidia-ml-py"):
         try:
             out[dist] = importlib.metadata.version(dist)
