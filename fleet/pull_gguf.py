@@ -2,7 +2,7 @@
 Hugging Face model files, or `pkg:PACKAGE/FILE.gguf` (fleet.pull hands these here).
 
 A GGUF file is the whole model (weights, tokenizer, chat template), served by the
-`llama.cpp` runtime (the fleet[llamacpp] extra) for the task `generate`. Its header
+`llama.cpp` runtime (the fleet-serve[llamacpp] extra) for the task `generate`. Its header
 is read before a byte is copied (`fleet.gguf.read_facts`: a file fleet cannot read is
 refused at once, not after copying gigabytes); the file is then copied into the store
 and hashed on the way like every store file, and the manifest keeps the header's facts

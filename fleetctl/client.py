@@ -215,7 +215,7 @@ def unreachable(url: str, exc: Exception) -> Unavailable:
     hint = "start it with `fleetctl serve`, or point FLEET_URL at it"
     if importlib.util.find_spec("uvicorn") is None:
         hint = ("this install is client-only (no `fleetctl serve` here): point FLEET_URL at a running daemon, "
-                "or pip install 'fleet[server]' to run one")
+                "or pip install 'fleet-serve[server]' to run one")
     return Unavailable(f"cannot reach the fleet daemon at {url}{named}: {exc}", hint=hint)
 
 

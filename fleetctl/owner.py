@@ -69,12 +69,12 @@ def without_daemon(doing: str) -> None:
 
 def need_server_side(doing: str) -> None:
     """Acting on the store's files takes the server side; a client-only install
-    (`pip install fleet`) says so instead of failing on a missing module."""
+    (`pip install fleet-serve`) says so instead of failing on a missing module."""
     missing = [m for m in STORE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise FleetError(f"{doing} with no daemon running needs fleet's server side, which this install lacks "
                          f"({', '.join(missing)} not installed)",
-                         hint="pip install 'fleet[server]', or point FLEET_URL at a running daemon")
+                         hint="pip install 'fleet-serve[server]', or point FLEET_URL at a running daemon")
 
 
 def stream_lines(client: Client, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

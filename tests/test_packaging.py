@@ -6,7 +6,8 @@ project, also imported as `fleet`). The wheel installs exactly the project's six
 with the catalog, the bench corpus and the `fleetctl` command; `daemon` and `bench` are
 also other distributions' import names (python-daemon, frappe-bench), which the README
 says, telling users to give fleet a virtual environment of its own. Every install
-command in the README, docs/, pyproject.toml and scripts/setup.sh names `fleet-serve`.
+command the repository prints or documents (README, docs, hints in error messages,
+scripts) names `fleet-serve`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fleet", "fleetctl", "daemon", "runtimes", "local_queue", "bench")
 #: Top-level names this wheel shares with well-known distributions (import name -> who).
 SHARED = {"daemon": "python-daemon", "bench": "frappe-bench"}
-#: An install command naming the old distribution: `pip install fleet` or `fleet[extra]`.
+#: A pip command installing the old distribution, bare or with extras (any text file).
+OLD_INSTALL = re.compile(r"pip install\s+['\"]?fleet(?![\w-])")
+#: The old distribution's name in any form (the pages a user reads: docs, setup, CI).
 OLD_NAME = re.compile(r"pip install fleet(?![\w-])|(?<![\w\-/.])fleet\[[a-z,]+\]")
+#: Text files git tracks, and of them the pages a user reads.
+TEXT = (".py", ".md", ".sh", ".toml", ".txt", ".yaml", ".yml", ".cfg", "Dockerfile", ".ci/run", ".service")
+PAGES = (".md", ".sh", ".toml", ".ci/run", "Dockerfile")
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,19 @@ def test_the_wheel_is_fleet_serve_and_installs_the_projects_packages_only(wheel:
     assert re.search(r"^fleetctl = fleetctl\.app:main$", dist_info(wheel, "entry_points.txt"), re.M)
 
 
+def tracked_text_files() -> list[Path]:
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    me = Path(__file__).resolve()
+    return [p for name in listed.stdout.splitlines() if name.endswith(TEXT)
+            and (p := ROOT / name).is_file() and p.resolve() != me]
+
+
 def test_install_commands_name_the_distribution_and_the_shared_names_are_said() -> None:
-    pages = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "scripts" / "setup.sh", *(ROOT / "docs").glob("*.md")]
-    old = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in pages
-           for i, line in enumerate(p.read_text().splitlines(), 1) if OLD_NAME.search(line)]
+    old = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in tracked_text_files()
+           for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+           if (OLD_NAME if p.name.endswith(PAGES) else OLD_INSTALL).search(line)]
     assert not old, "install commands naming the old distribution (it is fleet-serve):\n" + "\n".join(old)
     readme = ROOT.joinpath("README.md").read_text()
     for name, other in SHARED.items():

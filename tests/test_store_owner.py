@@ -233,7 +233,7 @@ def test_client_only_install_goes_through_the_daemon_or_says_it_needs_the_server
     assert "already up to date" in through.stdout
     port = closed_url().rsplit(":", 1)[1]
     p = client_only(tmp_path, "pull", DEFAULT_MODEL, FLEET_PORT=port)
-    assert p.returncode == 1 and "needs fleet's server side" in p.stderr and "fleet[server]" in p.stderr, p.stderr
+    assert p.returncode == 1 and "needs fleet's server side" in p.stderr and "fleet-serve[server]" in p.stderr, p.stderr
     p = client_only(tmp_path, "pin", DEFAULT_MODEL, FLEET_PORT=port)
     assert p.returncode == 1 and "client-only" in p.stderr and "FLEET_URL" in p.stderr, p.stderr
 
