@@ -34,6 +34,7 @@ import msgspec
 
 from fleet.aliases import Alias, AliasStore, Event, check_percent, choose_version, utc_now, validate_alias
 from fleet.catalog import validate_name
+from fleet.promotions import PackageStore
 from fleet.errors import BadRequest, FleetError, ModelNotFound, NotFound, Unavailable
 
 from daemon.clients import client_of
@@ -105,6 +106,8 @@ class AliasBook:
 
     def __init__(self, store_root: Path) -> None:
         self.files = AliasStore(store_root)
+        #: Promotion packages (daemon.promotions), beside the table.
+        self.packages = PackageStore(store_root)
         self.table: dict[str, Alias] = {}
         #: With NATS (daemon.alias_kv): the KV bucket the table lives in once this box has
         #: read it (`clustered` from the start); None: the store file.

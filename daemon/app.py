@@ -17,6 +17,7 @@ from fleet.errors import FleetError
 from daemon.batches import Batches
 from daemon.controllers.admin import AdminController
 from daemon.controllers.aliases import AliasesController
+from daemon.controllers.promotions import PromotionsController
 from daemon.controllers.batches import BatchesController
 from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cohere import CohereEmbedController
@@ -137,6 +138,7 @@ def create_app(daemon: Daemon) -> Litestar:
     )
     for controller in (FilesController, BatchesController):  # offline jobs (daemon/batches.py)
         app.register(controller)
-    app.register(AliasesController)  # stable names for versions (daemon/aliases.py)
+    for controller in (AliasesController, PromotionsController):  # versions behind names (daemon/aliases.py)
+        app.register(controller)
     query_table.update(declared_query(app))
     return app

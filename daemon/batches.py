@@ -596,6 +596,10 @@ class Batches:
         try:
             self.daemon.manifest(name, task)
         except ModelNotFound:
+            upstreams = self.daemon.upstreams
+            rule = upstreams.rule(name) if upstreams is not None else None
+            if rule is not None and rule.mode == "remote":
+                return name  # its lines run upstream (daemon.spill), as its requests do
             if self.daemon.cluster is None:
                 raise
             self.daemon.cluster.check_model(name, task)

@@ -148,6 +148,8 @@ class Daemon:
     #: The ASGI app a batch's lines go through, as HTTP requests do (set by the server:
     #: the hot routes in front of the Litestar app; else the Litestar app itself).
     dispatch: Any = None
+    #: Upstreams and the models routed to them (daemon/upstreams.py), set by the server.
+    upstreams: Any = None
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False

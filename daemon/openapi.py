@@ -29,6 +29,7 @@ import msgspec.inspect as mi
 from fleet import __version__
 from fleet.batches import Batch, BatchCreateRequest, BatchList, FileDeleted, FileList, FileObject
 from fleet.aliases import ALIAS_RE
+from fleet.promotions import ID_RE as PROMOTION_ID, Package
 from fleet.catalog import NAME_RE
 from fleet.protocol import (
     ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest, ClassifyReply, ClassifyRequest,
@@ -45,6 +46,7 @@ from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
 from daemon.controllers.store import PullBody as StorePullBody
 from daemon.controllers.aliases import AliasNote, AliasSet
+from daemon.controllers.promotions import PromoteRequest
 from daemon.fields import IGNORED_FIELDS_HEADER
 from daemon.jobstore import BATCH_ID, FILE_ID
 
@@ -290,6 +292,12 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                                  body_required=False),
     ("DELETE", "/v1/aliases/{alias}"): Op("Remove the alias (the operator's).", "aliases", AliasNote, _ALIAS_CHANGE,
                                           body_required=False),
+    ("POST", "/v1/promotions"): Op("Evaluate a candidate against the alias's version on an evaluation file (JSONL in "
+                                   "`eval`), write a promotion package, and switch the alias (or start a canary) "
+                                   "unless the candidate is worse beyond `margin`: then 409 `promotion_refused` "
+                                   "with both versions' numbers (the operator's).", "aliases", PromoteRequest,
+                                   Package),
+    ("GET", "/v1/promotions/{promotion_id}"): Op("One promotion package.", "aliases", None, Package),
     # -- this document -----------------------------------------------------------------------
     ("GET", "/openapi.json"): Op("This document (OpenAPI 3.1).", "docs", None, {"type": "object"}, returns=(JSON,)),
     ("GET", "/docs"): Op("The API's docs page (Swagger UI, offline).", "docs", None, _STRING, returns=("text/html",)),
@@ -299,7 +307,8 @@ _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 _REF = "#/components/schemas/{name}"
 #: What a path parameter holds, by its name; any other is a model name.
 _PATH_PATTERNS = {"file_id": f"^{FILE_ID.pattern}$", "batch_id": f"^{BATCH_ID.pattern}$",
-                  "digest": ollama_create.DIGEST_RE.pattern, "alias": ALIAS_RE.pattern}
+                  "digest": ollama_create.DIGEST_RE.pattern, "alias": ALIAS_RE.pattern,
+                  "promotion_id": PROMOTION_ID.pattern}
 
 
 def openapi_path(litestar_path: str) -> str:

@@ -130,6 +130,8 @@ def serve(settings: Settings) -> None:
     from daemon.mcp_http import McpRoute
     from daemon.model_urls import ModelUrls
     from daemon.operator import OperatorMark
+    from daemon.spill import UpstreamRoutes
+    from daemon.upstreams import Upstreams
     from daemon.notify import SystemdServer
     from fleet.catalog import load_catalog
 
@@ -151,8 +153,14 @@ def serve(settings: Settings) -> None:
     daemon = Daemon(settings)
     litestar_app = create_app(daemon)
     litestar_app.state[PRIVATE_PATHS] = ((str(settings.store_path), "<store>"), (str(settings.home_path), "<home>"))
-    # A batch's lines take the routes HTTP requests take, in this process (daemon.batches).
-    daemon.dispatch = HotRoutes(litestar_app, daemon)
+    # Models routed to upstreams (daemon.upstreams): a config that does not check out stops here.
+    upstreams = Upstreams(settings, daemon.metrics.registry)
+    daemon.upstreams = upstreams
+    daemon.reload_hooks.append(upstreams.reload)
+    # A batch's lines take the routes HTTP requests take, in this process (daemon.batches),
+    # with the upstream layer (daemon.spill) in front of them: a line of a remote model goes there.
+    routes = UpstreamRoutes(HotRoutes(litestar_app, daemon), daemon, upstreams)
+    daemon.dispatch = routes
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,
     # so 404/405 answers are guarded too; /healthz stays open. Inside auth, the hot
@@ -163,8 +171,7 @@ def serve(settings: Settings) -> None:
     # Inside auth, before the per-model URLs' rewrite, the operator's mark (daemon.operator):
     # the routes that change the daemon read it, whatever URL reached them. Inside it, MCP's
     # `/mcp` (daemon.mcp_http), whose tool calls run the routes through `daemon.dispatch`.
-    marked = OperatorMark(McpRoute(ClientMiddleware(DepartureMiddleware(ModelUrls(HotRoutes(litestar_app, daemon),
-                                                                                  daemon))), daemon),
+    marked = OperatorMark(McpRoute(ClientMiddleware(DepartureMiddleware(ModelUrls(routes, daemon))), daemon),
                           key=operator_key, mode=settings.admin)
     guarded = LiveApp(marked, settings.api_key, operator_key)
     browser_guard = BrowserGuard(guarded, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,

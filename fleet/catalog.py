@@ -43,6 +43,10 @@ TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate", 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 #: What runs an encoder's forward (runtimes/engines.py): `auto` measures at load.
 Engine = Literal["auto", "torch", "openvino"]
+#: Where a model's requests run (daemon/upstreams.py): here; here unless this box's
+#: queue would make them wait past `spill_after_ms` or the model cannot load here
+#: (then an upstream of config.toml); always an upstream.
+Route = Literal["local", "spill", "remote"]
 
 #: Lowercase, starts with a letter or digit, then letters, digits, `.`, `_`, `-`;
 #: at most 128 characters. No slashes, so a name is always one path component;
@@ -226,6 +230,14 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gated: bool = False
     #: What to know before deploying it, in a line.
     note: str | None = None
+    #: Upstreams (config.toml `[[upstream]]`, daemon/upstreams.py): where its requests run.
+    route: Route = "local"
+    #: `spill`: the local queue's expected wait (ms) past which a request goes upstream.
+    spill_after_ms: Positive = 1000
+    #: The upstream to use (its `name`); None: each configured one, in order.
+    upstream: str | None = None
+    #: The model's name there (an OpenAI-compatible server's own name); None: the same name.
+    upstream_model: str | None = None
 
     @property
     def parsed_source(self) -> Source:

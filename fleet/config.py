@@ -22,6 +22,23 @@ DEFAULT_PORT = 7744
 DEFAULT_MODEL = "all-minilm-l6-v2"
 
 
+class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One `[[upstream]]` of config.toml: a server this box may send a model's requests
+    to (daemon/upstreams.py): another fleet box, or any OpenAI-compatible server.
+    Its key comes from a file or the environment, never the command line."""
+
+    #: Its name in `X-Served-By: upstream/<name>`, metrics and `top`.
+    name: str
+    #: fleet: the box's base URL (`http://box-b:7744`); openai: the API's base URL
+    #: as OpenAI clients take it (`https://host/v1`).
+    url: str
+    kind: Literal["fleet", "openai"] = "fleet"
+    #: A file holding its bearer key (read at start and on SIGHUP), or the name of an
+    #: environment variable holding it; neither: requests go without a key.
+    key_file: str = ""
+    key_env: str = ""
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     home: str = ""
     #: This daemon's name in X-Served-By and cluster views; default: the host name.
@@ -200,6 +217,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: one past this is refused (507 insufficient_storage). A copy shares its original's
     #: files (hard links), so this bounds what copies make: directories and manifests.
     store_max_models: int = 1000
+    #: Upstreams (`[[upstream]]` tables): where a model whose catalog entry says
+    #: `route = "spill"` or `"remote"` sends requests (daemon/upstreams.py).
+    upstream: list[UpstreamConfig] = msgspec.field(default_factory=list)
+    #: An upstream that failed (no answer, or 503) is left alone this long (circuit).
+    upstream_down_ms: int = 10_000
 
     @property
     def home_path(self) -> Path:

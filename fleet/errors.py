@@ -122,6 +122,13 @@ class NotImplementedCoding(FleetError):
     code, status = "not_implemented", 501
 
 
+class PromotionRefused(FleetError):
+    """An evaluation found the candidate worse than the version it would replace, beyond
+    the margin (daemon.promotions): the alias stays; the message carries both numbers."""
+
+    code, status = "promotion_refused", 409
+
+
 class ModelLoadFailed(FleetError):
     code, status = "model_load_failed", 500
 
@@ -166,6 +173,7 @@ BY_CODE: dict[str, type[FleetError]] = {
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
         NotFound, MethodNotAllowed, Unsupported, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
         Unavailable, Timeout, ClientClosed, SourceUnreachable, Forbidden, UnsupportedMediaType, InsufficientStorage,
+        PromotionRefused,
     )
 }
 

@@ -11,6 +11,8 @@ checked, before the daemon starts.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +31,20 @@ TEXTS = ["a calm reply", "THIS IS UNACCEPTABLE!!!", "thanks, that worked", "why 
 
 
 def build_versions(root: Path, store: Store) -> None:
+    """tone-v1 built once; the others are its folder with their own label names written
+    into config.json (the same weights, so the same choices under other names)."""
     from tests.arch_models import encoder
 
+    first = encoder("bert", "seq", root / "tone-v1", labels=LABELS["tone-v1"])
     for name, labels in LABELS.items():
-        pull_model(store, f"path:{encoder('bert', 'seq', root / name, labels=labels)}", name=name, task="classify")
+        folder = root / name
+        if folder != first:
+            shutil.copytree(first, folder)
+            config = json.loads((folder / "config.json").read_text())
+            config["id2label"] = dict(enumerate(labels))
+            config["label2id"] = {label: i for i, label in enumerate(labels)}
+            (folder / "config.json").write_text(json.dumps(config))
+        pull_model(store, f"path:{folder}", name=name, task="classify")
     store.clone(store.get("tone-v1"), "tone-same")
 
 

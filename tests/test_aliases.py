@@ -171,3 +171,34 @@ def test_the_cli_sets_lists_rolls_back_and_shows_history(tone_box) -> None:  # n
     assert re.search(r"cli-tone\s+tone-v1", listed), listed
     history = cli("history", "cli-tone", "--json")
     assert '"by": "ops-team"' in history and '"kind": "rollback"' in history and '"try v2"' in history
+
+
+def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both(tone_box) -> None:  # noqa: F811
+    d = tone_box
+    r = set_alias(d, "tone-canary", "tone-v1", canary="tone-v2", canary_percent=50)
+    assert r.status_code == 200, r.text
+    seen = {}
+    with httpx.Client(base_url=d.url, timeout=60) as c:
+        for i in range(16):
+            versions = set()
+            for _ in range(3):
+                r = c.post("/v1/classify", json={"model": "tone-canary", "inputs": ["hi"]},
+                           headers={"X-Fleet-Client": f"user-{i}"})
+                assert r.status_code == 200
+                versions.add(r.headers[VERSION])
+                assert version_of_labels(labels_of(r.json())) == r.headers[VERSION]
+            assert len(versions) == 1, f"user-{i} saw {versions}"  # one client, one version
+            seen[i] = versions.pop()
+    assert 3 <= list(seen.values()).count("tone-v2") <= 13, seen
+    canary = [a for a in httpx.get(d.url + "/v1/ps", timeout=30).json()["aliases"] if a["name"] == "tone-canary"][0]
+    assert canary["canary"] == "tone-v2" and canary["canary_percent"] == 50
+    for v in ("tone-v1", "tone-v2"):  # each version's own rate, error rate and latencies
+        assert canary["versions"][v]["requests_per_s"] > 0 and canary["versions"][v]["error_rate"] == 0.0
+        assert canary["versions"][v]["p95_ms"] is not None
+    # A rollback during a canary ends it: every client back on the version.
+    r = httpx.post(f"{d.url}/v1/aliases/tone-canary/rollback", json={}, headers=d.admin, timeout=30)
+    assert r.status_code == 200 and r.json()["alias"]["canary"] is None
+    for i in range(16):
+        r = httpx.post(d.url + "/v1/classify", json={"model": "tone-canary", "inputs": ["hi"]},
+                       headers={"X-Fleet-Client": f"user-{i}"}, timeout=60)
+        assert r.headers[VERSION] == "tone-v1"

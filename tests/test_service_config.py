@@ -24,7 +24,8 @@ def fleetctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
-    (tmp_path / "config.toml").write_text('port = 7800\nworkers = 2\npreload = ["a", "b"]\nlog_level = "debug"\n')
+    (tmp_path / "config.toml").write_text('port = 7800\nworkers = 2\npreload = ["a", "b"]\nlog_level = "debug"\n'
+                                          '[[upstream]]\nname = "b"\nurl = "http://b:7744"\nkey_env = "B_KEY"\n')
     return tmp_path
 
 
@@ -42,6 +43,8 @@ def test_sources_and_precedence_in_json(home):
     assert s["device"] == {"value": "cpu", "source": "flag"}
     assert s["host"] == {"value": "127.0.0.1", "source": "default"}
     assert s["api_key"] == {"value": "set", "source": "env"}
+    assert s["upstream"] == {"value": [{"name": "b", "url": "http://b:7744", "kind": "fleet", "key_file": "",
+                                        "key_env": "B_KEY"}], "source": "file"}
     assert SECRET not in proc.stdout + proc.stderr
 
 

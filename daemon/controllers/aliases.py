@@ -25,7 +25,7 @@ from litestar import Controller, Request, Response, delete, get, post, put
 from fleet.aliases import validate_alias
 from fleet.catalog import validate_name
 from fleet.control import LOAD
-from fleet.errors import BadRequest
+from fleet.errors import BadRequest, FleetError
 
 from daemon import codec
 from daemon.aliases import (
@@ -90,6 +90,24 @@ def changed(daemon: Daemon, after: Any, before: Any, seconds: float) -> dict[str
     return {"alias": view_of(after, daemon.recent.models()) if after is not None else None, "before": before.version if before else None, "seconds": round(seconds, 6)}
 
 
+def packages_of(daemon: Daemon, events: list[Any]) -> dict[str, Any]:
+    """The evaluation and provenance of each promotion the events name (fleet.promotions),
+    by package id; a package that no longer reads is left out (the event still names it)."""
+    out = {}
+    for e in events:
+        if e.package:
+            try:
+                p = daemon.aliases.packages.read(e.package)
+            except FleetError:
+                continue
+            out[p.id] = {"kind": p.kind, "candidate": p.candidate.name, "source": p.candidate.source,
+                         "revision": p.candidate.revision, "licence": p.candidate.licence, "replaced": p.replaced,
+                         "forced": p.forced, "eval_sha256": p.evaluation.file_sha256, "lines": p.evaluation.lines,
+                         "margin": p.evaluation.margin, "candidate_metrics": p.evaluation.candidate,
+                         "current_metrics": p.evaluation.current, "regressions": p.evaluation.regressions}
+    return out
+
+
 class AliasesController(Controller):
     path = "/v1/aliases"
 
@@ -106,7 +124,7 @@ class AliasesController(Controller):
         events = daemon.aliases.files.history(validate_alias(alias))
         if not events:
             daemon.aliases.get(alias)  # 404 for an alias that never was
-        return reply(request, {"alias": alias, "events": events})
+        return reply(request, {"alias": alias, "events": events, "packages": packages_of(daemon, events)})
 
     @put("/{alias:str}", guards=[operator_only], status_code=200)
     async def set_alias(self, request: Request, daemon: Daemon, alias: str) -> Response:

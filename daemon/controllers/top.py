@@ -70,4 +70,6 @@ class TopController(Controller):
             "slots": daemon.supervisor.view() if daemon.supervisor else [],
             "devices": device_rows(workers, gpu_stats(sorted({w["device"] for w in workers}))),
             "events": daemon.recent.recent_events(),
+            # Upstreams (daemon.upstreams): each one's state, and the requests it answered for this box.
+            "upstreams": daemon.upstreams.view() if daemon.upstreams is not None else [],
         })

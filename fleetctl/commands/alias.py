@@ -44,6 +44,14 @@ def call(client: Any, method: str, path: str, body: dict[str, Any] | None = None
     return msgspec.msgpack.decode(client.request(method, path, body))
 
 
+def metrics_line(candidate: dict[str, float], current: dict[str, float] | None) -> str:
+    """A promotion's numbers: each metric of the candidate, with the replaced version's beside it."""
+    if current is None:
+        return ", ".join(f"{k} {v:.4f}" for k, v in candidate.items())
+    return ", ".join(f"{k} {v:.4f} (was {current[k]:.4f})" if k in current else f"{k} {v:.4f}"
+                     for k, v in candidate.items())
+
+
 def share(percent: float | None) -> str:
     return f"{percent:g}%" if percent else ""
 
@@ -175,3 +183,7 @@ def register(app: typer.Typer) -> None:
             t.add_row(e["at"], kind, e.get("version") or "", e.get("previous") or "", e.get("by", ""),
                       e.get("package") or "", e.get("reason", ""))
         Console(highlight=False).print(t)
+        for pid, p in answer.get("packages", {}).items():
+            print(f"{pid} ({p['kind']}{', forced' if p['forced'] else ''}): {p['candidate']} from {p['source']}, "
+                  f"licence {p['licence']}; eval sha256 {p['eval_sha256'][:16]} ({p['lines']} lines): "
+                  f"{metrics_line(p['candidate_metrics'], p['current_metrics'])}")

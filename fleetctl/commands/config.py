@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import typer
 
 from fleet.config import Settings, default_home, client_url, client_url_source, load_settings
@@ -41,6 +42,8 @@ def _toml_string(text: str) -> str:
 
 
 def toml_value(value: Any) -> str:
+    if isinstance(value, msgspec.Struct):  # an `[[upstream]]` entry: an inline table
+        value = msgspec.to_builtins(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -114,7 +117,7 @@ def render_json(settings: Settings, sources: dict[str, str], cfg: Path) -> str:
     }
     url = {"value": client_url(), "source": _url_source()}
     return json.dumps({"config_file": str(cfg), "config_file_found": cfg.is_file(), "url": url, "settings": values},
-                      indent=2) + "\n"
+                      indent=2, default=msgspec.to_builtins) + "\n"  # `[[upstream]]` entries are Structs
 
 
 def _url_source() -> str:

@@ -74,9 +74,20 @@ def render(state: dict[str, Any]) -> Group:
     parts: list[Any] = [head, *where(state), models_table(state), workers_table(state), devices_table(state)]
     if state.get("batches"):
         parts.append(batches_table(state["batches"]))
+    if state.get("upstreams"):
+        parts.insert(1, upstreams_line(state["upstreams"]))
     if state.get("events"):
         parts.append(events_table(state["events"]))
     return Group(*parts)
+
+
+def upstreams_line(upstreams: list[dict[str, Any]]) -> str:
+    """One line: each upstream, up or down, and what it answered or failed since the start."""
+    parts = []
+    for u in upstreams:
+        state = "up" if u["up"] else f"[red]down {u['down_s']:.0f} s[/]" if u["down_s"] else "[red]retrying[/]"
+        parts.append(f"{u['name']} ({u['kind']}) {state}, {u['spilled']} spilled, {u['errors']} errors")
+    return "upstreams: " + " · ".join(parts)
 
 
 def models_table(state: dict[str, Any]) -> FitTable:
