@@ -36,6 +36,7 @@ from daemon.clients import CLIENT
 from daemon.departures import DEPARTURE
 from daemon.metrics import Metrics
 from daemon.pieces import Sizing, check_deadline, joined, run_pieces
+from daemon.quotas import check_owner_load
 from daemon.top import Recent
 from fleet.pins import PinStore
 from daemon.supervisor import Supervisor, detect_devices
@@ -70,7 +71,8 @@ HEARTBEAT_STALE_S = 30.0
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
                  "api_key_file", "load_timeout_ms", "drain_timeout_ms", "allowed_hosts", "cors_origins",
                  "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens",
-                 "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models", "access_log")
+                 "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models", "access_log",
+                 "owners")
 
 
 def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
@@ -401,6 +403,8 @@ class Daemon:
                     raise
                 self.cluster.check_model(model, task)  # another box may have it
                 lane, local = model, False
+            if local and self.settings.owners:  # an owner's resident bytes (daemon.quotas)
+                await check_owner_load(self, lane)
             work = BATCH_WORK.get()
             timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
             departure = DEPARTURE.get()

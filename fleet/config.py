@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from fleet.errors import BadRequest
+from fleet.quotas import OwnerQuota
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7744
@@ -217,6 +218,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: one past this is refused (507 insufficient_storage). A copy shares its original's
     #: files (hard links), so this bounds what copies make: directories and manifests.
     store_max_models: int = 1000
+    #: Quotas per owner (fleet.quotas): `[owners.NAME]` with `models_match` (the model names
+    #: that are the owner's, shell patterns), `models`, `adapters` and `resident_bytes`
+    #: (0 = no bound). Past one, a pull, copy, create or load is refused 507 `quota_exceeded`.
+    owners: dict[str, OwnerQuota] = msgspec.field(default_factory=dict)
     #: Upstreams (`[[upstream]]` tables): where a model whose catalog entry says
     #: `route = "spill"` or `"remote"` sends requests (daemon/upstreams.py).
     upstream: list[UpstreamConfig] = msgspec.field(default_factory=list)

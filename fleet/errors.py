@@ -129,6 +129,13 @@ class PromotionRefused(FleetError):
     code, status = "promotion_refused", 409
 
 
+class QuotaExceeded(FleetError):
+    """An owner's quota (fleet.quotas: models, adapters, resident bytes) would be passed:
+    nothing was added or loaded; the message names the owner, the bound and its setting."""
+
+    code, status = "quota_exceeded", 507
+
+
 class ModelLoadFailed(FleetError):
     code, status = "model_load_failed", 500
 
@@ -173,7 +180,7 @@ BY_CODE: dict[str, type[FleetError]] = {
         FleetError, BadRequest, Unauthorized, ModelNotFound, PayloadTooLarge, InputTooLong,
         NotFound, MethodNotAllowed, Unsupported, Overloaded, ModelTooLarge, ModelLoadFailed, IntegrityError, InferenceFailed,
         Unavailable, Timeout, ClientClosed, SourceUnreachable, Forbidden, UnsupportedMediaType, InsufficientStorage,
-        PromotionRefused,
+        PromotionRefused, QuotaExceeded,
     )
 }
 

@@ -475,6 +475,7 @@ class Store:
         listed = {f.path for f in manifest.files}
         if listed != {f.path for f in staging.files}:
             raise RuntimeError("manifest files differ from the staged files; this is a bug")
+        self.check_owner_quota(manifest)
         _write_manifest(staging.path, manifest)
         final = self.root / name
         if final.exists():
@@ -486,6 +487,18 @@ class Store:
             os.rename(staging.path, final)
         _fsync_dir(self.root)
         return final
+
+    def check_owner_quota(self, manifest: Manifest) -> None:
+        """Refuse (`QuotaExceeded`) a model or adapter its owner's quota has no room for
+        (fleet.quotas; the owners are config.toml's of the home this store is in). Every
+        way a model is added ends in `commit`, so every way is checked, with a daemon or
+        without; the bound is read now, so a SIGHUP or an edit applies to the next one."""
+        from fleet.config import load_settings
+        from fleet.quotas import check_add
+
+        owners = load_settings(home=str(self.root.parent)).owners
+        if owners:
+            check_add(owners, manifest.name, manifest.base is not None, self.list())
 
     def rewrite_manifest(self, manifest: Manifest) -> None:
         """Replace the manifest of a stored model (metadata only; files unchanged).

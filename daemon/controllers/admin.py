@@ -28,6 +28,7 @@ from daemon import codec
 from daemon.core import Daemon
 from daemon.http import body_is_msgpack, reply
 from daemon.operator import operator_only
+from daemon.quotas import check_owner_load
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -109,6 +110,7 @@ class AdminController(Controller):
     async def pin(self, request: Request, daemon: Daemon, name: str) -> Response:
         """Load now (if needed) and never evict; persisted, so it survives a restart."""
         stored(daemon, name)
+        await check_owner_load(daemon, name)
         opts = await options(request)
         worker = choose_worker(await daemon.workers(), name, opts.device)
         held = bool(worker["models"].get(name, {}).get("pinned"))
@@ -135,6 +137,7 @@ class AdminController(Controller):
     @post("/load", status_code=200)
     async def load(self, request: Request, daemon: Daemon, name: str) -> Response:
         stored(daemon, name)
+        await check_owner_load(daemon, name)
         opts = await options(request)
         result = await send(daemon, choose_worker(await daemon.workers(), name, opts.device), LOAD, name)
         return reply(request, {"model": name, "op": LOAD, "results": [result]})
