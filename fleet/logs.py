@@ -35,7 +35,8 @@ ROTATE_KEEP = 5
 LIBRARY_LOGGERS = ("transformers", "huggingface_hub", "sentence_transformers", "peft", "torch", "urllib3", "httpx")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id",
+                                                                            "_fleet_json"}
 _encoder = msgspec.json.Encoder(enc_hook=repr)
 
 
@@ -43,6 +44,11 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, logger, msg, request_id?, pid, extras, exc?."""
 
     def format(self, record: logging.LogRecord) -> str:
+        # Encoded once per record: the stream and the file handler (and a rotation's size
+        # check) write the same line, and this is the costly part of a record (daemon.access).
+        cached = record.__dict__.get("_fleet_json")
+        if cached is not None:
+            return cached
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -60,7 +66,8 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return _encoder.encode(out).decode()
+        record._fleet_json = text = _encoder.encode(out).decode()
+        return text
 
 
 class LineFormatter(logging.Formatter):
@@ -111,6 +118,16 @@ def stream_handler(stream: IO[str] | None = None, *, json: bool | None = None) -
     return handler
 
 
+class SizeRotatingHandler(logging.handlers.RotatingFileHandler):
+    """Rotates once the file has reached its size, read from the open file's position:
+    the standard check stats the path twice and formats each record once more, per record."""
+
+    def shouldRollover(self, record: logging.LogRecord) -> bool:
+        if self.stream is None:
+            self.stream = self._open()
+        return self.maxBytes > 0 and self.stream.tell() >= self.maxBytes
+
+
 def file_handler(home: str | Path, *, rotate: bool) -> logging.Handler:
     """FLEET_HOME/logs/fleetd.log in JSON lines: the API process rotates it (`rotate`),
     workers only append and follow a rotation."""
@@ -118,8 +135,7 @@ def file_handler(home: str | Path, *, rotate: bool) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
     handler: logging.Handler
     if rotate:
-        handler = logging.handlers.RotatingFileHandler(path, maxBytes=ROTATE_BYTES, backupCount=ROTATE_KEEP,
-                                                       encoding="utf-8")
+        handler = SizeRotatingHandler(path, maxBytes=ROTATE_BYTES, backupCount=ROTATE_KEEP, encoding="utf-8")
     else:
         handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonFormatter())
