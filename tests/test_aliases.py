@@ -195,6 +195,16 @@ def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both
     for v in ("tone-v1", "tone-v2"):  # each version's own rate, error rate and latencies
         assert canary["versions"][v]["requests_per_s"] > 0 and canary["versions"][v]["error_rate"] == 0.0
         assert canary["versions"][v]["p95_ms"] is not None
+    # top names the alias beside each of its versions, and `fleetctl top` shows it.
+    from rich.console import Console
+
+    from fleetctl.commands.top import models_table
+
+    state = httpx.get(d.url + "/v1/top", timeout=30).json()
+    assert {m["model"]: m["aliases"] for m in state["models"]}.get("tone-v2") == ["tone-canary"]
+    console = Console(width=120, record=True)
+    console.print(models_table(state))
+    assert re.search(r"tone-v2 .*as tone-canary", console.export_text()), console.export_text()
     # A rollback during a canary ends it: every client back on the version.
     r = httpx.post(f"{d.url}/v1/aliases/tone-canary/rollback", json={}, headers=d.admin, timeout=30)
     assert r.status_code == 200 and r.json()["alias"]["canary"] is None

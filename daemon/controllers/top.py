@@ -65,7 +65,9 @@ class TopController(Controller):
                       "in_flight": daemon.broker.in_flight if daemon.broker else 0},
             "cpu_percent": psutil.cpu_percent(None),
             "api": {"pid": os.getpid(), **api},
-            "models": model_rows(daemon.recent.models(), workers, lanes),
+            # Each model row names the aliases it serves (as their version or their canary).
+            "models": [{**m, "aliases": daemon.aliases.aliases_of(m["model"])}
+                       for m in model_rows(daemon.recent.models(), workers, lanes)],
             "workers": rows,
             "slots": daemon.supervisor.view() if daemon.supervisor else [],
             "devices": device_rows(workers, gpu_stats(sorted({w["device"] for w in workers}))),

@@ -114,6 +114,8 @@ def models_table(state: dict[str, Any]) -> FitTable:
             flags.append(f"{m['evictions']} evicted")
         if not m["workers"]:
             flags.append("not loaded")
+        if m.get("aliases"):
+            flags.append("as " + ", ".join(m["aliases"]))
         t.add_row(m["model"], f"{m['requests_per_s']:.1f}", short(m["tokens_per_s"]), ms(m["p50_ms"]),
                   ms(m["p95_ms"]), str(m["depth"]), ms(m["oldest_wait_ms"]) if m["depth"] else "-", batch,
                   ", ".join(flags))
