@@ -405,7 +405,7 @@ class Call:
         await self.send({"type": "http.response.start", "status": resp.status_code,
                          "headers": reply_headers(resp.headers.raw, u.name)})
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():
                 await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             self.routes.upstreams.failed(u, "broken", f"a stream was cut off: {type(exc).__name__}", mark_down=True)

@@ -12,6 +12,8 @@ server (a small fake here: no real one runs offline), at the shipped settings.
   deadline is the call's bound, its key from the environment, the model renamed;
   a native route it cannot take and an upstream that fails are refused clearly, and
   the failing one is marked down.
+- A generator A does not store goes to B (missing here): native and OpenAI-shaped,
+  its stream relayed as it comes, each answer B's own.
 - B killed mid-flood: nothing lost; A marks B down and serves the rest itself.
 
 The pure parts (the decision, the wait estimate, bodies, headers, config checks)
@@ -44,6 +46,7 @@ from tests.conftest import DEFAULT_MODEL, free_port, start_daemon
 
 SPILL_MS = 300
 REMOTE = "remote-emb"
+GEN = "tiny-gen"
 FAKE_KEY = "fake-upstream-key-123"
 WORDS = ("the invoice for the quarterly maintenance contract is overdue and the customer asked whether the "
          "late fee can be waived given the long relationship").split()
@@ -94,10 +97,16 @@ class FakeOpenAI:
 @pytest.fixture(scope="module")
 def boxes(tmp_path_factory: pytest.TempPathFactory):
     """(A, B, fake): A routes the default model to B past SPILL_MS and REMOTE to the fake."""
+    from fleet.pull import pull_model
+    from fleet.store import Store
+    from tests.gen_models import build_llama
+
     fake = FakeOpenAI()
     env = {"FLEET_CPU_THREADS": "1"}
-    b = start_daemon(tmp_path_factory.mktemp("box-b"), extra_env={**env, "FLEET_BOX": "b"}, args=["--workers", "1"],
-                     wait_ready=False)
+    gen = build_llama(tmp_path_factory.mktemp("gen") / GEN)
+    home_b = tmp_path_factory.mktemp("box-b")
+    pull_model(Store(home_b / "models"), f"path:{gen}", name=GEN)  # B only: A spills it as missing
+    b = start_daemon(home_b, extra_env={**env, "FLEET_BOX": "b"}, args=["--workers", "1"], wait_ready=False)
     home = tmp_path_factory.mktemp("box-a")
     (home / "config.toml").write_text(
         f'[[upstream]]\nname = "b"\nurl = "{b.url}"\nkind = "fleet"\n\n'
@@ -105,7 +114,9 @@ def boxes(tmp_path_factory: pytest.TempPathFactory):
     (home / "models.toml").write_text(
         f'[models."{DEFAULT_MODEL}"]\nroute = "spill"\nspill_after_ms = {SPILL_MS}\nupstream = "b"\n\n'
         f'[models."{REMOTE}"]\nsource = "path:/nonexistent"\ntask = "embed"\nruntime = "sentence-transformers"\n'
-        f'route = "remote"\nupstream = "fake"\nupstream_model = "text-embedding-fake"\n')
+        f'route = "remote"\nupstream = "fake"\nupstream_model = "text-embedding-fake"\n\n'
+        f'[models."{GEN}"]\nsource = "path:{gen}"\ntask = "generate"\nruntime = "transformers"\n'
+        f'route = "spill"\nupstream = "b"\n')
     a = start_daemon(home, extra_env={**env, "FLEET_BOX": "a", "FAKE_KEY": FAKE_KEY}, args=["--workers", "1"],
                      wait_ready=False)
     try:
@@ -238,6 +249,28 @@ def test_an_openai_upstream_gets_the_requests_id_client_and_key(boxes):
 
 
 @pytest.mark.slow
+def test_a_generator_not_stored_here_spills_with_its_stream(boxes):
+    """A does not store GEN: its requests go to B, native and OpenAI-shaped, streams relayed
+    as they come; each answer is B's own (greedy: the same text as asking B directly)."""
+    a, b, _ = boxes
+    body = {"model": GEN, "prompt": "hello world", "max_tokens": 6, "temperature": 0}
+    direct = httpx.post(b.url + "/v1/generate", json=body, timeout=60)
+    via = httpx.post(a.url + "/v1/generate", json=body, timeout=60)
+    assert via.status_code == 200 and via.headers["x-served-by"] == "upstream/b", via.text
+    assert via.headers["x-upstream-served-by"].startswith("b/") and via.json()["text"] == direct.json()["text"]
+    chat = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    whole = httpx.post(b.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"]
+    with httpx.stream("POST", a.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-served-by"] == "upstream/b"
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                   if json.loads(e)["choices"])
+    assert text == whole["content"]
+
+
+@pytest.mark.slow
 def test_the_upstream_killed_mid_flood_loses_nothing(boxes):
     """Runs last: it kills B."""
     a, b, _ = boxes
@@ -320,6 +353,16 @@ def test_a_config_that_does_not_check_out_is_refused(tmp_path, upstreams, models
     with pytest.raises(BadRequest) as info:
         Upstreams(settings, CollectorRegistry())
     assert words in info.value.message
+
+
+def test_top_shows_a_line_of_upstreams():
+    from fleetctl.commands.top import upstreams_line
+
+    line = upstreams_line([{"name": "b", "kind": "fleet", "up": True, "down_s": 0, "spilled": 12, "errors": 0},
+                           {"name": "c", "kind": "openai", "up": False, "down_s": 7.2, "spilled": 0, "errors": 3},
+                           {"name": "d", "kind": "fleet", "up": False, "down_s": 0, "spilled": 1, "errors": 1}])
+    assert line == ("upstreams: b (fleet) up, 12 spilled, 0 errors · c (openai) [red]down 7 s[/], 0 spilled, "
+                    "3 errors · d (fleet) [red]retrying[/], 1 spilled, 1 errors")
 
 
 def test_a_key_comes_from_its_file_and_is_read_again_on_reload(tmp_path):
