@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, BinaryIO
 
 import msgspec
@@ -135,8 +136,8 @@ class _Reader:
         except UnicodeDecodeError:
             raise self.bad("a string is not UTF-8") from None
 
-    def value(self, kind: int) -> Any:
-        """One metadata value; arrays and over-long strings are skipped (None)."""
+    def value(self, kind: int, keep: bool = False) -> Any:
+        """One metadata value; arrays (unless `keep`) and over-long strings are skipped (None)."""
         if kind in _SCALARS:
             fmt = _SCALARS[kind]
             return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
@@ -145,20 +146,63 @@ class _Reader:
         if kind == _ARRAY:
             item, count = self.u32(), self.u64()
             if item in _SCALARS:
-                self.skip(count * struct.calcsize(_SCALARS[item]))
+                size = count * struct.calcsize(_SCALARS[item])
+                if keep:
+                    return list(struct.unpack(f"<{count}{_SCALARS[item][1]}", self.take(size)))
+                self.skip(size)
             elif item == _STRING:
                 if count * 8 > self.end - self.f.tell():  # each string takes 8 bytes at least
                     raise self.bad("an array counts more strings than the file holds")
+                if keep:
+                    return self.strings(count)
                 self.skip_strings(count)
             else:
                 raise self.bad(f"an array of value type {item}")
             return None
         raise self.bad(f"unknown value type {kind}")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings (a vocabulary), read in windows as `skip_strings` steps."""
+        out: list[str] = []
+        while len(out) < count:
+            start = self.f.tell()
+            window = self.f.read(min(WINDOW_BYTES, self.end - start))
+            off = 0
+            while len(out) < count and off + 8 <= len(window):
+                n = struct.unpack_from("<Q", window, off)[0]
+                if off + 8 + n > len(window):
+                    break
+                out.append(window[off + 8:off + 8 + n].decode("utf-8", "replace"))
+                off += 8 + n
+            self.f.seek(start + off)
+            if off == 0:  # a string longer than a window, or the header ends here
+                out.append(self.take(self.u64()).decode("utf-8", "replace"))
+        return out
+
 
 def read_facts(path: Path, rel: str, origin: str) -> GgufFacts:
     """The header facts of the GGUF file `path` (stored as `rel`); `BadRequest` naming
     `origin` when it is not one fleet can read."""
+    version, meta, tensors, parameters = read_metadata(path, origin)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise BadRequest(f"{origin}: the GGUF file names no general.architecture")
+    ctx = meta.get(f"{arch}.context_length")
+    ftype = meta.get("general.file_type")
+    template = meta.get("tokenizer.chat_template")
+    return GgufFacts(
+        file=rel, version=version, architecture=arch, name=str(meta.get("general.name") or ""),
+        context_length=int(ctx) if isinstance(ctx, int) and ctx > 0 else None,
+        file_type=FILE_TYPES.get(ftype, f"type {ftype}") if isinstance(ftype, int) else "",
+        chat_template=template if isinstance(template, str) else "",
+        tensors=tensors, parameters=parameters,
+    )
+
+
+def read_metadata(path: Path, origin: str, arrays: Collection[str] = ()) -> tuple[int, dict[str, Any], int, int]:
+    """(version, metadata, tensors, parameters) of the GGUF file `path`: scalars and
+    strings, and the arrays named in `arrays` (a runtime's vocabulary); other arrays are
+    stepped over."""
     with open(path, "rb") as f:
         r = _Reader(f, path.stat().st_size, origin)
         if r.take(4) != MAGIC:
@@ -174,7 +218,7 @@ def read_facts(path: Path, rel: str, origin: str) -> GgufFacts:
             key = r.string(MAX_KEY_BYTES)
             if key is None:
                 raise r.bad("a metadata key is over 64 KiB")
-            meta[key] = r.value(r.u32())
+            meta[key] = r.value(r.u32(), keep=key in arrays)
         parameters = 0
         for _ in range(tensors):
             if r.string(MAX_KEY_BYTES) is None:
@@ -187,19 +231,7 @@ def read_facts(path: Path, rel: str, origin: str) -> GgufFacts:
                 count *= r.u64()
             parameters += count
             r.skip(12)  # its type (u32) and data offset (u64)
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise BadRequest(f"{origin}: the GGUF file names no general.architecture")
-    ctx = meta.get(f"{arch}.context_length")
-    ftype = meta.get("general.file_type")
-    template = meta.get("tokenizer.chat_template")
-    return GgufFacts(
-        file=rel, version=version, architecture=arch, name=str(meta.get("general.name") or ""),
-        context_length=int(ctx) if isinstance(ctx, int) and ctx > 0 else None,
-        file_type=FILE_TYPES.get(ftype, f"type {ftype}") if isinstance(ftype, int) else "",
-        chat_template=template if isinstance(template, str) else "",
-        tensors=tensors, parameters=parameters,
-    )
+    return version, meta, tensors, parameters
 
 
 def is_gguf(rel: str) -> bool:

@@ -428,9 +428,14 @@ class CausalLM(LoraHost, Adapter):
             except Exception as exc:  # templates raise on what they refuse (roles, order)
                 raise BadRequest(f"the chat template of {self.spec.name} refused these messages: {exc}") from exc
             self.check_prompt_chars(text)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.encode(text, chat=True)
         self.check_prompt_chars(req.prompt or "")
-        return self.tokenizer(req.prompt or "")["input_ids"]
+        return self.encode(req.prompt or "", chat=False)
+
+    def encode(self, text: str, *, chat: bool) -> list[int]:
+        """Token ids of a prompt's text: a rendered chat holds its own special tokens (none
+        added); a raw prompt gets what the tokenizer adds (BOS)."""
+        return self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
     def check_prompt_chars(self, text: str) -> None:
         """A prompt far longer than the context is refused before tokenizing it (a

@@ -24,6 +24,7 @@ if [ "${1:-}" = "--test" ]; then
   # requirement, numpy, is the venv's. 59 MB wheel, ~6 s.
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/openvino \
     'openvino==2026.4.1' 'openvino-telemetry==2025.2.0'
+  ./scripts/setup_llamacpp.sh
   # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv.
   ./scripts/setup_gliner_ref.sh
 else
