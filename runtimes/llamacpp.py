@@ -444,5 +444,3 @@ class _NoLoras:
 
     def extra_bytes(self) -> int:
         return 0
-
-
