@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.daemon import LocalDaemon
-from fleet.pull import pull_model
 from fleet.store import Store
-from tests.conftest import start_daemon
 
 LABELS = {"tone-v1": ["one-neg", "one-pos"], "tone-v2": ["two-neg", "two-pos"],
           "tone-worse": ["one-pos", "one-neg"]}
@@ -33,6 +31,7 @@ TEXTS = ["a calm reply", "THIS IS UNACCEPTABLE!!!", "thanks, that worked", "why 
 def build_versions(root: Path, store: Store) -> None:
     """tone-v1 built once; the others are its folder with their own label names written
     into config.json (the same weights, so the same choices under other names)."""
+    from fleet.pull import pull_model
     from tests.arch_models import encoder
 
     first = encoder("bert", "seq", root / "tone-v1", labels=LABELS["tone-v1"])
@@ -55,9 +54,11 @@ def version_of_labels(labels: set[str]) -> str:
     return owners.pop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session")  # registered in tests/conftest.py: one daemon for every module
 def tone_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
     """A daemon at the shipped settings storing the tone versions (and the default MiniLM)."""
+    from tests.conftest import start_daemon
+
     root = tmp_path_factory.mktemp("tone")
     build_versions(root, Store(root / "home" / "models"))
     d = start_daemon(root / "home")

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from bench.daemon import LocalDaemon, free_port  # noqa: F401 (free_port: tests import it from here)
+# The alias, promotion and quota tests share one daemon serving tiny classifiers: a session
+# fixture is shared across modules only when conftest holds it.
+from tests.alias_models import tone_box  # noqa: F401
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 START_TIMEOUT_S = float(os.environ.get("FLEET_TEST_START_TIMEOUT", "180"))

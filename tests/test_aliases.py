@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from tests.alias_models import TEXTS, tone_box, version_of_labels  # noqa: F401 (tone_box: a fixture)
+from tests.alias_models import TEXTS, version_of_labels
 from tests.conftest import DEFAULT_MODEL
 
 VERSION = "x-fleet-model-version"
@@ -43,7 +43,7 @@ def labels_of(reply: dict) -> set[str]:
     return {hit["label"] for row in reply["results"] for hit in row}
 
 
-def test_a_switch_and_a_rollback_under_load_fail_nothing_and_mix_no_versions(tone_box) -> None:  # noqa: F811
+def test_a_switch_and_a_rollback_under_load_fail_nothing_and_mix_no_versions(tone_box) -> None:
     d = tone_box
     assert set_alias(d, "tone", "tone-v1").status_code == 200
     stop = threading.Event()
@@ -92,7 +92,7 @@ def test_a_switch_and_a_rollback_under_load_fail_nothing_and_mix_no_versions(ton
     assert events[-1]["reason"] == "bad tone"
 
 
-def test_an_alias_works_on_every_route_that_takes_a_model(tone_box) -> None:  # noqa: F811
+def test_an_alias_works_on_every_route_that_takes_a_model(tone_box) -> None:
     d = tone_box
     assert set_alias(d, "text-embedding-3-small", DEFAULT_MODEL).status_code == 200
     assert set_alias(d, "tone@prod", "tone-v2").status_code == 200
@@ -126,7 +126,7 @@ def test_an_alias_works_on_every_route_that_takes_a_model(tone_box) -> None:  # 
     ("tone", {"version": "tone-v1", "canary": "tone-v2"}, 400, "canary_percent"),
     ("tone", {"version": "tone-v1", "colour": "red"}, 400, "colour"),
 ])
-def test_a_bad_change_is_refused_and_changes_nothing(tone_box, alias, body, status, words) -> None:  # noqa: F811
+def test_a_bad_change_is_refused_and_changes_nothing(tone_box, alias, body, status, words) -> None:
     d = tone_box
     if "tone" not in aliases(d):
         assert set_alias(d, "tone", "tone-v1").status_code == 200
@@ -139,7 +139,7 @@ def test_a_bad_change_is_refused_and_changes_nothing(tone_box, alias, body, stat
         n: (a["version"], a["change"]) for n, a in before.items()}
 
 
-def test_changes_are_the_operators(tone_box) -> None:  # noqa: F811
+def test_changes_are_the_operators(tone_box) -> None:
     d = tone_box
     before = aliases(d)
     for method, path in [("PUT", "/v1/aliases/tone"), ("POST", "/v1/aliases/tone/rollback"),
@@ -153,7 +153,7 @@ def test_changes_are_the_operators(tone_box) -> None:  # noqa: F811
     assert httpx.get(d.url + "/v1/aliases/nothing-here", timeout=30).status_code == 404
 
 
-def test_the_cli_sets_lists_rolls_back_and_shows_history(tone_box) -> None:  # noqa: F811
+def test_the_cli_sets_lists_rolls_back_and_shows_history(tone_box) -> None:
     d = tone_box
     env = {"FLEET_URL": d.url, "FLEET_HOME": str(d.home), "PATH": "/usr/bin:/bin", "FLEET_OWNER": "ops-team",
            "COLUMNS": "120"}
@@ -173,7 +173,7 @@ def test_the_cli_sets_lists_rolls_back_and_shows_history(tone_box) -> None:  # n
     assert '"by": "ops-team"' in history and '"kind": "rollback"' in history and '"try v2"' in history
 
 
-def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both(tone_box) -> None:  # noqa: F811
+def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both(tone_box) -> None:
     d = tone_box
     r = set_alias(d, "tone-canary", "tone-v1", canary="tone-v2", canary_percent=50)
     assert r.status_code == 200, r.text
@@ -201,7 +201,7 @@ def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both
     from fleetctl.commands.top import models_table
 
     state = httpx.get(d.url + "/v1/top", timeout=30).json()
-    assert {m["model"]: m["aliases"] for m in state["models"]}.get("tone-v2") == ["tone-canary"]
+    assert "tone-canary" in {m["model"]: m["aliases"] for m in state["models"]}["tone-v2"]
     console = Console(width=120, record=True)
     console.print(models_table(state))
     assert re.search(r"tone-v2 .*as tone-canary", console.export_text()), console.export_text()

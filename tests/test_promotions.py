@@ -30,7 +30,7 @@ import pytest
 from fleet.evaluation import (
     classification_metrics, compare, expected_calibration_error, parse_eval, retrieval_metrics, span_f1,
 )
-from tests.alias_models import TEXTS, tone_box  # noqa: F401 (tone_box: a fixture)
+from tests.alias_models import TEXTS
 
 
 def eval_file(d) -> str:
@@ -50,13 +50,13 @@ def version(d) -> str:
 
 
 @pytest.fixture(scope="module")
-def evaluation(tone_box) -> str:  # noqa: F811
+def evaluation(tone_box) -> str:
     assert httpx.put(tone_box.url + "/v1/aliases/support-tone", json={"version": "tone-v1"}, headers=tone_box.admin,
                      timeout=120).status_code == 200
     return eval_file(tone_box)
 
 
-def test_a_regressing_candidate_is_refused_with_both_versions_numbers(tone_box, evaluation) -> None:  # noqa: F811
+def test_a_regressing_candidate_is_refused_with_both_versions_numbers(tone_box, evaluation) -> None:
     d = tone_box
     r = promote(d, "tone-worse", evaluation, reason="new labels")
     assert r.status_code == 409, r.text
@@ -77,7 +77,7 @@ def test_a_regressing_candidate_is_refused_with_both_versions_numbers(tone_box, 
     assert version(d) == "tone-v1"
 
 
-def test_a_candidate_no_worse_is_promoted_with_its_package_then_rolled_back(tone_box, evaluation,  # noqa: F811
+def test_a_candidate_no_worse_is_promoted_with_its_package_then_rolled_back(tone_box, evaluation,
                                                                              tmp_path) -> None:
     d = tone_box
     path = tmp_path / "eval.jsonl"
@@ -113,7 +113,7 @@ def test_a_candidate_no_worse_is_promoted_with_its_package_then_rolled_back(tone
     assert [(e["kind"], e["version"]) for e in events[-2:]] == [("promote", "tone-same"), ("rollback", "tone-v1")]
 
 
-def test_force_with_a_reason_promotes_past_a_regression_and_says_so(tone_box, evaluation) -> None:  # noqa: F811
+def test_force_with_a_reason_promotes_past_a_regression_and_says_so(tone_box, evaluation) -> None:
     d = tone_box
     r = promote(d, "tone-worse", evaluation, force=True, reason="labels renamed on purpose")
     assert r.status_code == 200, r.text
@@ -128,13 +128,13 @@ def test_force_with_a_reason_promotes_past_a_regression_and_says_so(tone_box, ev
     ('{"text": "a"}\n', "line 1: `label` must be a non-empty string"),
     ("\n\n", "no lines"),
 ])
-def test_a_bad_evaluation_file_is_a_400_naming_its_line(tone_box, evaluation, text, words) -> None:  # noqa: F811
+def test_a_bad_evaluation_file_is_a_400_naming_its_line(tone_box, evaluation, text, words) -> None:
     r = promote(tone_box, "tone-same", text)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert version(tone_box) == "tone-v1"
 
 
-def test_promoting_is_the_operators(tone_box, evaluation) -> None:  # noqa: F811
+def test_promoting_is_the_operators(tone_box, evaluation) -> None:
     r = httpx.post(tone_box.url + "/v1/promotions", json={"candidate": "tone-same", "alias": "support-tone",
                                                           "eval": evaluation}, timeout=30)
     assert r.status_code == 401
@@ -169,7 +169,7 @@ def test_span_f1_and_the_pairs_form() -> None:
     assert compare({"accuracy": 0.8, "ece": 0.2}, {"accuracy": 0.85, "ece": 0.1}, 0.06) == ["ece 0.2000 vs 0.1000"]
 
 
-def test_a_canary_promotion_keeps_the_version_until_promoted_whole(tone_box, evaluation) -> None:  # noqa: F811
+def test_a_canary_promotion_keeps_the_version_until_promoted_whole(tone_box, evaluation) -> None:
     d = tone_box
     r = promote(d, "tone-same", evaluation, canary_percent=25)
     assert r.status_code == 200, r.text

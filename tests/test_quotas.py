@@ -24,7 +24,6 @@ import pytest
 from fleet.errors import QuotaExceeded
 from fleet.quotas import OwnerQuota, check_add, check_load, owner_of
 from fleet.store import Manifest, Store, utc_now
-from tests.alias_models import tone_box  # noqa: F401 (a fixture)
 
 OWNERS = {"ml-team": OwnerQuota(models_match=["tone-*", "team-*"], models=2, adapters=1, resident_bytes=1000),
           "search": OwnerQuota(models_match=["search-*"])}
@@ -85,7 +84,7 @@ def resident(d) -> dict[str, int]:
     return {n: m["bytes"] for w in workers for n, m in w["models"].items()}
 
 
-def test_a_daemon_refuses_a_copy_and_a_load_past_an_owners_quota(tone_box) -> None:  # noqa: F811
+def test_a_daemon_refuses_a_copy_and_a_load_past_an_owners_quota(tone_box) -> None:
     d = tone_box
     for name in [n for n in resident(d) if n.startswith("tone-")]:
         assert httpx.post(f"{d.url}/v1/models/{name}/unload", headers=d.admin, timeout=60).status_code == 200
