@@ -75,6 +75,10 @@ async def delete_model(daemon: Daemon, name: str) -> dict:
     if name in daemon.settings.preload:
         raise BadRequest(f"{name} is preloaded by this daemon's config (preload): take it out of preload "
                          "before deleting it")
+    serving = daemon.aliases.aliases_of(name)  # its clients would get 404s (daemon.aliases)
+    if serving:
+        raise BadRequest(f"{name} serves the alias {', '.join(serving)}: point it at another version first",
+                         hint=f"fleetctl alias set {serving[0]} VERSION, or fleetctl rollback {serving[0]}")
     try:
         size = daemon.store.get(name).size_bytes
     except (IntegrityError, ModelNotFound):

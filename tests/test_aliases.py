@@ -139,6 +139,15 @@ def test_a_bad_change_is_refused_and_changes_nothing(tone_box, alias, body, stat
         n: (a["version"], a["change"]) for n, a in before.items()}
 
 
+def test_a_version_an_alias_serves_is_not_deleted(tone_box) -> None:
+    d = tone_box
+    assert set_alias(d, "keep-me", "tone-same").status_code == 200
+    r = httpx.request("DELETE", d.url + "/v1/models/tone-same", headers=d.admin, timeout=60)
+    assert r.status_code == 400 and "serves the alias keep-me" in r.json()["error"]["message"], r.text
+    assert (d.home / "models" / "tone-same" / "manifest.json").is_file()
+    assert httpx.request("DELETE", d.url + "/v1/aliases/keep-me", headers=d.admin, timeout=30).status_code == 200
+
+
 def test_changes_are_the_operators(tone_box) -> None:
     d = tone_box
     before = aliases(d)

@@ -155,7 +155,9 @@ class AliasesController(Controller):
         """Back to the previous version (or the canary ends), recorded in the history."""
         body = await body_of(request, AliasNote)
         by, reason = owner_of(body.owner), check_reason(body.reason)
-        daemon.aliases.get(alias)
+        found = daemon.aliases.get(alias)
+        if found.previous is not None and not found.canary:
+            version_task(daemon, found.previous)  # 404 when it was deleted since: clients would get 404s
         before, after, seconds = await daemon.aliases.change(alias, rolled_back(alias, by=by),
                                                              event_of("rollback", by=by, reason=reason))
         return reply(request, changed(daemon, after, before, seconds))
