@@ -182,3 +182,23 @@ def test_a_canary_promotion_keeps_the_version_until_promoted_whole(tone_box, eva
     assert (alias["version"], alias["canary"], alias["previous"]) == ("tone-same", None, "tone-v1")
     assert httpx.post(d.url + "/v1/aliases/support-tone/rollback", json={}, headers=d.admin,
                       timeout=30).json()["alias"]["version"] == "tone-v1"
+
+
+def test_an_embedder_is_evaluated_on_retrieval_pairs(tone_box, tmp_path) -> None:
+    """nDCG@10 and MRR through the embed path: a copy of MiniLM against MiniLM itself."""
+    d = tone_box
+    assert httpx.post(d.url + "/api/copy", json={"source": "all-minilm-l6-v2", "destination": "minilm-next"},
+                      headers=d.admin, timeout=60).status_code == 200
+    assert httpx.put(d.url + "/v1/aliases/search-embed", json={"version": "all-minilm-l6-v2"}, headers=d.admin,
+                     timeout=120).status_code == 200
+    pairs = [("how do I reset my password", "Open settings, choose security, then reset the password."),
+             ("where is my invoice", "Invoices are under billing, one per month."),
+             ("cancel my subscription", "To cancel, open billing and end the plan."),
+             ("the app crashes on start", "If the app crashes at launch, reinstall it.")]
+    text = "".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in pairs)
+    r = httpx.post(d.url + "/v1/promotions", json={"candidate": "minilm-next", "alias": "search-embed", "eval": text},
+                   headers=d.admin, timeout=300)
+    assert r.status_code == 200, r.text
+    ev = r.json()["evaluation"]
+    assert ev["metrics"] == ["ndcg@10", "mrr"] and ev["candidate"] == ev["current"]
+    assert ev["candidate"]["mrr"] > 0.5  # MiniLM finds most of its answers first
