@@ -88,7 +88,8 @@ class AliasScope:
         token = RESOLUTION.set(res)
 
         async def send_version(message: Any) -> None:
-            if message["type"] == "http.response.start" and res.served is not None:
+            # A success names its version; a refusal served nothing (and may name no stored model).
+            if message["type"] == "http.response.start" and res.served is not None and message["status"] < 400:
                 extra = [(_VERSION, res.served.encode())]
                 if res.alias is not None:
                     extra.append((_ALIAS, res.alias.encode()))
