@@ -3,8 +3,7 @@ as a user runs them (the real console script in a subprocess, the real daemon ov
 loopback, tiny real models through the real loading path); and the operator's basics
 around it (the access log, `fleetctl logs`, SIGHUP under `serve` flags, names suggested).
 
-One daemon serves the module, started the way a user starts one with a flag
-(`fleetctl serve --port P`, no FLEET_PORT), at the shipped defaults otherwise.
+They run on the suite's daemon (tests/conftest.py), at the shipped defaults.
 """
 
 from __future__ import annotations
@@ -16,15 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-import bench.daemon
-from tests.conftest import DEFAULT_MODEL, DaemonProc, free_port, start_daemon
+from tests.conftest import DEFAULT_MODEL, DaemonProc, free_port
 
 FLEETCTL = shutil.which("fleetctl", path=str(Path(sys.executable).parent)) or shutil.which("fleetctl")
 
@@ -61,15 +58,10 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """A daemon started with `--port` (no FLEET_PORT: the flag alone names the port)."""
-    home = tmp_path_factory.mktemp("owner-home")
-    port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench.daemon, "free_port", lambda: port)  # LocalDaemon's URL is the flag's port
-        d = start_daemon(home, extra_env={"FLEET_PORT": ""}, args=["--port", str(port)])
-    yield d
-    d.stop()
+def owner(daemon: DaemonProc) -> DaemonProc:
+    """The suite's daemon: these tests add and remove models of their own names only,
+    and put back the one setting they change (`access_log`)."""
+    return daemon
 
 
 def embed(d: DaemonProc, model: str) -> httpx.Response:
@@ -127,6 +119,19 @@ def test_pull_repull_rm_go_through_the_daemon(owner: DaemonProc, sources: dict[s
     assert any(w["models"].get("tiny", {}).get("pinned") for w in workers)
     np.testing.assert_allclose(first, vector(owner, "tiny"), atol=1e-5)  # a's weights answer again
 
+    # A copy whose files leave the store behind the daemon (an older fleetctl, rm -rf):
+    # a SIGHUP still re-profiles the other resident models, and unload still reaches it.
+    r = httpx.post(owner.url + "/api/copy", json={"source": "tiny", "destination": "gone"}, headers=owner.admin,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    vector(owner, "gone")
+    shutil.rmtree(owner.home / "models" / "gone")
+    text = reload(owner)
+    assert "kept its profiles" not in text, text
+    r = httpx.post(owner.url + "/v1/models/gone/unload", headers=owner.admin, timeout=60)
+    assert r.status_code == 200, r.text
+    assert held(owner, "gone") == []
+
     removed = ok(fleetctl(owner.home, "rm", "tiny", "--yes"))
     assert "unloaded from worker" in removed.stdout and "its pin is released" in removed.stdout, removed.stdout
     assert embed(owner, "tiny").status_code == 404
@@ -134,21 +139,18 @@ def test_pull_repull_rm_go_through_the_daemon(owner: DaemonProc, sources: dict[s
     assert not (owner.home / "models" / "tiny").exists()
 
 
-def test_a_model_removed_behind_the_daemon_stays_reachable_and_sighup_works(
-        owner: DaemonProc, sources: dict[str, Path]) -> None:
-    ok(fleetctl(owner.home, "pull", f"path:{sources['a']}", "--name", "gone"))
-    vector(owner, "gone")
-    shutil.rmtree(owner.home / "models" / "gone")  # not through the daemon (an older fleetctl, rm -rf)
-    text = reload(owner)
-    assert "kept its profiles" not in text, text  # the other resident models were re-profiled
-    r = httpx.post(owner.url + "/v1/models/gone/unload", headers=owner.admin, timeout=60)
-    assert r.status_code == 200, r.text
-    assert held(owner, "gone") == []
+def test_sighup_does_not_report_a_serve_flag_as_a_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleetctl serve --port P --workers 1 --device cpu` and no FLEET_* variables: a SIGHUP
+    reads config.toml again and must find no change (it said "port ... need a restart")."""
+    from daemon.core import Daemon
+    from fleetctl.commands.serve import flag_settings
 
-
-def test_sighup_does_not_report_a_serve_flag_as_a_change(owner: DaemonProc) -> None:
-    text = reload(owner)
-    assert "need a restart" not in text, text
+    monkeypatch.setenv("FLEET_HOME", str(tmp_path))
+    for name in ("FLEET_HOST", "FLEET_PORT", "FLEET_WORKERS", "FLEET_DEVICE", "FLEET_NATS"):
+        monkeypatch.setenv(name, "")  # unset for load_settings; put back as it was after the test
+    settings = flag_settings({"host": None, "port": free_port(), "workers": 1, "device": "cpu", "nats": None})
+    applied, restart = Daemon(settings).reload()
+    assert (applied, restart) == ([], [])
 
 
 def test_store_routes_are_the_operators_and_refuse_bad_input(owner: DaemonProc) -> None:
@@ -185,16 +187,17 @@ def test_ps_and_top_name_the_daemon_and_a_dead_fleet_url_fails(owner: DaemonProc
     assert not (other / "models").exists()  # nothing written in a store no daemon of that URL reads
 
 
-def test_without_a_daemon_the_cli_acts_on_the_files_and_says_so(sources: dict[str, Path], tmp_path: Path) -> None:
+def test_without_a_daemon_the_cli_acts_on_the_files_and_says_so(tmp_path: Path) -> None:
+    """(tests/test_cli_store.py pulls, lists and removes with no daemon, each verb saying so.)"""
     home, url = tmp_path / "home", closed_url()
     port = url.rsplit(":", 1)[1]
     said = f"no fleet daemon answers at {url}"
-    pulled = ok(fleetctl(home, "pull", f"path:{sources['a']}", "--name", "t", FLEET_PORT=port))
-    assert f"{said}: pulling into the store in {home / 'models'} directly" in pulled.stderr
-    assert (home / "models" / "t").is_dir()
+    p = fleetctl(home, "pull", "all-minilm-l6-v3", FLEET_PORT=port)
+    assert p.returncode == 1 and f"{said}: pulling into the store in {home / 'models'} directly" in p.stderr
+    assert f"did you mean '{DEFAULT_MODEL}'" in p.stderr
     assert said in ok(fleetctl(home, "list", FLEET_PORT=port)).stderr
-    removed = ok(fleetctl(home, "rm", "t", "--yes", FLEET_PORT=port))
-    assert said in removed.stderr and not (home / "models" / "t").exists()
+    p = fleetctl(home, "rm", "x", "--yes", FLEET_PORT=port)
+    assert p.returncode == 1 and f"{said}: removing from the store" in p.stderr
 
 
 def test_pin_pull_and_ollama_name_the_model_to_pull(owner: DaemonProc) -> None:
@@ -264,14 +267,18 @@ def test_every_request_has_an_access_line_and_a_setting_turns_it_off(owner: Daem
     assert (by_id["access-401"]["route"], by_id["access-401"]["status"]) == ("/v1/store", 401)
 
     config = owner.home / "config.toml"
-    config.write_text("access_log = false\n")
+    kept = config.read_text() if config.exists() else None
+    config.write_text((kept or "") + "\naccess_log = false\n")
     try:
         reload(owner)
         assert httpx.get(owner.url + "/healthz", headers={"X-Request-Id": "access-off"}, timeout=30).status_code == 200
         time.sleep(0.3)
         assert "access-off" not in {x.get("request_id") for x in access_lines(owner)}
     finally:
-        config.unlink()
+        if kept is None:
+            config.unlink()
+        else:
+            config.write_text(kept)
         reload(owner)
 
 

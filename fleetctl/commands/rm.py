@@ -79,6 +79,7 @@ def remove_here(name: str, yes: bool, err: Console) -> None:
     from fleet.errors import BadRequest, IntegrityError, ModelNotFound
     from fleet.store import Store
 
+    without_daemon("removing from")
     settings = load_settings()
     store = Store(settings.store_path)
     try:
@@ -95,7 +96,6 @@ def remove_here(name: str, yes: bool, err: Console) -> None:
         )
     if not yes:
         confirm(name, size, err)
-    without_daemon("removing from")
     # The uploaded blobs only this model held (`ollama create`) go with it (fleet.blobs).
     blobs.release(settings.home_path, store, store.remove(name))
     print(f"removed {name} ({size})")

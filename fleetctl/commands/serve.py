@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 
@@ -15,16 +17,22 @@ def register(app: typer.Typer) -> None:
         nats: str = typer.Option(None, help="NATS URL to join a cluster, e.g. nats://127.0.0.1:4222"),
     ) -> None:
         """Start the daemon: HTTP API plus worker processes."""
-        import os
-
-        from fleet.config import load_settings
         from daemon.logs import setup_logging
         from daemon.server import serve as run
 
-        flags = {"host": host, "port": port, "workers": workers, "device": device, "nats": nats}
-        # A flag is its FLEET_* variable for this process and its workers: a SIGHUP re-reads
-        # config.toml under the same flags, so it never sees a change that did not happen.
-        os.environ.update({f"FLEET_{key.upper()}": str(value) for key, value in flags.items() if value is not None})
-        settings = load_settings(**flags)
+        settings = flag_settings({"host": host, "port": port, "workers": workers, "device": device, "nats": nats})
         setup_logging(settings.log_level, home=settings.home_path)  # stderr, and FLEET_HOME/logs/fleetd.log
         run(settings)
+
+
+def flag_settings(flags: dict[str, Any]):
+    """The daemon's settings under `serve`'s flags. A flag given is also its FLEET_*
+    variable for this process and its workers: a SIGHUP re-reads config.toml under the
+    same flags (fleet.config.load_settings), so it never reports a change that did not
+    happen (`--port 7800` read as "port needs a restart")."""
+    import os
+
+    from fleet.config import load_settings
+
+    os.environ.update({f"FLEET_{key.upper()}": str(value) for key, value in flags.items() if value is not None})
+    return load_settings(**flags)
