@@ -20,11 +20,12 @@ import importlib.util
 import json
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from fleet.errors import FleetError, Unavailable, from_code
+from fleet.errors import FleetError, Forbidden, Unauthorized, Unavailable, from_code
 from fleetctl.client import MSGPACK, Client, error_of, unreachable
 
 #: How long the probe waits for a daemon to answer `/healthz` (a live one answers in ms).
@@ -99,3 +100,17 @@ def stream_lines(client: Client, path: str, body: dict[str, Any]) -> Iterator[di
                 yield line
     except httpx.TransportError as exc:
         raise unreachable(client.url, exc) from None
+
+
+@contextmanager
+def as_operator(client: Client) -> Iterator[Client]:
+    """Use `client` for the store's routes (the operator's): a refusal for want of the
+    admin key says how to act as the daemon's operator."""
+    with client:
+        try:
+            yield client
+        except (Unauthorized, Forbidden) as exc:
+            exc.hint = ("the daemon owns its store: run fleetctl as the daemon's user with its FLEET_HOME "
+                        "(the service: sudo -u fleet env FLEET_HOME=/var/lib/fleet fleetctl ...), "
+                        "or set FLEET_ADMIN_KEY")
+            raise

@@ -187,6 +187,15 @@ def test_ps_and_top_name_the_daemon_and_a_dead_fleet_url_fails(owner: DaemonProc
     assert not (other / "models").exists()  # nothing written in a store no daemon of that URL reads
 
 
+def test_a_pull_without_the_daemons_key_is_refused_not_written_elsewhere(owner: DaemonProc, tmp_path: Path) -> None:
+    """Another FLEET_HOME (another user, or a shell without the service's home) pointed at
+    the daemon: the daemon refuses it, and nothing lands in a store it never reads."""
+    other = tmp_path / "other"
+    p = fleetctl(other, "pull", DEFAULT_MODEL, FLEET_URL=owner.url)
+    assert p.returncode == 1 and "admin key" in p.stderr and "run fleetctl as the daemon's user" in p.stderr, p.stderr
+    assert not (other / "models").exists()
+
+
 def test_without_a_daemon_the_cli_acts_on_the_files_and_says_so(tmp_path: Path) -> None:
     """(tests/test_cli_store.py pulls, lists and removes with no daemon, each verb saying so.)"""
     home, url = tmp_path / "home", closed_url()

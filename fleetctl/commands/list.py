@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         from fleet.catalog import load_catalog
         from fleet.config import load_settings
         from fleet.store import Manifest, Store, damage_fix
-        from fleetctl.owner import store_daemon, without_daemon
+        from fleetctl.owner import as_operator, store_daemon, without_daemon
 
         settings = load_settings()
         store = Store(settings.store_path)
@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
             return
 
         if client is not None:  # the daemon's store, as it reads it (daemon/controllers/store.py)
-            with client:
+            with as_operator(client):
                 listing = client.get("/v1/store")
             rows, damaged = listing["models"], [(d["name"], d["why"], d["path"]) for d in listing["damaged"]]
         else:

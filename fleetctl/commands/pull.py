@@ -69,13 +69,13 @@ def register(app: typer.Typer) -> None:
         no daemon, into FLEET_HOME/models; a no-op if it is up to date."""
         import msgspec
 
-        from fleetctl.owner import store_daemon
+        from fleetctl.owner import as_operator, store_daemon
 
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         options = dict(name=name, task=task, runtime=runtime, base=base, force=force)
         client = store_daemon()
         if client is not None:
-            with client:
+            with as_operator(client):
                 done = pull_through(client, absolute_source(target), options, err)
             result, replaced = done["result"], done.get("replaced") or []
         else:

@@ -22,14 +22,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Remove a model: the running daemon unloads it and deletes it from its store
         (with no daemon running: from FLEET_HOME/models)."""
-        from fleetctl.owner import store_daemon
+        from fleetctl.owner import as_operator, store_daemon
 
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         client = store_daemon()
         if client is None:
             remove_here(name, yes, err)
             return
-        with client:
+        with as_operator(client):
             size = None if yes else daemon_size(client, name)
             if size is not None:
                 confirm(name, size, err)
