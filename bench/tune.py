@@ -668,7 +668,7 @@ def resolve_target(model: str, device: str | None) -> Target:
     from bench.sampler import describe_gpus
     from bench.targets import TASKS
     from bench.tokens import resolve_model_dir
-    from fleet.catalog import load_catalog
+    from fleet.catalog import load_catalog, manifest_entry
     from fleet.config import load_settings
     from fleet.store import Store
     from runtimes.device import device_class
@@ -692,9 +692,7 @@ def resolve_target(model: str, device: str | None) -> Target:
         dev = "cuda:0"
     new_entry = None
     if entry is None:
-        new_entry = {"source": manifest.source, "task": manifest.task, "runtime": manifest.runtime,
-                     "base": manifest.base, "max_seq_len": manifest.max_seq_len,
-                     "trust_remote_code": manifest.trust_remote_code, "allow_pickle": manifest.allow_pickle}
+        new_entry = manifest_entry(manifest)
     return Target(model=model, task=task, folder=folder, device=dev, device_class=device_class(dev),
                   cores=len(os.sched_getaffinity(0)), home=home,
                   default=msgspec.structs.asdict(entry.profile if entry is not None else manifest.profile),

@@ -19,6 +19,7 @@ from daemon.controllers.admin import AdminController
 from daemon.controllers.aliases import AliasesController
 from daemon.controllers.promotions import PromotionsController
 from daemon.controllers.batches import BatchesController
+from daemon.controllers.calibration import CalibrationController
 from daemon.controllers.classify import ClassifyController
 from daemon.controllers.cohere import CohereEmbedController
 from daemon.controllers.decisions import DecisionsController
@@ -140,5 +141,6 @@ def create_app(daemon: Daemon) -> Litestar:
         app.register(controller)
     for controller in (AliasesController, PromotionsController):  # versions behind names (daemon/aliases.py)
         app.register(controller)
+    app.register(CalibrationController)  # decision models' temperatures (daemon/calibration.py)
     query_table.update(declared_query(app))
     return app

@@ -102,7 +102,8 @@ def live_profiles(workers: list[dict[str, Any]], name: str) -> list[ProfileView]
     """The serving profile `name` runs with on each live worker holding it (their info
     blobs, as `worker_views` reads them): the settings in force and where each came from."""
     return [ProfileView(w["worker"], w["device"], m.get("profile", "default"), m.get("settings", {}),
-                        m.get("profile_from", {}))
+                        m.get("profile_from", {}),
+                        **{k: m[k] for k in ("decide_temperatures", "calibration") if k in m})
             for w in workers if w["up"] and (m := w["models"].get(name))]
 
 

@@ -41,6 +41,7 @@ from fleet.protocol import (
 from fleet.protocol import ModelDetail
 
 from daemon import systemone
+from daemon.calibration import CalibrateRequest
 from daemon.controllers import decisions, ollama_create, responses, tei, tgi
 from daemon.controllers import cohere, ollama_wire as ow
 from daemon.controllers.admin import AdminOptions
@@ -142,6 +143,13 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("DELETE", "/v1/models/{name}/pin"): Op("Let the model be evicted again when room is needed.", **_ADMIN),
     ("POST", "/v1/models/{name}/load"): Op("Load the model now (it may be evicted later).", **_ADMIN),
     ("POST", "/v1/models/{name}/unload"): Op("Unload the model from every worker now.", **_ADMIN),
+    ("POST", "/v1/models/{model_id}/calibration"): Op(
+        "Fit a decision model's temperatures from labelled examples (System One requests with `labels`), report "
+        "the expected calibration error before and after, and (with `write`) store them in models.toml and apply "
+        "them at once (the operator's; `fleetctl calibrate`).", "admin", CalibrateRequest,
+        _object("The fit per question kind and option-count bucket.", model=_STRING, examples=_INT,
+                questions=_INT, ece_before=_NUMBER, ece_after=_NUMBER, buckets=_array({"type": "object"}),
+                temperatures={"type": "object", "additionalProperties": _NUMBER}, written=_STRING, live=_BOOL)),
     ("GET", "/v1/top"): Op("The box over the last seconds, per model and worker (see `fleetctl top --json`).",
                            "admin", None, _object("Rates, latencies, queues, batches, workers, devices, events.",
                                                   box=_STRING, window_s=_NUMBER, queue={"type": "object"},

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from fleet.calibration import Calibration, check_temperatures
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.files import replace_file
 
@@ -193,6 +194,9 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     profiles: dict[str, Profile] = msgspec.field(default_factory=dict)
     #: Device class -> how its profile was measured.
     tuned: dict[str, TunedInfo] = msgspec.field(default_factory=dict)
+    #: Decision models: temperatures per question kind and option-count bucket, and
+    #: where they came from (`fleetctl calibrate`, fleet.calibration); None: 1.0 everywhere.
+    calibration: Calibration | None = None
     #: Embedders: instruction prompts by name (sentence-transformers' `prompts`), over
     #: those in the model's own config_sentence_transformers.json (a name set here wins).
     prompts: dict[str, str] | None = None
@@ -401,6 +405,8 @@ def _entry(name: str, table: Any, origin: str) -> CatalogEntry:
         raise BadRequest(f"{where}: {exc.message}") from None
     if not RUNTIME_RE.match(entry.runtime):
         raise BadRequest(f"{where}: invalid runtime {entry.runtime!r}")
+    if entry.calibration is not None and (problems := check_temperatures(entry.calibration.temperatures)):
+        raise BadRequest(f"{where}: calibration.temperatures: {'; '.join(problems)}")
     if any(d < 1 for d in entry.matryoshka_dims or ()) or (
             entry.matryoshka_range is not None and not 1 <= entry.matryoshka_range[0] <= entry.matryoshka_range[1]):
         raise BadRequest(f"{where}: matryoshka_dims and matryoshka_range take widths >= 1 (range: [smallest, largest])")
@@ -463,6 +469,27 @@ def _drop_tables(text: str, headers: set[str]) -> str:
     return "".join(out)
 
 
+def manifest_entry(manifest: Any) -> dict[str, Any]:
+    """A catalog entry's own keys for a stored model the catalog does not know (pulled
+    from a folder), from its manifest: the `new_entry` of the writers below."""
+    return {"source": manifest.source, "task": manifest.task, "runtime": manifest.runtime,
+            "base": manifest.base, "max_seq_len": manifest.max_seq_len,
+            "trust_remote_code": manifest.trust_remote_code, "allow_pickle": manifest.allow_pickle}
+
+
+def write_calibration(home: str | Path, name: str, calibration: Calibration, *,
+                      new_entry: dict[str, Any] | None = None) -> Path:
+    """Store a decision model's calibration in `<home>/models.toml` as its
+    `[models."<name>".calibration]` table, replacing an earlier one (as
+    `write_tuned_profile`, whose `new_entry` this takes too)."""
+    validate_name(name)
+    if problems := check_temperatures(calibration.temperatures):
+        raise BadRequest("; ".join(problems))
+    table = [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(calibration).items() if v is not None]
+    return _write_entry_tables(home, name, {"calibration": table}, new_entry=new_entry,
+                               what=f"the calibration of {name!r} (models.toml)")
+
+
 def write_tuned_profile(home: str | Path, name: str, device_class: str, profile: Profile, info: TunedInfo,
                         *, new_entry: dict[str, Any] | None = None) -> Path:
     """Store a tuned profile for (`name`, `device_class`) in `<home>/models.toml`.
@@ -477,11 +504,22 @@ def write_tuned_profile(home: str | Path, name: str, device_class: str, profile:
     validate_name(name)
     if not DEVICE_CLASS_RE.match(device_class):
         raise BadRequest(f"invalid device class {device_class!r}")
+    return _write_entry_tables(home, name, {
+        f'profiles."{device_class}"': [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(profile).items()],
+        f'tuned."{device_class}"': [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(info).items()
+                                    if v is not None],
+    }, new_entry=new_entry, what=f"the tuned profile of {name!r} (models.toml)")
+
+
+def _write_entry_tables(home: str | Path, name: str, tables: dict[str, list[str]], *,
+                        new_entry: dict[str, Any] | None, what: str) -> Path:
+    """Replace (or add) `[models."<name>".<sub>]` tables in `<home>/models.toml`, each
+    with its lines; the entry's own table first when neither catalog has it. The merged
+    entry must convert before the file is replaced (`write_tuned_profile`)."""
     path = Path(home) / "models.toml"
     text = path.read_text() if path.is_file() else ""
     base = f'models."{name}"'
-    prof_h, tuned_h = f'[{base}.profiles."{device_class}"]', f'[{base}.tuned."{device_class}"]'
-    text = _drop_tables(text, {prof_h, tuned_h})
+    text = _drop_tables(text, {f"[{base}.{sub}]" for sub in tables})
     if text and not text.endswith("\n"):
         text += "\n"
     body = []
@@ -491,10 +529,8 @@ def write_tuned_profile(home: str | Path, name: str, device_class: str, profile:
             raise ModelNotFound(f"{name!r} is not in the catalog: its entry (source, task, runtime) is needed")
         body.append(f"[{base}]")
         body += [f"{k} = {_toml_value(v)}" for k, v in new_entry.items() if v is not None]
-    body.append(prof_h)
-    body += [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(profile).items()]
-    body.append(tuned_h)
-    body += [f"{k} = {_toml_value(v)}" for k, v in msgspec.structs.asdict(info).items() if v is not None]
+    for sub, lines in tables.items():
+        body += [f"[{base}.{sub}]", *lines]
     text += ("\n" if text else "") + "\n".join(body) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -504,5 +540,5 @@ def write_tuned_profile(home: str | Path, name: str, device_class: str, profile:
         table = _merge(shipped[name], user[name]) if name in shipped else user[name]
         _entry(name, table, str(path))  # the merged entry must still convert
 
-    replace_file(path, text.encode(), what=f"the tuned profile of {name!r} (models.toml)", check=check)
+    replace_file(path, text.encode(), what=what, check=check)
     return path

@@ -18,7 +18,7 @@ expected score and the reply's shape are the daemon's (`confidence`,
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -46,13 +46,20 @@ class DecideQuestion(msgspec.Struct, frozen=True, array_like=True):
 
 
 class DecideRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
-    """What a decision model's lane carries: the state and its questions, rendered."""
+    """What a decision model's lane carries: the state and its questions, rendered.
+
+    `raw` (calibration, fleet.calibration; no route takes it from a client): the
+    answer holds each question's option scores before any temperature instead of
+    probabilities, 2n floats a question: the scores in the first order, then those
+    of the second order put back in the first's (the same twice where the model
+    reads one order). The probabilities are `fleet.calibration.answer_probs` of them."""
 
     model: str
     state: str
     questions: list[DecideQuestion]
     timeout_ms: int | None = None
     adapter: str | None = None
+    raw: bool = False
 
 
 class DecideResult(msgspec.Struct, frozen=True, array_like=True):
@@ -75,6 +82,12 @@ def bucket(n: int) -> str:
 def temperature_key(kind: str, n: int) -> str:
     """`kind:bucket`, the key of a temperature in a model's table."""
     return f"{kind}:{bucket(n)}"
+
+
+def decide_temperatures(spec: Any) -> dict[str, float]:
+    """A decision model's live temperatures (`kind:bucket` -> T; 1.0 where missing): its
+    catalog calibration, which a worker's ModelSpec carries in `extra`."""
+    return spec.extra.get("decide_temperatures") or {}
 
 
 def choice_confidence(p: np.ndarray) -> float:

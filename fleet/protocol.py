@@ -239,6 +239,12 @@ class ModelCard(msgspec.Struct, frozen=True):
     #: a generator: completion, chat (it has a chat template), tools (its template can
     #: express them); vision (it takes images).
     capabilities: list[str] = []
+    #: Decision models: their temperatures and where they came from (ProfileView's
+    #: fields): a worker's live ones when one holds the model, else what its next load
+    #: takes from the catalog (`temperatures_live` says which). Absent for other tasks.
+    decide_temperatures: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
+    calibration: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
+    temperatures_live: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 class ProfileView(msgspec.Struct, frozen=True):
@@ -251,6 +257,11 @@ class ProfileView(msgspec.Struct, frozen=True):
     name: str
     settings: dict[str, Any]
     sources: dict[str, str]
+    #: Decision models: the live temperatures (`kind:bucket` -> T; a key not listed is
+    #: 1.0) and where they came from (fleet.calibration.Calibration without them; null:
+    #: never calibrated). Absent for other tasks.
+    decide_temperatures: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
+    calibration: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelDetail(ModelCard, frozen=True):

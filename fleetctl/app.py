@@ -16,8 +16,8 @@ from rich.markup import escape
 from fleet.errors import FleetError
 
 #: Verb modules, in the order `fleetctl --help` lists them.
-VERBS = ("pull", "list", "rm", "serve", "ps", "top", "logs", "pin", "decide", "bench", "tune", "batch", "service",
-         "config", "doctor", "mcp", "alias", "promote")
+VERBS = ("pull", "list", "rm", "serve", "ps", "top", "logs", "pin", "decide", "calibrate", "bench", "tune", "batch",
+         "service", "config", "doctor", "mcp", "alias", "promote")
 
 app = typer.Typer(
     name="fleetctl",

@@ -124,12 +124,18 @@ def reprofile(residency: Residency) -> list[str]:
     for name, r in residency.models.items():
         spec = r.adapter.spec
         try:
-            profile, which, sources = residency.profile_of(name)
+            profile, which, sources, calibration = residency.profile_of(name)
         except FleetError as exc:
             # This model's entry or manifest cannot be read now (its files left the store
             # while it was resident): it keeps its profile, the others still get theirs.
             log.warning("reload: %s keeps its profile: %s", name, exc.message)
             continue
+        if calibration != {k: spec.extra.get(k) for k in calibration}:
+            # Decision temperatures apply from the next batch (runtimes/decide.py reads them per batch).
+            spec = r.adapter.spec = dataclasses.replace(spec, extra={**spec.extra, **calibration})
+            temps = calibration["decide_temperatures"] or {}
+            changed.append(f"{name}: decision temperatures " +
+                           (", ".join(f"{k} {v:g}" for k, v in temps.items()) or "1.0 (no calibration)"))
         if profile == spec.profile and which == spec.extra.get("profile") and sources == spec.extra.get("profile_from"):
             continue
         diffs = [f"{k} {getattr(spec.profile, k)} -> {getattr(profile, k)}"

@@ -31,7 +31,8 @@ The template is the model's chat template rendered around the user's turn, with
 thinking off (`enable_thinking=False`, which templates that know no thinking
 ignore); a model without one reads the plain text. Temperatures are per question
 kind and option-count bucket (`fleet.decisions.temperature_key`), 1 unless the
-model's catalog entry sets them (`decide_temperatures`).
+model's catalog entry has a calibration (`fleetctl calibrate`, fleet.calibration),
+read at each batch so a new one applies at once (runtimes.commands.reprofile).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.decisions import DecideRequest, DecideResult, temperature_key
+from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, temperature_key
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
 from runtimes.base import Adapter, BatchContext, Steps, run_through
@@ -248,7 +249,6 @@ class DecisionLM(Adapter):
         self.bool_mask = getattr(model.config, "_attn_implementation", "") == "sdpa"
         self.frame = chat_frame(tokenizer)
         self.labels, self.label_ids, self.label_cue = single_token_labels(tokenizer, self.frame)
-        self.temperatures: dict[str, float] = dict(self.spec.extra.get("decide_temperatures") or {})
         self.prefixes = PrefixCache(min(PREFIX_CACHE_BYTES, footprint_bytes(self.model)))
         #: Bytes one token of one row holds in the key/value cache, measured at warm-up.
         self.kv_token_bytes = 0
@@ -326,7 +326,7 @@ class DecisionLM(Adapter):
         which = np.flatnonzero(ok[plan.owner]) if len(plan.owner) else plan.owner
         yield from self._run_rows(plan, state_of[plan.owner], which, caches, scores, label_logits, ctx)
         # 5. Probabilities per question, then per request; tokens read: the state once, each head, each row.
-        probs = self._combine(plan, scores, label_logits)
+        probs = self._combine(plan, scores, label_logits, [requests[i].raw for i in live])
         used = prefix_len.copy()
         np.add.at(used, plan.owner, head_len)
         np.add.at(used, plan.owner[plan.question_of], row_len)
@@ -510,14 +510,24 @@ class DecisionLM(Adapter):
         if batch:
             yield batch
 
-    def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray) -> list[np.ndarray]:
-        """Per live request, its questions' probabilities laid end to end."""
+    def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray,
+                 raw: list[bool]) -> list[np.ndarray]:
+        """Per live request, its questions' probabilities laid end to end; for a `raw`
+        request their scores before any temperature (fleet.decisions.DecideRequest)."""
         flat: list[np.ndarray] = []
-        for kind, first, n, labelled in plan.questions:
+        temperatures = decide_temperatures(self.spec)
+        raw_of = np.repeat(np.asarray(raw, dtype=bool), plan.per_request)
+        for (kind, first, n, labelled), as_raw in zip(plan.questions, raw_of.tolist()):
+            if as_raw:
+                if labelled:
+                    flat.append(np.concatenate([label_logits[first, :n], label_logits[first + 1, :n][::-1]]))
+                else:
+                    flat.append(np.tile(scores[first : first + n], 2))
+                continue
             if n <= 1:
                 flat.append(np.ones(n))
                 continue
-            t = float(self.temperatures.get(temperature_key(kind, n), 1.0))
+            t = float(temperatures.get(temperature_key(kind, n), 1.0))
             if labelled:
                 forward = softmax(label_logits[first, :n] / t)
                 backward = softmax(label_logits[first + 1, :n] / t)[::-1]
@@ -525,7 +535,7 @@ class DecisionLM(Adapter):
             else:
                 flat.append(softmax(scores[first : first + n] / t))
         ends = np.cumsum(plan.per_request)
-        return [np.concatenate(flat[e - c : e]) for c, e in zip(plan.per_request, ends)]
+        return [np.concatenate(flat[e - c : e]) if c else np.zeros(0) for c, e in zip(plan.per_request, ends)]
 
 
 def load_causal_lm(spec: Any, dtype: Any) -> Any:

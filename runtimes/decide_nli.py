@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.decisions import DecideRequest, DecideResult, temperature_key
+from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, temperature_key
 from fleet.errors import ModelLoadFailed
 from fleet.messages import WorkError
 from runtimes.base import Adapter, BatchContext, Steps, run_through
@@ -54,7 +54,6 @@ class NliDecider(Adapter):
         self.model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForSequenceClassification")
         self.entail, self.contradict = nli_labels(self.model.config.id2label, self.spec.name)
         self.max_len = max_length(self.spec, self.tokenizer, self.model.config)
-        self.temperatures: dict[str, float] = dict(self.spec.extra.get("decide_temperatures") or {})
         from fleet.decisions import DecideQuestion
 
         probe = DecideRequest(self.spec.name, "hello", [
@@ -115,6 +114,7 @@ class NliDecider(Adapter):
             logits[idx[keep]] = out[:, [self.entail, self.contradict]].cpu().numpy()
         # 3. Per question: a softmax over its options' entailment, or entailment against contradiction.
         start = 0
+        temperatures = decide_temperatures(self.spec)
         for k, i in enumerate(live):
             req = requests[i]
             if refused[k]:
@@ -126,14 +126,18 @@ class NliDecider(Adapter):
             probs = []
             for q in req.questions:
                 n = len(q.options)
-                t = float(self.temperatures.get(temperature_key(q.kind, n), 1.0))
+                t = float(temperatures.get(temperature_key(q.kind, n), 1.0))
                 if q.kind == "noul":
                     entail, contradict = logits[start]
-                    yes = softmax(np.array([entail, contradict]) / t)[0]
-                    probs.append(np.array([yes, 1 - yes]))
+                    if req.raw:  # yes: entailment against contradiction, in either order alike
+                        probs.append(np.tile(logits[start], 2))
+                    else:
+                        yes = softmax(np.array([entail, contradict]) / t)[0]
+                        probs.append(np.array([yes, 1 - yes]))
                     start += 1
                 else:
-                    probs.append(softmax(logits[start : start + n, 0] / t) if n > 1 else np.ones(n))
+                    entail = logits[start : start + n, 0]
+                    probs.append(np.tile(entail, 2) if req.raw else softmax(entail / t) if n > 1 else np.ones(n))
                     start += n
             results[i] = DecideResult(np.concatenate(probs).astype("<f8").tobytes(),
                                       int(tokens[owners == k].sum()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Any
 
 import msgspec
 
@@ -18,6 +19,15 @@ from runtimes.residency import Residency
 from runtimes.state import BatchStats
 
 _encode = msgspec.msgpack.Encoder().encode
+
+
+def decision_info(spec: Any) -> dict[str, Any]:
+    """A decision model's live temperatures and where they came from (fleet.calibration);
+    nothing for other tasks."""
+    if spec.task != "decide":
+        return {}
+    return {"decide_temperatures": spec.extra.get("decide_temperatures") or {},
+            "calibration": spec.extra.get("calibration")}
 
 
 def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: BatchStats, batch_seq: int,
@@ -52,6 +62,7 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
                 "cost": cost_info(costs.get(name)),
                 "loras": r.adapter.attached_loras(),  # LoRA adapters attached to it (runtimes.lora)
                 **engine_info(r.adapter),
+                **decision_info(r.adapter.spec),
             }
             for name, r in models.items()
         },

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -158,7 +159,7 @@ class Residency:
     check_weights: Callable[[ModelSpec], None] = refuse_mismatched_weights
     #: A model's profile as the catalog names it now (runtimes.resolve.store_profiles): a
     #: SIGHUP's `profile` command applies it to resident models. None: not re-read (bare tests).
-    profile_of: Callable[[str], tuple[Profile, str, dict[str, str]]] | None = None
+    profile_of: Callable[[str], tuple[Profile, str, dict[str, str], dict[str, Any]]] | None = None
     models: dict[str, Resident] = field(default_factory=dict)
     estimates: Estimates = field(default_factory=Estimates)
     #: Models this worker keeps resident whatever the pressure (pins, preloads).

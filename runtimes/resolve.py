@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
+from fleet.calibration import calibration_extra
 from fleet.catalog import Profile as CatalogProfile
 from fleet.catalog import load_catalog, profile_sources, select_profile
 from fleet.config import Settings
@@ -56,6 +58,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
             max_seq_len=manifest.max_seq_len,
             extra={"base": manifest.base, "profile": which, "profile_from": sources,
                    "threshold": entry.threshold if entry is not None else None,
+                   **calibration_extra(entry.calibration if entry is not None else None),
                    # Prompts as pulled (None: a manifest from before fleet recorded them;
                    # the adapter reads the folder then); the source names INSTRUCTOR hub ids.
                    "source": manifest.source, "prompts": manifest.prompts,
@@ -68,22 +71,28 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
     return resolve
 
 
-def store_profiles(settings: Settings, device: str = "cpu") -> Callable[[str], tuple[Profile, str, dict[str, str]]]:
+ProfileNow = tuple[Profile, str, dict[str, str], dict[str, Any]]
+
+
+def store_profiles(settings: Settings, device: str = "cpu") -> Callable[[str], ProfileNow]:
     """What a model's profile is now for a worker on `device` (`store_resolver`'s choice,
     read again from the catalog and the manifest, files not re-hashed): (profile, its
-    name, each setting's source). A SIGHUP applies it to resident models (runtimes.commands)."""
+    name, each setting's source, its calibration as `calibration_extra`). A SIGHUP, or
+    a calibration written through the daemon, applies it to resident models
+    (runtimes.commands)."""
     from runtimes.device import device_class
 
     store = Store(settings.store_path)
     klass = device_class(device)
 
-    def profile_of(name: str) -> tuple[Profile, str, dict[str, str]]:
+    def profile_of(name: str) -> ProfileNow:
         manifest = store.get(name)
         entry = load_catalog(settings.home).find(name)  # a broken models.toml raises: nothing is changed
         if entry is None:
-            return Profile.from_mapping(msgspec.structs.asdict(manifest.profile)), "default", MANIFEST_SOURCES
+            return (Profile.from_mapping(msgspec.structs.asdict(manifest.profile)), "default", MANIFEST_SOURCES,
+                    calibration_extra(None))
         profile, which = select_profile(entry, klass)
         return (Profile.from_mapping(msgspec.structs.asdict(profile)), which,
-                profile_sources(settings.home, name, klass))
+                profile_sources(settings.home, name, klass), calibration_extra(entry.calibration))
 
     return profile_of

@@ -10,6 +10,8 @@ import msgspec
 from litestar import Controller, Request, Response, delete, get
 
 from fleet import __version__
+from fleet.calibration import calibration_extra
+from fleet.catalog import load_catalog
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.errors import FleetError
 from fleet.protocol import DecisionModelCard, ModelCard, ModelDetail, ModelList
@@ -56,9 +58,27 @@ def model_capabilities(daemon: Daemon, m: Manifest) -> list[str]:
     return capabilities(m.task, own.runtime, template)
 
 
-def model_card(daemon: Daemon, m: Manifest, loaded: set[str], pinned: set[str]) -> ModelCard:
+def model_card(daemon: Daemon, m: Manifest, loaded: set[str], pinned: set[str],
+               workers: list[dict] | None = None) -> ModelCard:
     return ModelCard(id=m.name, created=unix_seconds(m.created_at), task=m.task, runtime=m.runtime,
-                     loaded=m.name in loaded, pinned=m.name in pinned, capabilities=model_capabilities(daemon, m))
+                     loaded=m.name in loaded, pinned=m.name in pinned, capabilities=model_capabilities(daemon, m),
+                     **(decision_temperatures(daemon, m.name, workers or []) if m.task == "decide" else {}))
+
+
+def decision_temperatures(daemon: Daemon, name: str, workers: list[dict]) -> dict:
+    """A decision model's temperatures for its card: a worker's live ones, else the
+    catalog's (what its next load takes)."""
+    for view in live_profiles(workers, name):
+        if view.decide_temperatures is not msgspec.UNSET:
+            return {"decide_temperatures": view.decide_temperatures, "calibration": view.calibration,
+                    "temperatures_live": True}
+    try:
+        entry = load_catalog(daemon.settings.home).find(name)
+    except FleetError:  # a broken models.toml: the card says nothing it cannot know
+        return {}
+    cal = calibration_extra(entry.calibration if entry is not None else None)
+    return {"decide_temperatures": cal["decide_temperatures"] or {}, "calibration": cal["calibration"],
+            "temperatures_live": False}
 
 
 def decision_cards(daemon: Daemon, listed: list[Manifest]) -> list[DecisionModelCard]:
@@ -88,7 +108,8 @@ class ModelsController(Controller):
         pinned = daemon.pinned_models()
         only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
         listed = [m for m in daemon.store.list() if only is None or m.name == only]
-        return reply(request, ModelList([model_card(daemon, m, loaded, pinned) for m in listed],
+        workers = await daemon.workers() if any(m.task == "decide" for m in listed) else []
+        return reply(request, ModelList([model_card(daemon, m, loaded, pinned, workers) for m in listed],
                                         models=decision_cards(daemon, listed) or msgspec.UNSET))
 
     @get("/models/{model_id:str}")
@@ -100,8 +121,9 @@ class ModelsController(Controller):
         except ModelNotFound:
             raise ModelNotFound(f"unknown model {model_id!r}", hint="fleetctl list shows what is pulled",
                                 param="model") from None
-        card = model_card(daemon, manifest, await daemon.loaded_models(), daemon.pinned_models())
-        profiles = live_profiles(await daemon.workers(), manifest.name)
+        workers = await daemon.workers()
+        card = model_card(daemon, manifest, await daemon.loaded_models(), daemon.pinned_models(), workers)
+        profiles = live_profiles(workers, manifest.name)
         return reply(request, ModelDetail(**msgspec.structs.asdict(card), profiles=profiles))
 
     @delete("/models/{model_id:str}", status_code=200, guards=[operator_only])

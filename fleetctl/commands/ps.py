@@ -175,10 +175,25 @@ def profiles_table(state: dict[str, Any]) -> FitTable:
         for name, m in sorted(w["models"].items()):
             if m and (name, m.get("profile")) not in seen:
                 seen.add((name, m.get("profile")))
-                t.add_row(name, "\n".join((f"profile {m.get('profile', 'default')}", f"settings (from) {settings(m)}",
-                                           f"batch cost (fitted) {cost(m.get('cost') or {})}",
-                                           f"engine (chosen by) {engine(m)}")))
+                lines = [f"profile {m.get('profile', 'default')}", f"settings (from) {settings(m)}",
+                         f"batch cost (fitted) {cost(m.get('cost') or {})}", f"engine (chosen by) {engine(m)}"]
+                if "decide_temperatures" in m:
+                    lines.append(f"temperatures (from) {temperatures(m)}")
+                t.add_row(name, "\n".join(lines))
     return t
+
+
+def temperatures(m: dict) -> str:
+    """"choice:3-5 0.41, noul:1-2 0.62 (fleetctl calibrate 2026-12-07, ECE 0.210 -> 0.031)": a
+    decision model's live temperatures and where they came from (fleet.calibration)."""
+    temps, cal = m.get("decide_temperatures") or {}, m.get("calibration")
+    values = ", ".join(f"{k} {v:g}" for k, v in temps.items()) or "1.0 everywhere"
+    if not cal:
+        return f"{values} (default: never calibrated)"
+    when = (cal.get("calibrated_at") or "")[:10]
+    ece = (f", ECE {cal['ece_before']:.3f} -> {cal['ece_after']:.3f}"
+           if cal.get("ece_before") is not None and cal.get("ece_after") is not None else "")
+    return f"{values} ({cal.get('source', 'models.toml')}{' ' + when if when else ''}{ece})"
 
 
 #: Profile settings as `ps` names them, in this order.
