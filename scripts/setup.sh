@@ -25,6 +25,9 @@ if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/openvino \
     'openvino==2026.4.1' 'openvino-telemetry==2025.2.0'
   ./scripts/setup_llamacpp.sh
+  # The JS clients the agent tests drive (the Vercel AI SDK) into .venv/node, pinned by
+  # tests/js/package-lock.json; skipped, saying so, where npm is missing. ~6 s, 29 MB.
+  ./scripts/setup_js_clients.sh
   # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv.
   ./scripts/setup_gliner_ref.sh
 else

@@ -6,6 +6,10 @@ limit (OpenAI chat, Responses, Ollama chat), and say which server limit ended th
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -310,6 +314,61 @@ def test_smolagents_tool_calling_agent_calls_its_tool(served: DaemonProc) -> Non
     step = next(s for s in agent.memory.steps if getattr(s, "tool_calls", None))
     assert step.tool_calls[0].name in ("set_mode", "final_answer")
     assert step.tool_calls[0].name != "set_mode" or "switched" in step.observations
+
+
+#: Where `node` finds the Vercel AI SDK (a folder holding node_modules/ai):
+#: FLEET_AI_SDK_DIR, else the folder scripts/setup_js_clients.sh installs into.
+AI_SDK_DIR = Path(os.environ.get("FLEET_AI_SDK_DIR") or Path(__file__).parents[1] / ".venv" / "node")
+AI_SDK = """
+import { generateText, streamText, tool, jsonSchema } from "ai";
+import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
+const base = process.argv[1];  // node -e SCRIPT URL
+const model = createOpenAICompatible({ name: "fleet", baseURL: `${base}/v1`, apiKey: "unused" }).chatModel("%(model)s");
+const ran = [];
+const tools = { set_mode: tool({ description: "Switch the device.", inputSchema: jsonSchema(%(schema)s),
+                                 execute: async ({ mode }) => { ran.push(mode); return `switched ${mode}`; } }) };
+const out = {};
+try {
+  const gen = await generateText({ model, tools, toolChoice: "required", prompt: "turn it on" });
+  out.generated = { calls: gen.toolCalls.map((c) => [c.toolName, c.input]), results: gen.toolResults.map((r) => r.output),
+                    finish: gen.finishReason };
+  // The call and its result as history, in the SDK's own messages: the model answers.
+  const after = await generateText({ model, tools, toolChoice: "none", maxOutputTokens: 4,
+                                     messages: [{ role: "user", content: "turn it on" }, ...gen.response.messages] });
+  out.after = { calls: after.toolCalls.length, inputTokens: after.usage.inputTokens };
+  const st = streamText({ model, tools, toolChoice: "required", prompt: "turn it on" });
+  out.parts = [];
+  for await (const p of st.fullStream) out.parts.push(p.type === "tool-input-delta" ? [p.type, p.delta] : [p.type]);
+  out.streamed = { calls: (await st.toolCalls).map((c) => [c.toolName, c.input]),
+                   results: (await st.toolResults).map((r) => r.output) };
+  out.ran = ran;
+} catch (e) { out.failed = String(e); }
+console.log(JSON.stringify(out));
+"""
+
+
+@pytest.mark.skipif(not (AI_SDK_DIR / "node_modules" / "ai").is_dir() or shutil.which("node") is None,
+                    reason="the Vercel AI SDK runs where scripts/setup_js_clients.sh installed it (or "
+                           "FLEET_AI_SDK_DIR names a folder with `ai` and `@ai-sdk/openai-compatible`) "
+                           "and node is on PATH")
+def test_vercel_ai_sdk_runs_a_tool_through_generate_and_stream(served: DaemonProc) -> None:
+    script = AI_SDK % {"model": CALLER, "schema": json.dumps(SWITCH)}
+    run = subprocess.run(["node", "--input-type=module", "-e", script, served.url], cwd=AI_SDK_DIR,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "failed" not in out, out
+    # Each call parsed by the SDK against the tool's schema and run by it; its result went back.
+    gen, streamed = out["generated"], out["streamed"]
+    assert gen["finish"] == "tool-calls" and [n for n, _ in gen["calls"]] == ["set_mode"]
+    assert all(fits(n, json.dumps(a)) for n, a in gen["calls"] + streamed["calls"])
+    assert out["ran"] == [a["mode"] for _, a in gen["calls"] + streamed["calls"]]
+    assert gen["results"] + streamed["results"] == [f"switched {m}" for m in out["ran"]]
+    assert out["after"]["calls"] == 0 and out["after"]["inputTokens"] > 0
+    # Streamed: the call's arguments arrive as input deltas, then the whole call.
+    kinds = [p[0] for p in out["parts"]]
+    assert kinds.index("tool-input-start") < kinds.index("tool-input-delta") < kinds.index("tool-call")
+    assert kinds[-1] == "finish"
 
 
 # ---- generation metrics ------------------------------------------------------------------------
