@@ -154,6 +154,10 @@ class NullDisplay:
     def note(self, text: str) -> None: ...
 
 
+#: The display of a run nobody watches; it keeps no state, so one serves every call.
+NULL_DISPLAY = NullDisplay()
+
+
 def open_run(spec: TargetSpec, plan: Plan, texts: list[str], lengths: list[int], model_dir: Path | None) -> TargetRun:
     if spec.kind == "st":
         from bench.st_local import LocalST, STSetup
@@ -173,7 +177,7 @@ def open_run(spec: TargetSpec, plan: Plan, texts: list[str], lengths: list[int],
 
 
 def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sampler | None,
-             display=NullDisplay(), mode: str | None = None, duration_s: float | None = None) -> StepRecord:
+             display=NULL_DISPLAY, mode: str | None = None, duration_s: float | None = None) -> StepRecord:
     mode = mode or run.mode
     duration = duration_s or plan.duration_s
     if duration_s is None and mode == OPEN:
@@ -199,7 +203,7 @@ def run_step(run: TargetRun, plan: Plan, offered: float, index: int, sampler: Sa
     )
 
 
-def settle(run: TargetRun, plan: Plan, display=NullDisplay()) -> None:
+def settle(run: TargetRun, plan: Plan, display=NULL_DISPLAY) -> None:
     """After a step the bench gave up on (replies still owed), let the server drain.
 
     Requests the generator stopped waiting for may still be queued in the server;
@@ -215,7 +219,7 @@ def _median(values: np.ndarray) -> float | None:
     return float(np.median(finite)) if finite.size else None
 
 
-def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NullDisplay()) -> None:
+def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NULL_DISPLAY) -> None:
     """One client, back to back: loads lazy models and measures the unloaded rate the ramp starts from."""
     if run.spec.kind == "st" or plan.warmup_s <= 0:
         return
@@ -234,7 +238,7 @@ def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NullDis
 
 
 def bench(specs: list[TargetSpec], plan: Plan, texts: list[str], lengths: list[int], *,
-          model_dir: Path | None = None, display=NullDisplay(), sampler: Sampler | None = None) -> list[TargetRun]:
+          model_dir: Path | None = None, display=NULL_DISPLAY, sampler: Sampler | None = None) -> list[TargetRun]:
     runs: list[TargetRun] = []
     try:
         for spec in specs:

@@ -534,11 +534,15 @@ class BenchKnobs:
     resolution: float = 0.08
 
 
+#: A DaemonMeasurer's knobs when none are given (read, never changed: one serves all).
+DEFAULT_KNOBS = BenchKnobs()
+
+
 class DaemonMeasurer:
     """Measures a candidate by starting a daemon with it and benching its knee."""
 
     def __init__(self, *, model: str, task: str, device: str, cores: int, user_home: Path,
-                 texts: list[str], lengths: list[int], knobs: BenchKnobs = BenchKnobs(),
+                 texts: list[str], lengths: list[int], knobs: BenchKnobs = DEFAULT_KNOBS,
                  device_class: str, new_entry: dict | None = None, start_timeout_s: float = 240.0,
                  note: Callable[[str], None] = lambda s: None) -> None:
         self.model, self.task, self.device, self.cores = model, task, device, cores

@@ -48,7 +48,11 @@ class SimModel:
         return self.size.swap_ms
 
 
-def make_models(n: int, profile: Profile = Profile()) -> list[SimModel]:
+#: Every simulated model's profile unless a run names another (frozen: one serves all).
+DEFAULT_PROFILE = Profile()
+
+
+def make_models(n: int, profile: Profile = DEFAULT_PROFILE) -> list[SimModel]:
     """n models; sizes cycle small, base, large down the popularity ranks, so every
     size class has popular and rare models (model i has popularity rank i + 1)."""
     return [SimModel(i, f"sim-m{i:02d}-{SIZE_CLASSES[i % 3].name}", SIZE_CLASSES[i % 3], profile) for i in range(n)]
