@@ -30,6 +30,9 @@ answers. What differs is how a step computes logits:
   (`gguf_tokenizer`: fleet.gguf reads the arrays, transformers converts them).
 - LoRA adapters are not served on this runtime (refused at attach).
 
+Threads: the worker's, or one where one runs faster (`_choose_threads`, timed at load and
+shown in `/v1/ps`).
+
 Deadlines and cancels are checked between steps by the worker, as for every
 generator; a step is bounded by one chunk of prefill plus one token per row.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -62,6 +66,10 @@ RUNTIME = "llama.cpp"
 PREFILL_TOKENS = 512
 #: llama.cpp's bound on sequences in one context.
 MAX_SEQUENCES = 256
+#: Choosing the threads at load: rounds, and the probe's prompt tokens and decode steps.
+THREAD_ROUNDS = 3
+PROBE_TOKENS = 32
+PROBE_STEPS = 4
 #: The GGUF arrays the tokenizer is built from.
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores")
@@ -170,6 +178,10 @@ class LlamaCppLM(CausalLM):
     def load(self) -> None:
         if not available():
             raise ModelLoadFailed(f"the llama.cpp runtime is not installed: {INSTALL}")
+        # ggml's threads meet at a barrier after every operation; libgomp's default is to
+        # spin there, which on a busy CPU (more runnable threads than cores) made 32 tokens
+        # of SmolLM2 on 2 threads take 23-29 s instead of 0.85 s. Read when libgomp loads.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import numpy as np
         import torch
         import llama_cpp.llama_cpp as L
@@ -202,7 +214,7 @@ class LlamaCppLM(CausalLM):
         cparams.n_batch = cparams.n_ubatch = PREFILL_TOKENS + self.n_seq
         cparams.n_seq_max = self.n_seq
         cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = torch.get_num_threads()
+        self.n_threads = cparams.n_threads = cparams.n_threads_batch = max(1, torch.get_num_threads())
         cparams.no_perf = True
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -218,8 +230,6 @@ class LlamaCppLM(CausalLM):
         self.kv_bytes = self._kv_bytes()
         ftype = meta.get("general.file_type")
         self.dtype = FILE_TYPES.get(ftype, "gguf") if isinstance(ftype, int) else "gguf"
-        self.choice = Engine({"kv_cells": self.kv_cells, "sequences": self.n_seq, "threads": cparams.n_threads,
-                              "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes})
         self.batch = _Batch(L, PREFILL_TOKENS + self.n_seq)
         self.grammars = None
         self.kv_token_bytes = 0  # the cache is allocated: admission counts cells, not bytes
@@ -234,7 +244,48 @@ class LlamaCppLM(CausalLM):
         self.free_ids = list(range(self.n_seq))
         self.cache = self.mask = self.pos = None
         self.last = None
+        threads_ms = self._choose_threads()
+        self.choice = Engine({"kv_cells": self.kv_cells, "sequences": self.n_seq, "threads": self.n_threads,
+                              "threads_ms": threads_ms, "weights_bytes": self.weights_bytes,
+                              "kv_bytes": self.kv_bytes})
         self._warm_up()
+
+    def _choose_threads(self) -> dict[str, float]:
+        """The worker's threads or one, whichever runs a short prompt and a few decode
+        steps faster here, timed in interleaved rounds (median): on a CPU other processes
+        share, one thread can beat two (ggml waits for every thread after each operation).
+        Returns each candidate's milliseconds."""
+        full = self.n_threads
+        if full <= 1:
+            return {}
+        times: dict[int, list[float]] = {1: [], full: []}
+        for _ in range(THREAD_ROUNDS):
+            for n in times:
+                self.L.llama_set_n_threads(self.ctx, n, n)
+                t0 = time.perf_counter()
+                self._probe()
+                times[n].append((time.perf_counter() - t0) * 1000)
+        ms = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+        self.n_threads = min(ms, key=ms.__getitem__)
+        self.L.llama_set_n_threads(self.ctx, self.n_threads, self.n_threads)
+        return {str(n): round(v, 1) for n, v in ms.items()}
+
+    def _probe(self) -> None:
+        """A 32-token prompt and 4 decode steps on sequence 0, then its cells cleared."""
+        b, np = self.batch, self._np
+        b.token[:PROBE_TOKENS] = np.arange(PROBE_TOKENS, dtype=np.int32) % self.vocab_size
+        b.pos[:PROBE_TOKENS] = np.arange(PROBE_TOKENS, dtype=np.int32)
+        b.seq[:PROBE_TOKENS] = 0
+        b.logits[:PROBE_TOKENS] = 0
+        b.logits[PROBE_TOKENS - 1] = 1
+        b.c.n_tokens = PROBE_TOKENS
+        for k in range(PROBE_STEPS + 1):
+            if k:
+                b.token[0], b.pos[0], b.logits[0] = k, PROBE_TOKENS + k - 1, 1
+                b.c.n_tokens = 1
+            if self.L.llama_decode(self.ctx, b.c) != 0:
+                raise ModelLoadFailed(f"llama.cpp failed a {PROBE_TOKENS}-token probe of {self.spec.name!r}")
+        self.L.llama_memory_seq_rm(self.memory, 0, -1, -1)
 
     def _kv_bytes(self) -> int:
         """Bytes of the KV cache llama.cpp allocated: cells x layers x (K + V) widths,

@@ -4,7 +4,7 @@ GGUF, through a real daemon (one CPU worker) and real HTTP:
 - greedy text equals llama.cpp's own `Llama` object on the same file and prompt;
 - JSON-schema output always parses and matches the schema, greedy and sampled;
 - two streams in flight at once interleave (one batch: continuous batching);
-- `/v1/ps` shows the engine and the bytes held (weights + KV cache).
+- `/v1/ps` shows the engine, the bytes held (weights + KV cache) and the threads chosen.
 
 These need the optional `llama_cpp` package (the fleet[llamacpp] extra): the plain
 install leaves it out (`scripts/setup.sh --test` builds it into `.venv/llamacpp`, as the
@@ -59,6 +59,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, gguf: Path):
 
 @pytest.fixture(scope="module")
 def reference(gguf: Path):
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the runtime runs it (runtimes/llamacpp.py)
     from llama_cpp import Llama
 
     # Flash attention as the runtime's context runs it (llama.cpp's "auto" turns it on
@@ -122,3 +125,4 @@ def test_ps_shows_the_engine_and_the_bytes_held(served: DaemonProc) -> None:
     assert engine["engine"] == "llama.cpp"
     assert held[0]["bytes"] == engine["weights_bytes"] + engine["kv_bytes"] > 96_000_000
     assert held[0]["dtype"] == "Q4_1"
+    assert engine["threads"] in (1, 2) and set(engine["threads_ms"]) == {"1", "2"}
