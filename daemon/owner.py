@@ -44,21 +44,28 @@ def stored_or_missing(daemon: Daemon, name: str) -> None:
         raise daemon.store.missing(name)
 
 
+async def resident_copies(daemon: Daemon, name: str) -> list[tuple[dict, str]]:
+    """(worker, model it holds) for each copy of `name`: the model itself, or for a LoRA
+    adapter the base it is attached to (the adapter's weights live in its base's copy)."""
+    return [(w, model) for w in await daemon.workers() if w["up"] for model, m in w["models"].items()
+            if model == name or name in ((m or {}).get("loras") or ())]
+
+
 async def retire_copies(daemon: Daemon, name: str) -> list[dict]:
-    """After a pull changed `name`: every resident copy is unloaded, and a copy its
-    worker held pinned is pinned (loaded) again from the new files. The answers of the
-    workers that acted, `{worker, device, pinned}` each."""
+    """After a pull changed `name`: every resident copy is unloaded (an adapter's: its
+    base's), and a copy its worker held pinned is pinned (loaded) again from the new
+    files. The workers that acted, `{worker, device, model, pinned}` each."""
     daemon.forget(name)
     acted = []
-    for worker in await holders(daemon, name):
-        pinned = bool(worker["models"].get(name, {}).get("pinned"))
+    for worker, model in await resident_copies(daemon, name):
+        pinned = bool(worker["models"].get(model, {}).get("pinned"))
         if pinned:
-            await send(daemon, worker, UNPIN, name)
-        await send(daemon, worker, UNLOAD, name)
+            await send(daemon, worker, UNPIN, model)
+        await send(daemon, worker, UNLOAD, model)
         if pinned:
-            await send(daemon, worker, PIN, name)
-        acted.append({"worker": worker["worker"], "device": worker["device"], "pinned": pinned})
-        log.info("pull replaced %s: its copy on worker %d %s", name, worker["worker"],
+            await send(daemon, worker, PIN, model)
+        acted.append({"worker": worker["worker"], "device": worker["device"], "model": model, "pinned": pinned})
+        log.info("pull replaced %s: the copy of %s on worker %d %s", name, model, worker["worker"],
                  "was loaded again from the new files (pinned)" if pinned else "was unloaded")
     return acted
 

@@ -40,12 +40,11 @@ from fleet.pull import pull_model, resolve_name
 from fleet.store import Progress, damage_fix
 
 from daemon import codec
-from daemon.controllers.admin import holders
 from daemon.controllers.ollama import room_for_model, shown
 from daemon.core import Daemon
 from daemon.http import body_is_msgpack, reply
 from daemon.operator import operator_only
-from daemon.owner import detached, retire_copies
+from daemon.owner import detached, resident_copies, retire_copies
 
 log = logging.getLogger("fleet.daemon")
 
@@ -144,7 +143,7 @@ class StoreController(Controller):
                                              progress=LineProgress(loop, lines), **opts)
             replaced = []
             if result.status != "up_to_date":
-                if await holders(daemon, name):
+                if await resident_copies(daemon, name):
                     lines.put_nowait({"status": f"replacing the loaded copies of {name}"})
                 replaced = await retire_copies(daemon, name)
             log.info("pulled %s through the API: %s", name, result.status)

@@ -96,8 +96,10 @@ def register(app: typer.Typer) -> None:
                     f"{result['path']}")
         print(line)
         for r in replaced:
-            how = "loaded again from the new files (pinned)" if r["pinned"] else "unloaded: the next request loads the new files"
-            print(f"the copy on worker {r['worker']} ({r['device']}) was {how}")
+            how = ("loaded again from the new files (pinned)" if r["pinned"]
+                   else "unloaded: the next request loads the new files")
+            held = r.get("model", m["name"])  # an adapter's copy lives in its base's
+            print(f"the copy of {held} on worker {r['worker']} ({r['device']}) was {how}")
 
 
 def absolute_source(target: str) -> str:
