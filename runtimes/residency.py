@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -286,7 +287,7 @@ class Residency:
                     self.unload(victim, reason="lru")
                     load.evicted.append(victim)
                 self.pending = load
-                load.start(lambda: self.build_adapter(spec), self.progress, self.load_timeout_ms)
+                load.start(partial(self.build_adapter, spec), self.progress, self.load_timeout_ms)
                 started = True
                 return
             finally:

@@ -55,9 +55,9 @@ def read_nvml() -> dict[str, Any]:
             gpu = {"index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
                    "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
                    "capability": "%d.%d" % pynvml.nvmlDeviceGetCudaComputeCapability(h)}
-            gpu["mig"] = _optional(lambda: pynvml.nvmlDeviceGetMigMode(h)[0] == pynvml.NVML_DEVICE_MIG_ENABLE)
+            gpu["mig"] = _optional(lambda h=h: pynvml.nvmlDeviceGetMigMode(h)[0] == pynvml.NVML_DEVICE_MIG_ENABLE)
             gpu["persistence"] = _optional(
-                lambda: pynvml.nvmlDeviceGetPersistenceMode(h) == pynvml.NVML_FEATURE_ENABLED)
+                lambda h=h: pynvml.nvmlDeviceGetPersistenceMode(h) == pynvml.NVML_FEATURE_ENABLED)
             out["gpus"].append(gpu)
         return out
     finally:
