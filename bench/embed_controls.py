@@ -119,10 +119,10 @@ def steps(reps: int, n: int) -> dict[str, dict[str, float]]:
     for v, req in requests.items():
         results: list = [None]
 
-        def check() -> None:
+        def check(req: EmbedRequest = req) -> None:
             tasks.check_embed_controls(daemon, req)
 
-        def finish() -> None:
+        def finish(req: EmbedRequest = req, results: list = results) -> None:
             finish_dense(vectors, tokens, [req], [0], results)
 
         row = {}

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -104,12 +105,12 @@ def in_process(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
         if task == "rerank":
             ce = CrossEncoder(str(folders[task]), device="cpu")
             runners["reference CrossEncoder.predict fp32"] = [
-                lambda d=d: ce.predict([(query, x) for x in d]) for d in (short, full)]
+                lambda d=d, ce=ce: ce.predict([(query, x) for x in d]) for d in (short, full)]
         else:
             tok = AutoTokenizer.from_pretrained(folders[task])
             model = AutoModelForSequenceClassification.from_pretrained(folders[task]).eval()
 
-            def classify(d: list[str]) -> np.ndarray:
+            def classify(d: list[str], model: Any = model, tok: Any = tok) -> np.ndarray:
                 with torch.inference_mode():
                     return model(**tok(d, padding=True, truncation=True, return_tensors="pt")).logits.softmax(-1)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections import defaultdict
+from functools import partial
 
 import httpx
 
@@ -39,7 +40,7 @@ def batch_of(r: httpx.Response) -> str | None:
 def test_concurrent_replies_name_their_shared_batch(daemon: DaemonProc) -> None:
     for route in ("/v1/embed", "/v1/embeddings"):
         with cf.ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(lambda t: embed(daemon.url, t, route), TEXTS))
+            got = list(pool.map(partial(embed, daemon.url, route=route), TEXTS))
         assert all(r.status_code == 200 for r in got), [r.text for r in got if r.status_code != 200]
         batches: dict[str, list[httpx.Response]] = defaultdict(list)
         for r in got:

@@ -268,7 +268,8 @@ def test_every_route_refuses_a_query_parameter_it_does_not_declare_and_changes_n
             and SPARE not in dict(before["resident"]) and before["blob"] == 404), before
     swept = 0
     for method, template, _ in app_handlers():
-        path = _TEMPLATE.sub(lambda m: {**values, **per_route.get((method, template), {})}[m.group(1)], template)
+        names = {**values, **per_route.get((method, template), {})}
+        path = _TEMPLATE.sub(lambda m, names=names: names[m.group(1)], template)
         body = acting.get((method, template), {"json": {}} if method in ("POST", "DELETE") else {})
         # As the operator: the routes that change the daemon refuse anyone else first (daemon.operator).
         resp = httpx.request(method, served.url + path, params={"bogus_param": "1"}, headers=served.admin,

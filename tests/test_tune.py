@@ -86,7 +86,7 @@ def test_coordinate_search_under_noise_stays_near_the_optimum():
     for seed in range(5):
         rng = random.Random(seed)
 
-        def measure(c):
+        def measure(c, rng=rng):
             return Measurement(synthetic(c) * rng.uniform(0.96, 1.04), 100.0)
 
         result = coordinate_search(SPACE, Candidate("float32", 65536, 512, 10.0, 2), measure,
