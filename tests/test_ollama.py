@@ -275,7 +275,9 @@ def test_bad_input_gets_a_clean_4xx_in_ollamas_shape(served: DaemonProc, method:
 def test_the_client_raises_response_error_with_the_message(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model="nope", messages=[{"role": "user", "content": "hi"}])
-    assert err.value.status_code == 404 and err.value.error == "model 'nope' not found, try pulling it first"
+    # Ollama's own words first (what its clients match), then how fleet's operator pulls it.
+    assert err.value.status_code == 404 and err.value.error.startswith("model 'nope' not found, try pulling it first")
+    assert "fleetctl pull nope" in err.value.error
     with pytest.raises(ollama.ResponseError) as err:
         list(client.generate(model=LLM, prompt="hi", stream=True, options={"num_predict": 100000}))
     assert err.value.status_code == 400 and "max_tokens" in err.value.error
