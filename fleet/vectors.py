@@ -43,11 +43,6 @@ def scalar_ranges(dimensions: int) -> np.ndarray:
     return np.array([[RANGE_START] * dimensions, [RANGE_END] * dimensions], dtype=np.float32)
 
 
-def row_width(dimensions: int, dtype: str) -> int:
-    """Values per row on the wire: bytes for the packed bits, else one per dimension."""
-    return (dimensions + 7) // 8 if dtype in PACKED else dimensions
-
-
 def quantize(vectors: np.ndarray, dtype: str) -> np.ndarray:
     """(n, d) float32 vectors as `dtype` (a new C-order array; float32 as it is)."""
     if dtype == "float32":

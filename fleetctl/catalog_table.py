@@ -45,11 +45,6 @@ def format_size(nbytes: int | None) -> str:
     return f"{nbytes} B"
 
 
-def hub_id(entry: CatalogEntry) -> str:
-    source = parse_source(entry.source)
-    return source.ref if source.kind == "hf" else source.unpinned
-
-
 def notes(entry: CatalogEntry) -> str:
     """What a deployer checks before pulling: gating, pooling, width, Matryoshka widths,
     the catalog's prompt names, the entry's note."""
