@@ -194,7 +194,6 @@ class BatchRun:
         self.writable = asyncio.Event()
         self.writable.set()
         self.task: asyncio.Task | None = None
-        self._dispatching = asyncio.Event()  # set while the producer may start lines
 
     # -- what clients see --------------------------------------------------------------
 

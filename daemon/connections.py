@@ -246,8 +246,6 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     table = ConnectionTable(limits)
 
     class GuardedProtocol(HttpToolsProtocol):
-        connections_table = table
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.phase = IDLE
