@@ -447,7 +447,6 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
     setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts, lengths=lengths,
                           batch=BATCH)
     steps: list[StepResult] = []
-    texts_sent = 0
     with loadgen.Generator(setup, processes=sizes.generators) as gen:
         gen.run(loadgen.StepPlan(index=0, mode=CLOSED, offered=sizes.generators, duration_s=sizes.step_s / 2))
         for i, clients in enumerate(sizes.clients, start=1):
@@ -457,7 +456,6 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
             steps.append(StepResult(offered=clients, throughput_rps=m.ok / m.elapsed_s,
                                     tokens_per_s=tokens / m.elapsed_s, p50_ms=p50, p95_ms=p95, p99_ms=p99,
                                     sent=m.sent, ok=m.ok, errors=m.errors, mode=CLOSED))
-            texts_sent += m.ok * BATCH
             if find_knee(steps).saturated:
                 break
     knee = find_knee(steps)

@@ -94,8 +94,6 @@ class PullSystem:
         self.by_name = {m.name: m for m in models}
         self.recorder = recorder
         self.time_scale = time_scale
-        #: Set by the step runner while this system's step runs (idle WorkerCores block: no effect).
-        self.measuring = False
         self.queue = LocalQueue.create(slots=queue_slots, slab_bytes=256 << 20,
                                        max_lanes=max(256, len(models) + workers), max_workers=max(64, workers))
         self.lanes = [self.queue.lane_id(m.name) for m in models]

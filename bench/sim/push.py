@@ -185,7 +185,6 @@ class PushSystem:
         self.devices = [SimDevice(slots, time_scale) for _ in range(workers)]
         self.workers = [PushWorker(i, d, models, recorder) for i, d in enumerate(self.devices)]
         self.router = PushRouter(self.workers, slots)
-        self.measuring = False  # set by the step runner (no effect here: idle push workers block)
         self.refresh_s = refresh_ms * time_scale / 1e3
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=w.loop, args=(self._stop, idle_wait_s * time_scale, target_ms),

@@ -87,16 +87,6 @@ def _sum_stats(devices) -> DeviceStats:
 
 def run_step(system, trace: Trace, models: list[SimModel], recorder: Recorder, base_rid: int, *,
              time_scale: float, drain_s: float, payload: memoryview) -> StepOutcome:
-    system.measuring = True
-    try:
-        return _run_step(system, trace, models, recorder, base_rid, time_scale=time_scale, drain_s=drain_s,
-                         payload=payload)
-    finally:
-        system.measuring = False
-
-
-def _run_step(system, trace: Trace, models: list[SimModel], recorder: Recorder, base_rid: int, *,
-              time_scale: float, drain_s: float, payload: memoryview) -> StepOutcome:
     n = len(trace)
     scale_ns = time_scale * 1e9
     recorder.begin(base_rid, n)
