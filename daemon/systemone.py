@@ -66,9 +66,11 @@ class Parsed:
     timeout_ms: int | None
     ignored: list[str] = field(default_factory=list)
     unsupported: str | None = None  # why fleet cannot answer a request the schema allows
+    state_json: bool = False  # the state was an object or array (`state` is its compact JSON)
 
     def request(self, model: str) -> DecideRequest:
-        return DecideRequest(model=model, state=self.state, questions=self.questions, timeout_ms=self.timeout_ms)
+        return DecideRequest(model=model, state=self.state, questions=self.questions, timeout_ms=self.timeout_ms,
+                             state_json=self.state_json)
 
 
 def problem(loc: list[Any], msg: str, type_: str, value: Any = _MISSING, ctx: dict[str, Any] | None = None
@@ -128,7 +130,7 @@ def parse(body: Any) -> Parsed:
                               "greater_than_equal", timeout, {"ge": 1}))
     assets = body.get("assets")
     parsed = Parsed(model if model.__class__ is str else "", text(state) if is_content(state) else "",
-                    [], [], [], [], [], timeout, ignored)
+                    [], [], [], [], [], timeout, ignored, state_json=state.__class__ in (dict, list))
     if assets is not None:
         parsed.unsupported = "assets: fleet's decision models read text; images need a vision-language model"
     if questions is not _MISSING:

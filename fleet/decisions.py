@@ -52,7 +52,11 @@ class DecideRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     answer holds each question's option scores before any temperature instead of
     probabilities, 2n floats a question: the scores in the first order, then those
     of the second order put back in the first's (the same twice where the model
-    reads one order). The probabilities are `fleet.calibration.answer_probs` of them."""
+    reads one order). The probabilities are `fleet.calibration.answer_probs` of them.
+
+    `state_json`: the state was sent as an object or array, and `state` is it as
+    compact JSON; a checkpoint whose package renders JSON its own way renders it so
+    (runtimes/decide_heads.py)."""
 
     model: str
     state: str
@@ -60,6 +64,7 @@ class DecideRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     timeout_ms: int | None = None
     adapter: str | None = None
     raw: bool = False
+    state_json: bool = False
 
 
 class DecideResult(msgspec.Struct, frozen=True, array_like=True):

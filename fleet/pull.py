@@ -245,9 +245,15 @@ def detect_kind(folder: Path) -> Kind | None:
     if (folder / "gliner_config.json").is_file():
         # GLiNER's own layout (GLiNER.save_pretrained): no transformers config.json.
         return Kind("extract", "gliner")
+    if (folder / "rl_agent_config.json").is_file():
+        # A Laya decision checkpoint (runtimes/decide_laya.py): its config beside encoder/ and tokenizer/.
+        return Kind("decide", "laya")
     config = _read_json(folder / "config.json")
     if config is None:
         return None
+    if "backbone_config" in config and "head" in config:
+        # A bev-decider checkpoint (runtimes/decide_bev.py): its head's sizes and the backbone's config file.
+        return Kind("decide", "bev")
     for arch in config.get("architectures") or []:
         arch = str(arch)
         if arch.endswith("ForSequenceClassification"):

@@ -29,6 +29,9 @@ ADAPTERS: dict[tuple[str, str], str] = {
     ("generate", "llama.cpp"): "runtimes.llamacpp:LlamaCppLM",
     ("decide", "transformers"): "runtimes.decide:DecisionLM",
     ("decide", "nli"): "runtimes.decide_nli:NliDecider",
+    # Decision checkpoints with their own heads, recognised at pull by their files.
+    ("decide", "laya"): "runtimes.decide_laya:LayaDecider",
+    ("decide", "bev"): "runtimes.decide_bev:BevDecider",
 }
 
 

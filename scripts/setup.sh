@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set fleet up in ./.venv on a fresh machine: pinned torch, the project with its server
 # side, and with --test the test tools (pytest, hypothesis, the client libraries, a
-# nats-server binary) and the GLiNER reference venv (bench/.venv-gliner, scripts/setup_gliner_ref.sh).
+# nats-server binary) and the reference venv (bench/.venv-gliner: scripts/setup_gliner_ref.sh,
+# scripts/setup_decide_ref.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,8 +29,10 @@ if [ "${1:-}" = "--test" ]; then
   # The JS clients the agent tests drive (the Vercel AI SDK) into .venv/node, pinned by
   # tests/js/package-lock.json; skipped, saying so, where npm is missing. ~6 s, 29 MB.
   ./scripts/setup_js_clients.sh
-  # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv.
+  # The GLiNER reference of tests/test_gliner.py: the gliner package in its own venv;
+  # the decision references of tests/test_decide_heads.py (laya, bev-decider) beside it.
   ./scripts/setup_gliner_ref.sh
+  ./scripts/setup_decide_ref.sh
 else
   .venv/bin/python -m pip install -q -e '.[server]'
 fi

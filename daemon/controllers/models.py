@@ -84,7 +84,8 @@ def decision_temperatures(daemon: Daemon, name: str, workers: list[dict]) -> dic
 def decision_cards(daemon: Daemon, listed: list[Manifest]) -> list[DecisionModelCard]:
     """System One's model list: the decision models, after the `jev-latest` alias when
     it names one of them."""
-    how = {"transformers": "a causal LM read by scoring", "nli": "an NLI cross-encoder"}
+    how = {"transformers": "a causal LM read by scoring", "nli": "an NLI cross-encoder",
+           "laya": "a Laya checkpoint (its own decision head)", "bev": "a bev-decider checkpoint (its own pointer head)"}
     cards = {m.name: DecisionModelCard(m.name, f"Typed decisions (noul, choice, score) from "
                                                f"{how.get(m.runtime, m.runtime)}", m.created_at[:10])
              for m in listed if m.task == "decide" and not m.base}
