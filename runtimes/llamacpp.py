@@ -1,4 +1,4 @@
-"""Generation on llama.cpp (runtime `llama.cpp`, the fleet[llamacpp] extra): GGUF models
+"""Generation on llama.cpp (runtime `llama.cpp`, the fleet-serve[llamacpp] extra): GGUF models
 behind the same continuous-batching contract as the transformers generator.
 
 `LlamaCppLM` is `runtimes.generate.CausalLM` with llama.cpp in place of the torch

@@ -25,7 +25,7 @@ ADAPTERS: dict[tuple[str, str], str] = {
     # LoRA adapters (runtime "peft") are no entry: they attach to their base's
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
     ("generate", "transformers"): "runtimes.generate:CausalLM",
-    # GGUF generators (fleet.pull_gguf), the fleet[llamacpp] extra.
+    # GGUF generators (fleet.pull_gguf), the fleet-serve[llamacpp] extra.
     ("generate", "llama.cpp"): "runtimes.llamacpp:LlamaCppLM",
     ("decide", "transformers"): "runtimes.decide:DecisionLM",
     ("decide", "nli"): "runtimes.decide_nli:NliDecider",

@@ -249,7 +249,7 @@ def test_every_route_refuses_a_query_parameter_it_does_not_declare_and_changes_n
     file_id = ok(httpx.post(served.url + "/v1/files", files={"file": ("q.jsonl", jsonl)}, data={"purpose": "batch"},
                             timeout=30))["id"]
     values = {"name": SPARE, "model_id": DEFAULT_MODEL, "file_id": file_id, "batch_id": "batch_none",
-              "digest": DIGEST}
+              "digest": DIGEST, "alias": "query-alias", "promotion_id": "promotion_none"}
     # Which model a route would act on: one it would change (load or pin the spare; unpin or unload a pinned one).
     per_route = {("DELETE", "/v1/models/{name:str}/pin"): {"name": CLASSIFY},
                  ("POST", "/v1/models/{name:str}/unload"): {"name": CLASSIFY},
