@@ -10,8 +10,7 @@ limits) and the batch-budget token estimates live here, once.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,7 +22,7 @@ from fleet.prompts import first_prompt, folder_prompts, prompt_table, resolve_pr
 from fleet.tools import check_tools
 from fleet.vectors import SCALAR, from_wire
 from fleet.messages import (
-    ClassifyResult, EmbedResult, EmbedResultRaw, ExtractResult, GenerateChunk, GenerateResult, RerankResult,
+    ClassifyResult, EmbedResult, EmbedResultRaw, ExtractResult, GenerateResult, RerankResult,
     SparseEmbedResult, SparseEmbedResultRaw, TokenEmbedResult, TokenEmbedResultRaw,
 )
 from fleet.messages import TokenLogprob as WireLogprob
@@ -31,7 +30,6 @@ from fleet.protocol import (
     ANSWER_RESERVE_TOKENS, ClassifyRequest, EmbedRequest, Entity, ExtractRequest, GenerateRequest, ImageInput,
     LabelScore, RerankDocument, RerankHit, RerankRequest, TokenLogprob, TopLogprob, Usage,
 )
-from local_queue import Done
 
 from daemon import zero_shot
 from daemon.aliases import resolved
@@ -64,7 +62,6 @@ _rerank = msgspec.msgpack.Decoder(RerankResult)
 _classify = msgspec.msgpack.Decoder(ClassifyResult)
 _extract = msgspec.msgpack.Decoder(ExtractResult)
 _generate = msgspec.msgpack.Decoder(GenerateResult)
-_chunk = msgspec.msgpack.Decoder(GenerateChunk)
 _decide = msgspec.msgpack.Decoder(DecideResult)
 #: Options a question lists under it and reads from single-token labels
 #: (runtimes/decide.py); a question with more reads a row per option.
@@ -523,75 +520,3 @@ def token_logprobs(wire: list[WireLogprob] | None) -> list[TokenLogprob] | None:
                       for b, lp in zip(t.top_tokens, t.top_logprobs)])
         for t in wire
     ]
-
-
-class TextStream:
-    """One streaming generation: text deltas as the worker publishes them, then the result.
-
-    The worker publishes partial results (fleet.messages.GenerateChunk) while the
-    item stays claimed; the broker hands them to this stream's `asyncio.Queue`,
-    and the final result (the whole text) ends it, filling in any piece that did
-    not arrive."""
-
-    def __init__(self, daemon: Daemon, req: GenerateRequest, payload: bytes) -> None:
-        req, payload = resolved(daemon.aliases, req, payload, _encode)
-        check_generate(req)
-        self.daemon, self.model = daemon, req.model
-        self.pieces: asyncio.Queue[Done] = asyncio.Queue()
-        self.task = asyncio.ensure_future(daemon.submit(
-            "generate", target_model(daemon, "generate", req.model, req.adapter), payload,
-            tokens=generate_tokens(req, payload), timeout_ms=req.timeout_ms, on_partial=self.pieces.put_nowait,
-        ))
-        self.sent = 0  # characters of the final text already sent
-        self.logprobs_sent = 0  # token logprobs already sent
-        self.result: GenerateResult | None = None
-        self._next: asyncio.Future[Done] | None = None
-
-    async def _wait(self) -> Done | None:
-        """The next partial result, or None once the final result is in (and no piece is left)."""
-        if self._next is None:
-            self._next = asyncio.ensure_future(self.pieces.get())
-        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
-        if self._next.done():
-            piece, self._next = self._next.result(), None
-            return piece
-        # The broker hands over every piece before it resolves the final result.
-        if self.pieces.empty():
-            self._next.cancel()
-            self._next = None
-            return None
-        return await self._wait()
-
-    async def started(self) -> None:
-        """Wait for the first piece or the end: an error before any text raises here,
-        so the client gets it with its HTTP status."""
-        if self._next is None:
-            self._next = asyncio.ensure_future(self.pieces.get())
-        await asyncio.wait({self.task, self._next}, return_when=asyncio.FIRST_COMPLETED)
-        if self.task.done() and not self._next.done():
-            self.task.result()
-
-    async def deltas(self) -> AsyncIterator[tuple[str, list[WireLogprob] | None]]:
-        """New text with the logprobs of the tokens it completes, in order; the final
-        result fills in what no piece carried."""
-        try:
-            while (done := await self._wait()) is not None:
-                piece = _chunk.decode(done.result)
-                if piece.start == self.sent and piece.text:
-                    self.sent += len(piece.text)
-                    self.logprobs_sent += len(piece.logprobs or ())
-                    yield piece.text, piece.logprobs
-            self.result = res = _generate.decode(self.task.result().body)
-            observe_generation(self.daemon, self.model, self.task.result(), res)
-            rest = res.logprobs[self.logprobs_sent:] if res.logprobs is not None else None
-            if len(res.text) > self.sent or rest:
-                text = res.text[self.sent:]
-                self.sent, self.logprobs_sent = len(res.text), self.logprobs_sent + len(rest or ())
-                yield text, rest
-        finally:
-            if self._next is not None:
-                self._next.cancel()
-            if not self.task.done():
-                # The client went away: the broker cancels the queue item, and the
-                # worker drops the sequence at its next step.
-                self.task.cancel()

@@ -201,12 +201,24 @@ class GenerateResult(msgspec.Struct, frozen=True, array_like=True):
     first_token_ms: float = 0.0
 
 
+class CallPiece(msgspec.Struct, frozen=True, array_like=True):
+    """A streamed piece of the `index`-th tool call: `arguments` starts at character
+    `start` of the call's final arguments (its first piece, start 0, names the call)."""
+
+    index: int
+    name: str
+    start: int
+    arguments: str
+
+
 class GenerateChunk(msgspec.Struct, frozen=True, array_like=True):
     """A streamed piece of a generation: `text` starts at character `start` of
-    the final text; `logprobs` are those of the tokens this piece completes.
-    The final `GenerateResult` holds the whole text (and every logprob), so a
-    reader that missed a chunk still ends with the right answer."""
+    the final text; `logprobs` are those of the tokens this piece completes;
+    `calls`, the pieces of tool calls written since the last chunk.
+    The final `GenerateResult` holds the whole text (and every logprob and call),
+    so a reader that missed a chunk still ends with the right answer."""
 
     start: int
     text: str
     logprobs: list[TokenLogprob] | None = None
+    calls: list[CallPiece] = []

@@ -114,6 +114,7 @@ class Sequence:
     admitted_ns: int = 0  # perf_counter_ns at admission
     first_ns: int = 0  # perf_counter_ns when its first token was picked (0: not yet)
     caller: Caller | None = None  # the request's tools: its calls are parsed out of the text
+    call_sent: list[int] = field(default_factory=list)  # characters of each call's arguments streamed
 
     @property
     def final_len(self) -> int:
@@ -727,10 +728,14 @@ class CausalLM(LoraHost, Adapter):
             keep.append(i)
             if s.stream:
                 end = streamable_end(s.text, s.stop)
-                if s.caller is not None:  # never a call's markup, nor the blank before one
+                calls = []
+                if s.caller is not None:  # never a call's markup, nor the blank before one: its pieces
                     end = len(s.text[:min(end, s.caller.call_start(s.text))].rstrip())
-                if end > s.sent:
-                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end], self._streamed_logprobs(s, end))))
+                    calls = s.caller.call_pieces(s.text, s.call_sent)
+                if end > s.sent or calls:
+                    end = max(end, s.sent)
+                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end], self._streamed_logprobs(s, end),
+                                                          calls)))
                     s.sent = end
         # 3. Finished rows leave the batch; leading columns that became all padding go too.
         if len(keep) < len(self.rows):

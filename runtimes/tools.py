@@ -18,6 +18,11 @@ the template speaks). `Caller` holds one request's side:
 3. `split`: the text beside the calls and the calls (name, arguments as JSON),
    valid ones only; `call_start` says where a call may begin, so a stream never
    sends a call's markup as text, and stop strings apply to text only.
+4. `call_pieces`: while a stream runs, each call's arguments as the model writes
+   them, once its name is written. The grammar spells a call one way (JSON_OPTIONS:
+   no free whitespace, the name before the arguments), so the arguments' characters
+   are known as they come, and `split` returns them as written: what a stream sent
+   is always the beginning of the call's final arguments.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleet.errors import BadRequest
-from fleet.messages import CalledTool
+from fleet.messages import CalledTool, CallPiece
 from fleet.protocol import ChatMessage, NamedToolChoice, ToolDef
 from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, tool_format
 from runtimes.grammar import JSON_OPTIONS
@@ -42,6 +47,12 @@ NO_CALL = "/(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/"
 #: Text that does not begin a Llama JSON call.
 NO_JSON_CALL = "/(.|\\n)*/ & ~/[ \\t\\n]*\\{(.|\\n)*/"
 EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
+#: A call's JSON up to its arguments as the grammar spells it (module doc, 4), after the
+#: block's opening (Phi-4-mini's list: `[`, `, ` between calls).
+CALL_HEAD = re.compile(r'[\s\[,]*\{"name": "([A-Za-z0-9_.:-]{1,64})", "(?:arguments|parameters)": ')
+#: What a decode of a partial character ends with (held back until it is whole).
+REPLACEMENT = "\ufffd"
+DECODER = json.JSONDecoder()
 
 
 def message_text(content: str | list[dict] | None) -> str:
@@ -101,6 +112,9 @@ class Caller:
         self.names = [t.function.name for t in tools]
         self.choice = choice
         self.markers = MARKERS.get(fmt)
+        # A call block: its opening marker, its body up to the closing one (or the end).
+        self.blocks = re.compile(re.escape(self.markers[0]) + r"(.*?)(?:" + re.escape(self.markers[1]) + r"|$)",
+                                 re.S) if self.markers else None
         # A marker that is one added token: the grammar names the token (`engine_token`:
         # the grammar engine holds it apart from text); one the tokenizer calls special is
         # dropped by a plain decode, so such rows decode with special tokens kept.
@@ -180,13 +194,12 @@ class Caller:
         does not parse, or names no tool, stays in the text."""
         if self.format == LLAMA_JSON:
             head = text.strip().removeprefix(PYTHON_TAG)
-            call = self._call(head, "parameters")
+            written = self._written(head)
+            call = written[0] if written is not None and len(written) == 1 else self._call(head, "parameters")
             return ("", [call]) if call is not None else (self._clean(text), [])
-        open_, close = self.markers
-        pattern = re.compile(re.escape(open_) + r"(.*?)(?:" + re.escape(close) + r"|$)", re.S)
         calls: list[CalledTool] = []
         kept, at = [], 0
-        for m in pattern.finditer(text):
+        for m in self.blocks.finditer(text):
             found = self._calls(m.group(1).strip())
             if not found:
                 continue
@@ -198,6 +211,9 @@ class Caller:
         return (rest if rest.strip() else ""), calls
 
     def _calls(self, body: str) -> list[CalledTool]:
+        written = self._written(body)
+        if written is not None:
+            return written
         if self.format == PHI4_MINI:
             try:
                 items = json.loads(body)
@@ -224,6 +240,59 @@ class Caller:
         if not isinstance(args, dict):
             return None
         return CalledTool(value["name"], json.dumps(args, ensure_ascii=False))
+
+    def _written(self, body: str) -> list[CalledTool] | None:
+        """A block's calls as the grammar spells them, with their arguments as written
+        (module doc, 4); None when the block is spelled otherwise."""
+        calls, at = [], 0
+        while (head := CALL_HEAD.match(body, at)) is not None:
+            try:
+                args, end = DECODER.raw_decode(body, head.end())
+            except ValueError:
+                return None
+            if head.group(1) not in self.names or not isinstance(args, dict) or body[end:end + 1] != "}":
+                return None
+            calls.append(CalledTool(head.group(1), body[head.end():end]))
+            at = end + 1
+        closing = ("", "]") if self.format == PHI4_MINI else ("",)  # Phi-4-mini's calls are a list
+        return calls if calls and body[at:].strip() in closing else None
+
+    # -- 4. a stream's calls ------------------------------------------------------------
+
+    def calls_so_far(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments as written so far) of each call begun in a growing text whose
+        name is written; each is the beginning of what `split` returns for it."""
+        if self.format == LLAMA_JSON:
+            at = self.call_start(text)
+            bodies = [text[at:].lstrip().removeprefix(PYTHON_TAG)] if at < len(text) else []
+        else:
+            bodies = [m.group(1) for m in self.blocks.finditer(text)]
+        out = []
+        for body in bodies:
+            at = 0
+            while (head := CALL_HEAD.match(body, at)) is not None and head.group(1) in self.names:
+                try:
+                    _, end = DECODER.raw_decode(body, head.end())
+                except ValueError:  # still being written: all of it is arguments, but a partial character
+                    out.append((head.group(1), body[head.end():].rstrip(REPLACEMENT)))
+                    break
+                out.append((head.group(1), body[head.end():end]))
+                at = end + 1  # past the call's closing brace
+        return out
+
+    def call_pieces(self, text: str, sent: list[int]) -> list[CallPiece]:
+        """What a stream sends of its calls now: a new call with its name, then the
+        characters of each call's arguments not sent yet. `sent` holds how many each call
+        has sent; it grows here."""
+        pieces = []
+        for i, (name, args) in enumerate(self.calls_so_far(text)):
+            if i == len(sent):
+                sent.append(0)
+                pieces.append(CallPiece(i, name, 0, args))
+            elif len(args) > sent[i]:
+                pieces.append(CallPiece(i, name, sent[i], args[sent[i]:]))
+            sent[i] = len(args)
+        return pieces
 
     def _clean(self, text: str) -> str:
         """Text decoded with special tokens kept, without the special tokens."""

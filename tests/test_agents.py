@@ -129,17 +129,44 @@ def test_chat_tool_calls_stream_as_deltas_and_history_renders(openai_client) -> 
     chunks = list(openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, stream=True,
                                                         parallel_tool_calls=False, tool_choice="required"))
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].type == "function"
-    assert fits(deltas[0].function.name, deltas[0].function.arguments)
+    # As OpenAI streams a call: the first delta gives its id, type and name, the next ones
+    # its arguments as they are written.
+    first = deltas[0]
+    assert first.index == 0 and first.type == "function" and first.id.startswith("call_") and first.function.name
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert len(deltas) > 3 and fits(first.function.name, arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The call and its result as history: the template renders them, the model answers.
     history = [*TURN_ON, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": deltas[0].id, "type": "function",
-         "function": {"name": deltas[0].function.name, "arguments": deltas[0].function.arguments}}]},
-        {"role": "tool", "tool_call_id": deltas[0].id, "content": "switched on"}]
+        {"id": first.id, "type": "function", "function": {"name": first.function.name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": first.id, "content": "switched on"}]
     chat = openai_client.chat.completions.create(model=CALLER, messages=history, tools=TOOLS, tool_choice="none",
                                                  max_tokens=4)
     assert chat.choices[0].message.tool_calls is None and chat.usage.prompt_tokens > 0
+
+
+def test_chat_call_arguments_stream_as_they_are_written(served: DaemonProc, openai_client) -> None:
+    # The openai client's stream helper adds up the argument deltas into the call.
+    with openai_client.chat.completions.stream(model=CALLER, messages=TURN_ON, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    call = final.choices[0].message.tool_calls[0]
+    assert len(pieces) > 3 and "".join(pieces) == done[0].arguments == call.function.arguments
+    assert fits(call.function.name, call.function.arguments)
+    # Read raw: the pieces leave the server one event each, several per call, before the finish.
+    body = {"model": CALLER, "messages": TURN_ON, "tools": TOOLS, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": deltas[0]["function"]["arguments"]}
+    assert sum(bool(d["function"].get("arguments")) for d in deltas) > 3
+    assert fits("get_weather", "".join(d["function"]["arguments"] for d in deltas))
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_chat_fields_beside_tools_are_understood_or_refused_by_name(served: DaemonProc, openai_client) -> None:
@@ -368,6 +395,7 @@ def test_vercel_ai_sdk_runs_a_tool_through_generate_and_stream(served: DaemonPro
     # Streamed: the call's arguments arrive as input deltas, then the whole call.
     kinds = [p[0] for p in out["parts"]]
     assert kinds.index("tool-input-start") < kinds.index("tool-input-delta") < kinds.index("tool-call")
+    assert kinds.count("tool-input-delta") > 3  # as they are written
     assert kinds[-1] == "finish"
 
 

@@ -61,14 +61,28 @@ def test_the_format_is_read_from_the_template() -> None:
 
 
 def run(model: CausalLM, template: str, **kw) -> tuple:
+    """A streamed request's result, and the call pieces its stream sent."""
     model.tokenizer.chat_template = template
     req = GenerateRequest(model="caller", messages=ASK, temperature=0.0, max_tokens=300, tools=[SWITCH, WEATHER],
-                          **kw)
+                          stream=True, **kw)
     assert model.admit(0, req) is None
-    results = {}
+    results, pieces = {}, []
     while model.has_active():
-        results.update(model.step()[1])
-    return results[0]
+        partials, done = model.step()
+        assert not any(chunk.text for _, chunk in partials)  # never a call's markup as text
+        pieces += [c for _, chunk in partials for c in chunk.calls]
+        results.update(done)
+    return results[0], pieces
+
+
+def assembled(pieces: list) -> list[tuple[str, str]]:
+    """The calls a stream's pieces add up to, each piece checked to continue its call."""
+    written: dict[int, tuple[str, str]] = {}
+    for p in pieces:
+        name, args = written.get(p.index, (p.name, ""))
+        assert p.start == len(args) and p.name == name and p.index <= len(written), (p, written)
+        written[p.index] = (name, args + p.arguments)
+    return [written[i] for i in range(len(written))]
 
 
 @pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
@@ -76,9 +90,11 @@ def run(model: CausalLM, template: str, **kw) -> tuple:
 def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, template: str) -> None:
     try:
         for choice in ("required", NamedToolChoice(FunctionName("get_weather"))):
-            res = run(model, template, tool_choice=choice, parallel_tool_calls=False)
+            res, pieces = run(model, template, tool_choice=choice, parallel_tool_calls=False)
             assert res.finish_reason == "tool_calls" and len(res.tool_calls) == 1 and res.text == "", res
             call = res.tool_calls[0]
+            # Streamed, the arguments came as the model wrote them: piece by piece, the call in the end.
+            assert assembled(pieces) == [(call.name, call.arguments)] and len(pieces) > 3
             args = json.loads(call.arguments)
             if call.name == "set_mode":
                 assert args["mode"] in ("on", "off") and type(args["loud"]) is bool
@@ -87,6 +103,7 @@ def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, templa
             assert not isinstance(choice, NamedToolChoice) or call.name == "get_weather"
     finally:
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
 
 
 @pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
@@ -133,6 +150,30 @@ def test_split_keeps_text_beside_calls_and_calls_that_do_not_parse(model: Causal
     assert rest.startswith("Sure. ") and '"nope"' in rest  # a call of no tool stays text
     assert caller.call_start("Sure. <tool_") == len("Sure. ")  # a marker's beginning is held back
     assert caller.split("no call here") == ("no call here", [])
+
+
+def test_call_pieces_follow_a_growing_text(model: CausalLM) -> None:
+    # Two calls in each format's blocks, the text growing a character at a time; a
+    # character still partial (decoded as U+FFFD) is held back until it is whole.
+    weather = '{"name": "get_weather", "arguments": {"city": "Orl\u00e9ans", "days": 2}}'
+    switch = '{"name": "set_mode", "arguments": {"mode": "on", "loud": true}}'
+    texts = {QWEN25_TEMPLATE.read_text(): f"<tool_call>\n{weather}\n</tool_call>\n<tool_call>\n{switch}\n</tool_call>",
+             PHI4_TEMPLATE: f"<|tool_call|>[{weather}, {switch}]<|/tool_call|>"}
+    for template, text in texts.items():
+        model.tokenizer.chat_template = template
+        try:
+            caller = Caller("caller", model.tokenizer, [SWITCH, WEATHER], "required", True, model._engine_token)
+            sent, pieces = [], []
+            for end in range(1, len(text) + 1):
+                grown = text[:end - 1] + "\ufffd" if text[end - 1] == "\u00e9" else text[:end]
+                pieces += caller.call_pieces(grown, sent)
+            pieces += caller.call_pieces(text, sent)
+            _, calls = caller.split(text)
+            assert assembled(pieces) == [(c.name, c.arguments) for c in calls]
+            assert [c.arguments for c in calls] == ['{"city": "Orl\u00e9ans", "days": 2}', '{"mode": "on", "loud": true}']
+            assert all("\ufffd" not in p.arguments for p in pieces)
+        finally:
+            model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
 
 
 def test_a_template_with_no_tools_is_refused_saying_so(model: CausalLM) -> None:

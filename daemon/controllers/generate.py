@@ -1,7 +1,7 @@
 """`POST /v1/generate` (native) and OpenAI `POST /v1/completions`, `/v1/chat/completions`.
 
 All three queue one `fleet.protocol.GenerateRequest` per completion through
-`daemon.tasks.generate`, or `daemon.tasks.TextStream` with `stream: true`: the
+`daemon.tasks.generate`, or `daemon.text_stream.TextStream` with `stream: true`: the
 reply is then server-sent events, one per piece the worker publishes. Errors
 before the first piece of text answer with their status; later ones end the
 stream with an `error` event. A client that goes away mid-stream cancels its
@@ -28,7 +28,7 @@ from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from fleet.errors import BadRequest, FleetError, Unsupported
-from fleet.messages import GenerateResult
+from fleet.messages import CallPiece, GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionReply, ChatCompletionRequest,
@@ -42,7 +42,8 @@ from daemon.controllers import tool_calls
 from daemon.controllers.common import decode_request
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
-from daemon.tasks import TextStream, length_limit_headers, token_logprobs
+from daemon.tasks import length_limit_headers, token_logprobs
+from daemon.text_stream import TextStream
 
 
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).
@@ -115,10 +116,17 @@ def chat_choice(index: int, res: GenerateResult, logprobs: bool) -> ChatChoice:
                       ChatLogprobs(token_logprobs(res.logprobs)) if logprobs else None, limit_field(res))
 
 
-def call_deltas(res: GenerateResult) -> list[ToolCallDelta]:
-    """A stream's calls, each whole in one delta (the model's calls are parsed once it ends)."""
-    return [ToolCallDelta(i, FunctionDelta(c.function.name, c.function.arguments), c.id, "function")
-            for i, c in enumerate(tool_calls.reply_calls(res.tool_calls))]
+def call_deltas(pieces: list[CallPiece], ids: dict[int, str]) -> list[ToolCallDelta]:
+    """Streamed pieces of calls as OpenAI's deltas: a call's first gives its id (minted
+    here, kept in `ids`), type and name, the next ones characters of its arguments."""
+    out = []
+    for p in pieces:
+        if p.index in ids:
+            out.append(ToolCallDelta(p.index, FunctionDelta(arguments=p.arguments)))
+        else:
+            ids[p.index] = tool_calls.call_id()
+            out.append(ToolCallDelta(p.index, FunctionDelta(p.name, p.arguments), ids[p.index], "function"))
+    return out
 
 
 def ignored_chat_fields(req: ChatCompletionRequest) -> list[str]:
@@ -306,14 +314,16 @@ class GenerateController(Controller):
 
         async def events() -> AsyncIterator[bytes]:
             yield sse(ChatCompletionChunk(cid, created, oreq.model, [ChatChunkChoice(0, ChatDelta(role="assistant"))]))
-            async for text, lps in stream.deltas():
-                logprobs = ChatLogprobs(token_logprobs(lps)) if oreq.logprobs else None
-                yield sse(ChatCompletionChunk(cid, created, oreq.model,
-                                              [ChatChunkChoice(0, ChatDelta(content=text), None, logprobs)]))
+            ids: dict[int, str] = {}  # each call's id, minted with its first piece
+            async for text, lps, calls in stream.parts():
+                if text or lps:
+                    logprobs = ChatLogprobs(token_logprobs(lps)) if oreq.logprobs else None
+                    yield sse(ChatCompletionChunk(cid, created, oreq.model,
+                                                  [ChatChunkChoice(0, ChatDelta(content=text), None, logprobs)]))
+                if calls:
+                    yield sse(ChatCompletionChunk(cid, created, oreq.model,
+                                                  [ChatChunkChoice(0, ChatDelta(tool_calls=call_deltas(calls, ids)))]))
             res = stream.result
-            if res.tool_calls:
-                yield sse(ChatCompletionChunk(cid, created, oreq.model,
-                                              [ChatChunkChoice(0, ChatDelta(tool_calls=call_deltas(res)))]))
             yield sse(ChatCompletionChunk(cid, created, oreq.model,
                                           [ChatChunkChoice(0, ChatDelta(), res.finish_reason, None,
                                                            limit_field(res))]))

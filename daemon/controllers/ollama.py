@@ -5,7 +5,7 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
 (ollama_wire). Every route runs on fleet's own machinery:
 
 * Generation queues one `fleet.protocol.GenerateRequest` through
-  `daemon.tasks.TextStream`, streamed or not (`stream` defaults to true,
+  `daemon.text_stream.TextStream`, streamed or not (`stream` defaults to true,
   as in Ollama: NDJSON lines, then one with `done`, `done_reason` and the stats).
   The worker always streams its pieces to the daemon, so both replies are built
   the same way and the time to the first piece is measured for the stats.
@@ -85,7 +85,8 @@ from daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
 from daemon.offload import build_reply
 from daemon.operator import is_operator, operator_only
 from daemon.owner import delete_model, detached, retire_copies
-from daemon.tasks import TextStream, check_generate, token_logprobs
+from daemon.tasks import check_generate, token_logprobs
+from daemon.text_stream import TextStream
 
 log = logging.getLogger("fleet.daemon")
 

@@ -47,6 +47,7 @@ from daemon.controllers import tool_calls
 from daemon.controllers.generate import SSE_HEADERS
 from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply
+from daemon.text_stream import TextStream
 
 #: Fields that ask for what fleet does not do (it keeps no responses).
 UNSUPPORTED = ("previous_response_id", "background", "conversation", "prompt", "reasoning",
@@ -298,7 +299,7 @@ def event(kind: str, seq: int, **data: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n"
 
 
-async def events(shape: Shaper, stream: tasks.TextStream) -> AsyncIterator[bytes]:
+async def events(shape: Shaper, stream: TextStream) -> AsyncIterator[bytes]:
     seq = 0
 
     def nxt() -> int:
@@ -358,6 +359,6 @@ class ResponsesController(Controller):
             res, answer = await tasks.generate(daemon, gen, codec.encode_msgpack(gen))
             return reply(request, shape.response(status_of(res), res.text, res, shape.calls(res)),
                          headers={**answer_headers(answer), **tasks.length_limit_headers(res), **ignored})
-        stream = tasks.TextStream(daemon, gen, codec.encode_msgpack(gen))
+        stream = TextStream(daemon, gen, codec.encode_msgpack(gen))
         await stream.started()
         return Stream(events(shape, stream), media_type="text/event-stream", headers={**SSE_HEADERS, **ignored})

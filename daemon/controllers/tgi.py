@@ -56,6 +56,7 @@ from daemon.core import Daemon
 from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
 from daemon.model_urls import SCOPE_ROOT
 from daemon.offload import off_loop, too_large
+from daemon.text_stream import TextStream
 
 #: TGI parameters fleet accepts and does not apply (named in X-Fleet-Ignored-Fields when set).
 IGNORED_TGI = ("top_k", "typical_p", "repetition_penalty", "frequency_penalty", "watermark", "truncate",
@@ -269,7 +270,7 @@ def split_delta(text: str, lps: list[WireLogprob] | None) -> list[tuple[str, Wir
     return list(zip(texts, lps))
 
 
-async def stream_events(req: GenerateRequest, tgi: TgiGenerateRequest, stream: tasks.TextStream
+async def stream_events(req: GenerateRequest, tgi: TgiGenerateRequest, stream: TextStream
                         ) -> AsyncIterator[bytes]:
     """One event per token; the last one (held back until the result is in) carries
     the whole text, and `details` when asked, as TGI's last event does."""
@@ -295,7 +296,7 @@ async def stream_events(req: GenerateRequest, tgi: TgiGenerateRequest, stream: t
 
 async def stream_reply(daemon: Daemon, tgi: TgiGenerateRequest, model: str, dropped: list[str]) -> Stream:
     req, not_applied = native_request(tgi, model, stream=True)
-    stream = tasks.TextStream(daemon, req, codec.encode_msgpack(req))
+    stream = TextStream(daemon, req, codec.encode_msgpack(req))
     await stream.started()
     return Stream(stream_events(req, tgi, stream), media_type="text/event-stream",
                   headers={**SSE_HEADERS, **fields.ignored_header(dropped + not_applied)})
