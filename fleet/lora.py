@@ -30,6 +30,7 @@ LORA_HOSTS = frozenset({
     ("classify", "transformers"),
     ("extract", "transformers"),
     ("generate", "transformers"),
+    ("decide", "transformers"),
 })
 LORA_TASKS = frozenset(task for task, _ in LORA_HOSTS)
 
@@ -40,7 +41,8 @@ PEFT_TASK_BASES: dict[str, frozenset[str] | None] = {
     "FEATURE_EXTRACTION": None,
     "SEQ_CLS": frozenset({"classify", "rerank"}),
     "TOKEN_CLS": frozenset({"extract"}),
-    "CAUSAL_LM": frozenset({"generate"}),
+    # A causal LM's adapter: on a generator, or on the same weights pulled as a decision model.
+    "CAUSAL_LM": frozenset({"generate", "decide"}),
 }
 
 #: peft's prefix of every key in adapter_model.safetensors.

@@ -27,6 +27,11 @@ decisions").
   the cue; one row per option holds its name, whose summed log-likelihood, over the
   temperature, is the option's logit, and a softmax over the options gives the answer.
 
+LoRA adapters (peft, pulled with the decision model as their base) answer in the same
+batches as the base (runtimes/lora.py: per batch row, its request's adapter); a state
+read by an adapter is its own state (cached apart), so its answers are those of the
+adapter's merged weights.
+
 The template is the model's chat template rendered around the user's turn, with
 thinking off (`enable_thinking=False`, which templates that know no thinking
 ignore); a model without one reads the plain text. Temperatures are per question
@@ -39,7 +44,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +53,9 @@ from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, te
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
 from runtimes.base import Adapter, BatchContext, Steps, run_through
+from runtimes.decide_cache import PrefixCache, gathered, plain_layers
 from runtimes.hf_common import char_bound, footprint_bytes
+from runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")
 
@@ -118,38 +124,6 @@ def single_token_labels(tokenizer: Any, frame: Frame) -> tuple[list[str], list[i
         if len(ids) >= 2 and len(set(ids)) == len(ids):
             return [space + c for c in LETTERS[: len(ids)]], ids, cue
     return [], [], frame.cue
-
-
-class PrefixCache:
-    """States' key/value caches kept between batches, least recently used out first,
-    within PREFIX_CACHE_BYTES: an agent asking new questions of the same state pays
-    its prefix once. Keyed by the prefix's token ids."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.entries: OrderedDict[bytes, tuple[list[tuple[Any, Any]], int]] = OrderedDict()
-
-    def get(self, key: bytes) -> list[tuple[Any, Any]] | None:
-        hit = self.entries.get(key)
-        if hit is None:
-            return None
-        self.entries.move_to_end(key)
-        return hit[0]
-
-    def put(self, key: bytes, layers: list[tuple[Any, Any]]) -> None:
-        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-        if size > self.limit or key in self.entries:
-            return
-        while self.used + size > self.limit:
-            _, (_, old) = self.entries.popitem(last=False)
-            self.used -= old
-        self.entries[key] = (layers, size)
-        self.used += size
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.used = 0
 
 
 @dataclass
@@ -221,7 +195,11 @@ class PackBuilder:
         return np.unique(np.asarray(self.label_at + self.option_at, dtype=np.int64))
 
 
-class DecisionLM(Adapter):
+class DecisionLM(LoraHost, Adapter):
+    """LoRA adapters of the model (peft, `runtimes.lora`) answer in the same batches:
+    a request's state and rows run with its adapter's weights (per batch row), and its
+    state's cache is kept under its adapter (a state read by two adapters is two states)."""
+
     request_type = DecideRequest
 
     def load(self) -> None:
@@ -250,6 +228,7 @@ class DecisionLM(Adapter):
         self.frame = chat_frame(tokenizer)
         self.labels, self.label_ids, self.label_cue = single_token_labels(tokenizer, self.frame)
         self.prefixes = PrefixCache(min(PREFIX_CACHE_BYTES, footprint_bytes(self.model)))
+        self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
         #: Bytes one token of one row holds in the key/value cache, measured at warm-up.
         self.kv_token_bytes = 0
         log.info("decide %s: %d single-token labels, %s", self.spec.name, len(self.labels),
@@ -277,11 +256,11 @@ class DecisionLM(Adapter):
             raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
 
     def footprint_bytes(self) -> int:
-        return footprint_bytes(self.model) + self.prefixes.limit
+        return footprint_bytes(self.model) + self.prefixes.limit + self.lora_bytes()
 
     def unload(self) -> None:
         self.prefixes.clear()
-        self.model = None
+        self.model = self.loras = None
 
     # -- one batch ----------------------------------------------------------------
 
@@ -309,22 +288,27 @@ class DecisionLM(Adapter):
         for k in np.flatnonzero(~ok):
             results[live[k]] = too_long(self.spec.name, "state and question", int(prefix_len[k] + longest[k]),
                                         self.max_len, "tokens")
-        # 3. Each distinct state once: from the cache of earlier batches, else one forward.
-        keys = [np.asarray(p, dtype=np.int64).tobytes() for p in prefix_ids]
+        # 3. Each distinct state once, per LoRA adapter (its weights read it): from the cache
+        #    of earlier batches, else one forward. Kept under the attachment's peft name,
+        #    which no later attachment reuses: a detached adapter's states are never read again.
+        adapters = [self.loras.peft_name(self.lora_of(requests[i])) for i in live]
+        keys = [a.encode() + b"\0" + np.asarray(p, dtype=np.int64).tobytes() for a, p in zip(adapters, prefix_ids)]
         distinct: dict[bytes, int] = {}
         state_of = np.array([distinct.setdefault(key, len(distinct)) for key in keys], dtype=np.int64)
         first_of = {s: k for k, s in reversed(list(enumerate(state_of.tolist())))}
+        slot_of = np.array([self.loras.bank.slot[adapters[first_of[s]]] for s in range(len(distinct))],
+                           dtype=np.int64)
         caches: list[Any] = [self.prefixes.get(key) for key in distinct]
         todo = [s for s in range(len(caches)) if caches[s] is None and ok[first_of[s]]]
         if todo:
-            yield from self._run_prefixes([prefix_ids[first_of[s]] for s in todo], todo, caches, ctx)
+            yield from self._run_prefixes([prefix_ids[first_of[s]] for s in todo], todo, caches, slot_of[todo], ctx)
             for s in todo:
                 self.prefixes.put(keys[first_of[s]], caches[s])
         # 4. The questions of the requests that fit, packed by state, in micro-batches.
         scores = np.zeros(len(plan.ids), dtype=np.float64)
         label_logits = np.zeros((len(plan.ids), max(1, len(self.label_ids))), dtype=np.float64)
         which = np.flatnonzero(ok[plan.owner]) if len(plan.owner) else plan.owner
-        yield from self._run_rows(plan, state_of[plan.owner], which, caches, scores, label_logits, ctx)
+        yield from self._run_rows(plan, state_of[plan.owner], which, caches, slot_of, scores, label_logits, ctx)
         # 5. Probabilities per question, then per request; tokens read: the state once, each head, each row.
         probs = self._combine(plan, scores, label_logits, [requests[i].raw for i in live])
         used = prefix_len.copy()
@@ -381,10 +365,12 @@ class DecisionLM(Adapter):
         return Plan(head_ids, questions, np.asarray(owner, dtype=np.int64), ids,
                     np.asarray(question_of, dtype=np.int64), keep, [len(r.questions) for r in requests])
 
-    def _run_prefixes(self, prefixes: list[list[int]], slots: list[int], caches: list[Any], ctx: BatchContext):
+    def _run_prefixes(self, prefixes: list[list[int]], slots: list[int], caches: list[Any], loras: np.ndarray,
+                      ctx: BatchContext):
         """Forward the states (right-padded, so every row's first column is real and no
-        query attends to nothing) in micro-batches; each state's cache is a copy of its
-        row's keys and values cut to its length."""
+        query attends to nothing), each with its LoRA bank slot (`loras`), in
+        micro-batches; each state's cache is a copy of its row's keys and values cut to
+        its length."""
         torch = self._torch
         lengths = np.fromiter(map(len, prefixes), dtype=np.int64, count=len(prefixes))
         step = max(1, min(self.micro_items(ctx), ROW_CACHE_BYTES // max(1, int(lengths.max()) * self._kv_bytes())))
@@ -396,7 +382,7 @@ class DecisionLM(Adapter):
             for r, j in enumerate(idx):
                 ids[r, : lengths[j]] = prefixes[j]
                 mask[r, : lengths[j]] = 1
-            with torch.inference_mode():
+            with torch.inference_mode(), self.loras.rows(loras[idx], self.device):
                 out = self.model(input_ids=torch.from_numpy(ids).to(self.device),
                                  attention_mask=torch.from_numpy(mask).to(self.device), use_cache=True,
                                  logits_to_keep=1)
@@ -411,9 +397,10 @@ class DecisionLM(Adapter):
     def _kv_bytes(self) -> int:
         return self.kv_token_bytes or 1
 
-    def _run_rows(self, plan: Plan, state: np.ndarray, which: np.ndarray, caches: list[Any], scores: np.ndarray,
-                  label_logits: np.ndarray, ctx: BatchContext):
-        """Forward the questions `which` on their states' caches (`state`: per question).
+    def _run_rows(self, plan: Plan, state: np.ndarray, which: np.ndarray, caches: list[Any], loras: np.ndarray,
+                  scores: np.ndarray, label_logits: np.ndarray, ctx: BatchContext):
+        """Forward the questions `which` on their states' caches (`state`: per question;
+        `loras`: per state, its LoRA bank slot).
         A state's questions are packed end to end into one sequence (`PackBuilder`):
         the state's keys are held once per sequence, not once per row, and a question's
         head once for all its rows. Label rows give the label logits at their last
@@ -448,7 +435,8 @@ class DecisionLM(Adapter):
                 positions[b] = prefix_len[pk.state] + np.concatenate([pk.offset, np.zeros(q_width - n, np.int64)])
             # 2. The positions whose next-token logits are read, shared by the batch's packs.
             keep = np.unique(np.concatenate([pk.reads() for pk in batch]))
-            with torch.inference_mode():
+            slots = loras[[pk.state for pk in batch]]
+            with torch.inference_mode(), self.loras.rows(slots, self.device):
                 if self.bool_mask:
                     mask = torch.from_numpy(allowed)
                 else:
@@ -564,32 +552,3 @@ def micro_batches_by_count(lengths: np.ndarray, step: int):
     order = np.argsort(lengths, kind="stable")
     for a in range(0, len(order), step):
         yield order[a : a + step]
-
-
-def plain_layers(cache: Any) -> list[tuple[Any, Any]]:
-    """Each layer's (keys, values) of a cache of full-attention layers; others are refused."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
-        raise ModelLoadFailed(f"decisions read full-attention key/value caches; this model uses {', '.join(kinds)}")
-    return [(layer.keys, layer.values) for layer in layers]
-
-
-def gathered(states: list[list[tuple[Any, Any]]], width: int, rows: Any) -> Any:
-    """A cache whose row r holds state `rows[r]`'s keys and values, right-padded to `width`
-    (the padding is masked; zeros keep it finite)."""
-    from transformers import DynamicCache
-
-    layers = []
-    for layer in range(len(states[0])):
-        k0, v0 = states[0][layer]
-        keys = k0.new_zeros((len(states), k0.shape[1], width, k0.shape[3]))
-        values = v0.new_zeros((len(states), v0.shape[1], width, v0.shape[3]))
-        for s, state in enumerate(states):
-            k, v = state[layer]
-            keys[s, :, : k.shape[2]] = k[0]
-            values[s, :, : v.shape[2]] = v[0]
-        layers.append((keys.index_select(0, rows), values.index_select(0, rows)))
-    return DynamicCache(ddp_cache_data=layers)

@@ -4,7 +4,9 @@ official `typesafe-sdk`, judged by the `jevcompat` conformance suite, and checke
 against a plain forward of the same folder (the prompt as runtimes/decide.py
 documents it, each question's full sequence run alone, no cache). Beside it, a
 tiny random DeBERTa-v3 NLI classifier pulled the same way (runtime `nli`), checked
-against transformers' zero-shot classification pipeline on its folder.
+against transformers' zero-shot classification pipeline on its folder; and a peft
+LoRA of the Llama, pulled with it as its base, checked against the same plain forward
+of its weights merged into the base.
 
 One daemon serves the whole module (a few seconds to start; the models load at start),
 with an API key, which every client sends as it would to the original server (so the
@@ -18,6 +20,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -25,10 +28,11 @@ import pytest
 
 from tests.arch_models import encoder
 from tests.conftest import start_daemon
-from tests.gen_models import build_llama, pull
+from tests.gen_models import build_llama, build_lora, pull
 
 MODEL = "tiny-decider"
 NLI = "tiny-nli"
+LORA = "tiny-decider-lora"
 KEY = "decide-test-key-3f9a2c41b7e8"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
@@ -56,10 +60,16 @@ def nli_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(folder: Path, nli_folder: Path, tmp_path_factory: pytest.TempPathFactory):
+def lora_folder(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_lora(folder, tmp_path_factory.mktemp("decider-lora") / "adapter", seed=3)
+
+
+@pytest.fixture(scope="module")
+def daemon(folder: Path, nli_folder: Path, lora_folder: Path, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("home")
     pull(home, folder, MODEL, "--task", "decide")
     pull(home, nli_folder, NLI, "--task", "decide")
+    pull(home, lora_folder, LORA, "--base", MODEL)  # its task is its base's: decide
     # Two decision models: jev-latest is the configured one.
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}",
                                       "FLEET_API_KEY": KEY}, wait_ready=False)
@@ -143,18 +153,17 @@ def test_answers_do_not_move_with_other_questions(daemon):
         assert np.abs(vector(reordered[renamed[name]]) - p).max() <= 1e-5, name
 
 
-def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
-    """The shared prefix, the packing of questions and rows into one sequence, the
-    batch's padding and the two orders change nothing: each question's answer is what
-    its own full sequences give (the state, the question's head, one row), each run
-    alone without a cache."""
+def plain_forward(folder: Path, state: Any, model: Any = None) -> dict[str, np.ndarray]:
+    """The answers to NOUL, CHOICE, SCORE and MANY (as "refund", "team", "anger",
+    "queue") on `state` that each question's own full sequences give (the state, the
+    question's head, one row), each run alone without a cache, through transformers:
+    the prompt runtimes/decide.py documents. `model`: other weights on `folder`'s
+    tokenizer (a LoRA merged into them)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    state = {"subject": "Charged twice", "body": TICKET}
-    got = ask(daemon, {"refund": NOUL, "team": CHOICE, "anger": SCORE, "queue": MANY}, state=state).json()["answers"]
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = (model or AutoModelForCausalLM.from_pretrained(folder)).eval()
     # The prompt runtimes/decide.py documents: the chat template around the user turn.
     rendered = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                        add_generation_prompt=True)
@@ -162,8 +171,8 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
     cue = (" " if not tail[-1].isspace() else "") + "Answer:"
     intro = ("Read the following, then answer the question after it: the letter of the best option when the "
              "options are lettered, else the option itself.\n\n")
-    prefix = tok(head + intro + json.dumps(state, separators=(",", ":")) + "\n\n",
-                 add_special_tokens=False)["input_ids"]
+    text = state if isinstance(state, str) else json.dumps(state, separators=(",", ":"))
+    prefix = tok(head + intro + text + "\n\n", add_special_tokens=False)["input_ids"]
     # This tokenizer has no single-token " A": the labels are "A", "B", ... after "Answer: ".
     labels = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "ABCD"]
 
@@ -195,8 +204,56 @@ def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
         n = len(option)
         scores.append(float(sum(logp[-n - 1 + k, option[k]] for k in range(n))))
     expect["queue"] = torch.softmax(torch.tensor(scores), 0).numpy()
-    for name, p in expect.items():
+    return expect
+
+
+ALL = {"refund": NOUL, "team": CHOICE, "anger": SCORE, "queue": MANY}
+
+
+def test_answers_match_a_plain_forward_of_each_question(daemon, folder):
+    """The shared prefix, the packing of questions and rows into one sequence, the
+    batch's padding and the two orders change nothing: each question's answer is what
+    its own full sequences give, each run alone without a cache."""
+    state = {"subject": "Charged twice", "body": TICKET}
+    got = ask(daemon, ALL, state=state).json()["answers"]
+    for name, p in plain_forward(folder, state).items():
         assert np.abs(vector(got[name]) - p).max() <= 1e-5, name
+
+
+# ---- LoRA adapters, as on classifiers ---------------------------------------------------------
+
+def test_a_lora_answers_as_its_merged_weights_not_as_its_base(daemon, folder, lora_folder):
+    """A peft LoRA pulled with the decision model as its base, asked by its own name:
+    its answers are those of its weights merged into the base (peft's
+    `merge_and_unload`), not the base's. The base reads the state first, so its
+    state's cache is kept: the adapter must read the state again with its own weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = ask(daemon, ALL).json()["answers"]
+    reply = post(daemon, {"model": LORA, "state": TICKET, "questions": ALL})
+    assert reply.status_code == 200 and reply.json()["model"] == LORA
+    got = reply.json()["answers"]
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), lora_folder).merge_and_unload()
+    for name, p in plain_forward(folder, TICKET, merged).items():
+        assert np.abs(vector(got[name]) - p).max() <= 1e-5, name
+    assert max(np.abs(vector(got[q]) - vector(base[q])).max() for q in ALL) > 1e-2
+
+
+def test_base_and_lora_rows_mixed_in_batches_each_answer_as_alone(daemon):
+    states = [f"Ticket {i}. {TICKET}" for i in range(3)]
+    models = (MODEL, LORA)
+    alone = {(m, s): post(daemon, {"model": m, "state": s, "questions": ALL}).json()["answers"]
+             for m in models for s in states}
+    jobs = [(m, s) for s in states for m in models] * 2
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda j: post(daemon, {"model": j[0], "state": j[1], "questions": ALL}), jobs))
+    for job, reply in zip(jobs, together):
+        for q in ALL:
+            assert np.abs(vector(reply.json()["answers"][q]) - vector(alone[job][q])).max() <= 1e-5, (job, q)
+    wrong = httpx.post(daemon.url + "/v1/generate", json={"model": LORA, "prompt": "hi", "max_tokens": 2},
+                       headers=AUTH, timeout=60)
+    assert wrong.status_code == 400 and "serves task 'decide', not 'generate'" in wrong.json()["error"]["message"]
 
 
 # ---- refusals: the contract's shapes, and nothing else changes --------------------------------
