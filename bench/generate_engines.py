@@ -8,7 +8,7 @@ In one run, on the same prompts (mixed lengths from bench/corpus.txt), greedy,
   (c) llama.cpp's own `Llama` object in-process on the GGUF (llama-cpp-python's
       high-level API: one sequence at a time; its clients share it under a lock);
   (d) transformers' `generate` in-process on the dequantized weights: batch 1, and
-      the clients' prompts as one left-padded batch (static batching).
+      4 prompts (or the knee's clients) as one left-padded batch (static batching).
 (a)-(c) are stepped with closed-loop clients (each sends its next request when the
 last one ends) at 1, 2, 4, 8, ... until the step is past the knee (bench/knee.py:
 throughput flat, or p95 latency 3x the unloaded one); the knee is reported. Streams
@@ -47,6 +47,8 @@ FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_WORDS = (15, 40, 80, 150, 300)
 #: The TTFT goal's prompt: ~200 tokens.
 TTFT_WORDS = 150
+#: transformers' static batch, beside batch 1 (or the knee's clients, when more).
+BATCHED = 4
 
 
 def gguf_path() -> Path:
@@ -304,7 +306,7 @@ def main() -> None:
         report["llama.cpp-Llama"]["ttft_ms_200_tokens_alone"] = ttft_alone(run, texts[PROMPT_WORDS.index(TTFT_WORDS)])
         del llm
         report["transformers-generate"] = transformers_generate(
-            hf, texts, args.max_tokens, (1, report["fleet-transformers"]["knee_clients"]))
+            hf, texts, args.max_tokens, (1, max(BATCHED, report["fleet-transformers"]["knee_clients"])))
         log(f"transformers-generate: {json.dumps(report['transformers-generate'])}")
     ours, theirs = report["fleet-llama.cpp"], report["llama.cpp-Llama"]
     report["ratios"] = {
