@@ -6,7 +6,7 @@ GGUF, through a real daemon (one CPU worker) and real HTTP:
 - two streams in flight at once interleave (one batch: continuous batching);
 - `/v1/ps` shows the engine, the bytes held (weights + KV cache) and the threads chosen.
 
-These need the optional `llama_cpp` package (the fleet[llamacpp] extra): the plain
+These need the optional `llama_cpp` package (the fleet-serve[llamacpp] extra): the plain
 install leaves it out (`scripts/setup.sh --test` builds it into `.venv/llamacpp`, as the
 OpenVINO extra goes into `.venv/openvino`); CI runs this file again with it:
 `PYTHONPATH=.venv/llamacpp .venv/bin/python -m pytest -q -ra tests/test_llamacpp.py`.
@@ -30,7 +30,7 @@ from tests.conftest import DaemonProc, start_daemon
 from tests.test_gguf_store import smollm2_gguf
 
 pytestmark = pytest.mark.skipif(not llamacpp.available(), reason=(
-    "llama_cpp is not installed (the fleet[llamacpp] extra; CI runs these with PYTHONPATH=.venv/llamacpp)"))
+    "llama_cpp is not installed (the fleet-serve[llamacpp] extra; CI runs these with PYTHONPATH=.venv/llamacpp)"))
 
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Here is a list of three fruits:\n1."]
@@ -96,15 +96,18 @@ def test_two_streams_interleave(served: DaemonProc) -> None:
     """Both streams are in flight at once: each one's chunks arrive while the other's
     do, and the worker reports batches of two sequences."""
     arrivals: dict[int, list[float]] = {0: [], 1: []}
+    start = threading.Barrier(2)
 
     def stream(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"Count from {i + 1} to 60, one number a line:\n", "max_tokens": 40,
+        body = {"model": MODEL, "prompt": f"Count from {i + 1} to 60, one number a line:\n", "max_tokens": 64,
                 "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    arrivals[i].append(time.monotonic())
+        with httpx.Client(timeout=120) as client:
+            start.wait()  # both sent together: a busy box may start one thread a second late
+            with client.stream("POST", f"{served.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals[i].append(time.monotonic())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]
     for t in threads:
