@@ -4,7 +4,8 @@ GGUF, through a real daemon (one CPU worker) and real HTTP:
 - greedy text equals llama.cpp's own `Llama` object on the same file and prompt;
 - JSON-schema output always parses and matches the schema, greedy and sampled;
 - two streams in flight at once interleave (one batch: continuous batching);
-- `/v1/ps` shows the engine, the bytes held (weights + KV cache) and the threads chosen.
+- `/v1/ps` shows the engine, the bytes held (weights + KV cache) and the threads chosen;
+- a deadline ends a sequence where it is and frees its place in the batch.
 
 These need the optional `llama_cpp` package (the fleet-serve[llamacpp] extra): the plain
 install leaves it out (`scripts/setup.sh --test` builds it into `.venv/llamacpp`, as the
@@ -129,3 +130,20 @@ def test_ps_shows_the_engine_and_the_bytes_held(served: DaemonProc) -> None:
     assert held[0]["bytes"] == engine["weights_bytes"] + engine["kv_bytes"] > 96_000_000
     assert held[0]["dtype"] == "Q4_1"
     assert engine["threads"] in (1, 2) and set(engine["threads_ms"]) == {"1", "2"}
+
+
+def test_a_deadline_ends_a_sequence_and_frees_its_place(served: DaemonProc) -> None:
+    """A generation past its `timeout_ms` is answered `timeout` at the deadline, not when
+    its 1 800 tokens would be done (~30 s here; a grammar holds it to them, so it cannot
+    end early), and leaves the batch: the next request runs alone in it."""
+    t0 = time.monotonic()
+    r = httpx.post(f"{served.url}/v1/generate", json={
+        "model": MODEL, "prompt": "Say a many times:", "regex": "(a ){900}", "max_tokens": 2000,
+        "temperature": 0, "timeout_ms": 1500}, timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - t0 < 10
+    after = httpx.post(f"{served.url}/v1/generate", json={
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert after.status_code == 200
+    last = [w["last_batch"] for w in httpx.get(f"{served.url}/v1/ps", timeout=30).json()["workers"]]
+    assert any(b.get("model") == MODEL and b.get("items") == 1 for b in last), last
