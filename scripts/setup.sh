@@ -25,7 +25,9 @@ if [ "${1:-}" = "--test" ]; then
   # requirement, numpy, is the venv's. 59 MB wheel, ~6 s.
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/openvino \
     'openvino==2026.4.1' 'openvino-telemetry==2025.2.0'
-  ./scripts/setup_llamacpp.sh
+  # llama.cpp (the llamacpp extra) in .venv/llamacpp: built once per CPU, then cached. A
+  # build that fails leaves the suite as it was: tests/test_llamacpp.py skips, saying why.
+  ./scripts/setup_llamacpp.sh || echo "setup: the llama.cpp extra did not build; its tests will skip" >&2
   # The JS clients the agent tests drive (the Vercel AI SDK) into .venv/node, pinned by
   # tests/js/package-lock.json; skipped, saying so, where npm is missing. ~6 s, 29 MB.
   ./scripts/setup_js_clients.sh
