@@ -20,6 +20,14 @@ if [ "$(cat .venv/llamacpp/.key 2>/dev/null)" = "$KEY" ]; then
   exit 0
 fi
 if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  # The build is 22-28 minutes on two cores: more than a CI run can carry beside the suite
+  # (60 minutes). Without a kept wheel it runs only when asked; the llama.cpp tests then
+  # skip, saying so (tests/test_llamacpp.py).
+  if [ "${FLEET_BUILD_LLAMACPP:-0}" != 1 ]; then
+    echo "llama.cpp: no built wheel in $WHEELS; FLEET_BUILD_LLAMACPP=1 ./scripts/setup_llamacpp.sh" \
+         "builds it (22-28 min on 2 cores); its tests skip until then" >&2
+    exit 0
+  fi
   mkdir -p "$WHEELS"
   echo "building llama-cpp-python $VERSION from source for this CPU (once; 25-30 min on 2 cores)" >&2
   CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF" \
