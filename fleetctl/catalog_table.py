@@ -21,7 +21,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 START = "<!-- models table: written by `python -m fleetctl.catalog_table` from models.toml; do not edit -->"
 END = "<!-- end of models table -->"
 UNKNOWN = "unknown"
-TASK_ORDER = ("embed", "rerank", "classify", "extract", "generate")
+TASK_ORDER = ("embed", "rerank", "classify", "extract", "generate", "decide")
 
 
 def format_count(n: int | None) -> str:

@@ -446,6 +446,14 @@ GENERATOR_CASES: dict[str, Case] = {
     "gen-phi3": Case("generate", "transformers", "phi3", lambda f: causal_lm("phi3", f)),
 }
 
+#: Store name -> case: the catalog's decision models (causal LMs pulled as task `decide`);
+#: `tests/test_parity_generators.py` serves them beside the generators.
+DECIDE_CASES: dict[str, Case] = {
+    "dec-qwen3": Case("decide", "transformers", "qwen3", lambda f: causal_lm("qwen3", f)),
+    "dec-qwen2": Case("decide", "transformers", "qwen2", lambda f: causal_lm("qwen2", f)),
+    "dec-smollm2": Case("decide", "transformers", "llama", lambda f: causal_lm("llama-smollm2", f)),
+}
+
 
 # ---- the table every catalog entry is checked against (tests/test_catalog.py) ---------------
 
@@ -455,12 +463,13 @@ _TESTS = {
     "classify": "tests/test_parity_encoders.py::test_classifier_matches_transformers",
     "extract": "tests/test_parity_encoders.py::test_tagger_matches_the_pipeline",
     "generate": "tests/test_parity_generators.py::test_greedy_generation_matches_transformers",
+    "decide": "tests/test_parity_generators.py::test_decisions_match_a_plain_forward",
 }
 
 
 def _parity() -> dict[tuple[str, str, str], list[str]]:
     table: dict[tuple[str, str, str], list[str]] = {}
-    for name, case in {**ENCODER_CASES, **GENERATOR_CASES}.items():
+    for name, case in {**ENCODER_CASES, **GENERATOR_CASES, **DECIDE_CASES}.items():
         table.setdefault((case.task, case.runtime, case.model_type), []).append(f"{_TESTS[case.task]}[{name}]")
     return table
 

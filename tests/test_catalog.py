@@ -63,7 +63,7 @@ def test_each_parity_test_named_in_the_table_exists(key):
         text = (ROOT / path).read_text()
         assert re.search(rf"^def {re.escape(function)}\(", text, re.M), node
         if param:
-            cases = {**arch_models.ENCODER_CASES, **arch_models.GENERATOR_CASES}
+            cases = {**arch_models.ENCODER_CASES, **arch_models.GENERATOR_CASES, **arch_models.DECIDE_CASES}
             assert param.rstrip("]") in cases or f'"{param.rstrip("]")}"' in text, node
 
 

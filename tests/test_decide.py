@@ -28,11 +28,13 @@ import pytest
 
 from tests.arch_models import encoder
 from tests.conftest import start_daemon
+from tests.decide_plain import PlainForward
 from tests.gen_models import build_llama, build_lora, pull
 
 MODEL = "tiny-decider"
 NLI = "tiny-nli"
 LORA = "tiny-decider-lora"
+GENERATOR = "tiny-generator"
 KEY = "decide-test-key-3f9a2c41b7e8"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
@@ -70,6 +72,7 @@ def daemon(folder: Path, nli_folder: Path, lora_folder: Path, tmp_path_factory: 
     pull(home, folder, MODEL, "--task", "decide")
     pull(home, nli_folder, NLI, "--task", "decide")
     pull(home, lora_folder, LORA, "--base", MODEL)  # its task is its base's: decide
+    pull(home, folder, GENERATOR)  # the same weights as a generator
     # Two decision models: jev-latest is the configured one.
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}",
                                       "FLEET_API_KEY": KEY}, wait_ready=False)
@@ -155,56 +158,19 @@ def test_answers_do_not_move_with_other_questions(daemon):
 
 def plain_forward(folder: Path, state: Any, model: Any = None) -> dict[str, np.ndarray]:
     """The answers to NOUL, CHOICE, SCORE and MANY (as "refund", "team", "anger",
-    "queue") on `state` that each question's own full sequences give (the state, the
-    question's head, one row), each run alone without a cache, through transformers:
-    the prompt runtimes/decide.py documents. `model`: other weights on `folder`'s
+    "queue") on `state` that each question's own full sequences give, run alone
+    without a cache (tests/decide_plain.py). `model`: other weights on `folder`'s
     tokenizer (a LoRA merged into them)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = (model or AutoModelForCausalLM.from_pretrained(folder)).eval()
-    # The prompt runtimes/decide.py documents: the chat template around the user turn.
-    rendered = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
-                                       add_generation_prompt=True)
-    head, tail = rendered.split("\x00")
-    cue = (" " if not tail[-1].isspace() else "") + "Answer:"
-    intro = ("Read the following, then answer the question after it: the letter of the best option when the "
-             "options are lettered, else the option itself.\n\n")
+    ref = PlainForward(folder, model)
     text = state if isinstance(state, str) else json.dumps(state, separators=(",", ":"))
-    prefix = tok(head + intro + text + "\n\n", add_special_tokens=False)["input_ids"]
-    # This tokenizer has no single-token " A": the labels are "A", "B", ... after "Answer: ".
-    labels = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "ABCD"]
-
-    def next_logits(question: str, row: str | list[int]) -> torch.Tensor:
-        # The question's head and its row are tokenized apart, as the worker reads them.
-        row_ids = row if isinstance(row, list) else tok(row, add_special_tokens=False)["input_ids"]
-        ids = prefix + tok(question, add_special_tokens=False)["input_ids"] + row_ids
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].double()
-
-    def listed(text: str, options: list[str]) -> np.ndarray:
-        rows = []
-        for order in (options, options[::-1]):
-            body = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", order))
-            logits = next_logits(f"Question: {text}\n", f"{body}{tail}{cue} ")
-            rows.append(torch.softmax(logits[-1, labels[: len(options)]], 0).numpy())
-        return (rows[0] + rows[1][::-1]) / 2
-
-    expect = {
-        "refund": listed(NOUL["instructions"], ["Yes: They want a refund", "No"])[:1],
-        "team": listed(CHOICE["instructions"], ["Billing: Payments, invoices, refunds", "Technical", "Sales: Pricing"]),
-        "anger": listed('{"scale":"frustration"}', ["Calm", "Frustrated", '{"label":"Very angry"}', "Furious"]),
+    levels = ["Calm", "Frustrated", '{"label":"Very angry"}', "Furious"]
+    return {
+        "refund": ref.answer(text, NOUL["instructions"], ["Yes: They want a refund", "No"], ["Yes", "No"])[:1],
+        "team": ref.answer(text, CHOICE["instructions"], ["Billing: Payments, invoices, refunds", "Technical",
+                                                          "Sales: Pricing"], list(CHOICE["criteria"])),
+        "anger": ref.answer(text, '{"scale":"frustration"}', levels, levels),
+        "queue": ref.answer(text, "Which queue?", list(MANY["criteria"]), list(MANY["criteria"])),
     }
-    context = f"Question: Which queue?\n{tail}{cue}"
-    scores = []
-    for name in MANY["criteria"]:
-        option = tok(" " + name, add_special_tokens=False)["input_ids"]
-        logp = torch.log_softmax(next_logits(context, option), -1)
-        n = len(option)
-        scores.append(float(sum(logp[-n - 1 + k, option[k]] for k in range(n))))
-    expect["queue"] = torch.softmax(torch.tensor(scores), 0).numpy()
-    return expect
 
 
 ALL = {"refund": NOUL, "team": CHOICE, "anger": SCORE, "queue": MANY}
@@ -293,6 +259,14 @@ def test_a_state_over_the_models_positions_is_413_and_fails_alone(daemon):
     assert [r.status_code for r in replies] == [413, 200] * 2
     assert replies[0].json()["detail"]["error_type"] == "input_too_long"
     assert ask(daemon, {"q": CHOICE}).status_code == 200
+
+
+def test_a_generator_is_refused_with_how_to_store_it_as_a_decision_model(daemon):
+    r = post(daemon, {"model": GENERATOR, "state": TICKET, "questions": {"q": NOUL}})
+    assert r.status_code == 400 and r.json()["detail"]["error_type"] == "bad_request"
+    assert f"'{GENERATOR}' is a generator" in r.json()["detail"]["message"]
+    assert f"--task decide --name {GENERATOR}-decide" in r.json()["detail"]["message"]
+    assert ask(daemon, {"q": NOUL}).status_code == 200
 
 
 def test_unknown_fields_are_ignored_and_named(daemon):

@@ -9,6 +9,11 @@ alone in-process: the same tokens, and per token the same log-probability as
 the reference forward pass (the largest difference is printed with `-s`).
 The prompts run past Gemma 3's sliding window (8 tokens here) and SmolLM3's
 NoPE layer is one of its four.
+
+The same daemon serves the catalog's decision models (`tests.arch_models.DECIDE_CASES`:
+the generator architectures pulled as task `decide`): every answer of `/v1/systemone`
+must equal each question's own full sequences run alone in-process (the prompt
+runtimes/decide.py documents; tests/decide_plain.py) to 1e-5.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.arch_models import GENERATOR_CASES, build_cases
+from tests.arch_models import DECIDE_CASES, GENERATOR_CASES, build_cases
 from tests.conftest import DaemonProc, start_daemon
+from tests.decide_plain import PlainForward
 from tests.gen_models import Reference
 
 PROMPTS = [
@@ -38,18 +44,19 @@ LARGEST: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_cases(GENERATOR_CASES, tmp_path_factory.mktemp("arch-generators"))
+    return build_cases({**GENERATOR_CASES, **DECIDE_CASES}, tmp_path_factory.mktemp("arch-generators"))
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path]):
     home = tmp_path_factory.mktemp("fleet-arch-generators")
     lines = []
-    for name, case in GENERATOR_CASES.items():
+    for name, case in {**GENERATOR_CASES, **DECIDE_CASES}.items():
         lines += [f'[models."{name}"]', f'source = "path:{folders[name]}"', f'task = "{case.task}"',
                   f'runtime = "{case.runtime}"', f'[models."{name}".profile]', 'dtype = "float32"', ""]
     (home / "models.toml").write_text("\n".join(lines))
-    d = start_daemon(home, extra_env={"FLEET_PRELOAD": ",".join(GENERATOR_CASES), "FLEET_CPU_THREADS": "1"})
+    d = start_daemon(home, extra_env={"FLEET_PRELOAD": ",".join([*GENERATOR_CASES, *DECIDE_CASES]),
+                                      "FLEET_CPU_THREADS": "1"})
     yield d
     d.stop()
     if LARGEST:
@@ -105,3 +112,32 @@ def test_greedy_generation_matches_transformers(fleet, folders, name):
         generated += len(new_ids)
     LARGEST[name] = f"same greedy tokens ({generated} over {len(bodies)} requests), max |logprob diff| {largest:.1e}"
     assert largest < 1e-4 and generated > len(bodies)
+
+
+STATE = "the invoice was paid twice"
+QUESTIONS = {
+    "twice": {"type": "noul", "instructions": "Paid twice?"},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "money", "tech": None}},
+    "size": {"type": "score", "instructions": "How bad?", "criteria": ["fine", "bad", "awful"]},
+}
+
+
+@pytest.mark.parametrize("name", list(DECIDE_CASES))
+def test_decisions_match_a_plain_forward(fleet, folders, name):
+    resp = httpx.post(fleet.url + "/v1/systemone", json={"model": name, "state": STATE, "questions": QUESTIONS},
+                      timeout=120)
+    assert resp.status_code == 200, resp.text[:500]
+    got = resp.json()["answers"]
+    ref = PlainForward(folders[name])
+    want = {
+        "twice": ref.answer(STATE, "Paid twice?", ["Yes", "No"], ["Yes", "No"])[:1],
+        "team": ref.answer(STATE, "Which team?", ["billing: money", "tech"], ["billing", "tech"]),
+        "size": ref.answer(STATE, "How bad?", ["fine", "bad", "awful"], ["fine", "bad", "awful"]),
+    }
+    largest = 0.0
+    for qid, p in want.items():
+        a = got[qid]
+        have = np.array([a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values()))
+        largest = max(largest, float(np.abs(have - p).max()))
+    LARGEST[name] = f"decisions, max |probability diff| {largest:.1e}"
+    assert largest <= 1e-5

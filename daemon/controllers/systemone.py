@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, Response, post
 
-from fleet.errors import BadRequest, InputTooLong, ModelNotFound, Unsupported
+from fleet.catalog import load_catalog
+from fleet.errors import BadRequest, FleetError, InputTooLong, ModelNotFound, Unsupported
 
 from daemon import systemone, tasks
 from daemon.controllers.common import stored_tasks
@@ -20,10 +21,10 @@ def decision_model(daemon: Daemon, name: str) -> str:
     """The store name a request's `model` runs on: `jev-latest` is this box's default
     decision model (config `default_models.decide`, else the only stored one)."""
     if name != systemone.DEFAULT_ALIAS:
-        return name
+        return not_a_generator(daemon, name)
     configured = daemon.settings.default_models.get("decide")
     if configured:
-        return configured
+        return not_a_generator(daemon, configured)
     stored = sorted(n for n, task in stored_tasks(daemon.store) if task == "decide")
     if len(stored) == 1:
         return stored[0]
@@ -32,6 +33,36 @@ def decision_model(daemon: Daemon, name: str) -> str:
                             hint="fleetctl pull path:DIR --task decide (any causal LM) adds one")
     raise BadRequest(f"{name!r} is this box's default decision model, and {len(stored)} are stored: name one of "
                      f"{', '.join(stored)}, or set default_models.decide in config.toml", param="model")
+
+
+def not_a_generator(daemon: Daemon, name: str) -> str:
+    """`name`, unless it is a stored generator (a causal LM of task `generate`): its
+    worker serves generation, not scoring, so the answer says how to pull its weights
+    as a decision model (the catalog's `<name>-decide` where there is one)."""
+    try:
+        daemon.manifest(name, "decide")  # cached: a decision model costs no look-up here
+        return name
+    except ModelNotFound:
+        return name  # the route answers it (a remote box's, an upstream's, or none)
+    except BadRequest:
+        pass  # stored, for another task
+    stored = daemon.aliases.resolve(name)
+    manifest = daemon.store.get(stored)
+    if (manifest.task, manifest.runtime) != ("generate", "transformers"):
+        return name
+    twin = f"{stored}-decide"
+    try:
+        entry = load_catalog(daemon.settings.home).find(twin)
+    except FleetError:
+        entry = None
+    if entry is not None and entry.task == "decide":
+        how = f"fleetctl pull {twin}"
+    elif manifest.source.startswith("hf:"):
+        how = f"fleetctl pull {manifest.source} --task decide --name {twin}"
+    else:
+        how = f"pull its source again with --task decide --name {twin}"
+    raise BadRequest(f"{stored!r} is a generator; decisions are read from a causal LM stored as a decision model "
+                     f"(task decide): {how}", param="model")
 
 
 def read_body(body: bytes, *, msgpack: bool) -> Any:
