@@ -90,6 +90,8 @@ SHOWN = 3
 CHILD_TIMEOUT_S = 300.0
 #: The child's exit status when torch or transformers is not installed.
 NOT_INSTALLED = 3
+#: How a report of a check that did not run to its end starts (never kept).
+CHILD_FAILED = "the check failed"
 
 
 class WeightsReport(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -118,9 +120,94 @@ def check_weights(folder: Path, task: str, runtime: str, *, trust_remote_code: b
         return WeightsReport(skipped=_no_class(task, runtime))
     if trust_remote_code:
         return WeightsReport(skipped="it runs its own code (trust_remote_code): not built here")
+    key = verdict_key(folder, task, runtime)
+    if key is not None and (kept := kept_report(key)) is not None:
+        return kept
     if here or "torch" in sys.modules:
-        return weights_report(folder, task, runtime)
-    return report_in_child(folder, task, runtime)
+        report = weights_report(folder, task, runtime)
+    else:
+        report = report_in_child(folder, task, runtime)
+        if report.skipped.startswith(CHILD_FAILED):
+            return report  # a timeout or a crash says nothing about the weights: not kept
+    if key is not None:
+        keep_report(key, report)
+    return report
+
+
+# ---- kept verdicts ---------------------------------------------------------------------------
+# A verdict depends only on what the check reads: the runtime's class, config.json, the
+# checkpoint's safetensors headers (names, dtypes, shapes) and the transformers and torch
+# versions. Keyed by a digest of those (read without torch, in milliseconds), it is kept
+# in the user's cache, so pulling or loading the same weights again skips the child's
+# torch import and the meta build (~5 s of CPU a pull). Tensor data never enters the
+# key: the check never reads it either (the store hashes files for that).
+
+#: Bumped when the check itself changes what it reports.
+VERDICT_VERSION = 1
+#: Kept verdicts past this many: the oldest tenth goes.
+KEPT_MAX = 4096
+
+
+def verdict_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fleet" / "weights"
+
+
+def verdict_key(folder: Path, task: str, runtime: str) -> str | None:
+    """The digest a verdict on `folder` as (task, runtime) is kept under; None when the
+    check would skip it anyway, or its files cannot be read (the check says why)."""
+    import hashlib
+    from importlib import metadata
+
+    where = target(folder, task, runtime)
+    if isinstance(where, str):
+        return None
+    model_dir, auto = where
+    files = checkpoint_files(model_dir)
+    if not files:
+        return None
+    try:
+        versions = [metadata.version(dist) for dist in ("transformers", "torch")]
+    except metadata.PackageNotFoundError:
+        return None
+    h = hashlib.sha256(f"{VERDICT_VERSION}\0{task}\0{runtime}\0{auto}\0{versions}".encode())
+    try:
+        h.update((model_dir / "config.json").read_bytes())
+        for path in files:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+                if not 0 <= n <= MAX_HEADER_BYTES:
+                    return None
+                h.update(path.name.encode() + b"\0" + head + f.read(n))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def kept_report(key: str) -> WeightsReport | None:
+    try:
+        return msgspec.json.decode((verdict_dir() / f"{key}.json").read_bytes(), type=WeightsReport)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None  # none kept, or a damaged file: checked again (and kept anew)
+
+
+def keep_report(key: str, report: WeightsReport) -> None:
+    """Keep `report` under `key` (temp file, then rename); a cache that cannot be
+    written only costs the next check its time."""
+    folder = verdict_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(msgspec.json.encode(report))
+        os.replace(tmp, folder / f"{key}.json")
+        kept = list(folder.glob("*.json"))
+        if len(kept) > KEPT_MAX:
+            kept.sort(key=lambda p: p.stat().st_mtime)
+            for old in kept[: len(kept) // 10]:
+                old.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("weights verdict not kept: %s", exc)
 
 
 def refusal(report: WeightsReport, task: str, runtime: str) -> str | None:
@@ -284,13 +371,13 @@ def report_in_child(folder: Path, task: str, runtime: str) -> WeightsReport:
         out = subprocess.run([sys.executable, "-m", "fleet.weights", str(folder), task, runtime], env=env,
                              capture_output=True, timeout=CHILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return WeightsReport(skipped=f"the check took over {CHILD_TIMEOUT_S:.0f} s")
+        return WeightsReport(skipped=f"{CHILD_FAILED}: it took over {CHILD_TIMEOUT_S:.0f} s")
     if out.returncode == NOT_INSTALLED:
         return WeightsReport(skipped="torch or transformers is not installed here")
     if out.returncode != 0:
         why = out.stderr.decode(errors="replace").strip().splitlines()
         log.warning("weights check of %s failed: %s", folder.name, why[-1] if why else out.returncode)
-        return WeightsReport(skipped=f"the check failed: {why[-1] if why else out.returncode}"[:300])
+        return WeightsReport(skipped=f"{CHILD_FAILED}: {why[-1] if why else out.returncode}"[:300])
     return msgspec.json.decode(out.stdout, type=WeightsReport)
 
 

@@ -180,3 +180,42 @@ def test_a_pull_through_the_api_is_refused_400_and_the_daemon_keeps_serving(serv
     tags = httpx.get(served.url + "/api/tags", timeout=30).json()["models"]
     assert tags and not any(m["name"].startswith(LISTED_FOO) for m in tags)
     assert embed(served, DEFAULT_MODEL).status_code == 200
+
+
+def test_a_verdict_is_kept_by_what_the_check_reads_and_a_change_is_checked_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The check's verdict is kept under a digest of what it reads (config.json, the
+    safetensors headers, the class, the versions): the same weights again, in any
+    folder, are not built again; another shape or config is; a damaged kept file is
+    checked again and replaced."""
+    import torch
+
+    from fleet import weights
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ("embed", "sentence-transformers")
+    good = minilm_with(tmp_path / "good", minilm_tensors())
+    first = weights.check_weights(good, *args)
+    assert first.model_class == "BertModel" and not first.missing and not first.skipped
+    key = weights.verdict_key(good, *args)
+    kept = tmp_path / "cache" / "fleet" / "weights" / f"{key}.json"
+    assert kept.is_file()
+    copy = Path(shutil.copytree(good, tmp_path / "copy"))
+    with monkeypatch.context() as m:
+        def no_check(*_a, **_k):
+            raise AssertionError("the weights were checked again")
+
+        m.setattr(weights, "weights_report", no_check)
+        m.setattr(weights, "report_in_child", no_check)
+        assert weights.check_weights(copy, *args) == first  # another folder, the same files
+    shape = minilm_with(tmp_path / "shape", {**minilm_tensors(),
+                                             "encoder.layer.0.intermediate.dense.weight": torch.zeros(10, 384)})
+    assert weights.verdict_key(shape, *args) != key
+    assert weights.refusal(weights.check_weights(shape, *args), *args) is not None  # checked, refused
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
+    assert weights.verdict_key(copy, *args) != key
+    assert "encoder.layer.6" in " ".join(weights.check_weights(copy, *args).missing)
+    kept.write_text("{damaged")
+    assert weights.check_weights(good, *args) == first
+    assert json.loads(kept.read_text())["model_class"] == "BertModel"
