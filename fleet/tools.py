@@ -10,9 +10,15 @@ prompt and the model's past calls into history, in that format.
 * `llama-json`: the whole answer is `{"name": ..., "parameters": {...}}` (Llama
   3.1-3.3: the template asks for that JSON);
 * `phi4-mini`: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>`,
-  the tools given as JSON text in the system turn's `tools` (Phi-4-mini).
+  the tools given as JSON text in the system turn's `tools` (Phi-4-mini);
+* `tool-code`: Gemma 3's convention, Python calls (`name(key=value, ...)`, one a
+  line) in a markdown block tagged tool_code, their results given back in one
+  tagged tool_output. Its template renders no tools (it has no place for them) but
+  has one for a system turn, which it writes before the first user turn: fleet
+  describes the tools there, as Python signatures (runtimes.tool_code). Recognised
+  by its `<start_of_turn>` turns with that system prefix (`first_user_prefix`).
 
-A template that speaks none of them (Gemma 3's, SmolLM2's) cannot express tools:
+A template that speaks none of them (SmolLM2's, Gemma 2's) cannot express tools:
 a request with tools is refused with a 400 saying so.
 
 Light imports only: the API process imports this module.
@@ -28,6 +34,7 @@ from fleet.protocol import NamedToolChoice, ToolDef
 HERMES = "hermes"
 LLAMA_JSON = "llama-json"
 PHI4_MINI = "phi4-mini"
+TOOL_CODE = "tool-code"
 #: A function name as OpenAI takes it.
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 #: Most tools one request may carry (each is a grammar alternative).
@@ -44,6 +51,8 @@ def tool_format(template: str | None) -> str | None:
         return LLAMA_JSON
     if "<|tool|>" in template and "'tools' in message" in template:
         return PHI4_MINI
+    if "<start_of_turn>" in template and "first_user_prefix" in template:
+        return TOOL_CODE
     return None
 
 

@@ -66,7 +66,7 @@ from runtimes.grammar import Grammars
 from runtimes.hf_common import char_bound
 from runtimes.lora import Loras, LoraHost
 from runtimes.memory import NotNow, is_out_of_memory
-from runtimes.tools import Caller, added_id, template_messages
+from runtimes.tools import Caller, added_id, history_turns, template_messages
 
 log = logging.getLogger("fleet.worker")
 
@@ -423,6 +423,8 @@ class CausalLM(LoraHost, Adapter):
             messages, kwargs = template_messages(req.messages), {}
             if caller is not None:
                 messages, kwargs = caller.render(messages)
+            elif isinstance(self.tokenizer.chat_template, str):
+                messages = history_turns(self.tokenizer.chat_template, messages)
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                           **kwargs)

@@ -35,11 +35,13 @@ from typing import Any
 from fleet.errors import BadRequest
 from fleet.messages import CalledTool, CallPiece
 from fleet.protocol import ChatMessage, NamedToolChoice, ToolDef
-from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, tool_format
+from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
+from runtimes import tool_code
 from runtimes.grammar import JSON_OPTIONS
 
 #: Opening and closing markers of a call, per format (Llama's JSON has none).
-MARKERS = {HERMES: ("<tool_call>", "</tool_call>"), PHI4_MINI: ("<|tool_call|>", "<|/tool_call|>")}
+MARKERS = {HERMES: ("<tool_call>", "</tool_call>"), PHI4_MINI: ("<|tool_call|>", "<|/tool_call|>"),
+           TOOL_CODE: (tool_code.OPEN, tool_code.CLOSE)}
 #: What Llama 3.x writes before a call's JSON (a special token: dropped from the text).
 PYTHON_TAG = "<|python_tag|>"
 #: Text with no call in it, for "auto" with a marker the text could spell.
@@ -90,6 +92,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def history_turns(template: str | None, messages: list[dict]) -> list[dict]:
+    """The turns of a request whose tools are not rendered (it has none, or tool_choice
+    "none"): a template with no place for calls and results (Gemma 3's refuses tool
+    turns) gets them in its format's text."""
+    if tool_format(template) == TOOL_CODE and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return tool_code.history(messages)
+    return messages
+
+
 def tool_dict(tool: ToolDef) -> dict:
     f = tool.function
     return {"type": "function", "function": {"name": f.name, "description": f.description or "",
@@ -107,6 +118,8 @@ class Caller:
         if fmt is None:
             raise BadRequest(f"the chat template of {model} cannot express tools (it renders no tool "
                              "definitions or calls): send the request without `tools`", param="tools")
+        if fmt == TOOL_CODE:
+            tool_code.check(tools, model)
         self.format, self.tools, self.parallel = fmt, tools, parallel
         self.template = template or ""
         self.names = [t.function.name for t in tools]
@@ -125,6 +138,8 @@ class Caller:
     # -- 1. the prompt ------------------------------------------------------------------
 
     def render(self, messages: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+        if self.format == TOOL_CODE:  # its template renders no tools: they go in its system turn
+            return tool_code.prompt(messages, self.tools), {}
         tools = [tool_dict(t) for t in self.tools]
         if self.format == PHI4_MINI:
             # Its template writes a turn's content only: past calls go there, in its format.
@@ -152,6 +167,14 @@ class Caller:
             call = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if one_call else {})}
         body = "%json " + json.dumps({**call, "x-guidance": JSON_OPTIONS})
         auto = self.choice in (None, "auto")
+        if self.format == TOOL_CODE:  # one block of calls, one a line
+            rules = tool_code.call_rules(self.tools, wanted)
+            calls, close = "call" if one_call else 'call ("\\n" call)*', json.dumps(tool_code.CLOSE)
+            if not auto:
+                return f"start: {json.dumps(tool_code.OPEN)} {calls} {close}\n{rules}"
+            no_call = NO_CALL.format(marker=re.escape(tool_code.OPENING))
+            return (f"start: PROSE | tagged\ntagged: head {calls} {close}\nhead[lazy]: TEXT {json.dumps(tool_code.OPEN)}\n"
+                    f"TEXT: /(.|\\n)*/\nPROSE: {no_call}\n{rules}")
         if self.format == LLAMA_JSON:
             return f"start: {'PROSE | ' if auto else ''}call\ncall: {body}\nPROSE: {NO_JSON_CALL}\n"
         open_, close = self.markers
@@ -211,6 +234,8 @@ class Caller:
         return (rest if rest.strip() else ""), calls
 
     def _calls(self, body: str) -> list[CalledTool]:
+        if self.format == TOOL_CODE:
+            return tool_code.parse(body, self.names)
         written = self._written(body)
         if written is not None:
             return written
@@ -262,6 +287,8 @@ class Caller:
     def calls_so_far(self, text: str) -> list[tuple[str, str]]:
         """(name, arguments as written so far) of each call begun in a growing text whose
         name is written; each is the beginning of what `split` returns for it."""
+        if self.format == TOOL_CODE:
+            return self._tool_code_so_far(text)
         if self.format == LLAMA_JSON:
             at = self.call_start(text)
             bodies = [text[at:].lstrip().removeprefix(PYTHON_TAG)] if at < len(text) else []
@@ -278,6 +305,19 @@ class Caller:
                     break
                 out.append((head.group(1), body[head.end():end]))
                 at = end + 1  # past the call's closing brace
+        return out
+
+    def _tool_code_so_far(self, text: str) -> list[tuple[str, str]]:
+        """Python calls are not JSON as written: each is sent whole once its line is
+        (a block's last line is whole once the block is closed)."""
+        out = []
+        for m in self.blocks.finditer(text):
+            lines = m.group(1).split("\n")
+            for line in lines if m.group(0).endswith(tool_code.CLOSE) else lines[:-1]:
+                found = tool_code.parse(line, self.names)
+                if len(found) != 1:
+                    return out
+                out.append((found[0].name, found[0].arguments))
         return out
 
     def call_pieces(self, text: str, sent: list[int]) -> list[CallPiece]:

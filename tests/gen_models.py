@@ -146,6 +146,9 @@ class Reference:
 #: Qwen2.5-Instruct's chat template as the model ships it (tokenizer_config.json): it
 #: renders `tools` and history calls in the Hermes format (`<tool_call>` blocks).
 QWEN25_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-instruct.jinja"
+#: Gemma 3's chat template as its instruct models ship it (tokenizer_config.json): it has
+#: no place for tools; calls are ```tool_code blocks of Python calls (fleet.tools).
+GEMMA3_TEMPLATE = Path(__file__).parent / "data" / "gemma-3-it.jinja"
 #: Where a scripted model's greedy choice goes, given the token it just read (module doc
 #: of build_tool_caller): (read, next, strength); the strongest one the grammar allows wins.
 TOOL_SCRIPT = [
@@ -157,9 +160,9 @@ TOOL_SCRIPT = [
 ]
 
 
-def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0) -> Path:
-    """A tiny Qwen2 that calls tools, with Qwen2.5-Instruct's real chat template and
-    its added `<tool_call>` / `</tool_call>` tokens (not special, as in Qwen's).
+def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0, template: Path = QWEN25_TEMPLATE) -> Path:
+    """A tiny Qwen2 that calls tools, with Qwen2.5-Instruct's real chat template (or
+    `template`) and its added `<tool_call>` / `</tool_call>` tokens (not special, as in Qwen's).
 
     Its one layer adds nothing (o_proj and down_proj are zero), so the logits are a
     function of the last token read: each TOOL_SCRIPT entry adds that token's unit
@@ -183,7 +186,7 @@ def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0) -> Path
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_tokens(["<tool_call>", "</tool_call>"])  # plain added tokens, as Qwen2.5's
-    fast.chat_template = QWEN25_TEMPLATE.read_text()
+    fast.chat_template = template.read_text()
     fast.save_pretrained(folder)
     eos = fast.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(seed)

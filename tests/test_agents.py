@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 from tests.conftest import DaemonProc, start_daemon
-from tests.gen_models import build_llama, build_tool_caller, never_ending, pull
+from tests.gen_models import GEMMA3_TEMPLATE, build_llama, build_tool_caller, never_ending, pull
 
 pytestmark = pytest.mark.slow
 
 ENDLESS = "tiny-endless"  # 256 positions, greedy output never stops: it runs to the context's end
 CALLER = "tiny-qwen-tools"  # Qwen2.5-Instruct's chat template; calls a tool as soon as it may
 PLAIN = "tiny-llama"  # a chat template with no tools
+GEMMA = "tiny-gemma3-tools"  # the same caller with Gemma 3's chat template: Python calls in ```tool_code blocks
 CONTEXT = 256
 ASK = [{"role": "user", "content": "hello world"}]
 
@@ -34,6 +35,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     pull(home, never_ending(build_llama(root / ENDLESS)), ENDLESS)
     pull(home, build_tool_caller(root / CALLER), CALLER)
     pull(home, build_llama(root / PLAIN), PLAIN)
+    pull(home, build_tool_caller(root / GEMMA, template=GEMMA3_TEMPLATE), GEMMA)
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
     yield d
     d.stop()
@@ -193,6 +195,30 @@ def test_chat_fields_beside_tools_are_understood_or_refused_by_name(served: Daem
         openai_client.chat.completions.create(model=PLAIN, messages=TURN_ON, tools=TOOLS)
     assert "the chat template of tiny-llama cannot express tools" in err.value.body["message"]
     assert openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS).choices[0].message
+
+
+def test_gemma3_calls_tools_as_python_in_its_own_blocks(openai_client) -> None:
+    # Its template has no place for tools: they go in its system turn, its calls are read
+    # from ```tool_code blocks; to clients, the same calls.
+    chat = openai_client.chat.completions.create(model=GEMMA, messages=TURN_ON, tools=TOOLS, tool_choice="required",
+                                                 parallel_tool_calls=False)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert len(choice.message.tool_calls) == 1 and fits(call.function.name, call.function.arguments)
+    chunks = list(openai_client.chat.completions.create(model=GEMMA, messages=TURN_ON, tools=TOOLS, stream=True,
+                                                        tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"] and fits("get_weather", deltas[0].function.arguments)
+    # The call and its result as history (its template alone refuses a tool turn), with
+    # and without tools to render.
+    history = [*TURN_ON, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "switched on"}]
+    for kw in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        assert openai_client.chat.completions.create(model=GEMMA, messages=history, max_tokens=4, **kw).usage
+    caps = {m.id: m.model_extra["capabilities"] for m in openai_client.models.list()}
+    assert caps[GEMMA] == ["completion", "chat", "tools"]
 
 
 def test_responses_function_calls_and_their_outputs(openai_client) -> None:

@@ -12,11 +12,11 @@ import pytest
 from fleet.protocol import (
     ChatMessage, FunctionCall, FunctionDef, FunctionName, GenerateRequest, NamedToolChoice, ToolCall, ToolDef,
 )
-from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, tool_format
+from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
 from runtimes.base import ModelSpec, Profile
 from runtimes.generate import CausalLM
 from runtimes.tools import Caller
-from tests.gen_models import CHAT_TEMPLATE, QWEN25_TEMPLATE, build_tool_caller
+from tests.gen_models import CHAT_TEMPLATE, GEMMA3_TEMPLATE, QWEN25_TEMPLATE, build_tool_caller
 
 #: Phi-4-mini-instruct's chat template as the model ships it: tools as JSON text in the system turn.
 PHI4_TEMPLATE = (
@@ -57,6 +57,7 @@ def test_the_format_is_read_from_the_template() -> None:
     assert tool_format(QWEN25_TEMPLATE.read_text()) == HERMES
     assert tool_format(LLAMA_TEMPLATE) == LLAMA_JSON
     assert tool_format(PHI4_TEMPLATE) == PHI4_MINI
+    assert tool_format(GEMMA3_TEMPLATE.read_text()) == TOOL_CODE
     assert tool_format(CHAT_TEMPLATE) is None and tool_format(None) is None
 
 
@@ -85,16 +86,18 @@ def assembled(pieces: list) -> list[tuple[str, str]]:
     return [written[i] for i in range(len(written))]
 
 
-@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
-                         ids=[HERMES, LLAMA_JSON, PHI4_MINI])
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE,
+                                      GEMMA3_TEMPLATE.read_text()], ids=[HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE])
 def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, template: str) -> None:
     try:
         for choice in ("required", NamedToolChoice(FunctionName("get_weather"))):
             res, pieces = run(model, template, tool_choice=choice, parallel_tool_calls=False)
             assert res.finish_reason == "tool_calls" and len(res.tool_calls) == 1 and res.text == "", res
             call = res.tool_calls[0]
-            # Streamed, the arguments came as the model wrote them: piece by piece, the call in the end.
-            assert assembled(pieces) == [(call.name, call.arguments)] and len(pieces) > 3
+            # Streamed, the arguments came as the model wrote them: piece by piece, the call in the end
+            # (a Python call is not its JSON arguments: it comes whole once written).
+            assert assembled(pieces) == [(call.name, call.arguments)]
+            assert len(pieces) == 1 if tool_format(template) == TOOL_CODE else len(pieces) > 3
             args = json.loads(call.arguments)
             if call.name == "set_mode":
                 assert args["mode"] in ("on", "off") and type(args["loud"]) is bool
@@ -105,9 +108,8 @@ def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, templa
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
 
 
-
-@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
-                         ids=[HERMES, LLAMA_JSON, PHI4_MINI])
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE,
+                                      GEMMA3_TEMPLATE.read_text()], ids=[HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE])
 def test_history_calls_are_rendered_in_the_format(model: CausalLM, template: str) -> None:
     model.tokenizer.chat_template = template
     try:
@@ -117,7 +119,17 @@ def test_history_calls_are_rendered_in_the_format(model: CausalLM, template: str
         caller = Caller("caller", model.tokenizer, [SWITCH], "auto", True, model._engine_token)
         text = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=history,
                                                                        tools=[SWITCH]), caller))
-        assert '"mode": "on"' in text and "switched on" in text and "Switch the device." in text
+        assert "switched on" in text and "Switch the device." in text
+        if tool_format(template) != TOOL_CODE:
+            assert '"mode": "on"' in text
+            return
+        # Gemma 3's: the tools as Python signatures, the call as Python, its result in a user
+        # turn (the template refuses a tool turn); without tools to render, the same history.
+        assert 'def set_mode(mode: Literal["on", "off"], loud: bool):' in text
+        assert '<start_of_turn>model\n```tool_code\nset_mode(mode="on", loud=False)\n```<end_of_turn>' in text
+        assert "<start_of_turn>user\n```tool_output\nswitched on\n```<end_of_turn>" in text
+        plain = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=history)))
+        assert "def set_mode" not in plain and "```tool_output\nswitched on" in plain
     finally:
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
 
@@ -174,6 +186,42 @@ def test_call_pieces_follow_a_growing_text(model: CausalLM) -> None:
             assert all("\ufffd" not in p.arguments for p in pieces)
         finally:
             model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+def test_gemma3_calls_python_functions_in_tool_code_blocks(model: CausalLM) -> None:
+    # "auto" (text or calls, several a block): each call fits its schema.
+    for choice, parallel in (("required", False), ("auto", True)):
+        res, pieces = run(model, GEMMA3_TEMPLATE.read_text(), tool_choice=choice, parallel_tool_calls=parallel)
+        assert res.finish_reason in ("tool_calls", "stop"), res
+        assert all(fits(c.name, c.arguments) for c in res.tool_calls) and (res.tool_calls or choice == "auto")
+        assert assembled(pieces) == [(c.name, c.arguments) for c in res.tool_calls]
+    model.tokenizer.chat_template = GEMMA3_TEMPLATE.read_text()
+    try:
+        caller = Caller("caller", model.tokenizer, [SWITCH, WEATHER], "auto", True, model._engine_token)
+        text = ('Sure.\n```tool_code\nset_mode(mode="on", loud=True)\nget_weather(city="Orl\u00e9ans", '
+                'days=2, extra={"a": [true, null]})\n```')
+        rest, calls = caller.split(text)
+        assert rest == "Sure.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("set_mode", {"mode": "on", "loud": True}),
+            ("get_weather", {"city": "Orl\u00e9ans", "days": 2, "extra": {"a": [True, None]}})]
+        # Parsed, never run: anything but calls of known tools with literal keywords stays text.
+        for body in ('__import__("os").system("x")', "set_mode(*a)", "set_mode(**a)", "set_mode(mode=x)",
+                     'nope(mode="on")', "set_mode(mode={1, 2})", "set_mode(mode=1j)", "set_mode("):
+            assert caller.split(f"```tool_code\n{body}\n```")[1] == [], body
+        # A tool a Python call cannot spell is refused, saying which name.
+        odd = ToolDef(FunctionDef("set-mode", None, {"type": "object", "properties": {}}))
+        err = model.admit(0, GenerateRequest(model="caller", messages=ASK, tools=[odd]))
+        assert err.code == "bad_request" and "'set-mode'" in err.message and not model.has_active()
+    finally:
+        model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+def fits(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "set_mode":
+        return set(args) == {"mode", "loud"} and args["mode"] in ("on", "off") and type(args["loud"]) is bool
+    return name == "get_weather" and set(args) == {"city", "days"} and isinstance(args["city"], str) \
+        and type(args["days"]) is int
 
 
 def test_a_template_with_no_tools_is_refused_saying_so(model: CausalLM) -> None:
