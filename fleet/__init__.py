@@ -5,4 +5,4 @@ the worker<->daemon messages and control commands, pins. This package imports no
 other package of the project, and nothing heavy: importing it never imports torch.
 """
 
-__version__ = "0.24.0"
+__version__ = "0.26.0"
