@@ -89,3 +89,12 @@ def test_install_commands_name_the_distribution_and_the_shared_names_are_said() 
     readme = ROOT.joinpath("README.md").read_text()
     for name, other in SHARED.items():
         assert f"`{name}`" in readme and other in readme, (name, other)
+
+
+def test_nothing_in_the_repository_cites_a_file_outside_it() -> None:
+    """The project's docs, code and scripts speak in its own words: no path that leaves
+    the checkout (`../<folder>/...`) is named as a source to read."""
+    outside = re.compile(r"(?<![\w.])\.\./(?!\.)[\w-]+/[\w./-]+\.(?:md|py|toml|txt)\b")
+    cited = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in tracked_text_files()
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
+    assert not cited, "files outside the repository cited:\n" + "\n".join(cited)
