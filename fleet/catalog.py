@@ -216,7 +216,7 @@ class CatalogEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Or, for models trained for any width in a range: [smallest, largest]. Informational too.
     matryoshka_range: tuple[int, int] | None = None
     # Facts from the model's card and hub repository: shown by `fleetctl list --catalog`
-    # and README's "Models" table, never applied (the model's folder decides how it
+    # and the models table of docs/models.md, never applied (the model's folder decides how it
     # runs). A fact nobody could check is left out and reads "unknown".
     #: config.json `model_type`: the architecture tests/arch_models.PARITY proves.
     model_type: str | None = None

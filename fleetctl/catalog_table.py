@@ -1,9 +1,9 @@
-"""The README's "Models" table, written from the shipped catalog (models.toml).
+"""The models table of docs/models.md, written from the shipped catalog (models.toml).
 
-    python -m fleetctl.catalog_table           # rewrite the table in README.md
-    python -m fleetctl.catalog_table --check   # exit 1 when README's table is stale
+    python -m fleetctl.catalog_table           # rewrite the table in docs/models.md
+    python -m fleetctl.catalog_table --check   # exit 1 when the table is stale
 
-The table sits between `START` and `END` in README.md; everything else in the
+The table sits between `START` and `END` in docs/models.md; everything else in the
 file is left as it is. `tests/test_catalog.py` runs the check, so a catalog
 change without its table fails the suite. The same formatting serves
 `fleetctl list --catalog`: a fact the catalog does not know reads "unknown".
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fleet.catalog import SHIPPED_CATALOG, CatalogEntry, load_catalog, parse_source
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 START = "<!-- models table: written by `python -m fleetctl.catalog_table` from models.toml; do not edit -->"
 END = "<!-- end of models table -->"
 UNKNOWN = "unknown"
@@ -89,7 +89,7 @@ def render(readme: str, entries: Iterable[CatalogEntry]) -> str:
     head, start, rest = readme.partition(START)
     _, end, tail = rest.partition(END)
     if not start or not end:
-        raise SystemExit(f"README.md has no models table markers ({START!r} ... {END!r})")
+        raise SystemExit(f"docs/models.md has no models table markers ({START!r} ... {END!r})")
     return f"{head}{START}\n{table(entries)}\n{END}{tail}"
 
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = render(current, shipped_entries())
     if check:
         if wanted != current:
-            print("README.md's models table is stale: run `python -m fleetctl.catalog_table`", file=sys.stderr)
+            print("docs/models.md's models table is stale: run `python -m fleetctl.catalog_table`", file=sys.stderr)
             return 1
         return 0
     if wanted != current:

@@ -75,7 +75,7 @@ def copy_default_model(dst: Path) -> Path:
 
 def ollama_operator(d: DaemonProc, **kwargs):
     """The `ollama` Python client as the operator runs it: it sends `OLLAMA_API_KEY` as its
-    bearer token, here the daemon's admin key (README, "On a shared box")."""
+    bearer token, here the daemon's admin key (docs/operations.md, "On a shared box")."""
     import ollama
 
     with pytest.MonkeyPatch.context() as mp:

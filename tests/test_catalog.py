@@ -1,5 +1,5 @@
 """The shipped catalog: every entry can be served and is proven, its facts are
-well formed, and what `fleetctl list --catalog` and README's table show is the catalog.
+well formed, and what `fleetctl list --catalog` and the models table of docs/models.md show is the catalog.
 
 "Can be served": its (task, runtime) has an adapter in runtimes/registry.py.
 "Proven": its (task, runtime, model_type) is in `tests.arch_models.PARITY`,
@@ -99,7 +99,7 @@ def test_sizes_read_in_decimal_units(n, text):
 def test_readme_models_table_is_the_catalogs():
     readme = catalog_table.README.read_text()
     assert catalog_table.render(readme, catalog_table.shipped_entries()) == readme, \
-        "README.md's models table is stale: run `python -m fleetctl.catalog_table`"
+        "docs/models.md's models table is stale: run `python -m fleetctl.catalog_table`"
     done = subprocess.run([sys.executable, "-m", "fleetctl.catalog_table", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
