@@ -207,7 +207,7 @@ class DecisionLM(LoraHost, Adapter):
         from transformers import AutoTokenizer
 
         self._torch = torch
-        self.dtype = self._dtype()
+        self.dtype = decision_dtype(self)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
@@ -235,25 +235,10 @@ class DecisionLM(LoraHost, Adapter):
                  "chat template" if self.frame.templated else "plain text")
         self._warm_up()
 
-    def _dtype(self) -> str:
-        wanted = self.spec.profile.dtype
-        if wanted != "auto":
-            return wanted
-        if self.device.startswith("cuda"):
-            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
-        return "float32"
-
     def _warm_up(self) -> None:
         """One decision at load: kernel selection now, not in the first client's
         latency; refuses caches this adapter cannot gather; measures a token's cache bytes."""
-        from fleet.decisions import DecideQuestion
-
-        probe = DecideRequest(self.spec.name, "hello", [
-            DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
-            DecideQuestion("choice", "Which?", ["red", "green", "blue"], ["red", "green", "blue"])])
-        res = run_through(self.batch([probe], BatchContext()))[0]
-        if isinstance(res, WorkError):
-            raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
+        probe_decision(self)
 
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model) + self.prefixes.limit + self.lora_bytes()
@@ -524,6 +509,30 @@ class DecisionLM(LoraHost, Adapter):
                 flat.append(softmax(scores[first : first + n] / t))
         ends = np.cumsum(plan.per_request)
         return [np.concatenate(flat[e - c : e]) if c else np.zeros(0) for c, e in zip(plan.per_request, ends)]
+
+
+def decision_dtype(adapter: Any) -> str:
+    """The dtype a decision adapter loads in: its profile's, else bf16 (fp16 without it)
+    on CUDA and float32 on the CPU."""
+    wanted = adapter.spec.profile.dtype
+    if wanted != "auto":
+        return wanted
+    if adapter.device.startswith("cuda"):
+        return "bfloat16" if adapter._torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def probe_decision(adapter: Any) -> None:
+    """One decision at load (kernels chosen now, not in the first client's latency); a
+    model that cannot answer it is refused."""
+    from fleet.decisions import DecideQuestion
+
+    probe = DecideRequest(adapter.spec.name, "hello", [
+        DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
+        DecideQuestion("choice", "It is about", ["red", "green", "blue"], ["red", "green", "blue"])])
+    res = run_through(adapter.batch([probe], BatchContext()))[0]
+    if isinstance(res, WorkError):
+        raise ModelLoadFailed(f"{adapter.spec.name!r}: a probe decision failed: {res.message}")
 
 
 def load_causal_lm(spec: Any, dtype: Any) -> Any:

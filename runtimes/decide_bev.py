@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from fleet.decisions import DecideQuestion, DecideRequest, DecideResult
+from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.decide import too_long
+from runtimes.base import Adapter, BatchContext, Steps
+from runtimes.decide import decision_dtype, probe_decision, too_long
 from runtimes.decide_heads import Parts, answer, question_parts, state_value
 from runtimes.hf_common import footprint_bytes, micro_batches
 
@@ -79,7 +79,7 @@ class BevDecider(Adapter):
             raise
         except Exception as exc:  # the libraries raise many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a bev-decider checkpoint: {exc}") from exc
-        self.dtype = self._dtype()
+        self.dtype = decision_dtype(self)
         self.backbone = backbone.to(self.device, getattr(torch, self.dtype)).eval()
         self.head = self.head.to(self.device).eval()
         tok = self.tokenizer
@@ -89,20 +89,7 @@ class BevDecider(Adapter):
         self.max_state = int(self.config["max_state_tokens"])
         self.max_choice = int(self.config["max_choice_tokens"])
         self.positions = int(getattr(backbone.config, "max_position_embeddings", 0) or 1 << 30)
-        probe = DecideRequest(self.spec.name, "hello", [
-            DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
-            DecideQuestion("choice", "It is about", ["red", "green", "blue"], ["red", "green", "blue"])])
-        res = run_through(self.batch([probe], BatchContext()))[0]
-        if isinstance(res, WorkError):
-            raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
-
-    def _dtype(self) -> str:
-        wanted = self.spec.profile.dtype
-        if wanted != "auto":
-            return wanted
-        if self.device.startswith("cuda"):
-            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
-        return "float32"
+        probe_decision(self)
 
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.backbone) + footprint_bytes(self.head)

@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from fleet.decisions import DecideQuestion, DecideRequest, DecideResult
+from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import FleetError, ModelLoadFailed
-from fleet.messages import WorkError
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.decide import too_long
+from runtimes.base import Adapter, BatchContext, Steps
+from runtimes.decide import decision_dtype, probe_decision, too_long
 from runtimes.decide_heads import Parts, answer, question_parts, state_value
 from runtimes.hf_common import footprint_bytes, micro_batches
 
@@ -113,7 +112,7 @@ class LayaDecider(Adapter):
             raise
         except Exception as exc:  # the libraries raise many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a Laya checkpoint: {exc}") from exc
-        self.dtype = self._dtype()
+        self.dtype = decision_dtype(self)
         self.model = model.to(self.device, getattr(torch, self.dtype)).eval()
         self.max_len = int(self.spec.max_seq_len or cfg.get("max_len", 512))
         self.head_max_len = int(cfg.get("head_max_len", 192))
@@ -126,20 +125,7 @@ class LayaDecider(Adapter):
         self.special = (tok.cls_token_id, tok.sep_token_id, tok.mask_token_id, tok.pad_token_id)
         if None in self.special:
             raise ModelLoadFailed(f"{self.spec.name!r}: its tokenizer lacks [CLS], [SEP], [MASK] or [PAD]")
-        probe = DecideRequest(self.spec.name, "hello", [
-            DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
-            DecideQuestion("choice", "It is about", ["red", "green", "blue"], ["red", "green", "blue"])])
-        res = run_through(self.batch([probe], BatchContext()))[0]
-        if isinstance(res, WorkError):
-            raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
-
-    def _dtype(self) -> str:
-        wanted = self.spec.profile.dtype
-        if wanted != "auto":
-            return wanted
-        if self.device.startswith("cuda"):
-            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
-        return "float32"
+        probe_decision(self)
 
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)

@@ -24,9 +24,8 @@ import numpy as np
 
 from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, temperature_key
 from fleet.errors import ModelLoadFailed
-from fleet.messages import WorkError
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.decide import softmax, too_long
+from runtimes.base import Adapter, BatchContext, Steps
+from runtimes.decide import probe_decision, softmax, too_long
 from runtimes.hf_common import char_bound, footprint_bytes, load_transformers, max_length, micro_batches, to_device
 
 
@@ -54,14 +53,7 @@ class NliDecider(Adapter):
         self.model, self.tokenizer = load_transformers(self.spec, self.device, "AutoModelForSequenceClassification")
         self.entail, self.contradict = nli_labels(self.model.config.id2label, self.spec.name)
         self.max_len = max_length(self.spec, self.tokenizer, self.model.config)
-        from fleet.decisions import DecideQuestion
-
-        probe = DecideRequest(self.spec.name, "hello", [
-            DecideQuestion("noul", "Is this a greeting?", ["Yes", "No"], ["Yes", "No"]),
-            DecideQuestion("choice", "It is about", ["red", "green", "blue"], ["red", "green", "blue"])])
-        res = run_through(self.batch([probe], BatchContext()))[0]
-        if isinstance(res, WorkError):
-            raise ModelLoadFailed(f"{self.spec.name!r}: a probe decision failed: {res.message}")
+        probe_decision(self)
 
     def footprint_bytes(self) -> int:
         return footprint_bytes(self.model)
