@@ -31,7 +31,9 @@ from tests.conftest import DaemonProc, start_daemon
 from tests.test_gguf_store import smollm2_gguf
 
 pytestmark = pytest.mark.skipif(not llamacpp.available(), reason=(
-    "llama_cpp is not installed (the fleet-serve[llamacpp] extra; CI runs these with PYTHONPATH=.venv/llamacpp)"))
+    "llama_cpp is not installed (the fleet-serve[llamacpp] extra: PyPI has no binary of it; "
+    "FLEET_BUILD_LLAMACPP=1 ./scripts/setup_llamacpp.sh builds it into .venv/llamacpp, 22-28 min on 2 cores, "
+    "then these run with PYTHONPATH=.venv/llamacpp)"))
 
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Here is a list of three fruits:\n1."]
