@@ -443,3 +443,39 @@ def metric(d: DaemonProc, name: str, model: str) -> float:
     prefix = f'{name}{{model="{model}"}} '
     lines = httpx.get(d.url + "/metrics", timeout=30).text.splitlines()
     return next((float(line[len(prefix):]) for line in lines if line.startswith(prefix)), 0.0)
+
+
+def instructor_module():
+    """instructor, unchanged, from `.venv/instructor` (scripts/setup.sh --test): its newest
+    release pins `jiter<0.15` and `rich<15`, which would take openai back from 3.63 to 3.3
+    in the venv, so it is installed beside the venv with --no-deps (as the OpenVINO extra)."""
+    import importlib
+    import sys
+
+    folder = Path(os.environ.get("FLEET_INSTRUCTOR_DIR", Path(__file__).resolve().parents[1] / ".venv" / "instructor"))
+    if not (folder / "instructor").is_dir():
+        pytest.skip(f"instructor is not installed in {folder} (scripts/setup.sh --test installs it)")
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))  # after the venv: nothing of the venv's is shadowed
+    try:
+        return importlib.import_module("instructor")
+    except ImportError as exc:  # one of its requirements is missing from the venv
+        pytest.skip(f"instructor from {folder} does not import here: {exc}")
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_extracts_a_typed_object(served: DaemonProc, mode: str) -> None:
+    import openai
+    from pydantic import BaseModel
+
+    instructor = instructor_module()
+
+    class Switch(BaseModel):
+        mode: Literal["on", "off"]
+        loud: bool
+
+    client = instructor.from_openai(openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                                                  timeout=120), mode=getattr(instructor.Mode, mode))
+    out = client.chat.completions.create(model=CALLER, response_model=Switch, max_tokens=64,
+                                         messages=[{"role": "user", "content": "turn it on"}])
+    assert isinstance(out, Switch)
