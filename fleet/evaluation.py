@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from fleet.calibration import ECE_BINS, ece
 from fleet.errors import BadRequest
 
 #: Lines an evaluation file may hold (the daemon runs every one through both versions).
@@ -31,7 +32,6 @@ MAX_LINES = 10_000
 #: Documents of a pairs corpus (`{"query", "positive"}` lines): a reranker scores every
 #: query against every document, so the pairs form is bounded (more: send `documents`).
 MAX_PAIR_DOCUMENTS = 512
-ECE_BINS = 10
 #: Metrics where lower is better; all others are better higher.
 LOWER_IS_BETTER = frozenset({"ece"})
 METRICS: dict[str, tuple[str, ...]] = {
@@ -195,14 +195,9 @@ def classification_metrics(gold: list[str], predicted: list[str], confidence: np
 
 
 def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:
-    """Σ over equal-width confidence bins of |accuracy - mean confidence| x the bin's share."""
-    confidence = np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0)
-    which = np.minimum((confidence * bins).astype(np.int64), bins - 1)
-    total = 0.0
-    for b in np.unique(which):
-        inside = which == b
-        total += inside.mean() * abs(float(correct[inside].mean()) - float(confidence[inside].mean()))
-    return float(total)
+    """Σ over equal-width confidence bins of |accuracy - mean confidence| x the bin's share
+    (fleet.calibration.ece: the one definition `fleetctl calibrate` reports too)."""
+    return ece(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0), np.asarray(correct, dtype=bool), bins)
 
 
 def retrieval_metrics(scores: list[np.ndarray], candidates: list[list[int]], relevant: list[set[int]],
