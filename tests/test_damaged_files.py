@@ -23,7 +23,7 @@ import pytest
 from fleet.errors import IntegrityError
 from fleet.pull import pull_model
 from fleet.store import MANIFEST, Store
-from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon
+from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, free_port, start_daemon
 
 COPY = "minilm-copy"
 #: What a manifest can be after a crash mid-write or a hand edit.
@@ -48,7 +48,12 @@ def damage(store: Store, name: str, how: str) -> Path:
 
 
 def fleetctl(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_URL": "http://127.0.0.1:9"}
+    # No daemon: a port nothing listens on, as the box's own setting (FLEET_PORT), so the
+    # verbs act on the files (an unreachable FLEET_URL is an error: the user named it). Not
+    # where the home has a config.toml: its own port is what those cases damage.
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_URL"} | {"FLEET_HOME": str(home)}
+    if not (home / "config.toml").exists():
+        env["FLEET_PORT"] = str(free_port())
     return subprocess.run([sys.executable, "-m", "fleetctl", *args], env=env, capture_output=True, text=True,
                           timeout=120, stdin=subprocess.DEVNULL)
 
