@@ -27,7 +27,7 @@ import pytest
 from fleet.errors import BadRequest
 from fleet.pull import pull_model
 from fleet.store import Store
-from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon
+from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, free_port, start_daemon
 
 FOO = "foo-weights"
 TWIN = "minilm-twin"
@@ -118,7 +118,10 @@ def test_an_index_naming_a_shard_that_is_not_there_is_refused(tmp_path: Path):
 def test_fleetctl_pull_refuses_it_in_one_line_and_exit_1(tmp_path: Path):
     """The CLI never imports torch itself: the check runs in a child process."""
     home = tmp_path / "home"
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_URL": "http://127.0.0.1:9"}
+    # No daemon (a port nothing listens on), so the CLI pulls itself: an unreachable
+    # FLEET_URL would be an error the user named (fleetctl.owner).
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_URL"} | {"FLEET_HOME": str(home),
+                                                                       "FLEET_PORT": str(free_port())}
     out = subprocess.run([sys.executable, "-m", "fleetctl", "pull", f"path:{foo_folder(tmp_path / 'foo')}",
                           "--name", FOO], env=env, capture_output=True, text=True, timeout=300,
                          stdin=subprocess.DEVNULL)
