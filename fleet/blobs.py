@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from fleet.errors import InsufficientStorage
-from fleet.store import Manifest, Store
+from fleet.store import Manifest, Store, disk_reserve, reserve_words
 
 log = logging.getLogger("fleet.blobs")
 
@@ -113,10 +113,12 @@ def sweep_period(keep_s: float) -> float:
 
 def check_room(home: str | Path, nbytes: int) -> None:
     """An upload of `nbytes` (so far, or as its Content-Length says) may go on only while a
-    quarter of the disk holding the blobs stays free: the store's own bound on what it
-    writes for a client (`Store.clone`'s copies). A GGUF model is its blob (hundreds of MB
-    to GB), so blobs are bounded by the disk, not by `max_body_bytes`."""
+    quarter of the disk holding the blobs (at most 8 GiB: fleet.store.disk_reserve) stays
+    free: the store's own bound on what it writes for a client (`Store.clone`'s copies). A
+    GGUF model is its blob (hundreds of MB to GB), so blobs are bounded by the disk, not
+    by `max_body_bytes`."""
     usage = shutil.disk_usage(blobs_dir(home) if blobs_dir(home).is_dir() else home)
-    if usage.free - nbytes < usage.total // 4:
-        raise InsufficientStorage(f"a blob of {nbytes} bytes would leave less than a quarter of the disk free",
+    if usage.free - nbytes < disk_reserve(usage.total):
+        raise InsufficientStorage(f"a blob of {nbytes} bytes would leave less than {reserve_words(usage.total)} "
+                                  "of the disk free",
                                   hint="free space on the disk that holds FLEET_HOME (fleetctl doctor shows it)")

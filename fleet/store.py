@@ -243,6 +243,22 @@ class Staging:
         return entry
 
 
+
+#: What the store leaves free on its disk when it writes for a client (a copy, a blob): a
+#: quarter of the disk, at most RESERVE_MAX_BYTES (on a large disk a quarter would refuse
+#: a 100 MB upload with hundreds of GB free).
+RESERVE_MAX_BYTES = 8 << 30
+
+
+def disk_reserve(total: int) -> int:
+    """Bytes of a disk of `total` bytes that client writes must leave free."""
+    return min(total // 4, RESERVE_MAX_BYTES)
+
+
+def reserve_words(total: int) -> str:
+    """The reserve as a message says it."""
+    return "a quarter" if total // 4 <= RESERVE_MAX_BYTES else f"{RESERVE_MAX_BYTES >> 30} GiB"
+
 class Store:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -556,8 +572,9 @@ class Store:
 
     def _copy_unlinked(self, src: Path, dst: Path, entry: FileEntry, source: Manifest) -> None:
         usage = shutil.disk_usage(self.root)
-        if usage.free - entry.size < usage.total // 4:
-            raise InsufficientStorage(f"copying {source.name!r} would leave less than a quarter of the disk free "
+        if usage.free - entry.size < disk_reserve(usage.total):
+            raise InsufficientStorage(f"copying {source.name!r} would leave less than "
+                                      f"{reserve_words(usage.total)} of the disk free "
                                       "(this filesystem cannot share the files of a copy)")
         if copy_hashed(src, dst)[1] != entry.sha256:
             raise IntegrityError(f"model {source.name!r}: {entry.path} does not match its recorded sha256",
