@@ -7,7 +7,7 @@ bench/asgi_cold.py measures the hot route, and the writer thread's part.
    20 ms sleep and a pass over 32 MiB), p50 of 150: what the loop pays per request.
 2. The writer's CPU per line when it writes a batch of queued lines (thread time).
 
-Usage: python -m bench.access_log
+Usage: python -m fleet.bench.access_log
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ GAP_S, N, SKIP = 0.02, 150, 20
 
 
 def _log_to_pipe(home: str) -> None:
-    from daemon.logs import setup_logging
+    from fleet.daemon.logs import setup_logging
 
     r, w = os.pipe()
     threading.Thread(target=lambda: [os.read(r, 1 << 16) for _ in iter(int, 1)], daemon=True).start()
@@ -33,7 +33,7 @@ def _log_to_pipe(home: str) -> None:
 
 
 async def _app(scope, receive, send) -> None:
-    from daemon.access import note_model
+    from fleet.daemon.access import note_model
 
     note_model("all-minilm-l6-v2")
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
@@ -62,8 +62,8 @@ async def _time(asgi, cold: bool, junk: np.ndarray) -> float:
 
 
 async def _loop_part(home: str) -> None:
-    from daemon.access import AccessLog
-    from daemon.logs import RequestIdMiddleware
+    from fleet.daemon.access import AccessLog
+    from fleet.daemon.logs import RequestIdMiddleware
     from fleet.config import Settings
 
     junk = np.ones(4 << 20)
@@ -76,7 +76,7 @@ async def _loop_part(home: str) -> None:
 
 
 def _writer_part() -> None:
-    from daemon.access import LINES
+    from fleet.daemon.access import LINES
 
     line = (time.time(), "0123456789abcdef", "POST", "/v1/embed", "all-minilm-l6-v2", 200, 1.234, "127.0.0.1:5555")
     for batch in (1, 10, 100):

@@ -8,7 +8,7 @@ and through a plain ASGI callable, warm (back to back) and cold (each after a
 `daemon/hot.py` (issue 17): on the 2-vCPU dev box Litestar took 0.04 ms warm
 and 0.32 ms cold, plain ASGI 0.001 and 0.025 ms.
 
-Usage: python -m bench.asgi_cold
+Usage: python -m fleet.bench.asgi_cold
 """
 
 from __future__ import annotations

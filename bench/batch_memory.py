@@ -1,6 +1,6 @@
 """The API process's memory while a large batch file is uploaded and run (issue 23).
 
-    flock /tmp/fleet-bench.lock python -m bench.batch_memory [--gib 1] [--line-kib 1024] [--inflight-mib 64]
+    flock /tmp/fleet-bench.lock python -m fleet.bench.batch_memory [--gib 1] [--line-kib 1024] [--inflight-mib 64]
 
 Writes a JSONL file of `--gib` GiB (lines of /v1/embeddings requests, each one
 text of about `--line-kib` KiB: the worker reads the first 32 characters per token
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from bench import report
-from bench.daemon import LocalDaemon
+from fleet.bench import report
+from fleet.bench.daemon import LocalDaemon
 
 MODEL = "all-minilm-l6-v2"
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.stop()
     mib = {phase: {k: round(v / 1024, 1) for k, v in p.items()} for phase, p in peaks.peaks.items()}
     doc = {
-        **report.document("batch_memory", "bench.batch_memory", argv),
+        **report.document("batch_memory", "fleet.bench.batch_memory", argv),
         "input": {"lines": lines, "bytes": size, "line_text_bytes": args.line_kib << 10},
         "settings": env,
         "upload_s": upload_s, "run_s": run_s, "batch": {"status": batch["status"],

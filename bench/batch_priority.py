@@ -1,7 +1,7 @@
 """Batch work below interactive work (issue 23, deliverable 2), measured in one run.
 
-    flock /tmp/fleet-bench.lock python -m bench.batch_priority --start [--batch 32] [--min-requests 60]
-    python -m bench.batch_priority --url http://127.0.0.1:7744
+    flock /tmp/fleet-bench.lock python -m fleet.bench.batch_priority --start [--batch 32] [--min-requests 60]
+    python -m fleet.bench.batch_priority --url http://127.0.0.1:7744
 
 On the same inputs (the bench corpus, requests of `--batch` inputs to /v1/embed,
 the same windows of texts as `fleetctl bench` sends):
@@ -35,13 +35,13 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, report
-from bench.daemon import add_daemon_args, daemon_from_args
-from bench.knee import OPEN
-from bench.runner import Plan, StepRecord, TargetSpec, bench, open_run, run_step
-from bench.sampler import Sampler
-from bench.targets import request_windows
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, report
+from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.knee import OPEN
+from fleet.bench.runner import Plan, StepRecord, TargetSpec, bench, open_run, run_step
+from fleet.bench.sampler import Sampler
+from fleet.bench.targets import request_windows
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 GOAL_BATCH_VS_KNEE = 0.9
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                   "p95_ratio_le_1.25": p95_ratio <= GOAL_P95_RATIO},
     }
     doc = {
-        **report.document("batch_priority", "bench.batch_priority", argv),
+        **report.document("batch_priority", "fleet.bench.batch_priority", argv),
         "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
         "settings": {"url": url, "started_daemon": bool(daemon), "batch": args.batch, "duration_s": duration,
                      "min_requests": args.min_requests,

@@ -2,7 +2,7 @@
 
 Generated from templates and word lists (no copied text), with a fixed seed, so
 every run and every machine benches the same inputs. `bench/corpus.txt` is the
-shipped output (one text per line); `python -m bench.corpus` rebuilds it and
+shipped output (one text per line); `python -m fleet.bench.corpus` rebuilds it and
 prints its token-length distribution. Lengths are measured with the model's own
 tokenizer (special tokens included, as the model sees them) and texts outside
 [MIN_TOKENS, MAX_TOKENS] are redrawn.
@@ -184,12 +184,12 @@ def generate(count_tokens, size: int = SIZE, seed: int = SEED) -> list[str]:
 def load(path: Path = CORPUS_PATH) -> list[str]:
     texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
-        raise RuntimeError(f"{path} is empty; rebuild it with `python -m bench.corpus`")
+        raise RuntimeError(f"{path} is empty; rebuild it with `python -m fleet.bench.corpus`")
     return texts
 
 
 def main() -> None:
-    from bench.tokens import TokenCounter, describe_lengths
+    from fleet.bench.tokens import TokenCounter, describe_lengths
 
     counter = TokenCounter.for_default_model()
     texts = generate(counter.count)

@@ -19,7 +19,7 @@ Per model, interleaved over `--rounds` rounds (medians reported):
      request on new states: decisions/s (questions answered a second) and p50.
 
 Usage (the measured rounds take /tmp/fleet-bench.lock themselves, see --lock):
-  python -m bench.decide [--rounds 3] [--duration 8] [--clients 8] [--requests 20] [--state-chars 2000]
+  python -m fleet.bench.decide [--rounds 3] [--duration 8] [--clients 8] [--requests 20] [--state-chars 2000]
       [--models tiny,minilm] [--out bench/results/decide.json]
 """
 
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.corpus import CORPUS_PATH
-from bench.daemon import LocalDaemon
+from fleet.bench.corpus import CORPUS_PATH
+from fleet.bench.daemon import LocalDaemon
 
 TEAMS = ["Billing", "Technical", "Sales"]
 QUESTIONS = [f"Which team should handle message {k}?" for k in range(8)]
@@ -53,7 +53,7 @@ def build(folder: Path, size: str) -> Path:
 
     from transformers import AutoTokenizer
 
-    from bench.tokens import package_model_dir
+    from fleet.bench.tokens import package_model_dir
     from tests.gen_models import build_llama
 
     if size == "tiny":

@@ -19,7 +19,7 @@ across rounds.
 Tokens are counted with the model's tokenizer up front (bench/tokens.py).
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.embed_compare [--url URL | --start] [--rounds 3]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.embed_compare [--url URL | --start] [--rounds 3]
       [--duration 8] [--latency-requests 300] [--out bench/results/embed-compare-<time>.json]
 `--start` runs `fleetctl serve` itself on a free loopback port with a temporary
 FLEET_HOME and stops it (by PID) at the end.
@@ -39,13 +39,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, inference_compare, report
-from bench.daemon import add_daemon_args, daemon_from_args
-from bench.knee import CLOSED
-from bench.loadgen import Generator, Merged, Setup, StepPlan
-from bench.sampler import Sampler
-from bench.st_local import LocalST, STSetup
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, inference_compare, report
+from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.knee import CLOSED
+from fleet.bench.loadgen import Generator, Merged, Setup, StepPlan
+from fleet.bench.sampler import Sampler
+from fleet.bench.st_local import LocalST, STSetup
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 BATCH = 32
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     doc = {
-        **report.document("embed_compare", "bench.embed_compare", argv),
+        **report.document("embed_compare", "fleet.bench.embed_compare", argv),
         "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
         "tokens": "counted up front with the model's tokenizer.json (special tokens included)",
         "settings": {"url": url, "started_daemon": bool(daemon), "rounds": args.rounds, "duration_s": args.duration,

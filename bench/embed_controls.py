@@ -24,8 +24,8 @@ difference to `plain`. A prompt costs mostly its tokens in the forward pass
 conversion are numpy over the request's own rows.
 
 Usage:
-  python -m bench.embed_controls [--reps 300] [--texts 1,32] [--http] [--steps-only] [--out FILE]
-  python -m bench.embed_controls --int8-quality
+  python -m fleet.bench.embed_controls [--reps 300] [--texts 1,32] [--http] [--steps-only] [--out FILE]
+  python -m fleet.bench.embed_controls --int8-quality
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.tokens import package_model_dir
+from fleet.bench.tokens import package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 PROMPTS = {"query": "query: "}
@@ -92,10 +92,10 @@ def steps(reps: int, n: int) -> dict[str, dict[str, float]]:
     """Microseconds per call of the daemon's check and the worker's finishing step."""
     import numpy as np
 
-    from daemon import tasks
+    from fleet.daemon import tasks
     from fleet.protocol import EmbedRequest
     from fleet.store import Manifest
-    from runtimes.dense import finish_dense
+    from fleet.runtimes.dense import finish_dense
 
     class Store:  # the one store call the check may make (a manifest that predates prompts)
         def path(self, name: str) -> Path:
@@ -145,8 +145,8 @@ def worker(reps: int, n: int) -> dict[str, dict[str, float]]:
     import torch
 
     from fleet.protocol import EmbedRequest
-    from runtimes.base import ModelSpec, Profile
-    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
     torch.set_num_threads(1)
     spec = ModelSpec(MODEL, package_model_dir(), "embed", "sentence-transformers", max_seq_len=256,
@@ -167,7 +167,7 @@ def worker(reps: int, n: int) -> dict[str, dict[str, float]]:
 def http(reps: int, n: int) -> dict[str, dict[str, float]]:
     import httpx
 
-    from bench.daemon import LocalDaemon
+    from fleet.bench.daemon import LocalDaemon
 
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "models.toml").write_text(
@@ -198,7 +198,7 @@ def int8_quality(n: int = 1000) -> dict[str, float]:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.util.quantization import quantize_embeddings
 
-    from bench.corpus import CORPUS_PATH
+    from fleet.bench.corpus import CORPUS_PATH
     from fleet.vectors import RANGE_START, STEP, quantize
 
     texts = [t for t in Path(CORPUS_PATH).read_text().splitlines() if t.strip()][:n]

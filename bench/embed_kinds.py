@@ -17,7 +17,7 @@ clients, kinds interleaved over `--rounds` rounds; tokens/s is the server's
 `usage.input_tokens` per second, the median over rounds is reported.
 
 Usage (the measured rounds take /tmp/fleet-bench.lock themselves, see --lock):
-  python -m bench.embed_kinds [--rounds 3] [--duration 8] [--clients 4]
+  python -m fleet.bench.embed_kinds [--rounds 3] [--duration 8] [--clients 4]
       [--clip small|tiny] [--out bench/results/embed-kinds.json]
 """
 
@@ -40,9 +40,9 @@ import httpx
 import msgspec
 import numpy as np
 
-from bench.corpus import CORPUS_PATH
-from bench.daemon import LocalDaemon
-from bench.tokens import package_model_dir
+from fleet.bench.corpus import CORPUS_PATH
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.tokens import package_model_dir
 
 MSGPACK = "application/msgpack"
 DENSE = "all-minilm-l6-v2"

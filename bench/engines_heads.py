@@ -19,7 +19,7 @@ f32 / bf16 by measurement); one request at a time over HTTP (JSON, keep-alive), 
 models alternating: round trip and the worker's `X-Inference-Ms`, medians.
 
 Needs openvino importable (PYTHONPATH=.venv/openvino: scripts/setup.sh --test).
-Usage: flock /tmp/fleet-bench.lock env PYTHONPATH=.venv/openvino python -m bench.engines_heads
+Usage: flock /tmp/fleet-bench.lock env PYTHONPATH=.venv/openvino python -m fleet.bench.engines_heads
        [--rounds 30] [--out bench/results/engines-heads-<time>.json]
 """
 
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import corpus
-from bench.daemon import LocalDaemon
-from bench.tokens import package_model_dir
+from fleet.bench import corpus
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.tokens import package_model_dir
 
 BATCH = 32
 LABELS = ["negative", "neutral", "positive"]
@@ -81,11 +81,11 @@ def in_process(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fleet.protocol import ClassifyRequest, RerankRequest
-    from runtimes import openvino
-    from runtimes.base import ModelSpec, Profile
-    from runtimes.classify import SequenceClassifier
-    from runtimes.device import fast_dtypes
-    from runtimes.rerank import TransformersReranker
+    from fleet.runtimes import openvino
+    from fleet.runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.classify import SequenceClassifier
+    from fleet.runtimes.device import fast_dtypes
+    from fleet.runtimes.rerank import TransformersReranker
 
     query, short, full = texts[0], texts[1:2], texts[2: 2 + BATCH]
     cands = [("torch", "float32"), *(("torch", d) for d in fast_dtypes("cpu")),
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).with_name("results") / f"engines-heads-{time.strftime('%Y%m%d-%H%M%S')}.json")
     args = parser.parse_args()
-    from runtimes import openvino
+    from fleet.runtimes import openvino
 
     if not openvino.available():
         sys.exit("openvino is not importable: run with PYTHONPATH=.venv/openvino (scripts/setup.sh --test)")

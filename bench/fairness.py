@@ -36,11 +36,11 @@ the first request of each connection was answered (first, median, last; how many
 within a second of the last: answered together), how many ran as pieces, and the
 latencies of all.
 
-    python -m bench.fairness big --out bench/results/fairness-big.json
-    python -m bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
-    python -m bench.fairness flood --out bench/results/fairness-flood.json
-    python -m bench.fairness floods --out bench/results/fairness-floods.json
-    python -m bench.fairness burst --cpu-threads 1 --out bench/results/fairness-burst.json
+    python -m fleet.bench.fairness big --out bench/results/fairness-big.json
+    python -m fleet.bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
+    python -m fleet.bench.fairness flood --out bench/results/fairness-flood.json
+    python -m fleet.bench.fairness floods --out bench/results/fairness-floods.json
+    python -m fleet.bench.fairness burst --cpu-threads 1 --out bench/results/fairness-burst.json
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.daemon import LocalDaemon
-from bench.report import document, write_json
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.report import document, write_json
 
 MODEL = "all-minilm-l6-v2"
 #: MiniLM reads at most this many tokens of a text (its max_seq_len).
@@ -280,7 +280,7 @@ async def burst(url: str, connections: int, texts: int, seconds: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fleet.bench.fairness", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="scenario", required=True)
     b = sub.add_parser("big")
     b.add_argument("--texts", type=int, default=2048, help="0: the largest request max_request_tokens admits")
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--url", help="a running daemon (default: start one at the shipped defaults)")
         p.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    doc = document(f"fairness-{a.scenario}", "bench.fairness", argv)
+    doc = document(f"fairness-{a.scenario}", "fleet.bench.fairness", argv)
     with tempfile.TemporaryDirectory(prefix="fleet-fair-") as home:
         threads = getattr(a, "cpu_threads", None)
         env = {"FLEET_CPU_THREADS": str(threads)} if threads else None

@@ -13,7 +13,7 @@ spread over 10 adapters of the same base, mixed in the same batches; goal (d) >=
 Memory: the base's bytes in `/v1/ps` alone and with the 10 adapters attached.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.generate_compare [--rounds 3] [--tokens 64]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.generate_compare [--rounds 3] [--tokens 64]
       [--requests 3] [--threads 1] [--out bench/results/<time>-generate-compare.json]
 It runs `fleetctl serve` itself (one CPU worker, `--threads` torch threads, the same
 as the in-process side) on a free loopback port with a temporary FLEET_HOME, and
@@ -38,7 +38,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 
 BASE = "bench-llama"
 LORAS = [f"bench-lora-{i}" for i in range(10)]

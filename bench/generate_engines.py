@@ -16,7 +16,7 @@ give time to first token (TTFT) and the gaps between streamed chunks (inter-toke
 ITL). Output tokens/s counts generated tokens over the step's wall time.
 
 Usage (needs the llama.cpp extra importable, as CI: PYTHONPATH=.venv/llamacpp):
-  flock /tmp/fleet-bench.lock python -m bench.generate_engines [--max-tokens 32]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.generate_engines [--max-tokens 32]
       [--requests 3] [--max-clients 16] [--threads 2] [--out bench/results/<time>-generate-engines.json]
 It runs `fleetctl serve` itself (one CPU worker, `--threads` threads, as the
 in-process sides) with a temporary FLEET_HOME and stops it by PID at the end.
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import httpx
 
-from bench import corpus
-from bench.daemon import LocalDaemon
-from bench.knee import CLOSED, StepResult, find_knee
+from fleet.bench import corpus
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.knee import CLOSED, StepResult, find_knee
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Prompt lengths (words of the corpus; ~1.3 tokens each): mixed in every step.

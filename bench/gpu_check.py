@@ -1,4 +1,4 @@
-"""One prepared acceptance run of fleet's GPU path: `python -m bench.gpu_check --device cuda:0`.
+"""One prepared acceptance run of fleet's GPU path: `python -m fleet.bench.gpu_check --device cuda:0`.
 
 Built to fit the few minutes a GPU machine is lent (< 8 min on one GPU); with
 `--device cpu` it runs the same checks at small sizes (CI, tests/test_gpu_check.py),
@@ -54,11 +54,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench import corpus, loadgen
-from bench.daemon import LocalDaemon, admin_headers
-from bench.models import build_bert, make_home
-from bench.knee import CLOSED, StepResult, find_knee
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, loadgen
+from fleet.bench.daemon import LocalDaemon, admin_headers
+from fleet.bench.models import build_bert, make_home
+from fleet.bench.knee import CLOSED, StepResult, find_knee
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 RESULTS = Path(__file__).with_name("results")
 #: Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the NVML device name
@@ -383,7 +383,7 @@ def nvml_device(device: str) -> tuple[str, int] | None:
 
 
 def vram_budget_check(work: Path, folders: dict[str, Path], device: str) -> Check:
-    from runtimes.memory import estimate_footprint
+    from fleet.runtimes.memory import estimate_footprint
 
     names = ("budget-a", "budget-b", "budget-c")
     # One catalog source per name: each gets its own folder (hard links: no bytes copied).
@@ -479,7 +479,7 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
 
 def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:
     """bench.host_path against the device daemon: its CPU per token with a nearly free forward."""
-    from bench import host_path
+    from fleet.bench import host_path
 
     res = host_path.measure(url, host_path.MODEL, model_dir=minilm, clients=sizes.host_clients, duration_s=sizes.host_s,
                             timeline_s=sizes.host_timeline_s, generators=min(sizes.generators, sizes.host_clients),
@@ -522,7 +522,7 @@ def nvml_check(device: str) -> Check:
         return Check("nvml-budget", None, "no CUDA device: the CPU budget is RAM (psutil), checked by vram-budget")
     import torch
 
-    from runtimes.memory import cuda_index, device_budget, nvml_memory
+    from fleet.runtimes.memory import cuda_index, device_budget, nvml_memory
 
     index = cuda_index(device)
     torch.cuda.init()
@@ -591,7 +591,7 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
     minilm = minilm_dir or package_model_dir()
     folders = build_models(work / "models", sizes, minilm)
     served = {**TASK_MODELS, "bert-base-random": ("bert-base-random", "embed", "sentence-transformers", "")}
-    from bench import host_path  # it imports this module: imported when the run starts
+    from fleet.bench import host_path  # it imports this module: imported when the run starts
 
     folders[host_path.MODEL] = host_path.build_model(work / "models", minilm)
     served[host_path.MODEL] = (host_path.MODEL, "embed", "sentence-transformers", "")
@@ -661,7 +661,7 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fleet.bench.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0", help="cuda:K (the acceptance run) or cpu (small sizes, CI)")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu-check-<device>-<time>.json)")
     ap.add_argument("--work", type=Path, help="where models and stores are built (default: a temp dir)")

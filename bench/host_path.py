@@ -33,7 +33,7 @@ In one run:
    requests that share the worker's `claimed` stamp ran in one batch).
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.host_path [--clients 16] [--texts 32] [--duration 6]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.host_path [--clients 16] [--texts 32] [--duration 6]
       [--device cpu] [--workers 0] [--url URL --model NAME] [--out bench/results/<time>-host-path.json]
 Without --url the bench builds the model, pulls it into a temporary FLEET_HOME
 (`bench.models.make_home`), runs `fleetctl serve` on a free loopback port
@@ -65,14 +65,14 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, loadgen, report, stand_in
-from bench.daemon import LocalDaemon, admin_headers
-from bench.models import build_st_embedder, make_home
-from bench.httpclient import BlockingConn, Endpoint, build_request
-from bench.knee import CLOSED
-from bench.targets import request_windows
-from bench.timeline import HEADER, parse_stamps
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, loadgen, report, stand_in
+from fleet.bench.daemon import LocalDaemon, admin_headers
+from fleet.bench.models import build_st_embedder, make_home
+from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
+from fleet.bench.knee import CLOSED
+from fleet.bench.targets import request_windows
+from fleet.bench.timeline import HEADER, parse_stamps
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "host-path-embed"
 #: A forward that costs next to nothing beside the host's work (gpu_check.BERT_DEFAULTS otherwise).
@@ -428,7 +428,7 @@ def start_daemon(work: Path, device: str, workers: int, minilm: Path, forward: s
     env = {"FLEET_PRELOAD": MODEL, "FLEET_DEVICE": device, "FLEET_WORKERS": str(workers)}
     if forward is None:
         return LocalDaemon(home, env=env, inherit_fleet=False)
-    return LocalDaemon(home, env=env | {stand_in.ENV: forward}, inherit_fleet=False, module="bench.stand_in")
+    return LocalDaemon(home, env=env | {stand_in.ENV: forward}, inherit_fleet=False, module="fleet.bench.stand_in")
 
 
 def summary(res: dict) -> str:
@@ -505,7 +505,7 @@ def print_report(console: Console, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.host_path", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fleet.bench.host_path", description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--texts", type=int, default=32, help="corpus texts per request")
     ap.add_argument("--duration", type=float, default=6.0, help="measured seconds (after a 1 s warm-up step)")
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             if daemon:
                 daemon.stop()
     print_report(console, res)
-    doc = report.document("host-path", "bench.host_path", argv) | {"device": args.device, "forward": args.forward,
+    doc = report.document("host-path", "fleet.bench.host_path", argv) | {"device": args.device, "forward": args.forward,
                                                                     "started_daemon": daemon is not None, **res}
     out = report.save(doc, args.out, "host-path")
     Console(stderr=True).print(f"results: {out}")

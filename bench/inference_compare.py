@@ -21,7 +21,7 @@ Reported, with the machine's load average:
   the worker's own inference (the serving path alone: HTTP, queue, wake-ups,
   reply; the model's noise, tens of ms at the tail here, drops out).
 
-Usage: flock /tmp/fleet-bench.lock python -m bench.inference_compare [--requests 400] [--url URL]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.inference_compare [--requests 400] [--url URL]
        [--out bench/results/latency-<time>.json]
 (without --url: starts `fleetctl serve` on a free loopback port with a temporary FLEET_HOME).
 """
@@ -39,10 +39,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench import report
-from bench.daemon import LocalDaemon
-from bench.httpclient import BlockingConn, Endpoint, build_request
-from bench.tokens import package_model_dir
+from fleet.bench import report
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
+from fleet.bench.tokens import package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 TEXTS = ["How do I reset my router password?", "Best hiking trails near Lyon", "What is a tax deduction?",
@@ -67,7 +67,7 @@ def load_local(dtype: str = "float32"):
 
 def fast_dtype() -> str:
     """The dtype a user picks on this CPU: the faster one (runtimes.device.fast_dtypes)."""
-    from runtimes.device import fast_dtypes
+    from fleet.runtimes.device import fast_dtypes
 
     return next(iter(fast_dtypes("cpu")), "float32")
 
@@ -96,7 +96,7 @@ class Passive:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.inference_compare", "--child", "float32"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleet.bench.inference_compare", "--child", "float32"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if (line := self.proc.stdout.readline()) != "ready\n":
             self.proc.kill()
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {goal}: {'met' if ok else 'missed'}")
     print(f"load average before {' / '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' / '.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs")
-    doc = report.document("latency", "bench.inference_compare", argv) | {
+    doc = report.document("latency", "fleet.bench.inference_compare", argv) | {
         "settings": {"url": url, "started_daemon": daemon is not None, "requests": args.requests, "warmup": WARMUP,
                      "threads": torch.get_num_threads(), "reference_dtype": dtype,
                      "reference_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cpu_model() -> str:
     """The CPU's model name and whether it has native bf16 (figures are per CPU)."""
-    from runtimes.device import cpu_flags
+    from fleet.runtimes.device import cpu_flags
 
     name = "unknown CPU"
     try:

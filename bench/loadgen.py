@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from bench import httpclient
-from bench.targets import Payload, build_payloads, reply_tokens
+from fleet.bench import httpclient
+from fleet.bench.targets import Payload, build_payloads, reply_tokens
 
 PROGRESS_EVERY_S = 0.25
 #: Open connections per generator process, at most (beyond that requests wait, counted in latency).

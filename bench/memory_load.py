@@ -1,6 +1,6 @@
 """Model load timings (issue: memory manager), against a real daemon.
 
-    flock /tmp/fleet-bench.lock python -m bench.memory_load [--repeat 5] [--json]
+    flock /tmp/fleet-bench.lock python -m fleet.bench.memory_load [--repeat 5] [--json]
 
 1. In-process phases of one load of all-minilm-l6-v2 (imports already done):
    store open + sha256 verify, SentenceTransformer(), dtype check, warm-up.
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from bench.daemon import admin_headers
+from fleet.bench.daemon import admin_headers
 
 MODEL = "all-minilm-l6-v2"
 TWINS = ("minilm-fp32-a", "minilm-fp32-b")
@@ -38,8 +38,8 @@ def phases(home: Path) -> dict[str, float]:
     from sentence_transformers import SentenceTransformer
 
     from fleet.config import load_settings
-    from runtimes.resolve import store_resolver
-    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.resolve import store_resolver
+    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
     settings = load_settings(home=str(home))
     resolve = store_resolver(settings)
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from runtimes.memory import estimate_footprint
+    from fleet.runtimes.memory import estimate_footprint
     from tests.conftest import default_model_dir, start_daemon
 
     result: dict[str, object] = {}

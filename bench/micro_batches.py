@@ -10,7 +10,7 @@ per side, medians of `--rounds` interleaved rounds, with the load average.
 A request of 32 random texts in one micro-batch pads 53 % of its forward; cut
 in 8s, 17 % (bench/README, issue 27).
 
-Usage: flock /tmp/fleet-bench.lock python -m bench.micro_batches [--openvino] [--rounds 3]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.micro_batches [--openvino] [--rounds 3]
        [--out bench/results/<time>-micro-batches.json]
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import corpus, report
-from bench.targets import request_windows
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, report
+from fleet.bench.targets import request_windows
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 TORCH_SIZES, OPENVINO_SIZES = (32, 16, 8, 4), (64, 16, 8)
 
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = {f"st-bf16 micro {m}": (lambda b, m=m: st.encode(b, batch_size=m)) for m in TORCH_SIZES}
     if args.openvino:
         from fleet.protocol import EmbedRequest
-        from runtimes.base import ModelSpec, Profile
-        from runtimes.sentence_transformer import SentenceTransformerEmbedder
+        from fleet.runtimes.base import ModelSpec, Profile
+        from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
         for m in OPENVINO_SIZES:
             a = SentenceTransformerEmbedder(ModelSpec("m", package_model_dir(), "embed", "sentence-transformers",
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in out.items():
         print(f"{k:28s} median {v['median']:8.0f} tokens/s  runs " + " / ".join(f"{x:.0f}" for x in v["runs"]))
     print(f"load average before {load_before}, after {load_after}")
-    doc = report.document("micro-batches", "bench.micro_batches", argv) | {
+    doc = report.document("micro-batches", "fleet.bench.micro_batches", argv) | {
         "load_before": load_before, "load_after": load_after, "tokens_per_round": tokens, "sides": out}
     path = report.save(doc, args.out, "micro-batches")
     print(f"results: {path}", file=sys.stderr)

@@ -19,7 +19,7 @@ core, and the API processes, the generators and nats-server share them too):
 the ratio is reported as measured.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.nats_compare [--threads 1] [--duration 6]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.nats_compare [--threads 1] [--duration 6]
       [--rounds 2] [--latency-requests 300] [--max-clients 64] [--out bench/results/nats-compare.json]
 
 --cluster: the same daemons on a three-node NATS cluster (three clustered
@@ -33,7 +33,7 @@ that served them (a reply from B or C is stored in FLEET_REPLIES, 3 copies,
 before A reads it; A's own are handed over in-process), FLEET_REPLIES' bytes
 per reply, and a JetStream publish of a reply-sized message to a 3-copy stream
 against a 1-copy one and a core NATS round trip on the same cluster.
-  flock /tmp/fleet-bench.lock python -m bench.nats_compare --cluster [--clients 4,16,48]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.nats_compare --cluster [--clients 4,16,48]
       [--duration 5] [--rounds 2] [--latency-requests 150] [--out bench/results/nats-compare-r3.json]
 Processes started here are stopped here, by PID.
 """
@@ -57,13 +57,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus
-from bench.daemon import Child, LocalDaemon
-from bench.embed_compare import stats
-from bench.knee import CLOSED
-from bench.loadgen import Generator, Setup, StepPlan
-from bench.peers import free_port
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus
+from fleet.bench.daemon import Child, LocalDaemon
+from fleet.bench.embed_compare import stats
+from fleet.bench.knee import CLOSED
+from fleet.bench.loadgen import Generator, Setup, StepPlan
+from fleet.bench.peers import free_port
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 SHORT_TEXTS = 64

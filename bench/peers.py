@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.daemon import Child, free_port
+from fleet.bench.daemon import Child, free_port
 
 INFINITY_VENV = Path(__file__).with_name(".venv-infinity")
 

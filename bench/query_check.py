@@ -6,7 +6,7 @@ an empty async hook; and, for scale, a whole `GET /healthz` through the
 daemon's Litestar app (no sockets, no lifespan). Best of 7 runs. On the 2-vCPU
 dev box (AMD EPYC Zen 4, load average 2-3): +40 ns, +0.41 us, app ~24 us.
 
-Usage: python -m bench.query_check
+Usage: python -m fleet.bench.query_check
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 
 from litestar import Request
 
-from daemon.app import create_app
-from daemon.core import Daemon
-from daemon.query import declared_query, refuse_undeclared
+from fleet.daemon.app import create_app
+from fleet.daemon.core import Daemon
+from fleet.daemon.query import declared_query, refuse_undeclared
 from fleet.config import Settings
 
 RUNS, CALLS, REQUESTS = 7, 200_000, 4_000

@@ -26,9 +26,9 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.knee import CLOSED, Criteria, Knee, judge_steps
-from bench.runner import Plan, StepRecord, TargetRun, compare_ratios
-from bench.sampler import describe_gpus
+from fleet.bench.knee import CLOSED, Criteria, Knee, judge_steps
+from fleet.bench.runner import Plan, StepRecord, TargetRun, compare_ratios
+from fleet.bench.sampler import describe_gpus
 
 SCHEMA = 1
 RESULTS_DIR = Path(__file__).with_name("results")
@@ -304,7 +304,7 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
 
 
 def corpus_doc(path: Path, lengths: list[int]) -> dict:
-    from bench.tokens import length_stats
+    from fleet.bench.tokens import length_stats
 
     data = path.read_bytes()
     return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "tokens_per_text": length_stats(lengths)}

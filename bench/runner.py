@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.knee import CLOSED, OPEN, Criteria, Knee, Ramp, StepResult, find_knee, plan_next
-from bench.loadgen import Generator, Merged, Setup, StepPlan
-from bench.sampler import Sampler
+from fleet.bench.knee import CLOSED, OPEN, Criteria, Knee, Ramp, StepResult, find_knee, plan_next
+from fleet.bench.loadgen import Generator, Merged, Setup, StepPlan
+from fleet.bench.sampler import Sampler
 
 #: A generator firing arrivals later than this (p99) is too busy to be trusted.
 MAX_LAG_MS = 10.0
@@ -160,7 +160,7 @@ NULL_DISPLAY = NullDisplay()
 
 def open_run(spec: TargetSpec, plan: Plan, texts: list[str], lengths: list[int], model_dir: Path | None) -> TargetRun:
     if spec.kind == "st":
-        from bench.st_local import LocalST, STSetup
+        from fleet.bench.st_local import LocalST, STSetup
 
         if model_dir is None:
             raise ValueError("the in-process target needs the model folder")

@@ -22,7 +22,7 @@ gives each batch's requests, so its texts and their token counts. From those:
 Printed with the load average before and after; JSON under bench/results/.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.saturation [--url URL | --start] [--clients 8]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.saturation [--url URL | --start] [--clients 8]
       [--batch 32] [--duration 20] [--out bench/results/saturation-<time>.json]
 """
 
@@ -42,13 +42,13 @@ import numpy as np
 import psutil
 from rich.console import Console
 
-from bench import corpus, report
-from bench.daemon import add_daemon_args, daemon_from_args
-from bench.httpclient import BlockingConn, Endpoint, build_request
-from bench.targets import request_windows
-from bench.timeline import HEADER, MODEL, parse_stamps
-from bench.tokens import TokenCounter, package_model_dir
-from runtimes.hf_common import padding_cuts
+from fleet.bench import corpus, report
+from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
+from fleet.bench.targets import request_windows
+from fleet.bench.timeline import HEADER, MODEL, parse_stamps
+from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.runtimes.hf_common import padding_cuts
 
 WARMUP_S = 3.0
 #: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
                   f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f}")
 
-    doc = report.document("saturation", "bench.saturation", argv) | {
+    doc = report.document("saturation", "fleet.bench.saturation", argv) | {
         "settings": {"url": url, "started_daemon": bool(daemon), "clients": args.clients, "batch": args.batch,
                      "micro_batch": args.micro_batch, "duration_s": args.duration, "warmup_s": WARMUP_S},
         "served": served, "load_before": load_before, "load_after": load_after, **res,

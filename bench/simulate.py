@@ -1,7 +1,7 @@
 """Pull vs push at scale, simulated: N GPUs, M models, skewed traffic of small requests.
 
-    flock /tmp/fleet-bench.lock python -m bench.simulate            # full comparison (a few minutes)
-    python -m bench.simulate --quick                                # coarse, under a minute
+    flock /tmp/fleet-bench.lock python -m fleet.bench.simulate            # full comparison (a few minutes)
+    python -m fleet.bench.simulate --quick                                # coarse, under a minute
 
 Both schedulers drive the same simulated GPUs (`bench.sim.device`: bounded
 resident models, LRU-style eviction, swap cost, batch time a + b*tokens) with
@@ -30,11 +30,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.knee import Criteria, Knee, Ramp, StepResult, find_knee, plan_next
-from bench.sim.pull import PullSystem
-from bench.sim.push import PushSystem
-from bench.sim.step import Recorder, StepOutcome, run_step
-from bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
+from fleet.bench.knee import Criteria, Knee, Ramp, StepResult, find_knee, plan_next
+from fleet.bench.sim.pull import PullSystem
+from fleet.bench.sim.push import PushSystem
+from fleet.bench.sim.step import Recorder, StepOutcome, run_step
+from fleet.bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
 
 RESULTS_DIR = Path(__file__).with_name("results")
 
@@ -290,7 +290,7 @@ def common_table(sides: list[Side]) -> Table | None:
 
 
 def result_doc(cfg: Config, sides: list[Side], argv: list[str]) -> dict:
-    from bench.report import machine, versions
+    from fleet.bench.report import machine, versions
 
     def step_doc(o: StepOutcome, reasons=()) -> dict:
         d = asdict(o)
@@ -336,7 +336,7 @@ def write_json(doc: dict, path: Path | None = None) -> Path:
 
 
 def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fleet.bench.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short steps, coarse ramp (under a minute)")
     d = Config()
     for name, typ, text in (
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         out.print(f"{pair} at the knee: [bold]{r['throughput_rps']:.2f}x[/] req/s, {r['tokens_per_s']:.2f}x tok/s, "
                   f"p95 {r['p95_ms']:.2f}x{same}")
     if not args.no_save:
-        path = write_json(result_doc(cfg, sides, ["python", "-m", "bench.simulate", *argv]), args.out)
+        path = write_json(result_doc(cfg, sides, ["python", "-m", "fleet.bench.simulate", *argv]), args.out)
         err.print(f"wrote {path}")
     return 0
 

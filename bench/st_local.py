@@ -41,8 +41,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench.loadgen import Merged, StepPlan, StepRaw, merge
-from bench.targets import request_windows
+from fleet.bench.loadgen import Merged, StepPlan, StepRaw, merge
+from fleet.bench.targets import request_windows
 
 _enc = msgspec.msgpack.Encoder()
 
@@ -80,7 +80,7 @@ class LocalTarget(msgspec.Struct, frozen=True):
 
 def best_dtype(flags: set[str]) -> str:
     """bf16 on a CPU with native bf16 (runtimes.device.cpu_fast_dtypes), else fp32."""
-    from runtimes.device import cpu_fast_dtypes
+    from fleet.runtimes.device import cpu_fast_dtypes
 
     return "bf16" if cpu_fast_dtypes(flags) else "fp32"
 
@@ -88,8 +88,8 @@ def best_dtype(flags: set[str]) -> str:
 def local_target(name: str, *, flags: set[str] | None = None, openvino: bool | None = None) -> LocalTarget | str | None:
     """The in-process target `name` means on this machine; a str: why it is skipped
     (the line to print); None: not an in-process target's name."""
-    from runtimes import openvino as ov
-    from runtimes.device import cpu_flags
+    from fleet.runtimes import openvino as ov
+    from fleet.runtimes.device import cpu_flags
 
     flags = cpu_flags() if flags is None else flags
     have_ov = ov.available() if openvino is None else openvino
@@ -126,8 +126,8 @@ def local_batches(setup: STSetup) -> tuple[list[list[str]], list[int]]:
 def _openvino_encoder(setup: STSetup):
     """fleet's dense adapter with OpenVINO forced in `setup.dtype`: (encode, info)."""
     from fleet.protocol import EmbedRequest
-    from runtimes.base import ModelSpec, Profile
-    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
     spec = ModelSpec(setup.model, Path(setup.model_dir), "embed", "sentence-transformers",
                      profile=Profile(engine="openvino", dtype=DTYPES[setup.dtype]))

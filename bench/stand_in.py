@@ -9,7 +9,7 @@ Everything else is the product: `fleetctl serve`, the API process, the queue,
 a spawned worker process running `runtimes.process.run`, the sentence-transformers
 adapter with its tokenizer threads, pooling-free vectors of the model's width.
 
-`python -m bench.stand_in serve`: what `fleetctl serve` runs (settings from the
+`python -m fleet.bench.stand_in serve`: what `fleetctl serve` runs (settings from the
 FLEET_* environment), its supervisor spawning `stand_in_worker` (the tests start marker workers the same
 way, tests/test_worker_core.py). The worker registers `StandInEmbedder` for the
 sentence-transformers runtime (bench/stand_in_forward.py, imported in the
@@ -32,23 +32,23 @@ def forward_costs() -> tuple[float, float]:
 
 def stand_in_worker(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     """Supervisor target: the product's worker entry with `StandInEmbedder` registered."""
-    from runtimes import registry
-    from runtimes.process import run
+    from fleet.runtimes import registry
+    from fleet.runtimes.process import run
 
-    registry.ADAPTERS[("embed", "sentence-transformers")] = "bench.stand_in_forward:StandInEmbedder"
+    registry.ADAPTERS[("embed", "sentence-transformers")] = "fleet.bench.stand_in_forward:StandInEmbedder"
     run(queue_name, index, device, settings_blob)
 
 
 def main() -> None:
     """`serve`, as `fleetctl serve` with no options runs it (the bench configures the
     daemon through its FLEET_* environment)."""
-    from daemon import core
-    from daemon.logs import setup_logging
-    from daemon.server import serve
+    from fleet.daemon import core
+    from fleet.daemon.logs import setup_logging
+    from fleet.daemon.server import serve
     from fleet.config import load_settings
 
     if sys.argv[1:] != ["serve"]:
-        sys.exit("usage: python -m bench.stand_in serve (settings from the FLEET_* environment)")
+        sys.exit("usage: python -m fleet.bench.stand_in serve (settings from the FLEET_* environment)")
 
     class StandInSupervisor(core.Supervisor):
         def __init__(self, *args, **kw) -> None:

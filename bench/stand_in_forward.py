@@ -7,9 +7,9 @@ from typing import Any
 
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.stand_in import ENV, forward_costs
-from runtimes.hf_common import tokenize_threads
-from runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.bench.stand_in import ENV, forward_costs
+from fleet.runtimes.hf_common import tokenize_threads
+from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
 
 class StandInForward:

@@ -8,7 +8,7 @@ capacity the latency stays flat; above it the queue, and so the latency, grows
 for as long as the overload lasts. That is the sharp knee the knee finder must
 locate.
 
-Run: `python -m bench.synthetic --capacity 200 [--port 0]`; it prints
+Run: `python -m fleet.bench.synthetic --capacity 200 [--port 0]`; it prints
 `listening on 127.0.0.1:PORT` once it accepts connections. Loopback only.
 """
 

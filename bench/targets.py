@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from bench.httpclient import Endpoint, build_request
+from fleet.bench.httpclient import Endpoint, build_request
 
 KINDS = ("fleet", "fleet-json", "openai", "infinity")
 TASKS = ("embed", "rerank", "generate")

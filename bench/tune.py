@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 from fleet.catalog import Profile, TunedInfo, write_tuned_profile
 from fleet.errors import BadRequest
 
@@ -602,8 +602,8 @@ class DaemonMeasurer:
         raise RuntimeError(f"{self.model} not loaded after {self.start_timeout_s:.0f} s")
 
     def __call__(self, c: Candidate) -> Measurement:
-        from bench.knee import OPEN, Criteria
-        from bench.runner import Plan, TargetSpec, bench
+        from fleet.bench.knee import OPEN, Criteria
+        from fleet.bench.runner import Plan, TargetSpec, bench
 
         t0 = time.time()
         self._write_overlay(c)
@@ -669,13 +669,13 @@ def resolve_target(model: str, device: str | None) -> Target:
     sees a GPU, else cpu). Refuses a model in neither, and a task the bench cannot measure."""
     import msgspec
 
-    from bench.sampler import describe_gpus
-    from bench.targets import TASKS
-    from bench.tokens import resolve_model_dir
+    from fleet.bench.sampler import describe_gpus
+    from fleet.bench.targets import TASKS
+    from fleet.bench.tokens import resolve_model_dir
     from fleet.catalog import load_catalog, manifest_entry
     from fleet.config import load_settings
     from fleet.store import Store
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     settings = load_settings()
     home = settings.home_path

@@ -15,7 +15,7 @@ think time: the sleeper's CPU goes idle), stamps CLOCK_MONOTONIC and wakes it;
 the sleeper stamps when it runs. Reported per mechanism and placement: p50 and
 p90 µs from the wake call to the sleeper running, and the wake call's own µs.
 
-Usage: flock /tmp/fleet-bench.lock python -m bench.wakeups [--rounds 300] [--gap-ms 12]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.wakeups [--rounds 300] [--gap-ms 12]
        [--out bench/results/<time>-wakeups.json]
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import report
-from local_queue import futex
+from fleet.bench import report
+from fleet.local_queue import futex
 
 #: Slots of the shared page: 0 the futex word, 1 the sleeper's stamp, 2 its round count.
 WORD, STAMP, DONE = 0, 1, 2
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['wake_to_run_us']['p90']:6.1f}us {r['wake_call_us']['p50']:12.1f}us")
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
-    doc = report.document("wakeups", "bench.wakeups", argv) | {
+    doc = report.document("wakeups", "fleet.bench.wakeups", argv) | {
         "settings": {"rounds": args.rounds, "gap_ms": args.gap_ms},
         "load_before": load_before, "load_after": load_after, "rows": rows}
     out = report.save(doc, args.out, "wakeups")

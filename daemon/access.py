@@ -32,7 +32,7 @@ from typing import Any
 
 from fleet.config import Settings
 
-from daemon.logs import REQUEST_ID
+from fleet.daemon.logs import REQUEST_ID
 
 log = logging.getLogger("fleet.access")
 #: How often the queued access lines are written (seconds).

@@ -37,7 +37,7 @@ from fleet.catalog import validate_name
 from fleet.promotions import PackageStore
 from fleet.errors import BadRequest, FleetError, ModelNotFound, NotFound, Unavailable
 
-from daemon.clients import client_of
+from fleet.daemon.clients import client_of
 
 log = logging.getLogger("fleet.daemon")
 

@@ -14,35 +14,35 @@ from litestar.exceptions import HTTPException
 
 from fleet.errors import FleetError
 
-from daemon.batches import Batches
-from daemon.controllers.admin import AdminController
-from daemon.controllers.aliases import AliasesController
-from daemon.controllers.promotions import PromotionsController
-from daemon.controllers.batches import BatchesController
-from daemon.controllers.calibration import CalibrationController
-from daemon.controllers.classify import ClassifyController
-from daemon.controllers.cohere import CohereEmbedController
-from daemon.controllers.decisions import DecisionsController
-from daemon.controllers.cluster import ClusterController
-from daemon.controllers.docs import DocsController
-from daemon.controllers.embed import EmbedController
-from daemon.controllers.extract import ExtractController
-from daemon.controllers.files import FilesController
-from daemon.controllers.generate import GenerateController
-from daemon.controllers.models import HealthController, MetricsController, ModelsController
-from daemon.controllers.ollama import OllamaController, OllamaRootController
-from daemon.controllers.ollama_create import OllamaCreateController, sweep_blobs_loop
-from daemon.controllers.rerank import RerankController
-from daemon.controllers.responses import ResponsesController
-from daemon.controllers.store import StoreController
-from daemon.controllers.systemone import SystemOneController
-from daemon.controllers.tei import TeiController
-from daemon.controllers.tgi import TgiController
-from daemon.controllers.top import TopController
-from daemon.core import Daemon
-from daemon.http import on_fleet_error, on_http_error, on_unexpected
-from daemon.notify import announce_ready, notify, watchdog_loop
-from daemon.query import declared_query, refuse_undeclared
+from fleet.daemon.batches import Batches
+from fleet.daemon.controllers.admin import AdminController
+from fleet.daemon.controllers.aliases import AliasesController
+from fleet.daemon.controllers.promotions import PromotionsController
+from fleet.daemon.controllers.batches import BatchesController
+from fleet.daemon.controllers.calibration import CalibrationController
+from fleet.daemon.controllers.classify import ClassifyController
+from fleet.daemon.controllers.cohere import CohereEmbedController
+from fleet.daemon.controllers.decisions import DecisionsController
+from fleet.daemon.controllers.cluster import ClusterController
+from fleet.daemon.controllers.docs import DocsController
+from fleet.daemon.controllers.embed import EmbedController
+from fleet.daemon.controllers.extract import ExtractController
+from fleet.daemon.controllers.files import FilesController
+from fleet.daemon.controllers.generate import GenerateController
+from fleet.daemon.controllers.models import HealthController, MetricsController, ModelsController
+from fleet.daemon.controllers.ollama import OllamaController, OllamaRootController
+from fleet.daemon.controllers.ollama_create import OllamaCreateController, sweep_blobs_loop
+from fleet.daemon.controllers.rerank import RerankController
+from fleet.daemon.controllers.responses import ResponsesController
+from fleet.daemon.controllers.store import StoreController
+from fleet.daemon.controllers.systemone import SystemOneController
+from fleet.daemon.controllers.tei import TeiController
+from fleet.daemon.controllers.tgi import TgiController
+from fleet.daemon.controllers.top import TopController
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import on_fleet_error, on_http_error, on_unexpected
+from fleet.daemon.notify import announce_ready, notify, watchdog_loop
+from fleet.daemon.query import declared_query, refuse_undeclared
 
 log = logging.getLogger("fleet.daemon")
 

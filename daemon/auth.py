@@ -25,7 +25,7 @@ import msgspec
 
 from fleet.errors import Unauthorized
 
-from daemon.codec import DETAIL_PATHS, DETAIL_TYPES
+from fleet.daemon.codec import DETAIL_PATHS, DETAIL_TYPES
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]

@@ -56,13 +56,13 @@ from fleet.batches import (
 )
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound
 
-from daemon import codec
-from daemon.batchfile import (
+from fleet.daemon import codec
+from fleet.daemon.batchfile import (
     InputCheck, LineReader, ResultFile, Scan, UploadSink, body_head, is_disk_full, receive_upload, scan_results,
     usage_of,
 )
-from daemon.core import BATCH_WORK, BatchWork, Daemon
-from daemon.jobstore import JobStore, StoredBatch, new_batch_id, new_file_id, now_s
+from fleet.daemon.core import BATCH_WORK, BatchWork, Daemon
+from fleet.daemon.jobstore import JobStore, StoredBatch, new_batch_id, new_file_id, now_s
 
 log = logging.getLogger("fleet.batches")
 
@@ -586,8 +586,8 @@ class Batches:
     def check_model(self, task: str, model: str | None) -> str:
         """The model a line of `task` runs on (its default when it names none); raises
         what the route would answer for a model that cannot run it."""
-        from daemon.controllers.common import default_model
-        from daemon.controllers.systemone import decision_model
+        from fleet.daemon.controllers.common import default_model
+        from fleet.daemon.controllers.systemone import decision_model
 
         # A decision line's `jev-latest` is the box's default decision model, as on its route.
         name = decision_model(self.daemon, model) if task == "decide" and model else model or default_model(
@@ -605,7 +605,7 @@ class Batches:
         return name
 
     def error_body(self, url: str, exc: FleetError) -> bytes:
-        from daemon.http import error_parts
+        from fleet.daemon.http import error_parts
 
         return error_parts(exc, method="POST", path=url, msgpack=False, private=())[0]
 

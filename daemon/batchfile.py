@@ -35,7 +35,7 @@ import numpy as np
 from fleet.batches import ENDPOINTS, RequestLine
 from fleet.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 
-from daemon.fields import Unknown, refusal, shown
+from fleet.daemon.fields import Unknown, refusal, shown
 
 #: Bytes an upload hands to its writing thread at a time.
 UPLOAD_PIECE = 1 << 20

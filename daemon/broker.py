@@ -31,8 +31,8 @@ import msgspec
 
 from fleet.errors import FleetError, InferenceFailed, Overloaded, PayloadTooLarge, Timeout, from_code
 from fleet.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
-from daemon import timeline
-from local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, LockBusy, QueueError, QueueFull
+from fleet.daemon import timeline
+from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, LockBusy, QueueError, QueueFull
 
 log = logging.getLogger("fleet.daemon")
 

@@ -33,8 +33,8 @@ from fleet.catalog import load_catalog, manifest_entry, write_calibration
 from fleet.decisions import temperature_key
 from fleet.errors import BadRequest, FleetError
 
-from daemon import systemone, tasks
-from daemon.core import Daemon, live_profiles
+from fleet.daemon import systemone, tasks
+from fleet.daemon.core import Daemon, live_profiles
 
 #: Examples in flight at once: enough to fill micro-batches, few enough to leave room.
 CONCURRENCY = 32

@@ -20,7 +20,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from daemon.auth import is_loopback
+from fleet.daemon.auth import is_loopback
 
 HEADER = b"x-fleet-client"
 _NAME = re.compile(rb"[A-Za-z0-9._:@/-]{1,64}\Z")

@@ -78,10 +78,10 @@ from fleet.config import Settings
 from fleet.errors import BadRequest, FleetError, ModelNotFound, Overloaded, Timeout, Unavailable
 from fleet.messages import STATUS_ERROR, STATUS_PARTIAL, Envelope, WorkError
 from fleet.store import Store
-from local_queue import STATUS_POISON, Done
+from fleet.local_queue import STATUS_POISON, Done
 
-from daemon import timeline, tracing
-from daemon.broker import Answer, Broker
+from fleet.daemon import timeline, tracing
+from fleet.daemon.broker import Answer, Broker
 
 log = logging.getLogger("fleet.cluster")
 

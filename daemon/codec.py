@@ -13,7 +13,7 @@ import msgspec
 from fleet.errors import BadRequest, FleetError
 from fleet.protocol import ErrorBody, ErrorReply
 
-from daemon import fields
+from fleet.daemon import fields
 
 T = TypeVar("T")
 

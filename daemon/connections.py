@@ -67,10 +67,10 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from fleet.errors import BadRequest, FleetError, HeadersTooLarge, NotImplementedCoding
 
-from daemon import codec
-from daemon.http import error_parts
+from fleet.daemon import codec
+from fleet.daemon.http import error_parts
 
-from daemon.departures import SCOPE_KEY, Departure
+from fleet.daemon.departures import SCOPE_KEY, Departure
 
 log = logging.getLogger("fleet.daemon")
 

@@ -24,22 +24,22 @@ from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, 
 from fleet.lora import LORA_TASKS
 from fleet.protocol import ProfileView
 from fleet.store import Manifest, Store
-from local_queue import Done, LaneStats, LocalQueue, WorkerInfo
-from local_queue.sweep import queue_name, sweep_stale
+from fleet.local_queue import Done, LaneStats, LocalQueue, WorkerInfo
+from fleet.local_queue.sweep import queue_name, sweep_stale
 
 from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
 
-from daemon.aliases import AliasBook
-from daemon.access import note_model
-from daemon.broker import Answer, Broker
-from daemon.clients import CLIENT
-from daemon.departures import DEPARTURE
-from daemon.metrics import Metrics
-from daemon.pieces import Sizing, check_deadline, joined, run_pieces
-from daemon.quotas import check_owner_load
-from daemon.top import Recent
+from fleet.daemon.aliases import AliasBook
+from fleet.daemon.access import note_model
+from fleet.daemon.broker import Answer, Broker
+from fleet.daemon.clients import CLIENT
+from fleet.daemon.departures import DEPARTURE
+from fleet.daemon.metrics import Metrics
+from fleet.daemon.pieces import Sizing, check_deadline, joined, run_pieces
+from fleet.daemon.quotas import check_owner_load
+from fleet.daemon.top import Recent
 from fleet.pins import PinStore
-from daemon.supervisor import Supervisor, detect_devices
+from fleet.daemon.supervisor import Supervisor, detect_devices
 
 log = logging.getLogger("fleet.daemon")
 
@@ -186,7 +186,7 @@ class Daemon:
         #: Stable names clients use, each pointing at a stored version (daemon.aliases).
         self.aliases = AliasBook(self.store.root)
         if self.settings.nats:
-            from daemon.cluster import check_settings
+            from fleet.daemon.cluster import check_settings
 
             check_settings(self.settings)  # `serve` exits 1 here, before any worker starts
 
@@ -232,14 +232,14 @@ class Daemon:
         )
         self.supervisor.start()
         if self.settings.nats:
-            from daemon.cluster import Cluster
-            from daemon.nats_lag import LagGauges
+            from fleet.daemon.cluster import Cluster
+            from fleet.daemon.nats_lag import LagGauges
 
             self.cluster = Cluster(self.settings, self.broker, self.store,
                                    workers_up=lambda: self.workers_up, loaded=self.loaded_models,
                                    on_lag=LagGauges(self.metrics, lambda: self.cluster.js))
             self.cluster.start(loop)
-            from daemon.alias_kv import follow_aliases
+            from fleet.daemon.alias_kv import follow_aliases
 
             follow_aliases(self)  # the alias table lives in the cluster's KV bucket
         log.info("serving on %s with %d worker(s): %s", self.settings.url, len(devices), ", ".join(devices))
@@ -279,7 +279,7 @@ class Daemon:
             await self.cluster.leave()
 
     def stop(self) -> None:
-        from daemon import tracing
+        from fleet.daemon import tracing
 
         if self.supervisor is not None:
             self.supervisor.stop()
@@ -513,7 +513,7 @@ class Daemon:
         `reload_hooks`); anything else that differs is logged as needing a restart.
         A non-loopback bind keeps its key: a reload cannot remove it.
         Returns (applied, needing a restart), setting names."""
-        from daemon.auth import check_bind
+        from fleet.daemon.auth import check_bind
 
         self._manifests.clear()
         self.aliases.load()  # an alias table edited by hand (without NATS)
@@ -526,7 +526,7 @@ class Daemon:
                 log.error("reload: keeping the current API key: %s", exc.message)
                 applied = [f for f in applied if f not in ("api_key", "api_key_file")]
         if "timeout_ms" in applied and self.settings.nats:
-            from daemon.cluster import check_deadline
+            from fleet.daemon.cluster import check_deadline
 
             try:
                 check_deadline(new.timeout_ms, self.settings.nats_ack_wait_ms)

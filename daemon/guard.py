@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 
 from fleet.errors import FleetError, Forbidden, UnsupportedMediaType
 
-from daemon import codec
-from daemon.auth import is_loopback
+from fleet.daemon import codec
+from fleet.daemon.auth import is_loopback
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Any]]

@@ -28,11 +28,11 @@ from litestar import Litestar
 
 from fleet.errors import FleetError, PayloadTooLarge
 
-from daemon import codec, timeline
-from daemon.aliases import AliasScope
-from daemon.controllers.embed import embed_exchange
-from daemon.core import Daemon
-from daemon.http import PRIVATE_PATHS, error_parts
+from fleet.daemon import codec, timeline
+from fleet.daemon.aliases import AliasScope
+from fleet.daemon.controllers.embed import embed_exchange
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import PRIVATE_PATHS, error_parts
 
 log = logging.getLogger("fleet.daemon")
 

@@ -11,8 +11,8 @@ from litestar.exceptions import HTTPException
 
 from fleet.errors import BY_CODE, FleetError, Overloaded, UnknownFields
 from fleet.protocol import OpenAIErrorBody, OpenAIErrorReply
-from daemon import codec, fields
-from daemon.broker import Answer
+from fleet.daemon import codec, fields
+from fleet.daemon.broker import Answer
 
 log = logging.getLogger("fleet.daemon")
 

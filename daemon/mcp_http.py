@@ -29,11 +29,11 @@ import msgspec
 from fleet.errors import FleetError, Unsupported
 from fleet.mcp_tools import ToolFailure, build_server, error_message
 
-from daemon.clients import ClientMiddleware
-from daemon.core import Daemon
-from daemon.departures import SCOPE_KEY, DepartureMiddleware
-from daemon.http import error_parts
-from daemon.logs import RequestIdMiddleware
+from fleet.daemon.clients import ClientMiddleware
+from fleet.daemon.core import Daemon
+from fleet.daemon.departures import SCOPE_KEY, DepartureMiddleware
+from fleet.daemon.http import error_parts
+from fleet.daemon.logs import RequestIdMiddleware
 
 log = logging.getLogger("fleet.daemon")
 

@@ -39,11 +39,11 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 from fleet.errors import BadRequest, FleetError, ModelNotFound, NotFound
 
-from daemon import codec, fields
-from daemon.controllers.common import choose_default_model, stored_tasks
-from daemon.core import Daemon
-from daemon.hot import ClientGone, read_body
-from daemon.http import error_parts
+from fleet.daemon import codec, fields
+from fleet.daemon.controllers.common import choose_default_model, stored_tasks
+from fleet.daemon.core import Daemon
+from fleet.daemon.hot import ClientGone, read_body
+from fleet.daemon.http import error_parts
 
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]

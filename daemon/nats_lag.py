@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from daemon.cluster import STREAM, consumer_name, work_subject
-from daemon.metrics import Metrics
+from fleet.daemon.cluster import STREAM, consumer_name, work_subject
+from fleet.daemon.metrics import Metrics
 
 log = logging.getLogger("fleet.cluster")
 

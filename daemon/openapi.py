@@ -40,16 +40,16 @@ from fleet.protocol import (
 )
 from fleet.protocol import ModelDetail
 
-from daemon import systemone
-from daemon.calibration import CalibrateRequest
-from daemon.controllers import decisions, ollama_create, responses, tei, tgi
-from daemon.controllers import cohere, ollama_wire as ow
-from daemon.controllers.admin import AdminOptions
-from daemon.controllers.store import PullBody as StorePullBody
-from daemon.controllers.aliases import AliasNote, AliasSet
-from daemon.controllers.promotions import PromoteRequest
-from daemon.fields import IGNORED_FIELDS_HEADER
-from daemon.jobstore import BATCH_ID, FILE_ID
+from fleet.daemon import systemone
+from fleet.daemon.calibration import CalibrateRequest
+from fleet.daemon.controllers import decisions, ollama_create, responses, tei, tgi
+from fleet.daemon.controllers import cohere, ollama_wire as ow
+from fleet.daemon.controllers.admin import AdminOptions
+from fleet.daemon.controllers.store import PullBody as StorePullBody
+from fleet.daemon.controllers.aliases import AliasNote, AliasSet
+from fleet.daemon.controllers.promotions import PromoteRequest
+from fleet.daemon.fields import IGNORED_FIELDS_HEADER
+from fleet.daemon.jobstore import BATCH_ID, FILE_ID
 
 JSON, MSGPACK, SSE, NDJSON, TEXT = (
     "application/json", "application/msgpack", "text/event-stream", "application/x-ndjson", "text/plain")

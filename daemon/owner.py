@@ -26,8 +26,8 @@ from fleet.control import PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound
 from fleet.catalog import validate_name
 
-from daemon.controllers.admin import holders, send
-from daemon.core import Daemon
+from fleet.daemon.controllers.admin import holders, send
+from fleet.daemon.core import Daemon
 
 log = logging.getLogger("fleet.daemon")
 

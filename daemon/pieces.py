@@ -55,7 +55,7 @@ import numpy as np
 
 from fleet.errors import BadRequest, FleetError, InputTooLong, PayloadTooLarge, Timeout
 
-from daemon.broker import Answer
+from fleet.daemon.broker import Answer
 
 #: Tokens of one batch's work before any answer of the model said how fast it goes (a CPU
 #: reads ~1 000-5 000 tokens/s of a small encoder, a GPU far more: the first answer sizes the rest).

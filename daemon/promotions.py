@@ -32,8 +32,8 @@ from fleet.promotions import Capacity, EvalReport, Package, VersionFacts, new_id
 from fleet.protocol import ClassifyRequest, EmbedRequest, ExtractRequest, GenerateRequest, RerankRequest
 from fleet.store import Manifest
 
-from daemon import tasks
-from daemon.core import Daemon, live_profiles
+from fleet.daemon import tasks
+from fleet.daemon.core import Daemon, live_profiles
 
 _encode = msgspec.msgpack.Encoder().encode
 #: Inputs per evaluation request (texts of classify, extract and embed).
@@ -171,7 +171,7 @@ async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | N
 async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, margin: float, force: bool,
                   reason: str, owner: str, canary_percent: float) -> Package:
     """Evaluate, write the package, switch the alias (or start its canary): module doc."""
-    from daemon.aliases import check_target, event_of, set_to, with_canary
+    from fleet.daemon.aliases import check_target, event_of, set_to, with_canary
 
     before = daemon.aliases.table.get(alias)
     check_target(daemon, alias, candidate, before)

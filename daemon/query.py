@@ -37,8 +37,8 @@ from urllib.parse import parse_qsl
 from litestar import Litestar, Request
 from litestar.routes import HTTPRoute
 
-from daemon import fields
-from daemon.model_urls import SCOPE_MODEL
+from fleet.daemon import fields
+from fleet.daemon.model_urls import SCOPE_MODEL
 
 #: ModelUrls' own query parameter on the GET and DELETE routes of a per-model URL.
 URL_MODEL = "model"

@@ -38,7 +38,7 @@ from typing import Any
 from fleet.config import Settings
 from fleet.errors import FleetError
 
-from daemon.core import Daemon
+from fleet.daemon.core import Daemon
 
 log = logging.getLogger("fleet.daemon")
 
@@ -52,7 +52,7 @@ class LiveApp:
     the admin key is taken in its place)."""
 
     def __init__(self, app: Any, api_key: str, admin_key: str = "") -> None:
-        from daemon.auth import bearer_auth
+        from fleet.daemon.auth import bearer_auth
 
         self._inner = app
         self._bearer_auth = bearer_auth
@@ -116,23 +116,23 @@ def admin_key(settings: Settings, *, create: bool) -> str:
 def serve(settings: Settings) -> None:
     import uvicorn
 
-    from daemon.access import AccessLog
-    from daemon.app import create_app
-    from daemon.auth import check_bind
-    from daemon.clients import ClientMiddleware
-    from daemon.home import claim_home
-    from daemon.connections import connection_limits, guarded_protocol
-    from daemon.departures import DepartureMiddleware
-    from daemon.guard import BrowserGuard
-    from daemon.hot import HotRoutes
-    from daemon.http import PRIVATE_PATHS
-    from daemon.logs import RequestIdMiddleware
-    from daemon.mcp_http import McpRoute
-    from daemon.model_urls import ModelUrls
-    from daemon.operator import OperatorMark
-    from daemon.spill import UpstreamRoutes
-    from daemon.upstreams import Upstreams
-    from daemon.notify import SystemdServer
+    from fleet.daemon.access import AccessLog
+    from fleet.daemon.app import create_app
+    from fleet.daemon.auth import check_bind
+    from fleet.daemon.clients import ClientMiddleware
+    from fleet.daemon.home import claim_home
+    from fleet.daemon.connections import connection_limits, guarded_protocol
+    from fleet.daemon.departures import DepartureMiddleware
+    from fleet.daemon.guard import BrowserGuard
+    from fleet.daemon.hot import HotRoutes
+    from fleet.daemon.http import PRIVATE_PATHS
+    from fleet.daemon.logs import RequestIdMiddleware
+    from fleet.daemon.mcp_http import McpRoute
+    from fleet.daemon.model_urls import ModelUrls
+    from fleet.daemon.operator import OperatorMark
+    from fleet.daemon.spill import UpstreamRoutes
+    from fleet.daemon.upstreams import Upstreams
+    from fleet.daemon.notify import SystemdServer
     from fleet.catalog import load_catalog
 
     check_bind(settings.host, settings.api_key)
@@ -140,7 +140,7 @@ def serve(settings: Settings) -> None:
     # app's start would read it too, as a traceback in the log).
     load_catalog(settings.home)
     if settings.nats:
-        from daemon.cluster import check_access, check_settings
+        from fleet.daemon.cluster import check_access, check_settings
 
         # NATS settings that lose work, then NATS servers that refuse this box's credentials
         # or whose certificate it does not trust: one line naming what failed, exit 1.
@@ -178,7 +178,7 @@ def serve(settings: Settings) -> None:
                                  cors_origins=settings.cors_origins)
     # OpenTelemetry spans only when the OTEL_ variables ask for them (daemon.tracing): inside
     # the request id (on the span), outside everything else (refusals are traced too).
-    from daemon import tracing
+    from fleet.daemon import tracing
 
     traced = tracing.TracingMiddleware(browser_guard, daemon.box) if tracing.setup(daemon.box) else browser_guard
     # The access log inside the request id (its lines carry it), outside the rest (daemon.access).

@@ -37,17 +37,17 @@ import msgspec
 
 from fleet.errors import ClientClosed, FleetError, ModelNotFound, Timeout, Unavailable
 
-from daemon import codec
-from daemon.clients import client_of
-from daemon.controllers.common import default_model
-from daemon.core import BATCH_WORK, Daemon
-from daemon.departures import DEPARTURE
-from daemon.hot import ClientGone, read_body
-from daemon.http import error_parts
-from daemon.logs import REQUEST_ID
-from daemon.model_urls import SCOPE_MODEL
-from daemon.pieces import INITIAL_PIECE_TOKENS
-from daemon.upstreams import CONNECT_S, DEADLINE_SLACK_S, Rule, Upstream, Upstreams, reply_headers, upstream_body
+from fleet.daemon import codec
+from fleet.daemon.clients import client_of
+from fleet.daemon.controllers.common import default_model
+from fleet.daemon.core import BATCH_WORK, Daemon
+from fleet.daemon.departures import DEPARTURE
+from fleet.daemon.hot import ClientGone, read_body
+from fleet.daemon.http import error_parts
+from fleet.daemon.logs import REQUEST_ID
+from fleet.daemon.model_urls import SCOPE_MODEL
+from fleet.daemon.pieces import INITIAL_PIECE_TOKENS
+from fleet.daemon.upstreams import CONNECT_S, DEADLINE_SLACK_S, Rule, Upstream, Upstreams, reply_headers, upstream_body
 
 log = logging.getLogger("fleet.upstreams")
 

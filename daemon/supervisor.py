@@ -34,7 +34,7 @@ import msgspec
 
 from fleet.config import Settings
 from fleet.errors import BadRequest
-from local_queue import LocalQueue
+from fleet.local_queue import LocalQueue
 
 log = logging.getLogger("fleet.daemon")
 
@@ -182,7 +182,7 @@ def detect_devices(device: str, workers: int, *, gpu_count: Callable[[], int] = 
 
 #: What a worker process runs. By name, so that the API process never imports the
 #: worker's modules (and torch with them): only the spawned child does.
-WORKER_ENTRY = "runtimes.process:run"
+WORKER_ENTRY = "fleet.runtimes.process:run"
 
 
 def run_entry(entry: str, *args) -> None:

@@ -31,11 +31,11 @@ from fleet.protocol import (
     LabelScore, RerankDocument, RerankHit, RerankRequest, TokenLogprob, TopLogprob, Usage,
 )
 
-from daemon import zero_shot
-from daemon.aliases import resolved
-from daemon.broker import Answer
-from daemon.core import Daemon
-from daemon.pieces import MIN_PIECE_TOKENS, check_ceiling, joined, text_costs
+from fleet.daemon import zero_shot
+from fleet.daemon.aliases import resolved
+from fleet.daemon.broker import Answer
+from fleet.daemon.core import Daemon
+from fleet.daemon.pieces import MIN_PIECE_TOKENS, check_ceiling, joined, text_costs
 
 #: Batch-budget tokens an image costs (a ViT-B/16 at 224 px sees 197 patches;
 #: the worker counts exactly, this only sizes batches).

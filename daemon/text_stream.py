@@ -23,11 +23,11 @@ import msgspec
 from fleet.messages import CallPiece, GenerateChunk, GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import GenerateRequest
-from local_queue import Done
+from fleet.local_queue import Done
 
-from daemon.aliases import resolved
-from daemon.core import Daemon
-from daemon.tasks import check_generate, generate_tokens, observe_generation, target_model
+from fleet.daemon.aliases import resolved
+from fleet.daemon.core import Daemon
+from fleet.daemon.tasks import check_generate, generate_tokens, observe_generation, target_model
 
 _encode = msgspec.msgpack.Encoder().encode
 _generate = msgspec.msgpack.Decoder(GenerateResult)

@@ -35,7 +35,7 @@ from fleet.messages import TokenEmbedResult
 from fleet.protocol import EmbedRequest
 from fleet.store import Manifest, Store
 
-from daemon.core import Daemon
+from fleet.daemon.core import Daemon
 
 #: Bytes one value of a per-token vector takes in a reply: MessagePack carries raw
 #: float32; JSON text of a float32 read as a double is ~21 characters with its

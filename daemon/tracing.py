@@ -42,7 +42,7 @@ import msgspec
 
 from fleet.messages import WORKER_STAGES, EnvelopeIn
 
-from daemon import timeline
+from fleet.daemon import timeline
 
 log = logging.getLogger("fleet.daemon")
 
@@ -163,7 +163,7 @@ class TracingMiddleware:
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        from daemon.logs import REQUEST_ID
+        from fleet.daemon.logs import REQUEST_ID
 
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         method, path = scope["method"], scope["path"]

@@ -19,7 +19,7 @@ from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
 from fleet.store import Manifest
 
-from daemon.core import Daemon
+from fleet.daemon.core import Daemon
 
 
 def model_labels(daemon: Daemon, manifest: Manifest) -> list[str]:

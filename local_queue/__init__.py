@@ -3,7 +3,7 @@
 See `local_queue.queue` for the protocol and its invariants.
 """
 
-from local_queue.queue import (
+from .queue import (
     STATUS_EXPIRED,
     STATUS_POISON,
     Claim,

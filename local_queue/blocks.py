@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from local_queue.layout import F_DATA, F_NEXT, F_OWNER, F_PREV, F_STATE, FREE, H_FREE_TOP, H_RESERVED_HEAD, RESERVED, SF
-from local_queue.slab import NIL, UNIT, order_for
+from .layout import F_DATA, F_NEXT, F_OWNER, F_PREV, F_STATE, FREE, H_FREE_TOP, H_RESERVED_HEAD, RESERVED, SF
+from .slab import NIL, UNIT, order_for
 
 GROUP_BYTES = 64 << 10
 # A call moving at most this many bytes copies them under the lock: one more

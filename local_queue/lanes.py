@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from local_queue.layout import (
+from .layout import (
     BATCH_SEQ, DONE, F_ATTEMPTS, F_ENQ, F_FLOW, F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE,
     F_TOKENS, GEN_MASK, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, L_CLAIMED, L_DEPTH,
     L_HEAD, L_NAME_LEN, L_TAIL, L_TOKENS, L_VTIME, LF, NAME_BYTES, QUEUED, SF, SLOT_BITS, SLOT_MASK, STATUS_POISON,
     W_CLAIMED, WF, _HEAD, _LINK, _RESULT,
 )
-from local_queue.records import LaneStats, QueueFull
-from local_queue.slab import NIL
+from .records import LaneStats, QueueFull
+from .slab import NIL
 
 #: Flows' finish times a producer keeps before it forgets those of idle flows.
 FLOWS_KEPT = 4096

@@ -27,7 +27,7 @@ import re
 import struct
 from multiprocessing import resource_tracker, shared_memory
 
-from local_queue.slab import MAX_ORDERS, UNIT
+from .slab import MAX_ORDERS, UNIT
 
 STATUS_EXPIRED = 250  # deadline passed before a worker took the item
 STATUS_POISON = 251  # lease lost max_attempts times (the item kills workers)

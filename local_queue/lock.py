@@ -14,8 +14,8 @@ import threading
 from fcntl import LOCK_EX, LOCK_NB, LOCK_UN, flock
 from typing import Protocol
 
-from local_queue.layout import H_HOLDER, H_WORK_WAITERS
-from local_queue.records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
+from .layout import H_HOLDER, H_WORK_WAITERS
+from .records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
 
 _forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))

@@ -139,9 +139,9 @@ from multiprocessing import shared_memory
 import _posixshmem
 import numpy as np
 
-from local_queue import futex
-from local_queue.blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
-from local_queue.layout import (
+from . import futex
+from .blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
+from .layout import (
     BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_FLOW,
     F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH,
     H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC,
@@ -152,16 +152,16 @@ from local_queue.layout import (
     VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
     _open_segment,
 )
-from local_queue.lanes import Lanes
-from local_queue.lock import _forks, _Lock
-from local_queue.records import (
+from .lanes import Lanes
+from .lock import _forks, _Lock
+from .records import (
     Claim, Done, ItemTooLarge, LaneStats, LockBusy, QueueError, QueueFull, QueueUsage, UnknownWorker,
     WorkerInfo, _new_tuple,
 )
-from local_queue.recovery import Recovery
-from local_queue.results import Results
-from local_queue.slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
-from local_queue.workers import Workers
+from .recovery import Recovery
+from .results import Results
+from .slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
+from .workers import Workers
 
 # What `from local_queue.queue import ...` has always offered its users.
 __all__ = [

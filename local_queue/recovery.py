@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 
-from local_queue.layout import (
+from .layout import (
     BATCH_KEY, BATCH_SEQ, CLAIMED, DONE, F_DATA, F_KEY, F_LANE, F_LEASE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS,
     FREE, H_DEPTH, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_N_LANES, H_REPAIRS, H_RESERVED_HEAD, H_SEQ,
     H_WORK_GEN, H_WORK_WAITERS, L_CLAIMED, L_DEPTH, L_HEAD, L_TAIL, L_TOKENS, LF, QUEUED, RESERVED, SF,
     W_ACTIVE, W_CLAIMED, WF,
 )
-from local_queue.slab import ALLOCATED, NIL
+from .slab import ALLOCATED, NIL
 
 
 class Recovery:

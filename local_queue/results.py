@@ -14,14 +14,14 @@ import os
 import select
 import time
 
-from local_queue.blocks import COPY_INLINE, _plan_blocks, _tally
-from local_queue.layout import (
+from .blocks import COPY_INLINE, _plan_blocks, _tally
+from .layout import (
     CLAIMED, DONE, EPOCH_SHIFT, F_DATA, F_EPOCH, F_GEN, F_LANE, F_NEXT, F_OWNER, F_REQ, F_RES, F_STATE, FREE,
     GEN_MASK, H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_TOP, H_RES_WAITERS, H_SEQ, H_SLAB_FREE, L_RESULT, LF,
     SF, SLOT_BITS, SLOT_MASK, STATUS_EXPIRED, STATUS_POISON, _HEAD, _PUT, _RECORD, _RESULT,
 )
-from local_queue.records import Done, ItemTooLarge, LockBusy, QueueFull, _new_tuple
-from local_queue.slab import NIL
+from .records import Done, ItemTooLarge, LockBusy, QueueFull, _new_tuple
+from .slab import NIL
 
 
 def _as_bytes(items: list, limit: int, reserved: tuple[int, ...]) -> list:

@@ -6,13 +6,13 @@ import time
 
 import numpy as np
 
-from local_queue import futex
-from local_queue.layout import (
+from . import futex
+from .layout import (
     CLAIMED, DEVICE_BYTES, F_LEASE, F_OWNER, F_STATE, H_DEPTH, H_WORK_GEN, H_WORK_WAITERS, INFO_BYTES,
     MAX_LEASE_MS, W_ACTIVE, W_CLAIMED, W_DEVICE_LEN, W_GEN, W_HEARTBEAT, W_INFO_LEN, W_LEASE_MS, W_PID,
     WF, WORKER_BITS,
 )
-from local_queue.records import QueueFull, UnknownWorker, WorkerInfo
+from .records import QueueFull, UnknownWorker, WorkerInfo
 
 
 class Workers:

@@ -36,9 +36,9 @@ from fleet.errors import BadRequest, ModelLoadFailed
 from fleet.messages import SparseEmbedResult, SparseVec, TokenEmbedResult, WorkError
 from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.dense import finish_dense, too_wide
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.dense import finish_dense, too_wide
+from fleet.runtimes.hf_common import (
     CHECK_SET, Agreement, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
     footprint_bytes, input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound,
     split_refused, to_device,

@@ -18,8 +18,8 @@ import msgspec
 
 from fleet.errors import FleetError
 from fleet.messages import STATUS_ERROR, Envelope, WorkError
-from local_queue import Claim
-from runtimes.policy import LastRun, linger_left_ms, padded_tokens
+from fleet.local_queue import Claim
+from fleet.runtimes.policy import LastRun, linger_left_ms, padded_tokens
 
 log = logging.getLogger("fleet.worker")
 

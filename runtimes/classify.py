@@ -32,15 +32,15 @@ import numpy as np
 
 from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, labels_agree, load_transformers, max_length, micro_batches, offsets, over_char_bound,
     split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
-from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino, traced
+from fleet.runtimes.lora import Loras, LoraHost
+from fleet.runtimes import engines, openvino, traced
 
 
 class SequenceClassifier(LoraHost, Adapter):

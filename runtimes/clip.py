@@ -33,9 +33,9 @@ import numpy as np
 
 from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.dense import finish_dense, too_wide
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.dense import finish_dense, too_wide
+from fleet.runtimes.hf_common import (
     CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, min_cosine, to_device,
 )

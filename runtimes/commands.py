@@ -20,9 +20,9 @@ from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, PROFILE, UNLOAD,
 from fleet.control import decode_command as _decode_command
 from fleet.errors import BadRequest, FleetError
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
-from runtimes.loading import LoadRuns, PendingLoad
-from runtimes.memory import NotNow
-from runtimes.residency import PeersAsked, Residency
+from fleet.runtimes.loading import LoadRuns, PendingLoad
+from fleet.runtimes.memory import NotNow
+from fleet.runtimes.residency import PeersAsked, Residency
 
 log = logging.getLogger("fleet.worker")
 

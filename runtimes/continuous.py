@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import msgspec
 
 from fleet.errors import FleetError
-from local_queue import QueueFull
+from fleet.local_queue import QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, GenerateResult, WorkError
-from runtimes.lora import attach_lora
-from runtimes.memory import NotNow
-from runtimes.policy import WARMUP_STALL_MS
-from runtimes.residency import Residency
-from runtimes.state import BatchStats, Progress, Resident
+from fleet.runtimes.lora import attach_lora
+from fleet.runtimes.memory import NotNow
+from fleet.runtimes.policy import WARMUP_STALL_MS
+from fleet.runtimes.residency import Residency
+from fleet.runtimes.state import BatchStats, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 

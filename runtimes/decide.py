@@ -52,10 +52,10 @@ import numpy as np
 from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, temperature_key
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.decide_cache import PrefixCache, gathered, plain_layers
-from runtimes.hf_common import char_bound, footprint_bytes
-from runtimes.lora import Loras, LoraHost
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.decide_cache import PrefixCache, gathered, plain_layers
+from fleet.runtimes.hf_common import char_bound, footprint_bytes
+from fleet.runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fleet.decisions import DecideQuestion, DecideRequest, decide_temperatures, temperature_key
-from runtimes.decide import softmax
+from fleet.runtimes.decide import softmax
 
 
 @dataclass(frozen=True)

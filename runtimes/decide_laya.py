@@ -37,10 +37,10 @@ import numpy as np
 
 from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import FleetError, ModelLoadFailed
-from runtimes.base import Adapter, BatchContext, Steps
-from runtimes.decide import decision_dtype, probe_decision, too_long
-from runtimes.decide_heads import Parts, answer, question_parts, state_value
-from runtimes.hf_common import footprint_bytes, micro_batches
+from fleet.runtimes.base import Adapter, BatchContext, Steps
+from fleet.runtimes.decide import decision_dtype, probe_decision, too_long
+from fleet.runtimes.decide_heads import Parts, answer, question_parts, state_value
+from fleet.runtimes.hf_common import footprint_bytes, micro_batches
 
 log = logging.getLogger("fleet.worker")
 

@@ -24,9 +24,9 @@ import numpy as np
 
 from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, temperature_key
 from fleet.errors import ModelLoadFailed
-from runtimes.base import Adapter, BatchContext, Steps
-from runtimes.decide import probe_decision, softmax, too_long
-from runtimes.hf_common import char_bound, footprint_bytes, load_transformers, max_length, micro_batches, to_device
+from fleet.runtimes.base import Adapter, BatchContext, Steps
+from fleet.runtimes.decide import probe_decision, softmax, too_long
+from fleet.runtimes.hf_common import char_bound, footprint_bytes, load_transformers, max_length, micro_batches, to_device
 
 
 def nli_labels(id2label: dict[Any, str], name: str) -> tuple[int, int]:

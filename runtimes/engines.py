@@ -35,8 +35,8 @@ import numpy as np
 
 from fleet.derived import model_sources, read_note, sources_digest, write_note
 from fleet.errors import ModelLoadFailed
-from runtimes import openvino
-from runtimes.device import device_class, fast_dtypes
+from fleet.runtimes import openvino
+from fleet.runtimes.device import device_class, fast_dtypes
 
 log = logging.getLogger("fleet.worker")
 
@@ -244,7 +244,7 @@ def serve(adapter: Any, model: Any, *, what: str, forward: Callable[[dict[str, A
 
     import torch
 
-    from runtimes.hf_common import choose_dtype
+    from fleet.runtimes.hf_common import choose_dtype
 
     spec, device = adapter.spec, adapter.device
     profile = spec.profile

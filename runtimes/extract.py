@@ -27,14 +27,14 @@ import numpy as np
 
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.hf_common import (
     CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
     load_transformers, max_length, micro_batches, over_char_bound, split_refused, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
-from runtimes.lora import Loras, LoraHost
-from runtimes import traced
+from fleet.runtimes.lora import Loras, LoraHost
+from fleet.runtimes import traced
 
 
 def tag_tables(labels: list[str]) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from local_queue import Claim
-from runtimes.policy import (
+from fleet.local_queue import Claim
+from fleet.runtimes.policy import (
     FLOW_QUIET_NS, INTERACTIVE_QUIET_NS, INTERJECT_LOOK, contended, lighter_client, padded_tokens, runs_first,
 )
 

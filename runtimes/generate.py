@@ -61,12 +61,12 @@ from typing import Any
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
 from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
-from runtimes.base import Adapter, ModelSpec
-from runtimes.grammar import Grammars
-from runtimes.hf_common import char_bound
-from runtimes.lora import Loras, LoraHost
-from runtimes.memory import NotNow, is_out_of_memory
-from runtimes.tools import Caller, added_id, history_turns, template_messages
+from fleet.runtimes.base import Adapter, ModelSpec
+from fleet.runtimes.grammar import Grammars
+from fleet.runtimes.hf_common import char_bound
+from fleet.runtimes.lora import Loras, LoraHost
+from fleet.runtimes.memory import NotNow, is_out_of_memory
+from fleet.runtimes.tools import Caller, added_id, history_turns, template_messages
 
 log = logging.getLogger("fleet.worker")
 

@@ -54,8 +54,8 @@ from fleet.errors import ModelLoadFailed
 from fleet.gliner_backbone import BACKBONE_DIR
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.protocol import ExtractRequest
-from runtimes.base import Adapter, BatchContext, Steps
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps
+from fleet.runtimes.hf_common import (
     CHECK_SET, choose_dtype, cut_to_bound, footprint_bytes, input_too_long, labels_agree, micro_batches,
     over_char_bound, to_device,
 )

@@ -28,9 +28,9 @@ import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
-from runtimes import kept
-from runtimes.base import ModelSpec
-from runtimes.device import device_class, fast_dtypes
+from fleet.runtimes import kept
+from fleet.runtimes.base import ModelSpec
+from fleet.runtimes.device import device_class, fast_dtypes
 
 log = logging.getLogger("fleet.worker")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from local_queue.queue import INFO_BYTES
-from runtimes.policy import CostModel
-from runtimes.residency import Residency
-from runtimes.state import BatchStats
+from fleet.local_queue.queue import INFO_BYTES
+from fleet.runtimes.policy import CostModel
+from fleet.runtimes.residency import Residency
+from fleet.runtimes.state import BatchStats
 
 _encode = msgspec.msgpack.Encoder().encode
 

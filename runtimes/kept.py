@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.derived import model_sources, read_note, sources_digest, write_note
-from runtimes.device import device_class
+from fleet.runtimes.device import device_class
 
 log = logging.getLogger("fleet.worker")
 

@@ -52,10 +52,10 @@ from typing import Any
 from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from fleet.gguf import FILE_TYPES, read_metadata
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
-from runtimes.base import ModelSpec
-from runtimes.generate import CausalLM, Sequence
-from runtimes.lora import BASE_ROW
-from runtimes.memory import NotNow
+from fleet.runtimes.base import ModelSpec
+from fleet.runtimes.generate import CausalLM, Sequence
+from fleet.runtimes.lora import BASE_ROW
+from fleet.runtimes.memory import NotNow
 
 log = logging.getLogger("fleet.worker")
 

@@ -44,8 +44,8 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import RerankResult, WorkError
 from fleet.protocol import RerankRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.hf_common import (
     CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long,
     micro_batches, offsets, over_char_bound, split_refused, to_device, tokenize_probes,
 )

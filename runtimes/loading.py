@@ -35,9 +35,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtimes.base import Adapter, ModelSpec
-from runtimes.memory import Footprint, NotNow
-from runtimes.state import Progress
+from fleet.runtimes.base import Adapter, ModelSpec
+from fleet.runtimes.memory import Footprint, NotNow
+from fleet.runtimes.state import Progress
 
 
 @dataclass(eq=False)

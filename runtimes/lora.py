@@ -43,7 +43,7 @@ import numpy as np
 from fleet.errors import BadRequest, FleetError, ModelLoadFailed
 from fleet.lora import LORA_KEY_RE, PEFT_PREFIX, config_refusal, read_json
 from fleet.messages import WorkError
-from runtimes.base import ModelSpec
+from fleet.runtimes.base import ModelSpec
 
 log = logging.getLogger("fleet.worker")
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from runtimes.memory import (
+from fleet.runtimes.memory import (
     EXPLICIT_DEMAND, TOO_LARGE, WAIT, Footprint, ResidentView, eviction_order, fits_on_device, plan_load,
     too_large_reason,
 )
-from runtimes.policy import UNMEASURED_LOAD_MS, LinearCost, find_copies, should_load_copy
+from fleet.runtimes.policy import UNMEASURED_LOAD_MS, LinearCost, find_copies, should_load_copy
 
 LOAD, ELSEWHERE, ASK_PEERS = "load", "elsewhere", "ask_peers"
 __all__ = ["LOAD", "ELSEWHERE", "WAIT", "ASK_PEERS", "TOO_LARGE", "DeviceSnapshot", "LaneDemand", "LoadVerdict",

@@ -9,29 +9,29 @@ from __future__ import annotations
 import importlib
 
 from fleet.errors import ModelLoadFailed
-from runtimes.base import Adapter
+from fleet.runtimes.base import Adapter
 
 ADAPTERS: dict[tuple[str, str], str] = {
-    ("embed", "sentence-transformers"): "runtimes.sentence_transformer:SentenceTransformerEmbedder",
-    ("embed", "splade"): "runtimes.splade:SpladeEmbedder",
-    ("embed", "clip"): "runtimes.clip:ClipEmbedder",
-    ("embed", "bge-m3"): "runtimes.bge_m3:BgeM3Embedder",
-    ("rerank", "sentence-transformers"): "runtimes.rerank:SentenceTransformersReranker",
-    ("rerank", "transformers"): "runtimes.rerank:TransformersReranker",
-    ("rerank", "llm-rerank"): "runtimes.llm_rerank:LlmReranker",
-    ("classify", "transformers"): "runtimes.classify:SequenceClassifier",
-    ("extract", "transformers"): "runtimes.extract:TokenClassifier",
-    ("extract", "gliner"): "runtimes.gliner:GlinerExtractor",
+    ("embed", "sentence-transformers"): "fleet.runtimes.sentence_transformer:SentenceTransformerEmbedder",
+    ("embed", "splade"): "fleet.runtimes.splade:SpladeEmbedder",
+    ("embed", "clip"): "fleet.runtimes.clip:ClipEmbedder",
+    ("embed", "bge-m3"): "fleet.runtimes.bge_m3:BgeM3Embedder",
+    ("rerank", "sentence-transformers"): "fleet.runtimes.rerank:SentenceTransformersReranker",
+    ("rerank", "transformers"): "fleet.runtimes.rerank:TransformersReranker",
+    ("rerank", "llm-rerank"): "fleet.runtimes.llm_rerank:LlmReranker",
+    ("classify", "transformers"): "fleet.runtimes.classify:SequenceClassifier",
+    ("extract", "transformers"): "fleet.runtimes.extract:TokenClassifier",
+    ("extract", "gliner"): "fleet.runtimes.gliner:GlinerExtractor",
     # LoRA adapters (runtime "peft") are no entry: they attach to their base's
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
-    ("generate", "transformers"): "runtimes.generate:CausalLM",
+    ("generate", "transformers"): "fleet.runtimes.generate:CausalLM",
     # GGUF generators (fleet.pull_gguf), the fleet-serve[llamacpp] extra.
-    ("generate", "llama.cpp"): "runtimes.llamacpp:LlamaCppLM",
-    ("decide", "transformers"): "runtimes.decide:DecisionLM",
-    ("decide", "nli"): "runtimes.decide_nli:NliDecider",
+    ("generate", "llama.cpp"): "fleet.runtimes.llamacpp:LlamaCppLM",
+    ("decide", "transformers"): "fleet.runtimes.decide:DecisionLM",
+    ("decide", "nli"): "fleet.runtimes.decide_nli:NliDecider",
     # Decision checkpoints with their own heads, recognised at pull by their files.
-    ("decide", "laya"): "runtimes.decide_laya:LayaDecider",
-    ("decide", "bev"): "runtimes.decide_bev:BevDecider",
+    ("decide", "laya"): "fleet.runtimes.decide_laya:LayaDecider",
+    ("decide", "bev"): "fleet.runtimes.decide_bev:BevDecider",
 }
 
 

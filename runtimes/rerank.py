@@ -31,15 +31,15 @@ import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound, scores_agree,
     split_refused, to_device,
 )
 from fleet.messages import RerankResult, WorkError
-from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino, traced
+from fleet.runtimes.lora import Loras, LoraHost
+from fleet.runtimes import engines, openvino, traced
 
 log = logging.getLogger("fleet.worker")
 

@@ -26,17 +26,17 @@ import msgspec
 from fleet.control import EVICT, Command, CommandDone, control_lane
 from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from fleet.weights import check_weights, refusal
-from local_queue import QueueFull
-from runtimes.base import Adapter, ModelSpec, Profile
-from runtimes.loading import LoadRuns, PendingLoad
-from runtimes.memory import (
+from fleet.local_queue import QueueFull
+from fleet.runtimes.base import Adapter, ModelSpec, Profile
+from fleet.runtimes.loading import LoadRuns, PendingLoad
+from fleet.runtimes.memory import (
     IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
     estimate_footprint, is_out_of_memory, load_error, return_freed_heap, used_bytes,
 )
-from runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
-from runtimes.placement import LOAD as PLACE_LOAD
-from runtimes.policy import MIN_SAMPLES, CostModel, LinearCost, behind, find_copies
-from runtimes.state import NotNowMemo, Progress, Resident
+from fleet.runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
+from fleet.runtimes.placement import LOAD as PLACE_LOAD
+from fleet.runtimes.policy import MIN_SAMPLES, CostModel, LinearCost, behind, find_copies
+from fleet.runtimes.state import NotNowMemo, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 

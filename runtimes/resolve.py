@@ -14,7 +14,7 @@ from fleet.catalog import load_catalog, profile_sources, select_profile
 from fleet.config import Settings
 from fleet.errors import BadRequest
 from fleet.store import Store
-from runtimes.base import ModelSpec, Profile
+from fleet.runtimes.base import ModelSpec, Profile
 
 log = logging.getLogger("fleet.worker")
 
@@ -28,7 +28,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
     class (`runtimes.device.device_class`) when the entry has one, else the
     entry's default profile, else the manifest's. `spec.extra["profile"]` says
     which ("<device class>" or "default"; the worker's info blob shows it)."""
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     store = Store(settings.store_path)
     klass = device_class(device)
@@ -80,7 +80,7 @@ def store_profiles(settings: Settings, device: str = "cpu") -> Callable[[str], P
     name, each setting's source, its calibration as `calibration_extra`). A SIGHUP, or
     a calibration written through the daemon, applies it to resident models
     (runtimes.commands)."""
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     store = Store(settings.store_path)
     klass = device_class(device)

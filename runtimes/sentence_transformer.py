@@ -20,17 +20,17 @@ import numpy as np
 from fleet.errors import BadRequest, FleetError, ModelLoadFailed
 from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter, BatchContext, Steps, run_through
-from runtimes.dense import finish_dense, too_wide
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.dense import finish_dense, too_wide
+from fleet.runtimes.hf_common import (
     CHECK_SET, GRAPH_ROWS, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
     first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
     prefetched, split_refused, to_device, tokenize_threads,
 )
 from fleet.messages import TokenEmbedResult, WorkError
-from runtimes.lora import Loras, LoraHost
-from runtimes import engines, openvino, traced
-from runtimes.threads import Threads, measure as measure_threads
+from fleet.runtimes.lora import Loras, LoraHost
+from fleet.runtimes import engines, openvino, traced
+from fleet.runtimes.threads import Threads, measure as measure_threads
 
 log = logging.getLogger("fleet.worker")
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from fleet.protocol import EmbedRequest
-from runtimes.base import Adapter, BatchContext, Steps
-from runtimes.hf_common import (
+from fleet.runtimes.base import Adapter, BatchContext, Steps
+from fleet.runtimes.hf_common import (
     CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
     input_too_long, load_transformers, max_length, micro_batches, min_cosine, offsets, over_char_bound,
     split_refused, to_device,

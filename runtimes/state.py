@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtimes.base import Adapter
-from runtimes.memory import Footprint
-from runtimes.policy import LastRun
+from fleet.runtimes.base import Adapter
+from fleet.runtimes.memory import Footprint
+from fleet.runtimes.policy import LastRun
 
 
 @dataclass

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from runtimes import kept
-from runtimes.device import device_class
+from fleet.runtimes import kept
+from fleet.runtimes.device import device_class
 
 log = logging.getLogger("fleet.worker")
 

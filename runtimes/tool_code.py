@@ -29,7 +29,7 @@ from typing import Any
 from fleet.errors import BadRequest
 from fleet.messages import CalledTool
 from fleet.protocol import ToolDef
-from runtimes.grammar import JSON_OPTIONS
+from fleet.runtimes.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "```tool_code\n", "\n```"
 #: Where a call block begins (what text with no call may not hold).

@@ -36,8 +36,8 @@ from fleet.errors import BadRequest
 from fleet.messages import CalledTool, CallPiece
 from fleet.protocol import ChatMessage, NamedToolChoice, ToolDef
 from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
-from runtimes import tool_code
-from runtimes.grammar import JSON_OPTIONS
+from fleet.runtimes import tool_code
+from fleet.runtimes.grammar import JSON_OPTIONS
 
 #: Opening and closing markers of a call, per format (Llama's JSON has none).
 MARKERS = {HERMES: ("<tool_call>", "</tool_call>"), PHI4_MINI: ("<|tool_call|>", "<|/tool_call|>"),

@@ -55,8 +55,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-from runtimes import engines, kept
-from runtimes.device import device_class
+from fleet.runtimes import engines, kept
+from fleet.runtimes.device import device_class
 
 log = logging.getLogger("fleet.worker")
 

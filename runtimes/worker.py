@@ -27,23 +27,23 @@ import msgspec
 from fleet.control import control_lane, is_control_lane
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
-from local_queue import Claim, QueueFull
-from runtimes.base import Adapter, BatchContext, ModelSpec
-from runtimes.claiming import Claimer
-from runtimes.commands import serve_control, settle
-from runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
-from runtimes.flows import Flows, Interjection, claim_other, other_first
-from runtimes.info import encode_info, worker_info
-from runtimes.lora import attach_batch, batch_loras
-from runtimes.memory import IDLE_NAP_S, DeviceMemory, HeapTrim, LoadLock, NotNow, run_split_on_oom
-from runtimes.policy import (
+from fleet.local_queue import Claim, QueueFull
+from fleet.runtimes.base import Adapter, BatchContext, ModelSpec
+from fleet.runtimes.claiming import Claimer
+from fleet.runtimes.commands import serve_control, settle
+from fleet.runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
+from fleet.runtimes.flows import Flows, Interjection, claim_other, other_first
+from fleet.runtimes.info import encode_info, worker_info
+from fleet.runtimes.lora import attach_batch, batch_loras
+from fleet.runtimes.memory import IDLE_NAP_S, DeviceMemory, HeapTrim, LoadLock, NotNow, run_split_on_oom
+from fleet.runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, MICRO_SHARE, MIN_SAMPLES, CostModel,
     batch_fill_cap, batch_token_cap, behind, choose_lane, fill_flags, form_batch, linger_window, micro_items_cap,
     padded_tokens, rows_of, stall_bound_ms,
 )
-from runtimes.registry import adapter_class
-from runtimes.residency import Hosting, Residency
-from runtimes.state import BatchStats, Ledger, Progress, Resident
+from fleet.runtimes.registry import adapter_class
+from fleet.runtimes.residency import Hosting, Residency
+from fleet.runtimes.state import BatchStats, Ledger, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 from fleet.store import Store
 
 LABELS = {"tone-v1": ["one-neg", "one-pos"], "tone-v2": ["two-neg", "two-pos"],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.daemon import LocalDaemon, free_port  # noqa: F401 (free_port: tests import it from here)
+from fleet.bench.daemon import LocalDaemon, free_port  # noqa: F401 (free_port: tests import it from here)
 # The alias, promotion and quota tests share one daemon serving tiny classifiers: a session
 # fixture is shared across modules only when conftest holds it.
 from tests.alias_models import tone_box  # noqa: F401

@@ -368,7 +368,7 @@ def _close(s: socket.socket) -> None:
 
 def drop_queue_of_killed(pid: int) -> None:
     """A daemon killed with -9 could not unlink its shared-memory queue (named after its pid)."""
-    from local_queue import LocalQueue
+    from fleet.local_queue import LocalQueue
 
     try:
         q = LocalQueue.attach(f"fleet-{pid}")

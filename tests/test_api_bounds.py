@@ -132,7 +132,7 @@ def test_large_json_replies_are_built_off_the_loop_and_equal_the_msgpack_one(shi
     import msgspec
     import numpy as np
 
-    from daemon.offload import REPLY_INLINE_VALUES
+    from fleet.daemon.offload import REPLY_INLINE_VALUES
 
     texts = [f"text number {i}" for i in range(REPLY_INLINE_VALUES // 384 + 8)]
     raw = httpx.post(shipped.url + "/v1/embed", content=msgspec.msgpack.encode({"inputs": texts}),
@@ -209,7 +209,7 @@ def test_large_token_vector_replies_are_built_off_the_loop_and_equal_the_msgpack
     import msgspec
     import numpy as np
 
-    from daemon.offload import REPLY_INLINE_VALUES
+    from fleet.daemon.offload import REPLY_INLINE_VALUES
 
     texts = [f"text number {i} " + "word " * (i % 40) for i in range(48)]
     want = {}

@@ -23,11 +23,11 @@ from litestar import Litestar, get
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.app import create_app
-from daemon.auth import MIN_KEY_CHARS, BearerAuthMiddleware, bearer_auth, check_bind, is_loopback
-from daemon.core import Daemon
-from daemon.hot import HotRoutes
-from daemon.server import LiveApp
+from fleet.daemon.app import create_app
+from fleet.daemon.auth import MIN_KEY_CHARS, BearerAuthMiddleware, bearer_auth, check_bind, is_loopback
+from fleet.daemon.core import Daemon
+from fleet.daemon.hot import HotRoutes
+from fleet.daemon.server import LiveApp
 from fleet.config import Settings
 from fleet.errors import Unauthorized
 

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from daemon.broker import Broker
-from local_queue import LocalQueue
+from fleet.daemon.broker import Broker
+from fleet.local_queue import LocalQueue
 
 
 @pytest.fixture

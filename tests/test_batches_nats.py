@@ -27,7 +27,7 @@ import numpy as np
 import openai
 import pytest
 
-from daemon.cluster import BATCH_CREDIT_SHARE, FetchCredit, batch_consumer_name, batch_subject, consumer_name
+from fleet.daemon.cluster import BATCH_CREDIT_SHARE, FetchCredit, batch_consumer_name, batch_subject, consumer_name
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon, wait_until_ready
 from tests.nats_fixture import NatsServer, drop_queue_of_killed, nats_server  # noqa: F401  (fixture)
 

@@ -41,7 +41,7 @@ import numpy as np
 import openai
 import pytest
 
-from daemon.cluster import PAYLOADS_BUCKET, STREAM, batch_consumer_name
+from fleet.daemon.cluster import PAYLOADS_BUCKET, STREAM, batch_consumer_name
 from tests.conftest import default_model_dir, start_daemon, wait_until_ready
 from tests.gen_models import pull
 from tests.nats_fixture import NatsServer, drop_queue_of_killed, nats_server  # noqa: F401  (fixture)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.daemon import free_port
-from bench.peers import INFINITY_VENV
+from fleet.bench.daemon import free_port
+from fleet.bench.peers import INFINITY_VENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--duration", "1.5", "--batch", "4", "--max-steps", "3", "--min-requests", "5", "--warmup", "1", "--quiet"]
@@ -143,7 +143,7 @@ def test_no_daemon_is_a_clear_failure():
 @pytest.mark.slow
 def test_embed_compare_measures_all_three_sides_in_one_run(daemon, tmp_path):
     out = tmp_path / "ec.json"
-    r = subprocess.run([sys.executable, "-m", "bench.embed_compare", "--url", daemon.url, "--rounds", "1",
+    r = subprocess.run([sys.executable, "-m", "fleet.bench.embed_compare", "--url", daemon.url, "--rounds", "1",
                         "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]

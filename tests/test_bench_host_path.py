@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import host_path
+from fleet.bench import host_path
 
 
 def test_the_bench_measures_the_daemons_host_path_and_writes_its_json(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.knee import CLOSED, OPEN, Criteria, Ramp, StepResult, find_knee, judge_steps, plan_next
+from fleet.bench.knee import CLOSED, OPEN, Criteria, Ramp, StepResult, find_knee, judge_steps, plan_next
 
 
 def step(offered, thr=None, p95=10.0, errors=0, sent=None, mode=OPEN, p50=None):

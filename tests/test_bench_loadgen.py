@@ -18,19 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import corpus
-from bench.knee import CLOSED, OPEN
-from bench.loadgen import Generator, Setup, StepPlan
-from bench.runner import Plan, TargetSpec, bench
-from bench.sampler import Sampler
-from bench.tokens import TokenCounter
+from fleet.bench import corpus
+from fleet.bench.knee import CLOSED, OPEN
+from fleet.bench.loadgen import Generator, Setup, StepPlan
+from fleet.bench.runner import Plan, TargetSpec, bench
+from fleet.bench.sampler import Sampler
+from fleet.bench.tokens import TokenCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
 def synthetic(capacity: float, burst: float | None = None, latency_ms: float = 10.0) -> Iterator[str]:
-    args = [sys.executable, "-m", "bench.synthetic", "--capacity", str(capacity), "--latency-ms", str(latency_ms)]
+    args = [sys.executable, "-m", "fleet.bench.synthetic", "--capacity", str(capacity), "--latency-ms", str(latency_ms)]
     if burst is not None:
         args += ["--burst", str(burst)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from bench import corpus, report
-from bench.knee import CLOSED, OPEN
-from bench.loadgen import Merged
-from bench.runner import Plan, StepRecord, TargetRun, TargetSpec, compare_ratios, to_step_result
+from fleet.bench import corpus, report
+from fleet.bench.knee import CLOSED, OPEN
+from fleet.bench.loadgen import Merged
+from fleet.bench.runner import Plan, StepRecord, TargetRun, TargetSpec, compare_ratios, to_step_result
 
 
 def record(offered: float, ok: int, lat_ms: float, mode: str = OPEN, errors: int = 0) -> StepRecord:
@@ -54,7 +54,7 @@ def test_result_doc_round_trips_through_json_with_a_step_without_replies(tmp_pat
 
 
 def test_a_bench_document_is_saved_where_asked_or_under_its_stamp(tmp_path, monkeypatch):
-    doc = report.document("timeline", "bench.timeline", ["--requests", "5"]) | {"stages": []}
+    doc = report.document("timeline", "fleet.bench.timeline", ["--requests", "5"]) | {"stages": []}
     assert json.loads(report.save(doc, tmp_path / "x.json", "timeline").read_text()) == doc
     monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "results")
     path = report.save(doc, None, "timeline")

@@ -9,10 +9,10 @@ import time
 import msgspec
 import pytest
 
-from bench import corpus, httpclient
-from bench.st_local import LocalTarget, STSetup, local_batches, local_target
-from bench.targets import build_payloads, reply_tokens, request_windows
-from bench.tokens import TokenCounter
+from fleet.bench import corpus, httpclient
+from fleet.bench.st_local import LocalTarget, STSetup, local_batches, local_target
+from fleet.bench.targets import build_payloads, reply_tokens, request_windows
+from fleet.bench.tokens import TokenCounter
 
 TEXTS = corpus.load()
 
@@ -219,7 +219,7 @@ def test_blocking_conn_sends_again_when_the_idle_connection_was_closed():
 
 
 def test_saturation_groups_requests_into_the_worker_batches_they_ran_in():
-    from bench.saturation import analyse, padded
+    from fleet.bench.saturation import analyse, padded
 
     assert padded([3, 1, 2, 8], 2, sort=False) == 2 * 3 + 2 * 8 and padded([3, 1, 2, 8], 2, sort=True) == 2 * 2 + 2 * 8
     # Cut as the worker cuts (runtimes/hf_common.padding_cuts): four short texts not padded to two long ones.

@@ -313,8 +313,8 @@ def test_one_batch_of_mixed_outputs_equals_each_alone(folder):
     request run alone."""
     from fleet.messages import WorkError
     from fleet.protocol import EmbedRequest
-    from runtimes.base import ModelSpec, Profile
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.registry import adapter_class
 
     spec = ModelSpec(name=NAME, path=folder, task="embed", runtime="bge-m3",
                      profile=Profile(dtype="float32", micro_batch_items=2))
@@ -371,8 +371,8 @@ def test_a_head_that_is_not_plain_tensors_is_refused_unrun(tmp_path, folder):
     import torch
 
     from fleet.errors import ModelLoadFailed
-    from runtimes.base import ModelSpec
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.base import ModelSpec
+    from fleet.runtimes.registry import adapter_class
 
     bad = Path(shutil.copytree(folder, tmp_path / "bad"))
     marker = tmp_path / "ran"

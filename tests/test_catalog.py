@@ -39,7 +39,7 @@ def test_the_catalog_covers_every_task_with_current_models(entries):
 
 
 def test_every_entry_has_a_runtime_adapter(entries):
-    from runtimes.registry import ADAPTERS
+    from fleet.runtimes.registry import ADAPTERS
 
     missing = [(e.name, e.task, e.runtime) for e in entries if (e.task, e.runtime) not in ADAPTERS]
     assert not missing, f"no adapter in runtimes/registry.py for {missing}"

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from daemon.jobstore import new_batch_id
+from fleet.daemon.jobstore import new_batch_id
 from fleet.store import FileEntry, Manifest
 from fleetctl.app import app
 from fleetctl.catalog_table import shipped_entries

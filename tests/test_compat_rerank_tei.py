@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from daemon.codec import is_hf_path
+from fleet.daemon.codec import is_hf_path
 from tests.conftest import DEFAULT_MODEL, DaemonProc, default_model_dir, start_daemon
 from tests.gen_models import pull
 

@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from daemon.supervisor import Placement, place_on_cpus
+from fleet.daemon.supervisor import Placement, place_on_cpus
 from tests.conftest import start_daemon
 
 CASES = [

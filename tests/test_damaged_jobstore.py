@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from daemon.jobstore import DAMAGED_PREFIX, JobStore, new_file_id
+from fleet.daemon.jobstore import DAMAGED_PREFIX, JobStore, new_file_id
 from fleet.batches import FileObject
 from tests.conftest import DEFAULT_MODEL, free_port, start_daemon
 

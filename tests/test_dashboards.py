@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from daemon.metrics import Metrics
+from fleet.daemon.metrics import Metrics
 from tests.conftest import DaemonProc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,11 +27,11 @@ import httpx
 import msgspec
 import pytest
 
-from daemon.core import QUEUE_PREFIX
+from fleet.daemon.core import QUEUE_PREFIX
 from fleet.errors import ClientClosed
-from daemon.departures import Departure
-from local_queue import LocalQueue
-from local_queue.sweep import queue_name
+from fleet.daemon.departures import Departure
+from fleet.local_queue import LocalQueue
+from fleet.local_queue.sweep import queue_name
 from tests.conftest import DEFAULT_MODEL, default_model_dir
 
 BIG_TEXTS = 600

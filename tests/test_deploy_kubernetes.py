@@ -93,14 +93,14 @@ def test_fleet_env_is_settings_fleet_reads(monkeypatch: pytest.MonkeyPatch, tmp_
     s = load_settings()
     assert (s.host, s.port, s.drain_timeout_ms) == ("0.0.0.0", 7744, 10_000)
     assert len(s.nats.split(",")) == 3  # every box is given every NATS server
-    from daemon.cluster import check_settings
+    from fleet.daemon.cluster import check_settings
 
     check_settings(s)  # the shipped NATS settings with these pass serve's own check
 
 
 def test_grace_period_covers_the_drain() -> None:
-    from daemon.server import GRACE_S
-    from daemon.supervisor import Supervisor
+    from fleet.daemon.server import GRACE_S
+    from fleet.daemon.supervisor import Supervisor
     import inspect
 
     found = manifests()
@@ -121,7 +121,7 @@ def test_probes_gpu_and_disruption_budgets() -> None:
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert "/readyz" in " ".join(c["readinessProbe"]["exec"]["command"])
     assert "FLEET_API_KEY" in " ".join(c["readinessProbe"]["exec"]["command"])  # /readyz needs the key
-    from daemon.auth import OPEN_PATHS
+    from fleet.daemon.auth import OPEN_PATHS
 
     assert "/healthz" in OPEN_PATHS and "/readyz" not in OPEN_PATHS
     assert c["resources"]["limits"]["nvidia.com/gpu"] >= 1
@@ -156,7 +156,7 @@ def test_nats_is_three_clustered_jetstream_servers(tmp_path: Path) -> None:
 
 
 def test_keda_scaledobject_scales_fleet_on_a_model_consumer() -> None:
-    from daemon.cluster import STREAM, consumer_name
+    from fleet.daemon.cluster import STREAM, consumer_name
 
     found = manifests()
     (so,) = objects(KUBE / "keda" / "scaledobject.yaml")

@@ -24,9 +24,9 @@ import pytest
 
 from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult, WorkError
 from fleet.protocol import EmbedRequest
-from runtimes.base import ModelSpec, Profile
-from runtimes.hf_common import CHECK_SET, direct_refusal, direct_tokenizer, features_differ
-from runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.base import ModelSpec, Profile
+from fleet.runtimes.hf_common import CHECK_SET, direct_refusal, direct_tokenizer, features_differ
+from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
 #: Texts the load-time check never saw: what a hostile or unusual client sends.

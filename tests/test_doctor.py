@@ -82,7 +82,7 @@ def run_doctor(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_doctor_on_this_box_exits_0_and_sees_the_daemon_and_its_key(tmp_path):
-    from bench.daemon import free_port
+    from fleet.bench.daemon import free_port
 
     nobody = run_doctor({"FLEET_HOME": str(tmp_path / "h0"), "FLEET_URL": f"http://127.0.0.1:{free_port()}"})
     assert nobody.returncode == 0, nobody.stderr

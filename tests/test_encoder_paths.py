@@ -21,11 +21,11 @@ import pytest
 
 from fleet.messages import EmbedResult
 from fleet.protocol import EmbedRequest
-from runtimes.base import BatchContext, ModelSpec, Profile
-from runtimes.hf_common import (
+from fleet.runtimes.base import BatchContext, ModelSpec, Profile
+from fleet.runtimes.hf_common import (
     CHECK_SET, GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to, prefetched,
 )
-from runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
 MIN_COSINE = 0.9999
@@ -171,7 +171,7 @@ def test_tokenizer_threads_per_device():
     # or where the model's own tokenizer reconfigures itself per call.
     from types import SimpleNamespace
 
-    from runtimes.hf_common import TOKENIZE_THREADS_MAX, tokenize_threads
+    from fleet.runtimes.hf_common import TOKENIZE_THREADS_MAX, tokenize_threads
 
     for cores, want in ((1, 1), (4, 4), (64, TOKENIZE_THREADS_MAX)):
         torch = SimpleNamespace(get_num_threads=lambda cores=cores: cores)
@@ -244,7 +244,7 @@ def test_small_micro_batches_on_one_thread_give_the_same_vectors_and_threads_com
     the vectors are the same (to float noise) and the worker's threads come back after."""
     import torch
 
-    from runtimes.threads import Threads
+    from fleet.runtimes.threads import Threads
 
     assert embedder.threads is not None  # measured at load on the CPU
     full = torch.get_num_threads()
@@ -276,7 +276,7 @@ def test_thread_measurement_stops_where_one_thread_loses():
     """`measure` keeps one thread up to the last shape it was at least as fast on."""
     import torch
 
-    from runtimes import threads
+    from fleet.runtimes import threads
 
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs one thread here: nothing to measure")
@@ -310,7 +310,7 @@ TICK = 2.0 ** -11
 def fake_clock(eager_ticks: int):
     """(clock, run): every timed call reads one TICK, and the eager forward (the model's
     Python, which a traced graph does not call) `eager_ticks` more."""
-    from runtimes.sentence_transformer import pooled
+    from fleet.runtimes.sentence_transformer import pooled
 
     now = [0.0]
 
@@ -333,7 +333,7 @@ def traced_minilm(embedder, eager_ticks: int = 2):
     """`traced.trace` on the loaded MiniLM's own modules and probes, timed by `fake_clock`."""
     import torch
 
-    from runtimes import traced
+    from fleet.runtimes import traced
 
     clock, run = fake_clock(eager_ticks)
     probes = [embedder._tokenized(t) for t in PROBE_TEXTS]
@@ -389,7 +389,7 @@ def test_a_trace_that_fixed_a_branch_is_refused():
     branch, the probe of another length disagrees, the model runs eagerly."""
     import torch
 
-    from runtimes import traced
+    from fleet.runtimes import traced
 
     layer = torch.nn.Linear(4, 4)
 

@@ -19,8 +19,8 @@ import pytest
 from fleet.derived import DERIVED, derived
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import EmbedRequest
-from runtimes import engines, openvino
-from runtimes.base import ModelSpec, Profile
+from fleet.runtimes import engines, openvino
+from fleet.runtimes.base import ModelSpec, Profile
 from tests.conftest import default_model_dir
 
 needs_openvino = pytest.mark.skipif(not openvino.available(),
@@ -110,7 +110,7 @@ def test_the_fastest_candidate_that_agrees_serves(tmp_path):
 # ---- OpenVINO behind the embedder's contract: parity with torch ------------------------
 
 def embedder(engine: str, dtype: str):
-    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
     spec = ModelSpec("all-minilm-l6-v2", default_model_dir(), "embed", "sentence-transformers",
                      profile=Profile(dtype=dtype, engine=engine, micro_batch_items=8), max_seq_len=256)
@@ -153,7 +153,7 @@ def test_openvino_embeds_as_torch_does(torch_fp32, dtype):
 
 @needs_openvino
 def test_auto_measures_every_engine_and_publishes_the_choice():
-    from runtimes.info import engine_info
+    from fleet.runtimes.info import engine_info
 
     a = embedder("auto", "auto")
     try:
@@ -190,8 +190,8 @@ def heads(tmp_path_factory) -> dict[str, Path]:
 
 
 def head_adapter(heads, task: str, runtime: str, engine: str, dtype: str):
-    from runtimes.classify import SequenceClassifier
-    from runtimes.rerank import SentenceTransformersReranker, TransformersReranker
+    from fleet.runtimes.classify import SequenceClassifier
+    from fleet.runtimes.rerank import SentenceTransformersReranker, TransformersReranker
 
     cls = {("rerank", "transformers"): TransformersReranker, ("rerank", "sentence-transformers"):
            SentenceTransformersReranker, ("classify", "transformers"): SequenceClassifier}[task, runtime]
@@ -291,8 +291,8 @@ def test_auto_weighs_both_engines_and_goes_back_to_torch_for_a_lora(heads, task,
     timing is the box's, the choice's rule is under test) and serves it; a LoRA
     adapter then takes the model back to torch fp32, which scores as before, its
     forward traced as at a torch load (kept whatever it measured: MIN_SPEEDUP 0)."""
-    from runtimes import traced
-    from runtimes.info import engine_info
+    from fleet.runtimes import traced
+    from fleet.runtimes.info import engine_info
 
     openvino_timed_fastest(monkeypatch)
     monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)
@@ -327,8 +327,8 @@ def openvino_timed_fastest(monkeypatch) -> None:
 
 @needs_openvino
 def test_an_embedder_on_openvino_goes_back_to_torch_for_a_lora(tmp_path, monkeypatch):
-    from runtimes import traced
-    from runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes import traced
+    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
     from tests.arch_models import sentence_transformer
 
     openvino_timed_fastest(monkeypatch)
@@ -391,7 +391,7 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
         f'[models."{n}".profile]\n{profile}\n' for n, (task, profile) in models.items()))
     from fleet.catalog import Profile as CatalogProfile
     from fleet.catalog import TunedInfo, write_tuned_profile
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     klass = device_class("cpu")
     write_tuned_profile(home, "tiny-rr-tuned", klass, CatalogProfile(engine="openvino", dtype="float32"),
@@ -430,7 +430,7 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
         text = fleetctl("ps")
         assert "openvino (profile" in text and "torch (profile" in text and f"{auto['engine']} (measured" in text
         # What `fleetctl tune` reads of a load's engine choice: the ps record, the verdict's table in the log.
-        from bench.tune import engine_tables, served_engine
+        from fleet.bench.tune import engine_tables, served_engine
 
         assert served_engine(served["tiny-rr"]) == {"engine": "openvino", "dtype": "float32", "by": "profile",
                                                     "tokens_per_s": 0.0}
@@ -458,8 +458,8 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
     (set(), []),
 ])
 def test_a_cpu_offers_bf16_only_with_native_bf16(flags, want):
-    from bench.st_local import best_dtype
-    from runtimes.device import cpu_fast_dtypes
+    from fleet.bench.st_local import best_dtype
+    from fleet.runtimes.device import cpu_fast_dtypes
 
     assert cpu_fast_dtypes(flags) == want
     assert best_dtype(flags) == ("bf16" if want else "fp32")  # the bench's "best" follows the same rule

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 from fleet.catalog import Profile, TunedInfo, write_tuned_profile
 from fleet.errors import InsufficientStorage
 from fleet.pins import PinStore

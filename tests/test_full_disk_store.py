@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 from tests.conftest import DEFAULT_MODEL, START_TIMEOUT_S
 from tests.test_full_disk import fill
 

@@ -17,11 +17,11 @@ import pytest
 from fleet.errors import ModelNotFound
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, EnvelopeIn, GenerateResult, WorkError
 from fleet.protocol import GenerateRequest
-from local_queue import LocalQueue
-from runtimes.base import ModelSpec, Profile
-from runtimes.generate import kv_reserve, shed_count
-from runtimes.memory import DeviceMemory
-from runtimes.worker import WorkerCore
+from fleet.local_queue import LocalQueue
+from fleet.runtimes.base import ModelSpec, Profile
+from fleet.runtimes.generate import kv_reserve, shed_count
+from fleet.runtimes.memory import DeviceMemory
+from fleet.runtimes.worker import WorkerCore
 from tests.gen_models import Reference, build_llama
 
 MODEL = "tiny"

@@ -12,11 +12,11 @@ import pytest
 
 from fleet.errors import ModelNotFound
 from fleet.protocol import GenerateRequest
-from local_queue import LocalQueue
-from runtimes.base import ModelSpec, Profile
+from fleet.local_queue import LocalQueue
+from fleet.runtimes.base import ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, EnvelopeIn, GenerateChunk, GenerateResult, \
     WorkError
-from runtimes.worker import WorkerCore
+from fleet.runtimes.worker import WorkerCore
 from tests.gen_models import Reference, build_llama, build_lora
 
 MODEL = "tiny"

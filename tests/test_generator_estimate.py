@@ -25,9 +25,9 @@ import msgspec
 import pytest
 
 from fleet.catalog import load_catalog
-from runtimes.base import ModelSpec, Profile
-from runtimes.memory import TOO_LARGE, Footprint, decoder_shape, decoder_step, kv_token_bytes, plan_load
-from runtimes.residency import footprint_from_headers
+from fleet.runtimes.base import ModelSpec, Profile
+from fleet.runtimes.memory import TOO_LARGE, Footprint, decoder_shape, decoder_step, kv_token_bytes, plan_load
+from fleet.runtimes.residency import footprint_from_headers
 
 CONFIGS = {k: v for k, v in json.loads((Path(__file__).parent / "data" / "catalog_generators.json").read_text()).items()
            if not k.startswith("_")}
@@ -161,7 +161,7 @@ def test_the_config_sizes_a_cache_token_as_the_batcher_measures_it(tmp_path: Pat
     """The estimate's bytes a token equal what runtimes.generate measures in its real
     cache at warm-up, and the reserve of admitted rows is rows x widest x that."""
     from fleet.protocol import GenerateRequest
-    from runtimes.generate import CausalLM
+    from fleet.runtimes.generate import CausalLM
 
     folder = tiny_qwen2(tmp_path / "q", 32768)
     spec = ModelSpec(name="q", path=folder, task="generate", runtime="transformers",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import (CPU, GOAL_P95_MS, GOAL_TOKENS_PER_S, Check, flops_per_token, goal_checks,
+from fleet.bench.gpu_check import (CPU, GOAL_P95_MS, GOAL_TOKENS_PER_S, Check, flops_per_token, goal_checks,
                              peak_tflops)
 
 PARITY = ["parity/embed", "parity/rerank", "parity/classify", "parity/extract", "parity/generate",
@@ -24,7 +24,7 @@ PARITY = ["parity/embed", "parity/rerank", "parity/classify", "parity/extract", 
 @pytest.mark.slow
 def test_the_cpu_run_passes_every_check_and_writes_its_json(tmp_path: Path):
     out = tmp_path / "gpu-check.json"
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "fleet.bench.gpu_check", "--device", "cpu", "--out", str(out),
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -20,10 +20,10 @@ import msgspec
 import pytest
 
 from fleet.protocol import EmbedRequest
-from local_queue import LocalQueue
-from runtimes.base import Adapter, ModelSpec, Profile
+from fleet.local_queue import LocalQueue
+from fleet.runtimes.base import Adapter, ModelSpec, Profile
 from fleet.messages import EmbedResult
-from runtimes.worker import WorkerCore
+from fleet.runtimes.worker import WorkerCore
 
 _encode = msgspec.msgpack.Encoder().encode
 LOAD_S = 0.05  # a fake load: 50 ms

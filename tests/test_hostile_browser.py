@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import pytest
 
-from daemon.guard import allowed_host, allowed_origin
+from fleet.daemon.guard import allowed_host, allowed_origin
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon
 
 APP_ORIGIN = "https://app.example.com"

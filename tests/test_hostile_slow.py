@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.connections import BODY, IDLE, SERVED, ConnectionLimits, ConnectionTable, fit_to_descriptors
+from fleet.daemon.connections import BODY, IDLE, SERVED, ConnectionLimits, ConnectionTable, fit_to_descriptors
 from tests.conftest import DEFAULT_MODEL, DaemonProc
 
 SLOW_SOCKETS = 200

@@ -18,9 +18,9 @@ import asyncio
 import msgspec
 import pytest
 
-from daemon.app import create_app
-from daemon.core import Daemon
-from daemon.hot import HotRoutes
+from fleet.daemon.app import create_app
+from fleet.daemon.core import Daemon
+from fleet.daemon.hot import HotRoutes
 from fleet.config import Settings
 
 LIMIT = 4096

@@ -233,9 +233,9 @@ def test_one_batch_with_a_bad_image_answers_the_others(folder, ref, images):
     """The worker's call: a request with an undecodable image fails alone; the
     others of its batch (texts, images, normalize=false) are answered."""
     from fleet.protocol import EmbedRequest, ImageInput
-    from runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.base import ModelSpec, Profile
     from fleet.messages import EmbedResult, WorkError
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.registry import adapter_class
 
     spec = ModelSpec(name=NAME, path=folder, task="embed", runtime="clip",
                      profile=Profile(dtype="float32", micro_batch_items=2))

@@ -58,7 +58,7 @@ def worker_pids(url: str) -> list[int]:
 async def consumer_now(url: str) -> tuple[int, int]:
     import nats
 
-    from daemon.cluster import STREAM, consumer_name
+    from fleet.daemon.cluster import STREAM, consumer_name
 
     nc = await nats.connect(url)
     try:

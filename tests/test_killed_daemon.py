@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from local_queue import LocalQueue
-from local_queue.sweep import SHM_DIR
+from fleet.local_queue import LocalQueue
+from fleet.local_queue.sweep import SHM_DIR
 from tests.conftest import DEFAULT_MODEL, DaemonProc, free_port, start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")]

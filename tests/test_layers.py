@@ -21,6 +21,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fleet", "fleetctl", "daemon", "local_queue", "runtimes", "bench")
+#: The server's folders, imported as fleet.daemon, fleet.runtimes, ... (pyproject's package-dir).
+INSIDE_FLEET = ("daemon", "local_queue", "runtimes", "bench")
+#: Loads local_queue/ of any tree by path, to compare two trees in one process.
+TOP_LEVEL_IMPORTERS = {"bench/queue_bench.py"}
+
+
+def canonical(name: str) -> str:
+    """A module's layer name: fleet.daemon.core is the folder daemon/'s daemon.core."""
+    parts = name.split(".")
+    return ".".join(parts[1:]) if len(parts) > 1 and parts[0] == "fleet" and parts[1] in INSIDE_FLEET else name
 
 #: package -> packages it may import (itself always allowed).
 ALLOWED = {
@@ -95,12 +105,12 @@ def imports_of(module: str, path: Path) -> list[tuple[str, int, str]]:
                     anchor = anchor[: len(anchor) - (child.level - 1)]
                     base = ".".join(anchor + ([child.module] if child.module else []))
                 else:
-                    base = child.module or ""
+                    base = canonical(child.module or "")
                 targets = resolve(base, [a.name for a in child.names])
             else:
                 visit(child, kind)
                 continue
-            for target in dict.fromkeys(targets):
+            for target in dict.fromkeys(canonical(t) for t in targets):
                 if target.split(".")[0] in PACKAGES:
                     found.append((target, child.lineno, kind))
 
@@ -148,12 +158,35 @@ def test_no_import_circles():
 def test_the_layer_check_sees_imports_inside_functions(tmp_path):
     """The walker must see a lazy import as well as a top-level one (else the rules hold by luck)."""
     path = tmp_path / "probe.py"
-    path.write_text("import fleet.errors\n\ndef f():\n    from runtimes.process import run\n"
-                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from daemon.core import Core\n")
+    path.write_text("import fleet.errors\n\ndef f():\n    from fleet.runtimes.process import run\n"
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fleet.daemon.core import Core\n")
     got = imports_of("fleet.probe", path)
     assert ("fleet.errors", 1, MODULE) in got
     assert ("runtimes.process", 4, LAZY) in got
     assert ("daemon.core", 7, TYPING) in got
+
+
+def test_server_packages_are_imported_inside_fleet():
+    """`import daemon` would load a second copy of a module beside fleet.daemon's (two
+    registries, two classes of one name), and installed it would be another package."""
+    wrong = []
+    for module, path in MODULES.items():
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                     else [])
+            for name in names:
+                if name.split(".")[0] in INSIDE_FLEET and rel not in TOP_LEVEL_IMPORTERS:
+                    wrong.append(f"{rel}:{node.lineno} imports {name} (write fleet.{name})")
+    tests = sorted((ROOT / "tests").rglob("*.py"))
+    for path in tests:
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                    and node.module.split(".")[0] in INSIDE_FLEET:
+                wrong.append(f"{rel}:{node.lineno} imports {node.module} (write fleet.{node.module})")
+    assert tests and not wrong, "\n".join(wrong)
 
 
 @pytest.mark.slow

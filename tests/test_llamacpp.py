@@ -26,7 +26,7 @@ import pytest
 
 from fleet.pull import pull_model
 from fleet.store import Store
-from runtimes import llamacpp
+from fleet.runtimes import llamacpp
 from tests.conftest import DaemonProc, start_daemon
 from tests.test_gguf_store import smollm2_gguf
 

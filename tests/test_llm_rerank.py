@@ -364,8 +364,8 @@ def readme(folders: dict[str, Path]) -> QwenReadme:
 
 def load_adapter(folder: Path, name: str, **spec: Any):
     """The runtime as a worker loads it (the worker's call, no daemon)."""
-    from runtimes.base import ModelSpec
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.base import ModelSpec
+    from fleet.runtimes.registry import adapter_class
 
     adapter = adapter_class("rerank", "llm-rerank")(
         ModelSpec(name=name, path=folder, task="rerank", runtime="llm-rerank", **spec), "cpu")
@@ -517,7 +517,7 @@ def test_the_catalog_knows_every_prompt_format():
     from typing import get_args
 
     from fleet.catalog import RerankPrompt
-    from runtimes.llm_rerank import FORMATS
+    from fleet.runtimes.llm_rerank import FORMATS
 
     assert set(get_args(RerankPrompt)) == set(FORMATS)
 
@@ -532,7 +532,7 @@ def test_one_batch_of_mixed_requests_equals_each_alone(folders, which, extra):
     the Python framing (no Rust template) gives the same ids and scores."""
     from fleet.messages import RerankResult, WorkError
     from fleet.protocol import RerankRequest
-    from runtimes.base import Profile
+    from fleet.runtimes.base import Profile
 
     a = load_adapter(folders[which], which, profile=Profile(micro_batch_items=2), max_seq_len=MAX_TOKENS,
                      extra=extra)

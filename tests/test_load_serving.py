@@ -31,7 +31,7 @@ import httpx
 import psutil
 import pytest
 
-from bench.models import build_bert
+from fleet.bench.models import build_bert
 from tests.conftest import DaemonProc, default_model_dir, start_daemon
 from tests.gen_models import pull
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from local_queue import (
+from fleet.local_queue import (
     STATUS_EXPIRED,
     STATUS_POISON,
     ItemTooLarge,
@@ -27,7 +27,7 @@ from local_queue import (
     UnknownWorker,
     put_id,
 )
-from local_queue.layout import INFO_BYTES
+from fleet.local_queue.layout import INFO_BYTES
 
 LONG = 3_600_000  # ms: a lease that never runs out during a test
 FOREVER_NS = 1 << 62  # an expire_leases "now" past every lease

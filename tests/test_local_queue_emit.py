@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from local_queue import LocalQueue, QueueFull
+from fleet.local_queue import LocalQueue, QueueFull
 
 LONG = 3_600_000  # ms: a lease that never runs out during a test
 PARTIAL = 2  # the caller's status value for partials (opaque to the queue)
@@ -98,8 +98,8 @@ def test_results_copied_out_are_not_lost_when_the_lock_turns_busy():
     again. If that second lock is busy, the result is still returned (it was taken
     already: losing it would leave its request to time out) and the reservation is let
     go at the next collect. Fault injected: the queue's lock turns busy after the take."""
-    from local_queue import LockBusy
-    from local_queue.blocks import COPY_INLINE
+    from fleet.local_queue import LockBusy
+    from fleet.local_queue.blocks import COPY_INLINE
 
     q = LocalQueue.create(slots=64, slab_bytes=4 << 20, max_lanes=2, max_workers=2)
     try:

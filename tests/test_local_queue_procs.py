@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from local_queue import LocalQueue, QueueFull
+from fleet.local_queue import LocalQueue, QueueFull
 
 CTX = mp.get_context("spawn")
 LONG = 3_600_000  # ms
@@ -111,7 +111,7 @@ def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
 # -- a lock holder dies -------------------------------------------------------------
 
 def _take_lock_tear_and_hang(name: str, conn) -> None:
-    from local_queue import queue as lq
+    from fleet.local_queue import queue as lq
 
     q = LocalQueue.attach(name)
     q._lock.__enter__()
@@ -367,7 +367,7 @@ def test_many_producers_and_consumers_with_kills_deliver_each_item_exactly_once(
 # -- reserve, copy, commit ----------------------------------------------------------
 
 def _put_and_stall_before_commit(name: str, conn, size: int) -> None:
-    from local_queue import queue as lq
+    from fleet.local_queue import queue as lq
 
     copy_in = lq._copy_in
 
@@ -491,8 +491,8 @@ def _hold_lock(name: str, conn) -> None:
 def test_the_event_loop_never_waits_for_a_lock_another_process_holds():
     import asyncio
 
-    from daemon.broker import Broker
-    from local_queue import LockBusy
+    from fleet.daemon.broker import Broker
+    from fleet.local_queue import LockBusy
 
     q = LocalQueue.create(slots=64, slab_bytes=1 << 20)
     try:

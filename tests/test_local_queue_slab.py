@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from local_queue import LocalQueue, QueueFull
+from fleet.local_queue import LocalQueue, QueueFull
 
 LONG = 3_600_000  # ms: a lease that never runs out during a test
 SLAB = 64 << 10

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from daemon.logs import setup_logging
+from fleet.daemon.logs import setup_logging
 from fleet.logs import LOG_FILE
 from fleetctl.commands.logs import log_file, readable
 from tests.conftest import DEFAULT_MODEL, start_daemon

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.logs import REQUEST_ID, RequestIdMiddleware, new_request_id, setup_logging
+from fleet.daemon.logs import REQUEST_ID, RequestIdMiddleware, new_request_id, setup_logging
 from fleet.errors import BadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_daemon_process_writes_json_lines_to_piped_stderr():
     code = textwrap.dedent(
         """
         import asyncio, logging
-        from daemon.logs import RequestIdMiddleware, setup_logging
+        from fleet.daemon.logs import RequestIdMiddleware, setup_logging
         setup_logging("info")
         log = logging.getLogger("fleet.daemon")
         log.info("starting on %s", "127.0.0.1:7744")

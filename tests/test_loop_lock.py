@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from daemon.core import QUEUE_PREFIX
-from local_queue.sweep import queue_name
+from fleet.daemon.core import QUEUE_PREFIX
+from fleet.local_queue.sweep import queue_name
 from tests.conftest import DEFAULT_MODEL
 
 #: How long the lock is held: far longer than any answer of an idle loop takes.

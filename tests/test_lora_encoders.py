@@ -19,7 +19,7 @@ import pytest
 
 from fleet.messages import WorkError
 from fleet.protocol import ClassifyRequest, EmbedRequest, ExtractRequest, RerankRequest
-from runtimes.base import ModelSpec, Profile
+from fleet.runtimes.base import ModelSpec, Profile
 from tests.lora_models import (
     CLASSIFY_LABELS, NER_OWN_LABELS, TOPIC_LABELS, References, build_bases, build_loras,
 )
@@ -53,7 +53,7 @@ def ref(models) -> References:
 
 def served(models, key: str, task: str, runtime: str, loras: list[str], profile: Profile = PROFILE):
     """The runtime adapter of base `key` (store name "base"), loaded, with `loras` attached."""
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.registry import adapter_class
 
     bases, folders = models
     adapter = adapter_class(task, runtime)(ModelSpec("base", bases[key], task, runtime, profile), "cpu")
@@ -164,7 +164,7 @@ def test_tagger_rows_tag_with_their_own_labels(models, ref) -> None:
 
 def test_eviction_keeps_the_batch_and_frees_the_heads(models) -> None:
     bases, folders = models
-    from runtimes.classify import SequenceClassifier
+    from fleet.runtimes.classify import SequenceClassifier
 
     adapter = SequenceClassifier(ModelSpec("base", bases["classifier"], "classify", "transformers",
                                            Profile(dtype="float32", max_loras=1)), "cpu")
@@ -246,8 +246,8 @@ def test_base_rows_replay_the_traced_forward_and_adapter_rows_run_eagerly(models
     micro-batch with any adapter row runs eagerly (the adapters' hooks are Python a
     graph does not call), with its adapter's answers. MIN_SPEEDUP 0: whether the graph
     is faster is timing, measured in bench/; here it is kept whatever it measured."""
-    from runtimes import traced
-    from runtimes.info import engine_info
+    from fleet.runtimes import traced
+    from fleet.runtimes.info import engine_info
 
     monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)
     # engine torch: where OpenVINO is installed and measured faster it would serve instead (no trace).

@@ -174,7 +174,7 @@ def test_every_schema_field_is_a_field_of_the_route():
     """A tool's arguments are its route's body: each property the schema offers is one
     the route's request takes (its Struct, or System One's fields), so no tool
     advertises an argument the daemon would refuse."""
-    from daemon import systemone
+    from fleet.daemon import systemone
     from fleet import protocol
 
     structs = {"embed": protocol.EmbedRequestJson, "rerank": protocol.RerankRequest,

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.controllers.admin import choose_worker, device_room
+from fleet.daemon.controllers.admin import choose_worker, device_room
 from fleet.pins import PinStore
 from fleet.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
 from fleetctl.residency import device_rows
-from runtimes.memory import (
+from fleet.runtimes.memory import (
     LOAD, RATIO_BOUNDS, TOO_LARGE, WAIT, DeviceMemory, Estimates, Footprint, LoadLock, LoadPlan, ResidentView,
     device_budget, estimate_footprint, find_model_to_evict, fits_on_device, is_out_of_memory, load_error, plan_load,
     run_split_on_oom, used_bytes, weights_bytes,

@@ -19,13 +19,13 @@ import pytest
 
 from fleet.config import load_settings
 from fleet.protocol import EmbedRequest
-from local_queue import LocalQueue
+from fleet.local_queue import LocalQueue
 from fleet.control import Command, CommandDone, control_lane
-from runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
+from fleet.runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
 from fleet.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
-from runtimes.residency import Hosting
-from runtimes.resolve import store_resolver
-from runtimes.worker import WorkerCore
+from fleet.runtimes.residency import Hosting
+from fleet.runtimes.resolve import store_resolver
+from fleet.runtimes.worker import WorkerCore
 from tests.conftest import default_model_dir
 
 _env = msgspec.msgpack.Decoder(EnvelopeIn)
@@ -289,8 +289,8 @@ def test_the_worker_record_keeps_every_resident_model_it_can(queue, home):
     own time."""
     import copy
 
-    from local_queue.layout import INFO_BYTES
-    from runtimes.info import SUMMARY
+    from fleet.local_queue.layout import INFO_BYTES
+    from fleet.runtimes.info import SUMMARY
 
     c = core(queue, home, 301)
     put(queue, "tiny-x", 1)

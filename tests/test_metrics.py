@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics import OTHER_MODEL, Metrics
+from fleet.daemon.metrics import OTHER_MODEL, Metrics
 
 
 def scrape(metrics: Metrics) -> dict[tuple[str, frozenset], float]:

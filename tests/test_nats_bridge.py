@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cluster import (FetchCredit, box_token, check_settings, choose_replicas, choose_server, connect_options,
+from fleet.daemon.cluster import (FetchCredit, box_token, check_settings, choose_replicas, choose_server, connect_options,
                             consumer_name, work_subject)
-from daemon.controllers.cluster import public_url
+from fleet.daemon.controllers.cluster import public_url
 from fleet.config import Settings
 from fleet.errors import BadRequest
 from tests.nats_fixture import NatsServer

@@ -319,7 +319,7 @@ async def _held_anywhere(url: str, model: str) -> int:
     """Work messages of `model` delivered to some box and not yet acked (JetStream's count)."""
     import nats
 
-    from daemon.cluster import STREAM, consumer_name
+    from fleet.daemon.cluster import STREAM, consumer_name
 
     nc = await nats.connect(url)
     try:
@@ -461,7 +461,7 @@ def test_a_reply_sent_while_the_requester_is_cut_off_is_read_back(boxes: Boxes, 
     request again and B runs it twice."""
     import nats
 
-    from daemon.cluster import H_HELD_BY, REPLY_PREFIX
+    from fleet.daemon.cluster import H_HELD_BY, REPLY_PREFIX
 
     body = {"model": GENERATOR, "prompt": "hello world, this is fleet", "max_tokens": 32, "temperature": 0}
     b_before, a_before = box_entry(boxes.a.url, "box-b"), box_entry(boxes.a.url, "box-a")

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.daemon import Child
-from daemon.cluster import STREAM, consumer_name
+from fleet.bench.daemon import Child
+from fleet.daemon.cluster import STREAM, consumer_name
 from tests.conftest import DEFAULT_MODEL
 from tests.nats_fixture import NatsCluster, lead_from, nats_server_binary, stream_place, wait_all_current
 from tests.nats_load import Load, cluster_view, references

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from daemon.cluster import REPLY_STREAM, STREAM, consumer_name
+from fleet.daemon.cluster import REPLY_STREAM, STREAM, consumer_name
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon, wait_until_ready
 from tests.nats_fixture import NatsCluster, connect, stream_place, wait_all_current
 from tests.nats_load import Load, Tally, cluster_view, references

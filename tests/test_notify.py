@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.notify import notify, watchdog_interval_s, watchdog_loop
+from fleet.daemon.notify import notify, watchdog_interval_s, watchdog_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 

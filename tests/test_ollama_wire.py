@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.controllers.ollama_facts import parameter_size
-from daemon.controllers.ollama_wire import (
+from fleet.daemon.controllers.ollama_facts import parameter_size
+from fleet.daemon.controllers.ollama_wire import (
     DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Keep, choose_keep, logprob_fields, output_format, read_options, sampling,
     store_name,
 )

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from daemon.openapi import OPERATIONS, build_document, routes_of
+from fleet.daemon.openapi import OPERATIONS, build_document, routes_of
 from tests.conftest import start_daemon
 
 
@@ -29,8 +29,8 @@ def _msgpack(ctx, value) -> bytes:
 
 
 def app_routes() -> list[tuple[str, str]]:
-    from daemon.app import create_app
-    from daemon.core import Daemon
+    from fleet.daemon.app import create_app
+    from fleet.daemon.core import Daemon
     from fleet.config import Settings
 
     return routes_of(create_app(Daemon(Settings(home="/nonexistent-fleet-home"))))
@@ -87,10 +87,10 @@ def test_every_route_is_in_the_document_with_its_shapes():
 def test_each_route_documents_the_query_parameters_it_takes():
     """The document lists, for every route, exactly the query parameters the daemon's
     query check lets through (daemon.query: each handler's declared ones)."""
-    from daemon.app import create_app
-    from daemon.core import Daemon
-    from daemon.openapi import openapi_path
-    from daemon.query import declared_query
+    from fleet.daemon.app import create_app
+    from fleet.daemon.core import Daemon
+    from fleet.daemon.openapi import openapi_path
+    from fleet.daemon.query import declared_query
     from fleet.config import Settings
 
     app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))

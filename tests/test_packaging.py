@@ -2,10 +2,10 @@
 read as pip would install it.
 
 The distribution is `fleet-serve`, not `fleet` (on PyPI, `fleet` is an unrelated older
-project, also imported as `fleet`). The wheel installs exactly the project's six packages,
-with the catalog, the bench corpus and the `fleetctl` command; `daemon` and `bench` are
-also other distributions' import names (python-daemon, frappe-bench), which the README
-says, telling users to give fleet a virtual environment of its own. Every install
+project, also imported as `fleet`). The wheel installs two top-level packages, `fleet` and
+`fleetctl`, with the catalog, the bench corpus and the `fleetctl` command; the server's
+folders (daemon/, runtimes/, local_queue/, bench/) install inside `fleet`, since `daemon`
+and `bench` are other distributions' import names (python-daemon, frappe-bench). Every install
 command the repository prints or documents (README, docs, hints in error messages,
 scripts) names `fleet-serve`.
 """
@@ -23,8 +23,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("fleet", "fleetctl", "daemon", "runtimes", "local_queue", "bench")
-#: Top-level names this wheel shares with well-known distributions (import name -> who).
+#: The repository's package folders (the wheel's sources).
+FOLDERS = ("fleet", "fleetctl", "daemon", "runtimes", "local_queue", "bench")
+#: What the wheel installs at the top of site-packages.
+TOP_LEVEL = ("fleet", "fleetctl")
+#: Import names of well-known distributions the wheel must not install (name -> who).
 SHARED = {"daemon": "python-daemon", "bench": "frappe-bench"}
 #: A pip command installing the old distribution, bare or with extras (any text file).
 OLD_INSTALL = re.compile(r"pip install\s+['\"]?fleet(?![\w-])")
@@ -43,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     skip = shutil.ignore_patterns("__pycache__", ".venv-*", "results")
-    for pkg in PACKAGES:
+    for pkg in FOLDERS:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=skip, symlinks=False)
     out = tmp_path_factory.mktemp("dist")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
@@ -64,12 +67,33 @@ def test_the_wheel_is_fleet_serve_and_installs_the_projects_packages_only(wheel:
     assert meta["Name"] == "fleet-serve"
     assert {"server", "test", "openvino", "otel", "bench", "mcp"} <= set(meta.get_all("Provides-Extra"))
     tops = {n.split("/")[0] for n in wheel.namelist() if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == set(PACKAGES), tops
-    assert set(dist_info(wheel, "top_level.txt").split()) == set(PACKAGES)
+    assert tops == set(TOP_LEVEL), tops
+    assert set(dist_info(wheel, "top_level.txt").split()) == set(TOP_LEVEL)
+    assert not tops & set(SHARED)
     names = set(wheel.namelist())
-    assert {"fleet/models.toml", "bench/corpus.txt", "daemon/__init__.py", "runtimes/process.py"} <= names
+    assert {"fleet/models.toml", "fleet/bench/corpus.txt", "fleet/daemon/__init__.py", "fleet/runtimes/process.py",
+            "fleet/daemon/controllers/embed.py", "fleet/local_queue/queue.py", "fleet/bench/sim/device.py"} <= names
     assert not [n for n in names if "/tests/" in n or n.endswith((".pyc", ".whl"))]
     assert re.search(r"^fleetctl = fleetctl\.app:main$", dist_info(wheel, "entry_points.txt"), re.M)
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_imports_the_server_inside_fleet(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
+    """Installed from the wheel (its files, no checkout beside them), the server's modules
+    import as fleet.*, from the install, and no top-level `daemon` or `bench` appears."""
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    probe = ("import importlib.util, fleet, fleet.daemon.app, fleet.runtimes.process, fleet.bench.runner, "
+             "fleet.local_queue, fleet.bench.corpus as c\n"
+             "print(list(fleet.__path__), fleet.daemon.app.__file__, fleet.local_queue.__file__, "
+             "c.CORPUS_PATH.is_file(), importlib.util.find_spec('daemon'), importlib.util.find_spec('bench'))")
+    done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    paths, app, queue, corpus, daemon, bench = done.stdout.rsplit("\n", 2)[-2].split(" ", 5)
+    assert paths == f"[{str(site / 'fleet')!r}]" and app.startswith(str(site / "fleet" / "daemon"))
+    assert queue.startswith(str(site / "fleet" / "local_queue")) and corpus == "True"
+    assert (daemon, bench) == ("None", "None")
 
 
 def tracked_text_files() -> list[Path]:
@@ -87,8 +111,7 @@ def test_install_commands_name_the_distribution_and_the_shared_names_are_said() 
            if (OLD_NAME if p.name.endswith(PAGES) else OLD_INSTALL).search(line)]
     assert not old, "install commands naming the old distribution (it is fleet-serve):\n" + "\n".join(old)
     readme = ROOT.joinpath("README.md").read_text()
-    for name, other in SHARED.items():
-        assert f"`{name}`" in readme and other in readme, (name, other)
+    assert all(f"`fleet.{name}`" in readme for name in SHARED)
 
 
 def test_nothing_in_the_repository_cites_a_file_outside_it() -> None:

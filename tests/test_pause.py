@@ -107,13 +107,13 @@ S = 1_000_000_000
 ])
 def test_a_heartbeat_gap_is_a_pause_only_when_the_process_did_not_run(gap: int, cpu: int, period: int,
                                                                        paused: int) -> None:
-    from runtimes.policy import paused_ns
+    from fleet.runtimes.policy import paused_ns
 
     assert paused_ns(gap, cpu, period) == paused
 
 
 def test_a_batch_resumed_after_a_pause_is_within_its_bound() -> None:
-    from runtimes.state import Progress
+    from fleet.runtimes.state import Progress
 
     progress = Progress()
     with progress.running("a batch", bound_ms=5_000):

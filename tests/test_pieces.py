@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from daemon.broker import Answer
-from daemon.clients import client_of, flow_of
-from daemon.pieces import (
+from fleet.daemon.broker import Answer
+from fleet.daemon.clients import client_of, flow_of
+from fleet.daemon.pieces import (
     INITIAL_PIECE_TOKENS, MIN_PIECE_TOKENS, Sizing, check_ceiling, check_deadline, in_request, joined, next_cut,
     run_pieces, text_costs, WHOLE_SHARE,
 )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtimes.memory import Footprint, ResidentView
-from runtimes.placement import (
+from fleet.runtimes.memory import Footprint, ResidentView
+from fleet.runtimes.placement import (
     ASK_PEERS, ELSEWHERE, LOAD, TOO_LARGE, WAIT, DeviceSnapshot, LaneDemand, decide_load,
 )
-from runtimes.policy import LinearCost
+from fleet.runtimes.policy import LinearCost
 
 MB = 1 << 20
 NOW_S = 1000.0

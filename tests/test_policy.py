@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from daemon.supervisor import detect_devices
+from fleet.daemon.supervisor import detect_devices
 from fleet.errors import BadRequest
-from runtimes.policy import (
+from fleet.runtimes.policy import (
     FILL_SLACK, FLOW_QUIET_NS, MICRO_SHARE, MIN_SAMPLES, UNMEASURED_LOAD_MS, Copies, CostModel, LinearCost,
     batch_fill_cap, batch_token_cap, choose_lane, contended, fill_flags, find_copies, form_batch, lighter_client,
     linger_left_ms, micro_items_cap, padded_tokens, runs_first, should_load_copy,

@@ -70,7 +70,7 @@ def detail(url: str) -> dict:
 
 
 def test_tuned_profile_applies_on_sighup(tmp_path: Path) -> None:
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     klass = device_class("cpu")
     home = tmp_path / "home"

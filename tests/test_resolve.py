@@ -10,7 +10,7 @@ from fleet.catalog import load_catalog
 from fleet.config import load_settings
 from fleet.pull import ensure_model
 from fleet.store import Store
-from runtimes.resolve import store_resolver
+from fleet.runtimes.resolve import store_resolver
 from tests.conftest import DEFAULT_MODEL
 
 

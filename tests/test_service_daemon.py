@@ -23,7 +23,7 @@ import uuid
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from local_queue.sweep import SHM_DIR
+from fleet.local_queue.sweep import SHM_DIR
 from tests.conftest import DEFAULT_MODEL, START_TIMEOUT_S, DaemonProc, start_daemon
 
 KEY = "wiring-test-key-0123456789abcdef"

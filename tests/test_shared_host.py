@@ -38,7 +38,7 @@ import httpx
 import msgspec
 import pytest
 
-from bench.daemon import LocalDaemon
+from fleet.bench.daemon import LocalDaemon
 from fleet.pins import PinStore
 from fleet.pull import pull_model
 from fleet.store import Manifest, Store

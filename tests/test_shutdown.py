@@ -204,7 +204,7 @@ def test_connections_waiting_in_the_listen_backlog_are_accepted_not_reset():
 
     import uvloop
 
-    from daemon.server import accept_backlog
+    from fleet.daemon.server import accept_backlog
 
     class Echo(asyncio.Protocol):
         def connection_made(self, transport):

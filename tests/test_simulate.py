@@ -1,4 +1,4 @@
-"""bench.simulate: the trace generator, the push router's rule, the device model,
+"""fleet.bench.simulate: the trace generator, the push router's rule, the device model,
 pull's real WorkerCores on simulated devices, and a real --quick run."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.sim.device import SimDevice
-from bench.sim.pull import PullSystem
-from bench.sim.push import PushRouter, WorkerView, added_ms, assign_worker, load_penalty_ms
-from bench.sim.step import Recorder
-from bench.sim.traffic import SMALL, TrafficSpec, make_models, make_trace, zipf_weights
-from runtimes.memory import LOAD, WAIT
+from fleet.bench.sim.device import SimDevice
+from fleet.bench.sim.pull import PullSystem
+from fleet.bench.sim.push import PushRouter, WorkerView, added_ms, assign_worker, load_penalty_ms
+from fleet.bench.sim.step import Recorder
+from fleet.bench.sim.traffic import SMALL, TrafficSpec, make_models, make_trace, zipf_weights
+from fleet.runtimes.memory import LOAD, WAIT
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = TrafficSpec()
@@ -188,8 +188,8 @@ def test_device_keeps_exact_device_time():
 
 
 def test_pull_runs_the_real_worker_core_on_simulated_devices():
-    from bench.sim.pull import keep_freed
-    from runtimes.worker import WorkerCore
+    from fleet.bench.sim.pull import keep_freed
+    from fleet.runtimes.worker import WorkerCore
 
     models = make_models(3)
     rec = Recorder()
@@ -219,13 +219,13 @@ def test_pull_runs_the_real_worker_core_on_simulated_devices():
 def test_quick_run_reports_knees_and_answers_every_request(tmp_path):
     out = tmp_path / "sim.json"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "bench.simulate", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "fleet.bench.simulate", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert elapsed < 60, f"--quick took {elapsed:.0f} s"
     doc = json.loads(out.read_text())
-    assert doc["kind"] == "simulate" and doc["command"][:3] == ["python", "-m", "bench.simulate"]
+    assert doc["kind"] == "simulate" and doc["command"][:3] == ["python", "-m", "fleet.bench.simulate"]
     assert doc["machine"]["cpus_logical"] >= 1 and "numpy" in doc["versions"]
     summary = doc["summary"]
     for name in ("pull", "push"):

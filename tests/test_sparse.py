@@ -173,9 +173,9 @@ def test_one_batch_of_mixed_requests_equals_each_alone(folder):
     """The worker's call: requests with different top_k (and one it refuses) in
     one run_batch, micro-batches of 2; each answer equals the request run alone."""
     from fleet.protocol import EmbedRequest
-    from runtimes.base import ModelSpec, Profile
+    from fleet.runtimes.base import ModelSpec, Profile
     from fleet.messages import SparseEmbedResult, WorkError
-    from runtimes.registry import adapter_class
+    from fleet.runtimes.registry import adapter_class
 
     spec = ModelSpec(name=NAME, path=folder, task="embed", runtime="splade",
                      profile=Profile(dtype="float32", micro_batch_items=2))

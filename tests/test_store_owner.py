@@ -142,7 +142,7 @@ def test_pull_repull_rm_go_through_the_daemon(owner: DaemonProc, sources: dict[s
 def test_sighup_does_not_report_a_serve_flag_as_a_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`fleetctl serve --port P --workers 1 --device cpu` and no FLEET_* variables: a SIGHUP
     reads config.toml again and must find no change (it said "port ... need a restart")."""
-    from daemon.core import Daemon
+    from fleet.daemon.core import Daemon
     from fleetctl.commands.serve import flag_settings
 
     monkeypatch.setenv("FLEET_HOME", str(tmp_path))

@@ -26,9 +26,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from daemon.controllers import ollama_wire as ow
-from daemon.controllers import tei
-from daemon.controllers.admin import AdminOptions
+from fleet.daemon.controllers import ollama_wire as ow
+from fleet.daemon.controllers import tei
+from fleet.daemon.controllers.admin import AdminOptions
 from fleet.protocol import (
     ChatCompletionRequest, ClassifyRequest, CompletionRequest, EmbedRequest, EmbedRequestJson, ExtractRequest,
     GenerateRequest, OpenAIEmbeddingsRequest, RerankRequest,
@@ -187,8 +187,8 @@ def app_handlers() -> list[tuple[str, str, Any]]:
     HEAD and Litestar's own OPTIONS answers too: a route added later is swept as well."""
     from litestar.routes import HTTPRoute
 
-    from daemon.app import create_app
-    from daemon.core import Daemon
+    from fleet.daemon.app import create_app
+    from fleet.daemon.core import Daemon
     from fleet.config import Settings
 
     app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))
@@ -198,9 +198,9 @@ def app_handlers() -> list[tuple[str, str, Any]]:
 
 def declared() -> dict[tuple[str, str], frozenset[str]]:
     """(method, path) -> the query parameters the daemon's own table says the route takes."""
-    from daemon.app import create_app
-    from daemon.core import Daemon
-    from daemon.query import declared_query
+    from fleet.daemon.app import create_app
+    from fleet.daemon.core import Daemon
+    from fleet.daemon.query import declared_query
     from fleet.config import Settings
 
     app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from local_queue import LocalQueue
-from local_queue.sweep import SHM_DIR, find_stale, owner_of, pid_alive, queue_name, sweep_stale
+from fleet.local_queue import LocalQueue
+from fleet.local_queue.sweep import SHM_DIR, find_stale, owner_of, pid_alive, queue_name, sweep_stale
 
 DEAD, LIVE = 4001, 4002
 
@@ -124,6 +124,6 @@ def test_entries_this_user_may_not_remove_are_skipped(tmp_path, monkeypatch):
             raise PermissionError(1, "Operation not permitted", str(path))
         return real_unlink(path, *args, **kwargs)
 
-    monkeypatch.setattr("local_queue.sweep.os.unlink", unlink)
+    monkeypatch.setattr("fleet.local_queue.sweep.os.unlink", unlink)
     assert sweep_stale("fleet", shm_dir=tmp_path, alive=lambda pid: False) == [f"fleet-{DEAD + 1}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"fleet-{DEAD}", f"fleet-{DEAD}.lock"]

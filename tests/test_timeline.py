@@ -11,7 +11,7 @@ import time
 import httpx
 import msgspec
 
-from bench import timeline as bench_timeline
+from fleet.bench import timeline as bench_timeline
 from fleet.messages import WORKER_STAGES
 from tests.conftest import DEFAULT_MODEL
 
@@ -63,7 +63,7 @@ def test_the_latency_tool_alternates_fleet_and_in_process(daemon) -> None:
     """bench.inference_compare (issue 17's added-latency figure): each pair is one
     request to the real daemon and one encode in this process; the serving path
     per request is the round trip minus the worker's own inference."""
-    from bench import inference_compare
+    from fleet.bench import inference_compare
 
     passive = inference_compare.Passive()  # the second line: fp32, OMP_WAIT_POLICY=PASSIVE, a child process
     try:

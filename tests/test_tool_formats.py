@@ -13,9 +13,9 @@ from fleet.protocol import (
     ChatMessage, FunctionCall, FunctionDef, FunctionName, GenerateRequest, NamedToolChoice, ToolCall, ToolDef,
 )
 from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
-from runtimes.base import ModelSpec, Profile
-from runtimes.generate import CausalLM
-from runtimes.tools import Caller
+from fleet.runtimes.base import ModelSpec, Profile
+from fleet.runtimes.generate import CausalLM
+from fleet.runtimes.tools import Caller
 from tests.gen_models import CHAT_TEMPLATE, GEMMA3_TEMPLATE, QWEN25_TEMPLATE, build_tool_caller
 
 #: Phi-4-mini-instruct's chat template as the model ships it: tools as JSON text in the system turn.

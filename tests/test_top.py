@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import httpx
 from rich.console import Console
 
-from daemon.top import Recent, gpu_stats, model_rows, nvml_index
+from fleet.daemon.top import Recent, gpu_stats, model_rows, nvml_index
 from fleetctl.commands.top import render
 from tests.conftest import DEFAULT_MODEL, DaemonProc
 

@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from daemon import timeline, tracing
+from fleet.daemon import timeline, tracing
 from fleet.messages import Envelope, WorkError
 from tests.conftest import default_model_dir, start_daemon, wait_until_ready
 from tests.gen_models import pull

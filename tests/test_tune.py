@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.tune import (
+from fleet.bench.tune import (
     DIMS, BenchKnobs, Candidate, Measurement, Space, Target, coordinate_search, default_candidate, default_space,
     dtype_checks, engine_tables, finite, keep_default_unless_beaten, model_params, not_as_named, over_budget,
     ratio_vs_default, result_doc, search_profile, search_space, seed_from_default, served_engine, start_point,
@@ -151,7 +151,7 @@ def test_dtype_check_lines_are_read_from_the_daemon_log():
 
 
 def test_the_engine_verdict_table_is_read_from_the_daemon_log():
-    """runtimes.engines.choose's verdict line, in the log's JSON lines and readable lines
+    """fleet.runtimes.engines.choose's verdict line, in the log's JSON lines and readable lines
     alike; another model's, other engine lines and a later verdict's precedence."""
     import json
 
@@ -533,7 +533,7 @@ def test_select_profile_by_device_class(tmp_path: Path):
 
 
 def test_shipped_catalog_has_a_tuned_profile_for_this_cpu_class():
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     shipped = load_catalog(Path("/nonexistent-fleet-home"))
     entry = shipped.get(MODEL)
@@ -549,8 +549,8 @@ def test_resolver_picks_the_worker_device_class(tmp_path: Path):
     from fleet.config import load_settings
     from fleet.pull import ensure_model
     from fleet.store import Store
-    from runtimes.device import device_class
-    from runtimes.resolve import store_resolver
+    from fleet.runtimes.device import device_class
+    from fleet.runtimes.resolve import store_resolver
 
     home = tmp_path / "home"
     settings = load_settings(home=str(home))
@@ -578,7 +578,7 @@ def replace_profile(p: Profile, **kw) -> Profile:
 
 def test_ps_reports_the_tuned_profile_in_use(tmp_path: Path):
     from conftest import start_daemon
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     home = tmp_path / "home"
     home.mkdir()

@@ -38,8 +38,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.spill import expected_wait_ms, should_spill
-from daemon.upstreams import Upstreams, reply_headers, upstream_body
+from fleet.daemon.spill import expected_wait_ms, should_spill
+from fleet.daemon.upstreams import Upstreams, reply_headers, upstream_body
 from fleet.config import Settings, UpstreamConfig
 from fleet.errors import BadRequest
 from tests.conftest import DEFAULT_MODEL, free_port, start_daemon

@@ -22,12 +22,12 @@ import pytest
 from fleet.config import Settings
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import EmbedRequest
-from local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
-from runtimes.base import Adapter, BatchContext, ModelSpec, Profile
+from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
+from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
-from runtimes.sentence_transformer import SentenceTransformerEmbedder
-from runtimes.worker import WorkerCore
+from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
+from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.worker import WorkerCore
 
 POISON = "POISON"
 #: The first worker to run this stops itself (SIGSTOP): frozen, heartbeat included, but alive.
@@ -337,7 +337,7 @@ def test_out_of_memory_while_loading_makes_the_lane_wait_not_fail(queue):
 
 
 def test_out_of_memory_on_every_load_ends_as_model_too_large(queue):
-    from runtimes.residency import MAX_LOAD_OOMS
+    from fleet.runtimes.residency import MAX_LOAD_OOMS
 
     core = core_for(queue, {"m": Profile()}, {"m": {"ooms_left": [MAX_LOAD_OOMS]}})
     put(queue, "m", "x", request_id=1)
@@ -465,8 +465,8 @@ class MarkerEmbedder(SentenceTransformerEmbedder):
 def marker_worker_main(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     """Supervisor target: `runtimes.process.run` itself, after registering MarkerEmbedder
     (in this child, before the worker resolves any model) for MiniLM's runtime."""
-    from runtimes import registry
-    from runtimes.process import run
+    from fleet.runtimes import registry
+    from fleet.runtimes.process import run
 
     registry.ADAPTERS[("embed", "sentence-transformers")] = f"{__name__}:MarkerEmbedder"
     run(queue_name, index, device, settings_blob)
@@ -486,7 +486,7 @@ def minilm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def supervised(home: Path, devices: list[str]):
     """A real queue and Supervisor at the shipped settings (Settings() defaults, FLEET_HOME = `home`)."""
-    from daemon.supervisor import Supervisor
+    from fleet.daemon.supervisor import Supervisor
 
     settings = Settings(home=str(home))
     q = LocalQueue.create(slots=256, slab_bytes=4 << 20)
@@ -673,7 +673,7 @@ def test_a_withdrawn_request_stops_between_micro_batches(minilm_home, queue):
     # it publishes say how far it got. Observed by counters, not by time.
     from dataclasses import replace
 
-    from runtimes.resolve import store_resolver
+    from fleet.runtimes.resolve import store_resolver
 
     base = store_resolver(Settings(home=str(minilm_home)))
 

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import msgspec
 
-from bench.sim.device import SimDevice
-from bench.sim.traffic import SimModel
+from fleet.bench.sim.device import SimDevice
+from fleet.bench.sim.traffic import SimModel
 from fleet.config import Settings
-from local_queue import LocalQueue, QueueFull
-from runtimes.base import Adapter, ModelSpec
-from runtimes.memory import DeviceMemory, Footprint
-from runtimes.residency import Hosting
-from runtimes.worker import WorkerCore
+from fleet.local_queue import LocalQueue, QueueFull
+from fleet.runtimes.base import Adapter, ModelSpec
+from fleet.runtimes.memory import DeviceMemory, Footprint
+from fleet.runtimes.residency import Hosting
+from fleet.runtimes.worker import WorkerCore
 
 #: One simulated model's size: a device holds `slots` of them.
 SLOT_BYTES = 1 << 30

@@ -28,9 +28,9 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.sim.device import SimDevice
-from bench.sim.traffic import SimModel
-from runtimes.policy import CostModel, batch_token_cap, form_batch, padded_tokens
+from fleet.bench.sim.device import SimDevice
+from fleet.bench.sim.traffic import SimModel
+from fleet.runtimes.policy import CostModel, batch_token_cap, form_batch, padded_tokens
 
 
 @dataclass

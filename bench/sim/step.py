@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from bench.knee import StepResult
-from bench.sim.device import DeviceStats
-from bench.sim.traffic import SimModel, Trace
+from fleet.bench.knee import StepResult
+from fleet.bench.sim.device import DeviceStats
+from fleet.bench.sim.traffic import SimModel, Trace
 
 
 class Recorder:

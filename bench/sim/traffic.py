@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtimes.base import Profile
+from fleet.runtimes.base import Profile
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from fleet.catalog import validate_name
 from fleet.errors import BadRequest, FleetError, Unavailable
 from fleet.control import LOAD, PIN, UNLOAD, UNPIN, Command, CommandDone, control_lane, decode_done
 
-from daemon import codec
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack, reply
-from daemon.operator import operator_only
-from daemon.quotas import check_owner_load
+from fleet.daemon import codec
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack, reply
+from fleet.daemon.operator import operator_only
+from fleet.daemon.quotas import check_owner_load
 
 
 class AdminOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -27,14 +27,14 @@ from fleet.catalog import validate_name
 from fleet.control import LOAD
 from fleet.errors import BadRequest, FleetError
 
-from daemon import codec
-from daemon.aliases import (
+from fleet.daemon import codec
+from fleet.daemon.aliases import (
     check_target, event_of, removed, rolled_back, set_to, version_task, view_of,
 )
-from daemon.controllers.admin import choose_worker, send
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack, reply
-from daemon.operator import operator_only
+from fleet.daemon.controllers.admin import choose_worker, send
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack, reply
+from fleet.daemon.operator import operator_only
 
 #: Who made a change, as the history records it (the CLI sends the user's name).
 OWNER_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}\Z")

@@ -7,10 +7,10 @@ from litestar import Controller, Request, Response, get, post
 
 from fleet.batches import BatchCancelRequest, BatchCreateRequest, BatchList
 
-from daemon import codec
-from daemon.controllers.files import batches_of
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack, reply
+from fleet.daemon import codec
+from fleet.daemon.controllers.files import batches_of
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack, reply
 
 
 class BatchesController(Controller):

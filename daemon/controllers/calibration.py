@@ -8,10 +8,10 @@ from litestar import Controller, Request, Response, post
 
 from fleet.errors import BadRequest
 
-from daemon.calibration import CalibrateRequest, calibrate
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack, reply
-from daemon.operator import operator_only
+from fleet.daemon.calibration import CalibrateRequest, calibrate
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack, reply
+from fleet.daemon.operator import operator_only
 
 
 class CalibrationController(Controller):

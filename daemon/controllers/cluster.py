@@ -8,8 +8,8 @@ from litestar import Controller, Request, Response, get
 
 from fleet.errors import BadRequest
 
-from daemon.core import Daemon
-from daemon.http import reply
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import reply
 
 
 def public_url(url: str) -> str:

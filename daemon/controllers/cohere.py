@@ -37,10 +37,10 @@ from fleet.errors import BadRequest, Unsupported
 from fleet.protocol import EmbedRequest
 from fleet.vectors import quantize
 
-from daemon import codec, fields, tasks
-from daemon.controllers.common import default_model
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.controllers.common import default_model
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 
 #: Cohere `input_type` -> the prompt names it means, best first.
 COHERE_PROMPTS: dict[str, tuple[str, ...]] = {

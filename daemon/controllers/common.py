@@ -13,9 +13,9 @@ from litestar import Request
 from fleet.errors import BadRequest
 from fleet.store import Store
 
-from daemon import codec
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack
+from fleet.daemon import codec
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack
 
 T = TypeVar("T")
 

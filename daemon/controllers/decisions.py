@@ -31,11 +31,11 @@ from fleet.decisions import (
 )
 from fleet.errors import BadRequest, Unsupported
 
-from daemon import codec, tasks
-from daemon.controllers.systemone import decision_model
-from daemon.core import Daemon
-from daemon.fields import ignored_header, set_fields
-from daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon import codec, tasks
+from fleet.daemon.controllers.systemone import decision_model
+from fleet.daemon.core import Daemon
+from fleet.daemon.fields import ignored_header, set_fields
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 
 MAX_QUESTIONS = 400
 

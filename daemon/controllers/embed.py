@@ -15,13 +15,13 @@ from fleet.protocol import (
     OpenAIEmbeddingsRequest, OpenAIUsage, SparseVector, Usage,
 )
 
-from daemon import codec, fields, tasks, timeline, token_replies
-from daemon.controllers import cohere
-from daemon.controllers.common import default_model, with_model
-from daemon.controllers.tokens import ids_to_texts
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
-from daemon.offload import build_reply
+from fleet.daemon import codec, fields, tasks, timeline, token_replies
+from fleet.daemon.controllers import cohere
+from fleet.daemon.controllers.common import default_model, with_model
+from fleet.daemon.controllers.tokens import ids_to_texts
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from fleet.daemon.offload import build_reply
 
 _json = msgspec.json.Encoder().encode
 

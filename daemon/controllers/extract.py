@@ -6,10 +6,10 @@ from litestar import Controller, Request, Response, post
 
 from fleet.protocol import ExtractReply, ExtractRequest
 
-from daemon import tasks
-from daemon.controllers.common import decode_request, with_model
-from daemon.core import Daemon
-from daemon.http import answer_headers, reply
+from fleet.daemon import tasks
+from fleet.daemon.controllers.common import decode_request, with_model
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, reply
 
 
 class ExtractController(Controller):

@@ -10,9 +10,9 @@ from litestar.response import File
 from fleet.batches import FileList
 from fleet.errors import BadRequest, Unavailable
 
-from daemon import codec
-from daemon.core import Daemon
-from daemon.http import reply
+from fleet.daemon import codec
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import reply
 
 
 def batches_of(daemon: Daemon):

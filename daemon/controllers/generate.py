@@ -37,13 +37,13 @@ from fleet.protocol import (
     ResponseFormat, ToolCallDelta, Usage,
 )
 
-from daemon import codec, fields, tasks
-from daemon.controllers import tool_calls
-from daemon.controllers.common import decode_request
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
-from daemon.tasks import length_limit_headers, token_logprobs
-from daemon.text_stream import TextStream
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.controllers import tool_calls
+from fleet.daemon.controllers.common import decode_request
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon.tasks import length_limit_headers, token_logprobs
+from fleet.daemon.text_stream import TextStream
 
 
 #: Most likely tokens per step of the legacy completions' `logprobs` (OpenAI's limit).

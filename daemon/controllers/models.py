@@ -18,14 +18,14 @@ from fleet.protocol import DecisionModelCard, ModelCard, ModelDetail, ModelList
 from fleet.store import Manifest
 from fleet.tools import capabilities
 
-from daemon.core import Daemon, live_profiles
-from daemon.controllers.ollama_facts import facts
-from daemon.controllers.systemone import decision_model
-from daemon.http import reply
-from daemon.systemone import DEFAULT_ALIAS
-from daemon.model_urls import SCOPE_MODEL
-from daemon.operator import is_operator, operator_only
-from daemon.owner import delete_model
+from fleet.daemon.core import Daemon, live_profiles
+from fleet.daemon.controllers.ollama_facts import facts
+from fleet.daemon.controllers.systemone import decision_model
+from fleet.daemon.http import reply
+from fleet.daemon.systemone import DEFAULT_ALIAS
+from fleet.daemon.model_urls import SCOPE_MODEL
+from fleet.daemon.operator import is_operator, operator_only
+from fleet.daemon.owner import delete_model
 
 
 async def workers_view(daemon: Daemon) -> list[dict]:

@@ -67,26 +67,26 @@ from fleet.protocol import ChatMessage, EmbedRequest, FunctionCall, GenerateRequ
 from fleet.pull import pull_model
 from fleet.store import Manifest, Progress
 
-from daemon import codec, fields, tasks
-from daemon.broker import Answer
-from daemon.controllers.admin import choose_worker, holders, send
-from daemon.controllers.ollama_facts import capabilities, details, facts
-from daemon.controllers import tool_calls
-from daemon.controllers.ollama_wire import (
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.broker import Answer
+from fleet.daemon.controllers.admin import choose_worker, holders, send
+from fleet.daemon.controllers.ollama_facts import capabilities, details, facts
+from fleet.daemon.controllers import tool_calls
+from fleet.daemon.controllers.ollama_wire import (
     API_VERSION, IGNORED_MESSAGE, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody,
     EmbeddingsReply, EmbedReply, ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, OllamaFunction,
     OllamaToolCall, PsReply, ReplyMessage,
     RunningModel, ShowReply, Stats, TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields,
     ollama_name, output_format, read_options, refuse_unsupported, sampling, store_name,
 )
-from daemon.controllers.ollama_wire import Progress as ProgressLine
-from daemon.core import Daemon
-from daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
-from daemon.offload import build_reply
-from daemon.operator import is_operator, operator_only
-from daemon.owner import delete_model, detached, retire_copies
-from daemon.tasks import check_generate, token_logprobs
-from daemon.text_stream import TextStream
+from fleet.daemon.controllers.ollama_wire import Progress as ProgressLine
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
+from fleet.daemon.offload import build_reply
+from fleet.daemon.operator import is_operator, operator_only
+from fleet.daemon.owner import delete_model, detached, retire_copies
+from fleet.daemon.tasks import check_generate, token_logprobs
+from fleet.daemon.text_stream import TextStream
 
 log = logging.getLogger("fleet.daemon")
 

@@ -49,14 +49,14 @@ from fleet.errors import BadRequest, FleetError, NotFound, Unsupported
 from fleet.gguf import is_gguf
 from fleet.pull import pull_model
 
-from daemon import fields
-from daemon.controllers.ollama import (
+from fleet.daemon import fields
+from fleet.daemon.controllers.ollama import (
     NDJSON, decode, ignored_headers, json_reply, line, on_error, room_for_model, stored_manifest,
 )
-from daemon.controllers.ollama_wire import Progress as ProgressLine
-from daemon.controllers.ollama_wire import store_name
-from daemon.core import Daemon
-from daemon.operator import operator_only
+from fleet.daemon.controllers.ollama_wire import Progress as ProgressLine
+from fleet.daemon.controllers.ollama_wire import store_name
+from fleet.daemon.core import Daemon
+from fleet.daemon.operator import operator_only
 
 DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 #: How often (bytes written) an upload checks the disk's room again.

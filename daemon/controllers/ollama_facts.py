@@ -21,7 +21,7 @@ from fleet.gguf import GgufFacts
 from fleet.store import MANIFEST, Manifest, Store
 from fleet.tools import capabilities as fleet_capabilities
 
-from daemon.controllers.ollama_wire import Details
+from fleet.daemon.controllers.ollama_wire import Details
 
 #: fleet task -> Ollama capabilities (what Ollama-speaking apps filter models by).
 CAPABILITIES = {"generate": ["completion"], "embed": ["embedding"]}

@@ -19,11 +19,11 @@ from fleet.catalog import validate_name
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.evaluation import parse_eval
 
-from daemon import promotions
-from daemon.controllers.aliases import body_of, check_reason, owner_of
-from daemon.core import Daemon
-from daemon.http import reply
-from daemon.operator import operator_only
+from fleet.daemon import promotions
+from fleet.daemon.controllers.aliases import body_of, check_reason, owner_of
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import reply
+from fleet.daemon.operator import operator_only
 
 
 class PromoteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

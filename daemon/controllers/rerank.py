@@ -30,11 +30,11 @@ from fleet.protocol import (
     CohereApiVersion, CohereBilledUnits, CohereMeta, CohereRerankReply, RerankReply, RerankRequest, Usage,
 )
 
-from daemon import codec, fields, tasks
-from daemon.broker import Answer
-from daemon.controllers.common import decode_request, with_model
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.broker import Answer
+from fleet.daemon.controllers.common import decode_request, with_model
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 
 #: RerankRequest fields accepted and not applied: named in the reply's `X-Fleet-Ignored-Fields`.
 IGNORED_RERANK = ("max_tokens_per_doc", "max_chunks_per_doc", "priority")

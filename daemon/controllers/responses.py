@@ -42,12 +42,12 @@ from fleet.errors import BadRequest, FleetError, Unsupported
 from fleet.messages import GenerateResult
 from fleet.protocol import ChatMessage, FunctionCall, GenerateRequest, ToolCall
 
-from daemon import codec, fields, tasks
-from daemon.controllers import tool_calls
-from daemon.controllers.generate import SSE_HEADERS
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply
-from daemon.text_stream import TextStream
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.controllers import tool_calls
+from fleet.daemon.controllers.generate import SSE_HEADERS
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon.text_stream import TextStream
 
 #: Fields that ask for what fleet does not do (it keeps no responses).
 UNSUPPORTED = ("previous_response_id", "background", "conversation", "prompt", "reasoning",

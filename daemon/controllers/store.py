@@ -39,12 +39,12 @@ from fleet.errors import BadRequest, FleetError
 from fleet.pull import pull_model, resolve_name
 from fleet.store import Progress, damage_fix
 
-from daemon import codec
-from daemon.controllers.ollama import room_for_model, shown
-from daemon.core import Daemon
-from daemon.http import body_is_msgpack, reply
-from daemon.operator import operator_only
-from daemon.owner import detached, resident_copies, retire_copies
+from fleet.daemon import codec
+from fleet.daemon.controllers.ollama import room_for_model, shown
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import body_is_msgpack, reply
+from fleet.daemon.operator import operator_only
+from fleet.daemon.owner import detached, resident_copies, retire_copies
 
 log = logging.getLogger("fleet.daemon")
 

@@ -10,11 +10,11 @@ from litestar import Controller, Request, Response, post
 from fleet.catalog import load_catalog
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelNotFound, Unsupported
 
-from daemon import systemone, tasks
-from daemon.controllers.common import stored_tasks
-from daemon.core import Daemon
-from daemon.fields import ignored_header
-from daemon.http import answer_headers, body_is_msgpack, reply
+from fleet.daemon import systemone, tasks
+from fleet.daemon.controllers.common import stored_tasks
+from fleet.daemon.core import Daemon
+from fleet.daemon.fields import ignored_header
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 
 
 def decision_model(daemon: Daemon, name: str) -> str:

@@ -43,13 +43,13 @@ from fleet.errors import BadRequest, ModelNotFound, Unsupported
 from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
 
-from daemon import codec, fields, tasks, token_replies
-from daemon.controllers.common import default_model
-from daemon.controllers.tokens import ids_to_texts, load_tokenizer
-from daemon.core import Daemon, live_profiles
-from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
-from daemon.model_urls import SCOPE_ROOT
-from daemon.offload import build_reply, off_loop, text_bytes_over, too_large
+from fleet.daemon import codec, fields, tasks, token_replies
+from fleet.daemon.controllers.common import default_model
+from fleet.daemon.controllers.tokens import ids_to_texts, load_tokenizer
+from fleet.daemon.core import Daemon, live_profiles
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from fleet.daemon.model_urls import SCOPE_ROOT
+from fleet.daemon.offload import build_reply, off_loop, text_bytes_over, too_large
 
 _json = msgspec.json.Encoder().encode
 

@@ -47,16 +47,16 @@ from fleet.messages import GenerateResult
 from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import EmbedRequest, ExtractRequest, GenerateRequest
 
-from daemon import codec, fields, tasks
-from daemon.controllers.common import default_model
-from daemon.controllers.generate import SSE_HEADERS, sse
-from daemon.controllers.tei import TeiParameters, refuse_unsupported, stored
-from daemon.controllers.tokens import check_ids, load_tokenizer
-from daemon.core import Daemon
-from daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
-from daemon.model_urls import SCOPE_ROOT
-from daemon.offload import off_loop, too_large
-from daemon.text_stream import TextStream
+from fleet.daemon import codec, fields, tasks
+from fleet.daemon.controllers.common import default_model
+from fleet.daemon.controllers.generate import SSE_HEADERS, sse
+from fleet.daemon.controllers.tei import TeiParameters, refuse_unsupported, stored
+from fleet.daemon.controllers.tokens import check_ids, load_tokenizer
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from fleet.daemon.model_urls import SCOPE_ROOT
+from fleet.daemon.offload import off_loop, too_large
+from fleet.daemon.text_stream import TextStream
 
 #: TGI parameters fleet accepts and does not apply (named in X-Fleet-Ignored-Fields when set).
 IGNORED_TGI = ("top_k", "typical_p", "repetition_penalty", "frequency_penalty", "watermark", "truncate",

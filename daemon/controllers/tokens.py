@@ -18,7 +18,7 @@ from typing import Any
 from fleet.errors import BadRequest, IntegrityError, ModelLoadFailed
 from fleet.store import Manifest, Store
 
-from daemon.offload import off_loop, too_large
+from fleet.daemon.offload import off_loop, too_large
 
 TOKENIZER_FILE = "tokenizer.json"
 

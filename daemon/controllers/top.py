@@ -14,11 +14,11 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get
 
-from daemon.controllers.models import workers_view
-from daemon.core import Daemon
-from daemon.http import reply
-from daemon.operator import is_operator
-from daemon.top import WINDOW_S, ProcessStats, gpu_stats, model_rows
+from fleet.daemon.controllers.models import workers_view
+from fleet.daemon.core import Daemon
+from fleet.daemon.http import reply
+from fleet.daemon.operator import is_operator
+from fleet.daemon.top import WINDOW_S, ProcessStats, gpu_stats, model_rows
 
 #: CPU % of each process is measured between two reads of the route; one reader
 #: (fleetctl top) polling every second or two gets per-interval figures.

@@ -26,18 +26,14 @@ HTTP_TARGETS = ("fleet", "fleet-json", "openai", "infinity")
 
 
 def _import_bench():
+    """The bench is fleet.bench: in the wheel, or the checkout's bench/ (fleet/__init__.py)."""
     try:
-        import bench.runner  # noqa: F401
+        import fleet.bench.runner  # noqa: F401
     except ModuleNotFoundError as exc:
-        if exc.name != "bench":
+        if not (exc.name or "").startswith("fleet.bench"):
             raise
-        # `bench/` sits beside `fleetctl/` in a source checkout; when the installed
-        # distribution does not map it (older editable installs), use the checkout's.
-        root = Path(__file__).resolve().parents[2]
-        if not (root / "bench" / "runner.py").is_file():
-            raise Unavailable("the bench package is not installed",
-                              hint="run fleetctl bench from a fleet source checkout") from exc
-        sys.path.insert(0, str(root))
+        raise Unavailable("the bench package is not installed",
+                          hint="install fleet-serve[server] or run fleetctl bench from a fleet checkout") from exc
 
 
 def _floats(text: str | None, what: str) -> list[float] | None:
@@ -67,7 +63,7 @@ def _server_pids(url: str, kind: str) -> list[int]:
     """The server process to sample: the daemon's own PID from /v1/ps, else whoever listens on the port."""
     import httpx
 
-    from bench.sampler import listening_pids
+    from fleet.bench.sampler import listening_pids
 
     if kind.startswith("fleet"):
         try:
@@ -120,14 +116,14 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.markup import escape
 
-        from bench import corpus, report
-        from bench.knee import CLOSED, OPEN, Criteria
-        from bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
-        from bench.sampler import Sampler, describe_gpus
-        from bench.peers import INFINITY_VENV
-        from bench.st_local import local_target
-        from bench.targets import KINDS, TASKS
-        from bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
+        from fleet.bench import corpus, report
+        from fleet.bench.knee import CLOSED, OPEN, Criteria
+        from fleet.bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
+        from fleet.bench.sampler import Sampler, describe_gpus
+        from fleet.bench.peers import INFINITY_VENV
+        from fleet.bench.st_local import local_target
+        from fleet.bench.targets import KINDS, TASKS
+        from fleet.bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
         from fleet.config import client_url
 
         # Tables are data: when piped, keep them whole instead of squeezing to 80 columns.
@@ -196,7 +192,7 @@ def register(app: typer.Typer) -> None:
                 if (lt := local.get(name)) is not None:
                     specs.append(TargetSpec(name=lt.name, kind="st", dtype=lt.dtype, engine=lt.engine, sorted=lt.sorted))
                 elif name == "infinity" and (compare or not url_given):
-                    from bench.peers import Infinity
+                    from fleet.bench.peers import Infinity
 
                     err.print("[dim]starting infinity-emb on loopback ...[/]")
                     peer = Infinity(mdir, model, device=dev, dtype=infinity_dtype)

@@ -245,7 +245,7 @@ def check_catalog(home: Path) -> Finding:
 def check_set_aside(home: Path) -> list[Finding]:
     """Damaged files the daemon set aside and started without: the batch store
     (`batches.damaged-*`: daemon.jobstore) and the pins file (`pins.json.damaged-*`: fleet.pins)."""
-    from daemon.jobstore import DAMAGED_PREFIX
+    from fleet.daemon.jobstore import DAMAGED_PREFIX
     from fleet.pins import PINS_FILE
 
     found = []
@@ -302,7 +302,7 @@ def _json(response: Any) -> dict:
 def run_checks() -> list[Finding]:
     from fleet.config import client_url, load_settings
     from fleetctl.commands.service import SYSTEM_UNIT_DIRS
-    from runtimes.device import device_class
+    from fleet.runtimes.device import device_class
 
     from fleet.config import Settings, default_home
     from fleet.errors import FleetError

@@ -17,8 +17,8 @@ def register(app: typer.Typer) -> None:
         nats: str = typer.Option(None, help="NATS URL to join a cluster, e.g. nats://127.0.0.1:4222"),
     ) -> None:
         """Start the daemon: HTTP API plus worker processes."""
-        from daemon.logs import setup_logging
-        from daemon.server import serve as run
+        from fleet.daemon.logs import setup_logging
+        from fleet.daemon.server import serve as run
 
         settings = flag_settings({"host": host, "port": port, "workers": workers, "device": device, "nats": nats})
         setup_logging(settings.log_level, home=settings.home_path)  # stderr, and FLEET_HOME/logs/fleetd.log

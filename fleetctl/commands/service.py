@@ -298,7 +298,7 @@ def register(app: typer.Typer) -> None:
         show: bool = typer.Option(False, "--print", "--dry-run", help="Print the unit; write and run nothing."),
     ) -> None:
         """Write fleetd.service for this Python environment and enable it."""
-        from daemon.auth import is_loopback
+        from fleet.daemon.auth import is_loopback
 
         env = _validate(user, host, port)
         fleetctl = this_fleetctl()

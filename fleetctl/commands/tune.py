@@ -56,9 +56,9 @@ def register(app: typer.Typer) -> None:
         from rich.panel import Panel
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        from bench import corpus, report
-        from bench.tokens import TokenCounter
-        from bench.tune import (
+        from fleet.bench import corpus, report
+        from fleet.bench.tokens import TokenCounter
+        from fleet.bench.tune import (
             BenchKnobs, DaemonMeasurer, finite, resolve_target, result_doc, search_profile, tuned_info,
         )
         from fleet.catalog import Profile, validate_name, write_tuned_profile
