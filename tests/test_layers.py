@@ -170,7 +170,7 @@ def test_server_packages_are_imported_inside_fleet():
     """`import daemon` would load a second copy of a module beside fleet.daemon's (two
     registries, two classes of one name), and installed it would be another package."""
     wrong = []
-    for module, path in MODULES.items():
+    for path in MODULES.values():
         rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
