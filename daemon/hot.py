@@ -6,8 +6,9 @@ forward pass, with cold caches. On the 2-vCPU box of issue 17, Litestar's
 request cycle for a trivial POST then takes ~0.32 ms (0.04 ms when warm), a
 third of the 1 ms the whole serving path may add; a plain ASGI exchange takes
 ~0.03 ms cold. So this one route skips the framework: the body is read here,
-and the work is `controllers.embed.embed_exchange`, the same function the
-Litestar route calls. Errors take the contract's shape through
+and the work is the function the Litestar route calls,
+`controllers.embed.embed_exchange`, handed in by whoever builds the app (daemon.server),
+so this module sits below the controllers. Errors take the contract's shape through
 `daemon.http.error_parts`, like the app's exception handlers. Everything
 else, and the OpenAPI document, stays Litestar's; the wrappers outside this
 one (request id, browser guard, auth) see both alike.
@@ -30,7 +31,6 @@ from fleet.errors import FleetError, PayloadTooLarge
 
 from fleet.daemon import codec, timeline
 from fleet.daemon.aliases import AliasScope
-from fleet.daemon.controllers.embed import embed_exchange
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import PRIVATE_PATHS, error_parts
 
@@ -38,6 +38,8 @@ log = logging.getLogger("fleet.daemon")
 
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
+#: (daemon, body, msgpack_in=, msgpack_out=) -> (reply body, reply headers).
+Exchange = Callable[..., Awaitable[tuple[bytes, dict[str, str]]]]
 
 _TIMELINE = timeline.HEADER.lower().encode()
 
@@ -49,9 +51,10 @@ class ClientGone(Exception):
 class HotRoutes:
     """ASGI: `POST /v1/embed` here, everything else to `app` (the Litestar app)."""
 
-    def __init__(self, app: Litestar, daemon: Daemon) -> None:
+    def __init__(self, app: Litestar, daemon: Daemon, exchange: Exchange) -> None:
         self.app = app
         self.daemon = daemon
+        self.exchange = exchange
         self._scoped = AliasScope(self._route)
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
@@ -70,8 +73,8 @@ class HotRoutes:
         msgpack_out = codec.reply_is_msgpack(headers.get(b"accept", b"").decode("latin-1"), content_type)
         try:
             body = await read_body(receive, self.daemon.settings.max_body_bytes, headers.get(b"content-length"))
-            content, reply_headers = await embed_exchange(self.daemon, body, msgpack_out=msgpack_out,
-                                                          msgpack_in=codec.is_msgpack(content_type))
+            content, reply_headers = await self.exchange(self.daemon, body, msgpack_out=msgpack_out,
+                                                         msgpack_in=codec.is_msgpack(content_type))
             status = 200
         except ClientGone:
             return

@@ -40,7 +40,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode
 from fleet.errors import BadRequest, FleetError, ModelNotFound, NotFound
 
 from fleet.daemon import codec, fields
-from fleet.daemon.controllers.common import choose_default_model, stored_tasks
+from fleet.daemon.defaults import choose_default_model, stored_tasks
 from fleet.daemon.core import Daemon
 from fleet.daemon.hot import ClientGone, read_body
 from fleet.daemon.http import error_parts

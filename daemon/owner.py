@@ -26,7 +26,7 @@ from fleet.control import PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound
 from fleet.catalog import validate_name
 
-from fleet.daemon.controllers.admin import holders, send
+from fleet.daemon.commands import holders, send
 from fleet.daemon.core import Daemon
 
 log = logging.getLogger("fleet.daemon")

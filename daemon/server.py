@@ -124,6 +124,7 @@ def serve(settings: Settings) -> None:
     from fleet.daemon.connections import connection_limits, guarded_protocol
     from fleet.daemon.departures import DepartureMiddleware
     from fleet.daemon.guard import BrowserGuard
+    from fleet.daemon.controllers.embed import embed_exchange
     from fleet.daemon.hot import HotRoutes
     from fleet.daemon.http import PRIVATE_PATHS
     from fleet.daemon.logs import RequestIdMiddleware
@@ -159,7 +160,7 @@ def serve(settings: Settings) -> None:
     daemon.reload_hooks.append(upstreams.reload)
     # A batch's lines take the routes HTTP requests take, in this process (daemon.batches),
     # with the upstream layer (daemon.spill) in front of them: a line of a remote model goes there.
-    routes = UpstreamRoutes(HotRoutes(litestar_app, daemon), daemon, upstreams)
+    routes = UpstreamRoutes(HotRoutes(litestar_app, daemon, embed_exchange), daemon, upstreams)
     daemon.dispatch = routes
     # Request id outermost (401s and every log line of a request carry it); the
     # browser guard before auth (preflights carry no key); auth wraps the whole app,

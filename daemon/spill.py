@@ -39,7 +39,7 @@ from fleet.errors import ClientClosed, FleetError, ModelNotFound, Timeout, Unava
 
 from fleet.daemon import codec
 from fleet.daemon.clients import client_of
-from fleet.daemon.controllers.common import default_model
+from fleet.daemon.defaults import default_model
 from fleet.daemon.core import BATCH_WORK, Daemon
 from fleet.daemon.departures import DEPARTURE
 from fleet.daemon.hot import ClientGone, read_body

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.daemon.app import create_app
 from fleet.daemon.auth import MIN_KEY_CHARS, BearerAuthMiddleware, bearer_auth, check_bind, is_loopback
 from fleet.daemon.core import Daemon
+from fleet.daemon.controllers.embed import embed_exchange
 from fleet.daemon.hot import HotRoutes
 from fleet.daemon.server import LiveApp
 from fleet.config import Settings
@@ -40,7 +41,7 @@ BODY = {"model": "no-such-model", "inputs": ["a"]}
 @pytest.fixture(scope="module")
 def url(tmp_path_factory) -> Iterator[str]:
     daemon = Daemon(Settings(home=str(tmp_path_factory.mktemp("fleet-home"))))
-    app = LiveApp(HotRoutes(create_app(daemon), daemon), KEY)
+    app = LiveApp(HotRoutes(create_app(daemon), daemon, embed_exchange), KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

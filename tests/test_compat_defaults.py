@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.daemon.controllers.common import choose_default_model
+from fleet.daemon.defaults import choose_default_model
 from fleet.config import load_settings
 from fleet.errors import BadRequest
 
@@ -40,7 +40,7 @@ def test_default_models_from_config_toml_and_env(tmp_path, monkeypatch):
 
 
 def test_the_stored_listing_is_read_again_after_a_pull_and_an_rm(tmp_path):
-    from fleet.daemon.controllers.common import stored_tasks
+    from fleet.daemon.defaults import stored_tasks
     from fleet.pull import pull_model
     from fleet.store import Store
     from tests.conftest import default_model_dir

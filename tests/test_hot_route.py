@@ -20,6 +20,7 @@ import pytest
 
 from fleet.daemon.app import create_app
 from fleet.daemon.core import Daemon
+from fleet.daemon.controllers.embed import embed_exchange
 from fleet.daemon.hot import HotRoutes
 from fleet.config import Settings
 
@@ -33,7 +34,7 @@ def apps(tmp_path_factory):
     home = tmp_path_factory.mktemp("fleet-home")
     daemon = Daemon(Settings(home=str(home), max_body_bytes=LIMIT))
     litestar = create_app(daemon)
-    return litestar, HotRoutes(litestar, daemon)
+    return litestar, HotRoutes(litestar, daemon, embed_exchange)
 
 
 def call(app, body: bytes, *, content_type: str, accept: str | None = None, path: str = "/v1/embed",

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleet.daemon.controllers.admin import choose_worker, device_room
+from fleet.daemon.commands import choose_worker, device_room
 from fleet.pins import PinStore
 from fleet.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
 from fleetctl.residency import device_rows

@@ -38,7 +38,7 @@ from fleet.protocol import EmbedRequest
 from fleet.vectors import quantize
 
 from fleet.daemon import codec, fields, tasks
-from fleet.daemon.controllers.common import default_model
+from fleet.daemon.defaults import default_model
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 

@@ -17,7 +17,8 @@ from fleet.protocol import (
 
 from fleet.daemon import codec, fields, tasks, timeline, token_replies
 from fleet.daemon.controllers import cohere
-from fleet.daemon.controllers.common import default_model, with_model
+from fleet.daemon.controllers.common import with_model
+from fleet.daemon.defaults import default_model
 from fleet.daemon.controllers.tokens import ids_to_texts
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack

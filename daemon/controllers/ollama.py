@@ -69,7 +69,7 @@ from fleet.store import Manifest, Progress
 
 from fleet.daemon import codec, fields, tasks
 from fleet.daemon.broker import Answer
-from fleet.daemon.controllers.admin import choose_worker, holders, send
+from fleet.daemon.commands import choose_worker, holders, send
 from fleet.daemon.controllers.ollama_facts import capabilities, details, facts
 from fleet.daemon.controllers import tool_calls
 from fleet.daemon.controllers.ollama_wire import (

@@ -11,7 +11,7 @@ from fleet.catalog import load_catalog
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelNotFound, Unsupported
 
 from fleet.daemon import systemone, tasks
-from fleet.daemon.controllers.common import stored_tasks
+from fleet.daemon.defaults import stored_tasks
 from fleet.daemon.core import Daemon
 from fleet.daemon.fields import ignored_header
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply

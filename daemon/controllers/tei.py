@@ -44,7 +44,7 @@ from fleet.protocol import ClassifyRequest, EmbedRequest, RerankRequest
 from fleet.store import Manifest
 
 from fleet.daemon import codec, fields, tasks, token_replies
-from fleet.daemon.controllers.common import default_model
+from fleet.daemon.defaults import default_model
 from fleet.daemon.controllers.tokens import ids_to_texts, load_tokenizer
 from fleet.daemon.core import Daemon, live_profiles
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack

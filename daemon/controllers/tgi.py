@@ -48,7 +48,7 @@ from fleet.messages import TokenLogprob as WireLogprob
 from fleet.protocol import EmbedRequest, ExtractRequest, GenerateRequest
 
 from fleet.daemon import codec, fields, tasks
-from fleet.daemon.controllers.common import default_model
+from fleet.daemon.defaults import default_model
 from fleet.daemon.controllers.generate import SSE_HEADERS, sse
 from fleet.daemon.controllers.tei import TeiParameters, refuse_unsupported, stored
 from fleet.daemon.controllers.tokens import check_ids, load_tokenizer
