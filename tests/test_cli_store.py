@@ -254,6 +254,21 @@ def test_catalog_listing(home: Path) -> None:
     assert {"bge-small-en-v1.5", "bge-reranker-base"} <= set(rows)
 
 
+def test_catalog_listing_needs_no_daemon_even_with_fleet_url_unreachable(home: Path) -> None:
+    """The catalog ships with the package: a dead FLEET_URL costs only the 'pulled' column,
+    which then shows FLEET_HOME's store, and one line says the daemon was not reached."""
+    assert fleetctl(home, "pull", DEFAULT).returncode == 0
+    dead = f"http://127.0.0.1:{closed_port()}"
+    for args in (("--json",), ()):
+        out = fleetctl(home, "list", "--catalog", *args, FLEET_URL=dead)
+        assert out.returncode == 0, out.stderr
+        assert f"cannot reach the fleet daemon at {dead} (FLEET_URL)" in out.stderr, out.stderr
+        assert f"'pulled' shows the store in {home / 'models'}" in out.stderr, out.stderr
+    rows = {r["name"]: r for r in json.loads(fleetctl(home, "list", "--catalog", "--json", FLEET_URL=dead).stdout)}
+    assert rows[DEFAULT]["pulled"] is True and rows["bge-small-en-v1.5"]["pulled"] is False
+    assert DEFAULT in out.stdout  # the table
+
+
 def test_concurrent_pulls_of_one_name_copy_once(home: Path) -> None:
     procs = [
         subprocess.Popen([FLEETCTL, "pull", DEFAULT, "--json"], env=base_env(home), stdout=subprocess.PIPE,

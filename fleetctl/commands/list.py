@@ -33,14 +33,9 @@ def register(app: typer.Typer) -> None:
         # Piped output is for other programs: never fold a row (a terminal folds the source).
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 4096)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
-        client = store_daemon()
         if catalog:
             entries = load_catalog(settings.home).all()
-            if client is not None:  # what the daemon serves (open to every user: /v1/models)
-                with client:
-                    pulled = {m.id for m in client.models().data}
-            else:
-                pulled = set(store.names())
+            pulled = catalog_pulled(store, err)
             sizes = {e.name: known_size(e, store, pulled) for e in entries}
             if json:
                 # size_bytes: measured here when this box holds the files (size_from "store",
@@ -52,6 +47,7 @@ def register(app: typer.Typer) -> None:
             out.print(catalog_table(entries, pulled, sizes))
             return
 
+        client = store_daemon()
         if client is not None:  # the daemon's store, as it reads it (daemon/controllers/store.py)
             with as_operator(client):
                 listing = client.get("/v1/store")
@@ -72,6 +68,28 @@ def register(app: typer.Typer) -> None:
             err.print("no models pulled yet; try `fleetctl pull all-minilm-l6-v2` (see `fleetctl list --catalog`)")
             return
         out.print(store_table(manifests))
+
+
+def catalog_pulled(store, err: Console) -> set[str]:
+    """The names the `pulled` column marks: what the daemon serves when one answers (open to
+    every user: /v1/models), else what this box's store holds.
+
+    The catalog itself is a file in the package and needs no daemon, so an unreachable
+    FLEET_URL (an error for the verbs that act on a store) only costs this column: it is
+    taken from FLEET_HOME's store, and one line on stderr says so.
+    """
+    from fleet.errors import Unavailable
+    from fleetctl.owner import store_daemon
+
+    try:
+        client = store_daemon()
+        if client is not None:
+            with client:
+                return {m.id for m in client.models().data}
+    except Unavailable as exc:
+        err.print(f"{escape(exc.message)}; the catalog needs none: 'pulled' shows the store in "
+                  f"{escape(str(store.root))}")
+    return set(store.names())
 
 
 def catalog_table(entries, pulled: set[str], sizes: dict) -> FitTable:
