@@ -95,10 +95,41 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def history_turns(template: str | None, messages: list[dict]) -> list[dict]:
     """The turns of a request whose tools are not rendered (it has none, or tool_choice
     "none"): a template with no place for calls and results (Gemma 3's refuses tool
-    turns) gets them in its format's text."""
-    if tool_format(template) == TOOL_CODE and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+    turns, SmolLM3's drops calls) gets them in its format's text."""
+    fmt = tool_format(template)
+    if fmt == TOOL_CODE and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return tool_code.history(messages)
+    if fmt == HERMES:
+        return hermes_history(template or "", messages)
     return messages
+
+
+def hermes_history(template: str, messages: list[dict]) -> list[dict]:
+    """History calls and results for a Hermes template that has no place for them, in the
+    blocks the model writes and reads. SmolLM3's writes an assistant turn's content only
+    (a call would vanish, leaving an empty turn) and a tool turn as a user turn of its bare
+    content (a result would read as the user's words): calls go after the turn's text as
+    `<tool_call>` blocks spelled as the grammar spells them, results in `<tool_response>`
+    blocks (spelled as Qwen's templates write them). A template that writes calls
+    (`tool_calls`) or results (`<tool_response>`) itself gets its turns unchanged."""
+    calls_missing, results_bare = "tool_calls" not in template, "<tool_response>" not in template
+    out = []
+    for m in messages:
+        if calls_missing and m.get("tool_calls"):
+            blocks = "\n".join(hermes_call(c) for c in m["tool_calls"])
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + blocks
+        elif results_bare and m["role"] == "tool":
+            m = {**m, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    return out
+
+
+def hermes_call(call: dict) -> str:
+    """A history call as a Hermes model writes it (the grammar's spelling)."""
+    f = call["function"]
+    body = json.dumps({"name": f["name"], "arguments": f["arguments"]}, ensure_ascii=False)
+    return f"{MARKERS[HERMES][0]}\n{body}\n{MARKERS[HERMES][1]}"
 
 
 def tool_dict(tool: ToolDef) -> dict:
@@ -149,10 +180,14 @@ class Caller:
             if messages and messages[0]["role"] == "system":
                 return [{**messages[0], "tools": listed}, *messages[1:]], {}
             return [{"role": "system", "content": "", "tools": listed}, *messages], {}
-        kwargs: dict[str, Any] = {"tools": tools}
-        if "xml_tools" in self.template:  # SmolLM3's templates read the tools under this name
-            kwargs["xml_tools"] = tools
-        return messages, kwargs
+        if self.format == HERMES:
+            messages = hermes_history(self.template, messages)
+        if "xml_tools" in self.template:
+            # SmolLM3's template reads the tools under this name and writes each as Python
+            # writes a dict; its own usage passes the functions themselves. A later revision
+            # takes `tools` in place of `xml_tools` when both are given: only one is sent.
+            return messages, {"xml_tools": [t["function"] for t in tools]}
+        return messages, {"tools": tools}
 
     # -- 2. the grammar -----------------------------------------------------------------
 

@@ -149,6 +149,10 @@ QWEN25_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-instruct.jinja"
 #: Gemma 3's chat template as its instruct models ship it (tokenizer_config.json): it has
 #: no place for tools; calls are ```tool_code blocks of Python calls (fleet.tools).
 GEMMA3_TEMPLATE = Path(__file__).parent / "data" / "gemma-3-it.jinja"
+#: SmolLM3-3B's chat template as the model first shipped it (tokenizer_config.json, July
+#: 2025; provenance in tests/test_tool_formats.py): the tools under `xml_tools`, calls in
+#: Hermes `<tool_call>` blocks, `/think` and `/no_think` flags; no place for history calls.
+SMOLLM3_TEMPLATE = Path(__file__).parent / "data" / "smollm3-3b.jinja"
 #: Where a scripted model's greedy choice goes, given the token it just read (module doc
 #: of build_tool_caller): (read, next, strength); the strongest one the grammar allows wins.
 TOOL_SCRIPT = [
@@ -160,9 +164,16 @@ TOOL_SCRIPT = [
 ]
 
 
-def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0, template: Path = QWEN25_TEMPLATE) -> Path:
+#: The config and model classes of build_tool_caller's architectures.
+CALLER_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+
+
+def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0, template: Path = QWEN25_TEMPLATE,
+                      model_type: str = "qwen2") -> Path:
     """A tiny Qwen2 that calls tools, with Qwen2.5-Instruct's real chat template (or
     `template`) and its added `<tool_call>` / `</tool_call>` tokens (not special, as in Qwen's).
+    `model_type` "smollm3" makes it a SmolLM3 (its config and model classes, so its folder
+    is in SmolLM3's hub layout: config.json, tokenizer files, chat_template.jinja).
 
     Its one layer adds nothing (o_proj and down_proj are zero), so the logits are a
     function of the last token read: each TOOL_SCRIPT entry adds that token's unit
@@ -175,7 +186,8 @@ def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0, templat
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -190,10 +202,12 @@ def build_tool_caller(folder: Path, *, hidden: int = 256, seed: int = 0, templat
     fast.save_pretrained(folder)
     eos = fast.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      eos_token_id=eos, pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
+    config_class, model_class = CALLER_CLASSES[model_type]
+    cfg = getattr(transformers, config_class)(
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=None, eos_token_id=eos,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
+    model = getattr(transformers, model_class)(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()

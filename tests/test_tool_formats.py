@@ -16,7 +16,7 @@ from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
 from fleet.runtimes.base import ModelSpec, Profile
 from fleet.runtimes.generate import CausalLM
 from fleet.runtimes.tools import Caller
-from tests.gen_models import CHAT_TEMPLATE, GEMMA3_TEMPLATE, QWEN25_TEMPLATE, build_tool_caller
+from tests.gen_models import CHAT_TEMPLATE, GEMMA3_TEMPLATE, QWEN25_TEMPLATE, SMOLLM3_TEMPLATE, build_tool_caller
 
 #: Phi-4-mini-instruct's chat template as the model ships it: tools as JSON text in the system turn.
 PHI4_TEMPLATE = (
@@ -55,6 +55,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
 
 def test_the_format_is_read_from_the_template() -> None:
     assert tool_format(QWEN25_TEMPLATE.read_text()) == HERMES
+    assert tool_format(SMOLLM3_TEMPLATE.read_text()) == HERMES
     assert tool_format(LLAMA_TEMPLATE) == LLAMA_JSON
     assert tool_format(PHI4_TEMPLATE) == PHI4_MINI
     assert tool_format(GEMMA3_TEMPLATE.read_text()) == TOOL_CODE
@@ -86,8 +87,9 @@ def assembled(pieces: list) -> list[tuple[str, str]]:
     return [written[i] for i in range(len(written))]
 
 
-@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE,
-                                      GEMMA3_TEMPLATE.read_text()], ids=[HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE])
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), SMOLLM3_TEMPLATE.read_text(), LLAMA_TEMPLATE,
+                                      PHI4_TEMPLATE, GEMMA3_TEMPLATE.read_text()],
+                         ids=[HERMES, "smollm3", LLAMA_JSON, PHI4_MINI, TOOL_CODE])
 def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, template: str) -> None:
     try:
         for choice in ("required", NamedToolChoice(FunctionName("get_weather"))):
@@ -108,8 +110,9 @@ def test_each_format_decodes_calls_that_fit_their_schema(model: CausalLM, templa
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
 
 
-@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE,
-                                      GEMMA3_TEMPLATE.read_text()], ids=[HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE])
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), SMOLLM3_TEMPLATE.read_text(), LLAMA_TEMPLATE,
+                                      PHI4_TEMPLATE, GEMMA3_TEMPLATE.read_text()],
+                         ids=[HERMES, "smollm3", LLAMA_JSON, PHI4_MINI, TOOL_CODE])
 def test_history_calls_are_rendered_in_the_format(model: CausalLM, template: str) -> None:
     model.tokenizer.chat_template = template
     try:
@@ -230,5 +233,55 @@ def test_a_template_with_no_tools_is_refused_saying_so(model: CausalLM) -> None:
         err = model.admit(0, GenerateRequest(model="caller", messages=ASK, tools=[SWITCH]))
         assert err.code == "bad_request" and "cannot express tools" in err.message
         assert not model.has_active()
+    finally:
+        model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+def test_smollm3_template_renders_tools_calls_results_and_its_flags(model: CausalLM) -> None:
+    """SmolLM3's real chat template, recognised from its text (this model is a Qwen2 named
+    "caller"). tests/data/smollm3-3b.jinja is, byte for byte (sha256 3982464e...), the
+    chat template HuggingFaceTB/SmolLM3-3B was released with on 8 July 2025; found in the
+    public GitHub repository EricLBuehler/mistral.rs at chat_templates/smollm3.jinja
+    (commit 85dcfbef, "Add the SmolLM3 model!", unchanged since). Later hub revisions
+    also take `tools` as `xml_tools`.
+
+    The template reads the tools from `xml_tools` and writes each as Python writes a dict;
+    it writes an assistant turn's content only and a tool turn as a user turn: without
+    fleet's blocks, a history call vanished (an empty assistant turn) and its result read
+    as the user's words."""
+    model.tokenizer.chat_template = SMOLLM3_TEMPLATE.read_text()
+    try:
+        call = ToolCall(FunctionCall("set_mode", '{"mode": "on", "loud": false}'), id="call_1")
+        history = [*ASK, ChatMessage("assistant", None, [call]),
+                   ChatMessage("tool", "switched on", tool_call_id="call_1", name="set_mode")]
+        caller = Caller("caller", model.tokenizer, [SWITCH, WEATHER], "auto", True, model._engine_token)
+        text = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=history,
+                                                                       tools=[SWITCH, WEATHER]), caller))
+        functions = [{"name": t.function.name, "description": t.function.description or "",
+                      "parameters": t.function.parameters} for t in (SWITCH, WEATHER)]
+        assert f"<tools>\n{functions[0]}\n{functions[1]}\n</tools>" in text and "'type': 'function'" not in text
+        assert "Reasoning Mode: /think" in text
+        block = '<tool_call>\n{"name": "set_mode", "arguments": {"mode": "on", "loud": false}}\n</tool_call>'
+        result = "<|im_start|>user\n<tool_response>\nswitched on\n</tool_response><|im_end|>"
+        assert f"<|im_start|>assistant\n{block}<|im_end|>\n{result}" in text
+        # Without tools to render (or tool_choice "none"), the same history.
+        plain = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=history)))
+        assert "### Tools" not in plain and f"<|im_start|>assistant\n{block}<|im_end|>\n{result}" in plain
+        # Its /no_think flag: an empty thought before each assistant turn, the call after it.
+        quiet = [ChatMessage("system", "Be brief. /no_think"), *history]
+        text = model.tokenizer.decode(model.prompt_ids(GenerateRequest(model="caller", messages=quiet,
+                                                                       tools=[SWITCH]), caller))
+        assert "Reasoning Mode: /no_think" in text and "Be brief." in text
+        assert f"<|im_start|>assistant\n<think>\n\n</think>\n{block}<|im_end|>" in text
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n")
+        req = GenerateRequest(model="caller", messages=quiet, temperature=0.0, max_tokens=300, tools=[SWITCH, WEATHER],
+                              tool_choice=NamedToolChoice(FunctionName("set_mode")))
+        assert model.admit(0, req) is None
+        results = {}
+        while model.has_active():
+            results.update(model.step()[1])
+        res = results[0]
+        assert res.finish_reason == "tool_calls" and [c.name for c in res.tool_calls] == ["set_mode"], res
+        assert fits("set_mode", res.tool_calls[0].arguments)
     finally:
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
