@@ -141,3 +141,43 @@ class FitTable:
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement.get(console, options, self.table(options.max_width))
+
+
+#: The fewest characters of a path worth showing on the line it shares; fewer, it gets a line of its own.
+PATH_MIN = 24
+
+
+def cut_middle(text: str, width: int) -> str:
+    """`text` in at most `width` cells, its middle given up for "…": a path's start (which
+    tree) and end (which home) say most."""
+    if cell_len(text) <= width:
+        return text
+    if width < 2:
+        return "…"[:width]
+    tail = (width - 1) * 2 // 3
+    return text[:width - 1 - tail] + "…" + text[len(text) - tail:]
+
+
+class WhereLine:
+    """`<lead> · <label> <path>` on one line at the width it is drawn at: the lead (a
+    URL people copy) whole, the path cut in the middle. When the path would keep fewer
+    than PATH_MIN characters beside the lead, it goes on a line of its own, still cut
+    to fit; the lead alone wider than the terminal folds, never cut."""
+
+    def __init__(self, lead: str, label: str, path: str, *, cut: bool = True) -> None:
+        self.lead, self.label, self.path, self.cut = lead, label, path, cut
+
+    def lines(self, width: int) -> list[str]:
+        tail = f"{self.label} {self.path}"
+        one = f"{self.lead} · {tail}"
+        if cell_len(one) <= width:
+            return [one]
+        room = width - cell_len(f"{self.lead} · {self.label} ")
+        if self.cut and room >= PATH_MIN:
+            return [f"{self.lead} · {self.label} {cut_middle(self.path, room)}"]
+        room = width - cell_len(self.label) - 1
+        return [self.lead, f"{self.label} {cut_middle(self.path, room) if self.cut else self.path}"]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for line in self.lines(options.max_width):
+            yield Text(line, overflow="fold")

@@ -112,6 +112,39 @@ def test_ps_keeps_model_names_and_ids_whole(width: int) -> None:
     assert "openvino (measured, 14,143 tok/s)" in flat and "items 64 (shipped)" in flat
 
 
+#: A home as deep as a shared box's (104 characters): wider than what is left of 80 columns.
+LONG_HOME = "/srv/teams/search-ranking/environments/production-eu-west/services/embeddings-primary/fleet-home-2026"
+
+
+@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("view", ["ps", "top"])
+def test_the_header_fits_with_a_long_home_and_keeps_the_url_whole(view: str, width: int) -> None:
+    url = "http://127.0.0.1:7744"
+    short = "/var/lib/fleet"
+    for home in (LONG_HOME, short):
+        state = {**(ps_state(time.time()) if view == "ps" else top_state()),
+                 "url": url, "url_from": "lock file", "home": home}
+        lines = screen(ps.render(state) if view == "ps" else top.render(state), width)
+        assert_whole(lines, width, [*LONGEST])
+        (at,) = [i for i, line in enumerate(lines) if url in line]
+        assert lines[at].startswith(f"{url} (this FLEET_HOME's daemon)")  # the URL whole
+        # The home beside it, or at 80 columns with a long home on the next line, so more of it shows.
+        beside = width == 120 or home == short
+        line = lines[at] if beside else lines[at + 1]
+        assert ("· FLEET_HOME /" in line) if beside else line.startswith("FLEET_HOME /")
+        if home == short:
+            assert line.endswith(f"FLEET_HOME {short}")
+        else:  # cut in the middle: which tree, and which home
+            assert "…" in line and line.endswith("/fleet-home-2026") and "FLEET_HOME /srv/" in line
+    # A URL that leaves no room beside it: the home on a line of its own, the URL never cut.
+    url = "http://embeddings-primary.search.internal:7744"
+    state = {**top_state(), "url": url, "url_from": "env", "home": LONG_HOME}
+    lines = screen(top.render(state), width)
+    assert max(map(len, lines)) <= width and any(line.startswith(f"{url} (FLEET_URL)") for line in lines)
+    home = next(line for line in lines if "FLEET_HOME /srv/" in line)
+    assert home.endswith("/fleet-home-2026") and home.startswith("FLEET_HOME" if width == 80 else url)
+
+
 def top_state() -> dict:
     row = {"requests_per_s": 123.4, "errors_per_s": 0.5, "p50_ms": 12.3, "p95_ms": 456.7, "tokens_per_s": 98765.0,
            "batches": 40, "batch_items": 31.5, "batch_tokens": 12000.0, "loads": 1, "evictions": 3, "depth": 12,

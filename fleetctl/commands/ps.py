@@ -14,12 +14,11 @@ from typing import Any
 
 import typer
 from rich.console import Console, Group
-from rich.markup import escape
 
 from fleetctl.commands.alias import aliases_table
 from fleetctl.commands.batch import batches_table, running_batches
 from fleetctl.residency import device_rows
-from fleetctl.tables import NAMES, TEXT, FitTable
+from fleetctl.tables import NAMES, TEXT, FitTable, WhereLine
 
 
 def register(app: typer.Typer) -> None:
@@ -83,14 +82,16 @@ def render(state: dict[str, Any], now: float | None = None) -> Group:
 URL_FROM = {"env": "FLEET_URL", "config": "config.toml", "lock file": "this FLEET_HOME's daemon", "default": "default"}
 
 
-def where(state: dict[str, Any]) -> list[str]:
+def where(state: dict[str, Any]) -> list[WhereLine]:
     """The daemon this view shows: its URL (and where the URL came from) and the
-    FLEET_HOME it serves, which it tells its operator only (`home` needs the admin key)."""
+    FLEET_HOME it serves, which it tells its operator only (`home` needs the admin key).
+    One line at 80 columns: a long home is cut in the middle, the URL never (WhereLine)."""
     if "url" not in state:
         return []
-    home = state.get("home") or "not shown (the daemon tells its operator: admin key)"
-    return [escape(f"{state['url']} ({URL_FROM.get(state.get('url_from', ''), state.get('url_from', ''))})"
-                   f" · FLEET_HOME {home}")]
+    lead = f"{state['url']} ({URL_FROM.get(state.get('url_from', ''), state.get('url_from', ''))})"
+    if state.get("home"):
+        return [WhereLine(lead, "FLEET_HOME", state["home"])]
+    return [WhereLine(lead, "FLEET_HOME", "not shown (the daemon tells its operator: admin key)", cut=False)]
 
 
 def workers_table(state: dict[str, Any]) -> FitTable:
