@@ -75,6 +75,61 @@ def _server_pids(url: str, kind: str) -> list[int]:
     return listening_pids(urlsplit(url).port or 80)
 
 
+def _bench_generate(*, model: str, url: str, clients: list[float] | None, max_steps: int, inputs: Path | None,
+                    max_tokens: int, requests: int, compare: bool, out: Path | None, as_json: bool, quiet: bool,
+                    err) -> None:
+    """`--task generate`: streamed completions stepped to the knee (bench/generate_bench.py):
+    output tokens/s, TTFT and inter-token gaps. With --compare, the engines run of
+    bench/generate_engines.py (its own daemon, llama.cpp's server, `Llama`, transformers)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from fleet.bench import corpus, report
+    from fleet.bench.generate_bench import WarmupFailed, bench_server, knee_table, mixed_prompts, steps_table
+
+    def log(line: str) -> None:
+        if not quiet and not as_json:
+            err.print(f"[dim]{escape(line)}[/]")
+
+    if compare:
+        from fleet.bench.generate_engines import run_engines
+
+        if clients or inputs:
+            raise typer.BadParameter("--compare runs its own prompts and ramp: leave out --concurrency and --inputs")
+        result = run_engines(max_tokens=max_tokens, requests=requests, max_clients=2 ** (max_steps - 1),
+                             threads=int(os.environ.get("FLEET_CPU_THREADS", "2")), log=log)
+        name = "generate-engines"
+    else:
+        texts = corpus.load(inputs) if inputs else mixed_prompts()
+        _check_reachable(url, "fleet")
+        key = os.environ.get("FLEET_API_KEY", "")
+        try:
+            fleet = bench_server(url, model, texts, max_tokens=max_tokens, requests=requests,
+                                 max_clients=2 ** (max_steps - 1), clients=[int(c) for c in clients] if clients else None,
+                                 headers={"Authorization": f"Bearer {key}"} if key else None, log=log)
+        except WarmupFailed as exc:
+            raise BadRequest(f"the first request to {url} failed: {exc}",
+                             hint="`fleetctl list` shows the generators to bench") from None
+        result = {"model": model, "url": url, "max_tokens": max_tokens, "requests_per_client": requests,
+                  "prompts": str(inputs) if inputs else "bench corpus, mixed lengths", "targets": {"fleet": fleet}}
+        name = "generate-fleet"
+    doc = {**report.document(name, "fleetctl", []), **result}
+    doc["command"] = ["fleetctl", *sys.argv[1:]]
+    path = report.save(doc, out, name)
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        console = Console(width=80)
+        for target, r in doc["targets"].items():
+            console.print(steps_table(target, r))
+        console.print(knee_table(doc["targets"]))
+        for target, why in doc.get("skipped", {}).items():
+            err.print(f"[yellow]{escape(target)}: skipped: {escape(why)}[/]")
+    err.print(f"[dim]results: {path}[/]")
+    if any(r.get("knee") is None for r in doc["targets"].values()):
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(
@@ -110,6 +165,8 @@ def register(app: typer.Typer) -> None:
         plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput and latency against load."),
         as_json: bool = typer.Option(False, "--json", help="Print the results JSON on stdout instead of tables."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress display."),
+        max_tokens: int = typer.Option(32, "--max-tokens", help="--task generate: new tokens per request (greedy)."),
+        requests: int = typer.Option(3, "--requests", help="--task generate: requests per client per step."),
     ) -> None:
         """Ramp the load on a server until it stops keeping up; report the knee."""
         _import_bench()
@@ -141,6 +198,13 @@ def register(app: typer.Typer) -> None:
         if encoding not in ("base64", "float"):
             raise typer.BadParameter("--encoding must be base64 or float")
         clients = _floats(concurrency, "--concurrency")
+        if task == "generate":
+            if max_tokens < 1 or requests < 1 or max_steps < 1:
+                raise typer.BadParameter("--max-tokens, --requests and --max-steps must be positive")
+            _bench_generate(model=model, url=(url or client_url()).rstrip("/"), clients=clients, max_steps=max_steps,
+                            inputs=inputs, max_tokens=max_tokens, requests=requests, compare=compare, out=out,
+                            as_json=as_json, quiet=quiet, err=err)
+            return
         loads = clients or _floats(rates, "--rates")
         url_given = url is not None
         url = (url or client_url()).rstrip("/")
