@@ -1,0 +1,140 @@
+"""Promotion's extract, rerank and generate evaluations end to end (issue 39, item 2).
+
+On the session's tone daemon (tests/alias_models.py), at the shipped settings, with tiny
+models built here and pulled through the daemon's API. Each task has a version `*-a` and
+a broken twin, and an evaluation file labelled by what `*-a` itself answers, so `*-a`
+scores 1.0 and the twin less by construction:
+- extract: `ner-a`, a token-classification BERT, and `ner-swapped`, the same weights with
+  PER and LOC named the other way round (the same spans under the wrong labels);
+- rerank: `rr-a`, a one-logit BERT cross-encoder, and `rr-flip`, its head negated (every
+  ranking reversed);
+- generate: `gen-a` and `gen-b`, tiny Llamas of two seeds (other greedy answers).
+With the twin on the alias, promoting `*-a` is a better candidate and switches it; then
+promoting the twin back is refused 409 with the task's metric named, the alias unchanged.
+
+Before: only the classify and embed runners had run end to end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.arch_models import CORPUS as SENTENCES
+
+NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+SWAPPED = ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
+QUERIES = ["how do cats behave at home", "when did the market close", "who moved to Zurich"]
+DOCUMENTS = ["cats sleep for most of the day", "the stock market closed higher on Friday", "a b c",
+             "José Núñez moved from São Paulo", "hello world", "quarterly revenue grew"]
+PROMPTS = ["the quick brown fox", "hello world", "invoices must be paid", "what is the capital of france?"]
+
+
+def build(root: Path) -> dict[str, tuple[Path, str]]:
+    """store name -> (folder, task) of the tiny versions (module doc)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.arch_models import encoder
+    from tests.gen_models import build_llama
+
+    out: dict[str, tuple[Path, str]] = {}
+    ner = encoder("bert", "token", root / "ner-a", labels=NER_LABELS)
+    swapped = encoder("bert", "token", root / "ner-swapped", labels=SWAPPED)
+    out |= {"ner-a": (ner, "extract"), "ner-swapped": (swapped, "extract")}
+    rr = encoder("bert", "seq", root / "rr-a", labels=["score"])
+    flip = encoder("bert", "seq", root / "rr-flip", labels=["score"])
+    weights = load_file(flip / "model.safetensors")
+    for key in ("classifier.weight", "classifier.bias"):
+        weights[key] = -weights[key]
+    save_file(weights, flip / "model.safetensors", metadata={"format": "pt"})
+    out |= {"rr-a": (rr, "rerank"), "rr-flip": (flip, "rerank")}
+    # 512 positions: a prompt plus the evaluation's 256 generated tokens fit.
+    out |= {"gen-a": (build_llama(root / "gen-a", seed=0, max_positions=512), "generate"),
+            "gen-b": (build_llama(root / "gen-b", seed=1, max_positions=512), "generate")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tasks_box(tone_box, tmp_path_factory: pytest.TempPathFactory):
+    """The tone daemon with the versions of `build` pulled through its API."""
+    for name, (folder, task) in build(tmp_path_factory.mktemp("promote-tasks")).items():
+        r = httpx.post(tone_box.url + "/v1/store/pull", json={"source": f"path:{folder}", "name": name, "task": task},
+                       headers=tone_box.admin, timeout=120)
+        assert r.status_code == 200 and '"success"' in r.text.splitlines()[-1], r.text
+    return tone_box
+
+
+def set_alias(d, alias: str, version: str) -> None:
+    r = httpx.put(f"{d.url}/v1/aliases/{alias}", json={"version": version}, headers=d.admin, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def promote(d, candidate: str, alias: str, text: str, **extra) -> httpx.Response:
+    return httpx.post(d.url + "/v1/promotions", json={"candidate": candidate, "alias": alias, "eval": text, **extra},
+                      headers=d.admin, timeout=300)
+
+
+def version(d, alias: str) -> str:
+    return httpx.get(f"{d.url}/v1/aliases/{alias}", timeout=30).json()["version"]
+
+
+def better_then_refused(d, alias: str, good: str, bad: str, text: str, *refusal: str) -> dict:
+    """The broken twin holds the alias; `good` is promoted over it; `bad` is then refused
+    with each `refusal` fragment in the message and the alias stays on `good`. The promotion's package."""
+    set_alias(d, alias, bad)
+    r = promote(d, good, alias, text)
+    assert r.status_code == 200, r.text
+    package = r.json()
+    assert package["kind"] == "promote" and package["rollback_target"] == bad and version(d, alias) == good
+    r = promote(d, bad, alias, text)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "promotion_refused", r.text
+    assert all(part in r.json()["error"]["message"] for part in refusal), r.text
+    assert version(d, alias) == good
+    return package
+
+
+def test_extract_is_evaluated_by_span_f1(tasks_box) -> None:
+    d = tasks_box
+    r = httpx.post(d.url + "/v1/extract", json={"model": "ner-a", "inputs": SENTENCES}, timeout=60)
+    assert r.status_code == 200, r.text
+    rows = r.json()["results"]
+    assert any(rows)  # the random tagger names spans: the file has something to miss
+    text = "".join(json.dumps({"text": s, "entities": [{"start": e["start"], "end": e["end"], "label": e["entity"]}
+                                                         for e in row]}) + "\n" for s, row in zip(SENTENCES, rows))
+    package = better_then_refused(d, "people", "ner-a", "ner-swapped", text, "span_f1 0.0000 vs 1.0000")
+    ev = package["evaluation"]
+    assert ev["metrics"] == ["span_f1"] and ev["candidate"] == {"span_f1": 1.0} and ev["current"] == {"span_f1": 0.0}
+
+
+def test_rerank_is_evaluated_by_ndcg_and_mrr(tasks_box) -> None:
+    d = tasks_box
+    lines = []
+    for q in QUERIES:
+        r = httpx.post(d.url + "/v1/rerank", json={"model": "rr-a", "query": q, "documents": DOCUMENTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        lines.append(json.dumps({"query": q, "documents": DOCUMENTS, "relevant": [r.json()["results"][0]["index"]]}))
+    package = better_then_refused(d, "ranker", "rr-a", "rr-flip", "\n".join(lines) + "\n", "ndcg@10 0.", "mrr 0.")
+    ev = package["evaluation"]
+    assert ev["metrics"] == ["ndcg@10", "mrr"] and ev["candidate"] == {"ndcg@10": 1.0, "mrr": 1.0}
+    # Reversed (up to ties among saturated scores): the best documents rank lower.
+    assert ev["current"]["mrr"] < 1.0 and ev["current"]["ndcg@10"] < 1.0
+
+
+def test_generate_is_evaluated_by_exact_match(tasks_box) -> None:
+    from fleet.daemon.promotions import EVAL_MAX_TOKENS
+
+    d = tasks_box
+    lines = []
+    for p in PROMPTS:
+        r = httpx.post(d.url + "/v1/generate", json={"model": "gen-a", "prompt": p, "max_tokens": EVAL_MAX_TOKENS,
+                                                     "temperature": 0.0}, timeout=120)
+        assert r.status_code == 200, r.text
+        lines.append(json.dumps({"prompt": p, "expected": r.json()["text"]}))
+    package = better_then_refused(d, "writer", "gen-a", "gen-b", "\n".join(lines) + "\n",
+                                  "exact_match 0.0000 vs 1.0000")
+    ev = package["evaluation"]
+    assert ev["metrics"] == ["exact_match", "schema_valid"] and ev["candidate"] == {"exact_match": 1.0}
+    assert ev["current"] == {"exact_match": 0.0} and package["capacity"]["tokens"] > 0
