@@ -5,7 +5,9 @@ alias's current version side by side, over the same path clients' requests take 
 task functions of daemon.tasks: lanes, batches, pieces), computes the task's metrics
 for both, and refuses (409 `promotion_refused`, both versions' numbers in the message)
 when the candidate is worse on any of them by more than the margin, unless forced with
-a reason. Either way it writes a promotion package (fleet.promotions) into the store,
+a reason. A generate evaluation may name a judge model (fleet.judge): it grades each
+pair of answers against the line's reference, and its win rate is one more metric.
+Either way it writes a promotion package (fleet.promotions) into the store,
 and, when it may, switches the alias (or starts a canary) through `AliasBook.change`,
 recording the package in the alias's history.
 
@@ -24,10 +26,12 @@ import msgspec
 import numpy as np
 
 from fleet.catalog import load_catalog, parse_source
-from fleet.errors import BadRequest, FleetError, PromotionRefused
+from fleet.errors import BadRequest, FleetError, ModelNotFound, PromotionRefused
 from fleet.evaluation import (
     METRICS, EvalSet, classification_metrics, compare, generation_metrics, retrieval_metrics, span_f1,
 )
+from fleet.judge import VERDICT_MAX_TOKENS, VERDICT_SCHEMA, WIN_RATE, JudgeReport, judge_messages, summary, tally, \
+    winner_of
 from fleet.promotions import Capacity, EvalReport, Package, VersionFacts, new_id
 from fleet.protocol import ClassifyRequest, EmbedRequest, ExtractRequest, GenerateRequest, RerankRequest
 from fleet.store import Manifest
@@ -50,6 +54,8 @@ class Run:
     def __init__(self, daemon: Daemon, version: str) -> None:
         self.daemon, self.version = daemon, version
         self.tokens = 0
+        #: generate: each line's answer (what a judge compares).
+        self.answers: list[str] = []
         self.gate = asyncio.Semaphore(EVAL_CONCURRENCY)
 
     async def many(self, jobs: list[Any]) -> list[Any]:
@@ -126,10 +132,46 @@ class Run:
             return res.text
 
         try:
-            texts = await self.many([one(p) for p in ev.prompts])
+            self.answers = await self.many([one(p) for p in ev.prompts])
         except msgspec.ValidationError as exc:
             raise BadRequest(f"an evaluation line's `messages` do not fit a chat request: {exc}") from None
-        return generation_metrics(texts, ev.expected, ev.schemas)
+        return generation_metrics(self.answers, ev.expected, ev.schemas)
+
+
+def check_judge(daemon: Daemon, judge: str, ev: EvalSet) -> None:
+    """A judge is a stored generator, for a generate evaluation with references: else a
+    4xx before anything runs."""
+    if ev.task != "generate":
+        raise BadRequest(f"a judge grades generated answers; this evaluation is {ev.task}'s", param="judge")
+    if not daemon.store.exists(judge):
+        raise ModelNotFound(f"judge {judge!r} is not in the store", hint="fleetctl list shows what is pulled",
+                            param="judge")
+    task = daemon.store.get(judge).task
+    if task != "generate":
+        raise BadRequest(f"judge {judge!r} serves {task}: a judge must be a generator (it answers which answer "
+                         "fits the reference better)", param="judge")
+    if all(e is None for e in ev.expected):
+        raise BadRequest(f"a judge compares answers with each line's `expected`: none of the {ev.lines} lines has one",
+                         param="judge")
+
+
+async def judged(daemon: Daemon, judge: str, ev: EvalSet, candidate: list[str], current: list[str]) -> JudgeReport:
+    """The judge's verdict on every line with a reference (fleet.judge: the prompt, the
+    alternating order, identical answers tied unasked), through the generate path with
+    its output held to the verdict schema."""
+    run = Run(daemon, judge)
+
+    async def one(n: int) -> str | None:
+        if candidate[n] == current[n]:
+            return None
+        messages = judge_messages(n, ev.prompts[n], ev.expected[n] or "", candidate[n], current[n])
+        req = msgspec.convert({"model": judge, "messages": messages, "max_tokens": VERDICT_MAX_TOKENS,
+                               "temperature": 0.0, "format": VERDICT_SCHEMA}, GenerateRequest)
+        res, _ = await tasks.generate(daemon, req, _encode(req))
+        return winner_of(res.text)
+
+    lines = [n for n, e in enumerate(ev.expected) if e is not None]
+    return tally(judge, lines, await run.many([one(n) for n in lines]))
 
 
 def licence_of(daemon: Daemon, manifest: Manifest) -> str:
@@ -149,10 +191,11 @@ def facts_of(daemon: Daemon, manifest: Manifest) -> VersionFacts:
                         size_bytes=manifest.size_bytes, licence=licence_of(daemon, manifest), files=manifest.files)
 
 
-async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | None,
-                   ) -> tuple[dict[str, float], dict[str, float] | None, Capacity]:
-    """Both versions' metrics, side by side, and the candidate's throughput and footprint
-    as the evaluation measured them."""
+async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | None, judge: str | None = None,
+                   ) -> tuple[dict[str, float], dict[str, float] | None, Capacity, JudgeReport | None]:
+    """Both versions' metrics, side by side, the candidate's throughput and footprint as
+    the evaluation measured them, and the judge's verdicts (with a judge and a current
+    version: the win rates join the metrics)."""
     runs = [Run(daemon, candidate)] + ([Run(daemon, current)] if current else [])
     t0 = time.perf_counter()
     results = await asyncio.gather(*(r.metrics(ev) for r in runs))
@@ -165,11 +208,15 @@ async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | N
                         resident_bytes=resident,
                         how="measured on the evaluation's own requests (both versions running at once), not a "
                             "`fleetctl tune` run: a floor, not the model's capacity")
-    return results[0], (results[1] if current else None), capacity
+    if judge is None or current is None:
+        return results[0], (results[1] if current else None), capacity, None
+    verdicts = await judged(daemon, judge, ev, runs[0].answers, runs[1].answers)
+    lost = (verdicts.current_wins + verdicts.ties / 2) / verdicts.lines
+    return ({**results[0], WIN_RATE: verdicts.win_rate}, {**results[1], WIN_RATE: lost}, capacity, verdicts)
 
 
 async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, margin: float, force: bool,
-                  reason: str, owner: str, canary_percent: float) -> Package:
+                  reason: str, owner: str, canary_percent: float, judge: str | None = None) -> Package:
     """Evaluate, write the package, switch the alias (or start its canary): module doc."""
     from fleet.daemon.aliases import check_target, event_of, set_to, with_canary
 
@@ -187,12 +234,18 @@ async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, ma
     if canary_percent and current is None:
         raise BadRequest(f"a canary runs beside a version: alias {alias!r} has none yet, promote without --canary",
                          param="canary_percent")
-    ran, now, capacity = await evaluate(daemon, ev, candidate, current)
+    if judge is not None:
+        check_judge(daemon, judge, ev)
+        if current is None:
+            raise BadRequest(f"a judge compares the candidate with the alias's version: alias {alias!r} has none yet",
+                             param="judge")
+    ran, now, capacity, verdicts = await evaluate(daemon, ev, candidate, current, judge)
     worse = compare(ran, now, margin) if now is not None else []
     workers = await daemon.workers()
-    report = EvalReport(file_sha256=ev.sha256, lines=ev.lines, metrics=list(METRICS[ev.task]),
+    report = EvalReport(file_sha256=ev.sha256, lines=ev.lines,
+                        metrics=list(METRICS[ev.task]) + ([WIN_RATE] if verdicts else []),
                         lower_is_better=[m for m in METRICS[ev.task] if m == "ece"], margin=margin,
-                        candidate=ran, current=now, regressions=worse)
+                        candidate=ran, current=now, regressions=worse, judge=verdicts)
     kind = "refused" if worse and not force else ("canary" if canary_percent else "promote")
     package = Package(
         id=new_id(), alias=alias, kind=kind, owner=owner, reason=reason, forced=bool(worse) and force,
@@ -206,7 +259,8 @@ async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, ma
         daemon.aliases.files.record(event_of("refused", by=owner, reason=reason, package=package.id)(before, before))
         raise PromotionRefused(
             f"{candidate} is worse than {current} on the evaluation ({ev.lines} lines, sha256 {ev.sha256[:12]}) by more "
-            f"than the margin {margin:g}: {'; '.join(worse)} (candidate vs current); {alias} still points at "
+            f"than the margin {margin:g}: {'; '.join(worse)} (candidate vs current)"
+            + (f"; {summary(verdicts)}" if verdicts else "") + f"; {alias} still points at "
             f"{current}. Package {package.id} records both versions' numbers",
             hint=f"fleetctl history {alias}; to promote anyway: --force --reason \"why\"")
     change = (with_canary(alias, candidate, canary_percent, by=owner) if canary_percent

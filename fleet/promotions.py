@@ -22,6 +22,7 @@ import msgspec
 
 from fleet.errors import NotFound
 from fleet.files import replace_file
+from fleet.judge import JudgeReport
 from fleet.store import FileEntry
 
 PROMOTIONS_DIR = ".promotions"
@@ -57,6 +58,8 @@ class EvalReport(msgspec.Struct, kw_only=True):
     current: dict[str, float] | None
     #: "metric candidate vs current" for each metric past the margin.
     regressions: list[str]
+    #: A generate evaluation's judge model and its verdicts (its win rates are in the metrics).
+    judge: JudgeReport | None = None
 
 
 class Capacity(msgspec.Struct, kw_only=True):

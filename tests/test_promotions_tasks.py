@@ -12,12 +12,19 @@ scores 1.0 and the twin less by construction:
 With the twin on the alias, promoting `*-a` is a better candidate and switches it; then
 promoting the twin back is refused 409 with the task's metric named, the alias unchanged.
 
-Before: only the classify and embed runners had run end to end.
+A judge (`gen-judge`, a third tiny Llama) grades the generate evaluation's answer pairs
+under its verdict schema: its counts and win rate are in the package and the refusal
+message; a judge that is not a stored generator, or one named for another task's
+evaluation, is a 4xx that changes nothing.
+
+Before: only the classify and embed runners had run end to end; `judge` was an unknown
+field (400).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -53,7 +60,8 @@ def build(root: Path) -> dict[str, tuple[Path, str]]:
     out |= {"rr-a": (rr, "rerank"), "rr-flip": (flip, "rerank")}
     # 512 positions: a prompt plus the evaluation's 256 generated tokens fit.
     out |= {"gen-a": (build_llama(root / "gen-a", seed=0, max_positions=512), "generate"),
-            "gen-b": (build_llama(root / "gen-b", seed=1, max_positions=512), "generate")}
+            "gen-b": (build_llama(root / "gen-b", seed=1, max_positions=512), "generate"),
+            "gen-judge": (build_llama(root / "gen-judge", seed=2, max_positions=2048), "generate")}
     return out
 
 
@@ -104,9 +112,10 @@ def test_extract_is_evaluated_by_span_f1(tasks_box) -> None:
     assert any(rows)  # the random tagger names spans: the file has something to miss
     text = "".join(json.dumps({"text": s, "entities": [{"start": e["start"], "end": e["end"], "label": e["entity"]}
                                                          for e in row]}) + "\n" for s, row in zip(SENTENCES, rows))
-    package = better_then_refused(d, "people", "ner-a", "ner-swapped", text, "span_f1 0.0000 vs 1.0000")
-    ev = package["evaluation"]
-    assert ev["metrics"] == ["span_f1"] and ev["candidate"] == {"span_f1": 1.0} and ev["current"] == {"span_f1": 0.0}
+    ev = better_then_refused(d, "people", "ner-a", "ner-swapped", text, "span_f1 0.", "vs 1.0000")["evaluation"]
+    assert ev["metrics"] == ["span_f1"] and ev["candidate"] == {"span_f1": 1.0}
+    # Swapped names miss most spans (a span whose B- and I- tags disagree may still split alike).
+    assert ev["current"]["span_f1"] < 0.5
 
 
 def test_rerank_is_evaluated_by_ndcg_and_mrr(tasks_box) -> None:
@@ -123,18 +132,78 @@ def test_rerank_is_evaluated_by_ndcg_and_mrr(tasks_box) -> None:
     assert ev["current"]["mrr"] < 1.0 and ev["current"]["ndcg@10"] < 1.0
 
 
-def test_generate_is_evaluated_by_exact_match(tasks_box) -> None:
+@pytest.fixture(scope="module")
+def generate_eval(tasks_box) -> str:
+    """PROMPTS with gen-a's own greedy answers as `expected`, at the evaluation's length."""
     from fleet.daemon.promotions import EVAL_MAX_TOKENS
 
-    d = tasks_box
     lines = []
     for p in PROMPTS:
-        r = httpx.post(d.url + "/v1/generate", json={"model": "gen-a", "prompt": p, "max_tokens": EVAL_MAX_TOKENS,
-                                                     "temperature": 0.0}, timeout=120)
+        r = httpx.post(tasks_box.url + "/v1/generate", json={"model": "gen-a", "prompt": p, "temperature": 0.0,
+                                                             "max_tokens": EVAL_MAX_TOKENS}, timeout=120)
         assert r.status_code == 200, r.text
         lines.append(json.dumps({"prompt": p, "expected": r.json()["text"]}))
-    package = better_then_refused(d, "writer", "gen-a", "gen-b", "\n".join(lines) + "\n",
-                                  "exact_match 0.0000 vs 1.0000")
+    return "\n".join(lines) + "\n"
+
+
+def test_generate_is_evaluated_by_exact_match(tasks_box, generate_eval) -> None:
+    d = tasks_box
+    package = better_then_refused(d, "writer", "gen-a", "gen-b", generate_eval, "exact_match 0.0000 vs 1.0000")
     ev = package["evaluation"]
     assert ev["metrics"] == ["exact_match", "schema_valid"] and ev["candidate"] == {"exact_match": 1.0}
     assert ev["current"] == {"exact_match": 0.0} and package["capacity"]["tokens"] > 0
+
+
+def test_a_judge_grades_each_pair_and_its_win_rate_is_in_the_package_and_the_refusal(tasks_box,
+                                                                                    generate_eval) -> None:
+    d = tasks_box
+    set_alias(d, "judged", "gen-a")
+    r = promote(d, "gen-b", "judged", generate_eval, judge="gen-judge")
+    assert r.status_code == 409, r.text
+    message = r.json()["error"]["message"]
+    assert "exact_match 0.0000 vs 1.0000" in message and "judge gen-judge: the candidate won " in message
+    package = httpx.get(d.url + "/v1/promotions/" + re.search(r"Package (prm_\S+)", message).group(1),
+                        timeout=30).json()
+    ev, judge = package["evaluation"], package["evaluation"]["judge"]
+    # Every line has a reference and two different answers: the judge was asked four times,
+    # and each verdict is one of its schema's.
+    assert judge["model"] == "gen-judge" and judge["lines"] == len(PROMPTS) and judge["identical"] == 0
+    assert judge["candidate_wins"] + judge["current_wins"] + judge["ties"] == len(PROMPTS)
+    assert judge["win_rate"] == pytest.approx((judge["candidate_wins"] + judge["ties"] / 2) / len(PROMPTS))
+    assert f"{judge['ties']} tied of {len(PROMPTS)} (win rate {judge['win_rate']:.4f})" in message
+    assert ev["metrics"][-1] == "judge_win_rate" and ev["candidate"]["judge_win_rate"] == judge["win_rate"]
+    assert ev["current"]["judge_win_rate"] == pytest.approx(1 - judge["win_rate"])
+    assert version(d, "judged") == "gen-a"
+
+
+@pytest.mark.parametrize("judge, status, words", [
+    ("tone-v1", 400, "judge 'tone-v1' serves classify: a judge must be a generator"),
+    ("no-such-judge", 404, "judge 'no-such-judge' is not in the store"),
+])
+def test_a_judge_that_is_not_a_stored_generator_is_refused(tasks_box, generate_eval, judge, status, words) -> None:
+    d = tasks_box
+    set_alias(d, "judged", "gen-a")
+    r = promote(d, "gen-b", "judged", generate_eval, judge=judge)
+    assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    assert version(d, "judged") == "gen-a"
+
+
+def test_a_judge_for_another_tasks_evaluation_is_a_400(tasks_box) -> None:
+    d = tasks_box
+    set_alias(d, "tone-judged", "tone-v1")
+    r = promote(d, "tone-same", "tone-judged", '{"text": "fine", "label": "one-pos"}\n', judge="gen-judge")
+    assert r.status_code == 400 and "a judge grades generated answers; this evaluation is classify's" in \
+        r.json()["error"]["message"], r.text
+    assert version(d, "tone-judged") == "tone-v1"
+
+
+def test_the_tally_puts_the_candidate_first_on_even_lines_only() -> None:
+    from fleet.judge import tally
+
+    # A judge that always says "a": the candidate wins the even lines and loses the odd ones.
+    r = tally("j", [0, 1, 2, 3], ["a", "a", "a", "a"])
+    assert (r.candidate_wins, r.current_wins, r.ties, r.win_rate) == (2, 2, 0, 0.5)
+    # Line 1's "b" is the candidate; an identical pair (None) is a tie no judge was asked about.
+    r = tally("j", [0, 1, 4], ["tie", "b", None])
+    assert (r.candidate_wins, r.current_wins, r.ties, r.identical) == (1, 0, 2, 1)
+    assert r.win_rate == pytest.approx(2 / 3)

@@ -2,11 +2,13 @@
 only when it is no worse (daemon.promotions); `GET /v1/promotions/{promotion_id}`: a
 promotion package (fleet.promotions).
 
-Body: `{candidate, alias, eval, margin?, force?, reason?, owner?, canary_percent?}`,
+Body: `{candidate, alias, eval, margin?, force?, reason?, owner?, canary_percent?, judge?}`,
 `eval` being the evaluation file's text (JSONL; fleet.evaluation says each task's
 lines). Replies: the package (200); a regression past the margin is 409
 `promotion_refused` naming every metric with both versions' numbers (the package of
-the refused attempt is kept). `force` needs a `reason`. Promoting is the operator's.
+the refused attempt is kept). `force` needs a `reason`. `judge` names a stored generator
+that grades a generate evaluation's answer pairs (fleet.judge); another task's model is a
+400. Promoting is the operator's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class PromoteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     owner: str | None = None
     #: > 0: send this share of the alias's clients to the candidate, the version staying.
     canary_percent: float = 0.0
+    #: A stored generator that grades each pair of answers of a generate evaluation.
+    judge: str | None = None
 
 
 class PromotionsController(Controller):
@@ -48,6 +52,8 @@ class PromotionsController(Controller):
         body = await body_of(request, PromoteRequest)
         validate_alias(body.alias)
         validate_name(body.candidate)
+        if body.judge is not None:
+            validate_name(body.judge)
         owner, reason = owner_of(body.owner), check_reason(body.reason)
         if not 0.0 <= body.margin <= 1.0:
             raise BadRequest(f"margin is an absolute difference of metrics between 0 and 1, got {body.margin:g}",
@@ -61,7 +67,7 @@ class PromotionsController(Controller):
         ev = parse_eval(body.eval, daemon.store.get(body.candidate).task)
         package = await promotions.promote(daemon, alias=body.alias, candidate=body.candidate, ev=ev,
                                            margin=body.margin, force=body.force, reason=reason, owner=owner,
-                                           canary_percent=body.canary_percent)
+                                           canary_percent=body.canary_percent, judge=body.judge)
         return reply(request, package)
 
     @get("/{promotion_id:str}")

@@ -1,10 +1,11 @@
 """`fleetctl promote CANDIDATE --as ALIAS --eval FILE.jsonl [--margin X] [--canary 10%]
-[--force --reason WHY]`.
+[--judge MODEL] [--force --reason WHY]`.
 
 The daemon runs FILE through CANDIDATE and the alias's current version side by side
 with the task's metrics (fleet.evaluation: classify accuracy, macro-F1 and calibration
 error; embed and rerank nDCG@10 and MRR; extract span F1; generate exact match and
-JSON-schema validity), writes a promotion package into the store, and switches the alias
+JSON-schema validity, and with `--judge MODEL` a stored generator's verdict on each pair
+of answers as a win rate), writes a promotion package into the store, and switches the alias
 only when the candidate is no worse beyond the margin on any metric. Refused: exit 1,
 the numbers in the message (`POST /v1/promotions`, daemon/controllers/promotions.py).
 """
@@ -27,6 +28,10 @@ def print_package(p: dict[str, Any]) -> None:
           + (f" (replacing {p['replaced']})" if p["replaced"] else "") + f": package {p['id']}")
     print(f"  evaluation: {ev['lines']} lines, sha256 {ev['file_sha256'][:16]}: "
           f"{metrics_line(ev['candidate'], ev['current'])}")
+    if ev.get("judge"):
+        j = ev["judge"]
+        print(f"  judge {j['model']}: candidate won {j['candidate_wins']}, current {j['current_wins']}, "
+              f"{j['ties']} tied of {j['lines']} (win rate {j['win_rate']:.4f})")
     if p["forced"]:
         print(f"  forced past: {'; '.join(ev['regressions'])} (reason: {p['reason']})")
     print(f"  source {p['candidate']['source']}" + (f"@{p['candidate']['revision']}" if p['candidate']['revision']
@@ -49,6 +54,8 @@ def register(app: typer.Typer) -> None:
                                                                "accepted.")] = 0.0,
         canary: Annotated[str | None, typer.Option("--canary", help="Send this share of the alias's clients to "
                                                                     "CANDIDATE first, e.g. 10%.")] = None,
+        judge: Annotated[str | None, typer.Option("--judge", help="A stored generator that grades each pair of "
+                                                                 "answers (generate evaluations).")] = None,
         force: Annotated[bool, typer.Option("--force", help="Promote although the evaluation regresses "
                                                             "(needs --reason).")] = False,
         reason: Annotated[str, typer.Option("--reason", help="Why: kept in the package and the history.")] = "",
@@ -61,6 +68,8 @@ def register(app: typer.Typer) -> None:
         body = {"candidate": candidate, "alias": alias, "eval": eval_file.read_text(encoding="utf-8"),
                 "margin": margin, "force": force, "reason": reason, "owner": owner(),
                 "canary_percent": parse_percent(canary) if canary else 0.0}
+        if judge:
+            body["judge"] = judge
         # The evaluation runs every line through two versions: no client timeout cuts it short.
         with Client(timeout_s=None, retries=0) as client:  # type: ignore[arg-type]
             package = call(client, "POST", "/v1/promotions", body)
