@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import DaemonProc, start_daemon
-from tests.gen_models import GEMMA3_TEMPLATE, build_llama, build_tool_caller, never_ending, pull
+from tests.gen_models import GEMMA3_TEMPLATE, SMOLLM3_TEMPLATE, build_llama, build_tool_caller, never_ending, pull
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ ENDLESS = "tiny-endless"  # 256 positions, greedy output never stops: it runs to
 CALLER = "tiny-qwen-tools"  # Qwen2.5-Instruct's chat template; calls a tool as soon as it may
 PLAIN = "tiny-llama"  # a chat template with no tools
 GEMMA = "tiny-gemma3-tools"  # the same caller with Gemma 3's chat template: Python calls in ```tool_code blocks
+SMOL = "tiny-smollm3-tools"  # a SmolLM3 caller with its real chat template: tools as `xml_tools`, Hermes calls
 CONTEXT = 256
 ASK = [{"role": "user", "content": "hello world"}]
 
@@ -36,6 +37,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     pull(home, build_tool_caller(root / CALLER), CALLER)
     pull(home, build_llama(root / PLAIN), PLAIN)
     pull(home, build_tool_caller(root / GEMMA, template=GEMMA3_TEMPLATE), GEMMA)
+    pull(home, build_tool_caller(root / SMOL, template=SMOLLM3_TEMPLATE, model_type="smollm3"), SMOL)
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": "", "FLEET_CPU_THREADS": "1"}, args=["--workers", "1"])
     yield d
     d.stop()
@@ -219,6 +221,35 @@ def test_gemma3_calls_tools_as_python_in_its_own_blocks(openai_client) -> None:
         assert openai_client.chat.completions.create(model=GEMMA, messages=history, max_tokens=4, **kw).usage
     caps = {m.id: m.model_extra["capabilities"] for m in openai_client.models.list()}
     assert caps[GEMMA] == ["completion", "chat", "tools"]
+
+
+def test_smollm3_calls_tools_through_its_real_template(openai_client) -> None:
+    # A SmolLM3 in its hub layout, with the chat template it was released with
+    # (tests/data/smollm3-3b.jinja; test_tool_formats says where it comes from).
+    chat = openai_client.chat.completions.create(model=SMOL, messages=TURN_ON, tools=TOOLS,
+                                                 tool_choice={"type": "function", "function": {"name": "set_mode"}})
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert [c.function.name for c in choice.message.tool_calls] == ["set_mode"]
+    assert fits(call.function.name, call.function.arguments)
+    chunks = list(openai_client.chat.completions.create(model=SMOL, messages=TURN_ON, tools=TOOLS, stream=True,
+                                                        tool_choice="required", parallel_tool_calls=False))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert len({d.index for d in deltas}) == 1 and deltas[0].function.name in ("set_mode", "get_weather")
+    assert fits(deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas))
+    # The call and its result as history: its template writes an assistant turn's content
+    # only, so without fleet's blocks the call vanished and the prompt was the one of an
+    # empty assistant turn followed by the user saying the result.
+    history = [*TURN_ON, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "switched on"}]
+    bare = [*TURN_ON, {"role": "assistant", "content": ""}, {"role": "user", "content": "switched on"}]
+    for kw in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "none"}, {}):
+        with_call, without = (openai_client.chat.completions.create(model=SMOL, messages=m, max_tokens=1, **kw)
+                              for m in (history, bare))
+        assert with_call.usage.prompt_tokens > without.usage.prompt_tokens + 10, kw
+    caps = {m.id: m.model_extra["capabilities"] for m in openai_client.models.list()}
+    assert caps[SMOL] == ["completion", "chat", "tools"]
 
 
 def test_responses_function_calls_and_their_outputs(openai_client) -> None:
