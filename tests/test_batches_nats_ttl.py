@@ -3,7 +3,7 @@ over `nats_large_payload_bytes` rides the object store `fleet_payloads`, whose o
 JetStream expires by age; a batch line may wait in JetStream longer than that (no box
 up, or interactive work saturating every box), and before, it was answered "the request
 body is gone" into the batch's error file. Its requester now puts the body again every
-third of the TTL while it waits (`Cluster._keep_body`), and only then: a requester killed -9
+third of the TTL while it waits (`Payloads.keep`), and only then: a requester killed -9
 leaves orphans that expire within one TTL.
 
 Real parts: a real `nats-server -js`, two real `fleetctl serve --nats` boxes (one CPU
@@ -19,7 +19,7 @@ the shipped bucket (PAYLOAD_TTL_S, 900 s) goes through the same code, with a bod
 put again every 300 s. FLEET_NATS_HEARTBEAT_MS 4000 (shipped: 2000): A keeps B in
 its view (3 periods) while B is paused long enough to create the batch, whose
 validation needs a box that stores its model. The heartbeat is only that view: what
-is tested, the requester putting bodies again (`Cluster._keep_body`, timed by the
+is tested, the requester putting bodies again (`Payloads.keep`, timed by the
 bucket's TTL) and a puller's bounded read, never reads it, so at the shipped period
 they behave the same; a slow CI box could only fail the scaffolding (B dropped from
 A's view before the batch is created), not the property.
