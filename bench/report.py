@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -121,6 +122,16 @@ def knee_table(runs: list[TargetRun], criteria: Criteria) -> Table:
             ",".join(_mib(m) for m in gpu_m) if gpu_m else "-",
             note,
         )
+    return t
+
+
+def skipped_table(skipped: dict[str, str]) -> Table:
+    """The targets asked for that did not run here, each with why (and what sets it up)."""
+    t = Table(title="skipped (not run here)", title_justify="left")
+    t.add_column("target")
+    t.add_column("why")
+    for name, why in skipped.items():
+        t.add_row(escape(name), escape(why))  # "[openvino]" is text, not markup
     return t
 
 
@@ -260,7 +271,8 @@ def _step_doc(rec: StepRecord, reasons: tuple[str, ...] = ()) -> dict:
 
 
 def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[str] | None = None,
-               extra_versions: dict[str, str] | None = None) -> dict:
+               extra_versions: dict[str, str] | None = None, skipped: dict[str, str] | None = None) -> dict:
+    """The run as JSON; `skipped`: each target asked for that did not run here -> why."""
     targets = []
     for run in runs:
         k = run.knee(plan.criteria)
@@ -299,6 +311,7 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
                          "max_error_rate": c.max_error_rate, "min_gain": c.min_gain},
         },
         "targets": targets,
+        "skipped": dict(skipped or {}),
         "ratios_tokens_per_s": compare_ratios(runs, plan.criteria) if len(runs) > 1 else {},
     }
 
@@ -408,9 +421,11 @@ def plot(doc: dict, path: Path) -> Path:
     return path
 
 
-def print_summary(console: Console, runs: list[TargetRun], plan: Plan) -> None:
+def print_summary(console: Console, runs: list[TargetRun], plan: Plan, skipped: dict[str, str] | None = None) -> None:
     for run in runs:
         console.print(steps_table(run, plan.criteria))
     console.print(knee_table(runs, plan.criteria))
+    if skipped:
+        console.print(skipped_table(skipped))
     if len(runs) > 1:
         console.print(ratios_table(runs, plan.criteria))

@@ -5,6 +5,8 @@ A target is a kind plus a URL. Kinds:
   fleet-json  the same endpoints with JSON bodies
   openai      any OpenAI-compatible server (`/v1/embeddings`, `/v1/completions`)
   infinity    infinity-emb's OpenAI-style route (`/embeddings`)
+  tei         text-embeddings-inference's `/embed` (JSON; its reply carries no token count)
+  ollama      Ollama's `/api/embed` (JSON; `prompt_eval_count` is its token count)
 Requests are prepared once, before a run, as complete HTTP request bytes
 (`Payload`), from fixed windows over the corpus so every target gets the same
 inputs in the same order. Replies are decoded only as far as `usage` (the
@@ -21,7 +23,7 @@ import msgspec
 
 from fleet.bench.httpclient import Endpoint, build_request
 
-KINDS = ("fleet", "fleet-json", "openai", "infinity")
+KINDS = ("fleet", "fleet-json", "openai", "infinity", "tei", "ollama")
 TASKS = ("embed", "rerank", "generate")
 MSGPACK, JSON = "application/msgpack", "application/json"
 
@@ -47,8 +49,15 @@ class _UsageOnly(msgspec.Struct):
     usage: _Usage = msgspec.field(default_factory=_Usage)
 
 
+class _OllamaCount(msgspec.Struct):
+    prompt_eval_count: int = -1
+
+
 _mp_usage = msgspec.msgpack.Decoder(_UsageOnly)
 _js_usage = msgspec.json.Decoder(_UsageOnly)
+_ollama_count = msgspec.json.Decoder(_OllamaCount)
+#: TEI's `/embed` answers a bare array of vectors: checked as one, the numbers left unparsed.
+_tei_vectors = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 def reply_tokens(kind: str, task: str, body: bytes) -> int:
@@ -57,6 +66,11 @@ def reply_tokens(kind: str, task: str, body: bytes) -> int:
     Raises msgspec.DecodeError on a malformed reply: the generator counts that
     as an error, not a success.
     """
+    if kind == "tei":
+        _tei_vectors.decode(body)
+        return -1
+    if kind == "ollama":
+        return _ollama_count.decode(body).prompt_eval_count
     # Generation goes through the JSON completions route for every kind (see _body).
     msgpack = kind == "fleet" and task != "generate"
     usage = (_mp_usage if msgpack else _js_usage).decode(body).usage
@@ -76,6 +90,10 @@ def default_path(kind: str, task: str) -> str:
         if task != "embed":
             raise ValueError("the infinity peer is benched for --task embed only")
         return "/embeddings"
+    if kind in ("tei", "ollama"):
+        if task != "embed":
+            raise ValueError(f"the {kind} target is benched for --task embed only")
+        return "/embed" if kind == "tei" else "/api/embed"
     raise ValueError(f"unknown target kind {kind!r}; choose one of {', '.join(KINDS)}")
 
 
@@ -91,6 +109,10 @@ def _body(kind: str, task: str, model: str, texts: list[str], query: str, encodi
         if kind == "fleet":
             return msgspec.msgpack.encode(doc), MSGPACK
         return msgspec.json.encode(doc), JSON
+    if kind == "tei":  # one model per server: no model field
+        return msgspec.json.encode({"inputs": texts}), JSON
+    if kind == "ollama":
+        return msgspec.json.encode({"model": model, "input": texts}), JSON
     doc = {"model": model, "input": texts, "encoding_format": encoding}
     return msgspec.json.encode(doc), JSON
 

@@ -101,6 +101,38 @@ def test_compare_starts_the_infinity_peer_on_loopback(daemon, tmp_path):
 
 
 @pytest.mark.slow
+def test_compare_speaks_tei_and_ollama_and_says_which_peers_it_skipped(daemon, tmp_path):
+    """fleet answers TEI's `/embed` and Ollama's `/api/embed` on its own port, so the bench's
+    tei and ollama targets run here against those real routes (KIND=URL). The peers the
+    bench would start itself run where their setup script was run, and are otherwise
+    reported as skipped, with the script, in the table and the JSON: never just absent."""
+    from fleet.bench import peers
+
+    out = tmp_path / "peers.json"
+    targets = [f"tei={daemon.url}", f"ollama={daemon.url}", "tei", "ollama", "infinity"]
+    r = fleetctl("bench", "--url", daemon.url, "--compare", "--targets", ",".join(targets), *SHORT,
+                 "--max-steps", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    port = daemon.url.rsplit(":", 1)[1]
+    by_name = {t["name"]: t for t in doc["targets"]}
+    for kind in ("tei", "ollama"):
+        t = by_name[f"{kind}@127.0.0.1:{port}"]
+        assert t["kind"] == kind and t["steps"] and all(s["ok"] > 0 and s["errors"] == 0 for s in t["steps"])
+    # Ollama's reply counts the prompt's tokens: the daemon's count is the bench's, request for request.
+    assert all(s["server_tokens"] == s["tokens"] > 0 for s in by_name[f"ollama@127.0.0.1:{port}"]["steps"])
+    for peer in ("tei", "ollama", "infinity"):
+        if peers.program(peer) is not None:
+            assert peer in by_name and peer not in doc["skipped"]
+            continue
+        why = doc["skipped"][peer]
+        assert why.endswith(f"run bench/setup_{peer}.sh") and peer not in by_name
+        assert f"{peer}: skipped: {why}" in r.stderr
+        assert any(line.strip("│ ").split("│")[0].strip() == peer and why in line for line in r.stdout.splitlines())
+    assert "skipped (not run here)" in r.stdout or not doc["skipped"]
+
+
+@pytest.mark.slow
 def test_compare_runs_the_offline_limit_and_openvino_or_says_it_skipped(tmp_path):
     """In-process targets need no daemon: sorted batches in torch fp32, and OpenVINO
     through fleet's adapter when installed, else one line saying why it did not run."""
@@ -119,6 +151,8 @@ def test_compare_runs_the_offline_limit_and_openvino_or_says_it_skipped(tmp_path
         assert list(by_name) == ["sorted-st-fp32"]
         assert "ov-fp32: skipped: openvino is not installed (pip install 'fleet-serve[openvino]')" in r.stderr
         assert "ov-best: skipped" in r.stderr
+        assert doc["skipped"] == {name: "openvino is not installed (pip install 'fleet-serve[openvino]')"
+                                  for name in ("ov-fp32", "ov-best")}
     else:
         ov = by_name["ov-fp32"]
         assert (ov["engine"], ov["batches"], ov["process"]["choice"]["engine"]) == ("openvino", "request windows", "openvino")

@@ -73,6 +73,22 @@ def test_tables_show_knee_reasons_and_ratios():
     assert f"{ratio:.2f}x" in text
 
 
+def test_skipped_targets_are_a_table_of_their_own_and_keys_of_the_json(tmp_path):
+    """A target that could not run here is said, with why, in the table and the document."""
+    rs, plan = runs(), Plan(model="m")
+    skipped = {"tei": "text-embeddings-router (TEI) is not installed: run bench/setup_tei.sh",
+               "ov-best": "openvino is not installed (pip install 'fleet-serve[openvino]')"}
+    console = Console(width=400, record=True)
+    report.print_summary(console, rs, plan, skipped)
+    text = console.export_text()
+    assert "skipped (not run here)" in text
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in text.splitlines() if "is not installed" in line]
+    assert rows == [[name, why] for name, why in skipped.items()]
+    doc = report.result_doc(rs, plan, report.corpus_doc(corpus.CORPUS_PATH, [20] * len(corpus.load())), skipped=skipped)
+    back = json.loads(report.write_json(doc, tmp_path / "r.json").read_text())
+    assert back["skipped"] == skipped and [t["name"] for t in back["targets"]] == ["a", "st-fp32"]
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs the bench extra: pip install -e '.[bench]'")
     rs, plan = runs(), Plan(model="m")

@@ -152,6 +152,49 @@ def test_reply_tokens_reads_usage_only():
         reply_tokens("fleet", "embed", b"not msgpack at all \xc1")
 
 
+def test_tei_and_ollama_targets_speak_their_servers_wire(lengths):
+    (tei,) = build_payloads("tei", "embed", "http://127.0.0.1:1", "m", TEXTS, lengths, 3, pool_size=1)
+    line, headers, body = split(tei.request)
+    assert line == "POST /embed HTTP/1.1" and headers["Content-Type"] == "application/json"
+    doc = msgspec.json.decode(body)
+    assert list(doc) == ["inputs"] and len(doc["inputs"]) == 3  # one model per TEI server: no model field
+    (oll,) = build_payloads("ollama", "embed", "http://127.0.0.1:1", "m", TEXTS, lengths, 3, pool_size=1)
+    line, _, body = split(oll.request)
+    assert line == "POST /api/embed HTTP/1.1" and msgspec.json.decode(body) == {"model": "m", "input": doc["inputs"]}
+    # TEI answers a bare array and no count; Ollama counts in prompt_eval_count.
+    assert reply_tokens("tei", "embed", b"[[0.1, 0.2], [0.3, 0.4]]") == -1
+    with pytest.raises(msgspec.ValidationError):
+        reply_tokens("tei", "embed", b'{"error": "busy", "error_type": "overloaded"}')
+    assert reply_tokens("ollama", "embed", b'{"model": "m", "embeddings": [[0.1]], "prompt_eval_count": 12}') == 12
+    for kind in ("tei", "ollama"):
+        with pytest.raises(ValueError, match="embed only"):
+            build_payloads(kind, "rerank", "http://127.0.0.1:1", "m", TEXTS, lengths, 1, pool_size=1)
+
+
+def test_lineup_keeps_what_cannot_run_as_skipped_with_its_setup_script():
+    """Every name asked for either runs or is skipped with why; peers not set up name their script."""
+    from fleet.bench import peers
+    from fleet.bench.lineup import choose
+
+    names = ["fleet", "tei", "ollama", "infinity", "tei=http://127.0.0.1:8080", "ollama=http://127.0.0.1:11434"]
+    lineup = choose(names, url="http://127.0.0.1:7744", url_given=True, compare=True)
+    ran = {e.name: e for e in lineup.entries}
+    assert (ran["fleet"].kind, ran["fleet"].url) == ("fleet", "http://127.0.0.1:7744")
+    assert (ran["tei@127.0.0.1:8080"].kind, ran["tei@127.0.0.1:8080"].start_peer) == ("tei", False)
+    assert ran["ollama@127.0.0.1:11434"].url == "http://127.0.0.1:11434"
+    for peer in ("tei", "ollama", "infinity"):
+        if peers.program(peer) is None:
+            assert peer not in ran and lineup.skipped[peer].endswith(f"run bench/setup_{peer}.sh")
+        else:
+            assert ran[peer].start_peer and peer not in lineup.skipped
+    assert set(ran) | set(lineup.skipped) >= {"fleet", "tei", "ollama", "infinity"}
+    # Outside --compare, --target tei with --url benches that server in TEI's wire format.
+    (only,) = choose(["tei"], url="http://127.0.0.1:9", url_given=True, compare=False).entries
+    assert (only.kind, only.url, only.start_peer) == ("tei", "http://127.0.0.1:9", False)
+    with pytest.raises(ValueError, match="mystery, tei=ftp://x"):
+        choose(["fleet", "mystery", "tei=ftp://x"], url="http://127.0.0.1:9", url_given=True, compare=True)
+
+
 def test_client_reads_chunked_and_content_length_replies_on_one_connection():
     async def scenario() -> list[tuple[int, bytes, bool]]:
         async def handle(reader, writer):

@@ -1,8 +1,9 @@
 """`fleetctl bench`: find a server's knee, or compare servers side by side.
 
 The verb only parses options and wires the parts of `bench/` together: the
-corpus and token counts, the targets (fleet at --url, the infinity-emb peer
-and in-process sentence-transformers that the bench starts itself), the
+corpus and token counts, the targets (bench/lineup.py: the server at --url, the
+peers the bench starts on loopback, in-process sentence-transformers and
+OpenVINO, each one that cannot run here kept as skipped with why), the
 runner, and the report (tables on stdout, live progress on stderr, JSON under
 bench/results/, an optional PNG). Nothing here imports torch: the in-process
 target runs in its own process.
@@ -20,9 +21,10 @@ import typer
 
 from fleet.errors import BadRequest, Unavailable
 
-COMPARE_DEFAULT = "fleet,infinity,st-fp32,st-bf16,ov-best,sorted"
-#: Names --targets takes besides the in-process ones (bench/st_local.py: st-*, ov-*, sorted, sorted-*).
-HTTP_TARGETS = ("fleet", "fleet-json", "openai", "infinity")
+#: The peers a user would pick: fleet, TEI, Ollama, infinity, sentence-transformers, OpenVINO.
+COMPARE_DEFAULT = "fleet,tei,ollama,infinity,st-fp32,st-bf16,ov-best,sorted"
+#: What answers on each kind of server whatever it serves (any answer will do).
+PROBES = {"fleet": "/healthz", "fleet-json": "/healthz", "tei": "/health", "ollama": "/api/version"}
 
 
 def _import_bench():
@@ -51,7 +53,7 @@ def _floats(text: str | None, what: str) -> list[float] | None:
 def _check_reachable(url: str, kind: str) -> None:
     import httpx
 
-    probe = "/healthz" if kind.startswith("fleet") else "/v1/models"
+    probe = PROBES.get(kind, "/v1/models")
     try:
         httpx.get(url.rstrip("/") + probe, timeout=5)
     except httpx.TransportError as exc:
@@ -135,7 +137,7 @@ def register(app: typer.Typer) -> None:
     def bench(
         model: str = typer.Option("all-minilm-l6-v2", "--model", "-m", help="Model name, as the server knows it."),
         task: str = typer.Option("embed", "--task", help="embed | rerank | generate"),
-        target: str = typer.Option("fleet", "--target", help="fleet | fleet-json | openai | infinity (what --url is)"),
+        target: str = typer.Option("fleet", "--target", help="fleet | fleet-json | openai | infinity | tei | ollama (what --url is)"),
         url: str = typer.Option(None, "--url", help="Server root URL (default: FLEET_URL, else 127.0.0.1:7744)."),
         duration: float = typer.Option(10.0, "--duration", help="Seconds per step."),
         concurrency: str = typer.Option(None, "--concurrency", help="Closed loop: clients per step, e.g. 1,2,4,8."),
@@ -155,8 +157,10 @@ def register(app: typer.Typer) -> None:
         compare: bool = typer.Option(False, "--compare", help="Bench several targets interleaved (--targets)."),
         targets: str = typer.Option(
             COMPARE_DEFAULT, "--targets",
-            help="With --compare: fleet, infinity; in-process st-fp32, st-bf16, st-best, ov-fp32, ov-bf16, ov-best; "
-                 "sorted (the offline limit: length-sorted batches, best engine) or sorted-<in-process name>."),
+            help="With --compare: fleet (--url); peers started on loopback: tei, ollama, infinity; KIND=URL for a "
+                 "server already running (tei=http://127.0.0.1:8080); in-process st-fp32, st-bf16, st-best, ov-fp32, "
+                 "ov-bf16, ov-best; sorted (the offline limit: length-sorted batches, best engine) or "
+                 "sorted-<in-process name>. One that cannot run here is reported as skipped, with why."),
         encoding: str = typer.Option("base64", "--encoding", help="OpenAI-style targets: base64 | float."),
         infinity_dtype: str = typer.Option("auto", "--infinity-dtype",
                                            help="dtype for the infinity peer: auto | float32 | bfloat16 | float16."),
@@ -175,10 +179,9 @@ def register(app: typer.Typer) -> None:
 
         from fleet.bench import corpus, report
         from fleet.bench.knee import CLOSED, OPEN, Criteria
-        from fleet.bench.runner import NullDisplay, Plan, TargetSpec, bench as run_bench
+        from fleet.bench.lineup import choose, spec_of, start_peer
+        from fleet.bench.runner import NullDisplay, Plan, bench as run_bench
         from fleet.bench.sampler import Sampler, describe_gpus
-        from fleet.bench.peers import INFINITY_VENV
-        from fleet.bench.st_local import local_target
         from fleet.bench.targets import KINDS, TASKS
         from fleet.bench.tokens import TokenCounter, describe_lengths, resolve_model_dir
         from fleet.config import client_url
@@ -209,24 +212,17 @@ def register(app: typer.Typer) -> None:
         url_given = url is not None
         url = (url or client_url()).rstrip("/")
         names = [t.strip() for t in targets.split(",") if t.strip()] if compare else [target]
-        local = {n: local_target(n) for n in names if n not in HTTP_TARGETS}
-        unknown = [n for n, t in local.items() if t is None]
-        if unknown:
-            raise typer.BadParameter(f"unknown target(s) {', '.join(unknown)} in --targets")
-        if "infinity" in names and (compare or not url_given) and not (INFINITY_VENV / "bin" / "infinity_emb").is_file():
-            local["infinity"] = "infinity: skipped: the infinity-emb peer is not built (bench/setup_infinity.sh)"
-        chosen: dict[str, str] = {}  # what runs (its table name) -> the --targets name
-        for n in names:
-            t = local.get(n)
-            if isinstance(t, str):  # skipped: a runtime or peer that is not installed
-                err.print(f"[yellow]{escape(t)}[/]")
-                continue
-            if t is not None and t.note:
-                err.print(f"[dim]{escape(t.note)}[/]")
-            chosen.setdefault(n if t is None else t.name, n)  # st-best beside st-bf16 runs once
-        names = list(chosen.values())
-        if not names:
-            raise Unavailable("no target left to bench", hint="install what the skipped targets need, or pick others")
+        try:
+            lineup = choose(names, url=url, url_given=url_given, compare=compare)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        for name, why in lineup.skipped.items():
+            err.print(f"[yellow]{escape(name)}: skipped: {escape(why)}[/]")
+        for note in lineup.notes:
+            err.print(f"[dim]{escape(note)}[/]")
+        if not lineup.entries:
+            raise Unavailable("no target left to bench", hint="set up or install what the skipped targets need "
+                                                              "(the line for each says how), or pick others")
         if compare and task != "embed":
             raise typer.BadParameter("--compare benches embeddings servers: use --task embed")
 
@@ -250,23 +246,29 @@ def register(app: typer.Typer) -> None:
         )
         peers = []
         extra_versions: dict[str, str] = {}
-        specs: list[TargetSpec] = []
+        specs = []
         try:
-            for name in names:
-                if (lt := local.get(name)) is not None:
-                    specs.append(TargetSpec(name=lt.name, kind="st", dtype=lt.dtype, engine=lt.engine, sorted=lt.sorted))
-                elif name == "infinity" and (compare or not url_given):
-                    from fleet.bench.peers import Infinity
-
-                    err.print("[dim]starting infinity-emb on loopback ...[/]")
-                    peer = Infinity(mdir, model, device=dev, dtype=infinity_dtype)
+            for entry in lineup.entries:
+                if entry.start_peer:
+                    err.print(f"[dim]starting {entry.name} on loopback ...[/]")
+                    try:
+                        peer, versions = start_peer(entry, mdir, model, device=dev, batch=batch,
+                                                    infinity_dtype=infinity_dtype)
+                    except (OSError, RuntimeError) as exc:  # set up, yet it would not start: said, not absent
+                        why = f"it did not start: {' '.join(str(exc).split())[:300]}"
+                        lineup.skip(entry.name, why)
+                        err.print(f"[yellow]{escape(entry.name)}: skipped: {escape(why)}[/]")
+                        continue
                     peers.append(peer)
-                    extra_versions["infinity_emb"] = peer.version
-                    extra_versions["infinity_dtype"] = peer.dtype
-                    specs.append(TargetSpec(name="infinity", kind="infinity", url=peer.url, pids=peer.pids))
+                    extra_versions.update(versions)
+                    specs.append(spec_of(entry, peer.url, peer.pids))
+                elif entry.kind == "st":
+                    specs.append(spec_of(entry))
                 else:
-                    _check_reachable(url, name)
-                    specs.append(TargetSpec(name=name, kind=name, url=url, pids=_server_pids(url, name)))
+                    _check_reachable(entry.url, entry.kind)
+                    specs.append(spec_of(entry, pids=_server_pids(entry.url, entry.kind)))
+            if not specs:
+                raise Unavailable("no target left to bench", hint="every target was skipped (the lines above say why)")
             with Sampler() as sampler:
                 if quiet or as_json:
                     runs = run_bench(specs, plan, texts, lengths, model_dir=mdir, sampler=sampler, display=NullDisplay())
@@ -278,14 +280,15 @@ def register(app: typer.Typer) -> None:
                 peer.stop()
 
         doc = report.result_doc(runs, plan, report.corpus_doc(inputs or corpus.CORPUS_PATH, lengths),
-                                argv=["fleetctl", *sys.argv[1:]], extra_versions=extra_versions)
+                                argv=["fleetctl", *sys.argv[1:]], extra_versions=extra_versions,
+                                skipped=lineup.skipped)
         path = report.write_json(doc, out or report.default_out(doc))
         if plot_path:
             report.plot(doc, plot_path)
         if as_json:
             print(json.dumps(doc, indent=1))
         else:
-            report.print_summary(Console(width=None if sys.stdout.isatty() else 160), runs, plan)
+            report.print_summary(Console(width=None if sys.stdout.isatty() else 160), runs, plan, lineup.skipped)
         err.print(f"[dim]results: {path}" + (f"  plot: {plot_path}" if plot_path else "") + "[/]")
         if any(r.knee(plan.criteria).knee is None for r in runs):
             raise typer.Exit(1)
