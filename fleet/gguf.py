@@ -75,6 +75,10 @@ class GgufFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     tensors: int = 0
     #: Elements of all tensors: the parameter count.
     parameters: int = 0
+    #: A file fleet made at pull (`--quantize`, fleet.gguf_convert): from what and how,
+    #: e.g. "safetensors, converted to F16 by fleet, quantized to q8_0 by llama.cpp"; ""
+    #: for a GGUF file pulled as it was.
+    converted_from: str = ""
 
 
 class _Reader:

@@ -40,9 +40,10 @@ from fleet.errors import (
 )
 from fleet.gliner_backbone import BACKBONE_DIR, fetch_backbone, needed_backbone
 from fleet.gguf import is_gguf
+from fleet.gguf_convert import check_quant_type
 from fleet.lora import check_adapter
 from fleet.prompts import check_default, merged_prompts, prompt_table
-from fleet.pull_gguf import gguf_file, model_name, pull_gguf
+from fleet.pull_gguf import gguf_file, model_name, pull_converted, pull_gguf
 from fleet.store import (
     NO_PROGRESS, Manifest, Progress, Store, hash_file, needed_by_runtime, safe_relpath, utc_now,
 )
@@ -440,11 +441,16 @@ def pull_model(
     catalog: Catalog | None = None,
     progress: Progress = NO_PROGRESS,
     weights_check: bool = True,
+    quantize: str | None = None,
 ) -> PullResult:
     """Pull `target` (catalog name, stored name, `hf:`/`path:`/`pkg:` source) into `store`.
 
     `weights_check`: refuse weights that do not fit the architecture now
-    (`check_mismatched_weights`); a worker checks again before every load anyway."""
+    (`check_mismatched_weights`); a worker checks again before every load anyway.
+    `quantize` (f16 | q8_0 | q4_k_m): a local safetensors generator is stored as one GGUF
+    file of that type instead (fleet.gguf_convert), served by the llama.cpp runtime."""
+    if quantize is not None:
+        check_quant_type(quantize)
     if task is not None and task not in TASKS:
         raise BadRequest(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
     if runtime is not None and not RUNTIME_RE.match(runtime):
@@ -471,6 +477,8 @@ def pull_model(
                     existing=existing, task=task, runtime=runtime, base=base, catalog=catalog,
                     progress=progress, weights_check=weights_check)
         try:
+            if quantize is not None:
+                return _pull_converted(**args, quantize=quantize)
             if source.kind == "hf":
                 return _pull_hub(**args)
             return _pull_local(**args)
@@ -543,6 +551,30 @@ def _pull_local(
         )
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
+
+
+def _pull_converted(
+    *, store: Store, name: str, source: Source, entry: CatalogEntry | None, previous: Manifest | None,
+    existing: Manifest | None, task: str | None, runtime: str | None, base: str | None,
+    catalog: Catalog, progress: Progress, weights_check: bool, quantize: str,
+) -> PullResult:
+    """`--quantize`: a local safetensors generator stored as one GGUF file (fleet.pull_gguf)."""
+    if source.kind == "hf":
+        raise BadRequest(f"--quantize converts a local folder, not {source}",
+                         hint=f"fleetctl pull {source} --name NAME, then fleetctl pull path:<its folder> --quantize "
+                              f"{quantize} --name NAME-{quantize}")
+    if base is not None or task not in (None, "generate") or runtime not in (None, "llama.cpp"):
+        raise BadRequest("--quantize makes a llama.cpp generator: leave out --task, --runtime and --base")
+    if source.kind == "pkg":
+        folder, revision = package_folder(source.ref)
+        source_text = str(source)
+    else:
+        folder = Path(os.path.expanduser(source.ref)).resolve()
+        source_text, revision = f"path:{folder}", None
+    status, manifest = pull_converted(store=store, name=name, folder=folder, source_text=source_text,
+                                      revision=revision, entry=entry, previous=previous, existing=existing,
+                                      quantize=quantize, progress=progress)
+    return PullResult(status=status, manifest=manifest, path=str(store.path(name)), skipped=[])
 
 
 def check_mismatched_weights(folder: Path, name: str, meta: _Meta) -> None:

@@ -14,6 +14,7 @@ its architecture when it loads it.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -21,6 +22,7 @@ import msgspec
 from fleet.catalog import CatalogEntry, Profile
 from fleet.errors import BadRequest, IntegrityError, SourceUnreachable
 from fleet.gguf import SUFFIX, is_gguf, read_facts
+from fleet.gguf_convert import convert
 from fleet.store import NO_PROGRESS, Manifest, Progress, Store, hash_file, utc_now
 
 TASK = "generate"
@@ -61,15 +63,19 @@ def model_name(ref: str) -> str:
 
 def pull_gguf(*, store: Store, name: str, file: Path, source_text: str, revision: str | None,
               entry: CatalogEntry | None, previous: Manifest | None, existing: Manifest | None,
-              task: str | None, runtime: str | None, progress: Progress = NO_PROGRESS) -> tuple[str, Manifest]:
+              task: str | None, runtime: str | None, progress: Progress = NO_PROGRESS,
+              converted_from: str = "") -> tuple[str, Manifest]:
     """(status, manifest) of pulling the GGUF `file` as `name`; the caller holds the
-    store's lock for `name`. Status as fleet.pull's: pulled, up_to_date, updated."""
+    store's lock for `name`. Status as fleet.pull's: pulled, up_to_date, updated.
+    `converted_from`: `file` was made from the source at pull (fleet.gguf_convert)."""
     task = task or (entry.task if entry else None) or (previous.task if previous else None) or TASK
     runtime = runtime or (entry.runtime if entry else None) or (previous.runtime if previous else None) or RUNTIME
     if task != TASK or runtime != RUNTIME:
         raise BadRequest(f"{source_text} is a GGUF model: fleet serves it for task {TASK!r} on runtime "
                          f"{RUNTIME!r}, not {task}/{runtime}", hint="leave out --task and --runtime")
     facts = read_facts(file, file.name, source_text)
+    if converted_from:
+        facts = msgspec.structs.replace(facts, converted_from=converted_from)
     kept = entry or previous
     max_seq_len = kept.max_seq_len if kept is not None else None
     profile = kept.profile if kept is not None else Profile()
@@ -91,6 +97,27 @@ def pull_gguf(*, store: Store, name: str, file: Path, source_text: str, revision
                             profile=profile, gguf=facts)
         store.commit(staging, manifest)
     return "pulled", manifest
+
+
+def pull_converted(*, store: Store, name: str, folder: Path, source_text: str, revision: str | None,
+                   entry: CatalogEntry | None, previous: Manifest | None, existing: Manifest | None,
+                   quantize: str, progress: Progress = NO_PROGRESS) -> tuple[str, Manifest]:
+    """(status, manifest) of `--quantize`: the safetensors generator in `folder` converted
+    to one GGUF file (fleet.gguf_convert) in a temporary folder beside the store, then
+    stored as any GGUF pull is, the manifest saying what it was made from."""
+    if not folder.is_dir():
+        raise BadRequest(f"--quantize converts a model folder; {source_text} is not one")
+    store.root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=store.root.parent) as tmp:
+        progress.start(f"converting {name} to {quantize}", 1)
+        file = convert(folder, Path(tmp), quantize, origin=source_text)
+        progress.advance(1)
+        progress.finish()
+        how = "safetensors, converted to F16 by fleet" + (f", quantized to {quantize} by llama.cpp"
+                                                          if quantize != "f16" else "")
+        return pull_gguf(store=store, name=name, file=file, source_text=source_text, revision=revision, entry=entry,
+                         previous=previous, existing=existing, task=None, runtime=None, progress=progress,
+                         converted_from=how)
 
 
 def _intact(store: Store, manifest: Manifest) -> bool:

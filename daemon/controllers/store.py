@@ -9,7 +9,7 @@ folders and sources on this box, and change what the daemon serves.
 
 - `GET /v1/store`: `{home, models: [manifest + size_bytes + path], damaged: [{name,
   why, fix}]}`, what `fleetctl list --json` prints.
-- `POST /v1/store/pull` `{source, name?, task?, runtime?, base?, force?}`: `source` is
+- `POST /v1/store/pull` `{source, name?, task?, runtime?, base?, force?, quantize?}`: `source` is
   what `fleetctl pull` takes (a catalog or stored name, `hf:ORG/NAME[@REV]`,
   `path:DIR` with DIR absolute, as the daemon's user reads it, `pkg:PACKAGE`). A bad
   request (unknown name: with the closest known one, a bad source, `store_max_models`
@@ -62,6 +62,8 @@ class PullBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     runtime: str | None = None
     base: str | None = None
     force: bool = False
+    #: f16 | q8_0 | q4_k_m: store a safetensors generator as one GGUF file of that type.
+    quantize: str | None = None
 
 
 class LineProgress(Progress):
@@ -132,7 +134,7 @@ class StoreController(Controller):
     async def pull(self, request: Request, daemon: Daemon) -> Stream:
         body = codec.decode(await request.body(), PullBody, msgpack=body_is_msgpack(request))
         source = checked_source(body.source)
-        opts = dict(task=body.task, runtime=body.runtime, base=body.base, force=body.force)
+        opts = dict(task=body.task, runtime=body.runtime, base=body.base, force=body.force, quantize=body.quantize)
         name = await asyncio.to_thread(resolve_name, daemon.store, source, name=body.name)
         room_for_model(daemon, name)
         loop = asyncio.get_running_loop()

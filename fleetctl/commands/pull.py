@@ -63,6 +63,9 @@ def register(app: typer.Typer) -> None:
         runtime: Annotated[Optional[str], typer.Option(help="Worker runtime, e.g. sentence-transformers, transformers, peft.")] = None,
         base: Annotated[Optional[str], typer.Option(help="LoRA adapters: the base model's name (else from adapter_config.json).")] = None,
         force: Annotated[bool, typer.Option("--force", help="Pull again even if the stored copy is up to date.")] = False,
+        quantize: Annotated[Optional[str], typer.Option(
+            help="f16|q8_0|q4_k_m: store a safetensors Llama/Qwen2 generator as one GGUF file of that type "
+                 "(served by llama.cpp).")] = None,
         json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     ) -> None:
         """Pull a model into the store of the running daemon (through its API), else, with
@@ -73,6 +76,8 @@ def register(app: typer.Typer) -> None:
 
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         options = dict(name=name, task=task, runtime=runtime, base=base, force=force)
+        if quantize is not None:  # only when asked: an older daemon refuses the field
+            options["quantize"] = quantize
         client = store_daemon()
         if client is not None:
             with as_operator(client):
