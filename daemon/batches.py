@@ -45,7 +45,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -61,7 +60,7 @@ from fleet.daemon.batchfile import (
     InputCheck, LineReader, ResultFile, Scan, UploadSink, body_head, is_disk_full, receive_upload, scan_results,
     usage_of,
 )
-from fleet.daemon.core import BATCH_WORK, BatchWork, Daemon
+from fleet.daemon.core import BATCH_WORK, ASGIApp, BatchWork, Daemon
 from fleet.daemon.jobstore import JobStore, StoredBatch, new_batch_id, new_file_id, now_s
 
 log = logging.getLogger("fleet.batches")
@@ -142,7 +141,7 @@ class Window:
                 fut.set_result(None)
 
 
-async def call_route(app: Any, path: str, body: bytes, request_id: str) -> tuple[int, dict[str, str], bytes]:
+async def call_route(app: ASGIApp, path: str, body: bytes, request_id: str) -> tuple[int, dict[str, str], bytes]:
     """POST `body` (JSON) to `path` of the ASGI `app`, in this process: (status, headers, body)."""
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
@@ -501,7 +500,7 @@ def fsync_dir(path: Path) -> None:
 class Batches:
     """The daemon's offline jobs: files, batches and their runs (`Daemon.batches`)."""
 
-    def __init__(self, daemon: Daemon, dispatch: Any) -> None:
+    def __init__(self, daemon: Daemon, dispatch: ASGIApp) -> None:
         self.daemon = daemon
         self.dispatch = dispatch
         #: Bytes of uploads in flight, taken from the quota (`room`); changed on upload threads.

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -40,8 +40,48 @@ from fleet.daemon.quotas import check_owner_load
 from fleet.daemon.top import Recent
 from fleet.pins import PinStore
 from fleet.daemon.supervisor import Supervisor, detect_devices
+from fleet.daemon.upstreams import Upstreams
 
 log = logging.getLogger("fleet.daemon")
+
+#: An ASGI application: (scope, receive, send).
+ASGIApp = Callable[[Any, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+class Jobs(Protocol):
+    """What the daemon's life calls on its offline jobs (daemon.batches.Batches, which
+    imports this module: the routes reach the whole class through controllers.files)."""
+
+    async def start(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class ClusterLink(Protocol):
+    """What the daemon calls on its NATS bridge (daemon.cluster.Cluster, loaded only with
+    `--nats`: nats-py stays out of a single box's daemon)."""
+
+    js: Any
+
+    @property
+    def joined(self) -> bool: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    def stop_pulling(self) -> None: ...
+
+    async def leave(self) -> None: ...
+
+    async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
+                     local: bool = False, on_partial: Callable[[Done], None] | None = None,
+                     batch: bool = False) -> Answer: ...
+
+    def boxes(self) -> list[dict[str, Any]]: ...
+
+    def check_model(self, model: str, task: str) -> None: ...
+
 
 _info_decoder = msgspec.msgpack.Decoder()
 
@@ -145,14 +185,14 @@ class Daemon:
     broker: Broker | None = None
     supervisor: Supervisor | None = None
     #: The NATS bridge (daemon/cluster.py), only with `--nats`: requests then go through JetStream.
-    cluster: Any = None
+    cluster: ClusterLink | None = None
     #: Offline jobs (daemon/batches.py: the Files and Batches API), started in the app's lifespan.
-    batches: Any = None
+    batches: Jobs | None = None
     #: The ASGI app a batch's lines go through, as HTTP requests do (set by the server:
     #: the hot routes in front of the Litestar app; else the Litestar app itself).
-    dispatch: Any = None
+    dispatch: ASGIApp | None = None
     #: Upstreams and the models routed to them (daemon/upstreams.py), set by the server.
-    upstreams: Any = None
+    upstreams: Upstreams | None = None
     _manifests: dict[str, Manifest] = field(default_factory=dict)
     #: Set by the server: True once uvicorn listens (readiness for systemd).
     is_serving: Callable[[], bool] = lambda: False

@@ -31,6 +31,9 @@ MAX_OPTIONS = 255
 MAX_LEVELS = 10
 #: Option counts that share a temperature, per kind: (first, last) inclusive.
 BUCKETS: tuple[tuple[int, int], ...] = ((1, 2), (3, 5), (6, 10), (11, 26), (27, MAX_OPTIONS))
+#: Stored models of another task that answer decisions too, by (task, runtime): a
+#: generator's worker reads them from the weights it holds (runtimes/decide_shared.py).
+SHARED_DECIDERS: frozenset[tuple[str, str]] = frozenset({("generate", "transformers")})
 
 
 class DecideQuestion(msgspec.Struct, frozen=True, array_like=True):

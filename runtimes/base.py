@@ -170,6 +170,14 @@ class Adapter(abc.ABC):
 
     #: True for adapters that implement the four methods below.
     continuous: ClassVar[bool] = False
+    #: A second request type a continuous adapter's lane may carry, answered in
+    #: batches beside its rounds by `side_batch` (a generator's typed decisions, read
+    #: from the weights it holds: runtimes/decide_shared.py); None: its own type only.
+    side_type: ClassVar[type[msgspec.Struct] | None] = None
+
+    def side_batch(self, requests: list[Any], ctx: BatchContext) -> Steps:
+        """`batch` for requests of `side_type` (the worker's round runs them at once)."""
+        raise NotImplementedError(f"{type(self).__name__} answers no second request type")
 
     def free_slots(self) -> int:
         """Requests `admit` takes now."""

@@ -29,12 +29,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from fleet.errors import FleetError
-from fleet.local_queue import QueueFull
+from fleet.local_queue import Claim, QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, GenerateResult, WorkError
+from fleet.runtimes.base import BatchContext, run_through
 from fleet.runtimes.lora import attach_lora
 from fleet.runtimes.memory import NotNow
 from fleet.runtimes.policy import WARMUP_STALL_MS
@@ -116,7 +118,7 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
     if lane is not None and free:
         adapter.kv_limit_bytes = rnd.residency.kv_limit_bytes(adapter)
         reserved = adapter.reserved_bytes()
-        answered += admit_claims(rnd, adapter, lane, free)
+        answered += admit_claims(rnd, resident, lane, free)
         if adapter.reserved_bytes() != reserved:
             rnd.publish()  # the other workers of the device count the new reserve
     # 2. Requests whose deadline passed were answered `timeout` by the daemon, and
@@ -206,10 +208,13 @@ def abort_in_flight(rnd: Round, adapter, error: WorkError) -> int:
     return len(keys)
 
 
-def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
+def admit_claims(rnd: Round, resident: Resident, lane: int, free: int) -> int:
     """Claim up to `free` items of `lane`, attach the LoRA adapters they name, admit
     them; from the first one that must wait for room on, the claims go back to the
-    lane (in order). Returns items answered here (late, undecodable or refused ones)."""
+    lane (in order). Items of the adapter's `side_type` (a generator's decisions) run
+    at once, as one batch (`run_side`). Returns items answered here (late,
+    undecodable, refused and side ones)."""
+    adapter = resident.adapter
     claims = rnd.queue.claim(lane, worker=rnd.residency.worker_id, max_items=free, max_tokens=1 << 40,
                              lease_ms=rnd.lease_ms)
     if not claims:
@@ -218,6 +223,7 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
     now = rnd.clock_ns()
     errors: list[tuple[int, WorkError]] = []
     failed_loras: dict[str, WorkError] = {}
+    side: list[tuple[Claim, Any]] = []
     for n, c in enumerate(claims):
         if c.deadline_ns and c.deadline_ns <= now:
             errors.append((c.item_id, WorkError("timeout", "the request's deadline passed before it ran")))
@@ -225,15 +231,22 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
         try:
             request = decoder.decode(c.payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            errors.append((c.item_id, WorkError("bad_request", f"undecodable work item: {exc}")))
-            continue
+            request = side_request(rnd, adapter, c.payload)
+            if request is None:
+                errors.append((c.item_id, WorkError("bad_request", f"undecodable work item: {exc}")))
+                continue
         lora = adapter.lora_of(request)
         if lora is not None and not adapter.hosts(lora):
-            error = failed_loras.get(lora) or attach_lora(adapter, lora, rnd.residency.resolve)
+            # The side batch's adapters stay attached until it has run.
+            keep = {x for _, r in side if (x := adapter.lora_of(r)) is not None}
+            error = failed_loras.get(lora) or attach_lora(adapter, lora, rnd.residency.resolve, keep)
             if error is not None:
                 failed_loras[lora] = error
                 errors.append((c.item_id, error))
                 continue
+        if not isinstance(request, adapter.request_type):
+            side.append((c, request))
+            continue
         try:
             error = adapter.admit(InFlight(c.item_id, c.enqueue_ns, now, c.deadline_ns, lora), request)
         except NotNow as exc:
@@ -247,4 +260,55 @@ def admit_claims(rnd: Round, adapter, lane: int, free: int) -> int:
             errors.append((c.item_id, error))
     if errors:
         rnd.queue.ack_many([(i, _encode(Envelope(0.0, 0.0, rnd.served_by, e)), STATUS_ERROR) for i, e in errors])
-    return len(errors)
+    return len(errors) + (run_side(rnd, resident, side) if side else 0)
+
+
+def side_request(rnd: Round, adapter, payload: memoryview) -> Any:
+    """`payload` as the adapter's `side_type`, or None (no side type, or not one).
+    The two types are told apart by their fields (both refuse unknown ones)."""
+    if adapter.side_type is None:
+        return None
+    try:
+        return rnd.decoder(adapter.side_type).decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def run_side(rnd: Round, resident: Resident, side: list[tuple[Claim, Any]]) -> int:
+    """Run the side requests claimed in a round (`Adapter.side_batch`: a generator's
+    decisions) as one batch, between two generation steps, and ack them. A failure
+    answers this batch only; the sequences in flight go on. Returns items answered."""
+    adapter = resident.adapter
+    name = adapter.spec.name
+    requests = [r for _, r in side]
+    loras = tuple(sorted({x for r in requests if (x := adapter.lora_of(r)) is not None}))
+    t0 = time.perf_counter()
+    start_ns = rnd.clock_ns()
+    try:
+        # The generation in flight waits meanwhile; the bound is a generation step's.
+        with rnd.progress.running(f"a batch of {len(requests)} decisions on {name}", WARMUP_STALL_MS):
+            results = run_through(adapter.side_batch(requests, BatchContext()))
+    except FleetError as exc:
+        results = [WorkError(exc.code, exc.message)] * len(requests)
+    except Exception as exc:  # a model failure answers this batch; the worker stays up
+        log.exception("decision batch failed on %s", name)
+        results = [WorkError("inference_failed", f"{name}: {type(exc).__name__}: {exc}")] * len(requests)
+        rnd.residency.release_memory()
+    ms = (time.perf_counter() - t0) * 1e3
+    read = sum(getattr(r, "input_tokens", 0) for r in results)
+    acks = [(c.item_id, _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, rnd.served_by, r, (), len(requests),
+                                         read, loras)),
+             STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK) for (c, _), r in zip(side, results)]
+    try:
+        rnd.queue.ack_many(acks)
+    except QueueFull as exc:
+        log.error("results of %d items on %s do not fit the queue: %s", len(acks), name, exc.message)
+        error = _encode(Envelope(0.0, 0.0, rnd.served_by,
+                                 WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
+        rnd.queue.ack_many([(c.item_id, error, STATUS_ERROR) for c, _ in side])
+    resident.served += len(side)
+    resident.tokens += read
+    resident.last_used = time.time()
+    rnd.record(BatchStats(name, len(requests), read, 0, ms, time.time(), 0, loras))
+    rnd.publish()  # its kept states count in the model's reserve
+    return len(side)

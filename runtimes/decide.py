@@ -216,8 +216,15 @@ class DecisionLM(LoraHost, Adapter):
             raise
         except Exception as exc:  # the library raises many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a causal LM: {exc}") from exc
+        self.loras = Loras(self.spec.name, model, self.spec.profile.max_loras)
+        self.read_with(tokenizer, model.to(self.device).eval(), min(PREFIX_CACHE_BYTES, footprint_bytes(model)))
+
+    def read_with(self, tokenizer: Any, model: Any, cache_bytes: int) -> None:
+        """Read decisions with `model` and `tokenizer` (loaded here, or a generator's:
+        runtimes/decide_shared.py), keeping up to `cache_bytes` of states' caches;
+        the warm-up decision runs on them."""
         self.tokenizer = tokenizer
-        self.model = model.to(self.device).eval()
+        self.model = model
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
                           tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
         positions = int(getattr(model.config, "max_position_embeddings", 0) or DEFAULT_MAX_TOKENS)
@@ -227,8 +234,7 @@ class DecisionLM(LoraHost, Adapter):
         self.bool_mask = getattr(model.config, "_attn_implementation", "") == "sdpa"
         self.frame = chat_frame(tokenizer)
         self.labels, self.label_ids, self.label_cue = single_token_labels(tokenizer, self.frame)
-        self.prefixes = PrefixCache(min(PREFIX_CACHE_BYTES, footprint_bytes(self.model)))
-        self.loras = Loras(self.spec.name, self.model, self.spec.profile.max_loras)
+        self.prefixes = PrefixCache(cache_bytes)
         #: Bytes one token of one row holds in the key/value cache, measured at warm-up.
         self.kv_token_bytes = 0
         log.info("decide %s: %d single-token labels, %s", self.spec.name, len(self.labels),

@@ -58,10 +58,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.decisions import DecideRequest
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
 from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
-from fleet.runtimes.base import Adapter, ModelSpec
+from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Steps
 from fleet.runtimes.grammar import Grammars
 from fleet.runtimes.hf_common import char_bound
 from fleet.runtimes.lora import Loras, LoraHost
@@ -171,6 +172,11 @@ def streamable_end(text: str, stops: tuple[str, ...]) -> int:
 class CausalLM(LoraHost, Adapter):
     request_type = GenerateRequest
     continuous = True
+    #: Typed decisions queued in this model's lane, answered in batches beside the
+    #: rounds from the same weights (runtimes/decide_shared.py; `side_batch`).
+    side_type = DecideRequest
+    #: The decision reader over this model, built on the first decision batch.
+    decider: Any = None
 
     # -- load ------------------------------------------------------------------
 
@@ -263,6 +269,9 @@ class CausalLM(LoraHost, Adapter):
         return held + self.lora_bytes()
 
     def unload(self) -> None:
+        if self.decider is not None:
+            self.decider.unload()
+            self.decider = None
         self.rows, self.pending, self.grammars = [], [], None
         self.cache = self.mask = self.pos = self.last = None
         self.base = self.loras = None
@@ -283,8 +292,26 @@ class CausalLM(LoraHost, Adapter):
         return max(0, self.spec.profile.max_batch_items - len(self.rows) - len(self.pending))
 
     def reserved_bytes(self) -> int:
+        """The sequences' cache reserve, and the decision states' caches kept (`side_batch`)."""
+        return self._kv_reserved() + self._decisions_held()
+
+    def _kv_reserved(self) -> int:
         seqs = self.rows + self.pending
         return kv_reserve(self.kv_token_bytes, len(seqs), max((s.final_len for s in seqs), default=0))
+
+    def _decisions_held(self) -> int:
+        return self.decider.held_bytes() if self.decider is not None else 0
+
+    # -- typed decisions from the same weights -----------------------------------
+
+    def side_batch(self, requests: list[DecideRequest], ctx: BatchContext) -> Steps:
+        """Decision requests of this lane as runtimes/decide.py answers them, read from
+        this model (`SharedDecisions`: no second copy of the weights)."""
+        if self.decider is None:
+            from fleet.runtimes.decide_shared import SharedDecisions
+
+            self.decider = SharedDecisions(self)
+        return self.decider.batch(requests, ctx)
 
     def has_active(self) -> bool:
         return bool(self.rows or self.pending)
@@ -400,6 +427,10 @@ class CausalLM(LoraHost, Adapter):
             return
         seqs = self.rows + self.pending
         need = kv_reserve(self.kv_token_bytes, len(seqs) + 1, max([final_len] + [s.final_len for s in seqs]))
+        if need + self._decisions_held() <= self.kv_limit_bytes:
+            return
+        if self.decider is not None:  # the decision states kept are a cache: generation comes first
+            self.decider.prefixes.clear()
         if need <= self.kv_limit_bytes:
             return
         alone = kv_reserve(self.kv_token_bytes, 1, final_len)

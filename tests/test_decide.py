@@ -128,7 +128,7 @@ def test_official_sdk_calls_work_unchanged(daemon):
     anger = r.scores["anger"]
     assert anger.legend == dict(enumerate(SCORE["criteria"]))
     assert math.isclose(anger.score, sum(i * q for i, q in anger.probabilities.items()), abs_tol=1e-9)
-    assert [m.name for m in listed.models] == ["jev-latest", MODEL, NLI]
+    assert [m.name for m in listed.models] == ["jev-latest", MODEL, GENERATOR, NLI]
 
 
 def test_jevcompat_musts_and_shoulds_pass(daemon):
@@ -222,6 +222,68 @@ def test_base_and_lora_rows_mixed_in_batches_each_answer_as_alone(daemon):
     assert wrong.status_code == 400 and "serves task 'decide', not 'generate'" in wrong.json()["error"]["message"]
 
 
+# ---- a stored generator answers from the weights it holds -----------------------------------
+
+def generate(d, model: str, prompt: str) -> httpx.Response:
+    return httpx.post(d.url + "/v1/generate", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                    "temperature": 0}, headers=AUTH, timeout=120)
+
+
+def resident_bytes(d) -> tuple[dict[str, int], int]:
+    """(bytes `/v1/ps` shows per resident model, summed over workers; the workers' used bytes)."""
+    workers = httpx.get(d.url + "/v1/ps", headers=AUTH, timeout=30).json()["workers"]
+    shown: dict[str, int] = {}
+    for w in workers:
+        for name, m in w["models"].items():
+            shown[name] = shown.get(name, 0) + m["bytes"]
+    return shown, sum(w["used_bytes"] for w in workers)
+
+
+def test_a_generator_answers_as_its_decision_copy_from_the_weights_it_holds(daemon, folder):
+    """GENERATOR is MODEL's folder stored as a generator. Its decisions equal MODEL's
+    (the same weights stored as a decision model) to 1e-5, and reading them loads no
+    second copy: /v1/ps shows no other model resident and the generator's bytes (and
+    its worker's) grow by its kept states' caches only (the warm-up's and TICKET's,
+    ~0.3 of this tiny model's weights), where a second copy would add the weights."""
+    weights = (folder / "model.safetensors").stat().st_size
+    first = generate(daemon, GENERATOR, TICKET)
+    assert first.status_code == 200
+    before, used_before = resident_bytes(daemon)
+    reply = post(daemon, {"model": GENERATOR, "state": TICKET, "questions": ALL})
+    assert reply.status_code == 200 and reply.json()["model"] == GENERATOR
+    copy = post(daemon, {"model": MODEL, "state": TICKET, "questions": ALL}).json()["answers"]
+    for q in ALL:
+        assert np.abs(vector(reply.json()["answers"][q]) - vector(copy[q])).max() <= 1e-5, q
+    end = time.monotonic() + 10
+    while (after := resident_bytes(daemon))[0].get(GENERATOR) == before[GENERATOR]:  # published after the ack
+        assert time.monotonic() < end, after
+        time.sleep(0.1)
+    shown, used = after
+    assert set(shown) == set(before)
+    assert 0 < shown[GENERATOR] - before[GENERATOR] < weights / 2
+    assert used - used_before == shown[GENERATOR] - before[GENERATOR]
+    assert generate(daemon, GENERATOR, TICKET).json()["text"] == first.json()["text"]
+
+
+def test_generation_and_decisions_in_one_lane_each_answer_as_alone(daemon):
+    """Generation and decisions queued together in the generator's lane: the decisions
+    run as a batch beside the generation rounds; none is lost, none changes."""
+    states = [f"Ticket {i}. {TICKET}" for i in range(3)]
+    texts = {s: generate(daemon, GENERATOR, s).json()["text"] for s in states}
+    answers = {s: post(daemon, {"model": GENERATOR, "state": s, "questions": ALL}).json()["answers"] for s in states}
+    jobs = [(kind, s) for s in states for kind in ("generate", "decide")] * 2
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(lambda j: generate(daemon, GENERATOR, j[1]) if j[0] == "generate" else
+                                post(daemon, {"model": GENERATOR, "state": j[1], "questions": ALL}), jobs))
+    assert [r.status_code for r in replies] == [200] * len(jobs)
+    for (kind, s), r in zip(jobs, replies):
+        if kind == "generate":
+            assert r.json()["text"] == texts[s]
+        else:
+            for q in ALL:
+                assert np.abs(vector(r.json()["answers"][q]) - vector(answers[s][q])).max() <= 1e-5, (s, q)
+
+
 # ---- refusals: the contract's shapes, and nothing else changes --------------------------------
 
 @pytest.mark.parametrize("body, loc", [
@@ -259,14 +321,6 @@ def test_a_state_over_the_models_positions_is_413_and_fails_alone(daemon):
     assert [r.status_code for r in replies] == [413, 200] * 2
     assert replies[0].json()["detail"]["error_type"] == "input_too_long"
     assert ask(daemon, {"q": CHOICE}).status_code == 200
-
-
-def test_a_generator_is_refused_with_how_to_store_it_as_a_decision_model(daemon):
-    r = post(daemon, {"model": GENERATOR, "state": TICKET, "questions": {"q": NOUL}})
-    assert r.status_code == 400 and r.json()["detail"]["error_type"] == "bad_request"
-    assert f"'{GENERATOR}' is a generator" in r.json()["detail"]["message"]
-    assert f"--task decide --name {GENERATOR}-decide" in r.json()["detail"]["message"]
-    assert ask(daemon, {"q": NOUL}).status_code == 200
 
 
 def test_unknown_fields_are_ignored_and_named(daemon):

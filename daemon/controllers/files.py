@@ -11,13 +11,15 @@ from fleet.batches import FileList
 from fleet.errors import BadRequest, Unavailable
 
 from fleet.daemon import codec
+from fleet.daemon.batches import Batches
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import reply
 
 
-def batches_of(daemon: Daemon):
+def batches_of(daemon: Daemon) -> Batches:
     if daemon.batches is None:
         raise Unavailable("the daemon is starting; retry shortly")
+    assert isinstance(daemon.batches, Batches)
     return daemon.batches
 
 

@@ -12,6 +12,7 @@ from litestar import Controller, Request, Response, delete, get
 from fleet import __version__
 from fleet.calibration import calibration_extra
 from fleet.catalog import load_catalog
+from fleet.decisions import SHARED_DECIDERS
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.errors import FleetError
 from fleet.protocol import DecisionModelCard, ModelCard, ModelDetail, ModelList
@@ -82,13 +83,14 @@ def decision_temperatures(daemon: Daemon, name: str, workers: list[dict]) -> dic
 
 
 def decision_cards(daemon: Daemon, listed: list[Manifest]) -> list[DecisionModelCard]:
-    """System One's model list: the decision models, after the `jev-latest` alias when
-    it names one of them."""
+    """System One's model list: the decision models and the generators that answer
+    decisions from their own weights, after the `jev-latest` alias when it names one."""
     how = {"transformers": "a causal LM read by scoring", "nli": "an NLI cross-encoder",
            "laya": "a Laya checkpoint (its own decision head)", "bev": "a bev-decider checkpoint (its own pointer head)"}
-    cards = {m.name: DecisionModelCard(m.name, f"Typed decisions (noul, choice, score) from "
-                                               f"{how.get(m.runtime, m.runtime)}", m.created_at[:10])
-             for m in listed if m.task == "decide" and not m.base}
+    how_generator = "a generator's weights read by scoring"
+    cards = {m.name: DecisionModelCard(m.name, "Typed decisions (noul, choice, score) from " + (
+                 how.get(m.runtime, m.runtime) if m.task == "decide" else how_generator), m.created_at[:10])
+             for m in listed if (m.task == "decide" or (m.task, m.runtime) in SHARED_DECIDERS) and not m.base}
     try:
         default = decision_model(daemon, DEFAULT_ALIAS)
     except FleetError:

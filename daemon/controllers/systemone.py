@@ -21,10 +21,10 @@ def decision_model(daemon: Daemon, name: str) -> str:
     """The store name a request's `model` runs on: `jev-latest` is this box's default
     decision model (config `default_models.decide`, else the only stored one)."""
     if name != systemone.DEFAULT_ALIAS:
-        return not_a_generator(daemon, name)
+        return reads_decisions(daemon, name)
     configured = daemon.settings.default_models.get("decide")
     if configured:
-        return not_a_generator(daemon, configured)
+        return reads_decisions(daemon, configured)
     stored = sorted(n for n, task in stored_tasks(daemon.store) if task == "decide")
     if len(stored) == 1:
         return stored[0]
@@ -35,12 +35,14 @@ def decision_model(daemon: Daemon, name: str) -> str:
                      f"{', '.join(stored)}, or set default_models.decide in config.toml", param="model")
 
 
-def not_a_generator(daemon: Daemon, name: str) -> str:
-    """`name`, unless it is a stored generator (a causal LM of task `generate`): its
-    worker serves generation, not scoring, so the answer says how to pull its weights
-    as a decision model (the catalog's `<name>-decide` where there is one)."""
+def reads_decisions(daemon: Daemon, name: str) -> str:
+    """`name`, unless it is a stored generator fleet reads no decisions from. A
+    transformers generator answers them from the weights its worker holds
+    (runtimes/decide_shared.py); another (a GGUF's llama.cpp runtime reads no label
+    logits) is refused with how to pull its weights as a decision model (the
+    catalog's `<name>-decide` where there is one)."""
     try:
-        daemon.manifest(name, "decide")  # cached: a decision model costs no look-up here
+        daemon.manifest(name, "decide")  # cached: a decision model or a generator costs no look-up here
         return name
     except ModelNotFound:
         return name  # the route answers it (a remote box's, an upstream's, or none)
@@ -48,7 +50,7 @@ def not_a_generator(daemon: Daemon, name: str) -> str:
         pass  # stored, for another task
     stored = daemon.aliases.resolve(name)
     manifest = daemon.store.get(stored)
-    if (manifest.task, manifest.runtime) != ("generate", "transformers"):
+    if manifest.task != "generate":
         return name
     twin = f"{stored}-decide"
     try:
@@ -61,8 +63,9 @@ def not_a_generator(daemon: Daemon, name: str) -> str:
         how = f"fleetctl pull {manifest.source} --task decide --name {twin}"
     else:
         how = f"pull its source again with --task decide --name {twin}"
-    raise BadRequest(f"{stored!r} is a generator; decisions are read from a causal LM stored as a decision model "
-                     f"(task decide): {how}", param="model")
+    raise BadRequest(f"{stored!r} is a {manifest.runtime} generator, which reads no decisions; they are read from "
+                     f"a transformers causal LM, stored as a generator or as a decision model (task decide): {how}",
+                     param="model")
 
 
 def read_body(body: bytes, *, msgpack: bool) -> Any:
