@@ -20,6 +20,7 @@ import numpy as np
 
 from fleet.catalog import NAME_RE, load_catalog
 from fleet.config import Settings, load_settings
+from fleet.decisions import SHARED_DECIDERS
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, Unavailable
 from fleet.lora import LORA_TASKS
 from fleet.protocol import ProfileView
@@ -350,9 +351,22 @@ class Daemon:
             except BadRequest:
                 raise ModelNotFound(f"unknown model {name!r}") from None
             self._manifests[name] = manifest
-        if manifest.task != task:
+        if manifest.task != task and not self.also_serves(manifest, task):
             raise BadRequest(f"model {name!r} serves task {manifest.task!r}, not {task!r}")
         return manifest
+
+    def also_serves(self, manifest: Manifest, task: str) -> bool:
+        """Does a model stored for another task answer `task` too? A transformers
+        generator (or a LoRA adapter of one) answers decisions from its own lane
+        (fleet.decisions.SHARED_DECIDERS)."""
+        if task != "decide":
+            return False
+        if manifest.base:
+            try:
+                manifest = self.manifest(manifest.base, manifest.task)
+            except FleetError:
+                return False
+        return (manifest.task, manifest.runtime) in SHARED_DECIDERS
 
     async def submit(self, task: str, model: str, payload: bytes | memoryview, *, tokens: int,
                      timeout_ms: int | None, on_partial: Callable[[Done], None] | None = None) -> Answer:
