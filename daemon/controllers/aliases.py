@@ -79,10 +79,14 @@ async def body_of(request: Request, type_: type[Any]) -> Any:
 
 async def warm(daemon: Daemon, version: str) -> None:
     """Load `version` on this box before the alias points at it (no-op for a version only
-    another box stores): a version that does not load refuses the switch, with its error."""
+    another box stores): a version that does not load refuses the switch, with its error.
+    A LoRA adapter is no model a worker loads: its base is loaded (the weights that take
+    seconds), and the adapter's own few MB attach at its first request, as they do for a
+    request that names it."""
     if not daemon.store.exists(version) or daemon.broker is None:
         return
-    await send(daemon, choose_worker(await daemon.workers(), version, None), LOAD, version)
+    target = daemon.store.get(version).base or version
+    await send(daemon, choose_worker(await daemon.workers(), target, None), LOAD, target)
 
 
 def changed(daemon: Daemon, after: Any, before: Any, seconds: float) -> dict[str, Any]:
