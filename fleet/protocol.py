@@ -245,6 +245,11 @@ class ModelCard(msgspec.Struct, frozen=True):
     decide_temperatures: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
     calibration: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
     temperatures_live: bool | msgspec.UnsetType = msgspec.UNSET
+    #: An alias (fleet.aliases): the stored version it points at now, and a canary's
+    #: candidate with its share of clients; `id` is the alias, the rest the version's.
+    alias_of: str | msgspec.UnsetType = msgspec.UNSET
+    canary: str | msgspec.UnsetType = msgspec.UNSET
+    canary_percent: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class ProfileView(msgspec.Struct, frozen=True):

@@ -221,3 +221,48 @@ def test_a_canary_sends_a_share_of_clients_each_to_one_version_and_ps_shows_both
         r = httpx.post(d.url + "/v1/classify", json={"model": "tone-canary", "inputs": ["hi"]},
                        headers={"X-Fleet-Client": f"user-{i}"}, timeout=60)
         assert r.headers[VERSION] == "tone-v1"
+
+
+def loaded(d) -> dict[str, bool]:
+    return {m["id"]: m["loaded"] for m in httpx.get(d.url + "/v1/models", timeout=30).json()["data"]}
+
+
+def test_the_model_list_names_each_alias_and_what_it_points_at(tone_box) -> None:
+    """An OpenAI client picks a model from the list: an alias is one, its version beside it."""
+    import openai
+
+    d = tone_box
+    assert set_alias(d, "listed-tone", "tone-v1").status_code == 200
+    client = openai.OpenAI(base_url=d.url + "/v1", api_key="unused")
+    cards = {m.id: m.model_dump() for m in client.models.list()}
+    assert cards["listed-tone"]["alias_of"] == "tone-v1" and cards["listed-tone"]["task"] == "classify"
+    assert "alias_of" not in cards["tone-v1"]
+    assert client.models.retrieve("listed-tone").model_dump()["alias_of"] == "tone-v1"
+    assert set_alias(d, "listed-tone", "tone-v2").status_code == 200
+    assert client.models.retrieve("listed-tone").model_dump()["alias_of"] == "tone-v2"
+
+
+def test_a_rollback_loads_its_target_first_when_the_current_version_was_loaded(tone_box) -> None:
+    d = tone_box
+
+    def unload(name: str) -> None:
+        r = httpx.post(f"{d.url}/v1/models/{name}/unload", headers=d.admin, timeout=60)
+        assert r.status_code == 200, r.text
+
+    def rollback() -> None:
+        r = httpx.post(d.url + "/v1/aliases/warm-tone/rollback", json={}, headers=d.admin, timeout=120)
+        assert r.status_code == 200 and r.json()["alias"]["version"] == "tone-v1", r.text
+
+    assert set_alias(d, "warm-tone", "tone-v1").status_code == 200
+    assert set_alias(d, "warm-tone", "tone-v2").status_code == 200  # loads tone-v2
+    unload("tone-v1")
+    assert loaded(d)["tone-v2"] and not loaded(d)["tone-v1"]
+    rollback()
+    # No request has asked for tone-v1 since: the rollback loaded it, before switching.
+    assert loaded(d)["tone-v1"]
+    # The current version was not loaded (nobody is using the alias): nothing is loaded.
+    assert set_alias(d, "warm-tone", "tone-v2").status_code == 200
+    unload("tone-v1")
+    unload("tone-v2")
+    rollback()
+    assert not loaded(d)["tone-v1"]

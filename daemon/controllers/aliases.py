@@ -6,9 +6,12 @@
 - `PUT /v1/aliases/{alias}` `{version, canary?, canary_percent?, owner?, reason?, warm?}`: point
   the alias at `version`. With `warm` (the default) the version is loaded first, so the
   alias's next requests do not wait for it; a version that does not load changes nothing.
-- `POST /v1/aliases/{alias}/rollback` `{owner?, reason?}`: back to the previous version (a
-  running canary ends instead), without loading anything first: a rollback is the way
-  out of a bad version, and takes milliseconds.
+- `POST /v1/aliases/{alias}/rollback` `{owner?, reason?, warm?}`: back to the previous
+  version (a running canary ends instead). With `warm` (the default), when the current
+  version is loaded on this box the previous one is loaded first, while the current one
+  still serves, so the first request after the rollback does not wait for a load (a
+  target still resident: milliseconds; an evicted one: its load time). A target that does
+  not load changes nothing; `warm: false` switches at once.
 - `DELETE /v1/aliases/{alias}`.
 
 Reading is open; the rest is the operator's (daemon.operator: the admin key).
@@ -54,6 +57,11 @@ class AliasSet(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class AliasNote(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     owner: str | None = None
     reason: str = ""
+
+
+class Rollback(AliasNote, forbid_unknown_fields=True, kw_only=True):
+    #: Load the previous version first when the current one is loaded (module doc).
+    warm: bool = True
 
 
 def owner_of(owner: str | None) -> str:
@@ -157,11 +165,13 @@ class AliasesController(Controller):
     @post("/{alias:str}/rollback", guards=[operator_only], status_code=200)
     async def rollback(self, request: Request, daemon: Daemon, alias: str) -> Response:
         """Back to the previous version (or the canary ends), recorded in the history."""
-        body = await body_of(request, AliasNote)
+        body = await body_of(request, Rollback)
         by, reason = owner_of(body.owner), check_reason(body.reason)
         found = daemon.aliases.get(alias)
         if found.previous is not None and not found.canary:
             version_task(daemon, found.previous)  # 404 when it was deleted since: clients would get 404s
+            if body.warm and found.version in await daemon.loaded_models():
+                await warm(daemon, found.previous)
         before, after, seconds = await daemon.aliases.change(alias, rolled_back(alias, by=by),
                                                              event_of("rollback", by=by, reason=reason))
         return reply(request, changed(daemon, after, before, seconds))

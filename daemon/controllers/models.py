@@ -1,4 +1,8 @@
-"""`GET /v1/models` and `/v1/models/{id}` (OpenAI shape), `GET /v1/ps`, `/healthz`, `/readyz`."""
+"""`GET /v1/models` and `/v1/models/{id}` (OpenAI shape), `GET /v1/ps`, `/healthz`, `/readyz`.
+
+The model list holds every stored model, then every alias whose version this box stores
+(`id` the alias, `alias_of` its version, the rest the version's card): an OpenAI client
+picks a model from the list, and an alias is a name it may use."""
 
 from __future__ import annotations
 
@@ -66,6 +70,19 @@ def model_card(daemon: Daemon, m: Manifest, loaded: set[str], pinned: set[str],
                      **(decision_temperatures(daemon, m.name, workers or []) if m.task == "decide" else {}))
 
 
+def alias_cards(daemon: Daemon, cards: dict[str, ModelCard], only: str | None) -> list[ModelCard]:
+    """A card per alias (module doc) from its version's card in `cards` (by stored name);
+    an alias whose version only another box stores is left out (its task is not known
+    here)."""
+    out = []
+    for alias in sorted(daemon.aliases.table.values(), key=lambda a: a.name):
+        card = cards.get(alias.version)
+        if card is not None and (only is None or alias.name == only):
+            canary = {"canary": alias.canary, "canary_percent": alias.canary_percent} if alias.canary else {}
+            out.append(msgspec.structs.replace(card, id=alias.name, pinned=False, alias_of=alias.version, **canary))
+    return out
+
+
 def decision_temperatures(daemon: Daemon, name: str, workers: list[dict]) -> dict:
     """A decision model's temperatures for its card: a worker's live ones, else the
     catalog's (what its next load takes)."""
@@ -110,13 +127,24 @@ class ModelsController(Controller):
         loaded = await daemon.loaded_models()
         pinned = daemon.pinned_models()
         only = request.scope.get(SCOPE_MODEL)  # a per-model URL: as if the daemon held that model alone
-        listed = [m for m in daemon.store.list() if only is None or m.name == only]
+        stored = daemon.store.list()
+        listed = [m for m in stored if only is None or m.name == only]
         workers = await daemon.workers() if any(m.task == "decide" for m in listed) else []
-        return reply(request, ModelList([model_card(daemon, m, loaded, pinned, workers) for m in listed],
+        cards = [model_card(daemon, m, loaded, pinned, workers) for m in listed]
+        versions = {a.version for a in daemon.aliases.table.values()}
+        by_name = {c.id: c for c in cards}
+        by_name |= {m.name: model_card(daemon, m, loaded, pinned) for m in stored
+                    if m.name in versions and m.name not in by_name}
+        return reply(request, ModelList(cards + alias_cards(daemon, by_name, only),
                                         models=decision_cards(daemon, listed) or msgspec.UNSET))
 
     @get("/models/{model_id:str}")
     async def model(self, request: Request, daemon: Daemon, model_id: str) -> Response:
+        alias = daemon.aliases.table.get(model_id)
+        if alias is not None and daemon.store.exists(alias.version):
+            card = model_card(daemon, daemon.store.get(alias.version), await daemon.loaded_models(),
+                              daemon.pinned_models())
+            return reply(request, alias_cards(daemon, {alias.version: card}, model_id)[0])
         try:
             manifest = daemon.store.get(model_id)
         except BadRequest:  # not a valid model name: no such model either

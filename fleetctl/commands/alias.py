@@ -145,13 +145,16 @@ def register(app: typer.Typer) -> None:
     def rollback(
         alias: Annotated[str, typer.Argument(help="The alias to take back to its previous version.")],
         reason: ReasonOption = "",
+        warm: Annotated[bool, typer.Option("--warm/--no-warm", help="Load the previous version first when the "
+                                                                    "current one is loaded.")] = True,
         as_json: JsonOption = False,
     ) -> None:
         """Take ALIAS back to its previous version (or end its canary), recorded in its history."""
         from fleetctl.client import Client
 
         with Client() as client:
-            answer = call(client, "POST", f"/v1/aliases/{alias}/rollback", {"owner": owner(), "reason": reason})
+            answer = call(client, "POST", f"/v1/aliases/{alias}/rollback",
+                          {"owner": owner(), "reason": reason, "warm": warm})
         if as_json:
             print(json.dumps(answer, indent=2))
             return
