@@ -95,18 +95,21 @@ def label_index(value: Any, kind: str, keys: list[str], levels: list[Any], where
 
 
 def temperatures_now(daemon: Daemon, name: str, workers: list[dict[str, Any]]) -> dict[str, float]:
-    """The temperatures `name` answers with now: a worker's live ones, else the catalog's."""
+    """The temperatures `name` answers with now: a worker's live ones, else the catalog's;
+    a LoRA adapter with none of its own answers at its base's (runtimes/decide.py)."""
     for view in live_profiles(workers, name):
         if view.decide_temperatures is not msgspec.UNSET:
             return dict(view.decide_temperatures)
     entry = load_catalog(daemon.settings.home).find(name)
-    return dict(calibration_extra(entry.calibration if entry is not None else None)["decide_temperatures"] or {})
+    own = dict(calibration_extra(entry.calibration if entry is not None else None)["decide_temperatures"] or {})
+    base = daemon.store.get(name).base
+    return own if own or base is None else temperatures_now(daemon, base, workers)
 
 
 async def calibrate(daemon: Daemon, name: str, req: CalibrateRequest) -> dict[str, Any]:
     manifest = daemon.store.get(name)
-    if manifest.task != "decide":
-        raise BadRequest(f"{name!r} serves {manifest.task!r}: only decision models (task decide) have temperatures",
+    if manifest.task != "decide" and not daemon.also_serves(manifest, "decide"):
+        raise BadRequest(f"{name!r} serves {manifest.task!r}: only decision models and transformers generators have temperatures",
                          param="model")
     if not req.examples:
         raise BadRequest("`examples` is empty: send labelled examples (fleetctl calibrate MODEL FILE.jsonl)")

@@ -9,7 +9,9 @@ description | null}`, 1-255 options) or `score` (`criteria: [level, ...]`, 1-10
 levels); instructions and descriptions are text, objects or arrays (objects and
 arrays are read as compact JSON). Unknown fields are ignored, as the original
 server does, and named in `X-Fleet-Ignored-Fields`; fleet's own fields carry the
-`x_` prefix (`x_timeout_ms`).
+`x_` prefix: `x_timeout_ms`, and `x_adapter` (a LoRA adapter of the model, stored
+with it as its base: the reply's `x_adapter` names it, and `x_temperatures_from` the
+model whose calibration its answers used, its own or its base's, null for none).
 
 Errors: a request that does not fit the schema is 422 with `{"detail": [{loc, msg,
 type, input?, ctx?}]}` (every problem found, `loc` starting at "body"); any other
@@ -34,7 +36,7 @@ from fleet.errors import FleetError
 #: The model name the SDK sends by default: this box's default decision model.
 DEFAULT_ALIAS = "jev-latest"
 QUESTION_TYPES = ("noul", "choice", "score", "box")
-TOP_FIELDS = ("model", "state", "questions", "assets", "x_timeout_ms")
+TOP_FIELDS = ("model", "state", "questions", "assets", "x_timeout_ms", "x_adapter")
 QUESTION_FIELDS = {"noul": ("type", "instructions", "criteria"), "choice": ("type", "instructions", "criteria"),
                    "score": ("type", "instructions", "criteria"), "box": ("type", "instructions")}
 #: What a question without instructions asks.
@@ -67,10 +69,11 @@ class Parsed:
     ignored: list[str] = field(default_factory=list)
     unsupported: str | None = None  # why fleet cannot answer a request the schema allows
     state_json: bool = False  # the state was an object or array (`state` is its compact JSON)
+    adapter: str | None = None  # `x_adapter`: a LoRA adapter of the model
 
     def request(self, model: str) -> DecideRequest:
         return DecideRequest(model=model, state=self.state, questions=self.questions, timeout_ms=self.timeout_ms,
-                             state_json=self.state_json)
+                             adapter=self.adapter, state_json=self.state_json)
 
 
 def problem(loc: list[Any], msg: str, type_: str, value: Any = _MISSING, ctx: dict[str, Any] | None = None
@@ -128,9 +131,14 @@ def parse(body: Any) -> Parsed:
     if timeout is not None and (timeout.__class__ is not int or timeout < 1):
         errors.append(problem(["x_timeout_ms"], "Input should be an integer greater than or equal to 1",
                               "greater_than_equal", timeout, {"ge": 1}))
+    adapter = body.get("x_adapter")
+    if adapter is not None and (adapter.__class__ is not str or not adapter):
+        errors.append(problem(["x_adapter"], "Input should be a valid string of at least 1 character",
+                              "string_type", adapter))
     assets = body.get("assets")
     parsed = Parsed(model if model.__class__ is str else "", text(state) if is_content(state) else "",
-                    [], [], [], [], [], timeout, ignored, state_json=state.__class__ in (dict, list))
+                    [], [], [], [], [], timeout, ignored, state_json=state.__class__ in (dict, list),
+                    adapter=adapter if adapter.__class__ is str and adapter else None)
     if assets is not None:
         parsed.unsupported = "assets: fleet's decision models read text; images need a vision-language model"
     if questions is not _MISSING:
@@ -271,12 +279,16 @@ REQUEST_SCHEMA: dict[str, Any] = {
                                            "items": _CONTENT}}},
                       ]}},
         "x_timeout_ms": {"type": "integer", "minimum": 1, "description": "fleet: this request's deadline."},
+        "x_adapter": {"type": "string", "minLength": 1, "description": "fleet: a LoRA adapter of the model."},
     },
 }
 REPLY_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "answers", "usage"],
     "properties": {
         "model": {"type": "string", "description": "The model that answered."},
+        "x_adapter": {"type": "string", "description": "fleet: the LoRA adapter that answered (`x_adapter`)."},
+        "x_temperatures_from": {"type": ["string", "null"], "description": "fleet, with `x_adapter`: the model "
+                                "whose calibration the answers used (the adapter's own, else its base's); null: none"},
         "answers": {"type": "object", "additionalProperties": {"oneOf": [
             {"type": "object", "properties": {"type": {"const": "noul"}, "noul": _UNIT}},
             {"type": "object", "properties": {"type": {"const": "choice"}, "choice": {"type": "string"},

@@ -73,10 +73,13 @@ class DecideRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
 class DecideResult(msgspec.Struct, frozen=True, array_like=True):
     """Per question in request order, a probability per option (float64, little-endian,
     laid end to end: question i's options follow question i-1's), and the tokens the
-    model read for this request (the state once, each question's rows)."""
+    model read for this request (the state once, each question's rows).
+    `temperatures_from`: the model whose calibration the probabilities used (a LoRA
+    adapter's own, else its base's; "" none: 1.0), for the reply's `x_temperatures_from`."""
 
     probs: bytes
     input_tokens: int
+    temperatures_from: str = ""
 
 
 def bucket(n: int) -> str:

@@ -20,6 +20,7 @@ from fleet.control import CONTROL_BATCH, EVICT, LOAD, OPS, PIN, PROFILE, UNLOAD,
 from fleet.control import decode_command as _decode_command
 from fleet.errors import BadRequest, FleetError
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
+from fleet.runtimes.base import Adapter
 from fleet.runtimes.loading import LoadRuns, PendingLoad
 from fleet.runtimes.memory import NotNow
 from fleet.runtimes.residency import PeersAsked, Residency
@@ -136,6 +137,7 @@ def reprofile(residency: Residency) -> list[str]:
             temps = calibration["decide_temperatures"] or {}
             changed.append(f"{name}: decision temperatures " +
                            (", ".join(f"{k} {v:g}" for k, v in temps.items()) or "1.0 (no calibration)"))
+        changed += recalibrate_loras(residency, r.adapter)
         if profile == spec.profile and which == spec.extra.get("profile") and sources == spec.extra.get("profile_from"):
             continue
         diffs = [f"{k} {getattr(spec.profile, k)} -> {getattr(profile, k)}"
@@ -147,4 +149,23 @@ def reprofile(residency: Residency) -> list[str]:
         changed.append(f"{name}: profile {which}" + (": " + ", ".join(diffs) if diffs else ""))
     if changed:
         residency.publish()
+    return changed
+
+
+def recalibrate_loras(residency: Residency, adapter: Adapter) -> list[str]:
+    """The LoRA adapters attached to `adapter` take their entries' calibration now
+    (a decision adapter answers at its own temperatures when it has them: runtimes/decide.py)."""
+    bank = getattr(adapter, "loras", None)
+    changed = []
+    for name, attached in (bank.attached.items() if bank is not None else ()):
+        try:
+            calibration = residency.profile_of(name)[3]
+        except FleetError as exc:
+            log.warning("reload: LoRA adapter %s keeps its calibration: %s", name, exc.message)
+            continue
+        if calibration != {k: attached.extra.get(k) for k in calibration}:
+            attached.extra = {**attached.extra, **calibration}
+            temps = calibration["decide_temperatures"] or {}
+            changed.append(f"{name}: decision temperatures " +
+                           (", ".join(f"{k} {v:g}" for k, v in temps.items()) or "its base's (no calibration)"))
     return changed

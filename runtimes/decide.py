@@ -300,15 +300,27 @@ class DecisionLM(LoraHost, Adapter):
         label_logits = np.zeros((len(plan.ids), max(1, len(self.label_ids))), dtype=np.float64)
         which = np.flatnonzero(ok[plan.owner]) if len(plan.owner) else plan.owner
         yield from self._run_rows(plan, state_of[plan.owner], which, caches, slot_of, scores, label_logits, ctx)
-        # 5. Probabilities per question, then per request; tokens read: the state once, each head, each row.
-        probs = self._combine(plan, scores, label_logits, [requests[i].raw for i in live])
+        # 5. Probabilities per question, then per request (at its temperatures: its LoRA
+        #    adapter's own calibration, else the model's); tokens read: the state once, each
+        #    head, each row.
+        tables = [self.temperatures_for(requests[i]) for i in live]
+        probs = self._combine(plan, scores, label_logits, [requests[i].raw for i in live], [t for t, _ in tables])
         used = prefix_len.copy()
         np.add.at(used, plan.owner, head_len)
         np.add.at(used, plan.owner[plan.question_of], row_len)
         for k, i in enumerate(live):
             if ok[k]:
-                results[i] = DecideResult(probs[k].astype("<f8").tobytes(), int(used[k]))
+                results[i] = DecideResult(probs[k].astype("<f8").tobytes(), int(used[k]), tables[k][1])
         return results
+
+    def temperatures_for(self, req: DecideRequest) -> tuple[dict[str, float], str]:
+        """(the temperatures `req` is answered at, the model they are the calibration of):
+        its LoRA adapter's own when it has one, else this model's; ({}, ""): none, 1.0."""
+        lora = self.lora_of(req)
+        if lora is not None and (own := self.loras.attached[lora].extra.get("decide_temperatures")):
+            return own, lora
+        table = decide_temperatures(self.spec)
+        return table, self.spec.name if table else ""
 
     def _prefix_ids(self, states: list[str]) -> list[list[int]]:
         texts = [self.frame.head + INTRO + s + "\n\n" for s in states]
@@ -489,14 +501,15 @@ class DecisionLM(LoraHost, Adapter):
         if batch:
             yield batch
 
-    def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray,
-                 raw: list[bool]) -> list[np.ndarray]:
-        """Per live request, its questions' probabilities laid end to end; for a `raw`
-        request their scores before any temperature (fleet.decisions.DecideRequest)."""
+    def _combine(self, plan: Plan, scores: np.ndarray, label_logits: np.ndarray, raw: list[bool],
+                 tables: list[dict[str, float]]) -> list[np.ndarray]:
+        """Per live request, its questions' probabilities laid end to end, at its
+        temperatures (`tables`); for a `raw` request their scores before any temperature
+        (fleet.decisions.DecideRequest)."""
         flat: list[np.ndarray] = []
-        temperatures = decide_temperatures(self.spec)
         raw_of = np.repeat(np.asarray(raw, dtype=bool), plan.per_request)
-        for (kind, first, n, labelled), as_raw in zip(plan.questions, raw_of.tolist()):
+        for (kind, first, n, labelled), as_raw, owner in zip(plan.questions, raw_of.tolist(), plan.owner.tolist()):
+            temperatures = tables[owner]
             if as_raw:
                 if labelled:
                     flat.append(np.concatenate([label_logits[first, :n], label_logits[first + 1, :n][::-1]]))

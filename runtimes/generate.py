@@ -311,6 +311,7 @@ class CausalLM(LoraHost, Adapter):
             from fleet.runtimes.decide_shared import SharedDecisions
 
             self.decider = SharedDecisions(self)
+        self.decider.spec = self.spec  # as it is now: a reload replaces it (calibration, profile)
         return self.decider.batch(requests, ctx)
 
     def has_active(self) -> bool:

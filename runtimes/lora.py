@@ -61,6 +61,9 @@ class Attached:
     config: dict[str, Any] = field(default_factory=dict)
     #: What the hosting runtime works out once for this adapter (its labels, ...).
     info: Any = None
+    #: Its own store entry's extras (runtimes.resolve: a decision adapter's calibration
+    #: among them), brought up to date by a reload (runtimes.commands.reprofile).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def head_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for h in self.heads.values()
@@ -133,7 +136,7 @@ class Loras:
             raise
         except Exception as exc:  # peft and safetensors raise many types for bad folders
             raise ModelLoadFailed(f"cannot attach LoRA adapter {spec.name!r} to {self.owner!r}: {exc}") from exc
-        entry = Attached(name, config=files.folder_config)
+        entry = Attached(name, config=files.folder_config, extra=dict(spec.extra))
         self.attached[spec.name] = entry
         try:
             entry.heads = self._heads(spec.name, files.saved, files.modules)

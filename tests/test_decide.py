@@ -222,6 +222,67 @@ def test_base_and_lora_rows_mixed_in_batches_each_answer_as_alone(daemon):
     assert wrong.status_code == 400 and "serves task 'decide', not 'generate'" in wrong.json()["error"]["message"]
 
 
+def test_x_adapter_answers_at_its_own_temperatures_else_its_bases(daemon):
+    """System One's `x_adapter` names a LoRA of the model: its answers are the adapter's,
+    at the adapter's own calibration when it has one, else its base's, and the reply's
+    `x_temperatures_from` says whose. A question of 30 options is one softmax of its
+    scores, so at temperature T its probabilities are those at 1 raised to 1/T."""
+    import signal
+
+    from fleet.calibration import Calibration
+    from fleet.catalog import manifest_entry, write_calibration
+    from fleet.store import Store
+
+    def many(**extra) -> dict:
+        r = post(daemon, {"model": MODEL, "state": TICKET, "questions": {"q": MANY}, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def reload_until(changed) -> dict:
+        daemon.proc.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 60
+        while not changed(got := many(x_adapter=LORA)):
+            assert time.monotonic() < end, got
+            time.sleep(0.2)
+        return got
+
+    def at(p: np.ndarray, t: float) -> np.ndarray:
+        return p ** (1 / t) / (p ** (1 / t)).sum()
+
+    named = many(x_adapter=LORA)
+    by_name = post(daemon, {"model": LORA, "state": TICKET, "questions": {"q": MANY}}).json()
+    base = vector(many()["answers"]["q"])
+    p1 = vector(named["answers"]["q"])
+    assert (named["model"], named["x_adapter"], named["x_temperatures_from"]) == (MODEL, LORA, None)
+    assert by_name["x_temperatures_from"] is None and np.abs(vector(by_name["answers"]["q"]) - p1).max() <= 1e-5
+    assert np.abs(p1 - base).max() > 1e-3
+    catalog = daemon.home / "models.toml"
+    kept = catalog.read_text() if catalog.exists() else None
+    store = Store(daemon.home / "models")
+    try:
+        write_calibration(daemon.home, MODEL, Calibration(temperatures={"choice:27-255": 2.0}),
+                          new_entry=manifest_entry(store.get(MODEL)))
+        got = reload_until(lambda r: r["x_temperatures_from"] == MODEL)
+        assert np.abs(vector(got["answers"]["q"]) - at(p1, 2.0)).max() <= 1e-6
+        write_calibration(daemon.home, LORA, Calibration(temperatures={"choice:27-255": 0.5}),
+                          new_entry=manifest_entry(store.get(LORA)))
+        got = reload_until(lambda r: r["x_temperatures_from"] == LORA)
+        assert np.abs(vector(got["answers"]["q"]) - at(p1, 0.5)).max() <= 1e-6
+        assert np.abs(vector(many()["answers"]["q"]) - at(base, 2.0)).max() <= 1e-6  # the base keeps its own
+    finally:
+        catalog.unlink(missing_ok=True) if kept is None else catalog.write_text(kept)
+        reload_until(lambda r: r["x_temperatures_from"] is None)
+
+
+def test_x_adapter_is_understood_or_refused(daemon):
+    r = post(daemon, {"model": MODEL, "x_adapter": NLI, "state": TICKET, "questions": {"q": NOUL}})
+    assert r.status_code == 400 and r.json()["detail"]["error_type"] == "bad_request"
+    assert f"has no LoRA adapter '{NLI}'; its adapters: {LORA}" in r.json()["detail"]["message"]
+    r = post(daemon, {"model": MODEL, "x_adapter": 7, "state": TICKET, "questions": {"q": NOUL}})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "x_adapter"]
+    assert "x_temperatures_from" not in ask(daemon, {"q": NOUL}).json()
+
+
 # ---- a stored generator answers from the weights it holds -----------------------------------
 
 def generate(d, model: str, prompt: str) -> httpx.Response:

@@ -68,6 +68,14 @@ def reads_decisions(daemon: Daemon, name: str) -> str:
                      param="model")
 
 
+def is_adapter(daemon: Daemon, name: str) -> bool:
+    """Is `name` a LoRA adapter stored here (False for one only another box stores)?"""
+    try:
+        return daemon.manifest(name, "decide").base is not None
+    except FleetError:
+        return False
+
+
 def read_body(body: bytes, *, msgpack: bool) -> Any:
     """The body as plain data; one that does not parse is a validation error, as the
     original server answers it (422, `json_invalid` at the byte it stopped)."""
@@ -92,6 +100,8 @@ class SystemOneController(Controller):
         if parsed.unsupported:
             raise Unsupported(parsed.unsupported)
         model = decision_model(daemon, parsed.model)
+        # `x_adapter` must be a stored LoRA adapter of the model (400 naming its adapters).
+        lora = tasks.target_model(daemon, "decide", model, parsed.adapter) if parsed.adapter else None
         try:
             res, answer = await tasks.decide(daemon, parsed.request(model))
         except InputTooLong as exc:
@@ -99,5 +109,8 @@ class SystemOneController(Controller):
             raise
         body = {"model": model, "answers": systemone.answers(parsed, res),
                 "usage": {"input_tokens": res.input_tokens, "output_tokens": 0}}
+        if lora is not None or is_adapter(daemon, model):  # whose temperatures its answers took
+            body.update({**({"x_adapter": lora} if lora else {}),
+                         "x_temperatures_from": res.temperatures_from or None})
         headers = {**answer_headers(answer), **ignored_header(parsed.ignored)}
         return reply(request, body, headers=headers)
