@@ -249,16 +249,32 @@ class Caller:
 
     def split(self, text: str) -> tuple[str, list[CalledTool]]:
         """(the text beside the calls, the calls) of a finished generation: a call that
-        does not parse, or names no tool, stays in the text."""
+        does not parse, or names no tool, stays in the text.
+
+        A turn that ends inside a call was cut by a length limit (the grammar closes every
+        call it opens before the turn can end): as OpenAI answers such a turn (finish_reason
+        "length"), the cut call is a call, its arguments as written so far (they do not
+        parse), once its name is written; its markup is never text. Python calls (Gemma
+        3's) are not JSON until whole: a cut block of them stays text."""
         if self.format == LLAMA_JSON:
             head = text.strip().removeprefix(PYTHON_TAG)
             written = self._written(head)
             call = written[0] if written is not None and len(written) == 1 else self._call(head, "parameters")
-            return ("", [call]) if call is not None else (self._clean(text), [])
+            if call is not None:
+                return "", [call]
+            if self.call_start(text) < len(text):  # the turn began a call: only a cut ends it there
+                return "", self._cut(text)
+            return self._clean(text), []
         calls: list[CalledTool] = []
         kept, at = [], 0
         for m in self.blocks.finditer(text):
             found = self._calls(m.group(1).strip())
+            if not found and self.format != TOOL_CODE and not m.group(0).endswith(self.markers[1]):
+                found = self._cut(m.group(0))  # the last block, cut open
+                kept.append(text[at:m.start()])
+                calls += found
+                at = len(text)
+                break
             if not found:
                 continue
             calls += found
@@ -267,6 +283,10 @@ class Caller:
         kept.append(text[at:])
         rest = self._clean("".join(kept))
         return (rest if rest.strip() else ""), calls
+
+    def _cut(self, text: str) -> list[CalledTool]:
+        """The calls of a block a length limit cut (split's doc), the last one unfinished."""
+        return [CalledTool(name, args) for name, args in self.calls_so_far(text)]
 
     def _calls(self, body: str) -> list[CalledTool]:
         if self.format == TOOL_CODE:

@@ -277,6 +277,43 @@ def test_responses_function_calls_and_their_outputs(openai_client) -> None:
     assert err.value.body["param"] == "tools[0]"
 
 
+def test_a_call_cut_by_max_tokens_answers_length(served: DaemonProc, openai_client) -> None:
+    # As OpenAI answers a call its budget cut: finish_reason "length" with the call as
+    # written so far (its arguments do not parse), never its markup as content.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, tool_choice=named,
+                                                  temperature=0)
+    args = whole.choices[0].message.tool_calls[0].function.arguments
+    budget = whole.usage.completion_tokens - 6  # inside the arguments (~15 tokens from their end)
+    cut = openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, tool_choice=named,
+                                                temperature=0, max_tokens=budget)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and args.startswith(call.function.arguments) and call.function.arguments != args
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    chunks = list(openai_client.chat.completions.create(model=CALLER, messages=TURN_ON, tools=TOOLS, tool_choice=named,
+                                                        temperature=0, max_tokens=budget, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not any(c.choices[0].delta.content for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    # Responses: the response and its call "incomplete"; Ollama's calls carry arguments as
+    # objects: the cut one is left out, done_reason "length".
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = openai_client.responses.create(model=CALLER, input="turn it on", tools=tools, temperature=0,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=budget)
+    assert resp.status == "incomplete" and [(o.type, o.status) for o in resp.output] == [("function_call", "incomplete")]
+    assert resp.output[0].arguments == call.function.arguments
+    r = httpx.post(served.url + "/api/chat", json={"model": CALLER, "messages": TURN_ON, "stream": False,
+                                                   "tools": TOOLS[1:], "options": {"temperature": 0,
+                                                                               "num_predict": budget}}, timeout=120)
+    assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+    assert not r.json()["message"].get("tool_calls") and "<tool_call>" not in r.json()["message"]["content"]
+
+
 def test_ollama_client_tool_calls(served: DaemonProc) -> None:
     import ollama
 

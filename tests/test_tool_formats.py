@@ -62,10 +62,10 @@ def test_the_format_is_read_from_the_template() -> None:
     assert tool_format(CHAT_TEMPLATE) is None and tool_format(None) is None
 
 
-def run(model: CausalLM, template: str, **kw) -> tuple:
+def run(model: CausalLM, template: str, max_tokens: int = 300, **kw) -> tuple:
     """A streamed request's result, and the call pieces its stream sent."""
     model.tokenizer.chat_template = template
-    req = GenerateRequest(model="caller", messages=ASK, temperature=0.0, max_tokens=300, tools=[SWITCH, WEATHER],
+    req = GenerateRequest(model="caller", messages=ASK, temperature=0.0, max_tokens=max_tokens, tools=[SWITCH, WEATHER],
                           stream=True, **kw)
     assert model.admit(0, req) is None
     results, pieces = {}, []
@@ -285,3 +285,29 @@ def test_smollm3_template_renders_tools_calls_results_and_its_flags(model: Causa
         assert fits("set_mode", res.tool_calls[0].arguments)
     finally:
         model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()
+
+
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE.read_text(), LLAMA_TEMPLATE, PHI4_TEMPLATE],
+                         ids=[HERMES, LLAMA_JSON, PHI4_MINI])
+def test_a_call_cut_by_max_tokens_is_a_call_with_length(model: CausalLM, template: str) -> None:
+    # As OpenAI answers it: finish_reason "length" and the call as written so far (its
+    # arguments do not parse), never its markup as text; streamed, the same call.
+    whole, _ = run(model, template, tool_choice=NamedToolChoice(FunctionName("get_weather")))
+    (call,) = whole.tool_calls
+    unparsed, n = 0, whole.output_tokens
+    for budget in range(n - 4, n - 30, -5):  # cuts in the closing markup, the arguments, the name
+        res, pieces = run(model, template, tool_choice=NamedToolChoice(FunctionName("get_weather")),
+                          max_tokens=budget)
+        assert res.finish_reason == "length" and res.text == "" and res.output_tokens == budget, res
+        if not res.tool_calls:  # cut before its name was written: nothing to call, no markup as text
+            assert not pieces
+            continue
+        assert len(res.tool_calls) == 1 and res.tool_calls[0].name == "get_weather", res
+        assert call.arguments.startswith(res.tool_calls[0].arguments)
+        # What the stream sent is the call's beginning (the daemon sends the rest from the result).
+        streamed = assembled(pieces)
+        assert len(streamed) <= 1 and all(name == "get_weather" and res.tool_calls[0].arguments.startswith(sent)
+                                          for name, sent in streamed)
+        unparsed += res.tool_calls[0].arguments != call.arguments
+    assert unparsed >= 3
+    model.tokenizer.chat_template = QWEN25_TEMPLATE.read_text()

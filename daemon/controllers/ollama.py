@@ -348,8 +348,16 @@ async def run_text(daemon: Daemon, name: str, req: GenerateRequest, keep: Keep, 
 
 
 def ollama_calls(res: Any) -> list[OllamaToolCall] | None:
-    """A result's calls in Ollama's shape (arguments as objects)."""
-    return [OllamaToolCall(OllamaFunction(c.name, json.loads(c.arguments))) for c in res.tool_calls] or None
+    """A result's calls in Ollama's shape (arguments as objects). A call a length limit
+    cut (its arguments as written so far, which do not parse) has no such shape: it is
+    left out, and `done_reason` "length" says the turn was cut."""
+    out = []
+    for c in res.tool_calls:
+        try:
+            out.append(OllamaToolCall(OllamaFunction(c.name, json.loads(c.arguments))))
+        except ValueError:
+            continue
+    return out or None
 
 
 def history_calls(calls: list[Any] | None, where: str) -> list[ToolCall] | None:

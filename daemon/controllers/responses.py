@@ -29,6 +29,7 @@ applied (`user`, `metadata`, cache hints) are named in `X-Fleet-Ignored-Fields`.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -286,8 +287,20 @@ class Shaper:
         return OutputMessage(self.msg_id, status, [OutputText(text)] if status != "in_progress" else [])
 
     def calls(self, res: GenerateResult) -> list[FunctionCallItem]:
-        return [FunctionCallItem(f"fc_{secrets.token_hex(24)}", c.id, c.function.name, c.function.arguments)
+        """The result's calls; one a length limit cut is "incomplete" (its arguments as
+        written so far), as the response is."""
+        return [FunctionCallItem(f"fc_{secrets.token_hex(24)}", c.id, c.function.name, c.function.arguments,
+                                 "incomplete" if status_of(res) == "incomplete" and not parses(c.function.arguments)
+                                 else "completed")
                 for c in tool_calls.reply_calls(res.tool_calls)]
+
+
+def parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def status_of(res: GenerateResult) -> str:
