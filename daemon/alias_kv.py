@@ -14,8 +14,8 @@ a `fleet.aliases.Alias` as JSON. Every box routes by the same table:
   file (daemon.aliases), and a change is refused `unavailable` (503): it would not
   reach the other boxes.
 
-History (`fleetctl history`) and promotion packages stay in the store of the box that
-made each change.
+History (`fleetctl history`) and promotion packages reach every box through buckets of
+their own (daemon.alias_records), bound here before the box follows the table.
 """
 
 from __future__ import annotations
@@ -55,16 +55,21 @@ class SharedAliases:
         self.kv: Any = None
         #: Revision of each alias's entry this box applied (deletes too).
         self.revisions: dict[str, int] = {}
+        #: The history and packages buckets (daemon.alias_records), bound with the table's.
+        self.records: Any = None
         self._tasks: list[asyncio.Task] = []
 
     async def run(self) -> None:
         """Wait for the cluster, bind the bucket (made by the first box), read it, follow it."""
+        from fleet.daemon.alias_records import SharedRecords  # it builds on this module's keys
+
         cluster = self.daemon.cluster
         while not cluster.joined:
             await asyncio.sleep(0.1)
         while self.kv is None:
             try:
                 self.kv = await self._bucket(cluster)
+                self.records = await SharedRecords.bind(cluster)
                 await self.read_all()
             except Exception as exc:  # JetStream busy or restarting: the next try
                 self.kv = None

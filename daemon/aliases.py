@@ -13,7 +13,9 @@ request runs on two versions. The reply names the version that served it
 The table (`AliasBook.table`) is a dict replaced whole on each change, on the event
 loop: a reader holds the old dict or the new one. Changes are written first (the store
 file under its flock, or with NATS the JetStream KV bucket: daemon.alias_kv) and only
-then swapped in, so a change that cannot be saved changes nothing.
+then swapped in, so a change that cannot be saved changes nothing. What a change
+records (its history event, a promotion's package) goes into the store, and with NATS
+into buckets every box reads (daemon.alias_records): `record`, `history`, `package`.
 
 A canary (`Alias.canary`, `canary_percent`) splits the alias's clients by a hash of
 the client (daemon.clients: `X-Fleet-Client` on loopback, else the peer's address), so
@@ -34,8 +36,8 @@ import msgspec
 
 from fleet.aliases import Alias, AliasStore, Event, check_percent, choose_version, utc_now, validate_alias
 from fleet.catalog import validate_name
-from fleet.promotions import PackageStore
-from fleet.errors import BadRequest, FleetError, ModelNotFound, NotFound, Unavailable
+from fleet.promotions import ID_RE, Package, PackageStore
+from fleet.errors import BadRequest, ModelNotFound, NotFound, Unavailable
 
 from fleet.daemon.clients import client_of
 
@@ -183,11 +185,43 @@ class AliasBook:
         record = event(before, after)
         if record is not None:
             record.seconds = round(seconds, 6)
-            try:
-                await asyncio.to_thread(self.files.record, record)
-            except (OSError, FleetError) as exc:  # the change stands; its record is what failed
-                log.error("alias %s changed, but its history could not be written: %s", name, exc)
+            await self.record(record)
         return before, after, seconds
+
+    # -- what changes record ----------------------------------------------------------
+
+    async def record(self, event: Event) -> None:
+        """Append `event` to its alias's history: the store's file, and with NATS the
+        shared bucket. A change stands when its record fails: that is logged."""
+        try:
+            await asyncio.to_thread(self.files.record, event)
+            if self.shared is not None:
+                await self.shared.records.record(event)
+        except Exception as exc:  # the change stands; its record is what failed
+            log.error("alias %s changed, but its history could not be written: %s", event.alias, exc)
+
+    async def history(self, alias: str) -> list[Event]:
+        """The alias's events, oldest first: every box's with NATS, else this store's."""
+        if self.shared is not None:
+            return await self.shared.records.history(validate_alias(alias))
+        return await asyncio.to_thread(self.files.history, validate_alias(alias))
+
+    async def write_package(self, package: Package) -> None:
+        await asyncio.to_thread(self.packages.write, package)
+        if self.shared is not None:
+            await self.shared.records.write_package(package)
+
+    async def package(self, package_id: str) -> Package:
+        """A promotion package by id: this store's, else (with NATS) the one another box wrote."""
+        try:
+            return await asyncio.to_thread(self.packages.read, package_id)
+        except NotFound:
+            if self.shared is None or not ID_RE.match(package_id):
+                raise
+        found = await self.shared.records.read_package(package_id)
+        if found is None:
+            raise NotFound(f"no promotion package {package_id!r} on any box")
+        return found
 
     def _change_file(self, name: str, change: Change) -> tuple[Alias | None, Alias | None]:
         with self.files.locked() as table:

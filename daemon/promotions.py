@@ -254,9 +254,9 @@ async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, ma
         evaluation=report, capacity=capacity,
         serving_profile=[msgspec.to_builtins(p) for p in live_profiles(workers, candidate)]
         or [{"profile": "default", "settings": msgspec.to_builtins(manifest.profile), "from": "manifest"}])
-    await asyncio.to_thread(daemon.aliases.packages.write, package)
+    await daemon.aliases.write_package(package)
     if kind == "refused":
-        daemon.aliases.files.record(event_of("refused", by=owner, reason=reason, package=package.id)(before, before))
+        await daemon.aliases.record(event_of("refused", by=owner, reason=reason, package=package.id)(before, before))
         raise PromotionRefused(
             f"{candidate} is worse than {current} on the evaluation ({ev.lines} lines, sha256 {ev.sha256[:12]}) by more "
             f"than the margin {margin:g}: {'; '.join(worse)} (candidate vs current)"

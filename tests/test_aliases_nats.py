@@ -6,7 +6,9 @@ Two real `fleetctl serve --nats` boxes on one real nats-server, at the shipped s
 - a switch made on either box is followed by the other within one heartbeat, and the
   other box's replies name the new version; a rollback too;
 - switches made on both boxes at once all land, one after the other (compare-and-set):
-  none is lost, and both boxes end on the same version.
+  none is lost, and both boxes end on the same version;
+- the history of changes made on either box, and a promotion's package, read the same on
+  both boxes (the API and `fleetctl history`).
 
 Before: there was no alias; then, aliases were per box only.
 """
@@ -14,6 +16,9 @@ Before: there was no alias; then, aliases were per box only.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -106,3 +111,29 @@ def test_switches_made_on_both_boxes_at_once_all_land_in_order(two_boxes) -> Non
     for d in (a, b):
         followed_within(d, final, t0)
         assert httpx.get(f"{d.url}/v1/aliases/{ALIAS}", timeout=10).json()["change"] == start + len(jobs)
+
+
+def test_the_history_and_a_promotion_package_read_the_same_on_every_box(two_boxes) -> None:
+    a, b = two_boxes
+    alias = "shared-history"
+    for d, version in [(a, DEFAULT_MODEL), (b, COPY)]:
+        r = httpx.put(f"{d.url}/v1/aliases/{alias}", json={"version": version, "warm": False}, headers=d.admin,
+                      timeout=30)
+        assert r.status_code == 200, r.text
+    pairs = [("where is my invoice", "Invoices are under billing, one per month."),
+             ("cancel my subscription", "To cancel, open billing and end the plan.")]
+    text = "".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in pairs)
+    r = httpx.post(a.url + "/v1/promotions", json={"candidate": DEFAULT_MODEL, "alias": alias, "eval": text},
+                   headers=a.admin, timeout=300)
+    assert r.status_code == 200, r.text
+    package = r.json()
+    want = [("set", DEFAULT_MODEL), ("set", COPY), ("promote", DEFAULT_MODEL)]
+    for d in (a, b):
+        history = httpx.get(f"{d.url}/v1/aliases/{alias}/history", timeout=30).json()
+        assert [(e["kind"], e["version"]) for e in history["events"]] == want, d.url
+        assert history["packages"][package["id"]]["candidate_metrics"] == package["evaluation"]["candidate"]
+        r = httpx.get(f"{d.url}/v1/promotions/{package['id']}", timeout=30)
+        assert r.status_code == 200 and r.json() == package, r.text
+    out = subprocess.run([sys.executable, "-m", "fleetctl", "history", alias], capture_output=True, text=True,
+                         env={"FLEET_URL": b.url, "PATH": "/usr/bin:/bin"}, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and package["id"] in out.stdout, out.stderr

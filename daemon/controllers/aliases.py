@@ -102,14 +102,14 @@ def changed(daemon: Daemon, after: Any, before: Any, seconds: float) -> dict[str
     return {"alias": view_of(after, daemon.recent.models()) if after is not None else None, "before": before.version if before else None, "seconds": round(seconds, 6)}
 
 
-def packages_of(daemon: Daemon, events: list[Any]) -> dict[str, Any]:
+async def packages_of(daemon: Daemon, events: list[Any]) -> dict[str, Any]:
     """The evaluation and provenance of each promotion the events name (fleet.promotions),
     by package id; a package that no longer reads is left out (the event still names it)."""
     out = {}
     for e in events:
         if e.package:
             try:
-                p = daemon.aliases.packages.read(e.package)
+                p = await daemon.aliases.package(e.package)
             except FleetError:
                 continue
             out[p.id] = {"kind": p.kind, "candidate": p.candidate.name, "source": p.candidate.source,
@@ -133,10 +133,10 @@ class AliasesController(Controller):
 
     @get("/{alias:str}/history")
     async def history(self, request: Request, daemon: Daemon, alias: str) -> Response:
-        events = daemon.aliases.files.history(validate_alias(alias))
+        events = await daemon.aliases.history(alias)
         if not events:
             daemon.aliases.get(alias)  # 404 for an alias that never was
-        return reply(request, {"alias": alias, "events": events, "packages": packages_of(daemon, events)})
+        return reply(request, {"alias": alias, "events": events, "packages": await packages_of(daemon, events)})
 
     @put("/{alias:str}", guards=[operator_only], status_code=200)
     async def set_alias(self, request: Request, daemon: Daemon, alias: str) -> Response:

@@ -72,4 +72,4 @@ class PromotionsController(Controller):
 
     @get("/{promotion_id:str}")
     async def show(self, request: Request, daemon: Daemon, promotion_id: str) -> Response:
-        return reply(request, daemon.aliases.packages.read(promotion_id))
+        return reply(request, await daemon.aliases.package(promotion_id))
