@@ -22,8 +22,9 @@ Usage (needs the llama.cpp extra importable, as CI: PYTHONPATH=.venv/llamacpp):
   flock /tmp/fleet-bench.lock python -m fleet.bench.generate_engines [--max-tokens 32]
       [--requests 3] [--max-clients 16] [--threads 2] [--out bench/results/<time>-generate-engines.json]
 or `fleetctl bench --task generate --compare` (the same run, the same JSON).
-It runs `fleetctl serve` itself (one CPU worker, `--threads` threads, as the
-in-process sides) with a temporary FLEET_HOME and stops it by PID at the end.
+It runs `fleetctl serve` itself (one CPU worker, `--threads` threads; transformers
+in-process alike; llama.cpp's server and `Llama` with the threads fleet's llama.cpp
+runtime chose at load, read from /v1/ps) with a temporary FLEET_HOME and stops it by PID at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 from fleet.bench import report
 from fleet.bench.daemon import LocalDaemon
@@ -118,6 +121,13 @@ def transformers_generate(folder: Path, texts: list[str], max_tokens: int, batch
     return out
 
 
+def chosen_threads(url: str, model: str) -> int | None:
+    """The threads the daemon's llama.cpp runtime chose for `model` at load (/v1/ps)."""
+    ps = httpx.get(f"{url}/v1/ps", timeout=30).json()
+    held = [m for w in ps.get("workers", []) for name, m in w.get("models", {}).items() if name == model]
+    return (held[0].get("engine") or {}).get("threads") if held else None
+
+
 def _tok_s(result: dict) -> float | None:
     return result["knee"]["output_tokens_per_s"] if result.get("knee") else None
 
@@ -174,6 +184,12 @@ def run_engines(*, max_tokens: int, requests: int, max_clients: int, threads: in
                 run(texts[0])  # warm
                 targets[name] = ramp(name, run, texts, requests, max_clients, log)
                 targets[name]["ttft_ms_200_tokens_alone"] = ttft_alone(run, ttft_prompt)
+            # llama.cpp's own sides run with the threads fleet's runtime chose at load (its
+            # probe times 1 against the worker's threads: on a busy 2-core box 1 often wins,
+            # and llama.cpp's threads then wait on each other): the same engine, set alike.
+            llama_threads = chosen_threads(d.url, "smollm2-gguf") or threads
+            out["llama_cpp_threads"] = llama_threads
+            log(f"llama.cpp threads, as fleet's runtime chose: {llama_threads}")
         finally:
             d.stop()
         why = server_missing()
@@ -181,7 +197,7 @@ def run_engines(*, max_tokens: int, requests: int, max_clients: int, threads: in
             out["skipped"]["llama.cpp-server"] = why
             log(f"llama.cpp-server: skipped: {why}")
         else:
-            server = LlamaServer(gguf, threads=threads)
+            server = LlamaServer(gguf, threads=llama_threads)
             try:
                 # One request at a time behind its lock: past 4 clients only the queue grows.
                 run = completions_stream(server.url, "gguf", max_tokens, usage=False)
@@ -193,7 +209,7 @@ def run_engines(*, max_tokens: int, requests: int, max_clients: int, threads: in
                 server.stop()
         from llama_cpp import Llama
 
-        llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+        llm = Llama(str(gguf), n_ctx=4096, n_threads=llama_threads, n_batch=512, verbose=False)
         run = llama_stream(llm, threading.Lock(), max_tokens)
         run(texts[0])
         targets["llama.cpp-Llama"] = ramp("llama.cpp-Llama", run, texts, requests, min(4, max_clients), log)

@@ -6,7 +6,9 @@ own folder, .venv/llamacpp-server (scripts/setup_llamacpp_server.sh), so that th
 shadow the daemon's packages: only this child process sees them. It serves the GGUF
 through one `Llama` object, one request at a time (its requests wait on a lock), with
 llama.cpp's prompt-prefix reuse between consecutive requests: the bench alternates
-prompts so a TTFT is a real prefill.
+prompts so a TTFT is a real prefill. By default a new request interrupts the one being
+streamed (it ends early, short of its max_tokens); the bench turns that off
+(`--interrupt_requests false`) so that every request is answered whole and waits its turn.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class LlamaServer(Child):
             [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "gguf",
              "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", str(threads),
              "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--n_batch", "512",
-             "--flash_attn", "true"],
+             "--flash_attn", "true", "--interrupt_requests", "false"],
             env, Path(log),
         )
         self._wait_ready(start_timeout_s)
