@@ -13,7 +13,7 @@ work against `fleetctl serve` unchanged; shapes follow Ollama's docs/api.md
   `system`) unless `raw` is set or the model has none.
 * Embeddings run through `daemon.tasks.embed` (`/api/embed` normalised,
   the legacy `/api/embeddings` not, as in Ollama).
-* `keep_alive` maps onto the admin path (controllers.admin, fleet.control):
+* `keep_alive` maps onto the admin path (controllers.ollama_keep; controllers.admin, fleet.control):
   negative = load now and keep resident for the life of this daemon process (a pin
   on the worker, never persisted: persisted pins are the operator's, made through
   `POST /v1/models/{name}/pin` or `fleetctl pin`), 0 = unload once answered (a
@@ -61,7 +61,6 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from fleet.catalog import load_catalog
-from fleet.control import LOAD, PIN, UNLOAD, UNPIN
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound, Overloaded, SourceUnreachable
 from fleet.protocol import ChatMessage, EmbedRequest, FunctionCall, GenerateRequest, TokenLogprob, ToolCall
 from fleet.pull import pull_model
@@ -69,21 +68,21 @@ from fleet.store import Manifest, Progress
 
 from fleet.daemon import codec, fields, tasks
 from fleet.daemon.broker import Answer
-from fleet.daemon.commands import choose_worker, holders, send
 from fleet.daemon.controllers.ollama_facts import capabilities, details, facts
 from fleet.daemon.controllers import tool_calls
+from fleet.daemon.controllers.ollama_keep import apply_keep, client_keep, keep_after, keep_before
 from fleet.daemon.controllers.ollama_wire import (
     API_VERSION, IGNORED_MESSAGE, IGNORED_OPTIONS_HEADER, ChatBody, ChatLine, EmbedBody, EmbeddingsBody,
     EmbeddingsReply, EmbedReply, ErrorLine, GenerateBody, GenerateLine, Keep, NameBody, OllamaFunction,
     OllamaToolCall, PsReply, ReplyMessage,
-    RunningModel, ShowReply, Stats, TagModel, TagsReply, choose_keep, created_at, forever, iso_utc, logprob_fields,
+    RunningModel, ShowReply, Stats, TagModel, TagsReply, created_at, forever, iso_utc, logprob_fields,
     ollama_name, output_format, read_options, refuse_unsupported, sampling, store_name,
 )
 from fleet.daemon.controllers.ollama_wire import Progress as ProgressLine
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import PRIVATE_PATHS, body_is_msgpack, hide_paths
 from fleet.daemon.offload import build_reply
-from fleet.daemon.operator import is_operator, operator_only
+from fleet.daemon.operator import operator_only
 from fleet.daemon.owner import delete_model, detached, retire_copies
 from fleet.daemon.tasks import check_generate, token_logprobs
 from fleet.daemon.text_stream import TextStream
@@ -149,15 +148,6 @@ def pullable(daemon: Daemon, name: str, catalog: Any) -> None:
                                 "to pull it from again; the stored model is kept as it is")
 
 
-def client_keep(request: Request, value: Any, dropped: list[str]) -> tuple[Keep, list[str]]:
-    """`keep_alive` as Ollama reads it; keeping (< 0) and unloading (0) only for the
-    operator, else not applied and named among the ignored fields (see the module doc)."""
-    keep = choose_keep(value)
-    if keep is Keep.LRU or is_operator(request):
-        return keep, dropped
-    return Keep.LRU, dropped + ["keep_alive"]
-
-
 async def decode(request: Request, type_: type[Any]) -> tuple[Any, list[str]]:
     """(request, the unknown fields it dropped): Ollama ignores unknown fields."""
     body = await request.body()
@@ -203,67 +193,6 @@ def ignored_headers(options: list[str], dropped: list[str]) -> dict[str, str]:
 def message_fields(messages: list[Any]) -> list[str]:
     """Message fields fleet accepts and does not apply (earlier thinking, a tool's name)."""
     return [f"messages[{i}].{name}" for i, m in enumerate(messages) for name in fields.set_fields(m, IGNORED_MESSAGE)]
-
-
-# ---- keep_alive on the admin path --------------------------------------------------------
-
-async def pin(daemon: Daemon, name: str) -> None:
-    """keep_alive < 0: load now and keep resident while this daemon runs (Ollama's keep
-    never outlives its server). Pinned on the worker only, never persisted: a client
-    cannot make the daemon hold a model across restarts, nor hold readiness for it."""
-    workers = await daemon.workers()
-    if any(w["up"] and w["models"].get(name, {}).get("pinned") for w in workers):
-        return
-    await send(daemon, choose_worker(workers, name, None), PIN, name)
-
-
-def refuse_operator_pin(daemon: Daemon, name: str) -> None:
-    """keep_alive 0 on a model the operator keeps (preload, persisted pin): refused."""
-    if name in daemon.pinned_models():
-        raise BadRequest(f"{name} is kept resident by the operator (preloaded or pinned): keep_alive 0 does not "
-                         f"unload it; the operator releases it with `fleetctl unpin {name}`")
-
-
-async def unload(daemon: Daemon, name: str, *, operator_pin: bool = False) -> None:
-    """Unload every copy, releasing a client's keep on the workers first. An operator's
-    pin is released only with `operator_pin` (`/api/delete` removes the model itself)."""
-    if operator_pin:
-        daemon.record_unpin(name)
-    else:
-        refuse_operator_pin(daemon, name)
-    for worker in await holders(daemon, name):
-        await send(daemon, worker, UNPIN, name)
-        await send(daemon, worker, UNLOAD, name)
-
-
-async def keep_before(daemon: Daemon, name: str, keep: Keep) -> None:
-    if keep is Keep.PIN:
-        await pin(daemon, name)
-    elif keep is Keep.UNLOAD:
-        refuse_operator_pin(daemon, name)  # before the request runs: refused, not answered and ignored
-
-
-async def keep_after(daemon: Daemon, name: str, keep: Keep) -> None:
-    """keep_alive 0: unload once answered. The answer is already the client's, so a
-    failure here is logged, not returned."""
-    if keep is not Keep.UNLOAD:
-        return
-    try:
-        await unload(daemon, name)
-    except FleetError as exc:
-        log.warning("keep_alive 0: unloading %s failed: %s", name, exc.message)
-
-
-async def apply_keep(daemon: Daemon, name: str, keep: Keep) -> str:
-    """A request with nothing to run: load, pin or unload; its `done_reason`."""
-    if keep is Keep.UNLOAD:
-        await unload(daemon, name)
-        return "unload"
-    if keep is Keep.PIN:
-        await pin(daemon, name)
-    elif name not in await daemon.loaded_models():
-        await send(daemon, choose_worker(await daemon.workers(), name, None), LOAD, name)
-    return "load"
 
 
 # ---- timing ----------------------------------------------------------------------------------
