@@ -40,6 +40,7 @@ def fleetctl(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_bench_reports_ttft_and_inter_token_at_the_knee(gen_url: str, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the quick brown fox\nhello world, this is fleet serving small models from one box\n")
@@ -66,6 +67,7 @@ def test_generate_bench_reports_ttft_and_inter_token_at_the_knee(gen_url: str, t
     assert max(map(len, lines)) <= 80, r.stdout
 
 
+@pytest.mark.slow
 def test_generate_bench_of_a_model_the_daemon_lacks_says_so(gen_url: str, tmp_path: Path) -> None:
     r = fleetctl("bench", "--task", "generate", "--url", gen_url, "--model", "no-such-model", "--max-tokens", "4",
                  "--requests", "1", "--concurrency", "1", "--out", str(tmp_path / "missing.json"))

@@ -31,10 +31,10 @@ from fleet.store import Store
 from tests.conftest import start_daemon
 from tests.gen_models import build_llama, build_tool_caller, never_ending
 
-pytestmark = pytest.mark.skipif(not llamacpp.available(), reason=(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not llamacpp.available(), reason=(
     "llama_cpp is not installed (the fleet-serve[llamacpp] extra: PyPI has no binary of it; "
     "FLEET_BUILD_LLAMACPP=1 ./scripts/setup_llamacpp.sh builds it into .venv/llamacpp, 22-28 min on 2 cores, "
-    "then these run with PYTHONPATH=.venv/llamacpp)"))
+    "then these run with PYTHONPATH=.venv/llamacpp)"))]
 
 PROMPTS = ["the quick brown fox", "hello world, this is"]
 NEW = 16
