@@ -2,6 +2,7 @@
 
 `Daemon` owns the queue (it created it and unlinks it), the broker (request
 path) and the supervisor (worker processes). Handlers only read from it.
+How the workers look from here (views, gauges from their counters): daemon/worker_views.py.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from fleet.config import Settings, load_settings
 from fleet.decisions import SHARED_DECIDERS
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, Unavailable
 from fleet.lora import LORA_TASKS
-from fleet.protocol import ProfileView
 from fleet.store import Manifest, Store
-from fleet.local_queue import Done, LaneStats, LocalQueue, WorkerInfo
+from fleet.local_queue import Done, LocalQueue
 from fleet.local_queue.sweep import queue_name, sweep_stale
 
-from fleet.control import PROFILE, Command, control_lane, decode_done, is_control_lane
+from fleet.control import PROFILE, Command, control_lane, decode_done
 
 from fleet.daemon.aliases import AliasBook
 from fleet.daemon.access import note_model
@@ -39,6 +39,8 @@ from fleet.daemon.metrics import Metrics
 from fleet.daemon.pieces import Sizing, check_deadline, joined, run_pieces
 from fleet.daemon.quotas import check_owner_load
 from fleet.daemon.top import Recent
+# live_profiles: the controllers import it from here, beside Daemon.
+from fleet.daemon.worker_views import WorkerGauges, lane_views, live_profiles, worker_views  # noqa: F401
 from fleet.pins import PinStore
 from fleet.daemon.supervisor import Supervisor, detect_devices
 from fleet.daemon.upstreams import Upstreams
@@ -84,8 +86,6 @@ class ClusterLink(Protocol):
     def check_model(self, model: str, task: str) -> None: ...
 
 
-_info_decoder = msgspec.msgpack.Decoder()
-
 #: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
 QUEUE_PREFIX = "fleet"
 
@@ -104,9 +104,6 @@ class BatchWork:
 
 BATCH_WORK: contextvars.ContextVar[BatchWork | None] = contextvars.ContextVar("fleet_batch_work", default=None)
 
-#: A worker that has not heartbeaten for this long is not counted as up.
-HEARTBEAT_STALE_S = 30.0
-
 #: Settings a SIGHUP applies to the running daemon (`Daemon.reload`); any other
 #: change in config.toml is logged as needing a restart.
 LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth", "log_level", "api_key",
@@ -114,68 +111,6 @@ LIVE_SETTINGS = ("timeout_ms", "max_inputs", "max_body_bytes", "queue_max_depth"
                  "default_models", "max_tokenize_bytes", "max_token_ids", "max_request_tokens",
                  "max_token_vector_bytes", "blob_keep_ms", "batch_files_max_bytes", "store_max_models", "access_log",
                  "owners")
-
-
-def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
-    """The workers as `/v1/ps` and the admin routes see them, from one read of the queue."""
-    out = []
-    for w in infos:
-        info = _info_decoder.decode(w.info) if w.info else {}
-        out.append({
-            "worker": w.wid,
-            "pid": w.pid,
-            "device": w.device,
-            "up": (now_ns - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S,
-            "claimed": w.claimed,
-            "models": info.get("models", {}),
-            "last_batch": info.get("last_batch", {}),
-            # Device memory as the worker sees it (runtimes.memory): its device's budget, its own use.
-            "budget_bytes": info.get("budget_bytes", 0),
-            "used_bytes": info.get("used_bytes", 0),
-            "loading": info.get("loading", ""),
-            # Pins it was to keep and cannot (runtimes.residency.Residency.restore): name -> why.
-            "unservable": info.get("unservable", {}),
-        })
-    return out
-
-
-def live_profiles(workers: list[dict[str, Any]], name: str) -> list[ProfileView]:
-    """The serving profile `name` runs with on each live worker holding it (their info
-    blobs, as `worker_views` reads them): the settings in force and where each came from."""
-    return [ProfileView(w["worker"], w["device"], m.get("profile", "default"), m.get("settings", {}),
-                        m.get("profile_from", {}),
-                        **{k: m[k] for k in ("decide_temperatures", "calibration") if k in m})
-            for w in workers if w["up"] and (m := w["models"].get(name))]
-
-
-def lane_views(stats: list[LaneStats], now_ns: int) -> list[dict[str, Any]]:
-    """The lanes with work, from one read of the queue; control lanes (admin commands
-    to one worker) are plumbing, not demand, and left out."""
-    return [
-        {
-            "model": s.model,
-            "depth": s.depth,
-            # Its items' sizes in the daemon's estimate (no tokenizer has run on them yet).
-            "estimated_tokens": s.tokens,
-            "claimed": s.claimed,
-            "oldest_wait_ms": round((now_ns - s.oldest_enqueue_ns) / 1e6, 1) if s.depth else 0.0,
-        }
-        for s in stats if not is_control_lane(s.model)
-    ]
-
-
-@dataclass
-class _WorkerSeen:
-    """What `refresh_gauges` last read from one worker's info blob: its cumulative
-    counters (diffed into the Prometheus counters) and its resident models."""
-
-    pid: int
-    loads: dict[str, int] = field(default_factory=dict)
-    evictions: dict[str, dict[str, int]] = field(default_factory=dict)
-    batch_seq: int = 0
-    models: tuple[str, ...] = ()
-    #: Each resident model's cumulative `tokens` (reset when it is loaded again).
-    tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,7 +143,6 @@ class Daemon:
     #: its auth and body limit there).
     reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
-    _seen: dict[int, _WorkerSeen] = field(default_factory=dict)
     #: Workers up at the last `refresh_gauges` (every METRICS_REFRESH_S): for the NATS
     #: bridge's fetch capacity, read synchronously on the loop, where the queue is not.
     workers_up: int = 0
@@ -222,6 +156,8 @@ class Daemon:
         self.metrics = Metrics(known=self.knows_model)
         #: The last seconds of requests, batches and evictions (`GET /v1/top`: daemon.top).
         self.recent = Recent()
+        #: The workers' cumulative counters, diffed into `metrics` and `recent` (`refresh_gauges`).
+        self.gauges = WorkerGauges(self.metrics, self.recent)
         #: How large a piece of a large request is, per model (daemon.pieces).
         self.sizing = Sizing(self.settings.batch_target_ms or 250.0)
         #: Stable names clients use, each pointing at a stored version (daemon.aliases).
@@ -487,75 +423,12 @@ class Daemon:
 
     def refresh_gauges(self) -> None:
         """Bring the worker-side series up to date (at each scrape and every
-        METRICS_REFRESH_S from the app): lanes and device memory as they are now;
-        loads, evictions and batches from the workers' cumulative counters, diffed
-        against the last read so no event between two reads is missed. A worker
-        whose pid changed or that left the queue lost its models (`worker_exit`).
-        Runs on the event loop only (no lock needed for `_seen`), inside `Broker.read`:
-        its queue reads give up at once when a worker holds the lock."""
+        METRICS_REFRESH_S from the app; `WorkerGauges.refresh` says how). Runs on the
+        event loop only, inside `Broker.read`: its queue reads give up at once when a
+        worker holds the lock."""
         if self.queue is None:
             return
-        now = time.monotonic_ns()
-        for lane in lane_views(self.queue.lane_stats(), now):
-            self.metrics.set_lane(lane["model"], lane["depth"], lane["oldest_wait_ms"] / 1000.0)
-        memory: dict[str, tuple[int, int]] = {}
-        current: set[int] = set()
-        infos = self.queue.workers()
-        self.workers_up = sum((now - w.last_heartbeat_ns) / 1e9 < HEARTBEAT_STALE_S for w in infos)
-        for w in infos:
-            info = _info_decoder.decode(w.info) if w.info else {}
-            current.add(w.wid)
-            seen = self._seen.get(w.wid)
-            if seen is None or seen.pid != w.pid:
-                if seen is not None:
-                    self._worker_exited(seen)
-                seen = self._seen[w.wid] = _WorkerSeen(w.pid)
-            self._count_worker(seen, info)
-            used, budget = memory.get(w.device, (0, 0))
-            # Workers of one device share its budget; each reports its own use.
-            memory[w.device] = (used + info.get("used_bytes", 0), max(budget, info.get("budget_bytes", 0)))
-        for wid in [wid for wid in self._seen if wid not in current]:
-            self._worker_exited(self._seen.pop(wid))
-        for device, (used, budget) in memory.items():
-            self.metrics.set_device_memory(device, used, budget)
-
-    def _count_worker(self, seen: _WorkerSeen, info: dict[str, Any]) -> None:
-        for name, n in info.get("loads", {}).items():
-            for _ in range(n - seen.loads.get(name, 0)):
-                self.metrics.model_loaded(name)
-                self.recent.event(name, "load")
-        seen.loads = dict(info.get("loads", {}))
-        for name, by_reason in info.get("evictions", {}).items():
-            before = seen.evictions.get(name, {})
-            for reason, n in by_reason.items():
-                for _ in range(n - before.get(reason, 0)):
-                    self.metrics.model_evicted(name, reason)
-                    self.recent.event(name, reason)
-        seen.evictions = {name: dict(r) for name, r in info.get("evictions", {}).items()}
-        batches = info.get("batches")
-        if batches:
-            seq, names, ring = batches["seq"], batches["models"], batches["ring"]
-            new = seq - seen.batch_seq
-            kept = len(ring) // 3
-            if new > kept:
-                log.warning("worker pid %d ran %d batches since the last read; batch metrics have the last %d",
-                            seen.pid, new, kept)
-            for i in range(max(0, kept - new), kept):
-                model, items, tokens = ring[3 * i: 3 * i + 3]
-                self.metrics.observe_batch(names[model], items, tokens)
-                self.recent.batch(names[model], items, tokens)
-            seen.batch_seq = seq
-        seen.models = tuple(info.get("models", {}))
-        tokens = {name: m.get("tokens", 0) for name, m in info.get("models", {}).items() if m}
-        for name, n in tokens.items():
-            before = seen.tokens.get(name, 0)
-            self.recent.served_tokens(name, n - before if n >= before else n)
-        seen.tokens = tokens
-
-    def _worker_exited(self, seen: _WorkerSeen) -> None:
-        for name in seen.models:
-            self.metrics.model_evicted(name, "worker_exit")
-            self.recent.event(name, "worker_exit")
+        self.workers_up = self.gauges.refresh(self.queue)
 
     def reload(self) -> tuple[list[str], list[str]]:
         """SIGHUP: re-read `models.toml` and `config.toml` without dropping requests.
