@@ -143,6 +143,18 @@ def test_a_tools_request_on_the_llama_cpp_runtime_returns_a_parsed_call(served) 
     assert held and held[0]["engine"]["engine"] == "llama.cpp" and held[0]["dtype"] == "F16", ps
 
 
+def test_quantize_through_the_running_daemon_stores_and_serves_it(models: dict, served) -> None:
+    """With a daemon running, `fleetctl pull --quantize` goes through POST /v1/store/pull."""
+    r = fleetctl(models["home"], "pull", f"path:{models['llama']}", "--name", "llama-q8-api", "--quantize", "q8_0",
+                 "--json")
+    assert r.returncode == 0 and "no fleet daemon answers" not in r.stderr, r.stderr[-2000:]
+    manifest = json.loads(r.stdout)["manifest"]
+    assert manifest["runtime"] == "llama.cpp" and manifest["gguf"]["file_type"] == "Q8_0"
+    # The daemon serves what it just stored, and says the same as the q8_0 pulled without it.
+    prompt = PROMPTS[0]
+    assert complete(served, "llama-q8-api", prompt) == complete(served, "llama-q8", prompt)
+
+
 def test_quantize_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
     home = tmp_path / "home"
     r = fleetctl(home, "pull", "path:/nonexistent-model", "--quantize", "q3_k")
