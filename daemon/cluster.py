@@ -192,7 +192,8 @@ class Cluster:
         link, requester, puller = self.link, self.requester, self.puller
         return {
             "box": link.box, "instance": link.instance, "url": self.settings.url, "pid": os.getpid(),
-            "models": puller.models, "loaded": sorted(await self._loaded()), "workers": self._workers_up(),
+            "models": puller.models, "decides": self.heartbeats.decides, "loaded": sorted(await self._loaded()),
+            "workers": self._workers_up(),
             "capacity": self.capacity, "held": len(puller.held), "local_depth": self.broker.queue.depth(),
             "waiting": len(requester.pending), "served": puller.served, "duplicates": requester.duplicates,
             "served_locally": requester.served_locally, "reconnects": self.reconnects, "replicas": self.replicas,

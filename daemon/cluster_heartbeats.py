@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from fleet.decisions import SHARED_DECIDERS
 from fleet.errors import BadRequest, ModelNotFound
 from fleet.store import Store
 
@@ -100,6 +101,10 @@ class Heartbeats:
         #: The bucket's handle, bound at the join.
         self.kv: Any = None
         self._boxes: dict[str, dict[str, Any]] = {}
+        #: Stored models of another task that answer decisions too (a transformers
+        #: generator: fleet.decisions.SHARED_DECIDERS), as the last beat read them; the
+        #: entry's `decides`, so a box that does not store one routes decisions to it.
+        self.decides: list[str] = []
 
     async def loop(self, wake: Callable[[], None]) -> None:
         """Beat every `nats_heartbeat_ms`; `wake` first (fetch credit: workers that came
@@ -119,7 +124,9 @@ class Heartbeats:
         """Publish this box's entry, read everyone's, follow this box's store."""
         from nats.js.errors import NoKeysError
 
-        models = await asyncio.to_thread(lambda: {m.name: m.task for m in self.store.list()})
+        stored = await asyncio.to_thread(self.store.list)
+        models = {m.name: m.task for m in stored}
+        self.decides = sorted(m.name for m in stored if (m.task, m.runtime) in SHARED_DECIDERS)
         self._follow(models)
         await self._read_lag(models)
         await self.kv.put(self.link.key, json_encode(await self._entry()))
@@ -168,8 +175,11 @@ class Heartbeats:
 
     def check_model(self, model: str, task: str) -> None:
         """For a model this box does not store: some live box must, for `task`."""
-        tasks = {b["models"][model] for b in self.boxes() if model in b["models"]}
+        boxes = self.boxes()
+        tasks = {b["models"][model] for b in boxes if model in b["models"]}
         if not tasks:
             raise ModelNotFound(f"unknown model {model!r}: no box in the cluster has it")
+        if task == "decide" and any(model in b.get("decides", ()) for b in boxes):
+            return  # a generator that answers decisions from its own lane
         if task not in tasks:
             raise BadRequest(f"model {model!r} serves task {sorted(tasks)[0]!r}, not {task!r}")

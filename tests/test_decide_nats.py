@@ -1,0 +1,76 @@
+"""Typed decisions across boxes: two real `fleetctl serve --nats` boxes on one real
+nats-server, at the shipped settings. Box B stores a tiny random Llama twice, as a
+decision model (`--task decide`) and as a generator; box A stores neither. A decision
+asked of box A goes through JetStream to box B (`X-Served-By` names it) and answers
+as one box does: as box B asked directly, and as each question's own full sequences
+run alone (tests/decide_plain.py, the reference tests/test_decide.py holds one box
+to), for the decision model and for the generator that reads decisions from its own
+weights (box B's heartbeat names it in `decides`).
+
+Before: nothing sent a decision through NATS; a generator stored on another box was
+refused as "serves task 'generate'".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import DaemonProc, start_daemon, wait_until_ready
+from tests.gen_models import build_llama, pull
+from tests.nats_fixture import NatsServer, nats_server  # noqa: F401 (a fixture)
+from tests.test_decide import ALL, TICKET, plain_forward, vector
+
+pytestmark = pytest.mark.nats
+
+MODEL = "tiny-decider"
+GENERATOR = "tiny-generator"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("decider") / "model", max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def two_boxes(nats_server: NatsServer, folder: Path,  # noqa: F811
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    root = tmp_path_factory.mktemp("decide-boxes")
+    pull(root / "box-b", folder, MODEL, "--task", "decide")
+    pull(root / "box-b", folder, GENERATOR)
+    started = [start_daemon(root / box, wait_ready=False, extra_env={
+        "FLEET_NATS": nats_server.url, "FLEET_BOX": box, "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": "1"})
+        for box in ("box-a", "box-b")]
+    try:
+        for d in started:
+            wait_until_ready(d)
+        yield started[0], started[1]
+    finally:
+        for d in started:
+            d.stop()
+
+
+def decide(d: DaemonProc, model: str) -> httpx.Response:
+    return httpx.post(d.url + "/v1/systemone", json={"model": model, "state": TICKET, "questions": ALL}, timeout=120)
+
+
+@pytest.mark.parametrize("model", [MODEL, GENERATOR])
+def test_a_decision_through_another_box_answers_as_one_box(two_boxes, folder: Path, model: str) -> None:
+    a, b = two_boxes
+    end = time.monotonic() + 60
+    while (via_a := decide(a, model)).status_code == 404:  # until box A has read box B's heartbeat
+        assert time.monotonic() < end, via_a.text
+        time.sleep(0.5)
+    assert via_a.status_code == 200, via_a.text
+    assert via_a.headers["x-served-by"].startswith("box-b/") and via_a.json()["model"] == model
+    at_b = decide(b, model)
+    assert at_b.status_code == 200, at_b.text
+    reference = plain_forward(folder, TICKET)
+    for q in ALL:
+        assert np.abs(vector(via_a.json()["answers"][q]) - vector(at_b.json()["answers"][q])).max() <= 1e-5, q
+        assert np.abs(vector(via_a.json()["answers"][q]) - reference[q]).max() <= 1e-5, q
