@@ -159,3 +159,14 @@ def test_ollama_create_uploads_a_98_mb_gguf_and_lists_it(daemon, gguf_file: Path
     finally:
         client.delete("smol-gguf")
     assert "smol-gguf:latest" not in {m.model for m in client.list().models}
+
+
+def test_pull_route_refuses_an_unknown_quantize_type_before_it_starts(daemon) -> None:
+    """`fleetctl pull --quantize` with a type fleet cannot make: 400 in the error shape,
+    not an error line after a 200 stream; the store is left as it was."""
+    before = httpx.get(f"{daemon.url}/v1/store", headers=daemon.admin, timeout=30).json()["models"]
+    r = httpx.post(f"{daemon.url}/v1/store/pull", json={"source": f"path:{smollm2_gguf()}", "quantize": "q3_k"},
+                   headers=daemon.admin, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    assert "q3_k" in r.text and "q8_0" in r.text
+    assert httpx.get(f"{daemon.url}/v1/store", headers=daemon.admin, timeout=30).json()["models"] == before

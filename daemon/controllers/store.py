@@ -36,6 +36,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from fleet.errors import BadRequest, FleetError
+from fleet.gguf_convert import check_quant_type
 from fleet.pull import pull_model, resolve_name
 from fleet.store import Progress, damage_fix
 
@@ -134,6 +135,8 @@ class StoreController(Controller):
     async def pull(self, request: Request, daemon: Daemon) -> Stream:
         body = codec.decode(await request.body(), PullBody, msgpack=body_is_msgpack(request))
         source = checked_source(body.source)
+        if body.quantize is not None:
+            check_quant_type(body.quantize)  # a 400 now, not an error line after a 200
         opts = dict(task=body.task, runtime=body.runtime, base=body.base, force=body.force, quantize=body.quantize)
         name = await asyncio.to_thread(resolve_name, daemon.store, source, name=body.name)
         room_for_model(daemon, name)
