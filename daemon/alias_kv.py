@@ -29,6 +29,8 @@ import msgspec
 from fleet.aliases import Alias, decode_alias, encode_alias
 from fleet.errors import FleetError, Unavailable
 
+from fleet.daemon.alias_records import SharedRecords
+
 log = logging.getLogger("fleet.cluster")
 
 BUCKET = "fleet_aliases"
@@ -61,8 +63,6 @@ class SharedAliases:
 
     async def run(self) -> None:
         """Wait for the cluster, bind the bucket (made by the first box), read it, follow it."""
-        from fleet.daemon.alias_records import SharedRecords  # it builds on this module's keys
-
         cluster = self.daemon.cluster
         while not cluster.joined:
             await asyncio.sleep(0.1)

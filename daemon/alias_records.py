@@ -27,16 +27,22 @@ from fleet.aliases import HISTORY_KEPT, Event
 from fleet.errors import Unavailable
 from fleet.promotions import Package
 
-from fleet.daemon.alias_kv import CAS_ATTEMPTS, key_of
-
 HISTORY_BUCKET = "fleet_alias_history"
 PACKAGES_BUCKET = "fleet_promotions"
 #: Bytes of one alias's history in its bucket entry (below NATS's 1 MiB message limit).
 HISTORY_MAX_BYTES = 512 * 1024
 
+#: Compare-and-set attempts of one append (each lost to another box's append).
+APPEND_ATTEMPTS = 8
+
 _event_decoder = msgspec.json.Decoder(Event)
 _package_decoder = msgspec.json.Decoder(Package)
 _encoder = msgspec.json.Encoder()
+
+
+def history_key(alias: str) -> str:
+    """The alias's name in hex, as `fleet_aliases` keys it (KV keys take fewer characters)."""
+    return alias.encode().hex()
 
 
 def appended(value: bytes | None, event: Event) -> bytes:
@@ -84,8 +90,8 @@ class SharedRecords:
         """Append `event` to its alias's shared history (compare-and-set; module doc)."""
         from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 
-        key = key_of(event.alias)
-        for _ in range(CAS_ATTEMPTS):
+        key = history_key(event.alias)
+        for _ in range(APPEND_ATTEMPTS):
             try:
                 entry = await self.history_kv.get(key)
                 value, revision = entry.value, entry.revision
@@ -99,13 +105,13 @@ class SharedRecords:
                 return
             except KeyWrongLastSequenceError:
                 continue
-        raise Unavailable(f"the history of {event.alias!r} kept changing under this record ({CAS_ATTEMPTS} tries)")
+        raise Unavailable(f"the history of {event.alias!r} kept changing under this record ({APPEND_ATTEMPTS} tries)")
 
     async def history(self, alias: str) -> list[Event]:
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
         try:
-            return events_of((await self.history_kv.get(key_of(alias))).value)
+            return events_of((await self.history_kv.get(history_key(alias))).value)
         except (KeyDeletedError, KeyNotFoundError):
             return []
         except Exception as exc:
