@@ -166,7 +166,7 @@ TOOLS: tuple[ToolSpec, ...] = (
                                 "instructions": {"description": "The question (text, or JSON)."},
                                 "criteria": {"description": "noul: {true, false}; choice: {option: description "
                                                             "or null}; score: [level, ...]."}}}},
-         "x_timeout_ms": TIMEOUT},
+         "x_timeout_ms": TIMEOUT, "x_adapter": ADAPTER},
         ("state", "questions"), ("model", "answers", "usage"), defaults={"model": "jev-latest"}),
     ToolSpec(
         "generate", "Generate text",
