@@ -1,9 +1,9 @@
 """An alias of a LoRA adapter (issue 39, item 1): switched and rolled back on a real daemon.
 
 On the session's tone daemon (tests/alias_models.py), at the shipped settings: a tiny
-Llama `lora-base` and two peft adapters of it, `tone-lora-1` and `tone-lora-2` (random,
+Llama `lora-base` and two peft adapters of it, `style-lora-1` and `style-lora-2` (random,
 non-zero A and B: each answers its own way), pulled through the daemon's API with
-`base`. The alias `tone-lora` points at an adapter version; a request names it as the
+`base` (named apart from the `tone-*` models test_quotas.py counts as one owner's). The alias `style-lora` points at an adapter version; a request names it as the
 model or as the `adapter` of the base, and its reply is the adapter's own answer, with
 `X-Fleet-Model-Version` naming the adapter. After a switch to the other adapter and a
 rollback, each reply is the answer of the version its header names, in order.
@@ -27,7 +27,7 @@ def lora_box(tone_box, tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("alias-lora")
     base = build_llama(root / "lora-base", seed=3)
-    pulls = [("lora-base", base, None)] + [(f"tone-lora-{i}", build_lora(base, root / f"tone-lora-{i}", seed=40 + i),
+    pulls = [("lora-base", base, None)] + [(f"style-lora-{i}", build_lora(base, root / f"style-lora-{i}", seed=40 + i),
                                             "lora-base") for i in (1, 2)]
     for name, folder, of in pulls:
         r = httpx.post(tone_box.url + "/v1/store/pull", headers=tone_box.admin, timeout=120,
@@ -49,24 +49,24 @@ def answers(d, body: dict) -> list[tuple[str | None, str]]:
 
 def test_an_adapter_alias_switches_and_rolls_back_with_the_adapter_named(lora_box) -> None:
     d = lora_box
-    own = {name: [text for _, text in answers(d, {"model": name})] for name in ("tone-lora-1", "tone-lora-2")}
-    assert own["tone-lora-1"] != own["tone-lora-2"]  # the adapters answer differently: a reply tells which ran
+    own = {name: [text for _, text in answers(d, {"model": name})] for name in ("style-lora-1", "style-lora-2")}
+    assert own["style-lora-1"] != own["style-lora-2"]  # the adapters answer differently: a reply tells which ran
 
     def through_alias() -> list[tuple[str | None, str]]:
-        return answers(d, {"model": "tone-lora"}) + answers(d, {"model": "lora-base", "adapter": "tone-lora"})
+        return answers(d, {"model": "style-lora"}) + answers(d, {"model": "lora-base", "adapter": "style-lora"})
 
     def served_by(version: str) -> None:
         assert through_alias() == [(version, text) for text in own[version] * 2]
 
-    r = httpx.put(d.url + "/v1/aliases/tone-lora", json={"version": "tone-lora-1"}, headers=d.admin, timeout=120)
+    r = httpx.put(d.url + "/v1/aliases/style-lora", json={"version": "style-lora-1"}, headers=d.admin, timeout=120)
     assert r.status_code == 200, r.text
-    served_by("tone-lora-1")
-    r = httpx.put(d.url + "/v1/aliases/tone-lora", json={"version": "tone-lora-2"}, headers=d.admin, timeout=120)
-    assert r.status_code == 200 and r.json()["before"] == "tone-lora-1", r.text
-    served_by("tone-lora-2")
-    r = httpx.post(d.url + "/v1/aliases/tone-lora/rollback", json={}, headers=d.admin, timeout=30)
-    assert r.status_code == 200 and r.json()["alias"]["version"] == "tone-lora-1", r.text
-    served_by("tone-lora-1")
-    events = httpx.get(d.url + "/v1/aliases/tone-lora/history", timeout=30).json()["events"]
-    assert [(e["kind"], e["version"]) for e in events] == [("set", "tone-lora-1"), ("set", "tone-lora-2"),
-                                                          ("rollback", "tone-lora-1")]
+    served_by("style-lora-1")
+    r = httpx.put(d.url + "/v1/aliases/style-lora", json={"version": "style-lora-2"}, headers=d.admin, timeout=120)
+    assert r.status_code == 200 and r.json()["before"] == "style-lora-1", r.text
+    served_by("style-lora-2")
+    r = httpx.post(d.url + "/v1/aliases/style-lora/rollback", json={}, headers=d.admin, timeout=30)
+    assert r.status_code == 200 and r.json()["alias"]["version"] == "style-lora-1", r.text
+    served_by("style-lora-1")
+    events = httpx.get(d.url + "/v1/aliases/style-lora/history", timeout=30).json()["events"]
+    assert [(e["kind"], e["version"]) for e in events] == [("set", "style-lora-1"), ("set", "style-lora-2"),
+                                                          ("rollback", "style-lora-1")]
