@@ -328,7 +328,10 @@ def test_a_generator_answers_as_its_decision_copy_from_the_weights_it_holds(daem
 
 def test_generation_and_decisions_in_one_lane_each_answer_as_alone(daemon):
     """Generation and decisions queued together in the generator's lane: the decisions
-    run as a batch beside the generation rounds; none is lost, none changes."""
+    run as a batch beside the generation rounds; none is lost, none changes. The
+    generator's pin and metrics are its store name's, for both tasks."""
+    pin = httpx.post(f"{daemon.url}/v1/models/{GENERATOR}/pin", headers=daemon.admin, timeout=60)
+    assert pin.status_code == 200, pin.text
     states = [f"Ticket {i}. {TICKET}" for i in range(3)]
     texts = {s: generate(daemon, GENERATOR, s).json()["text"] for s in states}
     answers = {s: post(daemon, {"model": GENERATOR, "state": s, "questions": ALL}).json()["answers"] for s in states}
@@ -343,6 +346,16 @@ def test_generation_and_decisions_in_one_lane_each_answer_as_alone(daemon):
         else:
             for q in ALL:
                 assert np.abs(vector(r.json()["answers"][q]) - vector(answers[s][q])).max() <= 1e-5, (s, q)
+    workers = httpx.get(daemon.url + "/v1/ps", headers=AUTH, timeout=30).json()["workers"]
+    assert [w["models"][GENERATOR]["pinned"] for w in workers if GENERATOR in w["models"]] == [True]
+    metrics = httpx.get(daemon.url + "/metrics", headers=AUTH, timeout=30).text
+    for task in ("decide", "generate"):
+        line = next(x for x in metrics.splitlines()
+                    if x.startswith("fleet_requests_total{") and f'model="{GENERATOR}"' in x
+                    and f'task="{task}"' in x and 'status="ok"' in x)
+        assert float(line.rsplit(" ", 1)[1]) >= 2 * len(states), line
+    unpin = httpx.delete(f"{daemon.url}/v1/models/{GENERATOR}/pin", headers=daemon.admin, timeout=60)
+    assert unpin.status_code == 200, unpin.text
 
 
 # ---- refusals: the contract's shapes, and nothing else changes --------------------------------
