@@ -35,6 +35,7 @@ MODEL = "tiny-decider"
 NLI = "tiny-nli"
 LORA = "tiny-decider-lora"
 GENERATOR = "tiny-generator"
+GENERATOR_LORA = "tiny-generator-lora"
 KEY = "decide-test-key-3f9a2c41b7e8"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TICKET = "I was charged twice for my March invoice and the refund has not arrived. Fix it today."
@@ -73,6 +74,7 @@ def daemon(folder: Path, nli_folder: Path, lora_folder: Path, tmp_path_factory: 
     pull(home, nli_folder, NLI, "--task", "decide")
     pull(home, lora_folder, LORA, "--base", MODEL)  # its task is its base's: decide
     pull(home, folder, GENERATOR)  # the same weights as a generator
+    pull(home, lora_folder, GENERATOR_LORA, "--base", GENERATOR)  # the same adapter, of the generator
     # Two decision models: jev-latest is the configured one.
     d = start_daemon(home, extra_env={"FLEET_PRELOAD": f"{MODEL},{NLI}", "FLEET_DEFAULT_MODELS": f"decide={MODEL}",
                                       "FLEET_API_KEY": KEY}, wait_ready=False)
@@ -324,6 +326,17 @@ def test_a_generator_answers_as_its_decision_copy_from_the_weights_it_holds(daem
     assert 0 < shown[GENERATOR] - before[GENERATOR] < weights / 2
     assert used - used_before == shown[GENERATOR] - before[GENERATOR]
     assert generate(daemon, GENERATOR, TICKET).json()["text"] == first.json()["text"]
+
+
+def test_a_generators_lora_answers_decisions_as_the_decision_models_lora(daemon):
+    """The same peft adapter pulled for the generator and for the decision model: asked
+    with `x_adapter` of the generator, its answers are the decision model's adapter's."""
+    mine = post(daemon, {"model": GENERATOR, "x_adapter": GENERATOR_LORA, "state": TICKET, "questions": ALL})
+    assert mine.status_code == 200, mine.text
+    assert (mine.json()["model"], mine.json()["x_adapter"]) == (GENERATOR, GENERATOR_LORA)
+    theirs = post(daemon, {"model": LORA, "state": TICKET, "questions": ALL}).json()["answers"]
+    for q in ALL:
+        assert np.abs(vector(mine.json()["answers"][q]) - vector(theirs[q])).max() <= 1e-5, q
 
 
 def test_generation_and_decisions_in_one_lane_each_answer_as_alone(daemon):
