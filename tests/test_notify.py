@@ -56,7 +56,7 @@ def test_stopping_from_another_process(notify_socket):
     # The variable is read at call time, in whatever process calls it.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(
-        [sys.executable, "-c", "from daemon.notify import notify; notify(STOPPING=1, STATUS='draining')"],
+        [sys.executable, "-c", "from fleet.daemon.notify import notify; notify(STOPPING=1, STATUS='draining')"],
         env=env, check=True, timeout=60,
     )
     assert parse(notify_socket.recv(4096)) == {"STOPPING": "1", "STATUS": "draining"}

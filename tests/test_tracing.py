@@ -160,7 +160,7 @@ def test_nats_headers_carry_the_trace_to_the_running_box(spans: InMemorySpanExpo
 
 
 def test_off_by_default_imports_nothing() -> None:
-    code = ("import sys; from daemon import server, app, tracing, cluster; "
+    code = ("import sys; from fleet.daemon import server, app, tracing, cluster; "
             "assert not tracing.setup('box'); "
             "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported'")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
