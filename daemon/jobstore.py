@@ -44,7 +44,7 @@ DAMAGED_PREFIX = "batches.damaged-"
 #: sqlite's primary result codes that mean the file itself is damaged.
 DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 
-#: The ids this store gives (daemon/openapi.py documents them as the path parameters' patterns).
+#: The ids this store gives (daemon/controllers/openapi.py documents them as the path parameters' patterns).
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 

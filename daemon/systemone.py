@@ -252,7 +252,7 @@ def answers(parsed: Parsed, res: DecideResult) -> dict[str, dict[str, Any]]:
     return out
 
 
-# ---- the route's document (daemon/openapi.py) ---------------------------------------------------
+# ---- the route's document (daemon/controllers/openapi.py) ---------------------------------------------------
 
 _CONTENT = {"oneOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}]}
 _NULLABLE = {"oneOf": [*_CONTENT["oneOf"], {"type": "null"}]}

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from fleet.daemon.openapi import OPERATIONS, build_document, routes_of
+from fleet.daemon.controllers.openapi import OPERATIONS, build_document, routes_of
 from tests.conftest import start_daemon
 
 
@@ -48,7 +48,7 @@ def test_every_route_is_in_the_document_with_its_shapes():
     routes = app_routes()
     assert len(routes) >= 35
     missing = [r for r in routes if r not in OPERATIONS]
-    assert not missing, f"routes without an entry in daemon/openapi.OPERATIONS: {missing}"
+    assert not missing, f"routes without an entry in daemon/controllers/openapi.OPERATIONS: {missing}"
     stale = [r for r in OPERATIONS if r not in routes]
     assert not stale, f"OPERATIONS names routes the app does not serve: {stale}"
     doc = build_document(routes)
@@ -89,7 +89,7 @@ def test_each_route_documents_the_query_parameters_it_takes():
     query check lets through (daemon.query: each handler's declared ones)."""
     from fleet.daemon.app import create_app
     from fleet.daemon.core import Daemon
-    from fleet.daemon.openapi import openapi_path
+    from fleet.daemon.controllers.openapi import openapi_path
     from fleet.daemon.query import declared_query
     from fleet.config import Settings
 

@@ -6,7 +6,7 @@ import msgspec
 from litestar import Controller, Request, Response, get
 from litestar.exceptions import NotFoundException
 
-from fleet.daemon.openapi import DOCS_PAGE, NO_UI_PAGE, UI_FILES, build_document, routes_of, ui_folder
+from fleet.daemon.controllers.openapi import DOCS_PAGE, NO_UI_PAGE, UI_FILES, build_document, routes_of, ui_folder
 
 
 class DocsController(Controller):
