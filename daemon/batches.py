@@ -184,8 +184,7 @@ class Batches:
     def check_model(self, task: str, model: str | None) -> str:
         """The model a line of `task` runs on (its default when it names none); raises
         what the route would answer for a model that cannot run it."""
-        from fleet.daemon.defaults import default_model
-        from fleet.daemon.controllers.systemone import decision_model
+        from fleet.daemon.defaults import decision_model, default_model
 
         # A decision line's `jev-latest` is the box's default decision model, as on its route.
         name = decision_model(self.daemon, model) if task == "decide" and model else model or default_model(

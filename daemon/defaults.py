@@ -1,6 +1,7 @@
 """The model a request runs on when it names none: the configured default for its
-task, else the only stored model of that task. Used by the routes, batch lines and
-spills alike, so it sits below the controllers."""
+task, else the only stored model of that task; and System One's `jev-latest`, the
+box's default decision model. Used by the routes, batch lines and spills alike, so it
+sits below the controllers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from fleet.errors import BadRequest
+from fleet.catalog import load_catalog
+from fleet.errors import BadRequest, FleetError, ModelNotFound
 from fleet.store import Store
+
+from fleet.daemon import systemone
 
 if TYPE_CHECKING:
     from fleet.daemon.core import Daemon
@@ -52,3 +56,54 @@ def stored_tasks(store: Store) -> list[tuple[str, str]]:
 
 def default_model(daemon: Daemon, task: str) -> str:
     return choose_default_model(task, daemon.settings.default_models, stored_tasks(daemon.store))
+
+
+def decision_model(daemon: Daemon, name: str) -> str:
+    """The store name a request's `model` runs on: `jev-latest` is this box's default
+    decision model (config `default_models.decide`, else the only stored one)."""
+    if name != systemone.DEFAULT_ALIAS:
+        return reads_decisions(daemon, name)
+    configured = daemon.settings.default_models.get("decide")
+    if configured:
+        return reads_decisions(daemon, configured)
+    stored = sorted(n for n, task in stored_tasks(daemon.store) if task == "decide")
+    if len(stored) == 1:
+        return stored[0]
+    if not stored:
+        raise ModelNotFound(f"{name!r} is this box's default decision model, and none is stored",
+                            hint="fleetctl pull path:DIR --task decide (any causal LM) adds one")
+    raise BadRequest(f"{name!r} is this box's default decision model, and {len(stored)} are stored: name one of "
+                     f"{', '.join(stored)}, or set default_models.decide in config.toml", param="model")
+
+
+def reads_decisions(daemon: Daemon, name: str) -> str:
+    """`name`, unless it is a stored generator fleet reads no decisions from. A
+    transformers generator answers them from the weights its worker holds
+    (runtimes/decide_shared.py); another (a GGUF's llama.cpp runtime reads no label
+    logits) is refused with how to pull its weights as a decision model (the
+    catalog's `<name>-decide` where there is one)."""
+    try:
+        daemon.manifest(name, "decide")  # cached: a decision model or a generator costs no look-up here
+        return name
+    except ModelNotFound:
+        return name  # the route answers it (a remote box's, an upstream's, or none)
+    except BadRequest:
+        pass  # stored, for another task
+    stored = daemon.aliases.resolve(name)
+    manifest = daemon.store.get(stored)
+    if manifest.task != "generate":
+        return name
+    twin = f"{stored}-decide"
+    try:
+        entry = load_catalog(daemon.settings.home).find(twin)
+    except FleetError:
+        entry = None
+    if entry is not None and entry.task == "decide":
+        how = f"fleetctl pull {twin}"
+    elif manifest.source.startswith("hf:"):
+        how = f"fleetctl pull {manifest.source} --task decide --name {twin}"
+    else:
+        how = f"pull its source again with --task decide --name {twin}"
+    raise BadRequest(f"{stored!r} is a {manifest.runtime} generator, which reads no decisions; they are read from "
+                     f"a transformers causal LM, stored as a generator or as a decision model (task decide): {how}",
+                     param="model")

@@ -135,6 +135,20 @@ def test_imports_run_one_way():
     assert not wrong, "imports against the house rules:\n" + "\n".join(wrong)
 
 
+#: The daemon's modules that build the app from its controllers; no other daemon-level
+#: module imports a controller (the controllers are the top of the API process).
+APP_BUILDERS = {"daemon.app", "daemon.server"}
+
+
+def test_daemon_modules_do_not_reach_up_into_controllers():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+             for module, path in MODULES.items()
+             if module.startswith("daemon.") and not module.startswith("daemon.controllers")
+             and module not in APP_BUILDERS
+             for target, line, _ in imports_of(module, path) if target.startswith("daemon.controllers")]
+    assert not wrong, "daemon-level modules importing controllers (the arrow runs down only):\n" + "\n".join(wrong)
+
+
 def test_no_import_circles():
     graph = {m: sorted({t for t, _, _ in imports_of(m, p) if t != m and t in MODULES})
              for m, p in MODULES.items()}

@@ -32,7 +32,7 @@ from fleet.decisions import (
 from fleet.errors import BadRequest, Unsupported
 
 from fleet.daemon import codec, tasks
-from fleet.daemon.controllers.systemone import decision_model
+from fleet.daemon.defaults import decision_model
 from fleet.daemon.core import Daemon
 from fleet.daemon.fields import ignored_header, set_fields
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply

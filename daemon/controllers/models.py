@@ -25,7 +25,7 @@ from fleet.tools import capabilities
 
 from fleet.daemon.core import Daemon, live_profiles
 from fleet.daemon.controllers.ollama_facts import facts
-from fleet.daemon.controllers.systemone import decision_model
+from fleet.daemon.defaults import decision_model
 from fleet.daemon.http import reply
 from fleet.daemon.systemone import DEFAULT_ALIAS
 from fleet.daemon.model_urls import SCOPE_MODEL

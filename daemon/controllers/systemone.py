@@ -7,65 +7,13 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, Response, post
 
-from fleet.catalog import load_catalog
-from fleet.errors import BadRequest, FleetError, InputTooLong, ModelNotFound, Unsupported
+from fleet.errors import FleetError, InputTooLong, Unsupported
 
 from fleet.daemon import systemone, tasks
-from fleet.daemon.defaults import stored_tasks
+from fleet.daemon.defaults import decision_model
 from fleet.daemon.core import Daemon
 from fleet.daemon.fields import ignored_header
 from fleet.daemon.http import answer_headers, body_is_msgpack, reply
-
-
-def decision_model(daemon: Daemon, name: str) -> str:
-    """The store name a request's `model` runs on: `jev-latest` is this box's default
-    decision model (config `default_models.decide`, else the only stored one)."""
-    if name != systemone.DEFAULT_ALIAS:
-        return reads_decisions(daemon, name)
-    configured = daemon.settings.default_models.get("decide")
-    if configured:
-        return reads_decisions(daemon, configured)
-    stored = sorted(n for n, task in stored_tasks(daemon.store) if task == "decide")
-    if len(stored) == 1:
-        return stored[0]
-    if not stored:
-        raise ModelNotFound(f"{name!r} is this box's default decision model, and none is stored",
-                            hint="fleetctl pull path:DIR --task decide (any causal LM) adds one")
-    raise BadRequest(f"{name!r} is this box's default decision model, and {len(stored)} are stored: name one of "
-                     f"{', '.join(stored)}, or set default_models.decide in config.toml", param="model")
-
-
-def reads_decisions(daemon: Daemon, name: str) -> str:
-    """`name`, unless it is a stored generator fleet reads no decisions from. A
-    transformers generator answers them from the weights its worker holds
-    (runtimes/decide_shared.py); another (a GGUF's llama.cpp runtime reads no label
-    logits) is refused with how to pull its weights as a decision model (the
-    catalog's `<name>-decide` where there is one)."""
-    try:
-        daemon.manifest(name, "decide")  # cached: a decision model or a generator costs no look-up here
-        return name
-    except ModelNotFound:
-        return name  # the route answers it (a remote box's, an upstream's, or none)
-    except BadRequest:
-        pass  # stored, for another task
-    stored = daemon.aliases.resolve(name)
-    manifest = daemon.store.get(stored)
-    if manifest.task != "generate":
-        return name
-    twin = f"{stored}-decide"
-    try:
-        entry = load_catalog(daemon.settings.home).find(twin)
-    except FleetError:
-        entry = None
-    if entry is not None and entry.task == "decide":
-        how = f"fleetctl pull {twin}"
-    elif manifest.source.startswith("hf:"):
-        how = f"fleetctl pull {manifest.source} --task decide --name {twin}"
-    else:
-        how = f"pull its source again with --task decide --name {twin}"
-    raise BadRequest(f"{stored!r} is a {manifest.runtime} generator, which reads no decisions; they are read from "
-                     f"a transformers causal LM, stored as a generator or as a decision model (task decide): {how}",
-                     param="model")
 
 
 def is_adapter(daemon: Daemon, name: str) -> bool:
