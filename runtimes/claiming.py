@@ -18,7 +18,7 @@ import msgspec
 
 from fleet.errors import FleetError
 from fleet.messages import STATUS_ERROR, Envelope, WorkError
-from fleet.local_queue import Claim
+from fleet.local_queue import Claim, QueueFull
 from fleet.runtimes.policy import LastRun, linger_left_ms, padded_tokens
 
 log = logging.getLogger("fleet.worker")
@@ -104,6 +104,22 @@ class Claimer:
     def ack_errors(self, claims: list, error: WorkError) -> None:
         payload = _encode(Envelope(0.0, 0.0, self.served_by, error))
         self.queue.ack_many([(c.item_id, payload, STATUS_ERROR) for c in claims])
+
+    def any_wanted(self, ids: list[int]) -> bool:
+        """Is any of the claimed items `ids` still wanted (no deadline, or not passed)?
+        Lock-free reads of their deadlines: `LocalQueue.cancel` sets a claimed item's to 1."""
+        now = self.clock_ns()
+        return any(not d or d > now for d in self.queue.deadlines(ids))
+
+    def ack_batch(self, acks: list, claims: list[Claim], model: str) -> None:
+        """A batch's answers in one `ack_many` (one lock, one wake-up). With no slab room
+        for some results right now, those items are still ours: they are answered with a
+        short error (acks already done are skipped there)."""
+        try:
+            self.queue.ack_many(acks)
+        except QueueFull as exc:
+            log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
+            self.ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
 
     def fail_lane(self, lane: int, exc: FleetError) -> int:
         """A model that cannot load answers what waits for it, and the worker goes on."""

@@ -25,7 +25,7 @@ Plain data and queue reads only: no model code, no acks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fleet.local_queue import Claim
@@ -84,6 +84,18 @@ class Flows:
             return None
         outer = frozenset(per_flow)
         return Interjection(lane, outer, max(per_flow.values()), self.last.get(lane, frozenset()) <= outer)
+
+    def for_batch(self, lane: int, model: str, claims: list[Claim], tokens: int, shared: bool,
+                  now_ns: Callable[[], int]) -> tuple[Interjection | None, bool]:
+        """A batch of `claims` (`tokens` in all) that may let other clients run between
+        its micro-batches: its interjection rule (`plan`), and whether its micro-batches
+        are cut to the contended share (the model is `shared` and another current
+        client sends shorter requests: `lighter`)."""
+        per_flow: dict[int, int] = {}  # interactive tokens of the batch, client by client
+        for c in claims:
+            if not c.batch:
+                per_flow[c.flow] = per_flow.get(c.flow, 0) + c.tokens
+        return self.plan(lane, per_flow), shared and self.lighter(model, per_flow, tokens, now_ns())
 
     def served(self, lane: int, model: str, claims: list[Claim], at_ns: int) -> None:
         """A batch of `claims` ran on `lane` and was acked at `at_ns`: its clients were

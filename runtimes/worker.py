@@ -27,7 +27,7 @@ import msgspec
 from fleet.control import control_lane, is_control_lane
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
-from fleet.local_queue import Claim, QueueFull
+from fleet.local_queue import Claim
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec
 from fleet.runtimes.claiming import Claimer
 from fleet.runtimes.commands import serve_control, settle
@@ -289,19 +289,16 @@ class WorkerCore:
         # What the model read is counted from the results (`tokens_read`), after the run.
         padded, estimate, rows = padded_tokens(tokens), sum(tokens), rows_of(requests)
         loras = batch_loras(adapter, requests)
-        per_flow: dict[int, int] = {}  # interactive tokens of the batch, client by client
-        for c, _ in runnable:
-            if not c.batch:
-                per_flow[c.flow] = per_flow.get(c.flow, 0) + c.tokens
-        may_interject = not nested and not loras and self.target_ms > 0
-        plan = self.flows.plan(lane, per_flow) if may_interject else None
         # Micro-batches of MICRO_SHARE of the target while a client of shorter requests
         # shares the model, of a target otherwise: a batch that runs longer (up to
         # BEHIND_TARGETS targets behind) still ends a micro-batch about every target,
         # where a client arriving meanwhile is run (`run_steps`).
-        cut = shared and may_interject and self.flows.lighter(model, per_flow, estimate, self.clock_ns())
-        ctx = BatchContext(micro_items_cap(cost, self.target_ms, estimate, rows, adapter.fixed_tokens,
-                                           share=MICRO_SHARE if cut else 1.0) if may_interject else None)
+        plan, cut, cap = None, False, None
+        if not nested and not loras and self.target_ms > 0:
+            plan, cut = self.flows.for_batch(lane, model, [c for c, _ in runnable], estimate, shared, self.clock_ns)
+            cap = micro_items_cap(cost, self.target_ms, estimate, rows, adapter.fixed_tokens,
+                                  share=MICRO_SHARE if cut else 1.0)
+        ctx = BatchContext(cap)
         decoded_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         # Leases are renewed only within the batch's bound (a hung forward loses them).
@@ -322,13 +319,7 @@ class WorkerCore:
                   STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
                  for (c, _), r in zip(runnable, results)]
         acked_ns = self.clock_ns()  # before the ack: no answer of this batch is out yet (linger_window 1)
-        try:
-            self.queue.ack_many(acks)
-        except QueueFull as exc:
-            # No slab room for some results right now: those items are still ours;
-            # answer them with a short error (acks already done are skipped there).
-            log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
-            self.claimer.ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
+        self.claimer.ack_batch(acks, claims, model)
         # 6. Learn from this batch: its padded size and measured time refine the cost model
         #    (not from a batch cut short: its time is not its size's; nor from one run in
         #    the contended share's micro-batches, far shorter than the profile's: slower
@@ -366,7 +357,7 @@ class WorkerCore:
                     next(steps)
                 except StopIteration as done:
                     return done.value
-                if k and not self.any_wanted(ids):
+                if k and not self.claimer.any_wanted(ids):
                     steps.close()
                     raise Unwanted
                 if plan is not None and (ahead := other_first(self.queue, plan, k)) is not None:
@@ -389,11 +380,6 @@ class WorkerCore:
             log.exception("batch failed on %s", model)
             results = [WorkError("inference_failed", f"{model}: {type(exc).__name__}: {exc}")] * len(requests)
         return results, dropped, (between[0], between[1])
-
-    def any_wanted(self, ids: list[int]) -> bool:
-        """Is any of the claimed items `ids` still wanted (no deadline, or not passed)?"""
-        now = self.clock_ns()
-        return any(not d or d > now for d in self.queue.deadlines(ids))
 
     def interject(self, plan: Interjection, resident: Resident, cost: CostModel, ahead: int) -> tuple[int, float]:
         """Between two micro-batches of a batch of `plan`, run the other clients'
