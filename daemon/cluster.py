@@ -187,12 +187,17 @@ class Cluster:
         """For a model this box does not store: some live box must, for `task`."""
         self.heartbeats.check_model(model, task)
 
+    def base_of(self, adapter: str) -> str | None:
+        """The base of a LoRA adapter some live box stores (None: none stores it as one)."""
+        return self.heartbeats.base_of(adapter)
+
     async def entry(self) -> dict[str, Any]:
         """This box as others see it in `fleet_boxes`."""
         link, requester, puller = self.link, self.requester, self.puller
         return {
             "box": link.box, "instance": link.instance, "url": self.settings.url, "pid": os.getpid(),
-            "models": puller.models, "decides": self.heartbeats.decides, "loaded": sorted(await self._loaded()),
+            "models": puller.models, "bases": puller.bases, "decides": self.heartbeats.decides,
+            "loaded": sorted(await self._loaded()),
             "workers": self._workers_up(),
             "capacity": self.capacity, "held": len(puller.held), "local_depth": self.broker.queue.depth(),
             "waiting": len(requester.pending), "served": puller.served, "duplicates": requester.duplicates,

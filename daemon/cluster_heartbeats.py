@@ -9,7 +9,7 @@ Two signals, on two clocks, for two readers:
 - Heartbeat (`Heartbeats`): every `nats_heartbeat_ms` each box puts its JSON entry
   (models, capacity, counters) in the KV bucket `fleet_boxes` (TTL 3 periods) and
   reads everyone's: `GET /v1/cluster`, and whether some live box stores a model this
-  one does not. The beat also follows this box's store (the puller binds a consumer
+  one does not (and, for a LoRA adapter, of which base: its `bases`). The beat also follows this box's store (the puller binds a consumer
   per stored model) and reads each model's JetStream backlog for `/metrics`.
 """
 
@@ -86,12 +86,13 @@ class Heartbeats:
     """This box's entry in `fleet_boxes`, and everyone's as last read.
 
     `entry` builds this box's entry (the bridge's counters live in its rooms);
-    `follow` gets the store's models (name -> task) at every beat (the puller binds
-    their consumers); `on_lag` gets (model, pending, unacked) of each model's work
+    `follow` gets the store's models (name -> task) and its LoRA adapters' bases
+    (adapter -> base) at every beat (the puller binds their consumers and runs an
+    adapter's work in its base's lane); `on_lag` gets (model, pending, unacked) of each model's work
     consumer (the daemon's `fleet_nats_*_messages` gauges)."""
 
     def __init__(self, link: Link, store: Store, *, entry: Callable[[], Awaitable[dict[str, Any]]],
-                 follow: Callable[[dict[str, str]], None],
+                 follow: Callable[[dict[str, str], dict[str, str]], None],
                  on_lag: Callable[[str, int, int], None] | None = None) -> None:
         self.link = link
         self.store = store
@@ -104,6 +105,7 @@ class Heartbeats:
         #: Stored models of another task that answer decisions too (a transformers
         #: generator: fleet.decisions.SHARED_DECIDERS), as the last beat read them; the
         #: entry's `decides`, so a box that does not store one routes decisions to it.
+        #: A LoRA adapter of one answers them too, from its base's lane.
         self.decides: list[str] = []
 
     async def loop(self, wake: Callable[[], None]) -> None:
@@ -126,8 +128,10 @@ class Heartbeats:
 
         stored = await asyncio.to_thread(self.store.list)
         models = {m.name: m.task for m in stored}
-        self.decides = sorted(m.name for m in stored if (m.task, m.runtime) in SHARED_DECIDERS)
-        self._follow(models)
+        bases = {m.name: m.base for m in stored if m.base}
+        deciders = {m.name for m in stored if (m.task, m.runtime) in SHARED_DECIDERS}
+        self.decides = sorted(deciders | {name for name, base in bases.items() if base in deciders})
+        self._follow(models, bases)
         await self._read_lag(models)
         await self.kv.put(self.link.key, json_encode(await self._entry()))
         self.link.jetstream_ok_at = time.monotonic()
@@ -172,6 +176,10 @@ class Heartbeats:
         now = time.time()
         live = [{**b, "age_s": round(now - b["at"], 1)} for b in self._boxes.values() if now - b["at"] < stale_s]
         return sorted(live, key=lambda b: (b["instance"] != self.link.instance, b["box"]))
+
+    def base_of(self, adapter: str) -> str | None:
+        """The base a live box stores LoRA adapter `adapter` of (None: no box stores it as one)."""
+        return next((b["bases"][adapter] for b in self.boxes() if adapter in b.get("bases", {})), None)
 
     def check_model(self, model: str, task: str) -> None:
         """For a model this box does not store: some live box must, for `task`."""

@@ -133,12 +133,16 @@ class Puller:
         self._pullers: dict[tuple[str, bool], asyncio.Task] = {}
         #: This box's stored models (name -> task), as the last heartbeat read them.
         self.models: dict[str, str] = {}
+        #: Its LoRA adapters' bases (adapter -> base): an adapter's work runs in its base's lane.
+        self.bases: dict[str, str] = {}
         self.served = 0
         self.cancelled = 0
 
-    def follow(self, models: dict[str, str]) -> None:
-        """One pull loop per model in this box's store (a model pulled later joins at the next beat)."""
-        self.models = models
+    def follow(self, models: dict[str, str], bases: dict[str, str]) -> None:
+        """One pull loop per model in this box's store (a model pulled later joins at the next beat).
+        A LoRA adapter has its own (only a box storing the adapter takes its work), and its
+        work runs in its base's lane, as a request made on this box would (`lane_of`)."""
+        self.models, self.bases = models, bases
         if not self.pulling:
             return
         for name in models:
@@ -223,6 +227,11 @@ class Puller:
                 self.held[msg.metadata.sequence.stream] = msg
                 link.spawn(self._serve(model, msg, batch=batch))
 
+    def lane_of(self, model: str) -> str:
+        """The local lane a work message for `model` queues in: its own, or its base's for a
+        LoRA adapter (the worker holding the base attaches the adapter the request names)."""
+        return self.bases.get(model, model)
+
     async def _serve(self, model: str, msg: Any, *, batch: bool = False) -> None:
         """Run one work message on this box, reply to its requester, then ack (invariant 1).
         Tell another box's requester who holds it (`Requester.note_holder`); its cancel stops it."""
@@ -276,7 +285,7 @@ class Puller:
                     return
             span = tracing.begin_remote(h, model, link.box)  # None unless tracing is on
             try:
-                done = await self.broker.run(model, payload, tokens=tokens, timeout_s=left,
+                done = await self.broker.run(self.lane_of(model), payload, tokens=tokens, timeout_s=left,
                                              on_partial=self._piece_sink(reply_to, rid), batch=batch)
             except Overloaded:
                 await msg.nak(delay=1.0)  # this box is full now; another (or this one, later) takes it

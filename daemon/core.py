@@ -85,6 +85,8 @@ class ClusterLink(Protocol):
 
     def check_model(self, model: str, task: str) -> None: ...
 
+    def base_of(self, adapter: str) -> str | None: ...
+
 
 #: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
 QUEUE_PREFIX = "fleet"

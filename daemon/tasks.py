@@ -456,7 +456,8 @@ def check_generate(req: GenerateRequest) -> None:
 
 def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> str:
     """The store name a request runs as: `model`, or its LoRA `adapter`, which must
-    be a stored adapter of that model (400 naming it and the model's adapters)."""
+    be a stored adapter of that model (400 naming it and the model's adapters). With
+    NATS, one only another box stores counts too: that box runs it in the base's lane."""
     if adapter is None:
         return model
     try:
@@ -464,6 +465,8 @@ def target_model(daemon: Daemon, task: str, model: str, adapter: str | None) -> 
     except (ModelNotFound, BadRequest):
         found = None
     if found is not None and found.base == model:
+        return adapter
+    if found is None and daemon.cluster is not None and daemon.cluster.base_of(adapter) == model:
         return adapter
     base = daemon.manifest(model, task)  # an unknown model is 404; one of another task 400
     if base.base is not None:

@@ -7,8 +7,15 @@ run alone (tests/decide_plain.py, the reference tests/test_decide.py holds one b
 to), for the decision model and for the generator that reads decisions from its own
 weights (box B's heartbeat names it in `decides`).
 
+Box B also stores a peft LoRA adapter of the generator. Asked of box A, by its own
+name (`model`) or as the generator's `adapter`, a generation and a decision answer
+200 as box B's own answer, run by box B in the generator's lane with the adapter
+attached (and not as the generator alone: the adapter really changes the answer).
+
 Before: nothing sent a decision through NATS; a generator stored on another box was
-refused as "serves task 'generate'".
+refused as "serves task 'generate'". An adapter stored only on box B was queued there
+under its own name, and box B's worker answered 500 ("no runtime adapter for task
+generate with runtime peft"); as the generator's `adapter` box A answered 404.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import DaemonProc, start_daemon, wait_until_ready
-from tests.gen_models import build_llama, pull
+from tests.gen_models import build_llama, build_lora, pull
 from tests.nats_fixture import NatsServer, nats_server  # noqa: F401 (a fixture)
 from tests.test_decide import ALL, TICKET, plain_forward, vector
 
@@ -30,6 +37,7 @@ pytestmark = pytest.mark.nats
 
 MODEL = "tiny-decider"
 GENERATOR = "tiny-generator"
+ADAPTER = "tiny-generator-style"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +51,7 @@ def two_boxes(nats_server: NatsServer, folder: Path,  # noqa: F811
     root = tmp_path_factory.mktemp("decide-boxes")
     pull(root / "box-b", folder, MODEL, "--task", "decide")
     pull(root / "box-b", folder, GENERATOR)
+    pull(root / "box-b", build_lora(folder, root / "style", seed=41), ADAPTER, "--base", GENERATOR)
     started = [start_daemon(root / box, wait_ready=False, extra_env={
         "FLEET_NATS": nats_server.url, "FLEET_BOX": box, "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": "1"})
         for box in ("box-a", "box-b")]
@@ -74,3 +83,40 @@ def test_a_decision_through_another_box_answers_as_one_box(two_boxes, folder: Pa
     for q in ALL:
         assert np.abs(vector(via_a.json()["answers"][q]) - vector(at_b.json()["answers"][q])).max() <= 1e-5, q
         assert np.abs(vector(via_a.json()["answers"][q]) - reference[q]).max() <= 1e-5, q
+
+
+def through_a(a: DaemonProc, route: str, body: dict) -> httpx.Response:
+    """`body` posted to box A once box A has read box B's heartbeat (404 until then)."""
+    end = time.monotonic() + 60
+    while (r := httpx.post(a.url + route, json=body, timeout=120)).status_code == 404:
+        assert time.monotonic() < end, r.text
+        time.sleep(0.5)
+    return r
+
+
+@pytest.mark.parametrize("named", [{"model": ADAPTER}, {"model": GENERATOR, "adapter": ADAPTER}],
+                         ids=["as-model", "as-adapter"])
+def test_an_adapter_on_another_box_generates_as_on_its_own_box(two_boxes, named: dict) -> None:
+    a, b = two_boxes
+    body = {**named, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
+    via_a = through_a(a, "/v1/generate", body)
+    assert via_a.status_code == 200, via_a.text
+    assert via_a.headers["x-served-by"].startswith("box-b/")
+    at_b = httpx.post(b.url + "/v1/generate", json=body, timeout=120)
+    assert at_b.status_code == 200, at_b.text
+    alone = {k: v for k, v in body.items() if k != "adapter"} | {"model": GENERATOR}
+    base = httpx.post(b.url + "/v1/generate", json=alone, timeout=120)
+    assert base.status_code == 200, base.text
+    assert via_a.json()["text"] == at_b.json()["text"] != base.json()["text"]
+
+
+def test_an_adapter_on_another_box_decides_as_on_its_own_box(two_boxes) -> None:
+    a, b = two_boxes
+    via_a = through_a(a, "/v1/systemone", {"model": ADAPTER, "state": TICKET, "questions": ALL})
+    assert via_a.status_code == 200, via_a.text
+    assert via_a.headers["x-served-by"].startswith("box-b/")
+    at_b, base = decide(b, ADAPTER), decide(b, GENERATOR)
+    assert at_b.status_code == 200 and base.status_code == 200, (at_b.text, base.text)
+    own = [np.abs(vector(via_a.json()["answers"][q]) - vector(at_b.json()["answers"][q])).max() for q in ALL]
+    apart = [np.abs(vector(at_b.json()["answers"][q]) - vector(base.json()["answers"][q])).max() for q in ALL]
+    assert max(own) <= 1e-5 and max(apart) > 1e-3, (own, apart)
