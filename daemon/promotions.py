@@ -11,6 +11,11 @@ Either way it writes a promotion package (fleet.promotions) into the store,
 and, when it may, switches the alias (or starts a canary) through `AliasBook.change`,
 recording the package in the alias's history.
 
+A generate line's answer runs to the line's `max_tokens` (else EVAL_MAX_TOKENS) or to its
+version's context less the prompt, whichever is shorter (`Run.generate`): a model with
+a short context is compared on the answers that fit it; a prompt that alone does not fit
+is a 422 naming the line and the version, never scored as the model's failure.
+
 The evaluation's requests are the operator's work on this box: each waits like a
 client's request, and the run is bounded by the file (fleet.evaluation.MAX_LINES) and
 by EVAL_CONCURRENCY requests in flight.
@@ -19,6 +24,7 @@ by EVAL_CONCURRENCY requests in flight.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -26,13 +32,14 @@ import msgspec
 import numpy as np
 
 from fleet.catalog import load_catalog, parse_source
-from fleet.errors import BadRequest, FleetError, ModelNotFound, PromotionRefused
+from fleet.errors import BadRequest, FleetError, InputTooLong, ModelNotFound, PromotionRefused
 from fleet.evaluation import (
     METRICS, EvalSet, classification_metrics, compare, generation_metrics, retrieval_metrics, span_f1,
 )
 from fleet.judge import VERDICT_MAX_TOKENS, VERDICT_SCHEMA, WIN_RATE, JudgeReport, judge_messages, summary, tally, \
     winner_of
-from fleet.promotions import Capacity, EvalReport, Package, VersionFacts, new_id
+from fleet.messages import GenerateResult
+from fleet.promotions import Capacity, EvalReport, GenerationLimit, Package, VersionFacts, new_id
 from fleet.protocol import ClassifyRequest, EmbedRequest, ExtractRequest, GenerateRequest, RerankRequest
 from fleet.store import Manifest
 
@@ -44,8 +51,26 @@ _encode = msgspec.msgpack.Encoder().encode
 EVAL_CHUNK = 32
 #: Evaluation requests in flight at once, per version.
 EVAL_CONCURRENCY = 4
-#: Tokens a generation in an evaluation may produce (an answer longer than this does not match).
+#: Tokens a generation in an evaluation may produce where its line names none (an answer
+#: longer than this does not match); a version's context may bound it further.
 EVAL_MAX_TOKENS = 256
+
+
+def context_of(daemon: Daemon, version: str) -> int | None:
+    """Tokens (prompt and answer) `version` takes, as its worker bounds them: the store's
+    max_seq_len, never past the model's positions (its config.json, a LoRA adapter's
+    base's, or its GGUF header's); None where none says."""
+    manifest = daemon.store.get(version)
+    model = daemon.store.get(manifest.base) if manifest.base is not None else manifest
+    limits = [manifest.max_seq_len, model.max_seq_len, model.gguf.context_length if model.gguf else None]
+    try:
+        config = json.loads((daemon.store.path(model.name) / "config.json").read_bytes())
+    except (OSError, ValueError):
+        config = {}
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    limits.append(positions if isinstance(positions, int) and not isinstance(positions, bool) else None)
+    known = [x for x in limits if x]
+    return min(known) if known else None
 
 
 class Run:
@@ -54,8 +79,11 @@ class Run:
     def __init__(self, daemon: Daemon, version: str) -> None:
         self.daemon, self.version = daemon, version
         self.tokens = 0
-        #: generate: each line's answer (what a judge compares).
+        #: generate: each line's answer (what a judge compares), the version's context
+        #: (tokens; None: unknown) and the answers it ended.
         self.answers: list[str] = []
+        self.context: int | None = None
+        self.context_bound = 0
         self.gate = asyncio.Semaphore(EVAL_CONCURRENCY)
 
     async def many(self, jobs: list[Any]) -> list[Any]:
@@ -124,17 +152,40 @@ class Run:
         return span_f1(ev.spans, predicted)
 
     async def generate(self, ev: EvalSet) -> dict[str, float]:
-        async def one(prompt: dict[str, Any]) -> str:
-            req = msgspec.convert({"model": self.version, **prompt, "max_tokens": EVAL_MAX_TOKENS,
-                                   "temperature": 0.0}, GenerateRequest)
-            res, _ = await tasks.generate(self.daemon, req, _encode(req))
-            self.tokens += res.input_tokens + res.output_tokens
-            return res.text
+        context = context_of(self.daemon, self.version)
+
+        async def ask(prompt: dict[str, Any], max_tokens: int | None) -> GenerateResult:
+            req = msgspec.convert({"model": self.version, **prompt, "max_tokens": max_tokens, "temperature": 0.0},
+                                  GenerateRequest)
+            return (await tasks.generate(self.daemon, req, _encode(req)))[0]
+
+        async def one(n: int, prompt: dict[str, Any], asked: int | None) -> GenerateResult:
+            limit = asked or EVAL_MAX_TOKENS
+            # Without max_tokens the worker runs an answer to the context's room (its
+            # length_limit says "context" when it got there). A context that cannot hold
+            # `limit` past any prompt always leaves less: ask open-ended at once. Else ask
+            # `limit`, and where this prompt leaves less room (the worker's 400 on
+            # max_tokens) ask again open-ended.
+            try:
+                if context is not None and context - 1 <= limit:
+                    return await ask(prompt, None)
+                try:
+                    return await ask(prompt, limit)
+                except BadRequest:  # not InputTooLong (422): that prompt fits no answer at all
+                    return await ask(prompt, None)
+            except InputTooLong as exc:
+                raise InputTooLong(
+                    f"evaluation line {n}: its prompt alone does not fit {self.version} ({exc.message}); the line "
+                    "cannot be evaluated on this version, which says nothing of its answers", param="eval",
+                    hint="shorten the line's prompt or drop the line") from None
 
         try:
-            self.answers = await self.many([one(p) for p in ev.prompts])
+            results = await self.many([one(n, p, m) for n, p, m in zip(ev.line_numbers, ev.prompts, ev.max_tokens)])
         except msgspec.ValidationError as exc:
             raise BadRequest(f"an evaluation line's `messages` do not fit a chat request: {exc}") from None
+        self.tokens += sum(r.input_tokens + r.output_tokens for r in results)
+        self.answers = [r.text for r in results]
+        self.context, self.context_bound = context, sum(r.length_limit == "context" for r in results)
         return generation_metrics(self.answers, ev.expected, ev.schemas)
 
 
@@ -191,11 +242,21 @@ def facts_of(daemon: Daemon, manifest: Manifest) -> VersionFacts:
                         size_bytes=manifest.size_bytes, licence=licence_of(daemon, manifest), files=manifest.files)
 
 
+def generation_limit(ev: EvalSet, runs: list[Run]) -> GenerationLimit | None:
+    """What bounded a generate evaluation's answers, per version (None: another task)."""
+    if ev.task != "generate":
+        return None
+    return GenerationLimit(max_tokens=EVAL_MAX_TOKENS, lines_with_max_tokens=sum(m is not None for m in ev.max_tokens),
+                           context={r.version: r.context for r in runs},
+                           context_bound={r.version: r.context_bound for r in runs})
+
+
 async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | None, judge: str | None = None,
-                   ) -> tuple[dict[str, float], dict[str, float] | None, Capacity, JudgeReport | None]:
+                   ) -> tuple[dict[str, float], dict[str, float] | None, Capacity, JudgeReport | None,
+                              GenerationLimit | None]:
     """Both versions' metrics, side by side, the candidate's throughput and footprint as
-    the evaluation measured them, and the judge's verdicts (with a judge and a current
-    version: the win rates join the metrics)."""
+    the evaluation measured them, the judge's verdicts (with a judge and a current
+    version: the win rates join the metrics), and what bounded generated answers."""
     runs = [Run(daemon, candidate)] + ([Run(daemon, current)] if current else [])
     t0 = time.perf_counter()
     results = await asyncio.gather(*(r.metrics(ev) for r in runs))
@@ -208,11 +269,12 @@ async def evaluate(daemon: Daemon, ev: EvalSet, candidate: str, current: str | N
                         resident_bytes=resident,
                         how="measured on the evaluation's own requests (both versions running at once), not a "
                             "`fleetctl tune` run: a floor, not the model's capacity")
+    limit = generation_limit(ev, runs)
     if judge is None or current is None:
-        return results[0], (results[1] if current else None), capacity, None
+        return results[0], (results[1] if current else None), capacity, None, limit
     verdicts = await judged(daemon, judge, ev, runs[0].answers, runs[1].answers)
     lost = (verdicts.current_wins + verdicts.ties / 2) / verdicts.lines
-    return ({**results[0], WIN_RATE: verdicts.win_rate}, {**results[1], WIN_RATE: lost}, capacity, verdicts)
+    return ({**results[0], WIN_RATE: verdicts.win_rate}, {**results[1], WIN_RATE: lost}, capacity, verdicts, limit)
 
 
 async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, margin: float, force: bool,
@@ -239,13 +301,13 @@ async def promote(daemon: Daemon, *, alias: str, candidate: str, ev: EvalSet, ma
         if current is None:
             raise BadRequest(f"a judge compares the candidate with the alias's version: alias {alias!r} has none yet",
                              param="judge")
-    ran, now, capacity, verdicts = await evaluate(daemon, ev, candidate, current, judge)
+    ran, now, capacity, verdicts, limit = await evaluate(daemon, ev, candidate, current, judge)
     worse = compare(ran, now, margin) if now is not None else []
     workers = await daemon.workers()
     report = EvalReport(file_sha256=ev.sha256, lines=ev.lines,
                         metrics=list(METRICS[ev.task]) + ([WIN_RATE] if verdicts else []),
                         lower_is_better=[m for m in METRICS[ev.task] if m == "ece"], margin=margin,
-                        candidate=ran, current=now, regressions=worse, judge=verdicts)
+                        candidate=ran, current=now, regressions=worse, judge=verdicts, generation=limit)
     kind = "refused" if worse and not force else ("canary" if canary_percent else "promote")
     package = Package(
         id=new_id(), alias=alias, kind=kind, owner=owner, reason=reason, forced=bool(worse) and force,

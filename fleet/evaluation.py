@@ -7,11 +7,15 @@ An evaluation file is JSONL, one example a line, in the shape of its task:
 | classify | `{"text", "label"}` | accuracy, macro_f1, ece (↓) |
 | embed, rerank | `{"query", "positive"}`: every line's positive is a document of one corpus, the others' its negatives; or `{"query", "documents": [...], "relevant": [i, ...]}` | ndcg@10, mrr |
 | extract | `{"text", "entities": [{"start", "end", "label"}], "labels"?: [...]}` | span_f1 (exact start, end and label; micro) |
-| generate | `{"prompt" or "messages", "expected"}` and/or `{..., "schema": {JSON Schema}}` | exact_match, schema_valid |
+| generate | `{"prompt" or "messages", "expected"}` and/or `{..., "schema": {JSON Schema}}`, `"max_tokens"?: n` | exact_match, schema_valid |
 
 `ece` is the expected calibration error of the top label's probability (10 equal-width
 bins), lower is better; every other metric is better higher. `compare` lists the metrics
 on which a candidate is worse than the current version by more than a margin.
+
+A generate line's answer is bounded by its own `max_tokens`, else the promotion's default,
+and by each version's context less the prompt (daemon.promotions): a model with a short
+context is evaluated on what fits it, not refused on every line.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ MAX_LINES = 10_000
 #: Documents of a pairs corpus (`{"query", "positive"}` lines): a reranker scores every
 #: query against every document, so the pairs form is bounded (more: send `documents`).
 MAX_PAIR_DOCUMENTS = 512
+#: The most a generate line's `max_tokens` may ask (the generate route's own ceiling).
+MAX_LINE_TOKENS = 1 << 20
 #: Metrics where lower is better; all others are better higher.
 LOWER_IS_BETTER = frozenset({"ece"})
 METRICS: dict[str, tuple[str, ...]] = {
@@ -64,6 +70,10 @@ class EvalSet:
     prompts: list[dict[str, Any]] = field(default_factory=list)
     expected: list[str | None] = field(default_factory=list)
     schemas: list[dict[str, Any] | None] = field(default_factory=list)
+    #: generate: each line's own `max_tokens` (None: the promotion's default) and its
+    #: line number in the file (what a refusal names).
+    max_tokens: list[int | None] = field(default_factory=list)
+    line_numbers: list[int] = field(default_factory=list)
 
 
 def _line_error(n: int, what: str) -> BadRequest:
@@ -174,6 +184,11 @@ def _generate_line(out: EvalSet, obj: dict[str, Any], n: int) -> None:
         raise _line_error(n, "`expected` must be a string")
     if schema is not None and not isinstance(schema, dict):
         raise _line_error(n, "`schema` must be a JSON Schema object")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or not 1 <= max_tokens <= MAX_LINE_TOKENS):
+        raise _line_error(n, f"`max_tokens` must be a whole number from 1 to {MAX_LINE_TOKENS}, got {max_tokens!r}")
+    out.max_tokens.append(max_tokens)
+    out.line_numbers.append(n)
     out.prompts.append(prompt)
     out.expected.append(expected)
     out.schemas.append(schema)

@@ -46,6 +46,25 @@ class VersionFacts(msgspec.Struct, kw_only=True):
     files: list[FileEntry]
 
 
+class GenerationLimit(msgspec.Struct, kw_only=True):
+    """How long a generate evaluation's answers could be, per version: a short context
+    bounds them (the answers are compared as they fit), it does not fail the lines."""
+
+    #: Tokens an answer may take where its line names none.
+    max_tokens: int
+    #: Lines that named their own `max_tokens`.
+    lines_with_max_tokens: int
+    #: Each version's context (prompt and answer, tokens) as its store entry and config
+    #: say; None where neither says.
+    context: dict[str, int | None]
+    #: Each version's answers that its context ended (the prompt left less room than
+    #: the line's max_tokens).
+    context_bound: dict[str, int]
+    how: str = ("each answer runs to its line's max_tokens (else max_tokens) or, where the version's context less "
+                "the prompt leaves less room, to the context's end; a prompt that alone does not fit a version "
+                "refuses the promotion (422 naming the line), it is not scored")
+
+
 class EvalReport(msgspec.Struct, kw_only=True):
     file_sha256: str
     lines: int
@@ -60,6 +79,8 @@ class EvalReport(msgspec.Struct, kw_only=True):
     regressions: list[str]
     #: A generate evaluation's judge model and its verdicts (its win rates are in the metrics).
     judge: JudgeReport | None = None
+    #: A generate evaluation's answer lengths (GenerationLimit).
+    generation: GenerationLimit | None = None
 
 
 class Capacity(msgspec.Struct, kw_only=True):

@@ -12,13 +12,20 @@ scores 1.0 and the twin less by construction:
 With the twin on the alias, promoting `*-a` is a better candidate and switches it; then
 promoting the twin back is refused 409 with the task's metric named, the alias unchanged.
 
+A short context (`short-a`, `short-b`: tiny Llamas of 128 positions, `short-a` never
+ending, so its answers run to the context's end) bounds a generate evaluation's answers
+instead of failing its lines: `short-a` is promoted over `short-b` on its own answers,
+the package saying each version's context and the answers it ended; a line's own
+`max_tokens` is honoured; a prompt that alone does not fit is a 422 naming the line.
+
 A judge (`gen-judge`, a third tiny Llama) grades the generate evaluation's answer pairs
 under its verdict schema: its counts and win rate are in the package and the refusal
 message; a judge that is not a stored generator, or one named for another task's
 evaluation, is a 4xx that changes nothing.
 
 Before: only the classify and embed runners had run end to end; `judge` was an unknown
-field (400).
+field (400); every line of a generate evaluation sent max_tokens 256, so a 128-position
+model answered each with a 400 and its promotion failed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ QUERIES = ["how do cats behave at home", "when did the market close", "who moved
 DOCUMENTS = ["cats sleep for most of the day", "the stock market closed higher on Friday", "a b c",
              "José Núñez moved from São Paulo", "hello world", "quarterly revenue grew"]
 PROMPTS = ["the quick brown fox", "hello world", "invoices must be paid", "what is the capital of france?"]
+#: Positions of the short-context generators: less than a prompt plus the default 256 tokens.
+SHORT = 128
 
 
 def build(root: Path) -> dict[str, tuple[Path, str]]:
@@ -45,7 +54,7 @@ def build(root: Path) -> dict[str, tuple[Path, str]]:
     from safetensors.torch import load_file, save_file
 
     from tests.arch_models import encoder
-    from tests.gen_models import build_llama
+    from tests.gen_models import build_llama, never_ending
 
     out: dict[str, tuple[Path, str]] = {}
     ner = encoder("bert", "token", root / "ner-a", labels=NER_LABELS)
@@ -61,7 +70,9 @@ def build(root: Path) -> dict[str, tuple[Path, str]]:
     # 512 positions: a prompt plus the evaluation's 256 generated tokens fit.
     out |= {"gen-a": (build_llama(root / "gen-a", seed=0, max_positions=512), "generate"),
             "gen-b": (build_llama(root / "gen-b", seed=1, max_positions=512), "generate"),
-            "gen-judge": (build_llama(root / "gen-judge", seed=2, max_positions=2048), "generate")}
+            "gen-judge": (build_llama(root / "gen-judge", seed=2, max_positions=2048), "generate"),
+            "short-a": (never_ending(build_llama(root / "short-a", seed=0, max_positions=SHORT)), "generate"),
+            "short-b": (build_llama(root / "short-b", seed=1, max_positions=SHORT), "generate")}
     return out
 
 
@@ -152,6 +163,44 @@ def test_generate_is_evaluated_by_exact_match(tasks_box, generate_eval) -> None:
     ev = package["evaluation"]
     assert ev["metrics"] == ["exact_match", "schema_valid"] and ev["candidate"] == {"exact_match": 1.0}
     assert ev["current"] == {"exact_match": 0.0} and package["capacity"]["tokens"] > 0
+
+
+def test_a_short_context_bounds_the_answers_instead_of_failing_every_line(tasks_box) -> None:
+    from fleet.daemon.promotions import EVAL_MAX_TOKENS
+
+    d = tasks_box
+
+    def answer(prompt: str, **limit) -> str:
+        r = httpx.post(d.url + "/v1/generate", json={"model": "short-a", "prompt": prompt, "temperature": 0.0,
+                                                     **limit}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    # short-a's own answers as the references: open-ended (to its context's end), and one
+    # line with its own max_tokens.
+    lines = [{"prompt": p, "expected": answer(p)} for p in PROMPTS]
+    lines.append({"prompt": PROMPTS[0], "expected": answer(PROMPTS[0], max_tokens=8), "max_tokens": 8})
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    set_alias(d, "short", "short-b")
+    r = promote(d, "short-a", "short", text)
+    assert r.status_code == 200, r.text
+    ev = r.json()["evaluation"]
+    assert ev["candidate"] == {"exact_match": 1.0} and ev["current"]["exact_match"] < 1.0
+    limit = ev["generation"]
+    assert limit["max_tokens"] == EVAL_MAX_TOKENS and limit["lines_with_max_tokens"] == 1
+    assert limit["context"] == {"short-a": SHORT, "short-b": SHORT}
+    # short-a never stops: its context ended every open-ended answer; the 8-token line did not.
+    assert limit["context_bound"]["short-a"] == len(PROMPTS)
+    assert 0 <= limit["context_bound"]["short-b"] <= len(PROMPTS)
+    assert version(d, "short") == "short-a"
+
+    # A prompt that alone fills the context: a 422 naming the line, nothing switched.
+    long = json.dumps({"prompt": " ".join(["zebra 7 quartz"] * 60), "expected": "x"})
+    r = promote(d, "short-b", "short", text + long + "\n")
+    assert r.status_code == 422 and r.json()["error"]["code"] == "input_too_long", r.text
+    assert f"evaluation line {len(lines) + 1}: its prompt alone does not fit short-" in \
+        r.json()["error"]["message"], r.text
+    assert version(d, "short") == "short-a"
 
 
 def test_a_judge_grades_each_pair_and_its_win_rate_is_in_the_package_and_the_refusal(tasks_box,
