@@ -202,3 +202,14 @@ def test_an_embedder_is_evaluated_on_retrieval_pairs(tone_box, tmp_path) -> None
     ev = r.json()["evaluation"]
     assert ev["metrics"] == ["ndcg@10", "mrr"] and ev["candidate"] == ev["current"]
     assert ev["candidate"]["mrr"] > 0.5  # MiniLM finds most of its answers first
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "64", True, 1 << 21])
+def test_a_generate_lines_max_tokens_is_a_positive_whole_number_or_a_400_naming_its_line(value) -> None:
+    from fleet.errors import BadRequest
+
+    line = '{"prompt": "hi", "expected": "x", "max_tokens": %s}\n'
+    ev = parse_eval('{"prompt": "hi", "expected": "x"}\n' + line % 64, "generate")
+    assert ev.max_tokens == [None, 64] and ev.line_numbers == [1, 2]
+    with pytest.raises(BadRequest, match="evaluation line 2: `max_tokens` must be a whole number from 1 to"):
+        parse_eval('{"prompt": "hi", "expected": "x"}\n' + line % json.dumps(value), "generate")
