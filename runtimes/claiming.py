@@ -112,14 +112,7 @@ class Claimer:
         return any(not d or d > now for d in self.queue.deadlines(ids))
 
     def ack_batch(self, acks: list, claims: list[Claim], model: str) -> None:
-        """A batch's answers in one `ack_many` (one lock, one wake-up). With no slab room
-        for some results right now, those items are still ours: they are answered with a
-        short error (acks already done are skipped there)."""
-        try:
-            self.queue.ack_many(acks)
-        except QueueFull as exc:
-            log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
-            self.ack_errors(claims, WorkError("overloaded", f"queue memory is full for results: {exc.message}"))
+        ack_all(self.queue, acks, [c.item_id for c in claims], self.served_by, model)
 
     def fail_lane(self, lane: int, exc: FleetError) -> int:
         """A model that cannot load answers what waits for it, and the worker goes on."""
@@ -127,3 +120,16 @@ class Claimer:
         claims = self.queue.claim(lane, worker=self.worker, max_items=1024, max_tokens=1 << 30, lease_ms=self.lease_ms)
         self.ack_errors(claims, WorkError(exc.code, exc.message))
         return len(claims)
+
+
+def ack_all(queue, acks: list, ids: list[int], served_by: str, model: str) -> None:
+    """A batch's answers (`acks` for the items `ids`) in one `ack_many`: one lock, one
+    wake-up. With no slab room for some results right now, those items are still ours:
+    they are answered with a short error (acks already done are skipped there)."""
+    try:
+        queue.ack_many(acks)
+    except QueueFull as exc:
+        log.error("results of %d items on %s do not fit the queue: %s", len(acks), model, exc.message)
+        error = _encode(Envelope(0.0, 0.0, served_by,
+                                 WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
+        queue.ack_many([(i, error, STATUS_ERROR) for i in ids])

@@ -37,6 +37,7 @@ from fleet.errors import FleetError
 from fleet.local_queue import Claim, QueueFull
 from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, Envelope, GenerateResult, WorkError
 from fleet.runtimes.base import BatchContext, run_through
+from fleet.runtimes.claiming import ack_all
 from fleet.runtimes.lora import attach_lora
 from fleet.runtimes.memory import NotNow
 from fleet.runtimes.policy import WARMUP_STALL_MS
@@ -180,13 +181,7 @@ def serve_continuous(rnd: Round, resident: Resident, stats: list) -> int:
              STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK)
             for k, r in finished
         ]
-        try:
-            rnd.queue.ack_many(acks)
-        except QueueFull as exc:
-            log.error("results of %d items on %s do not fit the queue: %s", len(acks), name, exc.message)
-            error = _encode(Envelope(0.0, 0.0, rnd.served_by,
-                                     WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
-            rnd.queue.ack_many([(k.item_id, error, STATUS_ERROR) for k, _ in finished])
+        ack_all(rnd.queue, acks, [k.item_id for k, _ in finished], rnd.served_by, name)
         resident.served += len(finished)
         resident.tokens += sum(r.input_tokens + r.output_tokens for r in done)
         answered += len(finished)
@@ -299,13 +294,7 @@ def run_side(rnd: Round, resident: Resident, side: list[tuple[Claim, Any]]) -> i
     acks = [(c.item_id, _encode(Envelope((start_ns - c.enqueue_ns) / 1e6, ms, rnd.served_by, r, (), len(requests),
                                          read, loras)),
              STATUS_ERROR if isinstance(r, WorkError) else STATUS_OK) for (c, _), r in zip(side, results)]
-    try:
-        rnd.queue.ack_many(acks)
-    except QueueFull as exc:
-        log.error("results of %d items on %s do not fit the queue: %s", len(acks), name, exc.message)
-        error = _encode(Envelope(0.0, 0.0, rnd.served_by,
-                                 WorkError("overloaded", f"queue memory is full for results: {exc.message}")))
-        rnd.queue.ack_many([(c.item_id, error, STATUS_ERROR) for c, _ in side])
+    ack_all(rnd.queue, acks, [c.item_id for c, _ in side], rnd.served_by, name)
     resident.served += len(side)
     resident.tokens += read
     resident.last_used = time.time()
