@@ -176,10 +176,12 @@ def test_a_short_context_bounds_the_answers_instead_of_failing_every_line(tasks_
         assert r.status_code == 200, r.text
         return r.json()["text"]
 
-    # short-a's own answers as the references: open-ended (to its context's end), and one
-    # line with its own max_tokens.
+    # short-a's own answers as the references: open-ended (to its context's end); a line
+    # with its own max_tokens of 8; and one of 126, which fits the context but not past
+    # this prompt (asked, refused by the worker, asked again to the context's end).
     lines = [{"prompt": p, "expected": answer(p)} for p in PROMPTS]
     lines.append({"prompt": PROMPTS[0], "expected": answer(PROMPTS[0], max_tokens=8), "max_tokens": 8})
+    lines.append({"prompt": PROMPTS[0], "expected": lines[0]["expected"], "max_tokens": SHORT - 2})
     text = "".join(json.dumps(line) + "\n" for line in lines)
     set_alias(d, "short", "short-b")
     r = promote(d, "short-a", "short", text)
@@ -187,11 +189,11 @@ def test_a_short_context_bounds_the_answers_instead_of_failing_every_line(tasks_
     ev = r.json()["evaluation"]
     assert ev["candidate"] == {"exact_match": 1.0} and ev["current"]["exact_match"] < 1.0
     limit = ev["generation"]
-    assert limit["max_tokens"] == EVAL_MAX_TOKENS and limit["lines_with_max_tokens"] == 1
+    assert limit["max_tokens"] == EVAL_MAX_TOKENS and limit["lines_with_max_tokens"] == 2
     assert limit["context"] == {"short-a": SHORT, "short-b": SHORT}
-    # short-a never stops: its context ended every open-ended answer; the 8-token line did not.
-    assert limit["context_bound"]["short-a"] == len(PROMPTS)
-    assert 0 <= limit["context_bound"]["short-b"] <= len(PROMPTS)
+    # short-a never stops: its context ended every answer but the 8-token line's.
+    assert limit["context_bound"]["short-a"] == len(PROMPTS) + 1
+    assert 0 <= limit["context_bound"]["short-b"] <= len(PROMPTS) + 1
     assert version(d, "short") == "short-a"
 
     # A prompt that alone fills the context: a 422 naming the line, nothing switched.
