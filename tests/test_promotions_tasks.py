@@ -194,6 +194,11 @@ def test_a_short_context_bounds_the_answers_instead_of_failing_every_line(tasks_
     # short-a never stops: its context ended every answer but the 8-token line's.
     assert limit["context_bound"]["short-a"] == len(PROMPTS) + 1
     assert 0 <= limit["context_bound"]["short-b"] <= len(PROMPTS) + 1
+    from fleetctl.commands.promote import answer_limits  # what `fleetctl promote` prints of it
+
+    assert answer_limits(limit).startswith(f"answers: up to {EVAL_MAX_TOKENS} tokens (2 lines their own max_tokens), "
+                                           f"within each context: short-a {SHORT} tokens ({len(PROMPTS) + 1} answers "
+                                           f"ended by it), short-b {SHORT} tokens (")
     assert version(d, "short") == "short-a"
 
     # A prompt that alone fills the context: a 422 naming the line, nothing switched.

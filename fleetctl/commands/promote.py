@@ -21,6 +21,16 @@ import typer
 from fleetctl.commands.alias import call, metrics_line, owner
 
 
+def answer_limits(g: dict[str, Any]) -> str:
+    """What bounded a generate evaluation's answers (the package's `evaluation.generation`):
+    a short context is said, so an exact-match score is read against it."""
+    own = g["lines_with_max_tokens"]
+    contexts = ", ".join(f"{v} {c} tokens ({g['context_bound'][v]} answers ended by it)" if c else f"{v} unknown"
+                         for v, c in g["context"].items())
+    return (f"answers: up to {g['max_tokens']} tokens" + (f" ({own} lines their own max_tokens)" if own else "")
+            + f", within each context: {contexts}")
+
+
 def print_package(p: dict[str, Any]) -> None:
     ev, cap = p["evaluation"], p["capacity"]
     head = {"promote": "promoted", "canary": f"canary at {p['canary_percent']:g}% for"}[p["kind"]]
@@ -32,6 +42,8 @@ def print_package(p: dict[str, Any]) -> None:
         j = ev["judge"]
         print(f"  judge {j['model']}: candidate won {j['candidate_wins']}, current {j['current_wins']}, "
               f"{j['ties']} tied of {j['lines']} (win rate {j['win_rate']:.4f})")
+    if ev.get("generation"):
+        print(f"  {answer_limits(ev['generation'])}")
     if p["forced"]:
         print(f"  forced past: {'; '.join(ev['regressions'])} (reason: {p['reason']})")
     print(f"  source {p['candidate']['source']}" + (f"@{p['candidate']['revision']}" if p['candidate']['revision']
