@@ -30,6 +30,7 @@ from fleet.batches import (
     RequestLine,
 )
 from fleet.errors import BadRequest, FleetError, ModelNotFound
+from fleet.files import fsync_dir
 
 from fleet.daemon import codec
 from fleet.daemon.batchfile import LineReader, ResultFile, Scan, body_head, is_disk_full, scan_results, usage_of
@@ -447,11 +448,3 @@ class BatchRun:
         self.store.finish_batch(self.b, files)
         log.info("batch %s %s: %d of %d lines answered 200, %d otherwise", self.b.id, final,
                  self.b.request_counts.completed, self.b.request_counts.total, self.b.request_counts.failed)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -53,9 +53,10 @@ from fleet.batches import (
     CANCELLED, CANCELLING, ENDPOINTS, FINAL, FINALIZING, IN_PROGRESS, VALIDATING, Batch, BatchCreateRequest,
     BatchRequestCounts, ExpiresAfter, FileDeleted, FileObject,
 )
+from fleet.files import fsync_dir
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFound
 
-from fleet.daemon.batch_run import BatchRun, Window, fsync_dir
+from fleet.daemon.batch_run import BatchRun, Window
 from fleet.daemon.batchfile import InputCheck, UploadSink, is_disk_full, receive_upload
 from fleet.daemon.core import ASGIApp, Daemon
 from fleet.daemon.jobstore import JobStore, StoredBatch, new_batch_id, new_file_id, now_s

@@ -42,7 +42,7 @@ import msgspec
 
 from fleet.catalog import Profile, load_catalog, validate_name
 from fleet.errors import BadRequest, FleetError, InsufficientStorage, IntegrityError, ModelNotFound
-from fleet.files import NO_ROOM
+from fleet.files import NO_ROOM, fsync_dir
 from fleet.gguf import GgufFacts
 
 log = logging.getLogger("fleet.store")
@@ -197,14 +197,6 @@ def copy_hashed(src: Path, dst: Path, progress: Progress = NO_PROGRESS) -> tuple
 def _create(path: Path) -> int:
     """A new file `path` (it must not exist) opened for writing, mode FILE_MODE: its fd."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_manifest(path: Path, manifest: Manifest) -> None:
@@ -501,7 +493,7 @@ class Store:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(staging.path, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def check_owner_quota(self, manifest: Manifest) -> None:
