@@ -117,7 +117,7 @@ class Cluster:
         self._loaded = loaded
         self.payloads = Payloads(self.link)
         self.liveness = Liveness(self.link)
-        self.requester = Requester(self.link, broker, self.payloads, self.liveness)
+        self.requester = Requester(self.link, broker, self.payloads, self.liveness, self.local_lane)
         self.puller = Puller(self.link, broker, self.payloads, self.requester, lambda: self.capacity)
         #: `on_lag` gets (model, pending, unacked) of each model's work consumer at every
         #: heartbeat (the daemon's `fleet_nats_*_messages` gauges).
@@ -190,6 +190,10 @@ class Cluster:
     def base_of(self, adapter: str) -> str | None:
         """The base of a LoRA adapter some live box stores (None: none stores it as one)."""
         return self.heartbeats.base_of(adapter)
+
+    def local_lane(self, model: str) -> str:
+        """This box's lane for a model its store holds: its base's for a LoRA adapter."""
+        return self.store.get(model).base or model
 
     async def entry(self) -> dict[str, Any]:
         """This box as others see it in `fleet_boxes`."""

@@ -59,8 +59,12 @@ class Pending:
 class Requester:
     """This daemon's requests in JetStream, by request id, until each is answered once."""
 
-    def __init__(self, link: Link, broker: Broker, payloads: Payloads, liveness: Liveness) -> None:
+    def __init__(self, link: Link, broker: Broker, payloads: Payloads, liveness: Liveness,
+                 lane_of: Callable[[str], str]) -> None:
         self.link = link
+        #: This box's lane for a model it stores (a LoRA adapter's is its base's): where
+        #: `_run_here` queues a request published under the model's own name.
+        self.lane_of = lane_of
         self.broker = broker
         self.payloads = payloads
         self.liveness = liveness
@@ -141,8 +145,9 @@ class Requester:
                         on_partial: Callable[[Done], None] | None, batch: bool = False) -> Answer:
         """NATS is unreachable and this box stores the model: its own queue runs the request."""
         self.served_locally += 1
-        return await self.broker.submit(model, payload, tokens=tokens, timeout_s=max(0.001, deadline - time.monotonic()),
-                                        on_partial=on_partial, batch=batch)
+        return self.broker.answer(model, await self.broker.run(
+            self.lane_of(model), payload, tokens=tokens, timeout_s=max(0.001, deadline - time.monotonic()),
+            on_partial=on_partial, batch=batch))
 
     # -- replies ----------------------------------------------------------------------
 

@@ -390,7 +390,8 @@ class Daemon:
         try:
             local = True
             try:
-                lane = self.lane_of(self.manifest(model, task))
+                manifest = self.manifest(model, task)
+                lane = self.lane_of(manifest)
             except ModelNotFound:
                 if self.cluster is None:
                     raise
@@ -398,6 +399,8 @@ class Daemon:
                 lane, local = model, False
             if local and self.settings.owners:  # an owner's resident bytes (daemon.quotas)
                 await check_owner_load(self, lane)
+            if local and self.cluster is not None:  # under its own name: only a box storing it takes it
+                lane = manifest.name  # (a LoRA adapter runs in its base's lane there: `Puller.lane_of`)
             work = BATCH_WORK.get()
             timeout_s = self.timeout_s(timeout_ms) if work is None or timeout_ms is not None else work.left_s()
             departure = DEPARTURE.get()

@@ -11,16 +11,22 @@ Box B also stores a peft LoRA adapter of the generator. Asked of box A, by its o
 name (`model`) or as the generator's `adapter`, a generation and a decision answer
 200 as box B's own answer, run by box B in the generator's lane with the adapter
 attached (and not as the generator alone: the adapter really changes the answer).
+With a box C that stores the generator but not the adapter, box B's own requests for
+its adapter are all answered by box B: they are queued under the adapter's name, which
+only box B pulls, not in the generator's, which box C pulls too.
 
 Before: nothing sent a decision through NATS; a generator stored on another box was
 refused as "serves task 'generate'". An adapter stored only on box B was queued there
 under its own name, and box B's worker answered 500 ("no runtime adapter for task
-generate with runtime peft"); as the generator's `adapter` box A answered 404.
+generate with runtime peft"); as the generator's `adapter` box A answered 404. Box B
+queued its own adapter requests under the generator's name, and box C took some of them
+and failed them (it cannot attach an adapter it does not store).
 """
 
 from __future__ import annotations
 
 import time
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +68,24 @@ def two_boxes(nats_server: NatsServer, folder: Path,  # noqa: F811
     finally:
         for d in started:
             d.stop()
+
+
+@pytest.fixture(scope="module")
+def base_only_box(two_boxes, nats_server: NatsServer, folder: Path,  # noqa: F811
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """Box C: the generator alone, no adapter of it; pulling in the same JetStream as box B."""
+    home = tmp_path_factory.mktemp("decide-boxes") / "box-c"
+    pull(home, folder, GENERATOR)
+    c = start_daemon(home, extra_env={
+        "FLEET_NATS": nats_server.url, "FLEET_BOX": "box-c", "FLEET_WORKERS": "1", "FLEET_CPU_THREADS": "1"})
+    try:
+        end = time.monotonic() + 60  # until box B has read box C's heartbeat: it pulls the generator's work
+        while not any(e["box"] == "box-c" for e in httpx.get(two_boxes[1].url + "/v1/cluster", timeout=10).json()["boxes"]):
+            assert time.monotonic() < end
+            time.sleep(0.5)
+        yield c
+    finally:
+        c.stop()
 
 
 def decide(d: DaemonProc, model: str) -> httpx.Response:
@@ -120,3 +144,13 @@ def test_an_adapter_on_another_box_decides_as_on_its_own_box(two_boxes) -> None:
     own = [np.abs(vector(via_a.json()["answers"][q]) - vector(at_b.json()["answers"][q])).max() for q in ALL]
     apart = [np.abs(vector(at_b.json()["answers"][q]) - vector(base.json()["answers"][q])).max() for q in ALL]
     assert max(own) <= 1e-5 and max(apart) > 1e-3, (own, apart)
+
+
+def test_an_adapter_runs_only_on_a_box_that_stores_it(two_boxes, base_only_box) -> None:
+    _, b = two_boxes
+    bodies = [{"model": ADAPTER, "prompt": f"request {i} of the quick brown fox", "max_tokens": 4,
+               "temperature": 0.0} for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda body: httpx.post(b.url + "/v1/generate", json=body, timeout=120), bodies))
+    assert [(r.status_code, r.headers.get("x-served-by", "")[:6]) for r in replies] == [(200, "box-b/")] * 12, \
+        [r.text for r in replies if r.status_code != 200]
