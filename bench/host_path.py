@@ -339,8 +339,15 @@ def stage_table(rows: list[dict]) -> dict:
     stages = []
     for a, b, label in REQUEST_SPANS:
         ns = [(r[b] - r[a], r["tokens"]) for r in rows if a in r and b in r]
+        extra = {}
+        if b == "claimed":
+            # `claimed` is the batch's first claim: a request put while its batch lingered
+            # for company joined it after that stamp; it waited in the lane ~0.
+            extra["joined_while_lingering"] = sum(d < 0 for d, _ in ns)
+            ns = [(max(d, 0), t) for d, t in ns]
         stages.append({"from": a, "to": b, "stage": label, "per": "request", "n": len(ns),
-                       "p50_ms": _p50([d / 1e6 for d, _ in ns]), "p50_us_per_token": _p50([d / 1e3 / t for d, t in ns])})
+                       "p50_ms": _p50([d / 1e6 for d, _ in ns]), "p50_us_per_token": _p50([d / 1e3 / t for d, t in ns]),
+                       **extra})
     for a, b, label in BATCH_SPANS:
         ns = [(g[0][b] - g[0][a], sum(r["tokens"] for r in g)) for g in batches.values() if a in g[0] and b in g[0]]
         stages.append({"from": a, "to": b, "stage": label, "per": "batch", "n": len(ns),

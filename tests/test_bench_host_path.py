@@ -46,6 +46,8 @@ def test_the_bench_measures_the_daemons_host_path_and_writes_its_json(tmp_path: 
                                                "ran", "collected", "encoded"}
     for stage in tl["stages"]:
         assert stage["n"] > 0 and stage["p50_ms"] >= 0 and stage["p50_us_per_token"] >= 0, stage
+    [claim] = [s for s in tl["stages"] if s["to"] == "claimed" and s["per"] == "request"]
+    assert 0 <= claim["joined_while_lingering"] <= claim["n"]
     assert doc["machine"]["cpus_logical"] >= 1 and doc["kind"] == "host-path"
 
 
