@@ -34,7 +34,8 @@ from fleet.files import fsync_dir
 
 from fleet.daemon import codec
 from fleet.daemon.batchfile import LineReader, ResultFile, Scan, body_head, is_disk_full, scan_results, usage_of
-from fleet.daemon.core import BATCH_WORK, ASGIApp, BatchWork
+from fleet.daemon.core import BATCH_WORK, BatchWork
+from fleet.daemon.slots import ASGIApp
 from fleet.daemon.jobstore import JobStore, StoredBatch, now_s
 
 log = logging.getLogger("fleet.batches")

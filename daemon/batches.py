@@ -58,7 +58,8 @@ from fleet.errors import BadRequest, FleetError, InsufficientStorage, ModelNotFo
 
 from fleet.daemon.batch_run import BatchRun, Window
 from fleet.daemon.batchfile import InputCheck, UploadSink, is_disk_full, receive_upload
-from fleet.daemon.core import ASGIApp, Daemon
+from fleet.daemon.core import Daemon
+from fleet.daemon.slots import ASGIApp
 from fleet.daemon.jobstore import JobStore, StoredBatch, new_batch_id, new_file_id, now_s
 
 log = logging.getLogger("fleet.batches")

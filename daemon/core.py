@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -43,50 +43,10 @@ from fleet.daemon.top import Recent
 from fleet.daemon.worker_views import WorkerGauges, lane_views, live_profiles, worker_views  # noqa: F401
 from fleet.pins import PinStore
 from fleet.daemon.supervisor import Supervisor, detect_devices
+from fleet.daemon.slots import ASGIApp, ClusterLink, Jobs
 from fleet.daemon.upstreams import Upstreams
 
 log = logging.getLogger("fleet.daemon")
-
-#: An ASGI application: (scope, receive, send).
-ASGIApp = Callable[[Any, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
-
-
-class Jobs(Protocol):
-    """What the daemon's life calls on its offline jobs (daemon.batches.Batches, which
-    imports this module: the routes reach the whole class through controllers.files)."""
-
-    async def start(self) -> None: ...
-
-    def drain(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-class ClusterLink(Protocol):
-    """What the daemon calls on its NATS bridge (daemon.cluster.Cluster, loaded only with
-    `--nats`: nats-py stays out of a single box's daemon)."""
-
-    js: Any
-
-    @property
-    def joined(self) -> bool: ...
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
-
-    def stop_pulling(self) -> None: ...
-
-    async def leave(self) -> None: ...
-
-    async def submit(self, model: str, task: str, payload: bytes | memoryview, *, tokens: int, timeout_s: float,
-                     local: bool = False, on_partial: Callable[[Done], None] | None = None,
-                     batch: bool = False) -> Answer: ...
-
-    def boxes(self) -> list[dict[str, Any]]: ...
-
-    def check_model(self, model: str, task: str) -> None: ...
-
-    def base_of(self, adapter: str) -> str | None: ...
-
 
 #: The daemon's queue is `fleet-<its pid>`: a killed daemon's entries are found by that pid.
 QUEUE_PREFIX = "fleet"
