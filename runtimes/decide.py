@@ -53,6 +53,7 @@ from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, te
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.decide_cache import PrefixCache, gathered, plain_layers
 from fleet.runtimes.hf_common import char_bound, footprint_bytes
 from fleet.runtimes.lora import Loras, LoraHost
@@ -207,7 +208,7 @@ class DecisionLM(LoraHost, Adapter):
         from transformers import AutoTokenizer
 
         self._torch = torch
-        self.dtype = decision_dtype(self)
+        self.dtype = causal_lm_dtype(self)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
@@ -528,17 +529,6 @@ class DecisionLM(LoraHost, Adapter):
                 flat.append(softmax(scores[first : first + n] / t))
         ends = np.cumsum(plan.per_request)
         return [np.concatenate(flat[e - c : e]) if c else np.zeros(0) for c, e in zip(plan.per_request, ends)]
-
-
-def decision_dtype(adapter: Any) -> str:
-    """The dtype a decision adapter loads in: its profile's, else bf16 (fp16 without it)
-    on CUDA and float32 on the CPU."""
-    wanted = adapter.spec.profile.dtype
-    if wanted != "auto":
-        return wanted
-    if adapter.device.startswith("cuda"):
-        return "bfloat16" if adapter._torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
 
 
 def probe_decision(adapter: Any) -> None:

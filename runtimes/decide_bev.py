@@ -37,7 +37,8 @@ from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import WorkError
 from fleet.runtimes.base import Adapter, BatchContext, Steps
-from fleet.runtimes.decide import decision_dtype, probe_decision, too_long
+from fleet.runtimes.decide import probe_decision, too_long
+from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.decide_heads import Parts, answer, question_parts, state_value
 from fleet.runtimes.hf_common import footprint_bytes, micro_batches
 
@@ -79,7 +80,7 @@ class BevDecider(Adapter):
             raise
         except Exception as exc:  # the libraries raise many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a bev-decider checkpoint: {exc}") from exc
-        self.dtype = decision_dtype(self)
+        self.dtype = causal_lm_dtype(self)
         self.backbone = backbone.to(self.device, getattr(torch, self.dtype)).eval()
         self.head = self.head.to(self.device).eval()
         tok = self.tokenizer

@@ -38,7 +38,8 @@ import numpy as np
 from fleet.decisions import DecideRequest, DecideResult
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.runtimes.base import Adapter, BatchContext, Steps
-from fleet.runtimes.decide import decision_dtype, probe_decision, too_long
+from fleet.runtimes.decide import probe_decision, too_long
+from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.decide_heads import Parts, answer, question_parts, state_value
 from fleet.runtimes.hf_common import footprint_bytes, micro_batches
 
@@ -112,7 +113,7 @@ class LayaDecider(Adapter):
             raise
         except Exception as exc:  # the libraries raise many types for bad folders
             raise ModelLoadFailed(f"cannot load {self.spec.name!r} as a Laya checkpoint: {exc}") from exc
-        self.dtype = decision_dtype(self)
+        self.dtype = causal_lm_dtype(self)
         self.model = model.to(self.device, getattr(torch, self.dtype)).eval()
         self.max_len = int(self.spec.max_seq_len or cfg.get("max_len", 512))
         self.head_max_len = int(cfg.get("head_max_len", 192))

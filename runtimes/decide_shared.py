@@ -11,7 +11,7 @@ hold now count in the generator's reserve (`held_bytes`; `/v1/ps` and the device
 budget see them), at most min(PREFIX_CACHE_BYTES, the weights).
 
 The model is the generator's as loaded: its dtype (the same rule as a decision
-model's: `decide.decision_dtype`) and its attention (SDPA takes the packs' mask as
+model's: `device.causal_lm_dtype`) and its attention (SDPA takes the packs' mask as
 booleans, an eager attention adds it: DecisionLM reads which). Temperatures are the
 generator's entry's calibration, if any (runtimes.resolve puts it in the spec).
 """

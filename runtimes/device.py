@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def cpu_flags() -> set[str]:
@@ -27,6 +28,18 @@ def fast_dtypes(device: str) -> list[str]:
 
         return (["bfloat16"] if torch.cuda.is_bf16_supported() else []) + ["float16"]
     return cpu_fast_dtypes(cpu_flags())
+
+
+def causal_lm_dtype(adapter: Any) -> str:
+    """The dtype a causal LM loads in (generators, LLM rerankers, decision models): its
+    profile's, else bf16 (fp16 without it) on CUDA and float32 on the CPU, where fp32
+    keeps greedy tokens and scores those of the reference library."""
+    wanted = adapter.spec.profile.dtype
+    if wanted != "auto":
+        return wanted
+    if adapter.device.startswith("cuda"):
+        return "bfloat16" if adapter._torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
 
 
 def cpu_fast_dtypes(flags: set[str]) -> list[str]:

@@ -62,6 +62,7 @@ from fleet.decisions import DecideRequest
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
 from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
+from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Steps
 from fleet.runtimes.grammar import Grammars
 from fleet.runtimes.hf_common import char_bound
@@ -185,7 +186,7 @@ class CausalLM(LoraHost, Adapter):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
-        dtype = self._dtype()
+        dtype = causal_lm_dtype(self)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(
                 str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
@@ -231,14 +232,6 @@ class CausalLM(LoraHost, Adapter):
         self.pending: list[Sequence] = []
         self.cache = self.mask = self.pos = self.last = None
         self._warm_up()
-
-    def _dtype(self) -> str:
-        wanted = self.spec.profile.dtype
-        if wanted != "auto":
-            return wanted
-        if self.device.startswith("cuda"):
-            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
-        return "float32"  # CPU: fp32 keeps greedy tokens those of the reference
 
     def _warm_up(self) -> None:
         """One short generation at load: pays kernel selection now, refuses models

@@ -44,6 +44,7 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.messages import RerankResult, WorkError
 from fleet.protocol import RerankRequest
+from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.hf_common import (
     CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long,
@@ -316,7 +317,7 @@ class LlmReranker(Adapter):
         if fmt_name not in FORMATS:
             raise ModelLoadFailed(f"{self.spec.name!r}: unknown prompt_format {fmt_name!r} "
                                   f"(known: {', '.join(FORMATS)})")
-        self.dtype = self._dtype()
+        self.dtype = causal_lm_dtype(self)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 str(self.spec.path), local_files_only=True, trust_remote_code=self.spec.trust_remote_code)
@@ -346,14 +347,6 @@ class LlmReranker(Adapter):
         self.fast = prompt_tokenizer(tokenizer, self.fmt, self._own_features, self.spec.name)
         # Warm-up at load, not in the first client's latency (kernel selection per shape).
         run_through(self._score(self.fmt.inputs(self.instruction, CHECK_SET[1], CHECK_SET), ctx=BatchContext()))
-
-    def _dtype(self) -> str:
-        wanted = self.spec.profile.dtype
-        if wanted != "auto":
-            return wanted
-        if self.device.startswith("cuda"):
-            return "bfloat16" if self._torch.cuda.is_bf16_supported() else "float16"
-        return "float32"
 
     def _token_id(self, token: str) -> int:
         """The vocabulary id of an answer token (as Qwen's README and sentence-transformers' LogitScore read it)."""
