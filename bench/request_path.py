@@ -12,6 +12,15 @@ of the project is resumed after an await) is an entry into that file. It reports
 traced request's stops in order and the entries per file, and the most-entered file: the
 request path goes straight when no file is entered more than twice.
 
+Two rules keep the count the request's own. A frame is started once: a generator's or a
+coroutine's frame that goes on after a yield or an await is a resumption, told by the
+instruction it stands at (a fresh frame stands at its first RESUME), not by its id(),
+which a new frame takes over once an old one is freed (counted by id(), a context
+manager's second use, like the collect's `no_wait`, passed for a resumption). And work of
+the tasks that ran before the request came (the gauges' refresh every METRICS_REFRESH_S,
+the batch promotion loop) is not its path: those stops are marked `(background)` and
+counted apart (`entries_per_file_all` counts them in).
+
 Only the API process is traced; the worker's side is bench.host_path's timeline.
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dis
 import inspect
 import json
 import os
@@ -26,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +49,33 @@ PROJECT = tuple(str(ROOT / d) + os.sep for d in ("fleet", "daemon", "runtimes", 
 
 #: Code objects whose frames suspend and resume (coroutines, generators, async generators).
 SUSPENDS = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+_RESUME = dis.opmap["RESUME"]
 
 
 def project_file(filename: str) -> str | None:
     return str(Path(filename).relative_to(ROOT)) if filename.startswith(PROJECT) else None
 
 
-def trace(run: Any) -> tuple[list[tuple[str, str]], int]:
+def resumes(frame: Any) -> bool:
+    """A generator's or coroutine's frame going on after a yield or an await (a fresh one
+    stands at its first instruction, `RESUME 0`)."""
+    code = frame.f_code.co_code
+    return not (code[frame.f_lasti] == _RESUME and code[frame.f_lasti + 1] == 0)
+
+
+def in_background(background: Collection[asyncio.Task]) -> bool:
+    try:
+        return asyncio.current_task() in background
+    except RuntimeError:  # no loop runs
+        return False
+
+
+def trace(run: Any, background: Collection[asyncio.Task] = ()) -> tuple[list[tuple[str, str]], int]:
     """(file, function) of each call into a project file from another file (or from the
     event loop) while `run()` runs, and how many times a coroutine was resumed after an
-    await: a resumption is the same frame going on, not another stop."""
+    await: a resumption is the same frame going on, not another stop. A stop made while
+    one of the `background` tasks runs is marked `(background)`."""
     stops: list[tuple[str, str]] = []
-    started: set[int] = set()
     resumed = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -59,11 +85,10 @@ def trace(run: Any) -> tuple[list[tuple[str, str]], int]:
         here = project_file(frame.f_code.co_filename)
         if here is None:
             return
-        if frame.f_code.co_flags & SUSPENDS:
-            if id(frame) in started:
-                resumed += 1
-                return
-            started.add(id(frame))
+        if frame.f_code.co_flags & SUSPENDS and resumes(frame):
+            resumed += 1
+            return
+        aside = bool(background) and in_background(background)
         back = frame.f_back
         caller = project_file(back.f_code.co_filename) if back is not None else None
         if caller != here:
@@ -72,7 +97,8 @@ def trace(run: Any) -> tuple[list[tuple[str, str]], int]:
             outer = back
             while outer is not None and project_file(outer.f_code.co_filename) != here:
                 outer = outer.f_back
-            stops.append((here, frame.f_code.co_qualname + (" (back)" if outer is not None else "")))
+            stops.append((here, frame.f_code.co_qualname + (" (back)" if outer is not None else "")
+                          + (" (background)" if aside else "")))
 
     sys.setprofile(profile)
     try:
@@ -187,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             traced = []
             answers: list[int] = []
             for _ in range(args.requests):
-                stops, resumed = trace(lambda: answers.append(daemon.call("/v1/embed", body)[0]))
+                stops, resumed = trace(lambda: answers.append(daemon.call("/v1/embed", body)[0]),
+                                       background=asyncio.all_tasks(daemon.loop))
                 traced.append((stops, resumed))
             if answers != [200] * args.requests:
                 raise RuntimeError(f"the traced requests answered {answers}")
@@ -195,11 +222,14 @@ def main(argv: list[str] | None = None) -> None:
             daemon.stop()
 
     runs = []
-    for stops, resumed in traced:
+    for every, resumed in traced:
+        stops = [(f, fn) for f, fn in every if not fn.endswith(" (background)")]
         per_file = Counter(f for f, _ in stops)
         back = Counter(f for f, fn in stops if fn.endswith(" (back)"))
         runs.append({"stops": len(stops), "files": len(per_file), "resumed": resumed, "doubling_back": dict(back),
-                     "entries_per_file": dict(per_file.most_common()), "path": [f"{f}:{fn}" for f, fn in stops]})
+                     "entries_per_file": dict(per_file.most_common()), "path": [f"{f}:{fn}" for f, fn in stops],
+                     "background_stops": len(every) - len(stops),
+                     "entries_per_file_all": dict(Counter(f for f, _ in every).most_common())})
     doc = report.document("request-path", "fleet.bench.request_path", argv if argv is not None else sys.argv[1:]) | {
         "requests": runs, "most_entered": max((max(r["entries_per_file"].values()) for r in runs), default=0)}
     if args.out:
@@ -210,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     last = runs[-1]
     print(f"POST /v1/embed in the API process: {last['stops']} stops in {last['files']} files "
           f"(most entered: {doc['most_entered']}; {last['resumed']} resumptions after an await)")
-    print(f"entered again while still inside (A -> B -> A): {last['doubling_back'] or 'none'}")
+    print(f"entered again while still inside (A -> B -> A): {last['doubling_back'] or 'none'}; "
+          f"{last['background_stops']} stops of background tasks meanwhile, not counted")
     for f, n in last["entries_per_file"].items():
         print(f"  {n:3d}  {f}")
     print("path:")
