@@ -27,7 +27,7 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
    printed, not judged: every request answered and the CPU read is the check).
 5. cuda-graphs: every embedder load on CUDA captured its small-shape graphs
    and kept them (replay agreed with eager). nvml-budget: NVML's memory view against torch.cuda.mem_get_info and the
-   budget the worker computes (runtimes.memory.device_budget). Runs last: it
+   budget the worker computes (runtimes.device_memory.device_budget). Runs last: it
    is the only check that opens CUDA in this process.
 6. goals: >= 1 M tokens/s at the knee for the 110M-class embedder on one H200,
    p95 at the knee <= 50 ms for 32-text requests; printed met / not met (judged
@@ -383,7 +383,7 @@ def nvml_device(device: str) -> tuple[str, int] | None:
 
 
 def vram_budget_check(work: Path, folders: dict[str, Path], device: str) -> Check:
-    from fleet.runtimes.memory import estimate_footprint
+    from fleet.runtimes.footprint import estimate_footprint
 
     names = ("budget-a", "budget-b", "budget-c")
     # One catalog source per name: each gets its own folder (hard links: no bytes copied).
@@ -522,7 +522,7 @@ def nvml_check(device: str) -> Check:
         return Check("nvml-budget", None, "no CUDA device: the CPU budget is RAM (psutil), checked by vram-budget")
     import torch
 
-    from fleet.runtimes.memory import cuda_index, device_budget, nvml_memory
+    from fleet.runtimes.device_memory import cuda_index, device_budget, nvml_memory
 
     index = cuda_index(device)
     torch.cuda.init()

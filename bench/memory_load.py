@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fleet.runtimes.memory import estimate_footprint
+    from fleet.runtimes.footprint import estimate_footprint
     from tests.conftest import default_model_dir, start_daemon
 
     result: dict[str, object] = {}

@@ -1,6 +1,6 @@
 """Per-device memory view of `/v1/ps` (what `fleetctl ps` prints under "Devices").
 
-Each worker reports its device's budget and its own use (runtimes.memory);
+Each worker reports its device's budget and its own use (runtimes.device_memory);
 a device's `used` is the sum over its workers. Pure functions over the JSON.
 """
 

@@ -20,7 +20,7 @@ Invariants:
   bounded a load on the step loop);
 - its torch intra-op threads are the worker's: the probes of the load measure
   what serving runs (a thread count torch gives a new thread could differ);
-- a thread per load: a CPU worker keeps two malloc arenas (runtimes.memory.
+- a thread per load: a CPU worker keeps two malloc arenas (runtimes.heap.
   limit_heap_arenas), so a new thread reuses one instead of adding an arena whose
   freed pages stay in the worker's RSS (+27 MiB steps over load/unload cycles
   without the limit); a load thread kept for the worker's life held ~50 MiB more.
@@ -36,7 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleet.runtimes.base import Adapter, ModelSpec
-from fleet.runtimes.memory import Footprint, NotNow
+from fleet.runtimes.footprint import Footprint
+from fleet.runtimes.memory import NotNow
 from fleet.runtimes.state import Progress
 
 

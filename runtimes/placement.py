@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fleet.runtimes.footprint import Footprint
 from fleet.runtimes.memory import (
-    EXPLICIT_DEMAND, TOO_LARGE, WAIT, Footprint, ResidentView, eviction_order, fits_on_device, plan_load,
-    too_large_reason,
+    EXPLICIT_DEMAND, TOO_LARGE, WAIT, ResidentView, eviction_order, fits_on_device, plan_load, too_large_reason,
 )
 from fleet.runtimes.policy import UNMEASURED_LOAD_MS, LinearCost, find_copies, should_load_copy
 

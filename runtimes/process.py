@@ -47,7 +47,7 @@ def exit_with_parent() -> None:
 
 
 def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
-    from fleet.runtimes.memory import CPU_HEAP_ARENAS, limit_heap_arenas
+    from fleet.runtimes.heap import CPU_HEAP_ARENAS, limit_heap_arenas
 
     # Before the first thread: glibc fixes the arena limit when one first needs an
     # arena. Accelerator workers keep glibc's default (their tokenizer threads, up to
@@ -85,7 +85,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
 
     from fleet.pins import PinStore
     from fleet.local_queue import LocalQueue
-    from fleet.runtimes.memory import LoadLock, device_budget, device_used_bytes
+    from fleet.runtimes.device_memory import LoadLock, device_budget, device_used_bytes
     from fleet.runtimes.policy import paused_ns
     from fleet.runtimes.residency import Hosting
     from fleet.runtimes.resolve import store_profiles, store_resolver

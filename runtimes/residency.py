@@ -29,9 +29,11 @@ from fleet.weights import check_weights, refusal
 from fleet.local_queue import QueueFull
 from fleet.runtimes.base import Adapter, ModelSpec, Profile
 from fleet.runtimes.loading import LoadRuns, PendingLoad
+from fleet.runtimes.device_memory import DeviceMemory, LoadLock
+from fleet.runtimes.footprint import Estimates, Footprint, estimate_footprint
+from fleet.runtimes.heap import return_freed_heap
 from fleet.runtimes.memory import (
-    IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, DeviceMemory, Estimates, Footprint, LoadLock, NotNow, ResidentView,
-    estimate_footprint, is_out_of_memory, load_error, return_freed_heap, used_bytes,
+    IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, NotNow, ResidentView, is_out_of_memory, load_error, used_bytes,
 )
 from fleet.runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from fleet.runtimes.placement import LOAD as PLACE_LOAD
@@ -112,7 +114,7 @@ class Hosting:
     bounds its `Residency` is built with (injected: a simulated device sizes models
     itself and has no allocator)."""
 
-    #: Device budget and live free memory (runtimes.memory.device_budget); unlimited when None (bare tests).
+    #: Device budget and live free memory (runtimes.device_memory.device_budget); unlimited when None (bare tests).
     memory: DeviceMemory | None = None
     #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
     load_timeout_ms: float = 300_000.0
@@ -148,7 +150,7 @@ class Residency:
     behind_ms: float = 0.0
     #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
     load_timeout_ms: float = 300_000.0
-    #: Device budget and live free memory (runtimes.memory.device_budget); unlimited in bare tests.
+    #: Device budget and live free memory (runtimes.device_memory.device_budget); unlimited in bare tests.
     memory: DeviceMemory = field(default_factory=DeviceMemory.unlimited)
     #: One load at a time per device, across this daemon's workers.
     load_lock: LoadLock = field(default_factory=lambda: LoadLock(None))

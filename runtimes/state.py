@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fleet.runtimes.base import Adapter
-from fleet.runtimes.memory import Footprint
+from fleet.runtimes.footprint import Footprint
 from fleet.runtimes.policy import LastRun
 
 
@@ -34,7 +34,7 @@ class Resident:
     #: Items of other clients run between the micro-batches of a batch (runtimes.flows), cumulative.
     interjected: int = 0
     load_ms: float = 0.0
-    #: Measured weights and the activation allowance (runtimes.memory).
+    #: Measured weights and the activation allowance (runtimes.footprint).
     footprint: Footprint = Footprint(0)
     #: The bytes `info` shows (weights plus attached LoRAs), measured again only
     #: when the attached LoRAs change: summing every tensor's size took longer

@@ -35,7 +35,9 @@ from fleet.runtimes.continuous import Round, abort_in_flight, busy_continuous, s
 from fleet.runtimes.flows import Flows, Interjection, claim_other, other_first
 from fleet.runtimes.info import encode_info, worker_info
 from fleet.runtimes.lora import attach_batch, batch_loras
-from fleet.runtimes.memory import IDLE_NAP_S, DeviceMemory, HeapTrim, LoadLock, NotNow, run_split_on_oom
+from fleet.runtimes.device_memory import DeviceMemory, LoadLock
+from fleet.runtimes.heap import HeapTrim
+from fleet.runtimes.memory import IDLE_NAP_S, NotNow, run_split_on_oom
 from fleet.runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, MICRO_SHARE, MIN_SAMPLES, CostModel,
     batch_fill_cap, batch_token_cap, behind, choose_lane, fill_flags, form_batch, linger_window, micro_items_cap,

@@ -3,7 +3,7 @@
 The estimate used to size a generator like an encoder whose attention scores
 span the whole context: a 1 MB Qwen2 with 32 768 positions "needed" 57 380 MiB of
 activations, and no catalog generator could load on a 24 GB box. It is now what
-one step of the continuous batcher holds (runtimes.memory.decoder_step): the
+one step of the continuous batcher holds (runtimes.footprint.decoder_step): the
 tokens it admits (rows x context, cut to the profile's max_batch_tokens) and their
 activations under SDPA (no seq x seq matrix). The key/value cache is reserved as
 sequences are admitted, and a sequence waits for room (runtimes.generate;
@@ -26,7 +26,8 @@ import pytest
 
 from fleet.catalog import load_catalog
 from fleet.runtimes.base import ModelSpec, Profile
-from fleet.runtimes.memory import TOO_LARGE, Footprint, decoder_shape, decoder_step, kv_token_bytes, plan_load
+from fleet.runtimes.footprint import Footprint, decoder_shape, decoder_step, kv_token_bytes
+from fleet.runtimes.memory import TOO_LARGE, plan_load
 from fleet.runtimes.residency import footprint_from_headers
 
 CONFIGS = {k: v for k, v in json.loads((Path(__file__).parent / "data" / "catalog_generators.json").read_text()).items()

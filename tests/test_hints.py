@@ -16,7 +16,8 @@ import pytest
 from fleet.config import client_url_source
 from fleet.errors import ModelNotFound
 from fleet.store import Store
-from fleet.runtimes.memory import Footprint, too_large_reason
+from fleet.runtimes.footprint import Footprint
+from fleet.runtimes.memory import too_large_reason
 
 from tests.conftest import copy_default_model
 from tests.gen_models import pull

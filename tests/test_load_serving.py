@@ -128,7 +128,7 @@ def test_a_reload_serves_what_the_first_load_measured(served):
 
 def quiet_rss(pid: int) -> int:
     """The worker's RSS when it is quiet: the least of three reads after the idle heap
-    trim (runtimes.memory.TRIM_EVERY_NS) has had its turn."""
+    trim (runtimes.heap.TRIM_EVERY_NS) has had its turn."""
     time.sleep(1.5)
     reads = []
     for _ in range(3):

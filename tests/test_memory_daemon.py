@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from fleet.runtimes.memory import estimate_footprint
+from fleet.runtimes.footprint import estimate_footprint
 from tests.conftest import DaemonProc, default_model_dir, start_daemon
 
 pytestmark = pytest.mark.slow

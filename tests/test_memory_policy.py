@@ -18,10 +18,11 @@ from fleet.daemon.commands import choose_worker, device_room
 from fleet.pins import PinStore
 from fleet.errors import BadRequest, ModelLoadFailed, ModelTooLarge, Unavailable
 from fleetctl.residency import device_rows
+from fleet.runtimes.device_memory import DeviceMemory, LoadLock, device_budget
+from fleet.runtimes.footprint import RATIO_BOUNDS, Estimates, Footprint, estimate_footprint, weights_bytes
 from fleet.runtimes.memory import (
-    LOAD, RATIO_BOUNDS, TOO_LARGE, WAIT, DeviceMemory, Estimates, Footprint, LoadLock, LoadPlan, ResidentView,
-    device_budget, estimate_footprint, find_model_to_evict, fits_on_device, is_out_of_memory, load_error, plan_load,
-    run_split_on_oom, used_bytes, weights_bytes,
+    LOAD, TOO_LARGE, WAIT, LoadPlan, ResidentView, find_model_to_evict, fits_on_device, is_out_of_memory, load_error,
+    plan_load, run_split_on_oom, used_bytes,
 )
 
 MB = 1 << 20

@@ -21,7 +21,8 @@ from fleet.config import load_settings
 from fleet.protocol import EmbedRequest
 from fleet.local_queue import LocalQueue
 from fleet.control import Command, CommandDone, control_lane
-from fleet.runtimes.memory import DeviceMemory, LoadLock, estimate_footprint
+from fleet.runtimes.device_memory import DeviceMemory, LoadLock
+from fleet.runtimes.footprint import estimate_footprint
 from fleet.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
 from fleet.runtimes.residency import Hosting
 from fleet.runtimes.resolve import store_resolver

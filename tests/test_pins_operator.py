@@ -77,7 +77,7 @@ def test_keep_alive_keeps_a_model_for_the_life_of_the_daemon_only(home: Path) ->
 
 def budget_for_one() -> int:
     """A CPU budget the default model fits in, but not two of its size."""
-    from fleet.runtimes.memory import estimate_footprint
+    from fleet.runtimes.footprint import estimate_footprint
 
     fp = estimate_footprint(default_model_dir(), "sentence-transformers", dtype="float32")
     return fp.activation_bytes + int(1.5 * fp.weights_bytes)

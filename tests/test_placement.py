@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.runtimes.memory import Footprint, ResidentView
+from fleet.runtimes.footprint import Footprint
+from fleet.runtimes.memory import ResidentView
 from fleet.runtimes.placement import (
     ASK_PEERS, ELSEWHERE, LOAD, TOO_LARGE, WAIT, DeviceSnapshot, LaneDemand, decide_load,
 )

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fleet.bench.sim.traffic import SimModel
-from fleet.runtimes.memory import LOAD, Footprint, LoadPlan, ResidentView, eviction_order, plan_load
+from fleet.runtimes.footprint import Footprint
+from fleet.runtimes.memory import LOAD, LoadPlan, ResidentView, eviction_order, plan_load
 
 SLACK_NS = 1_000_000
 #: A resident model's footprint: memory is counted in slots, one model per slot.

@@ -35,7 +35,8 @@ from fleet.bench.sim.traffic import SimModel
 from fleet.config import Settings
 from fleet.local_queue import LocalQueue, QueueFull
 from fleet.runtimes.base import Adapter, ModelSpec
-from fleet.runtimes.memory import DeviceMemory, Footprint
+from fleet.runtimes.device_memory import DeviceMemory
+from fleet.runtimes.footprint import Footprint
 from fleet.runtimes.residency import Hosting
 from fleet.runtimes.worker import WorkerCore
 
