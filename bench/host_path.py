@@ -33,7 +33,7 @@ In one run:
    requests that share the worker's `claimed` stamp ran in one batch).
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.host_path [--clients 16] [--texts 32] [--duration 6]
+  flock /tmp/fleet-bench.lock python -m fleet.bench host-path [--clients 16] [--texts 32] [--duration 6]
       [--device cpu] [--workers 0] [--url URL --model NAME] [--out bench/results/<time>-host-path.json]
 Without --url the bench builds the model, pulls it into a temporary FLEET_HOME
 (`bench.models.make_home`), runs `fleetctl serve` on a free loopback port
@@ -73,6 +73,7 @@ from fleet.bench.knee import CLOSED
 from fleet.bench.targets import request_windows
 from fleet.bench.timeline import HEADER, parse_stamps
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import CLIENTS, DEVICE, DURATION, OUT, URL, UsageError, bench, option
 
 MODEL = "host-path-embed"
 #: A forward that costs next to nothing beside the host's work (gpu_check.BERT_DEFAULTS otherwise).
@@ -511,27 +512,24 @@ def print_report(console: Console, res: dict) -> None:
                   f"{res['load_after'][2]:.2f} ({os.cpu_count()} CPUs)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fleet.bench.host_path", description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--texts", type=int, default=32, help="corpus texts per request")
-    ap.add_argument("--duration", type=float, default=6.0, help="measured seconds (after a 1 s warm-up step)")
-    ap.add_argument("--timeline", type=float, default=2.0, help="seconds of timeline-stamped requests after it")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda:K (the daemon's FLEET_DEVICE)")
-    ap.add_argument("--workers", type=int, default=0, help="FLEET_WORKERS (0: the shipped default)")
-    ap.add_argument("--generators", type=int, default=1, help="load generator processes")
-    ap.add_argument("--url", help="a running daemon on this machine instead of one started here (needs --model)")
-    ap.add_argument("--model", help="the embedder to load with --url")
-    ap.add_argument("--model-dir", type=Path, help="its folder, for token counts (default: all-MiniLM-L6-v2's, "
-                    "the tokenizer the built model has)")
-    ap.add_argument("--forward", metavar="FIXED_US,PER_TOKEN_US",
-                    help="a stand-in forward (bench.stand_in): a GIL-free wait of FIXED_US per forward plus "
-                         "PER_TOKEN_US per padded token, as an accelerator costs the host thread; default: the "
-                         "tiny model's real forward, on this machine's cores")
-    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<time>-host-path.json)")
-    args = ap.parse_args(argv)
+@bench("host-path", CLIENTS.but(default=16), option("--texts", type=int, default=32, help="corpus texts per request"),
+       DURATION.but(default=6.0, help="measured seconds (after a 1 s warm-up step)"),
+       option("--timeline", type=float, default=2.0, help="seconds of timeline-stamped requests after it"),
+       DEVICE.but(help="cpu | cuda:K (the daemon's FLEET_DEVICE)"),
+       option("--workers", type=int, default=0, help="FLEET_WORKERS (0: the shipped default)"),
+       option("--generators", type=int, default=1, help="load generator processes"),
+       URL.but(help="a running daemon on this machine instead of one started here (needs --model)"),
+       option("--model", help="the embedder to load with --url"),
+       option("--model-dir", type=Path, help="its folder, for token counts (default: all-MiniLM-L6-v2's, "
+              "the tokenizer the built model has)"),
+       option("--forward", metavar="FIXED_US,PER_TOKEN_US",
+              help="a stand-in forward (bench.stand_in): a GIL-free wait of FIXED_US per forward plus "
+                   "PER_TOKEN_US per padded token, as an accelerator costs the host thread; default: the "
+                   "tiny model's real forward, on this machine's cores"),
+       OUT.but(help="JSON path (default bench/results/<time>-host-path.json)"))
+def main(args: argparse.Namespace) -> int:
     if args.url and not args.model:
-        ap.error("--url needs --model")
+        raise UsageError("--url needs --model")
     console = Console(width=None if sys.stdout.isatty() else 150)
     minilm = package_model_dir()
     model_dir = args.model_dir or minilm
@@ -545,12 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             if daemon:
                 daemon.stop()
     print_report(console, res)
-    doc = report.document("host-path", "fleet.bench.host_path", argv) | {"device": args.device, "forward": args.forward,
+    doc = report.document("host-path", "fleet.bench", args.argv) | {"device": args.device, "forward": args.forward,
                                                                     "started_daemon": daemon is not None, **res}
     out = report.save(doc, args.out, "host-path")
     Console(stderr=True).print(f"results: {out}")
     return 0 if res["load"]["errors"] == 0 and res["timeline"]["errors"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

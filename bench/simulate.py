@@ -1,7 +1,7 @@
 """Pull vs push at scale, simulated: N GPUs, M models, skewed traffic of small requests.
 
-    flock /tmp/fleet-bench.lock python -m fleet.bench.simulate            # full comparison (a few minutes)
-    python -m fleet.bench.simulate --quick                                # coarse, under a minute
+    flock /tmp/fleet-bench.lock python -m fleet.bench simulate             # full comparison (a few minutes)
+    python -m fleet.bench simulate --quick                                 # coarse, under a minute
 
 Both schedulers drive the same simulated GPUs (`bench.sim.device`: bounded
 resident models, LRU-style eviction, swap cost, batch time a + b*tokens) with
@@ -35,6 +35,7 @@ from fleet.bench.sim.pull import PullSystem
 from fleet.bench.sim.push import PushSystem
 from fleet.bench.sim.step import Recorder, StepOutcome, run_step
 from fleet.bench.sim.traffic import SIZE_CLASSES, TrafficSpec, make_models, make_trace, zipf_weights
+from fleet.bench.cli import OUT, Option, bench, option
 
 RESULTS_DIR = Path(__file__).with_name("results")
 
@@ -335,9 +336,9 @@ def write_json(doc: dict, path: Path | None = None) -> Path:
     return path
 
 
-def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m fleet.bench.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="short steps, coarse ramp (under a minute)")
+def config_options() -> list[Option]:
+    """`--quick`, then one option per Config field (default None: the Config's own)."""
+    options = [option("--quick", action="store_true", help="short steps, coarse ramp (under a minute)")]
     d = Config()
     for name, typ, text in (
         ("seed", int, "trace seed"), ("workers", int, "simulated GPUs"), ("models", int, "models"),
@@ -353,25 +354,26 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         ("refresh-ms", float, "push router's view refresh period"), ("min-rps", float, "lowest load a ramp runs"),
     ):
         default = getattr(d, name.replace("-", "_"))
-        p.add_argument(f"--{name}", type=typ, default=None, help=f"{text} (default {default})")
-    p.add_argument("--sides", default=None, help="comma-separated, from pull, push "
-                                                 f"(default {','.join(d.sides)})")
-    p.add_argument("--carry-state", action="store_true", default=None,
-                   help="keep each side's system across steps (default: a fresh, warmed one per step)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/simulate-<UTC>.json)")
-    p.add_argument("--no-save", action="store_true", help="do not write the JSON record")
-    a = p.parse_args(argv)
+        options.append(option(f"--{name}", type=typ, default=None, help=f"{text} (default {default})"))
+    return [*options,
+            option("--sides", default=None, help=f"comma-separated, from pull, push (default {','.join(d.sides)})"),
+            option("--carry-state", action="store_true", default=None,
+                   help="keep each side's system across steps (default: a fresh, warmed one per step)"),
+            OUT.but(help="JSON path (default bench/results/simulate-<UTC>.json)"),
+            option("--no-save", action="store_true", help="do not write the JSON record")]
+
+
+def config_of(a: argparse.Namespace) -> Config:
     over = {k: v for k, v in vars(a).items()
             if v is not None and k in Config.__dataclass_fields__}
     if a.sides is not None:
         over["sides"] = tuple(x.strip() for x in a.sides.split(",") if x.strip())
-    cfg = Config.quick(**over) if a.quick else Config(**over)
-    return cfg, a
+    return Config.quick(**over) if a.quick else Config(**over)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg, args = parse_args(argv)
+@bench("simulate", *config_options())
+def main(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
     # Short GIL hand-offs: a simulated GPU whose sleep ended must not wait 5 ms for another thread.
     sys.setswitchinterval(0.0002)
     # Piped stdout (a results file, a README): wide enough that no column is cut.
@@ -390,10 +392,6 @@ def main(argv: list[str] | None = None) -> int:
         out.print(f"{pair} at the knee: [bold]{r['throughput_rps']:.2f}x[/] req/s, {r['tokens_per_s']:.2f}x tok/s, "
                   f"p95 {r['p95_ms']:.2f}x{same}")
     if not args.no_save:
-        path = write_json(result_doc(cfg, sides, ["python", "-m", "fleet.bench.simulate", *argv]), args.out)
+        path = write_json(result_doc(cfg, sides, ["python", "-m", "fleet.bench", *args.argv]), args.out)
         err.print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

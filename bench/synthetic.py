@@ -8,7 +8,7 @@ capacity the latency stays flat; above it the queue, and so the latency, grows
 for as long as the overload lasts. That is the sharp knee the knee finder must
 locate.
 
-Run: `python -m fleet.bench.synthetic --capacity 200 [--port 0]`; it prints
+Run: `python -m fleet.bench synthetic --capacity 200 [--port 0]`; it prints
 `listening on 127.0.0.1:PORT` once it accepts connections. Loopback only.
 """
 
@@ -19,6 +19,8 @@ import asyncio
 import sys
 
 import msgspec
+
+from fleet.bench.cli import bench, option
 
 DIM = 384
 
@@ -109,13 +111,10 @@ async def serve(capacity: float, burst: float, latency_ms: float, port: int) -> 
         await srv.serve_forever()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--capacity", type=float, required=True, help="requests/s served at most")
-    ap.add_argument("--burst", type=float, default=None, help="token-bucket burst, requests (default capacity/20)")
-    ap.add_argument("--latency-ms", type=float, default=10.0)
-    ap.add_argument("--port", type=int, default=0)
-    args = ap.parse_args(argv)
+@bench("synthetic", option("--capacity", type=float, required=True, help="requests/s served at most"),
+       option("--burst", type=float, default=None, help="token-bucket burst, requests (default capacity/20)"),
+       option("--latency-ms", type=float, default=10.0), option("--port", type=int, default=0))
+def main(args: argparse.Namespace) -> None:
     burst = args.burst if args.burst is not None else max(1.0, args.capacity / 20.0)
     try:
         import uvloop
@@ -127,7 +126,3 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(args.capacity, burst, args.latency_ms, args.port))
     except KeyboardInterrupt:
         sys.exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ model's own time (tokenize to vectors on the host) and what serving adds around
 it, with the machine's load average before and after.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.timeline [--url URL | --start] [--requests 300]
+  flock /tmp/fleet-bench.lock python -m fleet.bench timeline [--url URL | --start] [--requests 300]
       [--out bench/results/timeline-<time>.json]
 `--start` runs `fleetctl serve` on a free loopback port with a temporary FLEET_HOME
 (the shipped defaults) and stops it (by PID) at the end.
@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -30,9 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.bench import corpus, report
-from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.daemon import daemon_from_args
 from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import DAEMON, OUT, REQUESTS, bench
 
 MODEL = "all-minilm-l6-v2"
 HEADER = "X-Fleet-Timeline"
@@ -107,12 +107,8 @@ def measure(url: str, texts: list[str], requests: int) -> list[dict[str, int]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_daemon_args(ap)
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("timeline", DAEMON, REQUESTS.but(default=300, help="sequential requests, after the warm-up"), OUT)
+def main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
 
     texts = corpus.load()
@@ -145,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
                   f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} ({os.cpu_count()} CPUs)")
 
-    doc = report.document("timeline", "fleet.bench.timeline", argv) | {
+    doc = report.document("timeline", "fleet.bench", args.argv) | {
         "settings": {"url": url, "started_daemon": bool(daemon), "requests": len(rows), "warmup": WARMUP},
         "load_before": load_before, "load_after": load_after,
         "stages": table, "totals": totals,
@@ -153,7 +149,3 @@ def main(argv: list[str] | None = None) -> int:
     out = report.save(doc, args.out, "timeline")
     Console(stderr=True).print(f"results: {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ think time: the sleeper's CPU goes idle), stamps CLOCK_MONOTONIC and wakes it;
 the sleeper stamps when it runs. Reported per mechanism and placement: p50 and
 p90 µs from the wake call to the sleeper running, and the wake call's own µs.
 
-Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.wakeups [--rounds 300] [--gap-ms 12]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench wakeups [--rounds 300] [--gap-ms 12]
        [--out bench/results/<time>-wakeups.json]
 """
 
@@ -27,11 +27,11 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from fleet.bench import report
+from fleet.bench.cli import OUT, ROUNDS, bench, option
 from fleet.local_queue import futex
 
 #: Slots of the shared page: 0 the futex word, 1 the sleeper's stamp, 2 its round count.
@@ -111,12 +111,9 @@ def measure(kind: str, cpus: tuple[int, int] | None, rounds: int, gap_s: float) 
             "wake_call_us": {"p50": float(np.median(call_us)), "p90": float(np.percentile(call_us, 90))}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=300)
-    ap.add_argument("--gap-ms", type=float, default=12.0, help="the waker's idle before each wake-up")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("wakeups", ROUNDS.but(default=300, help="wake-ups per mechanism and placement"),
+       option("--gap-ms", type=float, default=12.0, help="the waker's idle before each wake-up"), OUT)
+def main(args: argparse.Namespace) -> int:
     usable = sorted(os.sched_getaffinity(0))
     placements = [(usable[0], usable[1]), (usable[0], usable[0]), None] if len(usable) > 1 else [None]
     load_before = os.getloadavg()
@@ -128,13 +125,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['wake_to_run_us']['p90']:6.1f}us {r['wake_call_us']['p50']:12.1f}us")
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
-    doc = report.document("wakeups", "fleet.bench.wakeups", argv) | {
+    doc = report.document("wakeups", "fleet.bench", args.argv) | {
         "settings": {"rounds": args.rounds, "gap_ms": args.gap_ms},
         "load_before": load_before, "load_after": load_after, "rows": rows}
     out = report.save(doc, args.out, "wakeups")
     print(f"results: {out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

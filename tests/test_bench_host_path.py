@@ -1,18 +1,19 @@
-"""bench.host_path end to end: it starts its own daemon (the tiny embedder built from a
-config, pulled into a temporary FLEET_HOME), loads it, reads the daemon's processes and
-threads through /proc, and writes its JSON. Small settings: 4 clients for 2 s."""
+"""bench.host_path end to end (`python -m fleet.bench host-path`, in this process): it
+starts its own daemon (the tiny embedder built from a config, pulled into a temporary
+FLEET_HOME), loads it, reads the daemon's processes and threads through /proc, and
+writes its JSON. Small settings: 4 clients for 2 s."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from fleet.bench import host_path
+from fleet.bench import cli
 
 
 def test_the_bench_measures_the_daemons_host_path_and_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "host-path.json"
-    rc = host_path.main(["--clients", "4", "--duration", "2", "--timeline", "1", "--out", str(out)])
+    rc = cli.run(["host-path", "--clients", "4", "--duration", "2", "--timeline", "1", "--out", str(out)])
     doc = json.loads(out.read_text())
     load, cpu, tok, tl = doc["load"], doc["cpu"], doc["tokenizer"], doc["timeline"]
 
@@ -57,7 +58,7 @@ def test_a_stand_in_forward_serves_through_the_product_path(tmp_path: Path) -> N
     # request is still answered through the real API, queue and worker; /v1/ps names
     # the stand-in.
     out = tmp_path / "host-path.json"
-    rc = host_path.main(["--clients", "4", "--duration", "2", "--timeline", "0.5", "--forward", "100,0.5",
+    rc = cli.run(["host-path", "--clients", "4", "--duration", "2", "--timeline", "0.5", "--forward", "100,0.5",
                          "--out", str(out)])
     doc = json.loads(out.read_text())
     assert rc == 0 and doc["forward"] == "100,0.5"

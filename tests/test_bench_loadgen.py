@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def synthetic(capacity: float, burst: float | None = None, latency_ms: float = 10.0) -> Iterator[str]:
-    args = [sys.executable, "-m", "fleet.bench.synthetic", "--capacity", str(capacity), "--latency-ms", str(latency_ms)]
+    args = [sys.executable, "-m", "fleet.bench", "synthetic", "--capacity", str(capacity), "--latency-ms", str(latency_ms)]
     if burst is not None:
         args += ["--burst", str(burst)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -219,13 +219,13 @@ def test_pull_runs_the_real_worker_core_on_simulated_devices():
 def test_quick_run_reports_knees_and_answers_every_request(tmp_path):
     out = tmp_path / "sim.json"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fleet.bench.simulate", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "fleet.bench", "simulate", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert elapsed < 60, f"--quick took {elapsed:.0f} s"
     doc = json.loads(out.read_text())
-    assert doc["kind"] == "simulate" and doc["command"][:3] == ["python", "-m", "fleet.bench.simulate"]
+    assert doc["kind"] == "simulate" and doc["command"][:4] == ["python", "-m", "fleet.bench", "simulate"]
     assert doc["machine"]["cpus_logical"] >= 1 and "numpy" in doc["versions"]
     summary = doc["summary"]
     for name in ("pull", "push"):
