@@ -23,9 +23,14 @@ here expects the caller to hold the queue lock.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 
-from .layout import F_DATA, F_NEXT, F_OWNER, F_PREV, F_STATE, FREE, H_FREE_TOP, H_RESERVED_HEAD, RESERVED, SF
+from .layout import (
+    F_DATA, F_NEXT, F_OWNER, F_PREV, F_STATE, FREE, HOLD_NS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_RESERVED_HEAD,
+    H_SLAB_FREE, RESERVED, SF,
+)
+from .records import QueueFull
 from .slab import NIL, UNIT, order_for
 
 GROUP_BYTES = 64 << 10
@@ -52,7 +57,7 @@ def _plan_blocks(lens: list[int]) -> tuple[list[tuple[int, list[tuple[int, int]]
         groups.append((used, members))
     units = 0
     for nbytes, _ in groups:
-        units += 1 << order_for(nbytes)
+        units += 1 << (((nbytes + UNIT - 1) >> 6) - 1).bit_length()  # slab.order_for, written out (hot)
     return groups, units
 
 
@@ -94,6 +99,58 @@ def _alive(pid: int) -> bool:
 class Blocks:
     """Block allocation, release and reservations for LocalQueue (caller holds the lock)."""
 
+    # -- a put's room --------------------------------------------------------------
+    def _place(self, views: list, lens: list[int], n: int) -> tuple[list[int], list[int]]:
+        """A put of at most COPY_INLINE bytes, in one go under the lock: its payloads
+        planned into blocks, given room (`_room_for_put`), copied in, and one reference
+        per item added: (block, byte offset) per item. The references come before the
+        items' commit; a holder that dies between leaves its mark, and the repair derives
+        them again from the slot records (invariant 3)."""
+        groups, need = _plan_blocks(lens)
+        blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
+        _copy_in(self._data, views, lens, at)
+        R = self._refs
+        for u, k in units:
+            R[u] += k
+        return blocks, at
+
+    def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
+        """Slots and slab blocks for a put (reserved ones if `reserve`), or QueueFull
+        with nothing changed. Puts leave the result reserve and the reservation
+        slots alone, and wait behind a larger put waiting for room (`_hold_for_large`)."""
+        h = self._h
+        top = h[H_FREE_TOP]
+        if top - n - (len(groups) if reserve else 0) < self._slot_reserve:
+            raise QueueFull(f"queue full: {top} free slots, {n} needed")
+        if h[H_SLAB_FREE] - need < self._reserve and not (
+                self._reclaim_dead_reservations() and h[H_SLAB_FREE] - need >= self._reserve):
+            raise QueueFull("queue full: the payload slab is full")
+        until = h[H_HOLD_UNTIL]
+        held = until and until > time.monotonic_ns()
+        if held and groups and max(order_for(nbytes) for nbytes, _ in groups) < h[H_HOLD_ORDER]:
+            raise QueueFull("queue full: a larger payload waits for slab room first")
+        placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
+        if placed is None and self._reclaim_dead_reservations():
+            placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
+        if placed is None:
+            self._hold_for_large(max(order_for(nbytes) for nbytes, _ in groups))
+            raise QueueFull("queue full: no slab block big enough")
+        if held:
+            h[H_HOLD_UNTIL] = 0  # the waiting payload (or a larger one) got its room
+        return placed
+
+    def _hold_for_large(self, order: int) -> None:
+        """A put found free space but no free block of `order` (the slab is fragmented):
+        until HOLD_NS after its last try, smaller puts wait behind it, so the space
+        consumers free merges into a block it can take instead of being taken by
+        small payloads first; large payloads get their turn however many small ones
+        arrive. Claims and acks go on (they free space)."""
+        h = self._h
+        now = time.monotonic_ns()
+        if h[H_HOLD_UNTIL] <= now or order < h[H_HOLD_ORDER]:
+            h[H_HOLD_ORDER] = order
+        h[H_HOLD_UNTIL] = now + HOLD_NS
+
     def _alloc_blocks(self, groups: list, n: int) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
         """Allocate planned blocks: (block, byte offset) per item and [(block, members)],
         or None (nothing allocated). A new block has no reference yet: the caller
@@ -125,6 +182,16 @@ class Blocks:
         R[u] = r
         if not r:
             self._slab.free(u)
+
+    def _let_go_blocks(self, blocks_out: list[int], *, hold: bool) -> list[int]:
+        """Freed records let go of their blocks (NIL: none), each block counted once
+        (`_tally`); with `hold`, each block is kept by a reservation of this process
+        first, for bytes still to be copied out: those slots (else [])."""
+        drops = _tally(blocks_out)
+        drops.pop(NIL, None)
+        held = [self._reserve_block(u) for u in drops] if hold else []
+        self._drop_refs(drops)
+        return held
 
     def _drop_refs(self, drops: dict[int, int]) -> None:
         """Items let go of blocks (block -> count); the last one out frees the block."""

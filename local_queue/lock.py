@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import threading
 from fcntl import LOCK_EX, LOCK_NB, LOCK_UN, flock
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from .layout import H_HOLDER, H_WORK_WAITERS
 from .records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
@@ -20,6 +21,7 @@ from .records import ItemTooLarge, LockBusy, QueueFull, UnknownWorker
 _forks = [0]  # bumped in forked children: a handle must not cross a fork (flock would be shared)
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 _CLEAN_ERRORS = (QueueFull, ItemTooLarge, UnknownWorker, ValueError, KeyError)
+T = TypeVar("T")
 
 
 class LockHolder(Protocol):
@@ -38,19 +40,35 @@ class LockHolder(Protocol):
 
 
 class _Lock:
-    """Context manager for the queue lock (invariants 1 and 4)."""
+    """The queue lock (invariants 1 and 4): a context manager, or `lock(fn, *args)`,
+    which runs `fn(*args)` holding it. With `wait=False` it raises LockBusy instead of
+    waiting, as it does on a thread inside `no_wait()`.
 
-    __slots__ = ("q",)
+    The call form is the request path's (a put, a collect): one call into this module
+    per hold, where `with` makes two (`__enter__`, `__exit__`)."""
 
-    def __init__(self, q: LockHolder) -> None:
+    __slots__ = ("q", "wait")
+
+    def __init__(self, q: LockHolder, *, wait: bool = True) -> None:
         self.q = q
+        self.wait = wait
+
+    def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        self.__enter__()
+        try:
+            out = fn(*args)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
+        self.__exit__(None, None, None)
+        return out
 
     def __enter__(self) -> None:
         q = self.q
         if _forks[0] != q._fork:
             raise RuntimeError("a LocalQueue handle was inherited through fork; attach anew in the child")
         # A thread inside no_wait() gets LockBusy instead of waiting.
-        wait = not (q._nowait_threads and threading.get_ident() in q._nowait_threads)
+        wait = self.wait and not (q._nowait_threads and threading.get_ident() in q._nowait_threads)
         if not q._tlock.acquire(wait):
             raise LockBusy("the queue lock is held by another thread of this process")
         try:

@@ -18,10 +18,10 @@ the slab fragmented makes smaller puts wait behind it until its room merges
 (`_hold_for_large`).
 
 Where the code lives: layout.py (segment layout, record fields, ids),
-lock.py (the lock), blocks.py and slab.py (slab space), lanes.py (lanes and
-the done list), workers.py (worker records, leases, wake-ups), results.py
-(ack, emit, collection), recovery.py (expiry, repair, check). This module is
-the facade: lifecycle, put, cancel, claim and return.
+lock.py (the lock), put.py (put and cancel), blocks.py and slab.py (slab
+space), lanes.py (lanes and the done list), workers.py (worker records, leases,
+wake-ups), results.py (ack, emit, collection), recovery.py (expiry, repair,
+check). This module is the facade: lifecycle, claim and return.
 
 Item life: FREE -> QUEUED (put) -> CLAIMED (claim) -> DONE (ack, or the queue
 completes it with STATUS_EXPIRED / STATUS_POISON) -> FREE (wait_results copies
@@ -140,27 +140,28 @@ import _posixshmem
 import numpy as np
 
 from . import futex
-from .blocks import COPY_INLINE, Blocks, _copy_in, _plan_blocks
+from .blocks import Blocks
 from .layout import (
-    BATCH_KEY, BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, FREE, F_DATA, F_DEADLINE, F_EPOCH, F_FLOW,
-    F_GEN, F_KEY, F_LANE, F_NEXT, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, HOLD_NS, H_DEPTH,
-    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_HOLD_ORDER, H_HOLD_UNTIL, H_MAGIC,
-    H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SEQ, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION,
+    BATCH_SEQ, CLAIMED, DEVICE_BYTES, EPOCH_MASK, EPOCH_SHIFT, F_DATA, F_DEADLINE, F_EPOCH, F_FLOW,
+    F_GEN, F_KEY, F_LANE, F_OWNER, F_PREV, F_RES, F_SEQ, F_STATE, F_TOKENS, GEN_MASK, HDR_FIELDS, H_DEPTH,
+    H_DONE_COUNT, H_DONE_HEAD, H_DONE_TAIL, H_FREE_HEADS, H_FREE_TOP, H_MAGIC,
+    H_MAX_LANES, H_MAX_WORKERS, H_REPAIRS, H_RESERVED_HEAD, H_SLAB_BYTES, H_SLAB_FREE, H_SLOTS, H_VERSION,
     H_WORK_GEN, H_WORK_WAITERS, INFO_BYTES, LF, L_CLAIMED, L_DEPTH, L_HEAD, L_RESULT, L_TAIL, L_TOKENS, L_VTIME, MAGIC,
     MAX_LEASE_MS,
-    NAME_BYTES, QUEUED, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
-    VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _PUT, _layout,
+    NAME_BYTES, RESULT_RESERVE, SF, SLOT_BITS, SLOT_MASK, SLOT_RESERVE, STATUS_EXPIRED, STATUS_POISON,
+    VERSION, WF, WORKER_BITS, W_CLAIMED, W_LEASE_MS, put_id, _CLAIM, _HEAD, _NAME_RE, _layout,
     _open_segment,
 )
 from .lanes import Lanes
 from .lock import _forks, _Lock
+from .put import Producer
 from .records import (
     Claim, Done, ItemTooLarge, LaneStats, LockBusy, QueueError, QueueFull, QueueUsage, UnknownWorker,
     WorkerInfo, _new_tuple,
 )
 from .recovery import Recovery
 from .results import Results
-from .slab import MAX_ORDERS, NIL, UNIT, Slab, order_for
+from .slab import MAX_ORDERS, NIL, UNIT, Slab
 from .workers import Workers
 
 # What `from local_queue.queue import ...` has always offered its users.
@@ -171,7 +172,7 @@ __all__ = [
 ]
 
 
-class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
+class LocalQueue(Producer, Lanes, Blocks, Workers, Results, Recovery):
     """Handle on a shared queue. Thread-safe; one handle per process (spawn, not fork)."""
 
     # -- lifecycle ---------------------------------------------------------------
@@ -233,6 +234,7 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         self._fork = _forks[0]
         self._tlock = threading.Lock()
         self._lock = _Lock(self)
+        self._try_lock = _Lock(self, wait=False)
         buf = shm.buf
         h = buf[:HDR_FIELDS * 8].cast("q")
         if not owner and (h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION):
@@ -377,208 +379,6 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
             return QueueUsage(self._nslots, h[H_FREE_TOP], len(self._data), h[H_SLAB_FREE] * UNIT,
                               h[H_DONE_COUNT], h[H_REPAIRS])
 
-    # -- producer ----------------------------------------------------------------
-    def put(self, lane: int, payload: bytes | memoryview, *, tokens: int, request_id: int,
-            deadline_ns: int = 0, batch: bool = False, flow: int = 0) -> int:
-        return self.put_many(lane, [payload], tokens=[tokens], request_ids=[request_id],
-                             deadline_ns=deadline_ns, batch=batch, flow=flow)[0]
-
-    def put_many(self, lane: int, payloads: list, *, tokens: list[int], request_ids: list[int],
-                 deadline_ns: int = 0, batch: bool = False, flow: int = 0) -> list[int]:
-        """Enqueue in `lane`, all or nothing (QueueFull leaves the queue unchanged):
-        interactive items at their flow's fair place (`flow`: who sent them, e.g. a
-        client, >= 0; invariant 2; their claims carry it), batch items (`batch`) at
-        its tail, behind everything."""
-        n = len(payloads)
-        if len(tokens) != n or len(request_ids) != n:
-            raise ValueError("payloads, tokens and request_ids differ in length")
-        # Checked up front: a bad value inside the commit loop would leave a prefix queued.
-        if n and not (0 <= min(tokens) and max(tokens) < 1 << 40 and -(1 << 63) <= min(request_ids)
-                      and max(request_ids) < 1 << 63 and 0 <= deadline_ns < 1 << 63 and 0 <= flow < 1 << 63):
-            raise ValueError("tokens must be in [0, 2**40), request ids, deadline_ns and flow int64")
-        self._check_lane(lane)
-        views, lens, limit = [], [], self._slab.max_bytes()
-        for p in payloads:
-            if type(p) is not bytes:
-                p = memoryview(p).cast("B")
-            ln = len(p)
-            if ln > limit:
-                raise ItemTooLarge(f"payload of {ln} bytes exceeds the queue's largest block ({limit})")
-            views.append(p)
-            lens.append(ln)
-        groups, need = _plan_blocks(lens)
-        data, h = self._data, self._h
-        if sum(lens) <= COPY_INLINE:
-            with self._lock:
-                blocks, at, units = self._room_for_put(groups, need, n, reserve=False)
-                _copy_in(data, views, lens, at)
-                ids, waiters = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, batch,
-                                              flow)
-                self._add_refs(units)
-        else:
-            # Reserve, copy outside the lock, commit (invariant 8): a large body
-            # never stalls the workers and the daemon while it is copied.
-            if self._nowait_threads and threading.get_ident() in self._nowait_threads:
-                raise LockBusy("a large put copies outside the lock: not on a thread that must not wait")
-            with self._lock:
-                blocks, at, units, held = self._room_for_put(groups, need, n, reserve=True)
-            try:
-                _copy_in(data, views, lens, at)
-                with self._lock:
-                    if h[H_FREE_TOP] - n < self._slot_reserve:
-                        raise QueueFull(f"queue full: {h[H_FREE_TOP]} free slots, {n} needed")
-                    ids, waiters = self._commit_put(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at,
-                                                  batch, flow)
-                    self._add_refs(units)
-                    for s in held:
-                        self._release(s)
-                    held = []
-            finally:
-                if held:
-                    with self._lock:
-                        for s in held:
-                            self._release(s)
-        self._wake_work(waiters)
-        return ids
-
-    def _room_for_put(self, groups: list, need: int, n: int, *, reserve: bool) -> tuple:
-        """Slots and slab blocks for a put (reserved ones if `reserve`), or QueueFull
-        with nothing changed. Puts leave the result reserve and the reservation
-        slots alone, and wait behind a larger put waiting for room (`_hold_for_large`)."""
-        h = self._h
-        top = h[H_FREE_TOP]
-        if top - n - (len(groups) if reserve else 0) < self._slot_reserve:
-            raise QueueFull(f"queue full: {top} free slots, {n} needed")
-        if h[H_SLAB_FREE] - need < self._reserve and not (
-                self._reclaim_dead_reservations() and h[H_SLAB_FREE] - need >= self._reserve):
-            raise QueueFull("queue full: the payload slab is full")
-        until = h[H_HOLD_UNTIL]
-        held = until and until > time.monotonic_ns()
-        if held and groups and max(order_for(nbytes) for nbytes, _ in groups) < h[H_HOLD_ORDER]:
-            raise QueueFull("queue full: a larger payload waits for slab room first")
-        placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
-        if placed is None and self._reclaim_dead_reservations():
-            placed = self._reserve_blocks(groups, n) if reserve else self._alloc_blocks(groups, n)
-        if placed is None:
-            self._hold_for_large(max(order_for(nbytes) for nbytes, _ in groups))
-            raise QueueFull("queue full: no slab block big enough")
-        if held:
-            h[H_HOLD_UNTIL] = 0  # the waiting payload (or a larger one) got its room
-        return placed
-
-    def _hold_for_large(self, order: int) -> None:
-        """A put found free space but no free block of `order` (the slab is fragmented):
-        until HOLD_NS after its last try, smaller puts wait behind it, so the space
-        consumers free merges into a block it can take instead of being taken by
-        small payloads first; large payloads get their turn however many small ones
-        arrive. Claims and acks go on (they free space)."""
-        h = self._h
-        now = time.monotonic_ns()
-        if h[H_HOLD_UNTIL] <= now or order < h[H_HOLD_ORDER]:
-            h[H_HOLD_ORDER] = order
-        h[H_HOLD_UNTIL] = now + HOLD_NS
-
-    def _commit_put(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                    deadline_ns: int, blocks: list[int], at: list[int], batch: bool,
-                    flow: int) -> tuple[list[int], int]:
-        """Slot records for copied payloads, committed one by one and chained behind
-        the lane's tail when their keys are the lane's largest (a lone flow's puts,
-        batch work); otherwise inserted at their places (`_commit_put_at`).
-        Returns (ids, waiters to wake)."""
-        S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
-        keys = [BATCH_KEY] * n if batch else self._fair_keys(lane, flow, tokens)
-        Lb = lane * LF
-        prev = L[Lb + L_TAIL]
-        if prev != NIL and S[prev * SF + F_KEY] > keys[0]:
-            return self._commit_put_at(lane, n, lens, tokens, request_ids, deadline_ns, blocks, at, keys, flow)
-        pack = _PUT.pack_into
-        ids = []
-        top = h[H_FREE_TOP]
-        now = time.monotonic_ns()
-        seq = h[H_SEQ]
-        flag = BATCH_SEQ if batch else 0
-        for i in range(n):
-            s = stack[top - 1 - i]
-            b = s * SF
-            gen = S[b + F_GEN] % GEN_MASK + 1
-            seq += 1
-            pack(Sb, b * 8 + F_NEXT * 8, NIL, prev, gen, lane, seq | flag, tokens[i], request_ids[i], now,
-                 deadline_ns, 0, blocks[i], lens[i], at[i])
-            S[b + F_KEY], S[b + F_FLOW] = keys[i], flow
-            S[b] = QUEUED  # commit (invariant 3)
-            if prev == NIL:
-                L[Lb + L_HEAD] = s
-            else:
-                S[prev * SF + F_NEXT] = s
-            prev = s
-            ids.append(gen << SLOT_BITS | s)
-        h[H_FREE_TOP] = top - n
-        h[H_SEQ] = seq
-        if n:
-            L[Lb + L_TAIL] = prev
-        L[Lb + L_DEPTH] += n
-        L[Lb + L_TOKENS] += sum(tokens)
-        h[H_DEPTH] += n
-        h[H_WORK_GEN] += 1
-        return ids, h[H_WORK_WAITERS]  # wake every waiter (invariant 5)
-
-    def _commit_put_at(self, lane: int, n: int, lens: list[int], tokens: list[int], request_ids: list[int],
-                       deadline_ns: int, blocks: list[int], at: list[int], keys: list[int],
-                       flow: int) -> tuple[list[int], int]:
-        """`_commit_put` of interactive items that go ahead of the lane's tail (another
-        flow has more queued, or the tail is batch work): committed unlinked, then
-        inserted at their (key, seq) places, walking from the end nearer their keys."""
-        S, Sb, stack, h, L = self._S, self._Sb, self._stack, self._h, self._L
-        pack = _PUT.pack_into
-        ids, placed = [], []
-        top = h[H_FREE_TOP]
-        now = time.monotonic_ns()
-        seq = h[H_SEQ]
-        for i in range(n):
-            s = stack[top - 1 - i]
-            b = s * SF
-            gen = S[b + F_GEN] % GEN_MASK + 1
-            seq += 1
-            pack(Sb, b * 8 + F_NEXT * 8, NIL, NIL, gen, lane, seq, tokens[i], request_ids[i], now,
-                 deadline_ns, 0, blocks[i], lens[i], at[i])
-            S[b + F_KEY], S[b + F_FLOW] = keys[i], flow
-            S[b] = QUEUED  # commit (invariant 3); a repair links it if we die before the insert
-            placed.append((keys[i], seq, s, tokens[i]))
-            ids.append(gen << SLOT_BITS | s)
-        h[H_FREE_TOP] = top - n
-        h[H_SEQ] = seq
-        Lb = lane * LF
-        head_key, tail_key = S[L[Lb + L_HEAD] * SF + F_KEY], S[L[Lb + L_TAIL] * SF + F_KEY]
-        if keys[0] - head_key < min(tail_key, BATCH_KEY) - keys[-1]:
-            self._insert_sorted(lane, placed)
-        else:
-            self._insert_from_tail(lane, placed)
-        h[H_WORK_GEN] += 1
-        return ids, h[H_WORK_WAITERS]
-
-    def cancel(self, item_id: int) -> bool:
-        """Withdraw a request (it timed out, or its client went away). A still-queued
-        item is removed (True; no Done is produced). A claimed one keeps its claim but
-        its deadline becomes 1 ns, long past (False): its worker reads that between
-        steps (`deadlines`) and stops work on it."""
-        s, gen = item_id & SLOT_MASK, (item_id >> SLOT_BITS) & GEN_MASK
-        if s >= self._nslots:
-            return False
-        S, b = self._S, s * SF
-        with self._lock:
-            if S[b + F_GEN] != gen:
-                return False
-            if S[b + F_STATE] == CLAIMED:
-                S[b + F_DEADLINE] = 1
-                return False
-            if S[b + F_STATE] != QUEUED:
-                return False
-            self._unlink(s)
-            S[b + F_STATE] = FREE  # commit
-            self._free_data(s)
-            self._push_free_slot(s)
-            return True
-
     # -- consumer ----------------------------------------------------------------
     def deadlines(self, item_ids: list[int]) -> list[int]:
         """The deadline now (monotonic ns, 0 = none) of each item this worker holds
@@ -598,8 +398,8 @@ class LocalQueue(Lanes, Blocks, Workers, Results, Recovery):
         STATUS_EXPIRED instead."""
         if max_items < 1 or not 0 <= lease_ms < MAX_LEASE_MS:
             raise ValueError(f"max_items must be >= 1 and lease_ms in [0, {MAX_LEASE_MS})")
-        if result_bytes is not None and not 0 <= result_bytes <= self._slab.max_bytes():
-            raise ValueError(f"result_bytes must be in [0, {self._slab.max_bytes()}]")
+        if result_bytes is not None and not 0 <= result_bytes <= self._slab.max_bytes:
+            raise ValueError(f"result_bytes must be in [0, {self._slab.max_bytes}]")
         self._check_lane(lane)
         S, Sb, L, Lb, data = self._S, self._Sb, self._L, lane * LF, self._data
         if not L[Lb + L_DEPTH]:

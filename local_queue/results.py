@@ -53,7 +53,7 @@ class Results:
         always has room. A larger one needs a new block: if none is free,
         QueueFull and nothing changed (the worker then acks with a short error,
         which fits)."""
-        results = _as_bytes(items, self._slab.max_bytes(), (STATUS_EXPIRED, STATUS_POISON))
+        results = _as_bytes(items, self._slab.max_bytes, (STATUS_EXPIRED, STATUS_POISON))
         S, Sb, data, h, nslots, R = self._S, self._Sb, self._data, self._h, self._nslots, self._refs
         pack, unpack = _RESULT.pack_into, _HEAD.unpack_from
         # 1. Outside the lock: results that fit their claim's space are copied there.
@@ -249,7 +249,7 @@ class Results:
         be touched, so final acks always find room. After a repair the done list
         is rebuilt by seq, and an item's final result (put seq) may then precede
         its partials: a reader must take the final result as the whole answer."""
-        results = _as_bytes(items, self._slab.max_bytes(), ())
+        results = _as_bytes(items, self._slab.max_bytes, ())
         S, Sb, h, stack, nslots, R = self._S, self._Sb, self._h, self._stack, self._nslots, self._refs
         unpack = _HEAD.unpack_from
         where: list = [None] * len(items)
@@ -323,18 +323,24 @@ class Results:
         an event loop watches it (`add_reader`), then calls `collect`."""
         return self._res_fd
 
-    def collect(self) -> list[Done]:
+    def collect(self, *, wait: bool = True) -> list[Done]:
         """Every result now waiting (copied out, space freed), possibly none; arms the
         wake-up, so the next result after this call makes `results_fd` readable.
+        `wait=False`: LockBusy, with nothing taken, instead of waiting for the lock, as
+        inside `no_wait()` (an event loop's collect).
 
         Meant for one consumer (the daemon); several would split the results."""
         self._drain_wake()
-        with self._lock:
-            if self._late_release:
-                self._release_late()
-            taken = self._take_done() if self._h[H_DONE_COUNT] > 0 else None
-            self._h[H_RES_WAITERS] = 1
-        return self._copied_out(taken) if taken is not None else []
+        taken = (self._lock if wait else self._try_lock)(self._collect_held)
+        return self._copied_out(taken, wait) if taken is not None else []
+
+    def _collect_held(self) -> tuple[list, list[int]] | None:
+        """(Under the lock.) `collect`'s hold: the done list taken, the wake-up armed."""
+        if self._late_release:
+            self._release_late()
+        taken = self._take_done() if self._h[H_DONE_COUNT] > 0 else None
+        self._h[H_RES_WAITERS] = 1
+        return taken
 
     def wait_results(self, timeout_s: float) -> list[Done]:
         """Block until results exist (or `timeout_s` passed: then []); return all of them."""
@@ -377,7 +383,7 @@ class Results:
             except BlockingIOError:  # 64 KiB of unread wake-ups: the consumer will wake anyway
                 pass
 
-    def _copied_out(self, taken: tuple[list, list[int]]) -> list[Done]:
+    def _copied_out(self, taken: tuple[list, list[int]], wait: bool = True) -> list[Done]:
         """Results taken by `_take_done`, their late bytes copied outside the lock."""
         out, held = taken
         if not held:
@@ -387,13 +393,12 @@ class Results:
             return [d if type(d) is Done else _new_tuple(Done, (d[0], d[1], d[2], bytes(data[d[3]:d[3] + d[4]])))
                     for d in out]
         finally:
-            # The results are ours already: a caller inside no_wait() (the event loop)
+            # The results are ours already: a caller that must not wait (the event loop)
             # must not lose them to LockBusy here. Their blocks are let go now if the
             # lock is free, else at the next collect.
             self._late_release.extend(held)
             try:
-                with self._lock:
-                    self._release_late()
+                (self._lock if wait else self._try_lock)(self._release_late)
             except LockBusy:
                 pass
 
@@ -435,9 +440,5 @@ class Results:
         h[H_FREE_TOP] = top
         h[H_DONE_HEAD] = h[H_DONE_TAIL] = NIL
         h[H_DONE_COUNT] = 0
-        drops = _tally(blocks_out)
-        drops.pop(NIL, None)
         # Late copies: each block stays ours (one reservation) until its bytes are out.
-        held = [self._reserve_block(u) for u in drops] if late else []
-        self._drop_refs(drops)
-        return out, held
+        return out, self._let_go_blocks(blocks_out, hold=late)

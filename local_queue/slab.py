@@ -59,7 +59,7 @@ def top_blocks(units: int) -> list[tuple[int, int]]:
 class Slab:
     """Views over the slab's shared state; the caller holds the queue lock."""
 
-    __slots__ = ("units", "top_order", "links", "tags", "heads", "hdr", "free_index")
+    __slots__ = ("units", "top_order", "max_bytes", "links", "tags", "heads", "hdr", "free_index")
 
     def __init__(self, data: memoryview, tags: memoryview, heads: memoryview,
                  hdr: memoryview, free_index: int) -> None:
@@ -70,13 +70,11 @@ class Slab:
         self.hdr = hdr
         self.free_index = free_index
         self.top_order = max(k for _, k in top_blocks(self.units))
+        #: Largest block that could ever be allocated (bytes).
+        self.max_bytes = UNIT << self.top_order
 
     def release_views(self) -> None:
         self.links.release()
-
-    def max_bytes(self) -> int:
-        """Largest block that could ever be allocated."""
-        return UNIT << self.top_order
 
     # -- free lists --------------------------------------------------------------
     def _push(self, k: int, u: int) -> None:

@@ -111,7 +111,8 @@ def test_a_waiter_that_waits_again_cannot_take_another_waiters_wake_up():
 # -- a lock holder dies -------------------------------------------------------------
 
 def _take_lock_tear_and_hang(name: str, conn) -> None:
-    from fleet.local_queue import queue as lq
+    from fleet.local_queue import layout as lq
+    from fleet.local_queue.slab import NIL
 
     q = LocalQueue.attach(name)
     q._lock.__enter__()
@@ -123,7 +124,7 @@ def _take_lock_tear_and_hang(name: str, conn) -> None:
     q._h[lq.H_SEQ] -= 5  # a put that committed items but not yet its seq counter
     q._h[lq.H_RESERVED_HEAD] = 2  # the reservations' list (there is none)
     for k in range(lq.MAX_ORDERS):
-        q._h[lq.H_FREE_HEADS + k] = lq.NIL
+        q._h[lq.H_FREE_HEADS + k] = NIL
     conn.send("holding")
     time.sleep(120)
 
@@ -367,7 +368,7 @@ def test_many_producers_and_consumers_with_kills_deliver_each_item_exactly_once(
 # -- reserve, copy, commit ----------------------------------------------------------
 
 def _put_and_stall_before_commit(name: str, conn, size: int) -> None:
-    from fleet.local_queue import queue as lq
+    from fleet.local_queue import put as lq
 
     copy_in = lq._copy_in
 
