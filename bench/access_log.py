@@ -7,11 +7,12 @@ bench/asgi_cold.py measures the hot route, and the writer thread's part.
    20 ms sleep and a pass over 32 MiB), p50 of 150: what the loop pays per request.
 2. The writer's CPU per line when it writes a batch of queued lines (thread time).
 
-Usage: python -m fleet.bench.access_log
+Usage: python -m fleet.bench access-log
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -20,6 +21,8 @@ import threading
 import time
 
 import numpy as np
+
+from fleet.bench.cli import bench
 
 GAP_S, N, SKIP = 0.02, 150, 20
 
@@ -90,12 +93,9 @@ def _writer_part() -> None:
         print(f"writer, batches of {batch:3}: {statistics.median(runs):.1f} us CPU per line")
 
 
-def main() -> None:
+@bench("access-log")
+def main(args: argparse.Namespace) -> None:
     home = tempfile.mkdtemp(prefix="fleet-access-bench-")
     _log_to_pipe(home)
     asyncio.run(_loop_part(home))
     _writer_part()
-
-
-if __name__ == "__main__":
-    main()

@@ -8,17 +8,20 @@ and through a plain ASGI callable, warm (back to back) and cold (each after a
 `daemon/hot.py` (issue 17): on the 2-vCPU dev box Litestar took 0.04 ms warm
 and 0.32 ms cold, plain ASGI 0.001 and 0.025 ms.
 
-Usage: python -m fleet.bench.asgi_cold
+Usage: python -m fleet.bench asgi-cold
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import time
 
 import numpy as np
 from litestar import Controller, Litestar, Request, Response, post
+
+from fleet.bench.cli import bench
 
 GAP_S, N, SKIP = 0.02, 150, 20
 
@@ -73,5 +76,6 @@ async def _main() -> None:
     print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
 
 
-if __name__ == "__main__":
+@bench("asgi-cold")
+def main(args: argparse.Namespace) -> None:
     asyncio.run(_main())

@@ -1,6 +1,6 @@
 """The API process's memory while a large batch file is uploaded and run (issue 23).
 
-    flock /tmp/fleet-bench.lock python -m fleet.bench.batch_memory [--gib 1] [--line-kib 1024] [--inflight-mib 64]
+    flock /tmp/fleet-bench.lock python -m fleet.bench batch-memory [--gib 1] [--line-kib 1024] [--inflight-mib 64]
 
 Writes a JSONL file of `--gib` GiB (lines of /v1/embeddings requests, each one
 text of about `--line-kib` KiB: the worker reads the first 32 characters per token
@@ -29,6 +29,7 @@ import httpx
 
 from fleet.bench import report
 from fleet.bench.daemon import LocalDaemon
+from fleet.bench.cli import OUT, bench, option
 
 MODEL = "all-minilm-l6-v2"
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -85,13 +86,10 @@ def write_file(path: Path, total_bytes: int, line_bytes: int) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="input file size, GiB")
-    ap.add_argument("--line-kib", type=int, default=1024, help="bytes of text per line, KiB")
-    ap.add_argument("--inflight-mib", type=int, default=None, help="batch_inflight_bytes, MiB (default: shipped)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("batch-memory", option("--gib", type=float, default=1.0, help="input file size, GiB"),
+       option("--line-kib", type=int, default=1024, help="bytes of text per line, KiB"),
+       option("--inflight-mib", type=int, default=None, help="batch_inflight_bytes, MiB (default: shipped)"), OUT)
+def main(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="batch-memory-"))
     path = work / "big.jsonl"
     lines = write_file(path, int(args.gib * (1 << 30)), args.line_kib << 10)
@@ -126,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.stop()
     mib = {phase: {k: round(v / 1024, 1) for k, v in p.items()} for phase, p in peaks.peaks.items()}
     doc = {
-        **report.document("batch_memory", "fleet.bench.batch_memory", argv),
+        **report.document("batch_memory", "fleet.bench", args.argv),
         "input": {"lines": lines, "bytes": size, "line_text_bytes": args.line_kib << 10},
         "settings": env,
         "upload_s": upload_s, "run_s": run_s, "batch": {"status": batch["status"],
@@ -140,7 +138,3 @@ def main(argv: list[str] | None = None) -> int:
                       "api_process_peak_mib": mib}, indent=1))
     print(f"results: {out}", file=sys.stderr)
     return 0 if batch["status"] == "completed" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Batch work below interactive work (issue 23, deliverable 2), measured in one run.
 
-    flock /tmp/fleet-bench.lock python -m fleet.bench.batch_priority --start [--batch 32] [--min-requests 60]
-    python -m fleet.bench.batch_priority --url http://127.0.0.1:7744
+    flock /tmp/fleet-bench.lock python -m fleet.bench batch-priority --start [--batch 32] [--min-requests 60]
+    python -m fleet.bench batch-priority --url http://127.0.0.1:7744
 
 On the same inputs (the bench corpus, requests of `--batch` inputs to /v1/embed,
 the same windows of texts as `fleetctl bench` sends):
@@ -36,12 +36,14 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.bench import corpus, report
-from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.daemon import daemon_from_args
 from fleet.bench.knee import OPEN
-from fleet.bench.runner import Plan, StepRecord, TargetSpec, bench, open_run, run_step
+from fleet.bench.runner import Plan, StepRecord, TargetSpec, open_run, run_step
+from fleet.bench.runner import bench as bench_targets
 from fleet.bench.sampler import Sampler
 from fleet.bench.targets import request_windows
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import DAEMON, DURATION, OUT, ROUNDS, bench, option
 
 MODEL = "all-minilm-l6-v2"
 GOAL_BATCH_VS_KNEE = 0.9
@@ -106,17 +108,13 @@ def step_doc(rec: StepRecord) -> dict:
             "box": rec.box}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_daemon_args(ap)
-    ap.add_argument("--batch", type=int, default=32, help="inputs per request (and per batch line)")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds per half-knee step, at least")
-    ap.add_argument("--min-requests", type=int, default=60, help="requests per half-knee step, at least")
-    ap.add_argument("--rounds", type=int, default=3, help="half-knee steps without, then with, a batch")
-    ap.add_argument("--alone-s", type=float, default=30.0, help="about how long the batch alone runs")
-    ap.add_argument("--step-s", type=float, default=10.0, help="seconds per step of the knee's ramp")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("batch-priority", DAEMON, option("--batch", type=int, default=32, help="inputs per request (and per batch line)"),
+       DURATION.but(default=20.0, help="seconds per half-knee step, at least"),
+       option("--min-requests", type=int, default=60, help="requests per half-knee step, at least"),
+       ROUNDS.but(help="half-knee steps without, then with, a batch"),
+       option("--alone-s", type=float, default=30.0, help="about how long the batch alone runs"),
+       option("--step-s", type=float, default=10.0, help="seconds per step of the knee's ramp"), OUT)
+def main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     err = Console(stderr=True)
 
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         with Sampler() as sampler:
             # 1. The knee of interactive requests of this shape.
             err.print(f"1. the knee of interactive requests ({args.batch} inputs each) at {url}")
-            [knee_run] = bench([spec], plan, texts, lengths, sampler=sampler)
+            [knee_run] = bench_targets([spec], plan, texts, lengths, sampler=sampler)
             knee = knee_run.knee(plan.criteria)
             if knee.knee is None:
                 raise RuntimeError("no knee: the server failed even at the lowest load")
@@ -202,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                   "p95_ratio_le_1.25": p95_ratio <= GOAL_P95_RATIO},
     }
     doc = {
-        **report.document("batch_priority", "fleet.bench.batch_priority", argv),
+        **report.document("batch_priority", "fleet.bench", args.argv),
         "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
         "settings": {"url": url, "started_daemon": bool(daemon), "batch": args.batch, "duration_s": duration,
                      "min_requests": args.min_requests,
@@ -225,7 +223,3 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     err.print(f"results: {out}")
     return 0 if all(summary["goals"].values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -64,6 +64,8 @@ class Bench:
     run: Callable[[argparse.Namespace], int | None]
     options: tuple[Option, ...]
     module: str = field(default="")
+    #: The line the listing shows; None: the module docstring's first paragraph.
+    summary: str | None = None
 
     @property
     def doc(self) -> str:
@@ -71,8 +73,8 @@ class Bench:
 
     @property
     def purpose(self) -> str:
-        """The module docstring's first paragraph, on one line."""
-        return " ".join(self.doc.strip().split("\n\n")[0].split())
+        """`summary`, else the module docstring's first paragraph, on one line."""
+        return self.summary or " ".join(self.doc.strip().split("\n\n")[0].split())
 
 
 BENCHES: dict[str, Bench] = {}
@@ -98,15 +100,17 @@ DAEMON = (option("--url", default=None, exclusive="daemon",
                  help="start fleetctl serve on a free port for the run"))
 
 
-def bench(name: str, *options: Option | tuple[Option, ...]) -> Callable[[Callable], Callable]:
-    """Register the decorated function as bench `name` with `options` (Options or tuples of them)."""
+def bench(name: str, *options: Option | tuple[Option, ...],
+          summary: str | None = None) -> Callable[[Callable], Callable]:
+    """Register the decorated function as bench `name` with `options` (Options or tuples of
+    them); `summary` for the listing where the module's first line does not say it."""
     flat = tuple(o for item in options for o in (item if isinstance(item, tuple) else (item,)))
 
     def register(fn: Callable[[argparse.Namespace], int | None]) -> Callable:
         if name in BENCHES:
             raise RuntimeError(f"bench {name!r} is registered twice ({BENCHES[name].module}, {fn.__module__}): "
                                "this is a bug")
-        BENCHES[name] = Bench(name, fn, flat, fn.__module__)
+        BENCHES[name] = Bench(name, fn, flat, fn.__module__, summary)
         return fn
 
     return register

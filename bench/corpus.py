@@ -2,7 +2,7 @@
 
 Generated from templates and word lists (no copied text), with a fixed seed, so
 every run and every machine benches the same inputs. `bench/corpus.txt` is the
-shipped output (one text per line); `python -m fleet.bench.corpus` rebuilds it and
+shipped output (one text per line); `python -m fleet.bench corpus` rebuilds it and
 prints its token-length distribution. Lengths are measured with the model's own
 tokenizer (special tokens included, as the model sees them) and texts outside
 [MIN_TOKENS, MAX_TOKENS] are redrawn.
@@ -10,9 +10,12 @@ tokenizer (special tokens included, as the model sees them) and texts outside
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
+
+from fleet.bench.cli import bench
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 SEED = 20261202
@@ -184,11 +187,12 @@ def generate(count_tokens, size: int = SIZE, seed: int = SEED) -> list[str]:
 def load(path: Path = CORPUS_PATH) -> list[str]:
     texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
-        raise RuntimeError(f"{path} is empty; rebuild it with `python -m fleet.bench.corpus`")
+        raise RuntimeError(f"{path} is empty; rebuild it with `python -m fleet.bench corpus`")
     return texts
 
 
-def main() -> None:
+@bench("corpus", summary="Rebuild bench/corpus.txt: a few hundred varied texts, 10-80 tokens each.")
+def main(args: argparse.Namespace) -> None:
     from fleet.bench.tokens import TokenCounter, describe_lengths
 
     counter = TokenCounter.for_default_model()
@@ -196,7 +200,3 @@ def main() -> None:
     CORPUS_PATH.write_text("\n".join(texts) + "\n", encoding="utf-8")
     print(f"wrote {len(texts)} texts to {CORPUS_PATH}", file=sys.stderr)
     print(describe_lengths(counter.count(texts)))
-
-
-if __name__ == "__main__":
-    main()

@@ -142,16 +142,10 @@ class LocalDaemon(Child):
         raise RuntimeError(f"fleetctl serve not ready after {timeout_s:g} s:\n{self.tail()}")
 
 
-def add_daemon_args(ap: argparse.ArgumentParser) -> None:
-    """`--url URL` or `--start`: the daemon a bench script measures."""
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="fleet daemon (default FLEET_URL, else 127.0.0.1:7744)")
-    where.add_argument("--start", action="store_true", help="start fleetctl serve on a free port for the run")
-
-
 def daemon_from_args(args: argparse.Namespace, home: Path | str | None = None) -> tuple[LocalDaemon | None, str]:
-    """(the daemon started for the run, or None; the URL to measure) from `add_daemon_args`'
-    options: with `--start` a LocalDaemon on `home` (a new temp directory by default)."""
+    """(the daemon started for the run, or None; the URL to measure) from the options
+    `bench.cli.DAEMON` declares (`--url URL | --start`): with `--start` a LocalDaemon on
+    `home` (a new temp directory by default)."""
     if args.start:
         daemon = LocalDaemon(home if home is not None else tempfile.mkdtemp(prefix="fleet-bench-home-"))
         return daemon, daemon.url

@@ -19,7 +19,7 @@ Per model, interleaved over `--rounds` rounds (medians reported):
      request on new states: decisions/s (questions answered a second) and p50.
 
 Usage (the measured rounds take /tmp/fleet-bench.lock themselves, see --lock):
-  python -m fleet.bench.decide [--rounds 3] [--duration 8] [--clients 8] [--requests 20] [--state-chars 2000]
+  python -m fleet.bench decide [--rounds 3] [--duration 8] [--clients 8] [--requests 20] [--state-chars 2000]
       [--models tiny,minilm] [--out bench/results/decide.json]
 """
 
@@ -41,6 +41,7 @@ import httpx
 
 from fleet.bench.corpus import CORPUS_PATH
 from fleet.bench.daemon import LocalDaemon
+from fleet.bench.cli import CLIENTS, DURATION, LOCK, OUT, REQUESTS, ROUNDS, THREADS, bench, option
 
 TEAMS = ["Billing", "Technical", "Sales"]
 QUESTIONS = [f"Which team should handle message {k}?" for k in range(8)]
@@ -154,19 +155,10 @@ def throughput(url: str, model: str, states: States, clients: int, duration: flo
             "errors": errors[0]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=20, help="requests of each kind per latency round")
-    ap.add_argument("--state-chars", type=int, default=2000, help="characters of each state (~a page)")
-    ap.add_argument("--models", default="tiny,minilm")
-    ap.add_argument("--threads", default="2", help="FLEET_CPU_THREADS of the worker")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--lock", default="/tmp/fleet-bench.lock",
-                    help="file flock'ed around the measured rounds only (building and loading run before); '' for none")
-    args = ap.parse_args(argv)
+@bench("decide", ROUNDS, DURATION, CLIENTS, REQUESTS.but(help="requests of each kind per latency round"),
+       option("--state-chars", type=int, default=2000, help="characters of each state (~a page)"),
+       option("--models", default="tiny,minilm"), THREADS.but(type=str, default="2"), OUT, LOCK)
+def main(args: argparse.Namespace) -> int:
 
     sizes = [s for s in args.models.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-decide-"))
@@ -209,7 +201,3 @@ def main(argv: list[str] | None = None) -> int:
                                         "cpu_count": os.cpu_count(), "loadavg_end": load, "rounds": rounds,
                                         "summary": summary}, indent=2, default=str))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

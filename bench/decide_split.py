@@ -11,7 +11,7 @@ characters (bench.decide's states and questions), on bench.decide's MiniLM-size 
     positions: what a forward costs whatever it reads (its weights streamed once).
 
 Usage:
-  python -m fleet.bench.decide_split [--state-chars 400] [--requests 15] [--folder DIR]
+  python -m fleet.bench decide-split [--state-chars 400] [--requests 15] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.bench.decide import QUESTIONS, TEAMS, States, build
+from fleet.bench.cli import REQUESTS, bench, option
 
 
 def cpu_ms(run: Callable[[], Any]) -> float:
@@ -33,12 +34,9 @@ def cpu_ms(run: Callable[[], Any]) -> float:
     return (time.process_time() - t0) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--state-chars", type=int, default=400)
-    ap.add_argument("--requests", type=int, default=15)
-    ap.add_argument("--folder", type=Path, default=None, help="the model's folder (built there when empty)")
-    args = ap.parse_args()
+@bench("decide-split", option("--state-chars", type=int, default=400), REQUESTS.but(default=15),
+       option("--folder", type=Path, default=None, help="the model's folder (built there when empty)"))
+def main(args: argparse.Namespace) -> None:
 
     import torch
 
@@ -97,7 +95,3 @@ def main() -> None:
             ms = statistics.median(cpu_ms(lambda ids=ids: model(input_ids=ids, use_cache=False, logits_to_keep=2))
                                    for _ in range(args.requests))
             print(f"  forward of {n} tokens: {ms:.1f}")
-
-
-if __name__ == "__main__":
-    main()

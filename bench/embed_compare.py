@@ -19,7 +19,7 @@ across rounds.
 Tokens are counted with the model's tokenizer up front (bench/tokens.py).
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.embed_compare [--url URL | --start] [--rounds 3]
+  flock /tmp/fleet-bench.lock python -m fleet.bench embed-compare [--url URL | --start] [--rounds 3]
       [--duration 8] [--latency-requests 300] [--out bench/results/embed-compare-<time>.json]
 `--start` runs `fleetctl serve` itself on a free loopback port with a temporary
 FLEET_HOME and stops it (by PID) at the end.
@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -40,12 +39,13 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.bench import corpus, inference_compare, report
-from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.daemon import daemon_from_args
 from fleet.bench.knee import CLOSED
 from fleet.bench.loadgen import Generator, Merged, Setup, StepPlan
 from fleet.bench.sampler import Sampler
 from fleet.bench.st_local import LocalST, STSetup
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import DAEMON, DEVICE, DURATION, OUT, ROUNDS, bench, option
 
 MODEL = "all-minilm-l6-v2"
 BATCH = 32
@@ -94,16 +94,10 @@ def saturate(gen: Generator, duration_s: float, index: int, max_clients: int = 3
     return max(steps, key=lambda s: s["tokens_per_s"]), steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_daemon_args(ap)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--latency-requests", type=int, default=300,
-                    help="alternating pairs (fleet request, in-process encode) per round for the added latency")
-    args = ap.parse_args(argv)
+@bench("embed-compare", DAEMON, ROUNDS, DURATION, OUT, DEVICE,
+       option("--latency-requests", type=int, default=300,
+              help="alternating pairs (fleet request, in-process encode) per round for the added latency"))
+def main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     err = Console(stderr=True)
 
@@ -195,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     doc = {
-        **report.document("embed_compare", "fleet.bench.embed_compare", argv),
+        **report.document("embed_compare", "fleet.bench", args.argv),
         "corpus": report.corpus_doc(corpus.CORPUS_PATH, lengths),
         "tokens": "counted up front with the model's tokenizer.json (special tokens included)",
         "settings": {"url": url, "started_daemon": bool(daemon), "rounds": args.rounds, "duration_s": args.duration,
@@ -233,7 +227,3 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"goal {goal}: {'[green]met[/]' if ok else '[red]missed[/]'}")
     err.print(f"results: {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

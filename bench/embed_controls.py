@@ -24,8 +24,8 @@ difference to `plain`. A prompt costs mostly its tokens in the forward pass
 conversion are numpy over the request's own rows.
 
 Usage:
-  python -m fleet.bench.embed_controls [--reps 300] [--texts 1,32] [--http] [--steps-only] [--out FILE]
-  python -m fleet.bench.embed_controls --int8-quality
+  python -m fleet.bench embed-controls [--reps 300] [--texts 1,32] [--http] [--steps-only] [--out FILE]
+  python -m fleet.bench embed-controls --int8-quality
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from pathlib import Path
 import msgspec
 
 from fleet.bench.tokens import package_model_dir
+from fleet.bench.cli import OUT, bench, option
 
 MODEL = "all-minilm-l6-v2"
 PROMPTS = {"query": "query: "}
@@ -221,15 +222,12 @@ def int8_quality(n: int = 1000) -> dict[str, float]:
             "calibrated_min_cos": round(float(calibrated.min()), 5), "top10_kept": round(float(kept), 3)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=300)
-    parser.add_argument("--texts", default="1,32", help="inputs per request, comma-separated")
-    parser.add_argument("--http", action="store_true", help="also through a daemon over HTTP")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--steps-only", action="store_true", help="only the microsecond steps (no model)")
-    parser.add_argument("--int8-quality", action="store_true", help="only what the fixed int8 range keeps")
-    args = parser.parse_args()
+@bench("embed-controls", option("--reps", type=int, default=300),
+       option("--texts", default="1,32", help="inputs per request, comma-separated"),
+       option("--http", action="store_true", help="also through a daemon over HTTP"), OUT.but(help="the result JSON"),
+       option("--steps-only", action="store_true", help="only the microsecond steps (no model)"),
+       option("--int8-quality", action="store_true", help="only what the fixed int8 range keeps"))
+def main(args: argparse.Namespace) -> None:
     if args.int8_quality:
         print(json.dumps(int8_quality(), indent=1))
         return
@@ -253,7 +251,3 @@ def main() -> None:
                 print(f"  {v:28s} {r['median_ms']:8.3f}  ({r['over_plain_ms']:+.3f}){extra}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

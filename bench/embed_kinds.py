@@ -17,7 +17,7 @@ clients, kinds interleaved over `--rounds` rounds; tokens/s is the server's
 `usage.input_tokens` per second, the median over rounds is reported.
 
 Usage (the measured rounds take /tmp/fleet-bench.lock themselves, see --lock):
-  python -m fleet.bench.embed_kinds [--rounds 3] [--duration 8] [--clients 4]
+  python -m fleet.bench embed-kinds [--rounds 3] [--duration 8] [--clients 4]
       [--clip small|tiny] [--out bench/results/embed-kinds.json]
 """
 
@@ -43,6 +43,7 @@ import numpy as np
 from fleet.bench.corpus import CORPUS_PATH
 from fleet.bench.daemon import LocalDaemon
 from fleet.bench.tokens import package_model_dir
+from fleet.bench.cli import CLIENTS, DURATION, LOCK, OUT, ROUNDS, bench, option
 
 MSGPACK = "application/msgpack"
 DENSE = "all-minilm-l6-v2"
@@ -137,17 +138,9 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: f
             "tokens_per_s": done["tokens"] / elapsed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--clip", choices=("small", "tiny"), default="small")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--lock", default="/tmp/fleet-bench.lock",
-                    help="file flock'ed around the measured rounds only (building and loading models run before); "
-                         "'' for none")
-    args = ap.parse_args(argv)
+@bench("embed-kinds", ROUNDS, DURATION, CLIENTS.but(default=4), option("--clip", choices=("small", "tiny"),
+                                                                     default="small"), OUT, LOCK)
+def main(args: argparse.Namespace) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-kinds-"))
     home = str(work / "home")
@@ -204,7 +197,3 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "dtypes": dtypes,
                                         "summary": summary, "rounds": rounds, "loadavg": os.getloadavg()}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ f32 / bf16 by measurement); one request at a time over HTTP (JSON, keep-alive), 
 models alternating: round trip and the worker's `X-Inference-Ms`, medians.
 
 Needs openvino importable (PYTHONPATH=.venv/openvino: scripts/setup.sh --test).
-Usage: flock /tmp/fleet-bench.lock env PYTHONPATH=.venv/openvino python -m fleet.bench.engines_heads
+Usage: flock /tmp/fleet-bench.lock env PYTHONPATH=.venv/openvino python -m fleet.bench engines-heads
        [--rounds 30] [--out bench/results/engines-heads-<time>.json]
 """
 
@@ -41,6 +41,7 @@ import numpy as np
 from fleet.bench import corpus
 from fleet.bench.daemon import LocalDaemon
 from fleet.bench.tokens import package_model_dir
+from fleet.bench.cli import OUT, ROUNDS, bench
 
 BATCH = 32
 LABELS = ["negative", "neutral", "positive"]
@@ -183,12 +184,9 @@ def through_fleet(folders: dict[str, Path], texts: list[str], rounds: int) -> di
         d.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).with_name("results") / f"engines-heads-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    args = parser.parse_args()
+@bench("engines-heads", ROUNDS.but(default=30),
+       OUT.but(default=Path(__file__).with_name("results") / f"engines-heads-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+def main(args: argparse.Namespace) -> None:
     from fleet.runtimes import openvino
 
     if not openvino.available():
@@ -209,7 +207,3 @@ def main() -> None:
     print(json.dumps({k: v for k, v in doc.items() if k != "fleet"} | {
         "fleet": {k: v for k, v in doc["fleet"].items() if k != "ps"}}, indent=2))
     print(f"written: {args.out}")
-
-
-if __name__ == "__main__":
-    main()

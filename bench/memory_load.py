@@ -1,6 +1,6 @@
 """Model load timings (issue: memory manager), against a real daemon.
 
-    flock /tmp/fleet-bench.lock python -m fleet.bench.memory_load [--repeat 5] [--json]
+    flock /tmp/fleet-bench.lock python -m fleet.bench memory-load [--repeat 5] [--json]
 
 1. In-process phases of one load of all-minilm-l6-v2 (imports already done):
    store open + sha256 verify, SentenceTransformer(), dtype check, warm-up.
@@ -28,6 +28,7 @@ import httpx
 import msgspec
 
 from fleet.bench.daemon import admin_headers
+from fleet.bench.cli import JSON, bench, option
 
 MODEL = "all-minilm-l6-v2"
 TWINS = ("minilm-fp32-a", "minilm-fp32-b")
@@ -74,11 +75,9 @@ def embed_ms(url: str, model: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+@bench("memory-load", option("--repeat", type=int, default=5, help="load cycles and swaps (default %(default)s)"),
+       JSON)
+def main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fleet.runtimes.footprint import estimate_footprint
     from tests.conftest import default_model_dir, start_daemon
@@ -132,7 +131,3 @@ def main() -> None:
     else:
         for key, value in result.items():
             print(key, value)
-
-
-if __name__ == "__main__":
-    main()

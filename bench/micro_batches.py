@@ -10,7 +10,7 @@ per side, medians of `--rounds` interleaved rounds, with the load average.
 A request of 32 random texts in one micro-batch pads 53 % of its forward; cut
 in 8s, 17 % (bench/README, issue 27).
 
-Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.micro_batches [--openvino] [--rounds 3]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench micro-batches [--openvino] [--rounds 3]
        [--out bench/results/<time>-micro-batches.json]
 """
 
@@ -20,23 +20,20 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from fleet.bench import corpus, report
 from fleet.bench.targets import request_windows
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import OUT, ROUNDS, bench, option
 
 TORCH_SIZES, OPENVINO_SIZES = (32, 16, 8, 4), (64, 16, 8)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--openvino", action="store_true", help="also fleet's adapter on OpenVINO bf16")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("micro-batches", option("--openvino", action="store_true", help="also fleet's adapter on OpenVINO bf16"),
+       ROUNDS, OUT)
+def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as fleet's workers and bench/st_local.py
     import torch
     from sentence_transformers import SentenceTransformer
@@ -75,12 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in out.items():
         print(f"{k:28s} median {v['median']:8.0f} tokens/s  runs " + " / ".join(f"{x:.0f}" for x in v["runs"]))
     print(f"load average before {load_before}, after {load_after}")
-    doc = report.document("micro-batches", "fleet.bench.micro_batches", argv) | {
+    doc = report.document("micro-batches", "fleet.bench", args.argv) | {
         "load_before": load_before, "load_after": load_after, "tokens_per_round": tokens, "sides": out}
     path = report.save(doc, args.out, "micro-batches")
     print(f"results: {path}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

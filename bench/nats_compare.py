@@ -19,7 +19,7 @@ core, and the API processes, the generators and nats-server share them too):
 the ratio is reported as measured.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.nats_compare [--threads 1] [--duration 6]
+  flock /tmp/fleet-bench.lock python -m fleet.bench nats-compare [--threads 1] [--duration 6]
       [--rounds 2] [--latency-requests 300] [--max-clients 64] [--out bench/results/nats-compare.json]
 
 --cluster: the same daemons on a three-node NATS cluster (three clustered
@@ -33,7 +33,7 @@ that served them (a reply from B or C is stored in FLEET_REPLIES, 3 copies,
 before A reads it; A's own are handed over in-process), FLEET_REPLIES' bytes
 per reply, and a JetStream publish of a reply-sized message to a 3-copy stream
 against a 1-copy one and a core NATS round trip on the same cluster.
-  flock /tmp/fleet-bench.lock python -m fleet.bench.nats_compare --cluster [--clients 4,16,48]
+  flock /tmp/fleet-bench.lock python -m fleet.bench nats-compare --cluster [--clients 4,16,48]
       [--duration 5] [--rounds 2] [--latency-requests 150] [--out bench/results/nats-compare-r3.json]
 Processes started here are stopped here, by PID.
 """
@@ -64,6 +64,7 @@ from fleet.bench.knee import CLOSED
 from fleet.bench.loadgen import Generator, Setup, StepPlan
 from fleet.bench.peers import free_port
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import DURATION, OUT, ROUNDS, THREADS, bench, option
 
 MODEL = "all-minilm-l6-v2"
 SHORT_TEXTS = 64
@@ -385,18 +386,15 @@ def cluster_main(args, console: Console) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="FLEET_CPU_THREADS per daemon's worker")
-    ap.add_argument("--duration", type=float, default=6.0, help="seconds per throughput step")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per client count (median)")
-    ap.add_argument("--latency-requests", type=int, default=300, help="sequential requests per setup")
-    ap.add_argument("--max-clients", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--cluster", action="store_true",
-                    help="three-node NATS cluster (R3): one, two and three boxes against one daemon alone")
-    ap.add_argument("--clients", default="4,16,48", help="--cluster: closed-loop client counts")
-    args = ap.parse_args(argv)
+@bench("nats-compare", THREADS.but(help="FLEET_CPU_THREADS per daemon's worker"),
+       DURATION.but(default=6.0, help="seconds per throughput step"),
+       ROUNDS.but(default=2, help="rounds per client count (median)"),
+       option("--latency-requests", type=int, default=300, help="sequential requests per setup"),
+       option("--max-clients", type=int, default=64), OUT,
+       option("--cluster", action="store_true",
+              help="three-node NATS cluster (R3): one, two and three boxes against one daemon alone"),
+       option("--clients", default="4,16,48", help="--cluster: closed-loop client counts"))
+def main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     if args.cluster:
         return cluster_main(args, console)
@@ -465,7 +463,3 @@ def main(argv: list[str] | None = None) -> int:
                                         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
         console.print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

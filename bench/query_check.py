@@ -6,11 +6,12 @@ an empty async hook; and, for scale, a whole `GET /healthz` through the
 daemon's Litestar app (no sockets, no lifespan). Best of 7 runs. On the 2-vCPU
 dev box (AMD EPYC Zen 4, load average 2-3): +40 ns, +0.41 us, app ~24 us.
 
-Usage: python -m fleet.bench.query_check
+Usage: python -m fleet.bench query-check
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
@@ -20,6 +21,7 @@ from fleet.daemon.app import create_app
 from fleet.daemon.core import Daemon
 from fleet.daemon.query import declared_query, refuse_undeclared
 from fleet.config import Settings
+from fleet.bench.cli import bench
 
 RUNS, CALLS, REQUESTS = 7, 200_000, 4_000
 
@@ -59,7 +61,7 @@ async def whole_request_us(app) -> float:
     return best
 
 
-async def main() -> None:
+async def _main() -> None:
     app = create_app(Daemon(Settings(home="/nonexistent-fleet-home")))
     check = refuse_undeclared(declared_query(app))
     handler = next(r for r in app.routes if r.path == "/v1/files").route_handler_map["GET"][0]
@@ -70,5 +72,6 @@ async def main() -> None:
     print(f"a whole GET /healthz in process: {await whole_request_us(app):.1f} us")
 
 
-if __name__ == "__main__":
-    asyncio.run(main())
+@bench("query-check")
+def main(args: argparse.Namespace) -> None:
+    asyncio.run(_main())

@@ -20,8 +20,8 @@ Before/after (`--against DIR`): DIR holds another tree's `local_queue/` (e.g.
 this tree (A) and DIR (B) in turn, in fresh processes, A B / B A alternating
 over `--rounds`, and the medians and A/B ratios are printed.
 
-    flock /tmp/fleet-bench.lock python bench/queue_bench.py --repeat 5
-    flock /tmp/fleet-bench.lock python bench/queue_bench.py --against /tmp/q-before --rounds 5 \
+    flock /tmp/fleet-bench.lock python -m fleet.bench queue-bench --repeat 5
+    flock /tmp/fleet-bench.lock python -m fleet.bench queue-bench --against /tmp/q-before --rounds 5 \
         --out bench/results/queue-bench-before-after.json
 """
 
@@ -43,6 +43,8 @@ _LIB = os.environ.get("QUEUE_BENCH_LIB") or os.path.dirname(os.path.dirname(os.p
 sys.path.insert(0, _LIB)
 
 from local_queue import LocalQueue, QueueFull  # noqa: E402
+
+from fleet.bench.cli import JSON, OUT, ROUNDS, bench, option  # noqa: E402
 
 
 def produce(name: str, lane_name: str, start: int, count: int, put_batch: int, payload_bytes: int,
@@ -342,12 +344,12 @@ SHAPES = "1024:1536:1:20000,1024:1536:32:200000,262144:1536:1:4000,262144:1536:3
 
 
 def run_child(lib: str | None, argv: list[str]) -> dict:
-    """This script in a fresh process, against this tree's local_queue (lib None) or lib's."""
+    """This bench in a fresh process, against this tree's local_queue (lib None) or lib's."""
     env = dict(os.environ)
     env.pop("QUEUE_BENCH_LIB", None)
     if lib:
         env["QUEUE_BENCH_LIB"] = lib
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", *argv], env=env, check=True,
+    out = subprocess.run([sys.executable, "-m", "fleet.bench", "queue-bench", "--json", *argv], env=env, check=True,
                          capture_output=True, text=True, timeout=900).stdout
     r = json.loads(out.strip().splitlines()[-1])
     if os.path.realpath(r["lib"]) != os.path.realpath(os.path.join(lib or _LIB, "local_queue")):
@@ -410,26 +412,21 @@ def compare(a: argparse.Namespace) -> dict:
     return {"A": "this tree", "B": a.against, "rounds": a.rounds, "table": table, "raw": {**got, "lone": lone}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--items", type=int, default=300_000)
-    ap.add_argument("--producers", type=int, default=1)
-    ap.add_argument("--consumers", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=32, help="claim max_items (and the return batch)")
-    ap.add_argument("--put-batch", type=int, default=64, help="items per put_many")
-    ap.add_argument("--payload", type=int, default=100, help="payload bytes")
-    ap.add_argument("--result", type=int, default=64, help="result bytes")
-    ap.add_argument("--slots", type=int, default=65536)
-    ap.add_argument("--slab-mb", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3, help="pipeline runs; best and median are reported")
-    ap.add_argument("--return-rounds", type=int, default=5000)
-    ap.add_argument("--lone", type=int, default=2000, help="rounds of the lone path (0: skip)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--against", metavar="DIR", help="compare with DIR/local_queue (see above)")
-    ap.add_argument("--rounds", type=int, default=5, help="--against: rounds of A B (B A) per shape")
-    ap.add_argument("--shapes", default=SHAPES, help="--against: payload:result:batch:items,...")
-    ap.add_argument("--out", help="--against: write the comparison JSON here")
-    a = ap.parse_args()
+@bench("queue-bench", option("--items", type=int, default=300_000), option("--producers", type=int, default=1),
+       option("--consumers", type=int, default=1),
+       option("--batch", type=int, default=32, help="claim max_items (and the return batch)"),
+       option("--put-batch", type=int, default=64, help="items per put_many"),
+       option("--payload", type=int, default=100, help="payload bytes"),
+       option("--result", type=int, default=64, help="result bytes"), option("--slots", type=int, default=65536),
+       option("--slab-mb", type=int, default=64),
+       option("--repeat", type=int, default=3, help="pipeline runs; best and median are reported"),
+       option("--return-rounds", type=int, default=5000),
+       option("--lone", type=int, default=2000, help="rounds of the lone path (0: skip)"), JSON,
+       option("--against", metavar="DIR", help="compare with DIR/local_queue (see above)"),
+       ROUNDS.but(default=5, help="--against: rounds of A B (B A) per shape"),
+       option("--shapes", default=SHAPES, help="--against: payload:result:batch:items,..."),
+       OUT.but(type=str, help="--against: write the comparison JSON here"))
+def main(a: argparse.Namespace) -> None:
     if a.against:
         summary = compare(a)
         for row in summary["table"]:
@@ -468,7 +465,3 @@ def main() -> None:
     if lone:
         print(f"lone path ({a.lone} requests, {a.payload} B / {a.result} B), µs per call: {lone}")
         print(f"lone path across processes: {lone_procs}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Where one `POST /v1/embed` goes in the API process: the project files it enters, in order.
 
 Usage:
-  python -m fleet.bench.request_path [--requests 3] [--json] [--out FILE]
+  python -m fleet.bench request-path [--requests 3] [--json] [--out FILE]
 
 It builds bench.host_path's tiny embedder (one BERT layer, MiniLM's tokenizer), pulls it
 into a temporary FLEET_HOME, and runs the daemon's app in this process the way `fleetctl
@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from fleet.bench.cli import JSON, OUT, REQUESTS, bench, option
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The project's folders (fleet.* and fleetctl); everything else (asyncio, litestar, msgspec) is not a stop.
@@ -182,14 +184,10 @@ class InProcess:
         raise RuntimeError(f"the daemon was not ready in {timeout_s:g} s")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fleet.bench.request_path", description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=3, help="traced requests (after 5 untraced)")
-    ap.add_argument("--texts", type=int, default=4, help="texts per request")
-    ap.add_argument("--json", action="store_true", help="print the JSON document instead of tables")
-    ap.add_argument("--out", type=Path, help="also write the JSON document here")
-    args = ap.parse_args(argv)
-
+@bench("request-path", REQUESTS.but(default=3, help="traced requests (after 5 untraced)"),
+       option("--texts", type=int, default=4, help="texts per request"), JSON,
+       OUT.but(help="also write the JSON document here"))
+def main(args: argparse.Namespace) -> None:
     from fleet.bench import report
     from fleet.bench.host_path import MODEL, build_model
     from fleet.bench.models import make_home
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                      "entries_per_file": dict(per_file.most_common()), "path": [f"{f}:{fn}" for f, fn in stops],
                      "background_stops": len(every) - len(stops),
                      "entries_per_file_all": dict(Counter(f for f, _ in every).most_common())})
-    doc = report.document("request-path", "fleet.bench.request_path", argv if argv is not None else sys.argv[1:]) | {
+    doc = report.document("request-path", "fleet.bench", args.argv) | {
         "requests": runs, "most_entered": max((max(r["entries_per_file"].values()) for r in runs), default=0)}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -247,7 +245,3 @@ def main(argv: list[str] | None = None) -> None:
     print("path:")
     for stop in last["path"]:
         print(f"  {stop}")
-
-
-if __name__ == "__main__":
-    main()

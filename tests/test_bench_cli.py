@@ -178,7 +178,7 @@ def test_no_daemon_is_a_clear_failure():
 @pytest.mark.slow
 def test_embed_compare_measures_all_three_sides_in_one_run(daemon, tmp_path):
     out = tmp_path / "ec.json"
-    r = subprocess.run([sys.executable, "-m", "fleet.bench.embed_compare", "--url", daemon.url, "--rounds", "1",
+    r = subprocess.run([sys.executable, "-m", "fleet.bench", "embed-compare", "--url", daemon.url, "--rounds", "1",
                         "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,11 +13,51 @@ import pytest
 from fleet.bench import cli
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Every module that had its own `main` and argparse before the runner, and the benches
+#: it registers now (fairness's four scenarios are four benches).
+BENCHES = {
+    "access_log": {"access-log"}, "asgi_cold": {"asgi-cold"}, "batch_memory": {"batch-memory"},
+    "batch_priority": {"batch-priority"}, "corpus": {"corpus"}, "decide": {"decide"},
+    "decide_split": {"decide-split"}, "embed_compare": {"embed-compare"}, "embed_controls": {"embed-controls"},
+    "embed_kinds": {"embed-kinds"}, "engines_heads": {"engines-heads"},
+    "fairness": {"fairness-big", "fairness-flood", "fairness-floods", "fairness-burst"},
+    "generate_compare": {"generate-compare"}, "generate_engines": {"generate-engines"},
+    "gpu_check": {"gpu-check"}, "host_path": {"host-path"}, "inference_compare": {"inference-compare"},
+    "memory_load": {"memory-load"}, "micro_batches": {"micro-batches"}, "nats_compare": {"nats-compare"},
+    "query_check": {"query-check"}, "queue_bench": {"queue-bench"}, "request_path": {"request-path"},
+    "saturation": {"saturation"}, "simulate": {"simulate"}, "synthetic": {"synthetic"},
+    "timeline": {"timeline"}, "traced_heads": {"traced-heads"}, "wakeups": {"wakeups"},
+}
+
+
 def runner(*argv: str) -> subprocess.CompletedProcess:
     # A process of its own: listing imports every bench module, and bench.queue_bench
     # puts the repository's root on sys.path (its --against mode) for good.
     return subprocess.run([sys.executable, "-m", "fleet.bench", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_the_runner_lists_every_bench_with_its_purpose() -> None:
+    done = runner("--help")
+    assert done.returncode == 0, done.stderr
+    assert set(cli.MODULES) == set(BENCHES)
+    # A name at 4 spaces; its purpose beside it or wrapped deeper.
+    listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("    ") and line[4] != " "}
+    assert listed == set().union(*BENCHES.values())
+    for line in ("Pull vs push at scale, simulated", "One prepared acceptance run of fleet's GPU path"):
+        assert line in " ".join(done.stdout.split())  # the module docstring's first paragraph
+
+
+def test_no_bench_module_keeps_a_main_of_its_own() -> None:
+    # Every bench module registers through the runner and is listed there. bench.stand_in
+    # stays a process entry (`python -m fleet.bench.stand_in serve`: the daemon
+    # bench.daemon.LocalDaemon starts with a stand-in forward), not a bench.
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        if path.name in ("cli.py", "__main__.py", "stand_in.py"):
+            continue
+        text = path.read_text()
+        assert '__name__ == "__main__"' not in text and "ArgumentParser(" not in text, path.name
+        assert ("\n@bench(" in text) == (path.stem in cli.MODULES), path.name
 
 
 def test_options_that_do_not_go_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

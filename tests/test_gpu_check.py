@@ -24,7 +24,7 @@ PARITY = ["parity/embed", "parity/rerank", "parity/classify", "parity/extract", 
 @pytest.mark.slow
 def test_the_cpu_run_passes_every_check_and_writes_its_json(tmp_path: Path):
     out = tmp_path / "gpu-check.json"
-    done = subprocess.run([sys.executable, "-m", "fleet.bench.gpu_check", "--device", "cpu", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "fleet.bench", "gpu-check", "--device", "cpu", "--out", str(out),
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
