@@ -30,8 +30,8 @@ from typing import TypeVar
 import msgspec
 
 from fleet.errors import FleetError, InferenceFailed, Overloaded, PayloadTooLarge, Timeout, from_code
-from fleet.messages import STATUS_OK, STATUS_PARTIAL, EnvelopeIn, WorkError
-from fleet.daemon import timeline
+from fleet.messages import STATUS_OK, STATUS_PARTIAL, WORKER_STAGES, EnvelopeIn, WorkError
+from fleet.daemon.timeline import STAMPS
 from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, Done, ItemTooLarge, LocalQueue, LockBusy, QueueError, QueueFull
 
 log = logging.getLogger("fleet.daemon")
@@ -230,11 +230,12 @@ class Broker:
         self._items[request_id] = (item_id, model)
         if batch:
             self._batch_items[request_id] = (item_id, time.monotonic_ns())
-        timeline.stamp("put")
+        if (stamps := STAMPS.get()) is not None:  # (daemon.timeline)
+            stamps.append(("put", time.monotonic_ns()))
         try:
             done = await asyncio.wait_for(fut, timeout_s)
-            timeline.stamp("collected", self.collected_ns)
-            timeline.stamp("resumed")
+            if stamps is not None:
+                stamps += (("collected", self.collected_ns), ("resumed", time.monotonic_ns()))
         except TimeoutError:
             # Not started yet: drop it from its lane. Started: its worker stops at its next
             # step (a generation) or finishes, and the result is dropped on arrival.
@@ -254,8 +255,7 @@ class Broker:
         """`LocalQueue.put` as `call` makes it. Cancelled while the queue thread puts (the
         client left meanwhile): the item, once put, is withdrawn, so it never runs unwanted."""
         try:
-            with self.queue.no_wait():
-                return self.queue.put(lane, payload, **kwargs)
+            return self.queue.put(lane, payload, wait=False, **kwargs)
         except LockBusy:
             pass
         fut = self._loop.run_in_executor(  # type: ignore[union-attr]
@@ -294,7 +294,8 @@ class Broker:
                 "it was dropped so it cannot crash more workers"
             )
         env = _envelope.decode(done.result)
-        timeline.worker(env.stamps)
+        if (stamps := STAMPS.get()) is not None:  # the worker's stamps (zeros: stages it did not stamp)
+            stamps += ((stage, ns) for stage, ns in zip(WORKER_STAGES, env.stamps) if ns)
         if done.status != STATUS_OK:
             err = _work_error.decode(env.body)
             raise from_code(err.code, err.message)
@@ -311,8 +312,7 @@ class Broker:
             self._again = True
             return
         try:
-            with self.queue.no_wait():
-                done = self.queue.collect()
+            done = self.queue.collect(wait=False)
         except LockBusy:
             self._collecting = self._loop.run_in_executor(self._queue_thread, self.queue.collect)  # type: ignore[union-attr]
             self._collecting.add_done_callback(self._collected)

@@ -16,6 +16,7 @@ from fleet.protocol import ErrorBody, ErrorReply
 from fleet.daemon import fields
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = frozenset({"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
@@ -54,6 +55,16 @@ def decode(body: bytes, type_: type[T], *, msgpack: bool) -> T:
         return validate(body, type_, msgpack=msgpack)
     except msgspec.ValidationError as exc:
         raise fields.invalid(exc, type_, body, msgpack=msgpack) from None
+
+
+def decode_negotiated(body: bytes, content_type: str | None, accept: str | None, msgpack_type: type[T],
+                      json_type: type[U]) -> tuple[T | U, bool, bool]:
+    """(request, msgpack_in, msgpack_out): the body decoded by its Content-Type
+    (MessagePack as `msgpack_type`, else JSON as `json_type`, as `decode` does) and the
+    reply's format negotiated (`reply_is_msgpack`), in one call: the hot route's way in."""
+    msgpack_in = is_msgpack(content_type)
+    req = decode(body, msgpack_type if msgpack_in else json_type, msgpack=msgpack_in)
+    return req, msgpack_in, reply_is_msgpack(accept, content_type)
 
 
 def decode_lenient(body: bytes, type_: type[T], *, msgpack: bool) -> tuple[T, list[str]]:

@@ -238,10 +238,15 @@ class Daemon:
         return self.cluster is not None and any(name in b["models"] for b in self.cluster.boxes())
 
     def manifest(self, name: str, task: str) -> Manifest:
-        """The stored model `name`, which must serve `task`. Cached; a miss re-reads
-        the store, so a model pulled while the daemon runs is servable at once. An
-        alias is its version for the current request (daemon.aliases)."""
-        name = self.aliases.resolve(name)
+        """The stored model `name`, which must serve `task` (`stored`). An alias is its
+        version for the current request (daemon.aliases)."""
+        return self.stored(self.aliases.resolve(name), task)
+
+    def stored(self, name: str, task: str) -> Manifest:
+        """The stored model `name`, a name already resolved (no alias: the task functions
+        resolve a request's names once, `daemon.aliases.resolved`), which must serve
+        `task`. Cached; a miss re-reads the store, so a model pulled while the daemon
+        runs is servable at once."""
         manifest = self._manifests.get(name)
         if manifest is None:
             try:
@@ -270,6 +275,8 @@ class Daemon:
                      timeout_ms: int | None, on_partial: Callable[[Done], None] | None = None) -> Answer:
         """The one request path every task controller uses: check the model serves
         `task`, queue `payload` (the request as MessagePack), wait, record metrics.
+        `model` is a name resolved once, by the task's function (daemon.aliases.resolved):
+        looked up here as it is, never as an alias again.
         A LoRA adapter's requests queue in its base model's lane: the worker holding
         the base serves every adapter of it in the same batches (runtimes.continuous).
         `on_partial` receives streamed partial results, from whichever box runs it.
@@ -350,7 +357,7 @@ class Daemon:
         try:
             local = True
             try:
-                manifest = self.manifest(model, task)
+                manifest = self.stored(model, task)  # `model` is resolved (`submit`)
                 lane = self.lane_of(manifest)
             except ModelNotFound:
                 if self.cluster is None:

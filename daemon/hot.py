@@ -15,8 +15,10 @@ one (request id, browser guard, auth) see both alike.
 
 Every request passes here, a batch's lines (daemon.batches) and MCP's tool calls too
 (`Daemon.dispatch`), so this is where each gets its view of the alias table
-(daemon.aliases.AliasScope): its aliases resolve once, and its reply names the version
-that served it.
+(daemon.aliases.Resolution): its aliases resolve once, and its reply names the version
+that served it. The app's routes get it from `AliasScope`, which wraps the app; the hot
+route sets its own and names the version in the headers it builds, so a request here
+enters daemon.aliases only to be scoped and to resolve its names.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from litestar import Litestar
 from fleet.errors import FleetError, PayloadTooLarge
 
 from fleet.daemon import codec, timeline
-from fleet.daemon.aliases import AliasScope
+from fleet.daemon.aliases import ALIAS_HEADER, RESOLUTION, VERSION_HEADER, AliasScope, Resolution
 from fleet.daemon.core import Daemon
 from fleet.daemon.http import PRIVATE_PATHS, error_parts
 
@@ -38,8 +40,8 @@ log = logging.getLogger("fleet.daemon")
 
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
-#: (daemon, body, msgpack_in=, msgpack_out=) -> (reply body, reply headers).
-Exchange = Callable[..., Awaitable[tuple[bytes, dict[str, str]]]]
+#: (daemon, body, content_type=, accept=) -> (reply body, reply headers, reply is MessagePack).
+Exchange = Callable[..., Awaitable[tuple[bytes, dict[str, str], bool]]]
 
 _TIMELINE = timeline.HEADER.lower().encode()
 
@@ -55,34 +57,45 @@ class HotRoutes:
         self.app = app
         self.daemon = daemon
         self.exchange = exchange
-        self._scoped = AliasScope(self._route)
+        self._scoped = AliasScope(app)
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
-        await self._scoped(scope, receive, send)
-
-    async def _route(self, scope: Any, receive: Receive, send: Send) -> None:
         # A query string goes the app's way: the route's query check (daemon.query) refuses
         # what it does not declare.
         if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/embed"
                 or scope.get("query_string")):
-            await self.app(scope, receive, send)
+            await self._scoped(scope, receive, send)
             return
+        res = Resolution(scope)
+        token = RESOLUTION.set(res)
+        try:
+            await self._route(scope, receive, send, res)
+        finally:
+            RESOLUTION.reset(token)
+
+    async def _route(self, scope: Any, receive: Receive, send: Send, res: Resolution) -> None:
         headers = dict(scope["headers"])  # lower-cased names (ASGI)
         timeline.begin(headers.get(_TIMELINE))
         content_type = headers.get(b"content-type", b"").decode("latin-1")
-        msgpack_out = codec.reply_is_msgpack(headers.get(b"accept", b"").decode("latin-1"), content_type)
+        accept = headers.get(b"accept", b"").decode("latin-1")
         try:
             body = await read_body(receive, self.daemon.settings.max_body_bytes, headers.get(b"content-length"))
-            content, reply_headers = await self.exchange(self.daemon, body, msgpack_out=msgpack_out,
-                                                         msgpack_in=codec.is_msgpack(content_type))
+            content, reply_headers, msgpack_out = await self.exchange(self.daemon, body, content_type=content_type,
+                                                                      accept=accept)
             status = 200
+            if res.served is not None:  # a success names its version, as AliasScope's replies do
+                reply_headers[VERSION_HEADER] = res.served
+                if res.alias is not None:
+                    reply_headers[ALIAS_HEADER] = res.alias
         except ClientGone:
             return
         except FleetError as exc:
+            msgpack_out = codec.reply_is_msgpack(accept, content_type)
             status, (content, reply_headers) = exc.status, self._error(exc, scope, msgpack_out)
         except Exception as exc:  # the app's `on_unexpected`, for this route
             log.exception("unhandled error on POST /v1/embed")
             err = FleetError(f"internal error: {type(exc).__name__}")
+            msgpack_out = codec.reply_is_msgpack(accept, content_type)
             status, (content, reply_headers) = err.status, self._error(err, scope, msgpack_out)
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", (codec.MSGPACK if msgpack_out else codec.JSON).encode()),

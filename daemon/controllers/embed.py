@@ -4,6 +4,7 @@ and `POST /v1/embeddings` (OpenAI shape, with Jina's `task`)."""
 from __future__ import annotations
 
 import base64
+import time
 
 import msgspec
 from litestar import Controller, Request, Response, post
@@ -21,7 +22,7 @@ from fleet.daemon.controllers.common import with_model
 from fleet.daemon.defaults import default_model
 from fleet.daemon.controllers.tokens import ids_to_texts
 from fleet.daemon.core import Daemon
-from fleet.daemon.http import answer_headers, body_is_msgpack, reply, wants_msgpack
+from fleet.daemon.http import answer_headers, body_is_msgpack, reply
 from fleet.daemon.offload import build_reply
 
 _json = msgspec.json.Encoder().encode
@@ -64,29 +65,33 @@ def image_bytes(index: int, item: ImageInputJson) -> ImageInput:
         raise BadRequest(f"input {index}: `image` is not valid base64") from None
 
 
-async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpack_out: bool,
-                         ) -> tuple[bytes, dict[str, str]]:
-    """`POST /v1/embed`: the reply body and headers for a request body. The one
-    implementation, for the Litestar route and for its plain-ASGI twin (daemon.hot)."""
+async def embed_exchange(daemon: Daemon, body: bytes, *, content_type: str | None, accept: str | None,
+                         ) -> tuple[bytes, dict[str, str], bool]:
+    """`POST /v1/embed`: the reply body, its headers and whether it is MessagePack, for a
+    request body and its Content-Type and Accept. The one implementation, for the
+    Litestar route and for its plain-ASGI twin (daemon.hot)."""
+    # A JSON body with Cohere's `texts` and no `inputs` is Cohere v1's (looked at only
+    # when the native reading fails or finds no inputs).
+    try:
+        req, msgpack_in, msgpack_out = codec.decode_negotiated(body, content_type, accept, EmbedRequest,
+                                                               EmbedRequestJson)
+        if not msgpack_in:
+            req = from_json(req)
+    except BadRequest:
+        if codec.is_msgpack(content_type) or (creq := cohere.v1_body(body)) is None:
+            raise
+        return await cohere_v1(daemon, creq, codec.reply_is_msgpack(accept, content_type))
     if msgpack_in:
-        req = codec.decode(body, EmbedRequest, msgpack=True)
         payload = body
     else:
-        # A body with Cohere's `texts` and no `inputs` is Cohere v1's (looked at only
-        # when the native reading fails or finds no inputs).
-        try:
-            req = from_json(codec.decode(body, EmbedRequestJson, msgpack=False))
-        except BadRequest:
-            if (creq := cohere.v1_body(body)) is None:
-                raise
-            return await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
         if not req.inputs and (creq := cohere.v1_body(body)) is not None:
-            return await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
+            return await cohere_v1(daemon, creq, msgpack_out)
         payload = codec.encode_msgpack(req)
     req, payload = with_model(daemon, "embed", req, payload)
     # Per-token vectors: refused before the work when the reply would be over its bound.
     token_replies.check_before(daemon, req, "raw" if msgpack_out else "json")
-    timeline.stamp("checked")
+    if (stamps := timeline.STAMPS.get()) is not None:
+        stamps.append(("checked", time.monotonic_ns()))
     # MessagePack replies splice the worker's tensor bytes in undecoded (raw).
     res, answer = await tasks.embed(daemon, req, payload, raw=msgpack_out)
     headers = answer_headers(answer)
@@ -101,7 +106,7 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
             content = await build_reply(values, lambda: codec.encode(EmbedTokensReplyJson(
                 req.model, token_replies.encoded_blocks(res, _json), res.shapes, usage), msgpack=False))
             timeline.finish(headers)
-            return content, headers
+            return content, headers, False
     elif req.output == "sparse":
         out = EmbedSparseReply(req.model, res.vectors if msgpack_out else
                                [SparseVector(i, v) for i, v in tasks.sparse_vectors(res)], res.dimension, usage)
@@ -113,10 +118,16 @@ async def embed_exchange(daemon: Daemon, body: bytes, *, msgpack_in: bool, msgpa
         content = await build_reply(vectors.size, lambda: codec.encode(EmbedReplyJson(
             req.model, vectors.tolist(), res.shape, usage, res.dtype, res.dimensions or res.shape[1]), msgpack=False))
         timeline.finish(headers)
-        return content, headers
+        return content, headers, False
     content = codec.encode(out, msgpack=msgpack_out)
     timeline.finish(headers)
-    return content, headers
+    return content, headers, msgpack_out
+
+
+async def cohere_v1(daemon: Daemon, creq: cohere.CohereEmbedRequest, msgpack_out: bool,
+                    ) -> tuple[bytes, dict[str, str], bool]:
+    content, headers = await cohere.exchange_v1(daemon, creq, msgpack_out=msgpack_out)
+    return content, headers, msgpack_out
 
 
 class EmbedController(Controller):
@@ -127,9 +138,9 @@ class EmbedController(Controller):
         # Served by daemon.hot in `fleetctl serve`; this route is the same exchange
         # for the OpenAPI document and for apps built without the hot routes.
         timeline.begin(request.headers.get(timeline.HEADER))
-        msgpack_out = wants_msgpack(request)
-        content, headers = await embed_exchange(daemon, await request.body(), msgpack_out=msgpack_out,
-                                                msgpack_in=body_is_msgpack(request))
+        content, headers, msgpack_out = await embed_exchange(daemon, await request.body(),
+                                                             content_type=request.headers.get("content-type"),
+                                                             accept=request.headers.get("accept"))
         return Response(content=content, media_type=codec.MSGPACK if msgpack_out else codec.JSON, headers=headers)
 
     @post("/embeddings", status_code=200)
