@@ -23,7 +23,8 @@ from fleet.messages import STATUS_ERROR, STATUS_OK, Envelope, WorkError
 from fleet.runtimes.base import Adapter
 from fleet.runtimes.loading import LoadRuns, PendingLoad
 from fleet.runtimes.memory import NotNow
-from fleet.runtimes.residency import PeersAsked, Residency
+from fleet.runtimes.peers import PeersAsked
+from fleet.runtimes.residency import Residency
 
 log = logging.getLogger("fleet.worker")
 

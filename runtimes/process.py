@@ -87,7 +87,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
     from fleet.local_queue import LocalQueue
     from fleet.runtimes.device_memory import LoadLock, device_budget, device_used_bytes
     from fleet.runtimes.policy import paused_ns
-    from fleet.runtimes.residency import Hosting
+    from fleet.runtimes.hosting import Hosting
     from fleet.runtimes.resolve import store_profiles, store_resolver
     from fleet.runtimes.worker import WorkerCore
 

@@ -8,11 +8,14 @@ nothing else loads or frees models here. The step loop (runtimes.worker) asks
 through it. What it needs from the worker is passed in: a `publish` hook
 (the worker's info blob, which peers read to decide their own loads) and an
 `on_unload` hook (continuous batching answers the generation in flight).
+
+Its neighbours: runtimes.hosting (the effects it is built with: sizing, the weights
+check, giving memory back), runtimes.peers (reading the other workers' info blobs,
+asking them to evict), runtimes.placement (the one decision each load attempt applies).
 """
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import time
@@ -21,19 +24,19 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import msgspec
-
-from fleet.control import EVICT, Command, CommandDone, control_lane
+from fleet.control import EVICT, CommandDone, control_lane
 from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
-from fleet.weights import check_weights, refusal
-from fleet.local_queue import QueueFull
 from fleet.runtimes.base import Adapter, ModelSpec, Profile
-from fleet.runtimes.loading import LoadRuns, PendingLoad
 from fleet.runtimes.device_memory import DeviceMemory, LoadLock
-from fleet.runtimes.footprint import Estimates, Footprint, estimate_footprint
+from fleet.runtimes.footprint import Estimates, Footprint
 from fleet.runtimes.heap import return_freed_heap
+from fleet.runtimes.hosting import footprint_from_headers, refuse_mismatched_weights, return_freed_memory
+from fleet.runtimes.loading import LoadRuns, PendingLoad
 from fleet.runtimes.memory import (
-    IDLE_NAP_S, PEER_STALE_NS, RUNTIME_LIBRARIES, NotNow, ResidentView, is_out_of_memory, load_error, used_bytes,
+    IDLE_NAP_S, RUNTIME_LIBRARIES, NotNow, ResidentView, is_out_of_memory, load_error, used_bytes,
+)
+from fleet.runtimes.peers import (
+    PeersAsked, ask_peers_to_evict, await_peer_evictions, peer_infos, peers_used_bytes, read_peers,
 )
 from fleet.runtimes.placement import ASK_PEERS, ELSEWHERE, TOO_LARGE, DeviceSnapshot, LaneDemand, decide_load
 from fleet.runtimes.placement import LOAD as PLACE_LOAD
@@ -42,16 +45,9 @@ from fleet.runtimes.state import NotNowMemo, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode_info = msgspec.msgpack.Decoder().decode
-
 #: Out-of-memory failures in a row while loading one model before its requests are
 #: answered `model_too_large` (until then the memory is taken "for now": they wait).
 MAX_LOAD_OOMS = 3
-#: A worker asks a peer to evict one model at most once per this many seconds.
-PEER_ASK_S = 1.0
-#: How long an explicit load waits for asked peers to drop their idle models.
-PEER_EVICT_WAIT_S = 2.0
 #: Characters of the reason an unservable pin is published with (the info blob is small).
 UNSERVABLE_CHARS = 200
 #: Two looks at a lane further apart than this say nothing about the time between them
@@ -64,66 +60,6 @@ SIZED_KEEP_NS = 10_000_000_000
 #: A lazy load that failed beside serving answers its lane at the lane's next turn within
 #: this long (the step loop looks at the lanes every step); later requests load again.
 FAILED_KEEP_NS = 1_000_000_000
-
-
-class PeersAsked(NotNow):
-    """Idle models of other workers of this device hold the room; their holders were asked to evict them."""
-
-    def __init__(self, message: str, victims: tuple[tuple[int, str], ...]) -> None:
-        super().__init__(message)
-        self.victims = victims
-
-
-def footprint_from_headers(spec: ModelSpec) -> Footprint:
-    """A model's footprint before loading it: its safetensors headers and configs."""
-    return estimate_footprint(
-        spec.path, spec.runtime, task=spec.task, dtype=spec.profile.dtype,
-        max_batch_tokens=spec.profile.max_batch_tokens, max_batch_items=spec.profile.max_batch_items,
-        micro_batch_items=spec.profile.micro_batch_items, max_seq_len=spec.max_seq_len,
-    )
-
-
-def refuse_mismatched_weights(spec: ModelSpec) -> None:
-    """ModelLoadFailed when the weights do not fit the architecture the runtime builds
-    (fleet.weights, checked in this process from the headers): transformers would fill
-    the gaps with random parameters. A model stored before pulls checked this is
-    refused here instead of served."""
-    report = check_weights(spec.path, spec.task, spec.runtime, trust_remote_code=spec.trust_remote_code, here=True)
-    if (why := refusal(report, spec.task, spec.runtime)) is not None:
-        raise ModelLoadFailed(f"cannot load {spec.name!r}: {why}",
-                              hint=f"pull it again from a folder with its own weights (fleetctl pull ... --name "
-                                   f"{spec.name} --force)")
-
-
-def return_freed_memory(device: str) -> None:
-    """Give freed model memory back now, so the next decision reads it as free:
-    models hold reference cycles (gc), torch caches freed CUDA blocks, and the C
-    heap keeps freed host memory (weights under glibc's mmap threshold, a load
-    thread's arena) in the worker's RSS until trimmed (`return_freed_heap`)."""
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
-    return_freed_heap()
-
-
-@dataclass(frozen=True)
-class Hosting:
-    """How a worker hosts models on its device, beside its budget: the effects and
-    bounds its `Residency` is built with (injected: a simulated device sizes models
-    itself and has no allocator)."""
-
-    #: Device budget and live free memory (runtimes.device_memory.device_budget); unlimited when None (bare tests).
-    memory: DeviceMemory | None = None
-    #: How long one model load may take before this worker counts as stuck (Settings.load_timeout_ms).
-    load_timeout_ms: float = 300_000.0
-    #: One load at a time per device, across this daemon's workers (none when None: bare tests).
-    load_lock: LoadLock | None = None
-    #: A model's footprint before it loads (headers).
-    estimate_footprint: Callable[[ModelSpec], Footprint] = footprint_from_headers
-    #: Gives freed device memory back.
-    return_freed: Callable[[str], None] = return_freed_memory
 
 
 @dataclass(kw_only=True)
@@ -314,7 +250,8 @@ class Residency:
         if not look:
             return
         mine = (self.loading_since_ns, self.worker_id)
-        if find_copies(self.peer_infos(), name, announced=mine).holders > find_copies(snap.infos, name).holders:
+        peers = peer_infos(self.queue, self.worker_id)
+        if find_copies(peers, name, announced=mine).holders > find_copies(snap.infos, name).holders:
             self.loading, self.loading_since_ns = "", 0
             self.publish()
             raise self.remember(name, NotNow(f"another worker announced {name} first; it loads it"))
@@ -439,21 +376,8 @@ class Residency:
         return memo
 
     def ask_peers_to_evict(self, victims: tuple[tuple[int, str], ...]) -> None:
-        """Put an `evict` command into each holder's control lane (fleet.control): the
-        holder drops the model only if it is still idle and unpinned. Asked at most once
-        per PEER_ASK_S for one (worker, model); the reply goes to request id 0, which no
-        caller waits on."""
-        now = self.clock_ns()
-        for wid, model in victims:
-            if now - self.asked.get((wid, model), -(1 << 62)) < PEER_ASK_S * 1e9:
-                continue
-            self.asked[(wid, model)] = now
-            log.info("asking worker %d of %s to evict idle %s", wid, self.device, model)
-            try:
-                self.queue.put(self.queue.lane_id(control_lane(wid)), _encode(Command(EVICT, model)), tokens=1,
-                               request_id=0)
-            except QueueFull as exc:  # asked again on a later attempt; the lane waits meanwhile
-                log.warning("cannot ask worker %d to evict %s: %s", wid, model, exc.message)
+        """Ask each holder to evict its idle model (runtimes.peers: at most once per PEER_ASK_S)."""
+        ask_peers_to_evict(self.queue, self.asked, victims, now_ns=self.clock_ns(), device=self.device)
 
     def unload(self, name: str, reason: str = "unload") -> bool:
         """Take `name` off this worker; `reason` (lru: room for another, unload: asked)
@@ -517,13 +441,8 @@ class Residency:
         return CommandDone(EVICT, name, self.device, False)
 
     def await_peer_evictions(self, victims: tuple[tuple[int, str], ...]) -> None:
-        """Wait up to PEER_EVICT_WAIT_S for the asked peers to publish their models gone."""
-        deadline = time.monotonic() + PEER_EVICT_WAIT_S
-        while time.monotonic() < deadline:
-            infos = dict(self.peer_infos())
-            if not any(m in infos.get(w, {}).get("models", {}) for w, m in victims):
-                return
-            time.sleep(IDLE_NAP_S)
+        """Wait up to PEER_EVICT_WAIT_S for the asked peers to publish their models gone (runtimes.peers)."""
+        await_peer_evictions(self.queue, self.worker_id, victims)
 
     # -- what the device holds: own views, peers' blobs, one snapshot ----------
 
@@ -536,10 +455,7 @@ class Residency:
         """The most `adapter`'s requests may reserve now: the device budget less what
         this worker holds besides them and what the other live workers of the device
         publish as used (their reserves included)."""
-        now = time.monotonic_ns()
-        peers = sum(int(_decode_info(w.info).get("used_bytes", 0)) for w in self.queue.workers()
-                    if w.wid != self.worker_id and w.device == self.device and w.info
-                    and now - w.last_heartbeat_ns <= PEER_STALE_NS)
+        peers = peers_used_bytes(self.queue, self.worker_id, self.device)
         return self.memory.budget_bytes - peers - self.used_bytes() + adapter.reserved_bytes()
 
     def _own_views(self, waiting: dict[str, int]) -> list[ResidentView]:
@@ -556,34 +472,12 @@ class Residency:
         workers' info blobs (one read of the worker table), free memory, the lanes."""
         demand = {s.model: LaneDemand(s.depth, s.tokens, s.oldest_enqueue_ns) for s in stats if s.depth}
         waiting = {m: d.depth for m, d in demand.items()}
-        peers: list[ResidentView] = []
-        loading: dict[str, int] = {}
-        infos: list[tuple[int, dict]] = []
-        budget: dict[str, int] = {}
-        used: dict[str, int] = {}
-        now = time.monotonic_ns()
-        for w in self.queue.workers():
-            if w.wid == self.worker_id or not w.info or now - w.last_heartbeat_ns > PEER_STALE_NS:
-                continue
-            info = _decode_info(w.info)
-            infos.append((w.wid, info))
-            if w.device != self.device:
-                budget[w.device] = max(budget.get(w.device, 0), int(info.get("budget_bytes", 0)))
-                used[w.device] = used.get(w.device, 0) + int(info.get("used_bytes", 0))
-                continue
-            act = int(info.get("activation_bytes", 0))
-            for n, m in info.get("models", {}).items():
-                peers.append(ResidentView(n, w.wid, Footprint(int(m.get("bytes", 0)), act), bool(m.get("pinned")),
-                                          float(m.get("last_used", 0.0)), float(m.get("load_ms", 0.0)) / 1e3,
-                                          waiting.get(n, 0), float(m.get("loaded_at", 0.0))))
-            if info.get("loading"):
-                loading[info["loading"]] = w.wid
+        peers = read_peers(self.queue, self.worker_id, self.device, waiting)
         own_costs = {n: LinearCost(*c.fit()) for n, c in self.costs.items() if c.samples >= MIN_SAMPLES}
         now_ns = self.clock_ns()
         return DeviceSnapshot(
             self.worker_id, self.device, self.memory.budget_bytes, self.memory.free_now(),
-            tuple(self._own_views(waiting)), tuple(peers), loading, tuple(infos),
-            {d: budget[d] - used[d] for d in budget}, demand, own_costs,
+            tuple(self._own_views(waiting)), peers.residents, peers.loading, peers.infos, peers.room, demand, own_costs,
             now_ns, time.time(), self.max_wait_ms * 1_000_000,
             {m: since for m, (since, _) in self.track_behind(stats, now_ns).items()},
         )
@@ -603,9 +497,3 @@ class Residency:
         for model in [m for m, (_, last) in seen.items() if last != now_ns]:  # lanes gone from the stats
             del seen[model]
         return seen
-
-    def peer_infos(self) -> list[tuple[int, dict]]:
-        """(wid, decoded info) of the other live workers, every device."""
-        now = time.monotonic_ns()
-        return [(w.wid, _decode_info(w.info)) for w in self.queue.workers()
-                if w.wid != self.worker_id and w.info and now - w.last_heartbeat_ns <= PEER_STALE_NS]

@@ -32,11 +32,12 @@ from fleet.runtimes.base import Adapter, BatchContext, ModelSpec
 from fleet.runtimes.claiming import Claimer
 from fleet.runtimes.commands import serve_control, settle
 from fleet.runtimes.continuous import Round, abort_in_flight, busy_continuous, serve_continuous
+from fleet.runtimes.device_memory import DeviceMemory, LoadLock
 from fleet.runtimes.flows import Flows, Interjection, claim_other, other_first
+from fleet.runtimes.heap import HeapTrim
+from fleet.runtimes.hosting import Hosting
 from fleet.runtimes.info import encode_info, worker_info
 from fleet.runtimes.lora import attach_batch, batch_loras
-from fleet.runtimes.device_memory import DeviceMemory, LoadLock
-from fleet.runtimes.heap import HeapTrim
 from fleet.runtimes.memory import IDLE_NAP_S, NotNow, run_split_on_oom
 from fleet.runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, MICRO_SHARE, MIN_SAMPLES, CostModel,
@@ -44,7 +45,7 @@ from fleet.runtimes.policy import (
     padded_tokens, rows_of, stall_bound_ms,
 )
 from fleet.runtimes.registry import adapter_class
-from fleet.runtimes.residency import Hosting, Residency
+from fleet.runtimes.residency import Residency
 from fleet.runtimes.state import BatchStats, Ledger, Progress, Resident
 
 log = logging.getLogger("fleet.worker")
@@ -95,7 +96,7 @@ class WorkerCore:
     #: The batch or load running now and its bound, for the heartbeat thread (runtimes.process).
     progress: Progress = field(default_factory=Progress)
     clock_ns: Callable[[], int] = time.monotonic_ns
-    #: The device's budget, load bound, load lock and effects (runtimes.residency.Hosting).
+    #: The device's budget, load bound, load lock and effects (runtimes.hosting.Hosting).
     hosting: InitVar[Hosting] = Hosting()
     #: Returns the heap freed by batches to the system while idle.
     trim: HeapTrim = field(default_factory=HeapTrim)

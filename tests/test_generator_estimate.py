@@ -28,7 +28,7 @@ from fleet.catalog import load_catalog
 from fleet.runtimes.base import ModelSpec, Profile
 from fleet.runtimes.footprint import Footprint, decoder_shape, decoder_step, kv_token_bytes
 from fleet.runtimes.memory import TOO_LARGE, plan_load
-from fleet.runtimes.residency import footprint_from_headers
+from fleet.runtimes.hosting import footprint_from_headers
 
 CONFIGS = {k: v for k, v in json.loads((Path(__file__).parent / "data" / "catalog_generators.json").read_text()).items()
            if not k.startswith("_")}

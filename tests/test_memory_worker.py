@@ -24,7 +24,7 @@ from fleet.control import Command, CommandDone, control_lane
 from fleet.runtimes.device_memory import DeviceMemory, LoadLock
 from fleet.runtimes.footprint import estimate_footprint
 from fleet.messages import STATUS_ERROR, STATUS_OK, EnvelopeIn, WorkError
-from fleet.runtimes.residency import Hosting
+from fleet.runtimes.hosting import Hosting
 from fleet.runtimes.resolve import store_resolver
 from fleet.runtimes.worker import WorkerCore
 from tests.conftest import default_model_dir

@@ -37,7 +37,7 @@ from fleet.local_queue import LocalQueue, QueueFull
 from fleet.runtimes.base import Adapter, ModelSpec
 from fleet.runtimes.device_memory import DeviceMemory
 from fleet.runtimes.footprint import Footprint
-from fleet.runtimes.residency import Hosting
+from fleet.runtimes.hosting import Hosting
 from fleet.runtimes.worker import WorkerCore
 
 #: One simulated model's size: a device holds `slots` of them.
