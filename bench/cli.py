@@ -21,7 +21,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ class Bench:
     name: str
     run: Callable[[argparse.Namespace], int | None]
     options: tuple[Option, ...]
-    module: str = field(default="")
+    module: str
     #: The line the listing shows; None: the module docstring's first paragraph.
     summary: str | None = None
 
@@ -89,7 +89,8 @@ ROUNDS = option("--rounds", type=int, default=3, help="rounds; the median is rep
 DURATION = option("--duration", type=float, default=8.0, help="seconds per measurement (default %(default)s)")
 CLIENTS = option("--clients", type=int, default=8, help="closed-loop clients (default %(default)s)")
 REQUESTS = option("--requests", type=int, default=20, help="requests per measurement (default %(default)s)")
-THREADS = option("--threads", type=int, default=1, help="FLEET_CPU_THREADS of the daemon's worker (default %(default)s)")
+THREADS = option("--threads", type=int, default=1,
+                 help="FLEET_CPU_THREADS of the daemon's worker (default %(default)s)")
 URL = option("--url", default=None, help="a running daemon (default: start one)")
 LOCK = option("--lock", default="/tmp/fleet-bench.lock",
               help="file flock'ed around the measured rounds only (building and loading run before); '' for none")
