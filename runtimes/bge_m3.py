@@ -26,22 +26,22 @@ at pull: pulls run in the API process, which never imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fleet.errors import BadRequest, ModelLoadFailed
+from fleet.errors import ModelLoadFailed
 from fleet.messages import SparseEmbedResult, SparseVec, TokenEmbedResult, WorkError
-from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
+from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import flat_inputs, prompt_of, prompted, text_only, too_long
 from fleet.runtimes.dense import finish_dense, too_wide
 from fleet.runtimes.hf_common import (
-    CHECK_SET, Agreement, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long,
-    footprint_bytes, input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound,
-    split_refused, to_device,
+    CHECK_SET, Agreement, DirectTokenizer, choose_dtype, direct_tokenizer, footprint_bytes, load_transformers,
+    max_length, micro_batches, offsets, split_refused, to_device,
 )
 
 #: The head files of a bge-m3 folder, next to config.json (fleet.pull keeps them).
@@ -147,39 +147,27 @@ class BgeM3Embedder(Adapter):
 
     def prompt_of(self, req: EmbedRequest) -> str | WorkError:
         """The text `req` puts before each input ('' = none), or why it cannot."""
-        try:
-            return resolve_prompt(self.spec.name, self.prompts, self.default_prompt, req.prompt, req.prompt_name)
-        except BadRequest as exc:
-            return WorkError(exc.code, exc.message)
+        return prompt_of(self.spec.name, self.prompts, self.default_prompt, req)
 
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
-        if any(x.__class__ is not str for x in req.inputs):
-            return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
-                                            "(runtime clip)")
+        if refused := text_only(self.spec.name, req.inputs):
+            return refused
         prompt = self.prompt_of(req)
         if prompt.__class__ is WorkError:
             return prompt
         if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
             return wide
-        if not req.truncate:
-            texts = prompted(req.inputs, prompt)
-            if over := over_char_bound(self.spec.name, texts, self.max_seq_len):
-                return over
-            lengths = self.direct.lengths(texts) if self.direct is not None else self._own_lengths(texts)
-            too_long = first_too_long(lengths, self.max_seq_len)
-            if too_long is not None:
-                return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        if req.truncate:
+            return None
+        return too_long(self.spec.name, prompted(req.inputs, prompt), self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in prompted(requests[i].inputs, self.prompt_of(requests[i]))],
-                             self.max_seq_len)
-        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        texts, counts = flat_inputs(requests, live, self.max_seq_len, [self.prompt_of(requests[i]) for i in live])
         # 2. One forward per micro-batch; each text gets the output its request asked for.
         wants = np.repeat(np.fromiter((OUTPUTS[requests[i].output] for i in live), dtype=np.int64,
                                       count=len(live)), counts)
@@ -208,6 +196,10 @@ class BgeM3Embedder(Adapter):
 
     def _own_features(self, texts: list[str]) -> Any:
         return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
+
+    def _lengths(self, texts: list[str]) -> Sequence[int]:
+        """Tokens per text with the special tokens, not truncated."""
+        return self.direct.lengths(texts) if self.direct is not None else self._own_lengths(texts)
 
     def _own_lengths(self, texts: list[str]) -> list[int]:
         # verbose=False: counting a text over the limit is the point here, not a reason to warn.
@@ -276,11 +268,6 @@ class BgeM3Embedder(Adapter):
     def unload(self) -> None:
         self.direct = None
         self.model = None
-
-
-def prompted(texts: list[str], prompt: str) -> list[str]:
-    """`texts` with `prompt` in front of each (the same list when there is none)."""
-    return [prompt + t for t in texts] if prompt else texts
 
 
 def lexical_weights(ids: np.ndarray, weights: np.ndarray, keep: np.ndarray, top_k: np.ndarray,

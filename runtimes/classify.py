@@ -24,7 +24,7 @@ length-sorted micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -33,10 +33,10 @@ import numpy as np
 from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import flat_inputs, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
-    input_too_long, labels_agree, load_transformers, max_length, micro_batches, offsets, over_char_bound,
-    split_refused, to_device,
+    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, footprint_bytes, input_too_long, labels_agree,
+    load_transformers, max_length, micro_batches, offsets, split_refused, to_device,
 )
 from fleet.messages import ClassifyResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost
@@ -157,12 +157,7 @@ class SequenceClassifier(LoraHost, Adapter):
 
     def refuse(self, req: ClassifyRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
-        if not req.truncate and (over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len)):
-            return over
-        too_long = None if req.truncate else self._first_too_long(req.inputs)
-        if too_long is not None:
-            return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        return None if req.truncate else too_long(self.spec.name, req.inputs, self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[ClassifyRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that refuse truncation and have an input over the limit fail alone;
@@ -174,8 +169,7 @@ class SequenceClassifier(LoraHost, Adapter):
             live = [i for i in live if not requests[i].candidate_labels]
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
-        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        texts, counts = flat_inputs(requests, live, self.max_seq_len)
         # 2. All texts of the batch in length-sorted micro-batches, each row with its
         #    LoRA adapter (bank slot): logits (n, widest label set of the batch).
         slots = self.row_slots(requests, live, counts)
@@ -323,9 +317,9 @@ class SequenceClassifier(LoraHost, Adapter):
         multi = multi_label if req.multi_label is None else req.multi_label
         return 2 if multi else 1
 
-    def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
-        lengths = self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
-        return first_too_long(lengths, self.max_seq_len)
+    def _lengths(self, inputs: list[str]) -> Sequence[int]:
+        """Tokens per input with the special tokens, not truncated."""
+        return self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
 
     def _own_lengths(self, inputs: list[str]) -> list[int]:
         # verbose=False: counting a text over the limit is the point here, not a reason to warn.

@@ -34,10 +34,11 @@ import numpy as np
 from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import no_prompts
 from fleet.runtimes.dense import finish_dense, too_wide
 from fleet.runtimes.hf_common import (
-    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes,
-    input_too_long, load_transformers, max_length, micro_batches, min_cosine, to_device,
+    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
+    load_transformers, max_length, micro_batches, min_cosine, to_device,
 )
 from fleet.messages import WorkError
 
@@ -127,9 +128,8 @@ class ClipEmbedder(Adapter):
         if req.output != "dense":
             return [], WorkError("bad_request", f"{self.spec.name} gives one dense vector per input "
                                                 f"(output 'dense'), not {req.output!r}")
-        if req.prompt or req.prompt_name is not None:
-            return [], WorkError("bad_request", f"{self.spec.name} (runtime clip) takes no prompts: put the text "
-                                                "you mean in the input")
+        if refused := no_prompts(self.spec.name, self.spec.runtime, req):
+            return [], refused
         if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
             return [], wide
         items: list[Any] = []

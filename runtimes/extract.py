@@ -28,9 +28,10 @@ import numpy as np
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import flat_inputs, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long, labels_agree,
-    load_transformers, max_length, micro_batches, over_char_bound, split_refused, to_device,
+    CHECK_SET, choose_dtype, footprint_bytes, labels_agree, load_transformers, max_length, micro_batches,
+    split_refused, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost
@@ -160,8 +161,7 @@ class TokenClassifier(LoraHost, Adapter):
         results, live = split_refused(requests, self._refusal)
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
-        counts = np.fromiter((len(requests[i].inputs) for i in live), dtype=np.int64, count=len(live))
+        texts, counts = flat_inputs(requests, live, self.max_seq_len)
         # 2. All texts together in length-sorted micro-batches, each row with its LoRA
         #    adapter (bank slot); spans per text.
         spans, tokens = yield from self._extract(texts, self.row_slots(requests, live, counts), ctx=ctx)
@@ -182,14 +182,11 @@ class TokenClassifier(LoraHost, Adapter):
                 f"{self.spec.name} is a token-classification model with fixed entity types ({kinds}); "
                 "`labels` (entity types chosen per request) needs a zero-shot extraction model: omit it",
             )
-        if not req.truncate:
-            if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
-                return over
-            lengths = self.tokenizer(req.inputs, truncation=False, return_length=True)["length"]
-            too_long = first_too_long(lengths, self.max_seq_len)
-            if too_long is not None:
-                return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        return None if req.truncate else too_long(self.spec.name, req.inputs, self.max_seq_len, self._lengths)
+
+    def _lengths(self, inputs: list[str]) -> list[int]:
+        """Tokens per input with the special tokens, not truncated."""
+        return self.tokenizer(inputs, truncation=False, return_length=True)["length"]
 
     def _features(self, texts: list[str]) -> dict[str, Any]:
         features = self.tokenizer(

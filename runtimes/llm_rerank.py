@@ -42,13 +42,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fleet.errors import FleetError, ModelLoadFailed
-from fleet.messages import RerankResult, WorkError
+from fleet.messages import WorkError
 from fleet.protocol import RerankRequest
 from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import rank_into
 from fleet.runtimes.hf_common import (
-    CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long,
-    micro_batches, offsets, over_char_bound, split_refused, to_device, tokenize_probes,
+    CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long, micro_batches,
+    over_char_bound, split_refused, to_device, tokenize_probes,
 )
 
 log = logging.getLogger("fleet.worker")
@@ -389,18 +390,7 @@ class LlmReranker(Adapter):
         # 3. Score them together, length-sorted into micro-batches.
         logits, tokens = yield from self._score(inputs, ctx=ctx)
         # 4. Per request: log-odds or their sigmoid, best first, cut to top_n.
-        activated = 1.0 / (1.0 + np.exp(-logits))
-        starts, ends = offsets(counts)
-        token_sums = np.add.reduceat(tokens, starts)
-        for k, i in enumerate(live):
-            req = requests[i]
-            scores = (logits if req.raw_scores else activated)[starts[k] : ends[k]]
-            order = np.argsort(-scores, kind="stable")
-            if req.top_n is not None:
-                order = order[: req.top_n]
-            results[i] = RerankResult(
-                order.astype("<i4").tobytes(), scores[order].astype("<f4").tobytes(), int(token_sums[k]),
-            )
+        rank_into(results, requests, live, counts, logits, 1.0 / (1.0 + np.exp(-logits)), tokens)
         return results
 
     def _own_features(self, inputs: list[Any]) -> dict[str, Any]:

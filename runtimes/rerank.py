@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,12 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import rank_into, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
-    input_too_long, load_transformers, max_length, micro_batches, offsets, over_char_bound, scores_agree,
-    split_refused, to_device,
+    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, footprint_bytes, load_transformers, max_length,
+    micro_batches, over_char_bound, scores_agree, split_refused, to_device,
 )
-from fleet.messages import RerankResult, WorkError
+from fleet.messages import WorkError
 from fleet.runtimes.lora import Loras, LoraHost
 from fleet.runtimes import engines, openvino, traced
 
@@ -184,13 +184,11 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         if req.instruction is not None:
             return WorkError("bad_request", f"{self.spec.name} is a cross-encoder: it takes no `instruction` "
                                             "(LLM rerankers, runtime llm-rerank, do)")
-        if not req.truncate and (over := over_char_bound(self.spec.name, [req.query], self.max_seq_len, "query")
-                                 or over_char_bound(self.spec.name, req.docs, self.max_seq_len, "document")):
-            return over
-        too_long = None if req.truncate else self._first_too_long(req.query, req.docs)
-        if too_long is not None:
-            return input_too_long(self.spec.name, f"query + document {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        if req.truncate:
+            return None
+        return (over_char_bound(self.spec.name, [req.query], self.max_seq_len, "query")
+                or too_long(self.spec.name, req.docs, self.max_seq_len, lambda docs: self._lengths(req.query, docs),
+                            "document", "query + document"))
 
     def batch(self, requests: list[RerankRequest], ctx: BatchContext) -> Steps:
         # 1. Requests that refuse truncation and have a pair over the limit fail alone.
@@ -210,25 +208,14 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         logits, activated, tokens = yield from self._score(queries, docs, self.row_slots(requests, live, counts),
                                                            ctx=ctx)
         # 4. Per request: its scores (raw or activated), best first, cut to top_n.
-        starts, ends = offsets(counts)
-        token_sums = np.add.reduceat(tokens, starts)
-        for k, i in enumerate(live):
-            req = requests[i]
-            scores = (logits if req.raw_scores else activated)[starts[k] : ends[k]]
-            order = np.argsort(-scores, kind="stable")
-            if req.top_n is not None:
-                order = order[: req.top_n]
-            results[i] = RerankResult(
-                order.astype("<i4").tobytes(), scores[order].astype("<f4").tobytes(), int(token_sums[k]),
-            )
+        rank_into(results, requests, live, counts, logits, activated, tokens)
         return results
 
-    def _first_too_long(self, query: str, docs: list[str]) -> tuple[int, int] | None:
+    def _lengths(self, query: str, docs: list[str]) -> Sequence[int]:
+        """Tokens of `query` with each of `docs` as a pair, special tokens in, not truncated."""
         if self.direct is not None:
-            lengths = self.direct.lengths([(query, d) for d in docs])
-        else:
-            lengths = self._own_lengths([query] * len(docs), docs)
-        return first_too_long(lengths, self.max_seq_len)
+            return self.direct.lengths([(query, d) for d in docs])
+        return self._own_lengths([query] * len(docs), docs)
 
     def _own_lengths(self, queries: list[str], docs: list[str]) -> list[int]:
         # verbose=False: counting a pair over the limit is the point here, not a reason to warn.

@@ -12,20 +12,20 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, nullcontext
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
 
-from fleet.errors import BadRequest, FleetError, ModelLoadFailed
-from fleet.prompts import folder_prompts, prompt_table, resolve_prompt
+from fleet.errors import FleetError, ModelLoadFailed
+from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
+from fleet.runtimes.batching import flat_inputs, prompt_of, prompted, text_only, too_long
 from fleet.runtimes.dense import finish_dense, too_wide
 from fleet.runtimes.hf_common import (
-    CHECK_SET, GRAPH_ROWS, DirectTokenizer, GraphedForward, choose_dtype, cut_to_bound, direct_tokenizer,
-    first_too_long, footprint_bytes, input_too_long, micro_batches, min_cosine, offsets, over_char_bound, pinned,
-    prefetched, split_refused, to_device, tokenize_threads,
+    CHECK_SET, GRAPH_ROWS, DirectTokenizer, GraphedForward, choose_dtype, direct_tokenizer, footprint_bytes,
+    micro_batches, min_cosine, offsets, pinned, prefetched, split_refused, to_device, tokenize_threads,
 )
 from fleet.messages import TokenEmbedResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost
@@ -266,11 +266,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
     def prompt_of(self, req: EmbedRequest) -> str | WorkError:
         """The text `req` puts before each input ('' = none), or why it cannot."""
-        try:
-            prompt = resolve_prompt(self.spec.name, self.prompts, self.default_prompt, req.prompt, req.prompt_name)
-        except BadRequest as exc:
-            return WorkError(exc.code, exc.message)
-        if prompt and self.chat_inputs:
+        prompt = prompt_of(self.spec.name, self.prompts, self.default_prompt, req)
+        if prompt.__class__ is str and prompt and self.chat_inputs:
             return WorkError("bad_request", f"{self.spec.name} reads its inputs as chat messages; fleet applies "
                                             "no prompts to it")
         return prompt
@@ -280,9 +277,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if req.output == "sparse":
             return WorkError("bad_request", f"{self.spec.name} gives dense or per-token vectors; output 'sparse' "
                                             "needs a SPLADE model (runtime splade)")
-        if any(x.__class__ is not str for x in req.inputs):
-            return WorkError("bad_request", f"{self.spec.name} embeds text only; images need an image model "
-                                            "(runtime clip)")
+        if refused := text_only(self.spec.name, req.inputs):
+            return refused
         prompt = self.prompt_of(req)
         if prompt.__class__ is WorkError:
             return prompt
@@ -290,13 +286,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             return wide
         if req.truncate:
             return None
-        texts = prompted(req.inputs, prompt)
-        if over := over_char_bound(self.spec.name, texts, self.max_seq_len):
-            return over
-        too_long = self._first_too_long(texts)
-        if too_long is not None:
-            return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        return too_long(self.spec.name, prompted(req.inputs, prompt), self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer (images, sparse, too long with
@@ -306,9 +296,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             return results
         # Each text with its request's prompt in front, tokenized together (as sentence-transformers does).
         prompts = [self.prompt_of(requests[i]) for i in live]
-        texts = cut_to_bound([t for i, p in zip(live, prompts) for t in prompted(requests[i].inputs, p)],
-                             self.max_seq_len)
-        counts = [len(requests[i].inputs) for i in live]
+        texts, counts = flat_inputs(requests, live, self.max_seq_len, prompts)
         prompt_tokens = None
         if self.exclude_prompt and any(prompts):
             prompt_tokens = np.repeat(np.fromiter(map(self._prompt_length, prompts), dtype=np.int64,
@@ -352,9 +340,9 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
             self._prompt_lengths[prompt] = length
         return length
 
-    def _first_too_long(self, inputs: list[str]) -> tuple[int, int] | None:
-        lengths = self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
-        return first_too_long(lengths, self.max_seq_len)
+    def _lengths(self, inputs: list[str]) -> Sequence[int]:
+        """Tokens per input with the special tokens, not truncated."""
+        return self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
 
     def _own_lengths(self, inputs: list[str]) -> list[int]:
         """Tokens per input with the special tokens, not truncated, by the model's tokenizer."""
@@ -506,7 +494,3 @@ def pooled(modules: list[Any], features: dict[str, Any]) -> Any:
         features = module(features)
     return features["sentence_embedding"]
 
-
-def prompted(texts: list[str], prompt: str) -> list[str]:
-    """`texts` with `prompt` in front of each (the same list when there is none)."""
-    return [prompt + t for t in texts] if prompt else texts

@@ -16,17 +16,17 @@ folder says "SPLADE", so `fleetctl pull` never guesses it: pull with
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps
+from fleet.runtimes.batching import flat_inputs, no_prompts, text_only, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, choose_dtype, cut_to_bound, direct_tokenizer, first_too_long, footprint_bytes,
-    input_too_long, load_transformers, max_length, micro_batches, min_cosine, offsets, over_char_bound,
-    split_refused, to_device,
+    CHECK_SET, DirectTokenizer, choose_dtype, direct_tokenizer, footprint_bytes, load_transformers, max_length,
+    micro_batches, min_cosine, offsets, split_refused, to_device,
 )
 from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
@@ -68,27 +68,16 @@ class SpladeEmbedder(Adapter):
         if req.output != "sparse":
             return WorkError("bad_request", f"{self.spec.name} is a SPLADE model: it gives sparse vectors only "
                                             "(send output 'sparse')")
-        if any(x.__class__ is not str for x in req.inputs):
-            return WorkError("bad_request", f"{self.spec.name} embeds text only")
-        if req.prompt or req.prompt_name is not None:
-            return WorkError("bad_request", f"{self.spec.name} (runtime splade) takes no prompts: put the text you "
-                                            "mean in the input")
-        if not req.truncate:
-            if over := over_char_bound(self.spec.name, req.inputs, self.max_seq_len):
-                return over
-            lengths = self.direct.lengths(req.inputs) if self.direct is not None else self._own_lengths(req.inputs)
-            too_long = first_too_long(lengths, self.max_seq_len)
-            if too_long is not None:
-                return input_too_long(self.spec.name, f"input {too_long[0]}", too_long[1], self.max_seq_len)
-        return None
+        if refused := text_only(self.spec.name, req.inputs) or no_prompts(self.spec.name, self.spec.runtime, req):
+            return refused
+        return None if req.truncate else too_long(self.spec.name, req.inputs, self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer fail alone.
         results, live = split_refused(requests, self.refuse)
         if not live:
             return results
-        texts = cut_to_bound([t for i in live for t in requests[i].inputs], self.max_seq_len)
-        counts = [len(requests[i].inputs) for i in live]
+        texts, counts = flat_inputs(requests, live, self.max_seq_len)
         # 2. Term weights of every text, micro-batched by length, with each
         #    request's top_k applied per row.
         top_k = np.repeat(np.fromiter((requests[i].top_k or 0 for i in live), dtype=np.int64, count=len(live)),
@@ -100,6 +89,10 @@ class SpladeEmbedder(Adapter):
             a, b = int(starts[k]), int(ends[k])
             results[i] = SparseEmbedResult(vectors[a:b], self.vocab, int(tokens[a:b].sum()))
         return results
+
+    def _lengths(self, inputs: list[str]) -> Sequence[int]:
+        """Tokens per input with the special tokens, not truncated."""
+        return self.direct.lengths(inputs) if self.direct is not None else self._own_lengths(inputs)
 
     def _own_lengths(self, inputs: list[str]) -> list[int]:
         # verbose=False: counting a text over the limit is the point here, not a reason to warn.
