@@ -60,7 +60,7 @@ NO_LINKS = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, err
 DIR_MODE = 0o750
 #: What a runtime reads from a model folder: configs and tokenizers (.json, vocab
 #: .txt, sentencepiece .model, ...), safetensors weights and chat templates. Pickle
-#: weights are decided apart (pull.select_files); Python files only for an entry that
+#: weights are decided apart (pull_files.select_files); Python files only for an entry that
 #: trusts remote code. The rest (README, images, scripts, other frameworks' exports)
 #: is never copied.
 RUNTIME_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken", ".spm", ".vocab")

