@@ -45,7 +45,7 @@ def worker_views(infos: list[WorkerInfo], now_ns: int) -> list[dict[str, Any]]:
             "claimed": w.claimed,
             "models": info.get("models", {}),
             "last_batch": info.get("last_batch", {}),
-            # Device memory as the worker sees it (runtimes.memory): its device's budget, its own use.
+            # Device memory as the worker sees it (runtimes.device_memory): its device's budget, its own use.
             "budget_bytes": info.get("budget_bytes", 0),
             "used_bytes": info.get("used_bytes", 0),
             "loading": info.get("loading", ""),
