@@ -183,24 +183,21 @@ class Blocks:
         if not r:
             self._slab.free(u)
 
-    def _let_go_blocks(self, blocks_out: list[int], *, hold: bool) -> list[int]:
-        """Freed records let go of their blocks (NIL: none), each block counted once
-        (`_tally`); with `hold`, each block is kept by a reservation of this process
-        first, for bytes still to be copied out: those slots (else [])."""
+    def _let_go_blocks(self, blocks_out: list[int], *, hold: bool = False) -> list[int]:
+        """Records let go of their blocks (NIL: none), each block counted once
+        (`_tally`); the last one out frees the block. With `hold`, each block is kept by
+        a reservation of this process first, for bytes still to be copied out: those
+        slots (else [])."""
         drops = _tally(blocks_out)
         drops.pop(NIL, None)
         held = [self._reserve_block(u) for u in drops] if hold else []
-        self._drop_refs(drops)
-        return held
-
-    def _drop_refs(self, drops: dict[int, int]) -> None:
-        """Items let go of blocks (block -> count); the last one out frees the block."""
         R, free = self._refs, self._slab.free
         for u, n in drops.items():
             r = R[u] - n
             R[u] = r
             if not r:
                 free(u)
+        return held
 
     def _free_data(self, s: int) -> None:
         u = self._S[s * SF + F_DATA]

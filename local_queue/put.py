@@ -55,12 +55,13 @@ class Producer:
                 raise ItemTooLarge(f"payload of {ln} bytes exceeds the queue's largest block ({limit})")
             views.append(p)
             lens.append(ln)
-        args = (lane, n, views, lens, tokens, request_ids, deadline_ns, batch, flow)
         if sum(lens) <= COPY_INLINE:
             # One lock hold: room, copy, commit (`_put_held`).
-            ids, waiters = (self._lock if wait else self._try_lock)(self._put_held, *args)
+            ids, waiters = (self._lock if wait else self._try_lock)(self._put_held, lane, n, views, lens, tokens,
+                                                                    request_ids, deadline_ns, batch, flow)
         else:
-            ids, waiters = self._put_outside(*args, wait=wait)
+            ids, waiters = self._put_outside(lane, n, views, lens, tokens, request_ids, deadline_ns, batch, flow,
+                                             wait=wait)
         self._wake_work(waiters)
         return ids
 

@@ -123,9 +123,7 @@ class Results:
                 for u, n in _tally(refs_in).items():
                     R[u] += n
                 self._learn_result_sizes(lanes, lens)
-                drops = _tally(blocks_out)
-                drops.pop(NIL, None)
-                self._drop_refs(drops)
+                self._let_go_blocks(blocks_out)
                 if areas:
                     self._let_go_areas([cid for cid, _, _ in items])
                 for s in held_blocks:
@@ -331,16 +329,8 @@ class Results:
 
         Meant for one consumer (the daemon); several would split the results."""
         self._drain_wake()
-        taken = (self._lock if wait else self._try_lock)(self._collect_held)
+        taken = (self._lock if wait else self._try_lock)(self._take_done)
         return self._copied_out(taken, wait) if taken is not None else []
-
-    def _collect_held(self) -> tuple[list, list[int]] | None:
-        """(Under the lock.) `collect`'s hold: the done list taken, the wake-up armed."""
-        if self._late_release:
-            self._release_late()
-        taken = self._take_done() if self._h[H_DONE_COUNT] > 0 else None
-        self._h[H_RES_WAITERS] = 1
-        return taken
 
     def wait_results(self, timeout_s: float) -> list[Done]:
         """Block until results exist (or `timeout_s` passed: then []); return all of them."""
@@ -408,13 +398,19 @@ class Results:
             self._release(s)
         self._late_release.clear()
 
-    def _take_done(self) -> tuple[list, list[int]]:
-        """Take the done list (caller holds the lock): (results, reservations). The
-        first COPY_INLINE bytes are copied here; the rest are copied by the caller
-        after it released the lock, from blocks held by the reservations taken here
-        as their slots were freed (invariant 8): those results are
-        (id, request id, status, offset, length) rows until then."""
+    def _take_done(self) -> tuple[list, list[int]] | None:
+        """`collect`'s hold (the caller holds the lock): the reservations of results
+        copied out before let go, the wake-up armed, and the done list taken: (results,
+        reservations), None when it is empty. The first COPY_INLINE bytes are copied
+        here; the rest are copied by the caller after it released the lock, from blocks
+        held by the reservations taken here as their slots were freed (invariant 8):
+        those results are (id, request id, status, offset, length) rows until then."""
+        if self._late_release:
+            self._release_late()
         S, Sb, h, data, stack = self._S, self._Sb, self._h, self._data, self._stack
+        h[H_RES_WAITERS] = 1
+        if h[H_DONE_COUNT] <= 0:
+            return None
         unpack = _RECORD.unpack_from
         blocks_out = []  # result blocks let go of, counted at the end
         out = []
