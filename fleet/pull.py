@@ -38,8 +38,10 @@ from fleet.gguf_convert import check_quant_type
 from fleet.pull_files import PICKLE_SUFFIXES, add_backbone, intact, package_folder, same_files, scan_folder
 from fleet.pull_gguf import gguf_file, model_name, pull_converted, pull_gguf
 from fleet.pull_hub import pull_hub
-from fleet.pull_meta import check_mismatched_weights, checked_adapter, model_metadata, refreshed, remote_code
-from fleet.store import NO_PROGRESS, Manifest, Progress, Store, utc_now
+from fleet.pull_meta import (
+    check_mismatched_weights, checked_adapter, model_metadata, new_manifest, refreshed, remote_code,
+)
+from fleet.store import NO_PROGRESS, Manifest, Progress, Store
 
 
 class PullResult(msgspec.Struct, kw_only=True):
@@ -226,13 +228,7 @@ def _pull_local(
         add_backbone(staging, source_text)
         if weights_check:
             check_mismatched_weights(staging.path, name, meta)
-        manifest = Manifest(
-            name=name, source=source_text, revision=revision, task=meta.task, runtime=meta.runtime,
-            base=meta.base, files=list(staging.files), created_at=utc_now(),
-            trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-            max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
-            default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
-        )
+        manifest = new_manifest(name, meta, source=source_text, revision=revision, files=list(staging.files))
         path = store.commit(staging, manifest)
     return PullResult(status="pulled", manifest=manifest, path=str(path), skipped=skipped)
 

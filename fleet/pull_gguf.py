@@ -20,9 +20,10 @@ from pathlib import Path
 import msgspec
 
 from fleet.catalog import CatalogEntry, Profile
-from fleet.errors import BadRequest, IntegrityError, SourceUnreachable
+from fleet.errors import BadRequest, SourceUnreachable
 from fleet.gguf import SUFFIX, is_gguf, read_facts
 from fleet.gguf_convert import convert
+from fleet.pull_files import intact
 from fleet.store import NO_PROGRESS, Manifest, Progress, Store, hash_file, utc_now
 
 TASK = "generate"
@@ -81,7 +82,7 @@ def pull_gguf(*, store: Store, name: str, file: Path, source_text: str, revision
     profile = kept.profile if kept is not None else Profile()
     size = file.stat().st_size
     if existing is not None and [(f.path, f.size) for f in existing.files] == [(file.name, size)] \
-            and hash_file(file)[1] == existing.files[0].sha256 and _intact(store, existing):
+            and hash_file(file)[1] == existing.files[0].sha256 and intact(store, existing):
         fresh = msgspec.structs.replace(existing, source=source_text, revision=revision, task=task, runtime=runtime,
                                         base=None, max_seq_len=max_seq_len, profile=profile, gguf=facts)
         if fresh == existing:
@@ -118,11 +119,3 @@ def pull_converted(*, store: Store, name: str, folder: Path, source_text: str, r
         return pull_gguf(store=store, name=name, file=file, source_text=source_text, revision=revision, entry=entry,
                          previous=previous, existing=existing, task=None, runtime=None, progress=progress,
                          converted_from=how)
-
-
-def _intact(store: Store, manifest: Manifest) -> bool:
-    try:
-        store.verify(manifest.name, manifest)
-    except IntegrityError:
-        return False
-    return True

@@ -16,8 +16,10 @@ from typing import Any
 from fleet.catalog import Catalog, CatalogEntry, Source
 from fleet.errors import BadRequest, FleetError, IntegrityError, ModelNotFound, SourceUnreachable
 from fleet.pull_files import add_backbone, intact, select_files
-from fleet.pull_meta import check_mismatched_weights, checked_adapter, model_metadata, refreshed, remote_code
-from fleet.store import Manifest, Progress, Store, safe_relpath, utc_now
+from fleet.pull_meta import (
+    check_mismatched_weights, checked_adapter, model_metadata, new_manifest, refreshed, remote_code,
+)
+from fleet.store import Manifest, Progress, Store, safe_relpath
 
 #: A full commit id: a stored model pinned to one needs no network to be up to date.
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -172,12 +174,6 @@ def pull_hub(
                                origin=source_text)
         if weights_check:
             check_mismatched_weights(staging.path, name, meta)
-        manifest = Manifest(
-            name=name, source=source_text, revision=commit, task=meta.task, runtime=meta.runtime,
-            base=meta.base, files=list(staging.files), created_at=utc_now(),
-            trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-            max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
-            default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
-        )
+        manifest = new_manifest(name, meta, source=source_text, revision=commit, files=list(staging.files))
         store.commit(staging, manifest)
     return "pulled", manifest, skipped

@@ -21,7 +21,7 @@ from fleet.errors import BadRequest
 from fleet.lora import check_adapter
 from fleet.prompts import check_default, merged_prompts, prompt_table
 from fleet.pull_files import WEIGHTS_ONLY_HEADS
-from fleet.store import Manifest, Store
+from fleet.store import FileEntry, Manifest, Store, utc_now
 from fleet.weights import check_weights, refusal
 
 #: The runtime a task uses when only the task is known.
@@ -202,13 +202,14 @@ def checked_adapter(store: Store, meta: Meta, folder: Path, *, task: str | None,
 
 
 def refreshed(manifest: Manifest, meta: Meta, source: str, revision: str | None) -> Manifest:
-    """The stored manifest with this pull's metadata: an up-to-date pull rewrites it where they differ."""
-    return msgspec.structs.replace(
-        manifest, source=source, revision=revision, task=meta.task, runtime=meta.runtime,
-        base=meta.base, trust_remote_code=meta.trust_remote_code, allow_pickle=meta.allow_pickle,
-        max_seq_len=meta.max_seq_len, profile=meta.profile, prompts=meta.prompts,
-        default_prompt_name=meta.default_prompt_name, matryoshka_dims=meta.matryoshka_dims,
-    )
+    """The stored manifest with this pull's metadata: an up-to-date pull rewrites it where they differ.
+    Every `Meta` field is the `Manifest` field of the same name."""
+    return msgspec.structs.replace(manifest, source=source, revision=revision, **meta._asdict())
+
+
+def new_manifest(name: str, meta: Meta, *, source: str, revision: str | None, files: list[FileEntry]) -> Manifest:
+    """The manifest a fresh pull commits with its staged `files`: one place for a folder's and a hub's pull."""
+    return Manifest(name=name, source=source, revision=revision, files=files, created_at=utc_now(), **meta._asdict())
 
 
 def remote_code(entry: CatalogEntry | None, previous: Manifest | None) -> bool:
