@@ -430,7 +430,7 @@ def test_the_worker_serves_the_engine_chosen_and_ps_shows_it(heads, tmp_path):
         text = fleetctl("ps")
         assert "openvino (profile" in text and "torch (profile" in text and f"{auto['engine']} (measured" in text
         # What `fleetctl tune` reads of a load's engine choice: the ps record, the verdict's table in the log.
-        from fleet.bench.tune import engine_tables, served_engine
+        from fleet.bench.tune_measure import engine_tables, served_engine
 
         assert served_engine(served["tiny-rr"]) == {"engine": "openvino", "dtype": "float32", "by": "profile",
                                                     "tokens_per_s": 0.0}

@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from fleet.bench.tune import (
-    DIMS, BenchKnobs, Candidate, Measurement, Space, Target, coordinate_search, default_candidate, default_space,
-    dtype_checks, engine_tables, finite, keep_default_unless_beaten, model_params, not_as_named, over_budget,
-    ratio_vs_default, result_doc, search_profile, search_space, seed_from_default, served_engine, start_point,
-    tuned_info,
+    Target, default_candidate, finite, keep_default_unless_beaten, model_params, over_budget, ratio_vs_default,
+    result_doc, search_profile, search_space, seed_from_default, tuned_info,
 )
+from fleet.bench.tune_measure import BenchKnobs, dtype_checks, engine_tables, not_as_named, served_engine
+from fleet.bench.tune_search import DIMS, Candidate, Measurement, Space, coordinate_search, default_space, start_point
 from fleet.catalog import Profile, TunedInfo, load_catalog, select_profile, write_tuned_profile
 from fleet.errors import BadRequest, ModelNotFound
 

@@ -1,8 +1,8 @@
 """`fleetctl tune MODEL`: search the model's serving profile on this device; `--write` keeps it.
 
-The search is `bench/tune.py`'s (`search_profile`: the default profile first,
-then `coordinate_search`, each candidate measured by `DaemonMeasurer`, a daemon
-of its own on loopback); this verb parses the arguments, shows progress on
+The run is `bench/tune.py`'s (`search_profile`: the default profile first, then
+`bench.tune_search.coordinate_search`, each candidate measured by
+`bench.tune_measure.DaemonMeasurer`, a daemon of its own on loopback); this verb parses the arguments, shows progress on
 stderr, prints the trials table and the choice on stdout, writes
 `bench/results/<time>-tune-<model>.json` (or `--out`) on every run, and with
 `--write` stores the winner in `FLEET_HOME/models.toml` as
@@ -58,9 +58,8 @@ def register(app: typer.Typer) -> None:
 
         from fleet.bench import corpus, report
         from fleet.bench.tokens import TokenCounter
-        from fleet.bench.tune import (
-            BenchKnobs, DaemonMeasurer, finite, resolve_target, result_doc, search_profile, tuned_info,
-        )
+        from fleet.bench.tune import finite, resolve_target, result_doc, search_profile, tuned_info
+        from fleet.bench.tune_measure import BenchKnobs, DaemonMeasurer
         from fleet.catalog import Profile, validate_name, write_tuned_profile
 
         validate_name(model)
