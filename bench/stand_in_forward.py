@@ -8,7 +8,7 @@ from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 from fleet.bench.stand_in import ENV, forward_costs
-from fleet.runtimes.hf_common import tokenize_threads
+from fleet.runtimes.tokenizing import tokenize_threads
 from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 
 

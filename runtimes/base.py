@@ -114,7 +114,7 @@ class Adapter(abc.ABC):
         self.choice: Any = None
         #: A forward's fixed cost in padded tokens on this device (per-layer dispatch,
         #: thread wake-ups): micro-batches are cut where padding texts to one length
-        #: costs more than another forward (`hf_common.micro_batches`). A CPU starts
+        #: costs more than another forward (`batching.micro_batches`). A CPU starts
         #: from CPU_FIXED_TOKENS (an adapter that times its forward at load refines
         #: it); None cuts by count alone (a GPU, where the fixed cost dominates).
         self.fixed_tokens: float | None = CPU_FIXED_TOKENS if device == "cpu" else None

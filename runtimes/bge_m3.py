@@ -37,12 +37,14 @@ from fleet.messages import SparseEmbedResult, SparseVec, TokenEmbedResult, WorkE
 from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import flat_inputs, prompt_of, prompted, text_only, too_long
+from fleet.runtimes.batching import (
+    flat_inputs, micro_batches, offsets, prompt_of, prompted, split_refused, text_only, too_long,
+)
 from fleet.runtimes.dense import finish_dense, too_wide
 from fleet.runtimes.hf_common import (
-    CHECK_SET, Agreement, DirectTokenizer, choose_dtype, direct_tokenizer, footprint_bytes, load_transformers,
-    max_length, micro_batches, offsets, split_refused, to_device,
+    CHECK_SET, Agreement, choose_dtype, footprint_bytes, load_transformers, max_length, to_device,
 )
+from fleet.runtimes.tokenizing import DirectTokenizer, direct_tokenizer
 
 #: The head files of a bge-m3 folder, next to config.json (fleet.pull keeps them).
 SPARSE_HEAD = "sparse_linear.pt"

@@ -33,11 +33,13 @@ import numpy as np
 from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import flat_inputs, too_long
-from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, footprint_bytes, input_too_long, labels_agree,
-    load_transformers, max_length, micro_batches, offsets, split_refused, to_device,
+from fleet.runtimes.batching import (
+    cut_to_bound, flat_inputs, input_too_long, micro_batches, offsets, split_refused, too_long,
 )
+from fleet.runtimes.hf_common import (
+    CHECK_SET, footprint_bytes, labels_agree, load_transformers, max_length, to_device,
+)
+from fleet.runtimes.tokenizing import DirectTokenizer, direct_tokenizer
 from fleet.messages import ClassifyResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost
 from fleet.runtimes import engines, openvino, traced
@@ -243,7 +245,7 @@ class SequenceClassifier(LoraHost, Adapter):
             owned.append((i, len(premises), len(req.inputs)))
             hyp_tokens.append(np.tile(self.tokenizer(said, add_special_tokens=False, return_length=True,
                                                      verbose=False)["length"], len(req.inputs)))
-            # A text to be cut anyway is cut to the characters the model can read first (hf_common.cut_to_bound).
+            # A text to be cut anyway is cut to the characters the model can read first (batching.cut_to_bound).
             premises.extend(t for t in (cut_to_bound(req.inputs, self.max_seq_len) if req.truncate else req.inputs)
                             for _ in said)
             claims.extend(said * len(req.inputs))

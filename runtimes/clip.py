@@ -34,11 +34,12 @@ import numpy as np
 from fleet.errors import BadRequest, ModelLoadFailed, PayloadTooLarge
 from fleet.protocol import EmbedRequest, ImageInput
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import no_prompts
+from fleet.runtimes.batching import (
+    char_bound, cut_to_bound, first_too_long, input_too_long, micro_batches, no_prompts,
+)
 from fleet.runtimes.dense import finish_dense, too_wide
 from fleet.runtimes.hf_common import (
-    CHECK_SET, char_bound, choose_dtype, cut_to_bound, first_too_long, footprint_bytes, input_too_long,
-    load_transformers, max_length, micro_batches, min_cosine, to_device,
+    CHECK_SET, choose_dtype, footprint_bytes, load_transformers, max_length, min_cosine, to_device,
 )
 from fleet.messages import WorkError
 

@@ -55,7 +55,8 @@ from fleet.messages import WorkError
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.decide_cache import PrefixCache, gathered, plain_layers
-from fleet.runtimes.hf_common import char_bound, footprint_bytes
+from fleet.runtimes.hf_common import footprint_bytes
+from fleet.runtimes.batching import char_bound
 from fleet.runtimes.lora import Loras, LoraHost
 
 log = logging.getLogger("fleet.worker")

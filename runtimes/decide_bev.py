@@ -40,7 +40,8 @@ from fleet.runtimes.base import Adapter, BatchContext, Steps
 from fleet.runtimes.decide import probe_decision, too_long
 from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.decide_heads import Parts, answer, question_parts, state_value
-from fleet.runtimes.hf_common import footprint_bytes, micro_batches
+from fleet.runtimes.hf_common import footprint_bytes
+from fleet.runtimes.batching import micro_batches
 
 #: The package's task ids (the head's task embedding) and hints.
 TASK_TYPES = {"choice": 0, "noul": 1, "score": 2}

@@ -26,7 +26,8 @@ from fleet.decisions import DecideRequest, DecideResult, decide_temperatures, te
 from fleet.errors import ModelLoadFailed
 from fleet.runtimes.base import Adapter, BatchContext, Steps
 from fleet.runtimes.decide import probe_decision, softmax, too_long
-from fleet.runtimes.hf_common import char_bound, footprint_bytes, load_transformers, max_length, micro_batches, to_device
+from fleet.runtimes.hf_common import footprint_bytes, load_transformers, max_length, to_device
+from fleet.runtimes.batching import char_bound, micro_batches
 
 
 def nli_labels(id2label: dict[Any, str], name: str) -> tuple[int, int]:

