@@ -7,31 +7,35 @@ daemons over loopback HTTP, models pulled into their store, real workers.
 
 Checks, one line each, and one JSON file (bench/results/ unless --out):
 
-1. parity/<task>: the device daemon (2 workers, dtype `auto`) against a CPU
-   daemon in float32 on the same tiny models built from configs here: embed,
-   rerank, classify, extract, generate, and a mixed LoRA batch (base + two
+1. parity/<task> (bench.gpu_parity): the device daemon (2 workers, dtype `auto`)
+   against a CPU daemon in float32 on the same tiny models built from configs here:
+   embed, rerank, classify, extract, generate, and a mixed LoRA batch (base + two
    adapters sent at once, so they share batches).
-2. two-workers: both workers of the device daemon up on the one device, and
-   concurrent traffic over several models answered without an error.
-3. vram-budget: a daemon whose device budget holds 2 of 3 models; rotating
-   traffic with one model pinned: the pin never leaves, at most 2 are
-   resident, every request answered (none lost, no OOM).
-4. knee/<model>: tokens/s and p95 at the knee (closed loop, 32-text requests)
-   for a BERT-base-class embedder (~110M, random weights of the real
+2. two-workers (bench.gpu_parity): both workers of the device daemon up on the one
+   device, and concurrent traffic over several models answered without an error.
+3. vram-budget (bench.gpu_capacity): a daemon whose device budget holds 2 of 3
+   models; rotating traffic with one model pinned: the pin never leaves, at most 2
+   are resident, every request answered (none lost, no OOM).
+4. knee/<model> (bench.gpu_capacity): tokens/s and p95 at the knee (closed loop,
+   32-text requests) for a BERT-base-class embedder (~110M, random weights of the real
    architecture, built here) and all-minilm-l6-v2; MFU = achieved FLOP/s over
    the device's peak (PEAK_TFLOPS).
-4b. host-path: bench.host_path against the device daemon (a 1-layer BERT of
-   hidden size 32: a nearly free forward): tokens/s, CPU-us per token of the
-   API process, each worker and their busiest thread, the tokenizer's own cost
+4b. host-path (bench.gpu_capacity): bench.host_path against the device daemon (a
+   1-layer BERT of hidden size 32: a nearly free forward): tokens/s, CPU-us per token of
+   the API process, each worker and their busiest thread, the tokenizer's own cost
    and the timeline's stage p50s, in the check's data (issue 34's goals are
    printed, not judged: every request answered and the CPU read is the check).
-5. cuda-graphs: every embedder load on CUDA captured its small-shape graphs
-   and kept them (replay agreed with eager). nvml-budget: NVML's memory view against torch.cuda.mem_get_info and the
-   budget the worker computes (runtimes.device_memory.device_budget). Runs last: it
-   is the only check that opens CUDA in this process.
-6. goals: >= 1 M tokens/s at the knee for the 110M-class embedder on one H200,
+5. cuda-graphs (here): every embedder load on CUDA captured its small-shape graphs
+   and kept them (replay agreed with eager). nvml-budget (bench.gpu_capacity): NVML's
+   memory view against torch.cuda.mem_get_info and the budget the worker computes
+   (runtimes.device_memory.device_budget). Runs last: it is the only check that opens
+   CUDA in this process.
+6. goals (here): >= 1 M tokens/s at the knee for the 110M-class embedder on one H200,
    p95 at the knee <= 50 ms for 32-text requests; printed met / not met (judged
    on an H200 only).
+
+This module keeps the run (which models, which daemons, the checks in order, the
+JSON); what the checks share is in bench.acceptance.
 """
 
 from __future__ import annotations
@@ -43,74 +47,26 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
-
-from fleet.bench import corpus, loadgen
-from fleet.bench.daemon import LocalDaemon, admin_headers
-from fleet.bench.models import build_bert, make_home
-from fleet.bench.knee import CLOSED, StepResult, find_knee
-from fleet.bench.tokens import TokenCounter, package_model_dir
+from fleet.bench import host_path
+from fleet.bench.acceptance import CPU, GPU, Check, Sizes, serve
 from fleet.bench.cli import DEVICE, OUT, bench, option
+from fleet.bench.daemon import LocalDaemon
+from fleet.bench.gpu_capacity import host_path_check, knee_check, nvml_check, nvml_device, vram_budget_check
+from fleet.bench.gpu_parity import parity_checks, two_workers_check
+from fleet.bench.models import build_bert, build_llama, build_lora, make_home
+from fleet.bench.tokens import package_model_dir
 
 RESULTS = Path(__file__).with_name("results")
-#: Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the NVML device name
-#: (first match wins: more specific names first). Spec-sheet numbers, without sparsity.
-PEAK_TFLOPS: list[tuple[str, float]] = [
-    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10", 125.0),
-    ("RTX PRO 6000", 504.0), ("RTX 6000 Ada", 364.0), ("RTX A6000", 155.0), ("RTX 5090", 210.0),
-    ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("T4", 65.0),
-]
 #: Issue 18's goals for the 110M-class embedder on one H200.
 GOAL_TOKENS_PER_S = 1_000_000
 GOAL_P95_MS = 50.0
 GOAL_DEVICE = "H200"
-BATCH = 32
-MIN_COSINE = 0.9999
-TIMEOUT_MS = 120_000
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Model and load sizes: the GPU run's, or small ones for `--device cpu`."""
-
-    base: dict  # BertConfig of the 110M-class embedder
-    budget_hidden: int  # the vram-budget models: sized so 2.5 of them dominate a CUDA context
-    budget_layers: int
-    clients: tuple[int, ...]  # closed-loop steps
-    step_s: float
-    generators: int  # load generator processes
-    two_worker_requests: int
-    host_clients: int  # the host-path check (bench.host_path): clients, measured and timeline seconds
-    host_s: float
-    host_timeline_s: float
-
-
-GPU = Sizes(base=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-            budget_hidden=1536, budget_layers=24, clients=(4, 8, 16, 32, 64, 128, 256), step_s=4.0,
-            generators=4, two_worker_requests=96, host_clients=16, host_s=6.0, host_timeline_s=2.0)
-CPU = Sizes(base=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-            budget_hidden=64, budget_layers=2, clients=(1,), step_s=2.0, generators=1, two_worker_requests=8,
-            host_clients=4, host_s=1.5, host_timeline_s=0.5)
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool | None  # None: not applicable here (the line says why)
-    detail: str
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def line(self) -> str:
-        return f"{'SKIP' if self.ok is None else 'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
 
 
 # ---- models built here ------------------------------------------------------------
@@ -148,45 +104,6 @@ def build_models(root: Path, sizes: Sizes, minilm: Path) -> dict[str, Path]:
     return out
 
 
-LLAMA_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is fleet serving small models",
-                "invoices must be paid within thirty days of receipt",
-                "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 . , ! ?"]
-
-
-def build_llama(folder: Path) -> Path:
-    """A 2-layer Llama with a byte-level BPE trained here; a large init range
-    makes greedy choices far from ties (they must not flip between dtypes)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(LLAMA_CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
-def build_lora(base: Path, folder: Path, *, seed: int) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
-                        init_lora_weights=False)
-    get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(folder)
-    return folder
-
-
 #: name -> (folder key, task, runtime, extra catalog lines)
 TASK_MODELS = {
     "t-embed": ("t-embed", "embed", "sentence-transformers", ""),
@@ -199,297 +116,7 @@ TASK_MODELS = {
 }
 
 
-def serve(home: Path, device: str, workers: int, env: dict[str, str] | None = None, wait: bool = True) -> LocalDaemon:
-    return LocalDaemon(home, env={"FLEET_PRELOAD": ",", "FLEET_DEVICE": device, "FLEET_WORKERS": str(workers),
-                                  **(env or {})}, wait=wait, inherit_fleet=False)
-
-
-# ---- HTTP -----------------------------------------------------------------------
-
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json={**body, "timeout_ms": TIMEOUT_MS}, timeout=TIMEOUT_MS / 1000 + 30)
-
-
-def answer(url: str, path: str, body: dict) -> dict:
-    resp = post(url, path, body)
-    if resp.status_code != 200:
-        raise RuntimeError(f"{path} {body.get('model')}: HTTP {resp.status_code} {resp.text[:300]}")
-    return resp.json()
-
-
-def ps(url: str) -> dict:
-    return httpx.get(url + "/v1/ps", timeout=30).json()
-
-
-def resident(url: str) -> dict[str, dict]:
-    return {name: m for w in ps(url)["workers"] for name, m in w["models"].items()}
-
-
-# ---- 1. parity ----------------------------------------------------------------------
-
-TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.",
-         "Invoices must be paid within thirty days of receipt unless agreed otherwise in writing.",
-         "Angela Merkel met Emmanuel Macron in Berlin on Tuesday to discuss Airbus and Siemens.",
-         "GPU memory is managed per device: pinned models stay resident, others are evicted LRU.", "a"]
-PROMPTS = ["hello world", "the quick brown fox", "invoices must be paid", "a b c d"]
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-def parity_checks(dev: str, ref: str) -> list[tuple[str, Callable[[], Check]]]:
-    """The parity checks as (name, thunk): one that raises (a model that does not load on
-    this machine's image) must not hide the others."""
-
-    def embed_check() -> Check:
-        def embed(url: str) -> np.ndarray:
-            return unit(np.asarray(answer(url, "/v1/embed", {"model": "t-embed", "inputs": TEXTS})["embeddings"]))
-
-        a, b = embed(dev), embed(ref)
-        cos = float(np.min(np.sum(a * b, axis=1)))
-        return Check("parity/embed", cos >= MIN_COSINE, f"min cosine {cos:.6f} (need {MIN_COSINE})",
-                     {"min_cosine": cos})
-
-    def rerank_check() -> Check:
-        def rerank(url: str) -> np.ndarray:
-            got = answer(url, "/v1/rerank",
-                         {"model": "t-rerank", "query": TEXTS[0], "documents": TEXTS[1:]})["results"]
-            scores = np.empty(len(got))
-            scores[[r["index"] for r in got]] = [r["relevance_score"] for r in got]
-            return scores
-
-        a, b = rerank(dev), rerank(ref)
-        diff = float(np.max(np.abs(a - b)) / max(float(np.ptp(b)), 1e-6))
-        same_order = bool((np.argsort(-a) == np.argsort(-b)).all())
-        return Check("parity/rerank", diff <= 0.01 and same_order,
-                     f"max diff {diff:.4f} of the score range (need <= 0.01), same order {same_order}",
-                     {"max_rel_diff": diff, "same_order": same_order})
-
-    def classify_check() -> Check:
-        def classify(url: str) -> tuple[list[str], np.ndarray]:
-            rows = answer(url, "/v1/classify", {"model": "t-classify", "inputs": TEXTS})["results"]
-            top = [r[0]["label"] for r in rows]
-            probs = np.asarray([[s["score"] for s in sorted(r, key=lambda s: s["label"])] for r in rows])
-            return top, probs
-
-        (ta, pa), (tb, pb) = classify(dev), classify(ref)
-        diff = float(np.max(np.abs(pa - pb)))
-        return Check("parity/classify", ta == tb and diff <= 0.01,
-                     f"same top labels {ta == tb}, max prob diff {diff:.4f} (need <= 0.01)",
-                     {"same_top": ta == tb, "max_prob_diff": diff})
-
-    def extract_check() -> Check:
-        def extract(url: str) -> list[list[dict]]:
-            return answer(url, "/v1/extract", {"model": "t-extract", "inputs": TEXTS})["results"]
-
-        ea, eb = extract(dev), extract(ref)
-        spans = [[(e["entity"], e["start"], e["end"]) for e in row] for row in ea]
-        same = spans == [[(e["entity"], e["start"], e["end"]) for e in row] for row in eb]
-        diff = max((abs(x["score"] - y["score"]) for ra, rb in zip(ea, eb) for x, y in zip(ra, rb)), default=0.0)
-        return Check("parity/extract", same and diff <= 0.01,
-                     f"same spans {same} ({sum(map(len, spans))} entities), max score diff {diff:.4f}",
-                     {"same_spans": same, "max_score_diff": diff})
-
-    def generate(url: str, model: str, prompt: str) -> str:
-        return answer(url, "/v1/generate", {"model": model, "prompt": prompt, "max_tokens": 12,
-                                            "temperature": 0})["text"]
-
-    def generate_check() -> Check:
-        want = {(p, None): generate(ref, "t-llama", p) for p in PROMPTS}
-        got = {(p, None): generate(dev, "t-llama", p) for p in PROMPTS}
-        bad = [p for p, _ in want if want[(p, None)] != got[(p, None)]]
-        return Check("parity/generate", not bad, f"greedy text equal on {len(PROMPTS) - len(bad)}/{len(PROMPTS)}"
-                     + (f"; differs: {bad}" if bad else ""), {"differs": bad})
-
-    def lora_mixed_check() -> Check:
-        # Mixed LoRA batch: base and both adapters sent at once to the device daemon (one
-        # lane: they share its batches), each compared with the CPU daemon's answer alone.
-        jobs = [(p, m) for p in PROMPTS for m in ("t-llama", "t-lora-a", "t-lora-b")]
-        want = {(p, m): generate(ref, m, p) for p, m in jobs}
-        got: dict[tuple[str, str], str] = {}
-        errors: list[str] = []
-
-        def one(p: str, m: str) -> None:
-            try:
-                got[(p, m)] = generate(dev, m, p)
-            except RuntimeError as exc:
-                errors.append(str(exc))
-
-        threads = [threading.Thread(target=one, args=job) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        bad = [f"{m}:{p}" for p, m in jobs if got.get((p, m)) != want[(p, m)]]
-        adapters_differ = len({want[(PROMPTS[0], m)] for m in ("t-llama", "t-lora-a", "t-lora-b")}) > 1
-        return Check("parity/lora-mixed", not bad and not errors and adapters_differ,
-                     f"{len(jobs) - len(bad)}/{len(jobs)} equal, adapters change the text {adapters_differ}"
-                     + (f"; differs: {bad}" if bad else "") + (f"; errors: {errors[:2]}" if errors else ""),
-                     {"differs": bad, "errors": errors})
-
-    return [("parity/embed", embed_check), ("parity/rerank", rerank_check), ("parity/classify", classify_check),
-            ("parity/extract", extract_check), ("parity/generate", generate_check),
-            ("parity/lora-mixed", lora_mixed_check)]
-
-
-# ---- 2. two workers on one device ---------------------------------------------------
-
-def two_workers_check(url: str, device: str, requests: int) -> Check:
-    models = [("/v1/embed", {"model": "t-embed", "inputs": TEXTS}),
-              ("/v1/classify", {"model": "t-classify", "inputs": TEXTS}),
-              ("/v1/rerank", {"model": "t-rerank", "query": TEXTS[0], "documents": TEXTS}),
-              ("/v1/embed", {"model": "bert-base-random", "inputs": TEXTS})]
-    statuses: list[int] = []
-    served: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def client(k: int) -> None:
-        for j in range(requests // 8):
-            path, body = models[(k + j) % len(models)]
-            resp = post(url, path, body)
-            with lock:
-                statuses.append(resp.status_code)
-                by = resp.headers.get("x-served-by", "?")
-                served[by] = served.get(by, 0) + 1
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    workers = [w for w in ps(url)["workers"] if w.get("device") == device]
-    ok = len(workers) == 2 and statuses.count(200) == len(statuses) == 8 * (requests // 8)
-    return Check("two-workers", ok, f"{len(workers)} workers on {device}, {statuses.count(200)}/{len(statuses)} "
-                 f"answered 200, served by {served}", {"workers": len(workers), "served_by": served,
-                                                        "non_200": [s for s in statuses if s != 200]})
-
-
-# ---- 3. VRAM budget holding 2 of 3 ----------------------------------------------------
-
-def nvml_device(device: str) -> tuple[str, int] | None:
-    """(name, total bytes) of a CUDA device from NVML (no CUDA context in this process)."""
-    if not device.startswith("cuda"):
-        return None
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(device.split(":", 1)[1]) if ":" in device else 0)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def vram_budget_check(work: Path, folders: dict[str, Path], device: str) -> Check:
-    from fleet.runtimes.footprint import estimate_footprint
-
-    names = ("budget-a", "budget-b", "budget-c")
-    # One catalog source per name: each gets its own folder (hard links: no bytes copied).
-    copies = {n: Path(shutil.copytree(folders["budget-model"], work / "models" / n, copy_function=os.link,
-                                      dirs_exist_ok=True)) for n in names}
-    home = make_home(work / "home-budget", copies,
-                     {n: (n, "embed", "sentence-transformers", "") for n in names}, "float32")
-    fp = estimate_footprint(home / "models" / names[0], "sentence-transformers", dtype="float32", max_seq_len=256)
-    budget = fp.activation_bytes + int(2.5 * fp.weights_bytes)
-    info = nvml_device(device)
-    # CUDA: the worker's budget is the device's total minus the reserve, so the reserve sets it.
-    env = ({"FLEET_GPU_RESERVE_BYTES": str(info[1] - budget)} if info else {"FLEET_CPU_BUDGET_BYTES": str(budget)})
-    d = serve(home, device, 1, env)
-    try:
-        if httpx.post(f"{d.url}/v1/models/{names[0]}/pin", headers=d.admin,
-                      timeout=TIMEOUT_MS / 1000).status_code != 200:
-            return Check("vram-budget", False, f"pin {names[0]} failed:\n{d.tail()}")
-        statuses: list[int] = []
-        worst: list[str] = []
-        for _ in range(3):
-            for name in names:
-                resp = post(d.url, "/v1/embed", {"model": name, "inputs": TEXTS})
-                statuses.append(resp.status_code)
-                now = resident(d.url)
-                if names[0] not in now or not now[names[0]]["pinned"] or len(now) > 2:
-                    worst.append(f"after {name}: {sorted(now)}")
-        lost = [s for s in statuses if s != 200]
-        ok = not lost and not worst
-        oom = "out of memory" in d.log().lower()
-        return Check("vram-budget", ok and not oom,
-                     f"budget {budget >> 20} MiB = 2.5 x {fp.weights_bytes >> 20} MiB + activations; "
-                     f"{statuses.count(200)}/{len(statuses)} answered, pin kept and <= 2 resident: {not worst}, "
-                     f"OOM in log: {oom}", {"budget_bytes": budget, "weights_bytes": fp.weights_bytes,
-                                            "non_200": lost, "violations": worst})
-    finally:
-        d.stop()
-
-
-# ---- 4. tokens/s at the knee ---------------------------------------------------------
-
-def flops_per_token(cfg: dict, tokens_per_text: float) -> float:
-    """Forward FLOPs per token of a BERT encoder: 2 x the layers' matmul weights,
-    plus attention scores and mixing (QK^T and AV: 4 x hidden x sequence per layer)."""
-    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    return layers * (2 * (4 * h * h + 2 * h * inter) + 4 * h * tokens_per_text)
-
-
-def peak_tflops(device_name: str | None) -> float | None:
-    if not device_name:
-        return None
-    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in device_name.lower()), None)
-
-
-def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str | None, minilm: Path) -> Check:
-    texts = corpus.load()
-    lengths = TokenCounter(minilm).count(texts)
-    if httpx.post(f"{url}/v1/models/{model}/load", headers=admin_headers(url),
-                  timeout=TIMEOUT_MS / 1000).status_code != 200:
-        return Check(f"knee/{model}", False, "load failed")
-    dtype = resident(url)[model].get("dtype", "?")
-    setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts, lengths=lengths,
-                          batch=BATCH)
-    steps: list[StepResult] = []
-    with loadgen.Generator(setup, processes=sizes.generators) as gen:
-        gen.run(loadgen.StepPlan(index=0, mode=CLOSED, offered=sizes.generators, duration_s=sizes.step_s / 2))
-        for i, clients in enumerate(sizes.clients, start=1):
-            m = gen.run(loadgen.StepPlan(index=i, mode=CLOSED, offered=clients, duration_s=sizes.step_s))
-            tokens = m.server_tokens if m.server_tokens >= 0 else m.tokens_ok
-            p50, p95, p99 = np.percentile(m.latencies_ms, [50, 95, 99]).tolist() if m.ok else [float("nan")] * 3
-            steps.append(StepResult(offered=clients, throughput_rps=m.ok / m.elapsed_s,
-                                    tokens_per_s=tokens / m.elapsed_s, p50_ms=p50, p95_ms=p95, p99_ms=p99,
-                                    sent=m.sent, ok=m.ok, errors=m.errors, mode=CLOSED))
-            if find_knee(steps).saturated:
-                break
-    knee = find_knee(steps)
-    at = knee.knee or max(steps, key=lambda s: s.tokens_per_s)
-    tokens_per_text = at.tokens_per_s / max(at.throughput_rps * BATCH, 1e-9)
-    flops = flops_per_token(cfg, tokens_per_text) * at.tokens_per_s
-    peak = peak_tflops(device_name)
-    mfu = flops / (peak * 1e12) if peak else None
-    data = {"dtype": dtype, "knee_clients": at.offered, "tokens_per_s": at.tokens_per_s, "rps": at.throughput_rps,
-            "p50_ms": at.p50_ms, "p95_ms": at.p95_ms, "errors": sum(s.errors for s in steps),
-            "saturated": knee.saturated, "tokens_per_text": tokens_per_text, "achieved_tflops": flops / 1e12,
-            "peak_tflops": peak, "mfu": mfu, "steps": [asdict(s) for s in steps],
-            "verdicts": [[v.step.offered, list(v.reasons)] for v in knee.verdicts]}
-    errors = data["errors"]
-    return Check(f"knee/{model}", errors == 0 and knee.knee is not None,
-                 f"{at.tokens_per_s:,.0f} tokens/s, p95 {at.p95_ms:.1f} ms at {at.offered:g} clients x {BATCH} texts "
-                 f"({dtype}, {'knee' if knee.saturated else 'not saturated: highest step'}); "
-                 f"{flops / 1e12:.2f} TFLOP/s, MFU " + (f"{mfu:.1%} of {peak:g}" if mfu is not None else "n/a (no peak "
-                 "for this device)") + f"; errors {errors}", data)
-
-
-def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:
-    """bench.host_path against the device daemon: its CPU per token with a nearly free forward."""
-    from fleet.bench import host_path
-
-    res = host_path.measure(url, host_path.MODEL, model_dir=minilm, clients=sizes.host_clients, duration_s=sizes.host_s,
-                            timeline_s=sizes.host_timeline_s, generators=min(sizes.generators, sizes.host_clients),
-                            warmup_s=min(host_path.WARMUP_S, sizes.host_s / 2))
-    load, cpu = res["load"], res["cpu"]
-    roles = [p["role"] for p in cpu["processes"] if not p.get("gone")]
-    read = "api" in roles and any(r.startswith("worker") for r in roles)
-    ok = load["errors"] == 0 and load["ok"] > 0 and res["timeline"]["errors"] == 0 and read
-    return Check("host-path", ok, host_path.summary(res) + ("" if read else "; API or worker CPU not read"), res)
-
+# ---- what the workers logged -------------------------------------------------------
 
 def _log_msg(line: str) -> str:
     """A daemon log line's message (the log is JSON lines; plain text passes through)."""
@@ -500,7 +127,7 @@ def _log_msg(line: str) -> str:
 
 
 def graphs_check(log: str, device: str) -> Check:
-    """What the device daemon's workers said about CUDA graphs at load (runtimes.hf_common.GraphedForward)."""
+    """What the device daemon's workers said about CUDA graphs at load (runtimes.cuda_graphs.GraphedForward)."""
     if not device.startswith("cuda"):
         return Check("cuda-graphs", None, "CUDA only (graph padding is tested on CPU in tests/test_encoder_paths.py)")
     msgs = [_log_msg(line) for line in log.splitlines() if "cuda graphs " in line]
@@ -511,38 +138,7 @@ def graphs_check(log: str, device: str) -> Check:
                  {"lines": lines})
 
 
-# ---- 5. NVML vs torch -----------------------------------------------------------------
-
-#: NVML and CUDA's views of one GPU may differ by this much (driver reserve, a CUDA context).
-VIEW_GAP = 1 << 30
-
-
-def nvml_check(device: str) -> Check:
-    if not device.startswith("cuda"):
-        return Check("nvml-budget", None, "no CUDA device: the CPU budget is RAM (psutil), checked by vram-budget")
-    import torch
-
-    from fleet.runtimes.device_memory import cuda_index, device_budget, nvml_memory
-
-    index = cuda_index(device)
-    torch.cuda.init()
-    nv_total, nv_free = nvml_memory(index)
-    t_free, t_total = torch.cuda.mem_get_info(index)
-    budget = device_budget(device)
-    want = min(nv_total, t_total) - (512 << 20)  # the shipped gpu_reserve_bytes
-    # The worker's budget is taken from the smaller view, which is what is checked.
-    # The views differ by what one counts and the other not: on the H200 of
-    # 20261204-gpu-check-h200-*.json NVML's total was 616 MiB over CUDA's (memory the
-    # driver keeps) and its free 523 MiB over (this process's CUDA context); a gap of
-    # gigabytes would mean another process or a wrong CUDA_VISIBLE_DEVICES mapping.
-    ok = abs(nv_free - t_free) <= VIEW_GAP and abs(nv_total - t_total) <= VIEW_GAP and budget.budget_bytes == want
-    return Check("nvml-budget", ok, f"total NVML {nv_total >> 20} / torch {t_total >> 20} MiB, free NVML "
-                 f"{nv_free >> 20} / torch {t_free >> 20} MiB, budget {budget.budget_bytes >> 20} MiB "
-                 f"(want {want >> 20})", {"nvml_total": nv_total, "torch_total": t_total, "nvml_free": nv_free,
-                                          "torch_free": t_free, "budget_bytes": budget.budget_bytes})
-
-
-# ---- 6. goals --------------------------------------------------------------------------
+# ---- goals --------------------------------------------------------------------------
 
 def goal_checks(knee: Check | None, device_name: str | None) -> list[Check]:
     where = device_name or "cpu"
@@ -591,8 +187,6 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
     minilm = minilm_dir or package_model_dir()
     folders = build_models(work / "models", sizes, minilm)
     served = {**TASK_MODELS, "bert-base-random": ("bert-base-random", "embed", "sentence-transformers", "")}
-    from fleet.bench import host_path  # it imports this module: imported when the run starts
-
     folders[host_path.MODEL] = host_path.build_model(work / "models", minilm)
     served[host_path.MODEL] = (host_path.MODEL, "embed", "sentence-transformers", "")
     if minilm_dir:

@@ -76,7 +76,7 @@ from fleet.bench.tokens import TokenCounter, package_model_dir
 from fleet.bench.cli import CLIENTS, DEVICE, DURATION, OUT, URL, UsageError, bench, option
 
 MODEL = "host-path-embed"
-#: A forward that costs next to nothing beside the host's work (gpu_check.BERT_DEFAULTS otherwise).
+#: A forward that costs next to nothing beside the host's work (models.BERT_DEFAULTS otherwise).
 MODEL_CONFIG = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 37,
                 "max_position_embeddings": 512, "initializer_range": 0.02}
 GOAL_RATIO = 2.0

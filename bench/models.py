@@ -1,5 +1,5 @@
 """Models a bench builds from a config (random weights, real architectures and tokenizers)
-and the FLEET_HOME it pulls them into: shared by bench.gpu_check and bench.host_path."""
+and the FLEET_HOME it pulls them into: shared by the GPU acceptance run (bench.gpu_check) and bench.host_path."""
 
 from __future__ import annotations
 
@@ -71,3 +71,44 @@ def make_home(home: Path, folders: dict[str, Path], served: dict[str, tuple[str,
         if done.returncode != 0:
             raise RuntimeError(f"fleetctl pull {name} failed: {done.stderr.strip()}")
     return home
+
+
+LLAMA_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is fleet serving small models",
+                "invoices must be paid within thirty days of receipt",
+                "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 . , ! ?"]
+
+
+def build_llama(folder: Path) -> Path:
+    """A 2-layer Llama with a byte-level BPE trained here; a large init range
+    makes greedy choices far from ties (they must not flip between dtypes)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(LLAMA_CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                      eos_token_id=1, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def build_lora(base: Path, folder: Path, *, seed: int) -> Path:
+    """A LoRA adapter of `base` on q and v, random rather than zero-initialised: it
+    must change the text, or a mixed batch could not tell adapters apart."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                        init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(folder)
+    return folder

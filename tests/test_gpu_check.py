@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet.bench.gpu_check import (CPU, GOAL_P95_MS, GOAL_TOKENS_PER_S, Check, flops_per_token, goal_checks,
-                             peak_tflops)
+from fleet.bench.acceptance import CPU, Check
+from fleet.bench.gpu_capacity import flops_per_token, peak_tflops
+from fleet.bench.gpu_check import GOAL_P95_MS, GOAL_TOKENS_PER_S, goal_checks
 
 PARITY = ["parity/embed", "parity/rerank", "parity/classify", "parity/extract", "parity/generate",
           "parity/lora-mixed"]
