@@ -424,6 +424,41 @@ def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
     assert rids_of(take(q, busy, w)) == [1]
 
 
+def test_a_put_or_collect_that_must_not_wait_raises_lock_busy_and_changes_nothing(q):
+    """The event loop's put and collect (`wait=False`): while another thread holds the
+    lock each raises LockBusy at once, nothing put and nothing taken; both go through
+    once it is let go."""
+    lane = q.lane_id("m")
+    w = q.register_worker(1, "cpu")
+    put_all(q, lane, [1])
+    (claim,) = take(q, lane, w)
+    assert q.ack_many([(claim.item_id, b"result", 0)]) == [True]
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with q._lock:
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(5)
+        with pytest.raises(LockBusy):
+            q.put(lane, b"x" * 100, tokens=1, request_id=2, wait=False)
+        with pytest.raises(LockBusy):
+            q.put(lane, b"x" * (1 << 17), tokens=1, request_id=3, wait=False)  # copied outside: never waits
+        with pytest.raises(LockBusy):
+            q.collect(wait=False)
+    finally:
+        release.set()
+        holder.join(5)
+    assert q.depth() == 0
+    assert [(d.request_id, d.result) for d in q.collect(wait=False)] == [(1, b"result")]
+    q.put(lane, b"x" * 100, tokens=1, request_id=2, wait=False)
+    assert rids_of(take(q, lane, w)) == [2]
+
+
 def test_lane_stats_report_busy_lanes(q):
     a, b, _ = q.lane_id("a"), q.lane_id("b"), q.lane_id("idle")
     t0 = time.monotonic_ns()
