@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> None:
 
     from fleet.decisions import DecideQuestion, DecideRequest
     from fleet.runtimes.base import BatchContext, ModelSpec, run_through
-    from fleet.runtimes.decide import DecisionLM
+    from fleet.runtimes.adapters.decide import DecisionLM
 
     torch.set_num_threads(1)
     folder = args.folder or Path(tempfile.mkdtemp(prefix="fleet-decide-split-")) / "minilm"

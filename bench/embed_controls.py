@@ -6,7 +6,7 @@ all 384 dimensions, float32):
 0. **steps** (microseconds, no model): what the variant adds outside the
    forward pass: the daemon's check (`tasks.check_embed_controls`: the prompt
    name looked up in the manifest's table) and the worker's last step
-   (`runtimes.dense.finish_dense`: cut, normalise, convert, result bytes) on
+   (`runtimes.adapters.dense.finish_dense`: cut, normalise, convert, result bytes) on
    384-wide rows, median of `--reps` x 50 calls. These do not need a quiet box.
 1. **worker** (in-process, the real all-MiniLM-L6-v2 in float32): `SentenceTransformerEmbedder.run_batch([request])`,
    the worker's whole call for one request (prompt resolution, tokenizing,
@@ -96,7 +96,7 @@ def steps(reps: int, n: int) -> dict[str, dict[str, float]]:
     from fleet.daemon import tasks
     from fleet.protocol import EmbedRequest
     from fleet.store import Manifest
-    from fleet.runtimes.dense import finish_dense
+    from fleet.runtimes.adapters.dense import finish_dense
 
     class Store:  # the one store call the check may make (a manifest that predates prompts)
         def path(self, name: str) -> Path:
@@ -147,7 +147,7 @@ def worker(reps: int, n: int) -> dict[str, dict[str, float]]:
 
     from fleet.protocol import EmbedRequest
     from fleet.runtimes.base import ModelSpec, Profile
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
     torch.set_num_threads(1)
     spec = ModelSpec(MODEL, package_model_dir(), "embed", "sentence-transformers", max_seq_len=256,

@@ -6,7 +6,7 @@ weights and a sequence-classification head, saved with `save_pretrained`: one la
 (a cross-encoder the size of ms-marco-MiniLM-L-6-v2) and three labels (a classifier).
 
 In-process (this process, torch's defaults): fleet's own adapters
-(runtimes.rerank.TransformersReranker, runtimes.classify.SequenceClassifier) with a
+(runtimes.adapters.rerank.TransformersReranker, runtimes.adapters.classify.SequenceClassifier) with a
 profile forcing each engine and dtype (torch fp32, torch bf16, OpenVINO f32, OpenVINO
 bf16 where the CPU has them), `run_batch` on one short request (1 document / 1 text)
 and one of 32 corpus texts; plus the reference library with torch's defaults in fp32
@@ -82,11 +82,11 @@ def in_process(folders: dict[str, Path], texts: list[str], rounds: int) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fleet.protocol import ClassifyRequest, RerankRequest
-    from fleet.runtimes import openvino
+    from fleet.runtimes.adapters import openvino
     from fleet.runtimes.base import ModelSpec, Profile
-    from fleet.runtimes.classify import SequenceClassifier
+    from fleet.runtimes.adapters.classify import SequenceClassifier
     from fleet.runtimes.device import fast_dtypes
-    from fleet.runtimes.rerank import TransformersReranker
+    from fleet.runtimes.adapters.rerank import TransformersReranker
 
     query, short, full = texts[0], texts[1:2], texts[2: 2 + BATCH]
     cands = [("torch", "float32"), *(("torch", d) for d in fast_dtypes("cpu")),
@@ -187,7 +187,7 @@ def through_fleet(folders: dict[str, Path], texts: list[str], rounds: int) -> di
 @bench("engines-heads", ROUNDS.but(default=30),
        OUT.but(default=Path(__file__).with_name("results") / f"engines-heads-{time.strftime('%Y%m%d-%H%M%S')}.json"))
 def main(args: argparse.Namespace) -> None:
-    from fleet.runtimes import openvino
+    from fleet.runtimes.adapters import openvino
 
     if not openvino.available():
         sys.exit("openvino is not importable: run with PYTHONPATH=.venv/openvino (scripts/setup.sh --test)")

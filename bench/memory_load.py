@@ -40,7 +40,7 @@ def phases(home: Path) -> dict[str, float]:
 
     from fleet.config import load_settings
     from fleet.runtimes.resolve import store_resolver
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
     settings = load_settings(home=str(home))
     resolve = store_resolver(settings)

@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     if args.openvino:
         from fleet.protocol import EmbedRequest
         from fleet.runtimes.base import ModelSpec, Profile
-        from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+        from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
         for m in OPENVINO_SIZES:
             a = SentenceTransformerEmbedder(ModelSpec("m", package_model_dir(), "embed", "sentence-transformers",

@@ -13,7 +13,7 @@ gives each batch's requests, so its texts and their token counts. From those:
 - the forward's padding: the batch's texts sorted by length and cut into
   micro-batches as the worker cuts them (at most `--micro-batch`, the profile's
   `micro_batch_items`, where padding costs more than the worker's `fixed_tokens`
-  of a forward: runtimes/batching.padding_cuts), each padded to its longest, against
+  of a forward: runtimes/adapters/batching.padding_cuts), each padded to its longest, against
   the same texts in unsorted request windows (a per-request caller) and
   length-sorted batches of `--batch` over the whole corpus (the offline limit);
 - tokens/s of the forward alone (real tokens / forward + pool time);
@@ -48,12 +48,12 @@ from fleet.bench.targets import request_windows
 from fleet.bench.timeline import HEADER, MODEL, parse_stamps
 from fleet.bench.tokens import TokenCounter, package_model_dir
 from fleet.bench.cli import CLIENTS, DAEMON, DURATION, OUT, bench, option
-from fleet.runtimes.batching import padding_cuts
+from fleet.runtimes.adapters.batching import padding_cuts
 
 WARMUP_S = 3.0
 #: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
 #: The adapter stamps `tokenized` and `forward` for its batch's last micro-batch
-#: (runtimes/sentence_transformer.py `marks`): with one micro-batch they split tokenize
+#: (runtimes/adapters/sentence_transformer.py `marks`): with one micro-batch they split tokenize
 #: from forward; with several, decoded -> tokenized also holds the earlier micro-batches'
 #: forwards. So the model's span is decoded -> host, and the last micro-batch is shown apart.
 WORKER_SPANS = (("woke", "claimed", "lane choice + claim"), ("claimed", "lingered", "linger"),
@@ -94,7 +94,7 @@ def box_idle() -> tuple[float, float]:
 def padded(lengths: list[int], size: int, *, sort: bool, fixed: float = 0.0) -> int:
     """Tokens a forward pays for `lengths` cut into chunks of `size`, each padded to its
     longest; sorted with `fixed` (the worker's `fixed_tokens`), cut as the worker cuts
-    (runtimes/batching.padding_cuts, here on token counts rather than characters)."""
+    (runtimes/adapters/batching.padding_cuts, here on token counts rather than characters)."""
     xs = sorted(lengths) if sort else list(lengths)
     if sort and fixed > 0 and len(xs) > 1:
         bounds = padding_cuts(np.asarray(xs), size, fixed)

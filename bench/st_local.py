@@ -19,7 +19,7 @@ Targets (`local_target` turns a `--targets` name into one):
                     (avx512_bf16 or amx_bf16, runtimes.device.fast_dtypes), else fp32;
   ov-fp32, ov-bf16, ov-best
                     OpenVINO in-process through fleet's own dense adapter with its
-                    engine forced (runtimes/openvino.py; the graph converted at
+                    engine forced (runtimes/adapters/openvino.py; the graph converted at
                     first load, kept under the temp directory for a package's
                     model): the adapter's `run_batch`, no worker, no queue, no HTTP.
                     Skipped, with a line saying so, when openvino is not installed;
@@ -88,7 +88,7 @@ def best_dtype(flags: set[str]) -> str:
 def local_target(name: str, *, flags: set[str] | None = None, openvino: bool | None = None) -> LocalTarget | str | None:
     """The in-process target `name` means on this machine; a str: why it is skipped
     (the line to print); None: not an in-process target's name."""
-    from fleet.runtimes import openvino as ov
+    from fleet.runtimes.adapters import openvino as ov
     from fleet.runtimes.device import cpu_flags
 
     flags = cpu_flags() if flags is None else flags
@@ -127,7 +127,7 @@ def _openvino_encoder(setup: STSetup):
     """fleet's dense adapter with OpenVINO forced in `setup.dtype`: (encode, info)."""
     from fleet.protocol import EmbedRequest
     from fleet.runtimes.base import ModelSpec, Profile
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
     spec = ModelSpec(setup.model, Path(setup.model_dir), "embed", "sentence-transformers",
                      profile=Profile(engine="openvino", dtype=DTYPES[setup.dtype]))

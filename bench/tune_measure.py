@@ -8,14 +8,14 @@ daemon pulls into; the bench's runner ramps it on the model's own task and `benc
 finds the knee. The daemon's `/v1/ps` must report the candidate's device-class profile
 in use before it is measured.
 
-dtype: the daemon's own load-time check (`runtimes.hf_common.choose_dtype`, the check
+dtype: the daemon's own load-time check (`runtimes.adapters.hf_common.choose_dtype`, the check
 set against fp32: cosine >= 0.9999 for embedders, ...) decides which reduced dtype is
 allowed: the first candidate runs with `dtype = "auto"`, and the dtype it served (and
 the check's log line, `dtype_checks`) fixes the dtype ladder to {that dtype, float32}.
 A dtype the check refused is never tried.
 
 engine: the same first load also chose the engine (torch, OpenVINO:
-`runtimes.engines.choose` timed them on the model's own batch shapes, or a kept
+`runtimes.adapters.engines.choose` timed them on the model's own batch shapes, or a kept
 verdict, or the only one offered); `/v1/ps` publishes it (`served_engine`). The search
 holds that engine fixed: every candidate names it with its dtype (`engine =
 "openvino"`, `dtype = "bfloat16"`: a fully forced choice, served unchecked), so each
@@ -60,7 +60,7 @@ def dtype_checks(log_text: str, model: str) -> list[str]:
 
 def served_engine(rec: dict) -> dict:
     """What a model's `/v1/ps` record says serves it: engine, dtype, how the engine
-    was chosen and its load-time tokens/s (`runtimes.engines.Choice.info`). A record
+    was chosen and its load-time tokens/s (`runtimes.adapters.engines.Choice.info`). A record
     without an engine (no engines weighed: a GPU, a CPU without OpenVINO) is torch."""
     e = rec.get("engine") or {}
     return {"engine": str(e.get("engine") or "torch"), "dtype": str(rec.get("dtype", "")),
@@ -75,7 +75,7 @@ def not_as_named(c: Candidate, served: dict) -> str:
     return f"daemon serves {served['engine']} {served['dtype']}, not {c.runs_on}"
 
 
-#: `runtimes.engines.choose`'s verdict line: "engine NAME: ENGINE DTYPE, fastest that
+#: `runtimes.adapters.engines.choose`'s verdict line: "engine NAME: ENGINE DTYPE, fastest that
 #: agrees ({label: timings or why refused})" or "... (kept verdict: {...})".
 _ENGINE_LINE = re.compile(r"^engine (\S+): (\S+ \S+)(?:, fastest that agrees \(| \(kept verdict: )(\{.*\})\)$")
 

@@ -96,7 +96,7 @@ def label_index(value: Any, kind: str, keys: list[str], levels: list[Any], where
 
 def temperatures_now(daemon: Daemon, name: str, workers: list[dict[str, Any]]) -> dict[str, float]:
     """The temperatures `name` answers with now: a worker's live ones, else the catalog's;
-    a LoRA adapter with none of its own answers at its base's (runtimes/decide.py)."""
+    a LoRA adapter with none of its own answers at its base's (runtimes/adapters/decide.py)."""
     for view in live_profiles(workers, name):
         if view.decide_temperatures is not msgspec.UNSET:
             return dict(view.decide_temperatures)

@@ -79,7 +79,7 @@ def decision_model(daemon: Daemon, name: str) -> str:
 def reads_decisions(daemon: Daemon, name: str) -> str:
     """`name`, unless it is a stored generator fleet reads no decisions from. A
     transformers generator answers them from the weights its worker holds
-    (runtimes/decide_shared.py); another (a GGUF's llama.cpp runtime reads no label
+    (runtimes/adapters/decide_shared.py); another (a GGUF's llama.cpp runtime reads no label
     logits) is refused with how to pull its weights as a decision model (the
     catalog's `<name>-decide` where there is one)."""
     try:

@@ -233,7 +233,7 @@ def in_request(exc: BaseException, first: int) -> BaseException:
     return exc if message == exc.message else exc.__class__(message, hint=exc.hint, param=exc.param)
 
 
-#: The refusals of one input a worker gives (`runtimes.batching.input_too_long`, images).
+#: The refusals of one input a worker gives (`runtimes.adapters.batching.input_too_long`, images).
 RENUMBERED = (BadRequest, InputTooLong, PayloadTooLarge)
 
 

@@ -64,7 +64,7 @@ _extract = msgspec.msgpack.Decoder(ExtractResult)
 _generate = msgspec.msgpack.Decoder(GenerateResult)
 _decide = msgspec.msgpack.Decoder(DecideResult)
 #: Options a question lists under it and reads from single-token labels
-#: (runtimes/decide.py); a question with more reads a row per option.
+#: (runtimes/adapters/decide.py); a question with more reads a row per option.
 LISTED_OPTIONS = 26
 
 

@@ -7,7 +7,7 @@ result (the whole text, every call) ends it, filling in whatever no piece carrie
 A piece is taken only where it continues what was sent (its `start`): a piece sent
 twice, or one from a worker that restarted the generation, is skipped.
 
-Tool calls stream as the model writes them (runtimes.tools, `call_pieces`): a call's
+Tool calls stream as the model writes them (runtimes.adapters.tools, `call_pieces`): a call's
 first piece names it, the next ones carry its arguments' characters; routes that
 stream calls whole (Ollama, Responses) read `deltas()`, which leaves them out.
 """

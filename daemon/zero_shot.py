@@ -7,7 +7,7 @@ natural-language-inference model how strongly the text entails it. A classifier 
 labels include entailment and contradiction (one trained on MNLI or XNLI) answers that;
 any other classifier could only answer with its own labels, so a request naming
 candidate labels to one is refused, naming the NLI classifiers the store holds. The
-worker scores the pairs (runtimes.classify).
+worker scores the pairs (runtimes.adapters.classify).
 """
 
 from __future__ import annotations

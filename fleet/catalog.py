@@ -34,7 +34,7 @@ from fleet.errors import BadRequest, ModelNotFound
 from fleet.files import replace_file
 
 Task = Literal["embed", "rerank", "classify", "extract", "generate", "decide"]
-#: LLM rerankers' prompt formats (runtimes/llm_rerank.FORMATS).
+#: LLM rerankers' prompt formats (runtimes/adapters/llm_rerank.FORMATS).
 RerankPrompt = Literal["qwen3", "mxbai-v2"]
 #: sentence-transformers' pooling modes (1_Pooling/config.json), as catalog facts.
 Pooling = Literal["cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens"]
@@ -42,7 +42,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TASKS: tuple[str, ...] = ("embed", "rerank", "classify", "extract", "generate", "decide")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-#: What runs an encoder's forward (runtimes/engines.py): `auto` measures at load.
+#: What runs an encoder's forward (runtimes/adapters/engines.py): `auto` measures at load.
 Engine = Literal["auto", "torch", "openvino"]
 #: Where a model's requests run (daemon/upstreams.py): here; here unless this box's
 #: queue would make them wait past `spill_after_ms` or the model cannot load here
@@ -133,7 +133,7 @@ class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_tokens: int = 16384
     dtype: Dtype = "auto"
     #: torch or OpenVINO (CPU encoders); `auto`: the fastest that agrees with torch
-    #: fp32, measured at load (runtimes/engines.py). With `dtype`, forces the choice.
+    #: fp32, measured at load (runtimes/adapters/engines.py). With `dtype`, forces the choice.
     engine: Engine = "auto"
     #: How long a worker waits for more items of this model before running a
     #: short batch, in milliseconds.
@@ -164,7 +164,7 @@ class TunedInfo(msgspec.Struct, kw_only=True):
     dtype_check: str = ""
     #: The engine and dtype the default profile's load chose ("openvino bfloat16"): the
     #: engine every candidate named (the profile's `engine`), how it was chosen
-    #: ("measured", "cached", "only", ...: runtimes/engines.py), its load-time tokens/s,
+    #: ("measured", "cached", "only", ...: runtimes/adapters/engines.py), its load-time tokens/s,
     #: and each engine's load-time timings or why it was refused. "" / None / {}: an
     #: older tune, or a load that weighed no engines.
     engine_choice: str = ""

@@ -32,7 +32,7 @@ MAX_LEVELS = 10
 #: Option counts that share a temperature, per kind: (first, last) inclusive.
 BUCKETS: tuple[tuple[int, int], ...] = ((1, 2), (3, 5), (6, 10), (11, 26), (27, MAX_OPTIONS))
 #: Stored models of another task that answer decisions too, by (task, runtime): a
-#: generator's worker reads them from the weights it holds (runtimes/decide_shared.py).
+#: generator's worker reads them from the weights it holds (runtimes/adapters/decide_shared.py).
 SHARED_DECIDERS: frozenset[tuple[str, str]] = frozenset({("generate", "transformers")})
 
 
@@ -40,7 +40,7 @@ class DecideQuestion(msgspec.Struct, frozen=True, array_like=True):
     """One question as the model reads it. `options` are the lines listed under the
     question (an option's name with its description); `names` the short strings
     scored by their likelihood when the options outnumber the model's single-token
-    labels (runtimes/decide.py). Both in the request's option order."""
+    labels (runtimes/adapters/decide.py). Both in the request's option order."""
 
     kind: Kind
     text: str
@@ -59,7 +59,7 @@ class DecideRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
 
     `state_json`: the state was sent as an object or array, and `state` is it as
     compact JSON; a checkpoint whose package renders JSON its own way renders it so
-    (runtimes/decide_heads.py)."""
+    (runtimes/adapters/decide_heads.py)."""
 
     model: str
     state: str

@@ -8,7 +8,7 @@ fetches both from the hub at every load, adds its `<<ENT>>`/`<<SEP>>` tokens to
 the tokenizer and sizes the embeddings to it. fleet loads offline: the pull
 fetches the backbone's config and tokenizer files into `backbone/` of the model's
 folder (`fetch_backbone`), hashed into the manifest like every other file, and
-runtimes.gliner builds the model from there.
+runtimes.adapters.gliner builds the model from there.
 
 `model_name` is a hub repo id (downloaded through huggingface_hub, so its cache
 serves it offline) or, as GLiNER allows, a local folder (copied).

@@ -88,7 +88,7 @@ GenerateFormat = Literal["json"] | dict
 #: An answer with no `max_tokens` of its client's: admission counts it as its prompt and this
 #: many tokens, and the worker reserves key/value cache for this many tokens past what the
 #: sequence holds, growing the reserve by as much each time the sequence reaches it
-#: (runtimes.generate). The answer itself runs until the model stops or its context is full.
+#: (runtimes.adapters.generate). The answer itself runs until the model stops or its context is full.
 ANSWER_RESERVE_TOKENS = 512
 
 

@@ -25,7 +25,7 @@ from fleet.store import Manifest, Store, hash_file, needed_by_runtime
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 #: Head files at a folder's root that are torch pickles but are only ever read with
 #: torch's weights-only unpickler (tensors and plain containers; any other global is
-#: refused, no code runs): bge-m3's sparse and ColBERT heads (runtimes/bge_m3.py).
+#: refused, no code runs): bge-m3's sparse and ColBERT heads (runtimes/adapters/bge_m3.py).
 #: Taken whatever `allow_pickle` says and beside safetensors; every other pickle
 #: follows the rule above.
 WEIGHTS_ONLY_HEADS = ("sparse_linear.pt", "colbert_linear.pt")

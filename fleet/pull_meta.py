@@ -31,13 +31,13 @@ DEFAULT_RUNTIME = {
     "classify": "transformers",
     "extract": "transformers",
     "generate": "transformers",
-    # Typed decisions (runtimes/decide.py): a causal LM read by scoring.
+    # Typed decisions (runtimes/adapters/decide.py): a causal LM read by scoring.
     "decide": "transformers",
 }
 #: (task the folder looks like, task it is pulled as) -> runtime: a causal LM
 #: pulled with --task rerank is an LLM reranker (its prompt asks for a yes/no token).
 OTHER_TASK_RUNTIME = {("generate", "rerank"): "llm-rerank",
-                      # A sequence classifier pulled --task decide: an NLI cross-encoder (runtimes/decide_nli.py).
+                      # A sequence classifier pulled --task decide: an NLI cross-encoder (runtimes/adapters/decide_nli.py).
                       ("classify", "decide"): "nli"}
 #: peft's `task_type` -> fleet task.
 PEFT_TASKS = {
@@ -102,13 +102,13 @@ def detect_kind(folder: Path) -> Kind | None:
         # GLiNER's own layout (GLiNER.save_pretrained): no transformers config.json.
         return Kind("extract", "gliner")
     if (folder / "rl_agent_config.json").is_file():
-        # A Laya decision checkpoint (runtimes/decide_laya.py): its config beside encoder/ and tokenizer/.
+        # A Laya decision checkpoint (runtimes/adapters/decide_laya.py): its config beside encoder/ and tokenizer/.
         return Kind("decide", "laya")
     config = _read_json(folder / "config.json")
     if config is None:
         return None
     if "backbone_config" in config and "head" in config:
-        # A bev-decider checkpoint (runtimes/decide_bev.py): its head's sizes and the backbone's config file.
+        # A bev-decider checkpoint (runtimes/adapters/decide_bev.py): its head's sizes and the backbone's config file.
         return Kind("decide", "bev")
     for arch in config.get("architectures") or []:
         arch = str(arch)

@@ -15,7 +15,7 @@ prompt and the model's past calls into history, in that format.
   line) in a markdown block tagged tool_code, their results given back in one
   tagged tool_output. Its template renders no tools (it has no place for them) but
   has one for a system turn, which it writes before the first user turn: fleet
-  describes the tools there, as Python signatures (runtimes.tool_code). Recognised
+  describes the tools there, as Python signatures (runtimes.adapters.tool_code). Recognised
   by its `<start_of_turn>` turns with that system prefix (`first_user_prefix`).
 
 A template that speaks none of them (SmolLM2's, Gemma 2's) cannot express tools:

@@ -66,7 +66,7 @@ class Profile:
     max_batch_items: int = 256
     max_batch_tokens: int = 16384
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    engine: str = "auto"  # auto | torch | openvino (runtimes/engines.py)
+    engine: str = "auto"  # auto | torch | openvino (runtimes/adapters/engines.py)
     linger_ms: float = 0.0
     #: Inputs per forward pass inside a batch (length-sorted micro-batches cut padding).
     micro_batch_items: int = 64
@@ -100,7 +100,7 @@ class Adapter(abc.ABC):
 
     #: The msgspec Struct a queue payload of this task decodes into.
     request_type: ClassVar[type[msgspec.Struct]]
-    #: The engines a profile may name for it (`Profile.engine`; runtimes/engines.py):
+    #: The engines a profile may name for it (`Profile.engine`; runtimes/adapters/engines.py):
     #: another is refused at load.
     engines: ClassVar[tuple[str, ...]] = ("torch",)
 
@@ -109,7 +109,7 @@ class Adapter(abc.ABC):
         self.device = device
         #: dtype chosen at load (recorded in `fleetctl ps`).
         self.dtype = "float32"
-        #: What runs the forward and how it was chosen (runtimes.engines.Choice; None:
+        #: What runs the forward and how it was chosen (runtimes.adapters.engines.Choice; None:
         #: torch, never measured). `fleetctl ps` shows it.
         self.choice: Any = None
         #: A forward's fixed cost in padded tokens on this device (per-layer dispatch,
@@ -172,7 +172,7 @@ class Adapter(abc.ABC):
     continuous: ClassVar[bool] = False
     #: A second request type a continuous adapter's lane may carry, answered in
     #: batches beside its rounds by `side_batch` (a generator's typed decisions, read
-    #: from the weights it holds: runtimes/decide_shared.py); None: its own type only.
+    #: from the weights it holds: runtimes/adapters/decide_shared.py); None: its own type only.
     side_type: ClassVar[type[msgspec.Struct] | None] = None
 
     def side_batch(self, requests: list[Any], ctx: BatchContext) -> Steps:

@@ -133,7 +133,7 @@ def reprofile(residency: Residency) -> list[str]:
             log.warning("reload: %s keeps its profile: %s", name, exc.message)
             continue
         if calibration != {k: spec.extra.get(k) for k in calibration}:
-            # Decision temperatures apply from the next batch (runtimes/decide.py reads them per batch).
+            # Decision temperatures apply from the next batch (runtimes/adapters/decide.py reads them per batch).
             spec = r.adapter.spec = dataclasses.replace(spec, extra={**spec.extra, **calibration})
             temps = calibration["decide_temperatures"] or {}
             changed.append(f"{name}: decision temperatures " +
@@ -155,7 +155,7 @@ def reprofile(residency: Residency) -> list[str]:
 
 def recalibrate_loras(residency: Residency, adapter: Adapter) -> list[str]:
     """The LoRA adapters attached to `adapter` take their entries' calibration now
-    (a decision adapter answers at its own temperatures when it has them: runtimes/decide.py)."""
+    (a decision adapter answers at its own temperatures when it has them: runtimes/adapters/decide.py)."""
     bank = getattr(adapter, "loras", None)
     changed = []
     for name, attached in (bank.attached.items() if bank is not None else ()):

@@ -38,7 +38,7 @@ class Footprint:
     """What one model holds on its device: weights (resident) and an activation
     allowance (the largest batch its profile allows, shared per worker). A
     generator's key/value cache is not part of it: its sequences reserve their
-    cache as they are admitted and wait for room (runtimes.generate
+    cache as they are admitted and wait for room (runtimes.adapters.generate
     `reserved_bytes`, counted with its weights once it is resident)."""
 
     weights_bytes: int
@@ -107,7 +107,7 @@ def activation_allowance(runtime: str, shape: dict[str, int], *, max_batch_token
     return tokens * per_token * dtype_bytes
 
 
-#: Context a causal LM's config that names none gets (runtimes.generate's default).
+#: Context a causal LM's config that names none gets (runtimes.adapters.generate's default).
 DEFAULT_CONTEXT = 2048
 
 
@@ -141,7 +141,7 @@ def decoder_step(shape: dict[str, int], *, rows: int, max_batch_tokens: int, max
     """(tokens, peak activation bytes) of one forward of a causal LM over a step's rows.
 
     The tokens a step admits: at most `rows` sequences of at most the context
-    (`max_seq_len`, never past the position table: runtimes.generate's `max_len`),
+    (`max_seq_len`, never past the position table: runtimes.adapters.generate's `max_len`),
     cut to `max_batch_tokens` (a prefill group's budget). Attention is SDPA, which
     holds no seq x seq score matrix (measured: one 16 384-token row on the CPU held
     ~80 KB a token, where materialised scores would take 14 heads x 16 384 x 4 bytes
@@ -172,7 +172,7 @@ def estimate_footprint(folder: Path, runtime: str, *, task: str = "", dtype: str
     A generator (task `generate`) is sized as one step of its continuous batcher:
     `max_batch_items` rows and the tokens `decoder_step` admits. Its key/value
     cache is reserved as sequences are admitted, bounded by the room left
-    (runtimes.generate: a sequence waits for room, and one that could never fit
+    (runtimes.adapters.generate: a sequence waits for room, and one that could never fit
     is refused), so neither a long context window nor a full step's cache refuses
     a model that can answer one request. An LLM reranker (runtime `llm-rerank`) runs the same decoder over
     micro-batches, without a cache. Every other runtime is an encoder

@@ -86,9 +86,9 @@ def worker_info(residency: Residency, costs: dict[str, CostModel], last_batch: B
 
 
 def engine_info(adapter) -> dict:
-    """What runs the model's forward and how it was chosen (runtimes/engines.py), whether
-    it replays a traced graph (runtimes/traced.py), up to what size a forward runs on one
-    thread (runtimes/threads.py), and a forward's fixed cost in tokens, where
+    """What runs the model's forward and how it was chosen (runtimes/adapters/engines.py), whether
+    it replays a traced graph (runtimes/adapters/traced.py), up to what size a forward runs on one
+    thread (runtimes/adapters/threads.py), and a forward's fixed cost in tokens, where
     micro-batches cut (`Adapter.fixed_tokens`); {} when none applies."""
     out = {}
     if getattr(adapter, "fixed_tokens", None) is not None:

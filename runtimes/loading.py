@@ -1,8 +1,8 @@
 """A model load beside serving: its own thread, while the step loop serves the models already here.
 
 A load is seconds to minutes of building modules, reading weights and
-measuring (dtype, trace, threads: runtimes.hf_common, runtimes.traced,
-runtimes.threads). Run on the step loop, it held every model already resident
+measuring (dtype, trace, threads: runtimes.adapters.hf_common, runtimes.adapters.traced,
+runtimes.adapters.threads). Run on the step loop, it held every model already resident
 on the worker for as long (issue 42: a 265 MB reranker's load held the default
 embedder's requests 16.5 s; an 88 s load turned them into timeouts). So
 `Residency.ensure` sizes, decides and evicts on the step loop as before, and

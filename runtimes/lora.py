@@ -475,7 +475,7 @@ class LoraHost:
 
     def lora_bank(self) -> Loras | None:
         """The bank for a first adapter when the model had none at load (one that
-        another engine serves may go back to torch: runtimes.engines.back_to_torch);
+        another engine serves may go back to torch: runtimes.adapters.engines.back_to_torch);
         None: this model takes none."""
         return None
 

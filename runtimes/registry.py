@@ -12,26 +12,26 @@ from fleet.errors import ModelLoadFailed
 from fleet.runtimes.base import Adapter
 
 ADAPTERS: dict[tuple[str, str], str] = {
-    ("embed", "sentence-transformers"): "fleet.runtimes.sentence_transformer:SentenceTransformerEmbedder",
-    ("embed", "splade"): "fleet.runtimes.splade:SpladeEmbedder",
-    ("embed", "clip"): "fleet.runtimes.clip:ClipEmbedder",
-    ("embed", "bge-m3"): "fleet.runtimes.bge_m3:BgeM3Embedder",
-    ("rerank", "sentence-transformers"): "fleet.runtimes.rerank:SentenceTransformersReranker",
-    ("rerank", "transformers"): "fleet.runtimes.rerank:TransformersReranker",
-    ("rerank", "llm-rerank"): "fleet.runtimes.llm_rerank:LlmReranker",
-    ("classify", "transformers"): "fleet.runtimes.classify:SequenceClassifier",
-    ("extract", "transformers"): "fleet.runtimes.extract:TokenClassifier",
-    ("extract", "gliner"): "fleet.runtimes.gliner:GlinerExtractor",
+    ("embed", "sentence-transformers"): "fleet.runtimes.adapters.sentence_transformer:SentenceTransformerEmbedder",
+    ("embed", "splade"): "fleet.runtimes.adapters.splade:SpladeEmbedder",
+    ("embed", "clip"): "fleet.runtimes.adapters.clip:ClipEmbedder",
+    ("embed", "bge-m3"): "fleet.runtimes.adapters.bge_m3:BgeM3Embedder",
+    ("rerank", "sentence-transformers"): "fleet.runtimes.adapters.rerank:SentenceTransformersReranker",
+    ("rerank", "transformers"): "fleet.runtimes.adapters.rerank:TransformersReranker",
+    ("rerank", "llm-rerank"): "fleet.runtimes.adapters.llm_rerank:LlmReranker",
+    ("classify", "transformers"): "fleet.runtimes.adapters.classify:SequenceClassifier",
+    ("extract", "transformers"): "fleet.runtimes.adapters.extract:TokenClassifier",
+    ("extract", "gliner"): "fleet.runtimes.adapters.gliner:GlinerExtractor",
     # LoRA adapters (runtime "peft") are no entry: they attach to their base's
     # adapter (Adapter.attach_lora) and their requests run in the base's batches.
-    ("generate", "transformers"): "fleet.runtimes.generate:CausalLM",
+    ("generate", "transformers"): "fleet.runtimes.adapters.generate:CausalLM",
     # GGUF generators (fleet.pull_gguf), the fleet-serve[llamacpp] extra.
-    ("generate", "llama.cpp"): "fleet.runtimes.llamacpp:LlamaCppLM",
-    ("decide", "transformers"): "fleet.runtimes.decide:DecisionLM",
-    ("decide", "nli"): "fleet.runtimes.decide_nli:NliDecider",
+    ("generate", "llama.cpp"): "fleet.runtimes.adapters.llamacpp:LlamaCppLM",
+    ("decide", "transformers"): "fleet.runtimes.adapters.decide:DecisionLM",
+    ("decide", "nli"): "fleet.runtimes.adapters.decide_nli:NliDecider",
     # Decision checkpoints with their own heads, recognised at pull by their files.
-    ("decide", "laya"): "fleet.runtimes.decide_laya:LayaDecider",
-    ("decide", "bev"): "fleet.runtimes.decide_bev:BevDecider",
+    ("decide", "laya"): "fleet.runtimes.adapters.decide_laya:LayaDecider",
+    ("decide", "bev"): "fleet.runtimes.adapters.decide_bev:BevDecider",
 }
 
 

@@ -63,7 +63,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
                    # the adapter reads the folder then); the source names INSTRUCTOR hub ids.
                    "source": manifest.source, "prompts": manifest.prompts,
                    "default_prompt_name": manifest.default_prompt_name,
-                   # LLM rerankers' prompt settings (runtimes/llm_rerank.py); None: the format's.
+                   # LLM rerankers' prompt settings (runtimes/adapters/llm_rerank.py); None: the format's.
                    **{k: getattr(entry, k, None) for k in ("prompt_format", "default_instruction", "true_token",
                                                           "false_token")}},
         )

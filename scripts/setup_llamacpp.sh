@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp for the `llama.cpp` runtime (the fleet-serve[llamacpp] extra, runtimes/llamacpp.py),
+# llama.cpp for the `llama.cpp` runtime (the fleet-serve[llamacpp] extra, runtimes/adapters/llamacpp.py),
 # beside the venv in .venv/llamacpp, not in it (as OpenVINO in .venv/openvino): its tests
 # run with PYTHONPATH=.venv/llamacpp (tests/test_llamacpp.py, bench/generate_engines.py)
 # while the rest of the suite runs as an install without the extra.

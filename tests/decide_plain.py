@@ -1,6 +1,6 @@
 """The reference of a causal LM's typed decisions: each question's own full
 sequences (the state, the question's head, one row) run alone through transformers
-without a cache, in the prompt runtimes/decide.py documents. What fleet answers
+without a cache, in the prompt runtimes/adapters/decide.py documents. What fleet answers
 (prefix caches, packed rows, padding, LoRA rows) must equal it (tests/test_decide.py,
 tests/test_parity_generators.py).
 """

@@ -265,7 +265,7 @@ def test_saturation_groups_requests_into_the_worker_batches_they_ran_in():
     from fleet.bench.saturation import analyse, padded
 
     assert padded([3, 1, 2, 8], 2, sort=False) == 2 * 3 + 2 * 8 and padded([3, 1, 2, 8], 2, sort=True) == 2 * 2 + 2 * 8
-    # Cut as the worker cuts (runtimes/batching.padding_cuts): four short texts not padded to two long ones.
+    # Cut as the worker cuts (runtimes/adapters/batching.padding_cuts): four short texts not padded to two long ones.
     assert padded([50, 1, 1, 50, 1, 1], 64, sort=True, fixed=10) == 4 * 1 + 2 * 50
     assert padded([50, 1, 1, 50, 1, 1], 64, sort=True) == 6 * 50
     lengths = [10, 40, 20, 30]

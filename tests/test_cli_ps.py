@@ -71,10 +71,10 @@ def test_ps_reads_well_at_80_columns():
     # LoRAs under their base, right after it.
     base = next(i for i, line in enumerate(lines) if "smollm2-135m-instruct" in line)
     assert "└ support-tone" in lines[base + 1] and "└ legal-tone" in lines[base + 2]
-    # What runs each model's forward, how it was chosen and its measured speed (runtimes/engines.py).
+    # What runs each model's forward, how it was chosen and its measured speed (runtimes/adapters/engines.py).
     flat = " ".join(text.split())
     assert "openvino" in flat and "14,143" in flat, text
-    assert "torch; traced" in flat and "1.37x" in flat, text  # a traced CPU forward (runtimes/traced.py)
+    assert "torch; traced" in flat and "1.37x" in flat, text  # a traced CPU forward (runtimes/adapters/traced.py)
     # The JSON's worker id, the one `fleetctl pin` prints.
     assert "65536" in text
     assert "restarting" in text

@@ -73,7 +73,7 @@ def test_models_and_ps(daemon):
     card = next(c for c in cards if c.id == DEFAULT_MODEL)
     assert card.task == "embed" and card.loaded
     assert ps["workers"] and any(DEFAULT_MODEL in w["models"] for w in ps["workers"])
-    # Whether its CPU forward replays a traced graph, and why (runtimes/traced.py): a
+    # Whether its CPU forward replays a traced graph, and why (runtimes/adapters/traced.py): a
     # verdict measured at load, so either way, but always said.
     forward = next(w["models"][DEFAULT_MODEL] for w in ps["workers"] if DEFAULT_MODEL in w["models"])["forward"]
     assert (forward["traced"] and forward["speedup"] > 1.0 and forward["up_to_tokens"] == 256) or \

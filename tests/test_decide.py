@@ -1,7 +1,7 @@
 """Typed decisions (`POST /v1/systemone`, task `decide`) end to end: a real daemon
 serving a tiny random Llama pulled with `--task decide`, driven over HTTP by the
 official `typesafe-sdk`, judged by the `jevcompat` conformance suite, and checked
-against a plain forward of the same folder (the prompt as runtimes/decide.py
+against a plain forward of the same folder (the prompt as runtimes/adapters/decide.py
 documents it, each question's full sequence run alone, no cache). Beside it, a
 tiny random DeBERTa-v3 NLI classifier pulled the same way (runtime `nli`), checked
 against transformers' zero-shot classification pipeline on its folder; and a peft

@@ -1,6 +1,6 @@
 """Decision checkpoints with their own heads (task `decide`): fleet's Laya runtime
-(`laya`, runtimes/decide_laya.py) and bev-decider runtime (`bev`,
-runtimes/decide_bev.py) against the real `laya` and `bev-decider` packages.
+(`laya`, runtimes/adapters/decide_laya.py) and bev-decider runtime (`bev`,
+runtimes/adapters/decide_bev.py) against the real `laya` and `bev-decider` packages.
 
 The references run in the isolated reference venv (scripts/setup_decide_ref.sh adds
 them to GLiNER's, bench/.venv-gliner, whose transformers is older than fleet's) as a

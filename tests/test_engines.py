@@ -1,4 +1,4 @@
-"""runtimes/engines.py, runtimes/openvino.py, fleet/derived.py: the engine a model
+"""runtimes/adapters/engines.py, runtimes/adapters/openvino.py, fleet/derived.py: the engine a model
 runs on, chosen by measurement, a second runtime family (OpenVINO) with parity
 against torch, and its converted graph kept as a checked derived file.
 
@@ -19,7 +19,7 @@ import pytest
 from fleet.derived import DERIVED, derived
 from fleet.errors import ModelLoadFailed
 from fleet.protocol import EmbedRequest
-from fleet.runtimes import engines, openvino
+from fleet.runtimes.adapters import engines, openvino
 from fleet.runtimes.base import ModelSpec, Profile
 from tests.conftest import default_model_dir
 
@@ -110,7 +110,7 @@ def test_the_fastest_candidate_that_agrees_serves(tmp_path):
 # ---- OpenVINO behind the embedder's contract: parity with torch ------------------------
 
 def embedder(engine: str, dtype: str):
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 
     spec = ModelSpec("all-minilm-l6-v2", default_model_dir(), "embed", "sentence-transformers",
                      profile=Profile(dtype=dtype, engine=engine, micro_batch_items=8), max_seq_len=256)
@@ -190,8 +190,8 @@ def heads(tmp_path_factory) -> dict[str, Path]:
 
 
 def head_adapter(heads, task: str, runtime: str, engine: str, dtype: str):
-    from fleet.runtimes.classify import SequenceClassifier
-    from fleet.runtimes.rerank import SentenceTransformersReranker, TransformersReranker
+    from fleet.runtimes.adapters.classify import SequenceClassifier
+    from fleet.runtimes.adapters.rerank import SentenceTransformersReranker, TransformersReranker
 
     cls = {("rerank", "transformers"): TransformersReranker, ("rerank", "sentence-transformers"):
            SentenceTransformersReranker, ("classify", "transformers"): SequenceClassifier}[task, runtime]
@@ -291,7 +291,7 @@ def test_auto_weighs_both_engines_and_goes_back_to_torch_for_a_lora(heads, task,
     timing is the box's, the choice's rule is under test) and serves it; a LoRA
     adapter then takes the model back to torch fp32, which scores as before, its
     forward traced as at a torch load (kept whatever it measured: MIN_SPEEDUP 0)."""
-    from fleet.runtimes import traced
+    from fleet.runtimes.adapters import traced
     from fleet.runtimes.info import engine_info
 
     openvino_timed_fastest(monkeypatch)
@@ -318,7 +318,7 @@ def openvino_timed_fastest(monkeypatch) -> None:
 
     def openvino_fastest(alive, workloads, clock, **rounds):
         medians = real(alive, workloads, clock, **rounds)
-        if not all(isinstance(c, engines.Candidate) for c in medians):  # a trace against eager (runtimes/traced.py)
+        if not all(isinstance(c, engines.Candidate) for c in medians):  # a trace against eager (runtimes/adapters/traced.py)
             return medians
         return {c: {w: (1.0 if c.engine == "openvino" else 9.0) for w in m} for c, m in medians.items()}
 
@@ -327,8 +327,8 @@ def openvino_timed_fastest(monkeypatch) -> None:
 
 @needs_openvino
 def test_an_embedder_on_openvino_goes_back_to_torch_for_a_lora(tmp_path, monkeypatch):
-    from fleet.runtimes import traced
-    from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+    from fleet.runtimes.adapters import traced
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
     from tests.arch_models import sentence_transformer
 
     openvino_timed_fastest(monkeypatch)

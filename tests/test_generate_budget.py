@@ -19,7 +19,7 @@ from fleet.messages import STATUS_ERROR, STATUS_OK, STATUS_PARTIAL, EnvelopeIn, 
 from fleet.protocol import GenerateRequest
 from fleet.local_queue import LocalQueue
 from fleet.runtimes.base import ModelSpec, Profile
-from fleet.runtimes.generate_rows import kv_reserve, shed_count
+from fleet.runtimes.adapters.generate_rows import kv_reserve, shed_count
 from fleet.runtimes.device_memory import DeviceMemory
 from fleet.runtimes.worker import WorkerCore
 from tests.gen_models import Reference, build_llama

@@ -1,4 +1,4 @@
-"""The generation adapter in-process (runtimes.generate.CausalLM), against
+"""The generation adapter in-process (runtimes.adapters.generate.CausalLM), against
 transformers `generate` and peft on the same tiny weights: continuous batching
 (rows joining and leaving between steps), mixed-adapter forwards, LoRA
 eviction, streaming pieces and the pure text helpers."""
@@ -11,9 +11,9 @@ import pytest
 
 from fleet.protocol import GenerateRequest
 from fleet.runtimes.base import ModelSpec, Profile
-from fleet.runtimes import generate
-from fleet.runtimes.generate import CausalLM
-from fleet.runtimes.generate_rows import stop_cut, streamable_end
+from fleet.runtimes.adapters import generate
+from fleet.runtimes.adapters.generate import CausalLM
+from fleet.runtimes.adapters.generate_rows import stop_cut, streamable_end
 from fleet.runtimes.lora import BASE_ROW
 from fleet.messages import GenerateChunk, GenerateResult, WorkError
 from tests.gen_models import Reference, build_llama, build_lora, never_ending
@@ -182,9 +182,9 @@ class OlderCacheNames:
 
 
 def test_the_kv_cache_keyword_follows_the_installed_transformers(folders, ref: Reference) -> None:
-    """runtimes/generate_rows.cache_keyword: `cache` here; a model whose forward takes and
+    """runtimes/adapters/generate_rows.cache_keyword: `cache` here; a model whose forward takes and
     returns `past_key_values` (older transformers) decodes the same greedy tokens."""
-    from fleet.runtimes.generate_rows import cache_keyword
+    from fleet.runtimes.adapters.generate_rows import cache_keyword
 
     adapter = make(folders, max_batch_items=2)
     assert cache_keyword(adapter.base) == "cache"

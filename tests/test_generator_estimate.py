@@ -6,7 +6,7 @@ activations, and no catalog generator could load on a 24 GB box. It is now what
 one step of the continuous batcher holds (runtimes.footprint.decoder_step): the
 tokens it admits (rows x context, cut to the profile's max_batch_tokens) and their
 activations under SDPA (no seq x seq matrix). The key/value cache is reserved as
-sequences are admitted, and a sequence waits for room (runtimes.generate;
+sequences are admitted, and a sequence waits for room (runtimes.adapters.generate;
 tests/test_generate_openai.py's tight budget): a load needs no cache room.
 
 Each catalog generator is sized from its real config.json (tests/data/
@@ -159,10 +159,10 @@ def test_a_step_is_the_rows_and_tokens_the_batcher_admits(tmp_path: Path, rows, 
 
 
 def test_the_config_sizes_a_cache_token_as_the_batcher_measures_it(tmp_path: Path):
-    """The estimate's bytes a token equal what runtimes.generate measures in its real
+    """The estimate's bytes a token equal what runtimes.adapters.generate measures in its real
     cache at warm-up, and the reserve of admitted rows is rows x widest x that."""
     from fleet.protocol import GenerateRequest
-    from fleet.runtimes.generate import CausalLM
+    from fleet.runtimes.adapters.generate import CausalLM
 
     folder = tiny_qwen2(tmp_path / "q", 32768)
     spec = ModelSpec(name="q", path=folder, task="generate", runtime="transformers",

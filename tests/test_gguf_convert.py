@@ -26,7 +26,7 @@ import pytest
 
 from fleet.errors import BadRequest
 from fleet.pull import pull_model
-from fleet.runtimes import llamacpp
+from fleet.runtimes.adapters import llamacpp
 from fleet.store import Store
 from tests.conftest import start_daemon
 from tests.gen_models import build_llama, build_tool_caller, never_ending

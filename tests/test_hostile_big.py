@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from fleet.runtimes.batching import char_bound
+from fleet.runtimes.adapters.batching import char_bound
 from tests.conftest import DEFAULT_MODEL, DaemonProc, start_daemon
 from tests.gen_models import build_llama, pull
 

@@ -221,3 +221,34 @@ def test_the_api_process_maps_no_libtorch(daemon):
     workers = httpx.get(f"{daemon.url}/v1/ps", timeout=10).json()["workers"]
     pids = [w["pid"] for w in workers if w.get("pid")]
     assert pids and any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
+
+
+def test_the_worker_machinery_imports_no_adapter():
+    """runtimes/adapters/ holds the models' code: one module per runtime and what only
+    they use. The worker's machinery beside it (step loop, residency, memory, claiming,
+    placement, ...) imports none of it, not even inside a function: the registry names
+    each adapter by its dotted path and the worker imports the one a model needs when
+    it loads it."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+             for module, path in MODULES.items()
+             if module.startswith("runtimes.") and not module.startswith("runtimes.adapters")
+             for target, line, _ in imports_of(module, path) if target.startswith("runtimes.adapters")]
+    assert not wrong, ("runtimes machinery importing adapters (name an adapter in the registry; move a helper "
+                       "the worker needs out of runtimes/adapters/):\n" + "\n".join(wrong))
+
+
+def test_the_registry_names_classes_of_the_adapters_package():
+    """Every "module:Class" of runtimes/registry.py names a module of runtimes/adapters/
+    that defines that class (read from the files: importing them would import torch)."""
+    tree = ast.parse((ROOT / "runtimes" / "registry.py").read_text())
+    targets = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and re.fullmatch(r"fleet\.[\w.]+:\w+", n.value)]
+    assert len(targets) >= 10, targets
+    wrong = []
+    for target in targets:
+        module, _, cls = target.partition(":")
+        path = MODULES.get(canonical(module))
+        classes = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)} if path else set()
+        if not module.startswith("fleet.runtimes.adapters.") or cls not in classes:
+            wrong.append(target)
+    assert not wrong, f"registry entries outside runtimes/adapters/ or naming no class there: {wrong}"

@@ -1,4 +1,4 @@
-"""The llama.cpp runtime (runtimes/llamacpp.py) on the real SmolLM2-135M-Instruct Q4_1
+"""The llama.cpp runtime (runtimes/adapters/llamacpp.py) on the real SmolLM2-135M-Instruct Q4_1
 GGUF, through a real daemon (one CPU worker) and real HTTP:
 
 - greedy text equals llama.cpp's own `Llama` object on the same file and prompt;
@@ -26,7 +26,7 @@ import pytest
 
 from fleet.pull import pull_model
 from fleet.store import Store
-from fleet.runtimes import llamacpp
+from fleet.runtimes.adapters import llamacpp
 from tests.conftest import DaemonProc, start_daemon
 from tests.test_gguf_store import smollm2_gguf
 
@@ -64,7 +64,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, gguf: Path):
 def reference(gguf: Path):
     import os
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the runtime runs it (runtimes/llamacpp.py)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the runtime runs it (runtimes/adapters/llamacpp.py)
     from llama_cpp import Llama
 
     # Flash attention as the runtime's context runs it (llama.cpp's "auto" turns it on

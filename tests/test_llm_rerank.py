@@ -517,7 +517,7 @@ def test_the_catalog_knows_every_prompt_format():
     from typing import get_args
 
     from fleet.catalog import RerankPrompt
-    from fleet.runtimes.llm_rerank import FORMATS
+    from fleet.runtimes.adapters.llm_rerank import FORMATS
 
     assert set(get_args(RerankPrompt)) == set(FORMATS)
 

@@ -7,13 +7,13 @@ and a BERT cross-encoder built from a config (random weights, MiniLM's tokenizer
    (seconds: weights, the dtype check, the trace and its probes), the resident
    embedder answers every probe, each in a fraction of the load's time. Before,
    the worker's one step loop ran the load: every embed request waited for all of it.
-2. A reload serves what the first load measured (runtimes.kept): the trace is made
+2. A reload serves what the first load measured (runtimes.adapters.kept): the trace is made
    once and kept beside the model, the dtype checked once; before, every load
    traced, probed, timed and checked again.
 3. Load/unload cycles give their memory back: the worker's RSS, read when it is
    quiet after each unload, stays level over the cycles after the first. Before,
    every load traced the model again into torch's process-wide compilation unit,
-   which never frees a graph: +14 MiB a cycle here, linear (runtimes/traced.py,
+   which never frees a graph: +14 MiB a cycle here, linear (runtimes/adapters/traced.py,
    kept_trace).
 4. An unload gives the memory back at once, with no batch run since the load: the
    heap is trimmed when a load settles and when a model goes (before, only an idle

@@ -164,7 +164,7 @@ def test_tagger_rows_tag_with_their_own_labels(models, ref) -> None:
 
 def test_eviction_keeps_the_batch_and_frees_the_heads(models) -> None:
     bases, folders = models
-    from fleet.runtimes.classify import SequenceClassifier
+    from fleet.runtimes.adapters.classify import SequenceClassifier
 
     adapter = SequenceClassifier(ModelSpec("base", bases["classifier"], "classify", "transformers",
                                            Profile(dtype="float32", max_loras=1)), "cpu")
@@ -211,7 +211,7 @@ def test_an_adapter_of_another_size_is_refused_and_leaves_nothing(models, tmp_pa
     assert np.abs(classified(plain)[1] - classified(body)[1]).max() > 0.01
 
 
-# ---- the traced CPU forward (runtimes/traced.py) beside LoRA rows ------------------
+# ---- the traced CPU forward (runtimes/adapters/traced.py) beside LoRA rows ------------------
 
 def answers_of(adapter, reqs) -> list[tuple[tuple, np.ndarray]]:
     """Each result as (what must be equal, scores in input order): rerank (-, per
@@ -246,7 +246,7 @@ def test_base_rows_replay_the_traced_forward_and_adapter_rows_run_eagerly(models
     micro-batch with any adapter row runs eagerly (the adapters' hooks are Python a
     graph does not call), with its adapter's answers. MIN_SPEEDUP 0: whether the graph
     is faster is timing, measured in bench/; here it is kept whatever it measured."""
-    from fleet.runtimes import traced
+    from fleet.runtimes.adapters import traced
     from fleet.runtimes.info import engine_info
 
     monkeypatch.setattr(traced, "MIN_SPEEDUP", 0.0)

@@ -72,6 +72,7 @@ def test_the_wheel_is_fleet_serve_and_installs_the_projects_packages_only(wheel:
     assert not tops & set(SHARED)
     names = set(wheel.namelist())
     assert {"fleet/models.toml", "fleet/bench/corpus.txt", "fleet/daemon/__init__.py", "fleet/runtimes/process.py",
+            "fleet/runtimes/adapters/sentence_transformer.py",
             "fleet/daemon/controllers/embed.py", "fleet/local_queue/queue.py", "fleet/bench/sim/device.py"} <= names
     assert not [n for n in names if "/tests/" in n or n.endswith((".pyc", ".whl"))]
     assert re.search(r"^fleetctl = fleetctl\.app:main$", dist_info(wheel, "entry_points.txt"), re.M)

@@ -13,7 +13,7 @@ NoPE layer is one of its four.
 The same daemon serves the catalog's decision models (`tests.arch_models.DECIDE_CASES`:
 the generator architectures pulled as task `decide`): every answer of `/v1/systemone`
 must equal each question's own full sequences run alone in-process (the prompt
-runtimes/decide.py documents; tests/decide_plain.py) to 1e-5.
+runtimes/adapters/decide.py documents; tests/decide_plain.py) to 1e-5.
 """
 
 from __future__ import annotations

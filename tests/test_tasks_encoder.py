@@ -429,7 +429,7 @@ def test_extract_matches_the_pipeline_simple_aggregation(fleet, folders):
 # ---- the pure parts: span grouping, dtype agreement, micro-batches ----------------
 
 def spans_of(tags: list[str], rows: list[int] | None = None) -> list[tuple[str, int, int]]:
-    from fleet.runtimes.extract import group_spans, tag_tables
+    from fleet.runtimes.adapters.extract import group_spans, tag_tables
 
     group, begins, names, outside = tag_tables(NER_LABELS)
     label = np.array([NER_LABELS.index(t) for t in tags], dtype=np.int64)
@@ -454,7 +454,7 @@ def test_span_grouping_follows_the_simple_strategy(tags, rows, spans):
 
 
 def test_span_score_is_the_mean_of_its_tokens():
-    from fleet.runtimes.extract import group_spans, tag_tables
+    from fleet.runtimes.adapters.extract import group_spans, tag_tables
 
     group, begins, _, _ = tag_tables(NER_LABELS)
     label = np.array([1, 2, 0, 5], dtype=np.int64)
@@ -464,7 +464,7 @@ def test_span_score_is_the_mean_of_its_tokens():
 
 
 def test_dtype_agreement_criteria():
-    from fleet.runtimes.hf_common import labels_agree, pair_order_agreement, scores_agree
+    from fleet.runtimes.adapters.hf_common import labels_agree, pair_order_agreement, scores_agree
 
     ref = np.array([0.9, 0.5, 0.1, 0.3], dtype=np.float32)
     assert scores_agree()(ref, ref + 0.001)[0]
@@ -477,7 +477,7 @@ def test_dtype_agreement_criteria():
 
 
 def test_micro_batches_sort_by_length_and_cover_every_input():
-    from fleet.runtimes.batching import micro_batches
+    from fleet.runtimes.adapters.batching import micro_batches
 
     lengths = np.array([5, 1, 9, 1, 3, 7, 2])
     chunks = list(micro_batches(lengths, 3))
@@ -500,9 +500,9 @@ def all_cuts(n: int, step: int):
 
 
 def test_padding_cuts_are_the_least_predicted_cost():
-    """runtimes/batching.padding_cuts: the cut of sorted lengths whose sum of
+    """runtimes/adapters/batching.padding_cuts: the cut of sorted lengths whose sum of
     fixed + items x longest is least, runs of at most `step`; exhaustively checked."""
-    from fleet.runtimes.batching import padding_cuts
+    from fleet.runtimes.adapters.batching import padding_cuts
 
     rng = np.random.default_rng(5)
     for _ in range(60):
@@ -519,7 +519,7 @@ def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
     """Four short texts and two long ones: with a small fixed cost the short ones are
     not padded to the long ones' length; with a large one (or none given: by count)
     they run together; equal lengths are cut by count as before."""
-    from fleet.runtimes.batching import micro_batches
+    from fleet.runtimes.adapters.batching import micro_batches
 
     lengths = np.array([200, 10, 12, 190, 11, 10])
     assert [c.tolist() for c in micro_batches(lengths, 64, fixed=100.0)] == [[1, 5, 4, 2], [3, 0]]
@@ -529,11 +529,11 @@ def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
 
 
 def test_a_forwards_fixed_cost_is_fitted_from_the_thread_timings():
-    """runtimes/threads.Threads.fixed_tokens: a / b of the line through the worker's
+    """runtimes/adapters/threads.Threads.fixed_tokens: a / b of the line through the worker's
     thread timings, within its bounds (no slope: the upper one); None with one shape."""
     import torch
 
-    from fleet.runtimes.threads import FIXED_TOKENS_RANGE, Threads
+    from fleet.runtimes.adapters.threads import FIXED_TOKENS_RANGE, Threads
 
     line = [(12, 10.0 + 0.08 * 12), (84, 10.0 + 0.08 * 84), (480, 10.0 + 0.08 * 480)]
     assert Threads(torch, full_ms=line).fixed_tokens() == pytest.approx(125.0)

@@ -1,4 +1,4 @@
-"""Tool-call formats in the worker (runtimes.tools), in-process on a tiny model: each
+"""Tool-call formats in the worker (runtimes.adapters.tools), in-process on a tiny model: each
 family's format is recognised from its chat template's text, rendered, held to the
 tools' schemas while decoding, and parsed back; text beside calls and calls that do
 not parse are kept apart."""
@@ -14,8 +14,8 @@ from fleet.protocol import (
 )
 from fleet.tools import HERMES, LLAMA_JSON, PHI4_MINI, TOOL_CODE, tool_format
 from fleet.runtimes.base import ModelSpec, Profile
-from fleet.runtimes.generate import CausalLM
-from fleet.runtimes.tools import Caller
+from fleet.runtimes.adapters.generate import CausalLM
+from fleet.runtimes.adapters.tools import Caller
 from tests.gen_models import CHAT_TEMPLATE, GEMMA3_TEMPLATE, QWEN25_TEMPLATE, SMOLLM3_TEMPLATE, build_tool_caller
 
 #: Phi-4-mini-instruct's chat template as the model ships it: tools as JSON text in the system turn.

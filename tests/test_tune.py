@@ -151,7 +151,7 @@ def test_dtype_check_lines_are_read_from_the_daemon_log():
 
 
 def test_the_engine_verdict_table_is_read_from_the_daemon_log():
-    """fleet.runtimes.engines.choose's verdict line, in the log's JSON lines and readable lines
+    """fleet.runtimes.adapters.engines.choose's verdict line, in the log's JSON lines and readable lines
     alike; another model's, other engine lines and a later verdict's precedence."""
     import json
 

@@ -26,7 +26,7 @@ from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
 from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
-from fleet.runtimes.sentence_transformer import SentenceTransformerEmbedder
+from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 from fleet.runtimes.worker import WorkerCore
 
 POISON = "POISON"

@@ -12,7 +12,7 @@ works unchanged:
   "true" and the boolean true are two options); `score` takes 1-10 ordered
   `levels`, worth 0, 1, ... (`value`), the score their expectation.
 * `prompt_cache_key` and `prompt_cache_options` are accepted and named in
-  `X-Fleet-Ignored-Fields` (the state's cache is fleet's own: runtimes/decide.py);
+  `X-Fleet-Ignored-Fields` (the state's cache is fleet's own: runtimes/adapters/decide.py);
   `safety_identifier` likewise.
 * Unknown fields are refused (400 naming the closest known one), as OpenAI does;
   errors are OpenAI's shape (daemon.http).

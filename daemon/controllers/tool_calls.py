@@ -2,7 +2,7 @@
 
 fleet.protocol holds the native shapes (OpenAI chat's: `ToolDef`, `ToolChoice`,
 `ToolCall` with arguments as JSON text); the worker renders the tools with the
-model's chat template and parses its calls (runtimes.tools). Here: OpenAI chat
+model's chat template and parses its calls (runtimes.adapters.tools). Here: OpenAI chat
 and Ollama tools (the same shape), Responses' flat function tools and its
 `function_call` / `function_call_output` items, the ids of calls (minted here:
 a model writes none), and the history turns their templates read.

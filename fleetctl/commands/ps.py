@@ -146,9 +146,9 @@ def models_table(state: dict[str, Any], now: float) -> FitTable:
 
 
 def engine(m: dict[str, Any]) -> str:
-    """What runs the forward and why (runtimes/engines.py: measured at load, a kept
+    """What runs the forward and why (runtimes/adapters/engines.py: measured at load, a kept
     verdict, the profile's), its measured speed, whether it replays a traced graph and
-    how much faster that was measured (runtimes/traced.py), the one-thread size (runtimes/threads.py)
+    how much faster that was measured (runtimes/adapters/traced.py), the one-thread size (runtimes/adapters/threads.py)
     and a forward's fixed cost in tokens, where micro-batches cut (runtimes/base.py)."""
     e = m.get("engine") or {}
     text = e.get("engine", "torch")
