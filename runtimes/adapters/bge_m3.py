@@ -38,9 +38,9 @@ from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.adapters.batching import (
-    flat_inputs, micro_batches, offsets, prompt_of, prompted, split_refused, text_only, too_long,
+    flat_inputs, micro_batches, offsets, prompt_of, split_refused,
 )
-from fleet.runtimes.adapters.dense import finish_dense, too_wide
+from fleet.runtimes.adapters.dense import dense_refusal, finish_dense
 from fleet.runtimes.adapters.hf_common import (
     CHECK_SET, Agreement, choose_dtype, footprint_bytes, load_transformers, max_length, to_device,
 )
@@ -153,16 +153,7 @@ class BgeM3Embedder(Adapter):
 
     def refuse(self, req: EmbedRequest) -> WorkError | None:
         """Why this model cannot answer `req` (it fails alone), or None."""
-        if refused := text_only(self.spec.name, req.inputs):
-            return refused
-        prompt = self.prompt_of(req)
-        if prompt.__class__ is WorkError:
-            return prompt
-        if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
-            return wide
-        if req.truncate:
-            return None
-        return too_long(self.spec.name, prompted(req.inputs, prompt), self.max_seq_len, self._lengths)
+        return dense_refusal(self.spec.name, req, self.prompt_of, self.dim, self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer fail alone.

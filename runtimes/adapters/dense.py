@@ -1,4 +1,5 @@
-"""The last step of every dense embedder (sentence-transformers, clip): each
+"""What a dense text embedder refuses (sentence-transformers, BGE-M3: `dense_refusal`),
+and the last step of every dense embedder (sentence-transformers, clip): each
 request's vectors cut to its `dimensions`, made unit length when it normalises,
 in its `output_dtype` (fleet.vectors), one EmbedResult per request.
 
@@ -11,13 +12,14 @@ gets depends on the other requests of its batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from fleet.messages import EmbedResult, WorkError
 from fleet.protocol import EmbedRequest
+from fleet.runtimes.adapters.batching import prompted, text_only, too_long
 from fleet.vectors import quantize
 
 
@@ -27,6 +29,23 @@ def too_wide(name: str, req: EmbedRequest, width: int) -> WorkError | None:
         return WorkError("bad_request", f"dimensions {req.dimensions} is more than {name} gives: its vectors "
                                         f"have {width} dimensions")
     return None
+
+
+def dense_refusal(name: str, req: EmbedRequest, prompt_of: Callable[[EmbedRequest], str | WorkError], width: int,
+                  max_tokens: int, lengths: Callable[[Any], Sequence[int]]) -> WorkError | None:
+    """Why a text embedder of `width`-wide vectors that reads `max_tokens` cannot answer
+    `req` (it then fails alone), or None: an image, an unknown prompt, more dimensions
+    than it gives, or, with `truncate: false`, an input past `max_tokens` with its prompt."""
+    if refused := text_only(name, req.inputs):
+        return refused
+    prompt = prompt_of(req)
+    if prompt.__class__ is WorkError:
+        return prompt
+    if (wide := too_wide(name, req, width)) is not None:
+        return wide
+    if req.truncate:
+        return None
+    return too_long(name, prompted(req.inputs, prompt), max_tokens, lengths)
 
 
 def finish_dense(vectors: np.ndarray, tokens: np.ndarray, requests: Sequence[EmbedRequest], live: list[int],

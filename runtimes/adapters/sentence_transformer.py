@@ -22,9 +22,9 @@ from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.adapters.batching import (
-    flat_inputs, micro_batches, offsets, prompt_of, prompted, split_refused, text_only, too_long,
+    flat_inputs, micro_batches, offsets, prompt_of, split_refused,
 )
-from fleet.runtimes.adapters.dense import finish_dense, too_wide
+from fleet.runtimes.adapters.dense import dense_refusal, finish_dense
 from fleet.runtimes.adapters.hf_common import CHECK_SET, choose_dtype, footprint_bytes, min_cosine, pinned, to_device
 from fleet.runtimes.adapters.cuda_graphs import GRAPH_ROWS, GraphedForward
 from fleet.runtimes.adapters.tokenizing import DirectTokenizer, direct_tokenizer, prefetched, tokenize_threads
@@ -278,16 +278,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         if req.output == "sparse":
             return WorkError("bad_request", f"{self.spec.name} gives dense or per-token vectors; output 'sparse' "
                                             "needs a SPLADE model (runtime splade)")
-        if refused := text_only(self.spec.name, req.inputs):
-            return refused
-        prompt = self.prompt_of(req)
-        if prompt.__class__ is WorkError:
-            return prompt
-        if (wide := too_wide(self.spec.name, req, self.dim)) is not None:
-            return wide
-        if req.truncate:
-            return None
-        return too_long(self.spec.name, prompted(req.inputs, prompt), self.max_seq_len, self._lengths)
+        return dense_refusal(self.spec.name, req, self.prompt_of, self.dim, self.max_seq_len, self._lengths)
 
     def batch(self, requests: list[EmbedRequest], ctx: BatchContext) -> Steps:
         # 1. Requests this model cannot answer (images, sparse, too long with
