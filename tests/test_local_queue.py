@@ -10,6 +10,7 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -395,12 +396,9 @@ def test_lane_names_and_limits(q):
         other.close()
 
 
-def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
-    # A worker's follow-up claim usually finds its lane empty: it answers from a
-    # lock-free read instead of waiting for whoever holds the lock.
-    empty, busy = q.lane_id("empty"), q.lane_id("busy")
-    put_all(q, busy, [1])
-    w = q.register_worker(1, "cpu")
+@contextmanager
+def lock_held_elsewhere(q):
+    """The queue lock held by another thread of this process until the block ends."""
     holding, release = threading.Event(), threading.Event()
 
     def hold():
@@ -412,15 +410,25 @@ def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
     holder.start()
     try:
         assert holding.wait(5)
+        yield
+    finally:
+        release.set()
+        holder.join(5)
+
+
+def test_a_claim_on_an_empty_lane_does_not_wait_for_the_lock(q):
+    # A worker's follow-up claim usually finds its lane empty: it answers from a
+    # lock-free read instead of waiting for whoever holds the lock.
+    empty, busy = q.lane_id("empty"), q.lane_id("busy")
+    put_all(q, busy, [1])
+    w = q.register_worker(1, "cpu")
+    with lock_held_elsewhere(q):
         with q.no_wait():  # inside, a call that would wait for the lock raises LockBusy
             assert take(q, empty, w) == []
             with pytest.raises(LockBusy):
                 take(q, busy, w)
             with pytest.raises(UnknownWorker):
                 take(q, empty, w + 1)
-    finally:
-        release.set()
-        holder.join(5)
     assert rids_of(take(q, busy, w)) == [1]
 
 
@@ -433,26 +441,13 @@ def test_a_put_or_collect_that_must_not_wait_raises_lock_busy_and_changes_nothin
     put_all(q, lane, [1])
     (claim,) = take(q, lane, w)
     assert q.ack_many([(claim.item_id, b"result", 0)]) == [True]
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():
-        with q._lock:
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(5)
+    with lock_held_elsewhere(q):
         with pytest.raises(LockBusy):
             q.put(lane, b"x" * 100, tokens=1, request_id=2, wait=False)
         with pytest.raises(LockBusy):
             q.put(lane, b"x" * (1 << 17), tokens=1, request_id=3, wait=False)  # copied outside: never waits
         with pytest.raises(LockBusy):
             q.collect(wait=False)
-    finally:
-        release.set()
-        holder.join(5)
     assert q.depth() == 0
     assert [(d.request_id, d.result) for d in q.collect(wait=False)] == [(1, b"result")]
     q.put(lane, b"x" * 100, tokens=1, request_id=2, wait=False)
