@@ -316,7 +316,7 @@ class CausalLM(RowAnswers, LoraHost, Adapter):
             if not (s.open_ended and s.held() > s.reserve):
                 continue
             before, s.reserve = s.reserve, min(len(s.prompt_ids) + s.max_new, s.reserve + ANSWER_RESERVE_TOKENS)
-            if self.kv_limit_bytes is not None and self.reserved_bytes() > self.kv_limit_bytes:
+            if self._reserve_over():
                 s.reserve, s.finish, s.length_limit = before, "length", "memory"
                 ended.append(s)
         if not ended:
@@ -324,6 +324,10 @@ class CausalLM(RowAnswers, LoraHost, Adapter):
         texts = self._texts(ended)
         self._keep_rows([i for i, s in enumerate(self.rows) if not s.finish])
         return [(s.key, self._result(s, text)) for s, text in zip(ended, texts)]
+
+    def _reserve_over(self) -> bool:
+        """Is the batch's reserve past what its cache may hold (`kv_limit_bytes`)?"""
+        return self.kv_limit_bytes is not None and self.reserved_bytes() > self.kv_limit_bytes
 
     def _check_room(self, final_len: int) -> None:
         """Does the batch's reserve, with a row of `final_len` tokens more, stay within

@@ -51,7 +51,7 @@ from typing import Any
 
 from fleet.errors import FleetError, ModelLoadFailed, ModelTooLarge
 from fleet.gguf import FILE_TYPES, read_metadata
-from fleet.protocol import ANSWER_RESERVE_TOKENS, GenerateRequest
+from fleet.protocol import GenerateRequest
 from fleet.runtimes.base import ModelSpec
 from fleet.runtimes.adapters.generate import CausalLM
 from fleet.runtimes.adapters.generate_rows import Sequence
@@ -363,22 +363,10 @@ class LlamaCppLM(CausalLM):
     def needs_room(self) -> bool:
         return False
 
-    def _grow_reserves(self) -> list:
-        """Open-ended rows about to outgrow their reserve get ANSWER_RESERVE_TOKENS more
-        cells while the cache has them; one that cannot grow ends ("length", "memory")."""
-        ended = []
-        for s in self.rows:
-            if not (s.open_ended and s.held() > s.reserve):
-                continue
-            before, s.reserve = s.reserve, min(len(s.prompt_ids) + s.max_new, s.reserve + ANSWER_RESERVE_TOKENS)
-            if self._cells() > self.kv_cells:
-                s.reserve, s.finish, s.length_limit = before, "length", "memory"
-                ended.append(s)
-        if not ended:
-            return []
-        texts = self._texts(ended)
-        self._keep_rows([i for i, s in enumerate(self.rows) if not s.finish])
-        return [(s.key, self._result(s, text)) for s, text in zip(ended, texts)]
+    def _reserve_over(self) -> bool:
+        """Cells, not bytes: an open-ended row grows its reserve while the cache has the
+        cells (`CausalLM._grow_reserves`)."""
+        return self._cells() > self.kv_cells
 
     # -- steps -----------------------------------------------------------------
 
