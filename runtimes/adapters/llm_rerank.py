@@ -50,7 +50,7 @@ from fleet.runtimes.adapters.batching import (
     cut_to_bound, input_too_long, micro_batches, over_char_bound, rank_into, split_refused,
 )
 from fleet.runtimes.adapters.hf_common import CHECK_SET, footprint_bytes, to_device
-from fleet.runtimes.adapters.tokenizing import direct_refusal, features_differ, tokenize_probes
+from fleet.runtimes.adapters.tokenizing import bare_copies, direct_refusal, features_differ, tokenize_probes
 
 log = logging.getLogger("fleet.worker")
 
@@ -227,18 +227,13 @@ class PromptTokenizer:
     through `prompt_tokenizer`, which checks it against the format's `own_ids`."""
 
     def __init__(self, tokenizer: Any, fmt: PromptFormat) -> None:
-        from tokenizers import Tokenizer, processors
+        from tokenizers import processors
 
-        spec = tokenizer.backend_tokenizer.to_str()
         template, pieces, max_length, strategy = fmt.template()
         specials = [{"id": name, "ids": ids, "tokens": tokenizer.convert_ids_to_tokens(ids)} for name, ids in pieces]
         pair = "$B" in template
-        self._framed = Tokenizer.from_str(spec)
-        self._plain = Tokenizer.from_str(spec)
+        self._framed, self._plain = bare_copies(tokenizer)
         for copy_ in (self._framed, self._plain):
-            copy_.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-            copy_.no_truncation()
-            copy_.no_padding()
             copy_.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
         self._framed.post_processor = processors.TemplateProcessing(
             single="$A" if pair else template, pair=template if pair else "$A $B:1", special_tokens=specials)

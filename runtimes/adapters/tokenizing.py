@@ -115,6 +115,20 @@ def tokenize_probes(max_tokens: int) -> list[str]:
 ENCODING_FIELDS = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
 
 
+def bare_copies(tokenizer: Any) -> tuple[Any, Any]:
+    """Two Rust `tokenizers.Tokenizer`s of transformers' fast `tokenizer`, splitting
+    special tokens as it does, with no truncation and no padding: the caller sets its own."""
+    from tokenizers import Tokenizer
+
+    spec = tokenizer.backend_tokenizer.to_str()
+    copies = Tokenizer.from_str(spec), Tokenizer.from_str(spec)
+    for copy_ in copies:
+        copy_.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+        copy_.no_truncation()
+        copy_.no_padding()
+    return copies
+
+
 class DirectTokenizer:
     """A model's Rust tokenizer called directly: one `encode_batch_fast` and one
     numpy array per feature, instead of transformers' Python around the same
@@ -143,15 +157,7 @@ class DirectTokenizer:
         """`example`: the model's own features for some inputs; the same keys come
         back in the same order (token tensors read from the encodings, other
         entries, such as sentence-transformers' `modality`, as they are)."""
-        from tokenizers import Tokenizer
-
-        spec = tokenizer.backend_tokenizer.to_str()
-        self._cut = Tokenizer.from_str(spec)
-        self._whole = Tokenizer.from_str(spec)
-        for copy_ in (self._cut, self._whole):
-            copy_.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-            copy_.no_truncation()
-            copy_.no_padding()
+        self._cut, self._whole = bare_copies(tokenizer)
         self._cut.enable_truncation(max_tokens, strategy="longest_first", direction=tokenizer.truncation_side)
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no padding token")
