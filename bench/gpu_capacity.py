@@ -2,7 +2,7 @@
 
 vram-budget (a budget of 2 of 3 models, one pinned: the pin stays, at most 2
 resident, nothing lost), knee/<model> (tokens/s and p95 at the knee, MFU against the
-device's peak), host-path (bench.host_path's CPU per token with a nearly free forward)
+device's peak, the GPU's busy share read by NVML during each step), host-path (bench.host_path's CPU per token with a nearly free forward)
 and nvml-budget (NVML's memory view against torch's and the worker's budget).
 
 A module of its own: these checks load the device and read its memory, where
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from dataclasses import asdict
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import httpx
 import numpy as np
@@ -25,6 +28,7 @@ from fleet.bench.daemon import admin_headers
 from fleet.bench.knee import CLOSED, StepResult, find_knee
 from fleet.bench.models import make_home
 from fleet.bench.tokens import TokenCounter
+from fleet.runtimes.device_memory import cuda_index
 
 #: Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the NVML device name
 #: (first match wins: more specific names first). Spec-sheet numbers, without sparsity.
@@ -38,6 +42,22 @@ PEAK_TFLOPS: list[tuple[str, float]] = [
 
 # ---- VRAM budget holding 2 of 3 ----------------------------------------------------
 
+def nvml_handle(pynvml: Any, device: str) -> Any:
+    """NVML's handle for cuda:K without opening CUDA in this process (the bench's
+    process holds no CUDA context until nvml-budget, the last check). CUDA numbers
+    only the GPUs in CUDA_VISIBLE_DEVICES, NVML all of them: entry K of that list
+    (an index or a GPU-/MIG- UUID, as the daemon's workers inherit it) names the
+    device; without the variable K is NVML's index (the same order unless
+    CUDA_DEVICE_ORDER differs, which one lent GPU cannot show)."""
+    index = cuda_index(device)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ and index < len(visible):
+        entry = visible[index]
+        return (pynvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
+                else pynvml.nvmlDeviceGetHandleByUUID(entry))
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
 def nvml_device(device: str) -> tuple[str, int] | None:
     """(name, total bytes) of a CUDA device from NVML (no CUDA context in this process)."""
     if not device.startswith("cuda"):
@@ -46,7 +66,7 @@ def nvml_device(device: str) -> tuple[str, int] | None:
 
     pynvml.nvmlInit()
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(device.split(":", 1)[1]) if ":" in device else 0)
+        handle = nvml_handle(pynvml, device)
         name = pynvml.nvmlDeviceGetName(handle)
         return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
     finally:
@@ -93,6 +113,88 @@ def vram_budget_check(work: Path, folders: dict[str, Path], device: str) -> Chec
         d.stop()
 
 
+# ---- the GPU's busy share -----------------------------------------------------------
+
+#: Seconds between NVML utilisation reads (the driver itself averages over 1/6 s to 1 s,
+#: by product): a 4 s knee step gets ~20 samples.
+BUSY_PERIOD_S = 0.2
+
+
+class BusySampler:
+    """The GPU's busy share while a block runs: `with BusySampler("cuda:0") as b: ...`,
+    then `b.mean_pct` (None with `b.reason` on the CPU, without NVML, or where the
+    device does not report it, e.g. a MIG slice) and `b.samples`.
+
+    One daemon thread reads nvmlDeviceGetUtilizationRates(h).gpu every `period_s`:
+    the percent of the driver's last sample window in which one or more kernels ran
+    on the device: the `sm` column of nvidia-smi dmon and what issue 34 calls "SM
+    busy". It says the device was never idle, not how many of its SMs were: a
+    single small kernel at a time reads 100 %. MFU (knee_check) is the figure for
+    how much of the device the work filled. Reads NVML only: no CUDA context here."""
+
+    def __init__(self, device: str, period_s: float = BUSY_PERIOD_S) -> None:
+        self.device, self.period_s = device, period_s
+        self.values: list[int] = []
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+
+    def start(self) -> BusySampler:
+        if not self.device.startswith("cuda"):
+            self.reason = f"not read on {self.device} (NVML reads CUDA devices)"
+            return self
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 (no module, no driver: both mean no reading)
+            self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}"
+            return self
+        try:
+            handle = nvml_handle(pynvml, self.device)
+            pynvml.nvmlDeviceGetUtilizationRates(handle)  # unsupported (MIG) fails here, not in the thread
+        except Exception as exc:  # noqa: BLE001
+            pynvml.nvmlShutdown()
+            self.reason = f"NVML utilisation of {self.device} unreadable: {type(exc).__name__}: {exc}"
+            return self
+        self._nvml = pynvml
+        self._thread = threading.Thread(target=self._run, args=(handle,), name="nvml-busy", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, handle: Any) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.values.append(int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            except Exception as exc:  # noqa: BLE001 (a read that fails ends the sampling, with its reason)
+                self.reason = f"NVML read failed after {len(self.values)} samples: {type(exc).__name__}: {exc}"
+                return
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._nvml.nvmlShutdown()
+        if self._nvml is not None and not self.values and self.reason is None:
+            self.reason = f"no sample: the block ran under {self.period_s:g} s"
+
+    @property
+    def samples(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean_pct(self) -> float | None:
+        return sum(self.values) / len(self.values) if self.values else None
+
+    def __enter__(self) -> BusySampler:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
 # ---- tokens/s at the knee ---------------------------------------------------------
 
 def flops_per_token(cfg: dict, tokens_per_text: float) -> float:
@@ -108,7 +210,10 @@ def peak_tflops(device_name: str | None) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in device_name.lower()), None)
 
 
-def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str | None, minilm: Path) -> Check:
+def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, device_name: str | None,
+               minilm: Path) -> Check:
+    """Closed-loop steps up to the knee; the GPU's busy share (BusySampler) is read
+    during each step and the knee step's mean is `sm_busy_pct` (issue 34's goal)."""
     texts = corpus.load()
     lengths = TokenCounter(minilm).count(texts)
     if httpx.post(f"{url}/v1/models/{model}/load", headers=admin_headers(url),
@@ -118,10 +223,13 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
     setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts, lengths=lengths,
                           batch=BATCH)
     steps: list[StepResult] = []
+    busy: list[BusySampler] = []
     with loadgen.Generator(setup, processes=sizes.generators) as gen:
         gen.run(loadgen.StepPlan(index=0, mode=CLOSED, offered=sizes.generators, duration_s=sizes.step_s / 2))
         for i, clients in enumerate(sizes.clients, start=1):
-            m = gen.run(loadgen.StepPlan(index=i, mode=CLOSED, offered=clients, duration_s=sizes.step_s))
+            with BusySampler(device) as sampler:
+                m = gen.run(loadgen.StepPlan(index=i, mode=CLOSED, offered=clients, duration_s=sizes.step_s))
+            busy.append(sampler)
             tokens = m.server_tokens if m.server_tokens >= 0 else m.tokens_ok
             p50, p95, p99 = np.percentile(m.latencies_ms, [50, 95, 99]).tolist() if m.ok else [float("nan")] * 3
             steps.append(StepResult(offered=clients, throughput_rps=m.ok / m.elapsed_s,
@@ -131,6 +239,7 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
                 break
     knee = find_knee(steps)
     at = knee.knee or max(steps, key=lambda s: s.tokens_per_s)
+    at_busy = busy[next(i for i, s in enumerate(steps) if s is at)]  # by identity: equal steps may differ in busy
     tokens_per_text = at.tokens_per_s / max(at.throughput_rps * BATCH, 1e-9)
     flops = flops_per_token(cfg, tokens_per_text) * at.tokens_per_s
     peak = peak_tflops(device_name)
@@ -138,14 +247,18 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device_name: str |
     data = {"dtype": dtype, "knee_clients": at.offered, "tokens_per_s": at.tokens_per_s, "rps": at.throughput_rps,
             "p50_ms": at.p50_ms, "p95_ms": at.p95_ms, "errors": sum(s.errors for s in steps),
             "saturated": knee.saturated, "tokens_per_text": tokens_per_text, "achieved_tflops": flops / 1e12,
-            "peak_tflops": peak, "mfu": mfu, "steps": [asdict(s) for s in steps],
+            "peak_tflops": peak, "mfu": mfu, "sm_busy_pct": at_busy.mean_pct, "sm_busy_samples": at_busy.samples,
+            "sm_busy_reason": at_busy.reason, "steps": [asdict(s) for s in steps],
+            "steps_sm_busy": [{"offered": s.offered, "mean_pct": b.mean_pct, "samples": b.samples}
+                              for s, b in zip(steps, busy, strict=True)],
             "verdicts": [[v.step.offered, list(v.reasons)] for v in knee.verdicts]}
     errors = data["errors"]
     return Check(f"knee/{model}", errors == 0 and knee.knee is not None,
                  f"{at.tokens_per_s:,.0f} tokens/s, p95 {at.p95_ms:.1f} ms at {at.offered:g} clients x {BATCH} texts "
                  f"({dtype}, {'knee' if knee.saturated else 'not saturated: highest step'}); "
                  f"{flops / 1e12:.2f} TFLOP/s, MFU " + (f"{mfu:.1%} of {peak:g}" if mfu is not None else "n/a (no peak "
-                 "for this device)") + f"; errors {errors}", data)
+                 "for this device)") + (f", SM busy {at_busy.mean_pct:.0f} % ({at_busy.samples} samples)"
+                                        if at_busy.mean_pct is not None else "") + f"; errors {errors}", data)
 
 
 def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:

@@ -19,7 +19,8 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
 4. knee/<model> (bench.gpu_capacity): tokens/s and p95 at the knee (closed loop,
    32-text requests) for a BERT-base-class embedder (~110M, random weights of the real
    architecture, built here) and all-minilm-l6-v2; MFU = achieved FLOP/s over
-   the device's peak (PEAK_TFLOPS).
+   the device's peak (PEAK_TFLOPS); the GPU's busy share as NVML reads it during
+   each step (bench.gpu_capacity.BusySampler, nvidia-smi dmon's `sm` column).
 4b. host-path (bench.gpu_capacity): bench.host_path against the device daemon (a
    1-layer BERT of hidden size 32: a nearly free forward): tokens/s, CPU-us per token of
    the API process, each worker and their busiest thread, the tokenizer's own cost
@@ -30,9 +31,12 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
    memory view against torch.cuda.mem_get_info and the budget the worker computes
    (runtimes.device_memory.device_budget). Runs last: it is the only check that opens
    CUDA in this process.
-6. goals (here): >= 1 M tokens/s at the knee for the 110M-class embedder on one H200,
-   p95 at the knee <= 50 ms for 32-text requests; printed met / not met (judged
-   on an H200 only).
+6. goal/<name> (here): issue 34's goals for one H100 or H200 (GH200 too): at the
+   110M-class knee >= 1,000,000 tokens/s and p95 <= 50 ms for 32-text requests;
+   >= 1,500,000 tokens/s at all-minilm-l6-v2's knee; SM busy >= 60 % at the
+   110M-class knee (MiniLM's printed beside it); every parity check PASS. Each
+   line says the number, the goal and met / not met; SKIP (with the reason) on
+   other devices or where the figure was not measured.
 
 This module keeps the run (which models, which daemons, the checks in order, the
 JSON); what the checks share is in bench.acceptance.
@@ -63,10 +67,13 @@ from fleet.bench.models import build_bert, build_llama, build_lora, make_home
 from fleet.bench.tokens import package_model_dir
 
 RESULTS = Path(__file__).with_name("results")
-#: Issue 18's goals for the 110M-class embedder on one H200.
-GOAL_TOKENS_PER_S = 1_000_000
+#: Issue 34's goals, judged on one of GOAL_DEVICES (a substring of the NVML name; GH200 holds H200).
+GOAL_DEVICES = ("H100", "H200")
+GOAL_110M_TOKENS_PER_S = 1_000_000
 GOAL_P95_MS = 50.0
-GOAL_DEVICE = "H200"
+GOAL_MINILM_TOKENS_PER_S = 1_500_000
+GOAL_SM_BUSY_PCT = 60.0
+GOALS = ("goal/110m-tokens-per-s", "goal/110m-p95", "goal/minilm-tokens-per-s", "goal/sm-busy", "goal/parity")
 
 
 # ---- models built here ------------------------------------------------------------
@@ -140,19 +147,51 @@ def graphs_check(log: str, device: str) -> Check:
 
 # ---- goals --------------------------------------------------------------------------
 
-def goal_checks(knee: Check | None, device_name: str | None) -> list[Check]:
-    where = device_name or "cpu"
-    if knee is None or not device_name or GOAL_DEVICE.lower() not in device_name.lower():
-        why = (f"goals are for one {GOAL_DEVICE}; this run is on {where}" if knee is not None or
-               GOAL_DEVICE.lower() not in where.lower() else "the 110M-class knee was not measured")
-        return [Check("goal/tokens-per-s", None, f">= {GOAL_TOKENS_PER_S:,} tokens/s: not judged ({why})"),
-                Check("goal/p95", None, f"p95 <= {GOAL_P95_MS:g} ms at the knee: not judged ({why})")]
-    tps, p95 = knee.data.get("tokens_per_s", 0.0), knee.data.get("p95_ms", float("inf"))
-    return [Check("goal/tokens-per-s", tps >= GOAL_TOKENS_PER_S,
-                  f"{tps:,.0f} tokens/s at the knee (goal >= {GOAL_TOKENS_PER_S:,}): "
-                  f"{'met' if tps >= GOAL_TOKENS_PER_S else 'not met'}"),
-            Check("goal/p95", p95 <= GOAL_P95_MS, f"p95 {p95:.1f} ms at the knee (goal <= {GOAL_P95_MS:g} ms): "
-                  f"{'met' if p95 <= GOAL_P95_MS else 'not met'}")]
+def _measured(knee: Check | None) -> dict | None:
+    """A knee check's numbers, or None where the stage raised or measured nothing."""
+    return knee.data if knee is not None and "tokens_per_s" in knee.data else None
+
+
+def _goal(name: str, value: float, goal: float, unit: str, at_least: bool, text: str) -> Check:
+    """One judged goal: its line holds the number (`text`), the goal and met / not met."""
+    met = value >= goal if at_least else value <= goal
+    return Check(name, met, f"{text} (goal {'>=' if at_least else '<='} {goal:,.0f}{unit}): "
+                 f"{'met' if met else 'not met'}", {"value": value, "goal": goal})
+
+
+def goal_checks(base: Check | None, minilm: Check | None, parity: list[Check], device_name: str | None) -> list[Check]:
+    """Issue 34's goals from the run's checks: `base` and `minilm` are the knee checks
+    (None where their stage raised), `parity` the parity/* checks that ran."""
+    if not device_name or not any(d.lower() in device_name.lower() for d in GOAL_DEVICES):
+        why = f"goals are for one {' or '.join(GOAL_DEVICES)}; this run is on {device_name or 'cpu'}"
+        return [Check(name, None, f"not judged ({why})") for name in GOALS]
+    b, m = _measured(base), _measured(minilm)
+    no_b, no_m = "the 110M-class knee was not measured", "all-minilm-l6-v2's knee was not measured"
+    out = [_goal("goal/110m-tokens-per-s", b["tokens_per_s"], GOAL_110M_TOKENS_PER_S, " tokens/s", True,
+                 f"{b['tokens_per_s']:,.0f} tokens/s at the 110M-class knee") if b else
+           Check("goal/110m-tokens-per-s", None, f"not judged ({no_b})"),
+           _goal("goal/110m-p95", b["p95_ms"], GOAL_P95_MS, " ms", False,
+                 f"p95 {b['p95_ms']:.1f} ms at the 110M-class knee") if b else
+           Check("goal/110m-p95", None, f"not judged ({no_b})"),
+           _goal("goal/minilm-tokens-per-s", m["tokens_per_s"], GOAL_MINILM_TOKENS_PER_S, " tokens/s", True,
+                 f"{m['tokens_per_s']:,.0f} tokens/s at all-minilm-l6-v2's knee") if m else
+           Check("goal/minilm-tokens-per-s", None, f"not judged ({no_m})")]
+    busy_m = m.get("sm_busy_pct") if m else None
+    beside = f"; all-minilm-l6-v2's knee {busy_m:.0f} %" if busy_m is not None else ""
+    if b and b.get("sm_busy_pct") is not None:
+        busy = _goal("goal/sm-busy", b["sm_busy_pct"], GOAL_SM_BUSY_PCT, " %", True,
+                     f"SM busy {b['sm_busy_pct']:.0f} % at the 110M-class knee ({b.get('sm_busy_samples', 0)} "
+                     f"samples{beside})")
+        busy.data["minilm_sm_busy_pct"] = busy_m
+    else:
+        busy = Check("goal/sm-busy", None, f"not judged ({b.get('sm_busy_reason') if b else no_b}){beside}",
+                     {"minilm_sm_busy_pct": busy_m})
+    failed = [c.name for c in parity if c.ok is not True]
+    good = bool(parity) and not failed
+    why = "" if good else f": {', '.join(failed)}" if parity else ": no parity check ran"
+    return [*out, busy, Check("goal/parity", good, f"{len(parity) - len(failed)}/{len(parity)} parity checks PASS "
+                              f"(goal: all): {'met' if good else 'not met'}{why}",
+                              {"ran": [c.name for c in parity], "failed": failed})]
 
 
 # ---- the run --------------------------------------------------------------------------
@@ -211,7 +250,7 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
 
     dev = serve(dev_home, device, 2, wait=False)
     ref = serve(ref_home, "cpu", 1, wait=False)
-    knee_base = None
+    knees: dict[str, Check | None] = {}
 
     def up() -> list[Check]:
         dev.wait_ready()
@@ -224,11 +263,11 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
                 stage(name, check, dev)
             ref.stop()
             stage("two-workers", lambda: two_workers_check(dev.url, device, sizes.two_worker_requests), dev)
-            knee_base = stage("knee/bert-base-random", lambda: knee_check(
-                dev.url, "bert-base-random", {**sizes.base}, sizes, device_name, minilm), dev)
+            knees["base"] = stage("knee/bert-base-random", lambda: knee_check(
+                dev.url, "bert-base-random", {**sizes.base}, sizes, device, device_name, minilm), dev)
             cfg = json.loads((minilm / "config.json").read_text())
-            stage("knee/all-minilm-l6-v2", lambda: knee_check(
-                dev.url, "all-minilm-l6-v2", cfg, sizes, device_name, minilm), dev)
+            knees["minilm"] = stage("knee/all-minilm-l6-v2", lambda: knee_check(
+                dev.url, "all-minilm-l6-v2", cfg, sizes, device, device_name, minilm), dev)
             stage("host-path", lambda: host_path_check(dev.url, sizes, minilm), dev)
             stage("cuda-graphs", lambda: graphs_check(dev.log(), device), dev)
     finally:
@@ -236,7 +275,8 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
         dev.stop()
     stage("vram-budget", lambda: vram_budget_check(work, folders, device))
     stage("nvml-budget", lambda: nvml_check(device))
-    stage("goals", lambda: goal_checks(knee_base, device_name))
+    parity = [c for c in checks if c.name.startswith("parity/")]
+    stage("goals", lambda: goal_checks(knees.get("base"), knees.get("minilm"), parity, device_name))
     return result(False)
 
 
