@@ -149,3 +149,44 @@ def test_a_deadline_ends_a_sequence_and_frees_its_place(served: DaemonProc) -> N
     assert after.status_code == 200
     last = [w["last_batch"] for w in httpx.get(f"{served.url}/v1/ps", timeout=30).json()["workers"]]
     assert any(b.get("model") == MODEL and b.get("items") == 1 for b in last), last
+
+
+def test_a_gpu_worker_with_this_build_refuses_the_load(served: DaemonProc) -> None:
+    """A worker on `cuda:0` with a llama.cpp built without GPU support (this one) answers
+    its lane `model_load_failed`, saying how to build it with CUDA, instead of serving on
+    the CPU while it reports the GPU (runtimes/adapters/llamacpp_offload.py). A real worker
+    core, the real build and the real GGUF of the served store; no GPU is needed, nor
+    faked beyond the device name: the refusal comes before anything would touch one."""
+    import os
+
+    import msgspec
+
+    from fleet.local_queue import LocalQueue
+    from fleet.messages import STATUS_ERROR, Envelope, WorkError
+    from fleet.protocol import GenerateRequest
+    from fleet.runtimes.base import ModelSpec
+    from fleet.runtimes.worker import WorkerCore
+
+    _, folder = Store(served.home / "models").open(MODEL)
+    queue = LocalQueue.create(slots=16, slab_bytes=1 << 20)
+    try:
+        worker = queue.register_worker(os.getpid(), "cuda:0")
+        core = WorkerCore(queue, worker, "cuda:0", lambda name: ModelSpec(name, folder, "generate", "llama.cpp"),
+                          served_by="box/0")
+        body = msgspec.msgpack.encode(GenerateRequest(model=MODEL, prompt="hello", max_tokens=2))
+        queue.put(queue.lane_id(MODEL), body, tokens=2, request_id=1)
+        core.step()
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = queue.wait_results(0.2)
+        assert [d.request_id for d in got] == [1] and got[0].status == STATUS_ERROR
+        error = msgspec.msgpack.decode(msgspec.msgpack.encode(
+            msgspec.msgpack.decode(got[0].result, type=Envelope).body), type=WorkError)
+        assert error.code == "model_load_failed", error
+        assert "cuda:0" in error.message and "built without GPU support" in error.message
+        assert "CMAKE_ARGS=-DGGML_CUDA=on" in error.message
+        assert MODEL not in core.residency.models
+    finally:
+        queue.close()
+        queue.unlink()

@@ -29,9 +29,14 @@ answers. What differs is how a step computes logits:
   transformers fast tokenizer built from the GGUF's vocabulary at load
   (`gguf_tokenizer`: fleet.gguf reads the arrays, transformers converts them).
 - LoRA adapters are not served on this runtime (refused at attach).
+- Device: a `cuda:K` worker puts every layer on its GPU, a CPU worker none, and a
+  `cuda:K` worker whose llama.cpp was built without GPU support refuses the load
+  (`llamacpp_offload`). On the GPU the footprint is what the load took from the device
+  (weights, KV cache, llama.cpp's compute buffers), at least weights + KV cache.
 
 Threads: the worker's, or one where one runs faster (`_choose_threads`, timed at load and
-shown in `/v1/ps`).
+shown in `/v1/ps`); a model all on the GPU keeps the worker's (its host threads only feed
+the GPU: nothing to time).
 
 Deadlines and cancels are checked between steps by the worker, as for every
 generator; a step is bounded by one chunk of prefill plus one token per row.
@@ -55,6 +60,7 @@ from fleet.protocol import GenerateRequest
 from fleet.runtimes.base import ModelSpec
 from fleet.runtimes.adapters.generate import CausalLM
 from fleet.runtimes.adapters.generate_rows import Sequence
+from fleet.runtimes.adapters.llamacpp_offload import device_free_bytes, llama_gpus, offload_params
 from fleet.runtimes.lora import BASE_ROW
 from fleet.runtimes.memory import NotNow
 
@@ -188,6 +194,11 @@ class LlamaCppLM(CausalLM):
         import llama_cpp.llama_cpp as L
 
         self._torch, self._np, self.L = torch, np, L
+        L.llama_backend_init()
+        quiet_logs(L)
+        # Before the file is read: a worker that cannot honour its device refuses at once.
+        self.offload = offload_params(self.device, bool(L.llama_supports_gpu_offload()), llama_gpus())
+        free_before = device_free_bytes(torch, self.device)
         path = gguf_file(self.spec.path)
         _, meta, _, _ = read_metadata(path, self.spec.name, TOKENIZER_ARRAYS)
         try:
@@ -196,9 +207,8 @@ class LlamaCppLM(CausalLM):
             raise
         except Exception as exc:  # the converters raise many types for vocabularies they do not know
             raise ModelLoadFailed(f"cannot build {self.spec.name!r}'s tokenizer from its GGUF file: {exc}") from exc
-        L.llama_backend_init()
-        quiet_logs(L)
         mparams = L.llama_model_default_params()
+        self.offload.apply(mparams)
         self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ModelLoadFailed(f"llama.cpp cannot load {self.spec.name!r} from its GGUF file")
@@ -245,11 +255,21 @@ class LlamaCppLM(CausalLM):
         self.free_ids = list(range(self.n_seq))
         self.cache = self.mask = self.pos = None
         self.last = None
-        threads_ms = self._choose_threads()
-        self.choice = Engine({"kv_cells": self.kv_cells, "sequences": self.n_seq, "threads": self.n_threads,
-                              "threads_ms": threads_ms, "weights_bytes": self.weights_bytes,
-                              "kv_bytes": self.kv_bytes})
+        gpu = self.offload.gpu
+        threads_ms = self._choose_threads() if gpu is None else {}
         self._warm_up()
+        facts: dict[str, Any] = {"kv_cells": self.kv_cells, "sequences": self.n_seq, "threads": self.n_threads,
+                                 "threads_ms": threads_ms, "weights_bytes": self.weights_bytes,
+                                 "kv_bytes": self.kv_bytes}
+        self.device_bytes = 0
+        if gpu is not None:
+            # What the load took from the GPU (the device's load lock keeps other loads out
+            # meanwhile): llama.cpp's compute buffers beside weights and cache (and the token
+            # embeddings stay in host memory), so neither count alone is the device's.
+            self.device_bytes = max(0, (free_before or 0) - (device_free_bytes(torch, self.device) or 0))
+            facts.update(threads_probe="skipped: every layer on the GPU", gpu=gpu,
+                         gpu_layers=L.llama_model_n_layer(self.model) + 1, device_bytes=self.device_bytes)
+        self.choice = Engine(facts)
 
     def _choose_threads(self) -> dict[str, float]:
         """The worker's threads or one, whichever runs a short prompt and a few decode
@@ -303,7 +323,7 @@ class LlamaCppLM(CausalLM):
             self.step()
 
     def footprint_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes
+        return max(self.weights_bytes + self.kv_bytes, self.device_bytes)
 
     def unload(self) -> None:
         self.rows, self.pending, self.grammars = [], [], None
