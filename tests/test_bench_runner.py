@@ -14,7 +14,7 @@ from fleet.bench import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Every module that had its own `main` and argparse before the runner, and the benches
-#: it registers now (fairness's four scenarios are four benches).
+#: it registers now (fairness's four scenarios are four benches); then those added since.
 BENCHES = {
     "access_log": {"access-log"}, "asgi_cold": {"asgi-cold"}, "batch_memory": {"batch-memory"},
     "batch_priority": {"batch-priority"}, "corpus": {"corpus"}, "decide": {"decide"},
@@ -22,7 +22,7 @@ BENCHES = {
     "embed_kinds": {"embed-kinds"}, "engines_heads": {"engines-heads"},
     "fairness": {"fairness-big", "fairness-flood", "fairness-floods", "fairness-burst"},
     "generate_compare": {"generate-compare"}, "generate_engines": {"generate-engines"},
-    "gpu_check": {"gpu-check"}, "host_path": {"host-path"}, "inference_compare": {"inference-compare"},
+    "gpu_check": {"gpu-check"}, "gpu_prepare": {"gpu-prepare"}, "host_path": {"host-path"}, "inference_compare": {"inference-compare"},
     "memory_load": {"memory-load"}, "micro_batches": {"micro-batches"}, "nats_compare": {"nats-compare"},
     "query_check": {"query-check"}, "queue_bench": {"queue-bench"}, "request_path": {"request-path"},
     "saturation": {"saturation"}, "simulate": {"simulate"}, "synthetic": {"synthetic"},
