@@ -10,7 +10,9 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
 1. parity/<task> (bench.gpu_parity): the device daemon (2 workers, dtype `auto`)
    against a CPU daemon in float32 on the same tiny models built from configs here:
    embed, rerank, classify, extract, generate, and a mixed LoRA batch (base + two
-   adapters sent at once, so they share batches).
+   adapters sent at once, so they share batches). Greedy text is judged on float32
+   copies of the generators the device daemon serves beside them (a near-tie may flip
+   at bf16 with nothing wrong); the dtype `auto` kept and its answers are recorded.
 2. two-workers (bench.gpu_parity): both workers of the device daemon up on the one
    device, and concurrent traffic over several models answered without an error.
 3. vram-budget (bench.gpu_capacity): a daemon whose device budget holds 2 of 3
@@ -62,7 +64,7 @@ from fleet.bench.acceptance import CPU, GPU, Check, Sizes, serve
 from fleet.bench.cli import DEVICE, OUT, bench, option
 from fleet.bench.daemon import LocalDaemon
 from fleet.bench.gpu_capacity import host_path_check, knee_check, nvml_check, nvml_device, vram_budget_check
-from fleet.bench.gpu_parity import parity_checks, two_workers_check
+from fleet.bench.gpu_parity import F32, parity_checks, two_workers_check
 from fleet.bench.models import build_bert, build_llama, build_lora, make_home
 from fleet.bench.tokens import package_model_dir
 
@@ -231,8 +233,11 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
     if minilm_dir:
         folders["all-minilm-l6-v2"] = minilm_dir
         served["all-minilm-l6-v2"] = ("all-minilm-l6-v2", "embed", "sentence-transformers", "")
+    # The generators again at float32 (bench.gpu_parity judges greedy text on these).
+    served.update({F32[name]: (key, task, runtime, extra.replace('"t-llama"', f'"{F32["t-llama"]}"'))
+                   for name, (key, task, runtime, extra) in TASK_MODELS.items() if name in F32})
     dev_home = make_home(work / "home-device", folders, served, "auto",
-                         catalog=() if minilm_dir else ("all-minilm-l6-v2",))
+                         catalog=() if minilm_dir else ("all-minilm-l6-v2",), dtypes=dict.fromkeys(F32.values(), "float32"))
     ref_home = make_home(work / "home-cpu", folders, TASK_MODELS, "float32")
 
     def stage(name: str, fn: Callable[[], Any], daemon: LocalDaemon | None = None) -> Any:

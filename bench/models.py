@@ -56,13 +56,15 @@ def build_st_embedder(folder: Path, minilm: Path, seed: int = 0, **cfg: Any) -> 
 
 
 def make_home(home: Path, folders: dict[str, Path], served: dict[str, tuple[str, str, str, str]], dtype: str,
-              *, catalog: tuple[str, ...] = ()) -> Path:
+              *, catalog: tuple[str, ...] = (), dtypes: dict[str, str] | None = None) -> Path:
     """FLEET_HOME with `served` (name -> TASK_MODELS-shaped entry) pulled from `folders`,
-    and `catalog` names (from models.toml, e.g. all-minilm-l6-v2) pulled as shipped."""
+    and `catalog` names (from models.toml, e.g. all-minilm-l6-v2) pulled as shipped.
+    `dtypes`: a model's own dtype where it is not `dtype`."""
     home.mkdir(parents=True, exist_ok=True)
+    own = dtypes or {}
     (home / "models.toml").write_text("".join(
         f'[models."{name}"]\nsource = "path:{folders[key].resolve()}"\ntask = "{task}"\nruntime = "{runtime}"\n'
-        f'{extra}max_seq_len = 256\n[models."{name}".profile]\ndtype = "{dtype}"\n\n'
+        f'{extra}max_seq_len = 256\n[models."{name}".profile]\ndtype = "{own.get(name, dtype)}"\n\n'
         for name, (key, task, runtime, extra) in served.items()))
     env = {**os.environ, "FLEET_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     for name in [*served, *catalog]:

@@ -43,6 +43,10 @@ def test_the_cpu_run_passes_every_check_and_writes_its_json(tmp_path: Path):
     for name in [*PARITY, "two-workers", "vram-budget", "knee/bert-base-random", "knee/all-minilm-l6-v2"]:
         assert checks[name]["ok"] is True, checks[name]
     assert checks["parity/embed"]["data"]["min_cosine"] >= 0.9999
+    # Greedy text is judged on the device daemon's float32 copies; the kept dtype is recorded.
+    generate = checks["parity/generate"]["data"]
+    assert generate["float32_dtype"] == "float32" and generate["kept_dtype"] in ("float32", "bfloat16", "float16")
+    assert checks["parity/lora-mixed"]["data"]["dtype"] == "float32"
     assert checks["two-workers"]["data"]["workers"] == 2
     assert checks["vram-budget"]["data"]["violations"] == [] and checks["vram-budget"]["data"]["non_200"] == []
     for model in ("bert-base-random", "all-minilm-l6-v2"):
