@@ -80,9 +80,10 @@ LLAMA_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, thi
                 "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 . , ! ?"]
 
 
-def build_llama(folder: Path) -> Path:
+def build_llama(folder: Path, **shape: Any) -> Path:
     """A 2-layer Llama with a byte-level BPE trained here; a large init range
-    makes greedy choices far from ties (they must not flip between dtypes)."""
+    makes greedy choices far from ties (they must not flip between dtypes).
+    `shape`: other LlamaConfig sizes (hidden_size, num_hidden_layers, ...)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -95,9 +96,10 @@ def build_llama(folder: Path) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tok.save_pretrained(folder)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
+    cfg = LlamaConfig(**{"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "initializer_range": 0.3,
+                         "tie_word_embeddings": False, **shape})
     LlamaForCausalLM(cfg).save_pretrained(folder)
     return folder
 

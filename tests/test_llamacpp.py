@@ -190,3 +190,25 @@ def test_a_gpu_worker_with_this_build_refuses_the_load(served: DaemonProc) -> No
     finally:
         queue.close()
         queue.unlink()
+
+
+@pytest.mark.slow
+def test_the_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_llamacpp.sh's bench, run here as the GPU session runs it but with
+    `--device cpu` (no GPU here), so the prepared device check is known to work before a
+    lent machine runs it: a random Llama pulled through fleet's converter, served, greedy
+    text equal to llama.cpp's own `Llama`, tokens/s at 1 and 4 streams, not offloaded."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "fleet.bench", "gpu-llamacpp", "--device", "cpu", "--rounds", "1",
+                        "--max-tokens", "16", "--streams", "1,4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["parity"]["same"] == [True, True, True] and not doc["offloaded"]
+    assert doc["ps"]["engine"] == "llama.cpp" and doc["ps"]["gpu"] is None and doc["ps"]["device"] == "cpu"
+    assert set(doc["rates"]) == {"fleet_1", "fleet_4", "llama_cpp_1"}
+    assert doc["rates"]["fleet_4"]["output_tokens"] == 4 * 16
+    assert all(v["output_tokens_per_s"] > 0 for v in doc["rates"].values())
