@@ -7,7 +7,8 @@ In one run, on `--device` (cpu or cuda:K):
      never picks EOS (every answer runs to max_tokens), pulled through fleet's own path
      (`pull_model ... --quantize`, fleet/gguf_convert.py) as one GGUF;
   2. `fleetctl serve --device DEVICE --workers 1` with it preloaded: `/v1/ps` says whether
-     the model is offloaded (engine `gpu`, `gpu_layers` = layers + output) and its bytes;
+     the model is offloaded (engine `gpu`, `gpu_layers` = layers + output, and `device_bytes`,
+     what the load took from the GPU's free memory, at least the KV cache) and its bytes;
   3. greedy text over HTTP equals `Llama(n_gpu_layers=-1 on a GPU, else 0)`'s in this process
      on the same file and prompts (flash attention on, as the runtime's "auto" picks);
   4. output tokens/s: `--streams` concurrent requests of `--max-tokens` each (median of
@@ -177,7 +178,10 @@ def run_check(*, device: str, shape: str, quantize: str, max_tokens: int, stream
             ready_s = time.perf_counter() - t0
             held = offload_of(daemon.url)
             layers = SHAPES[shape].get("num_hidden_layers", 2)
-            offloaded = held["gpu"] is not None and held["gpu_layers"] == layers + 1
+            # The runtime's word (its GPU, every layer and the output) and CUDA's: the load took
+            # at least the KV cache from the GPU's free memory.
+            offloaded = (held["gpu"] is not None and held["gpu_layers"] == layers + 1
+                         and (held["device_bytes"] or 0) >= held["kv_bytes"])
             log(f"daemon ready in {ready_s:.1f} s on {device}: {held}")
             ours = [fleet_text(daemon.url, p, max_tokens) for p in PROMPTS]
             llm = reference(gguf, device, held["threads"] or threads)

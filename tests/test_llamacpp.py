@@ -212,3 +212,37 @@ def test_the_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert set(doc["rates"]) == {"fleet_1", "fleet_4", "llama_cpp_1"}
     assert doc["rates"]["fleet_4"]["output_tokens"] == 4 * 16
     assert all(v["output_tokens_per_s"] > 0 for v in doc["rates"].values())
+
+
+def test_a_gpu_worker_loads_every_layer_and_charges_the_gpu(served: DaemonProc, monkeypatch) -> None:
+    """The GPU branch of the load, with the GPU faked where one must exist (this build
+    cannot offload and this box has none): the build says it offloads and sees CUDA0, and
+    CUDA's free memory drops by 1 GiB over the load. The model then loads with every layer
+    asked for CUDA0 (llama.cpp here, without GPUs, keeps them on the CPU), skips the thread
+    probe, shows the offload in its engine facts and charges the larger of weights + cache
+    and what the GPU lost."""
+    import llama_cpp.llama_cpp as L
+
+    from fleet.runtimes.adapters import llamacpp_offload
+    from fleet.runtimes.base import ModelSpec
+
+    _, folder = Store(served.home / "models").open(MODEL)
+    free = iter([80 << 30, (80 << 30) - (1 << 30)])
+    monkeypatch.setattr(L, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(llamacpp, "llama_gpus", lambda: ["CUDA0"])
+    monkeypatch.setattr(llamacpp, "device_free_bytes", lambda torch, device: next(free))
+    asked, apply = [], llamacpp_offload.Offload.apply
+    monkeypatch.setattr(llamacpp_offload.Offload, "apply", lambda self, params: (asked.append(self),
+                                                                                 apply(self, params)))
+    adapter = llamacpp.LlamaCppLM(ModelSpec(MODEL, folder, "generate", "llama.cpp"), "cuda:0")
+    adapter.load()
+    try:
+        assert asked == [llamacpp_offload.Offload(llamacpp_offload.ALL_LAYERS, 0, llamacpp_offload.SPLIT_NONE,
+                                                  "CUDA0")]
+        facts = adapter.choice.info()
+        assert facts["gpu"] == "CUDA0" and facts["gpu_layers"] == L.llama_model_n_layer(adapter.model) + 1
+        assert facts["threads_ms"] == {} and facts["threads_probe"].startswith("skipped")
+        assert facts["device_bytes"] == 1 << 30
+        assert adapter.footprint_bytes() == max(facts["weights_bytes"] + facts["kv_bytes"], 1 << 30)
+    finally:
+        adapter.unload()
