@@ -2,8 +2,10 @@
 
 vram-budget (a budget of 2 of 3 models, one pinned: the pin stays, at most 2
 resident, nothing lost), knee/<model> (tokens/s and p95 at the knee, MFU against the
-device's peak, the GPU's busy share read by NVML during each step), host-path (bench.host_path's CPU per token with a nearly free forward)
-and nvml-budget (NVML's memory view against torch's and the worker's budget).
+device's peak, the GPU's busy share read by NVML during each step), profile/<model>
+(py-spy on the daemon's processes during one more step at the knee), host-path
+(bench.host_path's CPU per token with a nearly free forward) and nvml-budget (NVML's
+memory view against torch's and the worker's budget).
 
 A module of its own: these checks load the device and read its memory, where
 bench.gpu_parity judges answers; bench.gpu_check runs them in order.
@@ -22,8 +24,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from fleet.bench import corpus, host_path, loadgen
-from fleet.bench.acceptance import BATCH, TEXTS, TIMEOUT_MS, Check, Sizes, post, resident, serve
+from fleet.bench import corpus, host_path, loadgen, spy
+from fleet.bench.acceptance import BATCH, TEXTS, TIMEOUT_MS, Check, Sizes, post, ps, resident, serve
 from fleet.bench.daemon import admin_headers
 from fleet.bench.knee import CLOSED, StepResult, find_knee
 from fleet.bench.models import make_home
@@ -214,14 +216,11 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, devic
                minilm: Path) -> Check:
     """Closed-loop steps up to the knee; the GPU's busy share (BusySampler) is read
     during each step and the knee step's mean is `sm_busy_pct` (issue 34's goal)."""
-    texts = corpus.load()
-    lengths = TokenCounter(minilm).count(texts)
     if httpx.post(f"{url}/v1/models/{model}/load", headers=admin_headers(url),
                   timeout=TIMEOUT_MS / 1000).status_code != 200:
         return Check(f"knee/{model}", False, "load failed")
     dtype = resident(url)[model].get("dtype", "?")
-    setup = loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts, lengths=lengths,
-                          batch=BATCH)
+    setup = embed_load(url, model, minilm)
     steps: list[StepResult] = []
     busy: list[BusySampler] = []
     with loadgen.Generator(setup, processes=sizes.generators) as gen:
@@ -259,6 +258,48 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, devic
                  f"{flops / 1e12:.2f} TFLOP/s, MFU " + (f"{mfu:.1%} of {peak:g}" if mfu is not None else "n/a (no peak "
                  "for this device)") + (f", SM busy {at_busy.mean_pct:.0f} % ({at_busy.samples} samples)"
                                         if at_busy.mean_pct is not None else "") + f"; errors {errors}", data)
+
+
+def embed_load(url: str, model: str, minilm: Path) -> loadgen.Setup:
+    """32-text embed requests of the corpus, tokens counted with MiniLM's tokenizer."""
+    texts = corpus.load()
+    return loadgen.Setup(kind="fleet", task="embed", url=url, model=model, texts=texts,
+                         lengths=TokenCounter(minilm).count(texts), batch=BATCH)
+
+
+def profile_check(url: str, model: str, knee: Check | None, sizes: Sizes, minilm: Path, out_dir: Path,
+                  stem: str) -> Check:
+    """One more closed-loop step at the knee's clients with py-spy on the API process and
+    every worker (bench.spy): each thread's busy share and the frames it spent most on,
+    the raw stacks beside the run's JSON. Where the host time of a micro-batch goes on
+    the device (the H200 runs measured that one worker's loop was the limit, not why)."""
+    name = f"profile/{model}"
+    why = spy.available()
+    if why:
+        return Check(name, None, why)
+    clients = int((knee.data or {}).get("knee_clients") or sizes.clients[-1]) if knee else sizes.clients[-1]
+    info = ps(url)
+    pids = {info["pid"]: "api", **{w["pid"]: f"worker{k}" for k, w in enumerate(info["workers"]) if w.get("pid")}}
+    with loadgen.Generator(embed_load(url, model, minilm), processes=sizes.generators) as gen:
+        gen.run(loadgen.StepPlan(index=0, mode=CLOSED, offered=clients, duration_s=1.0))
+        running = spy.start(pids, sizes.step_s, out_dir, stem)
+        m = gen.run(loadgen.StepPlan(index=1, mode=CLOSED, offered=clients, duration_s=sizes.step_s))
+        procs = spy.finish(running, sizes.step_s)
+    lines = []
+    for key, summary in procs.items():
+        if "error" in summary:
+            lines.append(f"{key}: {summary['error'][:120]}")
+            continue
+        threads = summary["threads"]
+        top = next(iter(threads.items()), None)
+        lines.append(f"{key}: {len(threads)} threads ran" + (
+            f", busiest {top[0]} {top[1]['busy']:.0%} (most in {top[1]['self'][0][0]})" if top else ""))
+    # The load is the product's (an error fails the check); a recorder that could not
+    # attach (no ptrace here) leaves the profile unread, not the daemon wrong.
+    unread = [k for k, v in procs.items() if "error" in v]
+    ok = False if m.errors else (None if unread else True)
+    return Check(name, ok, f"{clients} clients, {m.ok} answered, {m.errors} errors; " + "; ".join(lines),
+                 {"clients": clients, "seconds": sizes.step_s, "ok": m.ok, "errors": m.errors, "processes": procs})
 
 
 def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:

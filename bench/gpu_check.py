@@ -23,6 +23,9 @@ Checks, one line each, and one JSON file (bench/results/ unless --out):
    architecture, built here) and all-minilm-l6-v2; MFU = achieved FLOP/s over
    the device's peak (PEAK_TFLOPS); the GPU's busy share as NVML reads it during
    each step (bench.gpu_capacity.BusySampler, nvidia-smi dmon's `sm` column).
+4a. profile/bert-base-random (bench.gpu_capacity, bench.spy): one more step at the
+   110M knee's clients with py-spy on the API process and both workers: each thread's
+   busy share and the frames it spent most on, the raw stacks beside the JSON.
 4b. host-path (bench.gpu_capacity): bench.host_path against the device daemon (a
    1-layer BERT of hidden size 32: a nearly free forward): tokens/s, CPU-us per token of
    the API process, each worker and their busiest thread, the tokenizer's own cost
@@ -63,7 +66,8 @@ from fleet.bench import host_path
 from fleet.bench.acceptance import CPU, GPU, Check, Sizes, serve
 from fleet.bench.cli import DEVICE, OUT, bench, option
 from fleet.bench.daemon import LocalDaemon
-from fleet.bench.gpu_capacity import host_path_check, knee_check, nvml_check, nvml_device, vram_budget_check
+from fleet.bench.gpu_capacity import (host_path_check, knee_check, nvml_check, nvml_device, profile_check,
+                                      vram_budget_check)
 from fleet.bench.gpu_parity import F32, parity_checks, two_workers_check
 from fleet.bench.models import build_bert, build_llama, build_lora, make_home
 from fleet.bench.tokens import package_model_dir
@@ -79,6 +83,22 @@ GOALS = ("goal/110m-tokens-per-s", "goal/110m-p95", "goal/minilm-tokens-per-s", 
 
 
 # ---- models built here ------------------------------------------------------------
+
+def random_weights(folder: Path, dest: Path) -> Path:
+    """A copy of a model folder that carried its configs and tokenizer but no weights
+    (`gpu-prepare` leaves all-MiniLM-L6-v2's 46 MB out when the call would not fit its
+    64 MiB), with random weights of its architecture: the same shapes, so the same
+    cost per token at the knee; its answers mean nothing (the parity checks use models
+    built here)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    shutil.copytree(folder, dest, dirs_exist_ok=True)
+    torch.manual_seed(0)
+    BertModel(BertConfig.from_pretrained(dest)).eval().save_pretrained(dest)
+    print(f"{folder}: no weights carried; random weights of its architecture in {dest}", flush=True)
+    return dest
+
 
 def build_models(root: Path, sizes: Sizes, minilm: Path) -> dict[str, Path]:
     """Tiny task models (BERTs with the all-MiniLM tokenizer, a Llama with two
@@ -209,6 +229,8 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
     info = nvml_device(device)
     device_name = info[0] if info else None
     vers = versions()
+    # all-MiniLM-L6-v2's weights: "real" (the package or a carried folder) or "random" (random_weights).
+    vers["minilm_weights"] = "random" if minilm_dir and not (minilm_dir / "model.safetensors").exists() else "real"
 
     def result(partial: bool) -> dict:
         failed = [c.name for c in checks if c.ok is False]
@@ -226,6 +248,8 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
 
     print(f"gpu_check on {device}" + (f" ({device_name})" if device_name else "") + f", work dir {work}", flush=True)
     minilm = minilm_dir or package_model_dir()
+    if minilm_dir and not (minilm_dir / "model.safetensors").exists():
+        minilm_dir = minilm = random_weights(minilm_dir, work / "minilm-random")
     folders = build_models(work / "models", sizes, minilm)
     served = {**TASK_MODELS, "bert-base-random": ("bert-base-random", "embed", "sentence-transformers", "")}
     folders[host_path.MODEL] = host_path.build_model(work / "models", minilm)
@@ -270,6 +294,9 @@ def run(device: str, work: Path, sizes: Sizes, minilm_dir: Path | None = None, o
             stage("two-workers", lambda: two_workers_check(dev.url, device, sizes.two_worker_requests), dev)
             knees["base"] = stage("knee/bert-base-random", lambda: knee_check(
                 dev.url, "bert-base-random", {**sizes.base}, sizes, device, device_name, minilm), dev)
+            stage("profile/bert-base-random", lambda: profile_check(
+                dev.url, "bert-base-random", knees.get("base"), sizes, minilm, out.parent if out else work,
+                out.stem if out else "gpu-check"), dev)
             cfg = json.loads((minilm / "config.json").read_text())
             knees["minilm"] = stage("knee/all-minilm-l6-v2", lambda: knee_check(
                 dev.url, "all-minilm-l6-v2", cfg, sizes, device, device_name, minilm), dev)

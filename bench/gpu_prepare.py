@@ -96,6 +96,12 @@ LEFT_OUT = {
     "cffi": "see cryptography", "pycparser": "see cryptography",
     "faker": "2.1 MB, polyfactory's fake data: test factories, never imported by a daemon",
 }
+#: Carried beside the server's packages: py-spy for gpu-check's profile (bench/spy.py), at
+#: this venv's version where the bench extra installed it.
+TOOLS = {"py-spy": "0.4.3"}
+#: all-MiniLM-L6-v2's files but its weights (`--minilm shapes`: gpu-check gives it random ones).
+MINILM_SHAPES = ("config.json", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "1_Pooling")
 #: pip's tags for the image's Python; a wheel built for a newer glibc is tried with these after.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -133,8 +139,14 @@ def requirements(dist: str = "fleet-serve", extras: tuple[str, ...] = ("server",
 
 
 def to_carry(needed: dict[str, str]) -> dict[str, str]:
-    """What the image lacks, less LEFT_OUT."""
-    return {k: v for k, v in sorted(needed.items()) if k not in IMAGE and k not in LEFT_OUT}
+    """What the image lacks, less LEFT_OUT, and the TOOLS."""
+    tools = {}
+    for name, pinned in TOOLS.items():
+        try:
+            tools[name] = distribution(name).version
+        except PackageNotFoundError:
+            tools[name] = pinned
+    return {k: v for k, v in sorted({**needed, **tools}.items()) if k not in IMAGE and k not in LEFT_OUT}
 
 
 def download(packages: dict[str, str], dest: Path, python: str | None = None) -> list[str]:
@@ -157,8 +169,9 @@ def download(packages: dict[str, str], dest: Path, python: str | None = None) ->
     return missing
 
 
-def minilm_fp16(dest: Path) -> None:
-    """all-MiniLM-L6-v2 with its weights in fp16, beside its tokenizer and configs."""
+def minilm_folder(dest: Path, weights: bool) -> None:
+    """all-MiniLM-L6-v2's configs and tokenizer, with its weights in fp16 (46 MB) or
+    none (1 MB: gpu-check then serves random weights of the same shapes)."""
     from safetensors.torch import load_file, save_file
 
     from fleet.bench.tokens import package_model_dir
@@ -166,9 +179,12 @@ def minilm_fp16(dest: Path) -> None:
     src = package_model_dir()
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("model.safetensors", "onnx", "openvino", "*.bin"))
-    save_file({k: v.half() for k, v in load_file(src / "model.safetensors").items()}, dest / "model.safetensors",
-              metadata={"format": "pt"})
+    dest.mkdir(parents=True)
+    for name in MINILM_SHAPES:
+        (shutil.copytree if (src / name).is_dir() else shutil.copyfile)(src / name, dest / name)
+    if weights:
+        save_file({k: v.half() for k, v in load_file(src / "model.safetensors").items()}, dest / "model.safetensors",
+                  metadata={"format": "pt"})
 
 
 def git(*args: str) -> str:
@@ -232,7 +248,9 @@ def rehearse(python: str, whl: Path, gpu: Path) -> int:
               "(a venv holding the image's versions)"),
        option("--image-requirements", action="store_true",
               help="print the pip requirements of a venv like the image (for --rehearse) and exit"),
-       option("--no-minilm", action="store_true", help="keep an existing .gpu/minilm (or make none)"),
+       option("--minilm", choices=("auto", "fp16", "shapes", "keep"), default="auto",
+              help="all-MiniLM-L6-v2's weights in fp16 (46 MB), or only its shapes (gpu-check gives it random "
+              "weights), or keep .gpu/minilm as it is; auto: fp16 where the call still fits (default)"),
        summary="prepare a lent GPU machine's one call here: wheels, fp16 MiniLM, the size check, the call")
 def main(args: argparse.Namespace) -> int:
     needed = requirements()
@@ -250,8 +268,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"no cp312 manylinux wheel for: {', '.join(missing)}", file=sys.stderr)
         return 1
     gpu.mkdir(exist_ok=True)
-    if not args.no_minilm or not (gpu / "minilm").exists():
-        minilm_fp16(gpu / "minilm")
+    if args.minilm != "keep":
+        minilm_folder(gpu / "minilm", weights=args.minilm != "shapes")
+        if args.minilm == "auto" and sum(travelling_bytes([".whl", ".gpu"]).values()) > LIMIT_BYTES:
+            print("all-MiniLM-L6-v2 in fp16 does not fit beside the rest: carried without weights "
+                  "(gpu-check's knee/all-minilm-l6-v2 then runs random weights of its shapes)")
+            minilm_folder(gpu / "minilm", weights=False)
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     (gpu / "COMMIT").write_text(git("rev-parse", "HEAD").strip() + ("-dirty" if dirty else "") + "\n")
     sizes = travelling_bytes([".whl", ".gpu"])

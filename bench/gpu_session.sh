@@ -8,7 +8,8 @@
 #   2. an import of everything a daemon and its workers load, so a package that is
 #      missing or too old there stops the call in seconds, saying which (exit 5);
 #   3. `python -m fleet.bench gpu-check` on the device, all-MiniLM-L6-v2 from the carried
-#      fp16 folder, nvidia-smi dmon and vmstat beside it; everything lands in $OUT.
+#      folder (fp16, or its shapes alone), nvidia-smi dmon and vmstat beside it, py-spy
+#      (carried) for its profile; everything lands in $OUT.
 #
 # The same script rehearses here with no GPU (`gpu-prepare --rehearse PYTHON`: DEVICE=cpu,
 # a venv holding the image's versions), so the first minutes of a lent machine are not
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
   SITE=$(mktemp -d /tmp/fleet-site.XXXXXX)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl \
     || { echo "gpu_session: the carried wheels did not install"; exit 3; }
-  export PYTHONPATH="$SITE:$ROOT" FLEET_COMMIT="$(head -1 "$GPU/COMMIT" 2>/dev/null || echo unknown)"
+  export PYTHONPATH="$SITE:$ROOT" PATH="$SITE/bin:$PATH" FLEET_COMMIT="$(head -1 "$GPU/COMMIT" 2>/dev/null || echo unknown)"
   # What a daemon and its workers import: the API, the CLI, every adapter module.
   "$PY" - <<'PY' || { echo "gpu_session: an import failed (above): carry that package as a wheel"; exit 5; }
 import importlib, pkgutil

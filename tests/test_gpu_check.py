@@ -47,6 +47,14 @@ def test_the_cpu_run_passes_every_check_and_writes_its_json(tmp_path: Path):
     generate = checks["parity/generate"]["data"]
     assert generate["float32_dtype"] == "float32" and generate["kept_dtype"] in ("float32", "bfloat16", "float16")
     assert checks["parity/lora-mixed"]["data"]["dtype"] == "float32"
+    # The profile step: py-spy on the API and both workers (SKIP where py-spy is absent or
+    # may not attach), the model's worker busy in its forward.
+    profile = checks["profile/bert-base-random"]
+    if profile["ok"] is not None:
+        procs = profile["data"]["processes"]
+        assert sorted(k.split("/")[0] for k in procs) == ["api", "worker0", "worker1"]
+        busiest = max((t["busy"] for p in procs.values() for t in p["threads"].values()), default=0)
+        assert busiest > 0.2 and profile["data"]["errors"] == 0
     assert checks["two-workers"]["data"]["workers"] == 2
     assert checks["vram-budget"]["data"]["violations"] == [] and checks["vram-budget"]["data"]["non_200"] == []
     for model in ("bert-base-random", "all-minilm-l6-v2"):

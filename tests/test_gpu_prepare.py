@@ -31,6 +31,17 @@ def test_only_what_the_image_lacks_travels():
     assert not set(carried) & gpu_prepare.IMAGE
     assert not set(carried) & set(gpu_prepare.LEFT_OUT)
     assert "torch" not in carried and "transformers" not in carried
+    assert "py-spy" in carried  # gpu-check's profile (bench/spy.py)
+
+
+def test_minilm_travels_with_or_without_its_weights(tmp_path):
+    gpu_prepare.minilm_folder(tmp_path / "shapes", weights=False)
+    gpu_prepare.minilm_folder(tmp_path / "fp16", weights=True)
+    shapes = {p.name for p in (tmp_path / "shapes").iterdir()}
+    assert "model.safetensors" not in shapes and {"config.json", "tokenizer.json", "modules.json"} <= shapes
+    weights = (tmp_path / "fp16" / "model.safetensors").stat().st_size
+    assert 40e6 < weights < 50e6  # fp16: half the package's 91 MB
+    assert gpu_prepare.size(tmp_path / "shapes") < 2e6
 
 
 def test_a_rehearsal_venv_pins_the_images_versions():
@@ -55,3 +66,16 @@ def test_the_tree_that_travels_is_counted():
     tracked = sum((ROOT / f).stat().st_size for f in ("README.md", "pyproject.toml"))
     assert sizes["tree"] > tracked
     assert sizes["tree"] < gpu_prepare.LIMIT_BYTES
+
+
+def test_gpu_check_serves_a_folder_without_weights_with_random_ones_of_its_shapes(tmp_path):
+    from safetensors import safe_open
+
+    from fleet.bench import gpu_check
+
+    gpu_prepare.minilm_folder(tmp_path / "shapes", weights=False)
+    got = gpu_check.random_weights(tmp_path / "shapes", tmp_path / "random")
+    with safe_open(got / "model.safetensors", "pt") as f:
+        shape = f.get_slice("embeddings.word_embeddings.weight").get_shape()
+    assert shape == [30522, 384]  # all-MiniLM-L6-v2's vocabulary x width
+    assert (got / "tokenizer.json").exists() and (got / "modules.json").exists()
