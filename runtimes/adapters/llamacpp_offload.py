@@ -26,9 +26,9 @@ ALL_LAYERS = 999
 SPLIT_NONE = 0
 #: ggml_backend_dev_type: a GPU with memory of its own.
 DEVICE_GPU = 1
-#: How the extra is built with CUDA (pip compiles llama.cpp from source; `nvcc` must be there).
-CUDA_BUILD = ("CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir "
-              "--no-binary llama-cpp-python 'fleet-serve[llamacpp]'")
+#: How the extra is rebuilt with CUDA (pip compiles llama.cpp from source, `nvcc` on the PATH;
+#: without --no-cache-dir pip reuses the CPU build it cached).
+CUDA_BUILD = "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python"
 
 
 @dataclass(frozen=True)
