@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
@@ -320,6 +321,10 @@ def host_path_check(url: str, sizes: Sizes, minilm: Path) -> Check:
 VIEW_GAP = 1 << 30
 
 
+#: Free-memory reads timed by nvml_check.
+FREE_READS = 200
+
+
 def nvml_check(device: str) -> Check:
     if not device.startswith("cuda"):
         return Check("nvml-budget", None, "no CUDA device: the CPU budget is RAM (psutil), checked by vram-budget")
@@ -339,7 +344,14 @@ def nvml_check(device: str) -> Check:
     # driver keeps) and its free 523 MiB over (this process's CUDA context); a gap of
     # gigabytes would mean another process or a wrong CUDA_VISIBLE_DEVICES mapping.
     ok = abs(nv_free - t_free) <= VIEW_GAP and abs(nv_total - t_total) <= VIEW_GAP and budget.budget_bytes == want
+    # What one load decision's free-memory read costs (a worker leaving a lane to its
+    # holders decides every IDLE_NAP_S): NVML opened once per process (fleet.nvml).
+    t0 = time.perf_counter()
+    for _ in range(FREE_READS):
+        budget.free_now()
+    free_read_us = (time.perf_counter() - t0) / FREE_READS * 1e6
     return Check("nvml-budget", ok, f"total NVML {nv_total >> 20} / torch {t_total >> 20} MiB, free NVML "
                  f"{nv_free >> 20} / torch {t_free >> 20} MiB, budget {budget.budget_bytes >> 20} MiB "
-                 f"(want {want >> 20})", {"nvml_total": nv_total, "torch_total": t_total, "nvml_free": nv_free,
-                                          "torch_free": t_free, "budget_bytes": budget.budget_bytes})
+                 f"(want {want >> 20}); a free-memory read {free_read_us:.0f} us",
+                 {"nvml_total": nv_total, "torch_total": t_total, "nvml_free": nv_free, "torch_free": t_free,
+                  "budget_bytes": budget.budget_bytes, "free_read_us": free_read_us})

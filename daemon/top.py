@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from fleet.nvml import nvml
+
 #: The span rates and percentiles are taken over, seconds.
 WINDOW_S = 10.0
 #: Latencies kept per model (a bound on memory at high request rates; the percentiles
@@ -155,37 +157,31 @@ def nvml_index(device: str, visible: str | None) -> int | str:
     return int(entry) if entry.isdigit() else entry
 
 
-def gpu_stats(devices: list[str], nvml: Any = None) -> dict[str, dict[str, float]]:
+def gpu_stats(devices: list[str], opener: Callable[[], Any] = nvml) -> dict[str, dict[str, float]]:
     """Utilisation (%) and memory (bytes used, total) of each `cuda:K` device, from NVML;
-    {} without pynvml, a driver or a GPU. `nvml`: the pynvml module (a fake in tests)."""
+    {} without pynvml, a driver or a GPU. `opener` gives the initialised pynvml module
+    (fleet.nvml's, opened once per process: this runs on the API's event loop at every
+    /v1/top; a fake in tests)."""
     cuda = [d for d in devices if d.startswith("cuda")]
     if not cuda:
         return {}
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return {}
     try:
-        nvml.nvmlInit()
-    except Exception:  # NVMLError: no driver, no GPU
+        lib = opener()
+    except Exception:  # ImportError, NVMLError: no library, driver or GPU
         return {}
     out = {}
-    try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        for device in cuda:
-            try:
-                which = nvml_index(device, visible)
-                handle = (nvml.nvmlDeviceGetHandleByIndex(which) if isinstance(which, int)
-                          else nvml.nvmlDeviceGetHandleByUUID(which))
-                util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            except Exception:
-                continue
-            out[device] = {"util_percent": float(util.gpu), "memory_used_bytes": int(mem.used),
-                           "memory_total_bytes": int(mem.total)}
-    finally:
-        nvml.nvmlShutdown()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for device in cuda:
+        try:
+            which = nvml_index(device, visible)
+            handle = (lib.nvmlDeviceGetHandleByIndex(which) if isinstance(which, int)
+                      else lib.nvmlDeviceGetHandleByUUID(which))
+            util = lib.nvmlDeviceGetUtilizationRates(handle)
+            mem = lib.nvmlDeviceGetMemoryInfo(handle)
+        except Exception:
+            continue
+        out[device] = {"util_percent": float(util.gpu), "memory_used_bytes": int(mem.used),
+                       "memory_total_bytes": int(mem.total)}
     return out
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet.nvml import nvml
+
 log = logging.getLogger("fleet.worker")
 
 
@@ -55,15 +57,11 @@ def _nvml_handle(pynvml: Any, index: int) -> Any:
 
 
 def nvml_memory(index: int) -> tuple[int, int]:
-    """(total, free) bytes of CUDA device `index` from NVML (nvidia-ml-py)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index))
-        return int(info.total), int(info.free)
-    finally:
-        pynvml.nvmlShutdown()
+    """(total, free) bytes of CUDA device `index` from NVML (nvidia-ml-py), opened once
+    per process (fleet.nvml: a worker reads this at every load decision)."""
+    pynvml = nvml()
+    info = pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index))
+    return int(info.total), int(info.free)
 
 
 #: NVML and torch disagreeing by more than this is logged (they count the

@@ -97,22 +97,23 @@ class FakeNvml:
 def test_gpu_stats_through_nvml(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = FakeNvml()
-    got = gpu_stats(["cpu", "cuda:0", "cuda:1"], nvml=nvml)
+    got = gpu_stats(["cpu", "cuda:0", "cuda:1"], opener=lambda: nvml)
     assert got == {"cuda:0": {"util_percent": 40.0, "memory_used_bytes": 1 << 30, "memory_total_bytes": 80 << 30},
                    "cuda:1": {"util_percent": 41.0, "memory_used_bytes": 2 << 30, "memory_total_bytes": 80 << 30}}
-    assert nvml.shut and gpu_stats(["cpu"], nvml=nvml) == {}
+    # Left open: fleet.nvml opens it once per process (/v1/top runs on the event loop).
+    assert not nvml.shut and gpu_stats(["cpu"], opener=lambda: nvml) == {}
     # CUDA numbers only the visible GPUs, in their order; NVML numbers all.
     assert nvml_index("cuda:1", "3,2") == 2 and nvml_index("cuda:0", "GPU-abc,1") == "GPU-abc"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
-    assert gpu_stats(["cuda:0"], nvml=FakeNvml())["cuda:0"]["util_percent"] == 47.0
+    assert gpu_stats(["cuda:0"], opener=FakeNvml)["cuda:0"]["util_percent"] == 47.0
 
 
 def test_gpu_stats_without_nvml_is_empty() -> None:
-    class Broken(FakeNvml):
-        def nvmlInit(self) -> None:
-            raise RuntimeError("NVML Shared Library Not Found")
+    def broken():
+        raise RuntimeError("NVML Shared Library Not Found")
 
-    assert gpu_stats(["cuda:0"], nvml=Broken()) == {}
+    assert gpu_stats(["cuda:0"], opener=broken) == {}
+    assert gpu_stats(["cuda:0"]) == {}  # this box: fleet.nvml cannot open (no driver)
 
 
 STATE = {
