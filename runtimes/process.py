@@ -109,6 +109,7 @@ def run(queue_name: str, index: int, device: str, settings_blob: bytes) -> None:
         max_wait_ms=settings.lane_max_wait_ms, target_ms=settings.batch_target_ms, linger_ms=settings.linger_ms,
     )
     core.residency.profile_of = store_profiles(settings, device)  # a SIGHUP's `profile` command
+    core.residency.peek = store_resolver(settings, device, verify=False)  # sizing a model it may not load
     core.publish_info()
     log = logging.getLogger("fleet.worker")
 

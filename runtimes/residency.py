@@ -115,9 +115,12 @@ class Residency:
     asked: dict[tuple[int, str], int] = field(default_factory=dict)
     #: model -> (since, last seen) (clock_ns): its lane was behind at every look since.
     behind_seen: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: model -> (spec, header footprint, when sized (clock_ns)): what a load decision
-    #: that does not load reuses (`ensure`).
-    sized: dict[str, tuple[ModelSpec, Footprint, int]] = field(default_factory=dict)
+    #: Name -> spec without re-hashing its files (runtimes.resolve.store_resolver with
+    #: verify=False): what a load decision that may not load sizes from. None: `resolve`.
+    peek: Callable[[str], ModelSpec] | None = None
+    #: model -> (spec, header footprint, when sized (clock_ns), files re-hashed): what a
+    #: load decision that does not load reuses (`ensure`).
+    sized: dict[str, tuple[ModelSpec, Footprint, int, bool]] = field(default_factory=dict)
     #: The load running beside serving (runtimes.loading), until the step loop settles it.
     pending: PendingLoad | None = None
     #: Loads settled with control commands still to answer (runtimes.commands.settle).
@@ -182,18 +185,24 @@ class Residency:
         verdict (its requests stay queued), remembered for `not_now_for`; a lazy
         attempt that finds another load holding the device lock is NotNow too."""
         # A worker that leaves a lane to its holders decides again every IDLE_NAP_S while
-        # new work comes: its decisions reuse one sizing (a resolve re-hashes every file)
-        # for SIZED_KEEP_NS. A load only ever follows a sizing of its own attempt: a
-        # load verdict on a kept one sizes afresh (outside the device lock) and decides again.
+        # new work comes: its decisions reuse one sizing for SIZED_KEEP_NS, and a lazy
+        # attempt sizes without re-hashing the files (`peek`: the hash of a model's
+        # weights, every SIZED_KEEP_NS, was the cost of a worker that never loads it).
+        # A load only ever follows a sizing of its own attempt that re-hashed every
+        # file: a load verdict on any other sizes afresh (outside the device lock) and
+        # decides again.
         kept = None if explicit else self.sized.get(name)
         if kept is not None and self.clock_ns() - kept[2] > SIZED_KEEP_NS:
             kept = None
+        verify = explicit
         while True:
             if kept is None:
-                spec, header = self.size_up(name)
-                self.sized[name] = (spec, header, self.clock_ns())
+                spec, header = self.size_up(name, verify=verify)
+                self.sized[name] = (spec, header, self.clock_ns(), verify)
+                fresh = verify
             else:
-                spec, header, _ = kept
+                spec, header, _, _ = kept
+                fresh = False
             estimate = self.estimates.estimate(name, spec.runtime, header)
             library = RUNTIME_LIBRARIES.get(spec.runtime)
             if library is not None:
@@ -215,8 +224,8 @@ class Residency:
                 if verdict.kind != PLACE_LOAD:
                     raise self.remember(name, NotNow(verdict.reason), left_to_holders=verdict.kind == ELSEWHERE)
                 del self.sized[name]
-                if kept is not None:  # every load re-hashes: a changed file is reported, never served
-                    kept = None
+                if not fresh:  # every load re-hashes: a changed file is reported, never served
+                    kept, verify = None, True
                     continue
                 self.announce_load(name, snap, look=not explicit)
                 load = PendingLoad(spec, header, estimate, pin=pin)
@@ -232,10 +241,11 @@ class Residency:
                 if not started:  # else the load holds the lock until it settles
                     self.load_lock.release()
 
-    def size_up(self, name: str) -> tuple[ModelSpec, Footprint]:
-        """Resolve `name` (re-hashes its files) and read its footprint from its headers."""
+    def size_up(self, name: str, *, verify: bool = True) -> tuple[ModelSpec, Footprint]:
+        """Resolve `name` (`verify`: re-hashing its files; else through `peek`, where set)
+        and read its footprint from its headers."""
         try:
-            spec = self.resolve(name)
+            spec = self.resolve(name) if verify or self.peek is None else self.peek(name)
             return spec, self.estimate_footprint(spec)
         except Exception as exc:  # unreadable headers are bad weights: a load error, not a crash
             raise load_error(name, self.device, exc) from exc

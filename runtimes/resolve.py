@@ -23,11 +23,13 @@ log = logging.getLogger("fleet.worker")
 MANIFEST_SOURCES = dict.fromkeys(CatalogProfile.__struct_fields__, "manifest")
 
 
-def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], ModelSpec]:
+def store_resolver(settings: Settings, device: str = "cpu", *, verify: bool = True) -> Callable[[str], ModelSpec]:
     """Resolver for a worker on `device`: the catalog profile tuned for its device
     class (`runtimes.device.device_class`) when the entry has one, else the
     entry's default profile, else the manifest's. `spec.extra["profile"]` says
-    which ("<device class>" or "default"; the worker's info blob shows it)."""
+    which ("<device class>" or "default"; the worker's info blob shows it).
+    `verify`: re-hash every file first (every load does; a decision that may not
+    load sizes the model without, runtimes.residency `peek`)."""
     from fleet.runtimes.device import device_class
 
     store = Store(settings.store_path)
@@ -35,7 +37,7 @@ def store_resolver(settings: Settings, device: str = "cpu") -> Callable[[str], M
 
     def resolve(name: str) -> ModelSpec:
         # Every load re-hashes the files: a changed file is reported, never served.
-        manifest, path = store.open(name, verify=True)
+        manifest, path = store.open(name, verify=verify)
         # The catalog (shipped file overlaid by FLEET_HOME/models.toml) is read at
         # each load, so a profile tuned while the daemon runs applies on next load.
         try:

@@ -245,3 +245,40 @@ def test_a_declining_worker_sizes_a_model_once_and_again_for_its_load(queue):
     clock.offset_ns += 1_000_000_000  # the lane starves in b's clock: b serves it
     assert b.step(0.05) >= 1 and "m" in b.residency.models
     assert resolved == ["m", "m"]  # the load sized it afresh
+
+
+def test_a_declining_worker_sizes_without_rehashing_and_its_load_rehashes_once(queue):
+    """A worker's decisions that may not load size the model through `peek` (the store
+    read without re-hashing the files: the hash of a model's weights every
+    SIZED_KEEP_NS was the whole cost of a worker beside a busy holder); its load
+    re-hashes once (runtimes.resolve.store_resolver verify=True)."""
+    from fleet.runtimes.residency import SIZED_KEEP_NS
+
+    holder_of_m(queue)
+    verified: list[str] = []
+    peeked: list[str] = []
+
+    def hashing(name: str) -> ModelSpec:
+        verified.append(name)
+        return resolve(name)
+
+    def peeking(name: str) -> ModelSpec:
+        peeked.append(name)
+        return resolve(name)
+
+    clock = Clock()
+    wid = queue.register_worker(os.getpid(), "dev:1")
+    b = WorkerCore(queue, wid, "dev:1", hashing, adapter_for=lambda task, runtime: TimedEmbedder,
+                   served_by=f"box/{wid}", clock_ns=clock, max_wait_ms=15_000)
+    b.residency.peek = peeking
+    b.publish_info()
+    for rid in range(70, 73):
+        put(queue, "m", 10, rid)
+        clock.offset_ns += 30_000_000  # past the "not here, now" memo (IDLE_NAP_S)
+        assert b.step(0.001) == 0 and "m" not in b.residency.models
+    clock.offset_ns += SIZED_KEEP_NS + 1  # the kept sizing lapses: sized again, still without hashing
+    assert b.step(0.001) == 0 and "m" not in b.residency.models
+    assert (peeked, verified) == (["m", "m"], [])
+    clock.offset_ns += 6_000_000_000  # the lane starves in b's clock (16 s > 15): b serves it
+    assert b.step(0.05) >= 1 and "m" in b.residency.models
+    assert (peeked, verified) == (["m", "m"], ["m"])  # the load re-hashed, once

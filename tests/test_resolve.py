@@ -27,3 +27,25 @@ def test_a_damaged_catalog_falls_back_to_the_manifest_profile(tmp_path: Path, ca
     assert spec.profile.dtype == manifest.profile.dtype and spec.profile.max_batch_items == manifest.profile.max_batch_items
     (line,) = [r.getMessage() for r in caplog.records if r.name == "fleet.worker"]
     assert "cannot read the model catalog" in line and DEFAULT_MODEL in line
+
+
+def test_a_resolver_that_sizes_does_not_rehash_and_a_loading_one_does(tmp_path: Path):
+    """store_resolver(verify=False) is what a worker sizes a model with when it may not load
+    it (runtimes.residency `peek`); a load resolves with verify=True: a changed file is
+    reported, never served."""
+    import pytest
+
+    from fleet.errors import IntegrityError
+
+    home = tmp_path / "home"
+    settings = load_settings(home=str(home))
+    ensure_model(Store(settings.store_path), DEFAULT_MODEL, catalog=load_catalog(home))
+    folder = store_resolver(settings, "cpu")(DEFAULT_MODEL).path
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in a tensor: the header still reads
+    weights.unlink()  # a new file: never write through to another folder's (hard-linked) copy
+    weights.write_bytes(bytes(data))
+    assert store_resolver(settings, "cpu", verify=False)(DEFAULT_MODEL).path == folder
+    with pytest.raises(IntegrityError):
+        store_resolver(settings, "cpu")(DEFAULT_MODEL)
