@@ -10,20 +10,26 @@
 #                                             .llamacpp/llama_cpp_python-*.tar.gz (3.6 MB), with
 #                                             the gguf and diskcache wheels beside it
 #   bash bench/gpu_llamacpp.sh build          build the wheel only (into $LLAMACPP/wheel)
-#   bash bench/gpu_llamacpp.sh                build, install, check, bench (the device call)
+#   bash bench/gpu_llamacpp.sh bundle WHEEL   the installed package of a built wheel, each
+#                                             library once, as .llamacpp-built/ (40 MB): a run
+#                                             with LLAMACPP=.llamacpp-built skips the build
+#   bash bench/gpu_llamacpp.sh                build (or unpack the bundle), install, check,
+#                                             bench (the device call)
 #
 # Environment: OUT (results; required for a run), PY (python3), LLAMACPP (.llamacpp: the
 # sdist and wheels), WHL (.whl: the server's wheels gpu-prepare carries, installed when the
-# image lacks them), LLAMACPP_WHEEL (a built wheel: no build), SHAPE (smollm2), MAX_TOKENS
+# image lacks them), LLAMACPP_WHEEL (a built wheel: no build), DEVICES ("cuda:0 cpu"; "cpu"
+# rehearses the rest of a run on a box without a GPU), SHAPE (smollm2), MAX_TOKENS
 # (128), THREADS (8: the CPU side's worker threads), BENCH_S (180 per device), JOBS (nproc),
 # NICE (0), EXTRA_CMAKE (more -D options), NVIDIA_PY (the Python whose nvidia wheels hold
 # cuBLAS; $PY).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PY=${PY:-python3} LLAMACPP=${LLAMACPP:-.llamacpp} WHL=${WHL:-.whl} SHAPE=${SHAPE:-smollm2}
-MAX_TOKENS=${MAX_TOKENS:-128} THREADS=${THREADS:-8} BENCH_S=${BENCH_S:-180} JOBS=${JOBS:-$(nproc)} NICE=${NICE:-0}
+DEVICES=${DEVICES:-cuda:0 cpu} MAX_TOKENS=${MAX_TOKENS:-128} THREADS=${THREADS:-8} BENCH_S=${BENCH_S:-180} JOBS=${JOBS:-$(nproc)} NICE=${NICE:-0}
 ROOT=$(pwd)
 VERSION=0.3.36
+LIBS="" CUDA_EXTRA=""
 
 slim() {
   # Keeps the Python package, the build files, llama.cpp's src/common/include/vendor and
@@ -52,10 +58,9 @@ cuda_flags() {
   # cuBLAS: the toolkit's own, else the nvidia wheels torch brings (nvidia/cu13: headers
   # and libraries) named to CMake; libcuda (CUDA VMM) where the driver's is found, else
   # the build goes without VMM. Sets CUDA_EXTRA (the -D options) and LIBS (the library folders).
-  local nvcc root inc lib site drv
+  local nvcc root="/nonexistent" inc lib site drv
   CUDA_EXTRA=""
-  nvcc=$(readlink -f "$(command -v nvcc)") || { echo "no nvcc" >&2; return 1; }
-  root=$(dirname "$(dirname "$nvcc")")
+  nvcc=$(command -v nvcc) && root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
   if [ -e "$root/include/cublas_v2.h" ]; then
     LIBS="$root/lib64:$root/lib"
   else
@@ -78,6 +83,7 @@ build() {
   local sdist start
   sdist=$(ls "$LLAMACPP"/llama_cpp_python-$VERSION.tar.gz 2>/dev/null) \
     || { echo "no $LLAMACPP/llama_cpp_python-$VERSION.tar.gz: run '$0 slim SDIST' here first"; return 2; }
+  command -v nvcc > /dev/null || { echo "no nvcc on the PATH"; return 2; }
   cuda_flags || return 2
   export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF $CUDA_EXTRA ${EXTRA_CMAKE:-}"
@@ -94,11 +100,30 @@ build() {
   ls -l "$LLAMACPP"/wheel/llama_cpp_python-*.whl
 }
 
+bundle() {
+  # The wheel holds each library six times (lib/ and llama_cpp/lib/, each name a copy):
+  # llama_cpp/ with one file per library and its names as links, xz (the CUDA library is
+  # 57 MB, 38 of them device code), beside the run's two wheels.
+  local wheel=$1 tmp real base
+  tmp=$(mktemp -d)
+  "$PY" -m pip install -q --no-deps --no-index --target "$tmp" "$wheel" || return 1
+  (cd "$tmp/llama_cpp/lib" && for real in *.so.*.*.*; do
+     base=${real%%.so.*}; rm -f "$base.so" "$base.so.0"; ln -s "$real" "$base.so.0"; ln -s "$base.so.0" "$base.so"
+   done)
+  find "$tmp/llama_cpp" -name __pycache__ -prune -exec rm -rf {} +
+  mkdir -p .llamacpp-built
+  tar cJf .llamacpp-built/llama_cpp-$VERSION.tar.xz -C "$tmp" llama_cpp && rm -rf "$tmp"
+  cp "$LLAMACPP"/*.whl .llamacpp-built/ 2>/dev/null
+  grep -qx '/.llamacpp-built/' .git/info/exclude 2>/dev/null || echo '/.llamacpp-built/' >> .git/info/exclude
+  ls -l .llamacpp-built
+}
+
 case ${1:-run} in
   slim) slim "${2:?usage: $0 slim SDIST}"; exit $? ;;
+  bundle) bundle "${2:?usage: $0 bundle WHEEL}"; exit $? ;;
   build) build; exit $? ;;
   run) ;;
-  *) echo "usage: $0 [slim SDIST | build | run]" >&2; exit 2 ;;
+  *) echo "usage: $0 [slim SDIST | build | bundle WHEEL | run]" >&2; exit 2 ;;
 esac
 
 OUT=${OUT:?OUT must name the results folder}
@@ -108,18 +133,25 @@ mkdir -p "$OUT"
   nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
   nvcc --version 2>/dev/null | tail -1
   "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
-  # 1. The wheel: carried, or built here (timed).
-  wheel=${LLAMACPP_WHEEL:-}
-  if [ -z "$wheel" ]; then
-    build || exit $?
-    wheel=$(ls "$LLAMACPP"/wheel/llama_cpp_python-*.whl | head -1)
-  else
-    cuda_flags || true  # LIBS: where the wheel's libraries find cuBLAS
-  fi
-  # 2. Installed apart from the image's packages, with the server's wheels the image lacks.
+  # 1. llama.cpp: a carried bundle or wheel, or built here (timed); installed apart from
+  #    the image's packages.
   TARGET=$(mktemp -d /tmp/fleet-llamacpp.XXXXXX)
   SITE=$(mktemp -d /tmp/fleet-site.XXXXXX)
-  "$PY" -m pip install -q --no-index --no-deps --target "$TARGET" "$wheel" || { echo "the wheel did not install"; exit 4; }
+  bundled=$(ls "$LLAMACPP"/llama_cpp-$VERSION.tar.xz 2>/dev/null)
+  wheel=${LLAMACPP_WHEEL:-}
+  if [ -n "$bundled" ]; then
+    cuda_flags || true  # LIBS: where its libraries find cuBLAS
+    tar xJf "$bundled" -C "$TARGET" || { echo "the bundle did not unpack"; exit 4; }
+  else
+    if [ -z "$wheel" ]; then
+      build || exit $?
+      wheel=$(ls "$LLAMACPP"/wheel/llama_cpp_python-*.whl | head -1)
+    else
+      cuda_flags || true
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --target "$TARGET" "$wheel" || { echo "the wheel did not install"; exit 4; }
+  fi
+  # 2. The server's wheels the image lacks, and gguf and diskcache.
   extra=$(ls "$LLAMACPP"/*.whl 2>/dev/null)
   "$PY" -c 'import msgspec, litestar' 2>/dev/null || extra="$extra $(ls "$WHL"/*.whl 2>/dev/null)"
   if [ -n "${extra// /}" ]; then
@@ -135,10 +167,10 @@ from fleet.runtimes.adapters.llamacpp_offload import llama_gpus
 L.llama_backend_init()
 ok = bool(L.llama_supports_gpu_offload())
 print("llama.cpp offload:", ok, "GPUs:", llama_gpus())
-raise SystemExit(0 if ok else 5)' || { echo "gpu_llamacpp: this build cannot offload"; exit 5; }
+raise SystemExit(0 if ok else 5)' || [ "${DEVICES#*cuda}" = "$DEVICES" ] || { echo "gpu_llamacpp: this build cannot offload"; exit 5; }
   # 4. The bench, GPU then CPU, each bounded.
   rc=0
-  for device in cuda:0 cpu; do
+  for device in $DEVICES; do
     timeout -k 15 "$BENCH_S" "$PY" -m fleet.bench gpu-llamacpp --device "$device" --shape "$SHAPE" \
       --max-tokens "$MAX_TOKENS" --streams 1,16 --threads "$THREADS" --out "$OUT/gpu-llamacpp-${device//:/}.json"
     r=$?

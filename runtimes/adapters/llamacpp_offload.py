@@ -65,8 +65,9 @@ def offload_params(device: str, supports_offload: bool, gpus: Sequence[str]) -> 
         return CPU_ONLY
     if not supports_offload:
         raise ModelLoadFailed(
-            f"this worker runs on {device}, but the installed llama.cpp was built without GPU support; "
-            f"build it with CUDA: {CUDA_BUILD} (or serve this model with --device cpu)")
+            f"this worker runs on {device}, but the installed llama.cpp cannot offload to a GPU: it was "
+            f"built without GPU support (build it with CUDA: {CUDA_BUILD}), or its CUDA found no GPU "
+            f"(the worker's log says which); or serve this model with --device cpu")
     name = f"CUDA{k}"
     if name not in gpus:
         raise ModelLoadFailed(f"this worker runs on {device}, but llama.cpp sees no {name} "
