@@ -220,6 +220,23 @@ def test_a_lane_behind_for_a_load_time_gets_a_copy_on_the_same_device(queue):
     assert a.residency.models["m"]  # the holder keeps its copy
 
 
+def counted(names: list[str]):
+    """`resolve`, appending each name it resolves to `names`."""
+    def counting(name: str) -> ModelSpec:
+        names.append(name)
+        return resolve(name)
+    return counting
+
+
+def declining_worker(queue: LocalQueue, resolver, clock: Clock, max_wait_ms: int) -> WorkerCore:
+    """A worker of another device than m's holder, resolving through `resolver` on `clock`."""
+    wid = queue.register_worker(os.getpid(), "dev:1")
+    b = WorkerCore(queue, wid, "dev:1", resolver, adapter_for=lambda task, runtime: TimedEmbedder,
+                   served_by=f"box/{wid}", clock_ns=clock, max_wait_ms=max_wait_ms)
+    b.publish_info()
+    return b
+
+
 def test_a_declining_worker_sizes_a_model_once_and_again_for_its_load(queue):
     """A resolve re-hashes every file of the model. A worker that leaves a lane to its
     holder decides again at every step while work comes: those decisions reuse one
@@ -227,16 +244,8 @@ def test_a_declining_worker_sizes_a_model_once_and_again_for_its_load(queue):
     model afresh (every load re-hashes: a changed file is reported, never served)."""
     holder_of_m(queue)
     resolved: list[str] = []
-
-    def counting(name: str) -> ModelSpec:
-        resolved.append(name)
-        return resolve(name)
-
     clock = Clock()
-    wid = queue.register_worker(os.getpid(), "dev:1")
-    b = WorkerCore(queue, wid, "dev:1", counting, adapter_for=lambda task, runtime: TimedEmbedder,
-                   served_by=f"box/{wid}", clock_ns=clock, max_wait_ms=500)
-    b.publish_info()
+    b = declining_worker(queue, counted(resolved), clock, max_wait_ms=500)
     for rid in range(60, 65):
         put(queue, "m", 10, rid)
         clock.offset_ns += 30_000_000  # past the "not here, now" memo (IDLE_NAP_S)
@@ -257,21 +266,9 @@ def test_a_declining_worker_sizes_without_rehashing_and_its_load_rehashes_once(q
     holder_of_m(queue)
     verified: list[str] = []
     peeked: list[str] = []
-
-    def hashing(name: str) -> ModelSpec:
-        verified.append(name)
-        return resolve(name)
-
-    def peeking(name: str) -> ModelSpec:
-        peeked.append(name)
-        return resolve(name)
-
     clock = Clock()
-    wid = queue.register_worker(os.getpid(), "dev:1")
-    b = WorkerCore(queue, wid, "dev:1", hashing, adapter_for=lambda task, runtime: TimedEmbedder,
-                   served_by=f"box/{wid}", clock_ns=clock, max_wait_ms=15_000)
-    b.residency.peek = peeking
-    b.publish_info()
+    b = declining_worker(queue, counted(verified), clock, max_wait_ms=15_000)
+    b.residency.peek = counted(peeked)
     for rid in range(70, 73):
         put(queue, "m", 10, rid)
         clock.offset_ns += 30_000_000  # past the "not here, now" memo (IDLE_NAP_S)
