@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -114,7 +115,27 @@ def gguf_tokenizer(meta: dict[str, Any], name: str) -> Any:
         tid = meta.get(f"tokenizer.ggml.{key}")
         config[special] = vocab["tokens"][tid] if isinstance(tid, int) and 0 <= tid < len(vocab["tokens"]) else None
     backend, extra = convert_gguf_tokenizer(meta["general.architecture"], vocab)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    return PreTrainedTokenizerFast(tokenizer_object=files_tokens_only(backend, len(vocab["tokens"])), **config,
+                                   **extra)
+
+
+def files_tokens_only(backend: Any, n: int) -> Any:
+    """`backend` (a `tokenizers.Tokenizer`) without the tokens past the file's `n`:
+    transformers' GPT-2-style builder adds `<|endoftext|>` where the vocabulary lacks it
+    (Llama 3's GGUFs, a generator fleet converted), so the tokenizer counted n + 1 tokens
+    against the model's n logits and llguidance refused it: JSON, schemas, tools and
+    logprobs failed with "vocab size too small". The model can never produce such a
+    token; a prompt that spells it is read as the text it is."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(backend.to_str())
+    added = data.get("added_tokens") or []
+    if all(t["id"] < n for t in added) and backend.get_vocab_size(with_added_tokens=False) <= n:
+        return backend
+    data["added_tokens"] = [t for t in added if t["id"] < n]
+    if isinstance(data["model"].get("vocab"), dict):
+        data["model"]["vocab"] = {k: v for k, v in data["model"]["vocab"].items() if v < n}
+    return Tokenizer.from_str(json.dumps(data))
 
 
 #: llama.cpp's log levels (ggml_log_level) at or above which its lines reach the worker's log.
