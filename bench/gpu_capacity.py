@@ -237,6 +237,9 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, devic
                                     sent=m.sent, ok=m.ok, errors=m.errors, mode=CLOSED))
             if find_knee(steps).saturated:
                 break
+    # How many workers hold the model after the steps: a second copy on the one device is
+    # the rent-or-buy rule's answer to a holder that stays behind (runtimes.placement).
+    holders = [w.get("worker") for w in ps(url)["workers"] if model in w.get("models", {})]
     knee = find_knee(steps)
     at = knee.knee or max(steps, key=lambda s: s.tokens_per_s)
     at_busy = busy[next(i for i, s in enumerate(steps) if s is at)]  # by identity: equal steps may differ in busy
@@ -248,7 +251,7 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, devic
             "p50_ms": at.p50_ms, "p95_ms": at.p95_ms, "errors": sum(s.errors for s in steps),
             "saturated": knee.saturated, "tokens_per_text": tokens_per_text, "achieved_tflops": flops / 1e12,
             "peak_tflops": peak, "mfu": mfu, "sm_busy_pct": at_busy.mean_pct, "sm_busy_samples": at_busy.samples,
-            "sm_busy_reason": at_busy.reason, "steps": [asdict(s) for s in steps],
+            "sm_busy_reason": at_busy.reason, "holders": holders, "steps": [asdict(s) for s in steps],
             "steps_sm_busy": [{"offered": s.offered, "mean_pct": b.mean_pct, "samples": b.samples}
                               for s, b in zip(steps, busy, strict=True)],
             "verdicts": [[v.step.offered, list(v.reasons)] for v in knee.verdicts]}
@@ -258,7 +261,8 @@ def knee_check(url: str, model: str, cfg: dict, sizes: Sizes, device: str, devic
                  f"({dtype}, {'knee' if knee.saturated else 'not saturated: highest step'}); "
                  f"{flops / 1e12:.2f} TFLOP/s, MFU " + (f"{mfu:.1%} of {peak:g}" if mfu is not None else "n/a (no peak "
                  "for this device)") + (f", SM busy {at_busy.mean_pct:.0f} % ({at_busy.samples} samples)"
-                                        if at_busy.mean_pct is not None else "") + f"; errors {errors}", data)
+                                        if at_busy.mean_pct is not None else "")
+                 + f"; held by {len(holders)} worker(s); errors {errors}", data)
 
 
 def embed_load(url: str, model: str, minilm: Path) -> loadgen.Setup:

@@ -60,6 +60,7 @@ def test_the_cpu_run_passes_every_check_and_writes_its_json(tmp_path: Path):
     for model in ("bert-base-random", "all-minilm-l6-v2"):
         knee = checks[f"knee/{model}"]["data"]
         assert knee["tokens_per_s"] > 0 and knee["errors"] == 0 and knee["mfu"] is None  # no CPU peak in the table
+        assert 1 <= len(knee["holders"]) <= 2  # the workers holding the model after the steps
         assert len(knee["steps"]) == len(CPU.clients)
         # No NVML reading on the CPU: None, with the reason, and one entry per step.
         assert knee["sm_busy_pct"] is None and "cpu" in knee["sm_busy_reason"], knee["sm_busy_reason"]
