@@ -40,8 +40,8 @@ def test_a_running_process_is_recorded_and_summarised(tmp_path):
         busy.kill()
         busy.wait()
     summary = got[f"busy/{busy.pid}"]
-    if "error" in summary and "ermission" in summary["error"]:
-        pytest.skip(f"py-spy may not attach on this box: {summary['error']}")
+    if "error" in summary and any(w in summary["error"] for w in ("ermission", "not permitted", "ptrace")):
+        pytest.skip(f"py-spy may not attach on this box (no ptrace here): {summary['error']}")
     assert (tmp_path / summary["file"]).exists()
     (thread, stats), = summary["threads"].items()
     assert thread == f"thread ({busy.pid})" and stats["busy"] > 0.3  # no name: it never imported threading
