@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -162,9 +163,13 @@ def graphs_check(log: str, device: str) -> Check:
     msgs = [_log_msg(line) for line in log.splitlines() if "cuda graphs " in line]
     lines = [m.split("cuda graphs ", 1)[1] for m in msgs if "cuda graphs " in m]
     captured = [line for line in lines if "shapes captured" in line]
+    # Each kept set's memory pool (MiB), held as long as its model: the next question for the
+    # device budget, which counts a model's weights and one forward's activations.
+    pools = [int(m.group(1)) for line in captured if (m := re.search(r"pool (\d+) MiB", line))]
     return Check("cuda-graphs", bool(captured) and len(captured) == len(lines),
-                 f"{len(captured)}/{len(lines)} embedder loads captured graphs: " + "; ".join(sorted(set(lines)))[:400],
-                 {"lines": lines})
+                 f"{len(captured)}/{len(lines)} embedder loads captured graphs"
+                 + (f" (pools {min(pools)}-{max(pools)} MiB)" if pools else "") + ": "
+                 + "; ".join(sorted(set(lines)))[:400], {"lines": lines, "pool_mib": pools})
 
 
 # ---- goals --------------------------------------------------------------------------

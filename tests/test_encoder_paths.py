@@ -223,6 +223,29 @@ def test_graph_shapes_stop_at_the_models_length_and_the_pools_bound():
     assert len(shapes) == len(set(shapes)) == 41
 
 
+def test_a_graph_pools_size_is_its_segments_and_unknown_where_the_allocator_does_not_say():
+    """The allocator's snapshot needs a GPU: a stand-in module answers for torch here."""
+    from types import SimpleNamespace
+
+    from fleet.runtimes.adapters.cuda_graphs import pool_bytes
+
+    segments = [{"total_size": 2 << 20, "segment_pool_id": (0, 7)}, {"total_size": 5 << 20, "segment_pool_id": (0, 0)},
+                {"total_size": 1 << 20, "segment_pool_id": [0, 7]}, {"total_size": 9 << 20}]
+    assert pool_bytes(SimpleNamespace(cuda=SimpleNamespace(memory_snapshot=lambda: segments)), (0, 7)) == 3 << 20
+    import torch
+
+    assert pool_bytes(torch, (0, 7)) is None  # no CUDA here: the snapshot raises, the graphs would serve on
+
+
+def test_gpu_check_reads_the_pools_from_the_workers_log():
+    from fleet.bench.gpu_check import graphs_check
+
+    log = ('{"msg": "cuda graphs m: 41 shapes captured, replay agrees with eager; pool 604 MiB"}\n'
+           '{"msg": "cuda graphs n: 16 shapes captured, replay agrees with eager; pool unknown"}\n')
+    got = graphs_check(log, "cuda:0")
+    assert got.ok is True and got.data["pool_mib"] == [604] and "pools 604-604 MiB" in got.detail
+
+
 def test_padding_to_a_graph_shape_changes_no_vector(embedder):
     """What a graph replays: the micro-batch padded to (8, 128) with padding rows and
     positions. The real rows' vectors are those of the unpadded micro-batch."""

@@ -82,6 +82,18 @@ def sliced(features: dict[str, Any], rows: int, tokens: int) -> dict[str, Any]:
     return {k: (v[:rows, :tokens] if hasattr(v, "shape") else v) for k, v in features.items()}
 
 
+def pool_bytes(torch: Any, pool: Any) -> int | None:
+    """Bytes of the allocator's segments in graph memory pool `pool`, or None where the
+    snapshot does not say (its format is the allocator's, not a stable API)."""
+    try:
+        want = tuple(pool)
+        return sum(int(seg["total_size"]) for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id") or ()) == want)
+    except Exception as exc:  # noqa: BLE001 (a measurement: the graphs serve without it)
+        log.info("cuda graphs: the pool's size is unknown (%s)", exc)
+        return None
+
+
 class GraphedForward:
     """CUDA graphs of `forward` (token tensors -> (rows, d) tensor) for every
     shape of `graph_shapes(max_tokens)`, captured at load from `example` (host
@@ -100,6 +112,10 @@ class GraphedForward:
         self._device = device
         self.shapes = graph_shapes(max_tokens)
         self.graphs: dict[tuple[int, int], tuple[Any, dict[str, Any], Any]] = {}
+        #: Bytes the graphs' memory pool holds while they are kept (None: the allocator did
+        #: not say). Held as long as the model is: not in its footprint yet, which counts
+        #: weights and one forward's activations (bench/README, "The next GPU session").
+        self.pool_bytes: int | None = None
         try:
             self._capture_all(torch, example, device)
             detail = self._check(torch, example, agree)
@@ -111,10 +127,12 @@ class GraphedForward:
             self.graphs.clear()
             log.warning("cuda graphs %s: %s", name, detail)
             return
-        log.info("cuda graphs %s: %d shapes captured, replay agrees with eager", name, len(self.graphs))
+        self.pool_bytes = pool_bytes(torch, self._pool)
+        log.info("cuda graphs %s: %d shapes captured, replay agrees with eager; pool %s", name, len(self.graphs),
+                 "unknown" if self.pool_bytes is None else f"{self.pool_bytes >> 20} MiB")
 
     def _capture_all(self, torch: Any, example: dict[str, Any], device: str) -> None:
-        pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
+        pool = self._pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
         side = torch.cuda.Stream(device)
         example = to_device(example, device)
         # Largest first: the pool is sized by the first capture, the others fit in it.
