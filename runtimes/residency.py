@@ -118,9 +118,9 @@ class Residency:
     #: Name -> spec without re-hashing its files (runtimes.resolve.store_resolver with
     #: verify=False): what a load decision that may not load sizes from. None: `resolve`.
     peek: Callable[[str], ModelSpec] | None = None
-    #: model -> (spec, header footprint, when sized (clock_ns), files re-hashed): what a
-    #: load decision that does not load reuses (`ensure`).
-    sized: dict[str, tuple[ModelSpec, Footprint, int, bool]] = field(default_factory=dict)
+    #: model -> (spec, header footprint, when sized (clock_ns)): what a load decision
+    #: that does not load reuses (`ensure`).
+    sized: dict[str, tuple[ModelSpec, Footprint, int]] = field(default_factory=dict)
     #: The load running beside serving (runtimes.loading), until the step loop settles it.
     pending: PendingLoad | None = None
     #: Loads settled with control commands still to answer (runtimes.commands.settle).
@@ -198,10 +198,10 @@ class Residency:
         while True:
             if kept is None:
                 spec, header = self.size_up(name, verify=verify)
-                self.sized[name] = (spec, header, self.clock_ns(), verify)
-                fresh = verify
+                self.sized[name] = (spec, header, self.clock_ns())
+                fresh = verify or self.peek is None  # without a peek every sizing re-hashes
             else:
-                spec, header, _, _ = kept
+                spec, header, _ = kept
                 fresh = False
             estimate = self.estimates.estimate(name, spec.runtime, header)
             library = RUNTIME_LIBRARIES.get(spec.runtime)
