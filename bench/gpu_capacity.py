@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -327,6 +329,9 @@ VIEW_GAP = 1 << 30
 
 #: Free-memory reads timed by nvml_check.
 FREE_READS = 200
+#: A process that times NVML's init and shutdown, 20 times (microseconds each, on stdout).
+INIT_TIMER = ("import time, pynvml\nt = time.perf_counter()\nfor _ in range(20):\n    pynvml.nvmlInit()\n"
+              "    pynvml.nvmlShutdown()\nprint((time.perf_counter() - t) / 20 * 1e6)")
 
 
 def nvml_check(device: str) -> Check:
@@ -354,8 +359,14 @@ def nvml_check(device: str) -> Check:
     for _ in range(FREE_READS):
         budget.free_now()
     free_read_us = (time.perf_counter() - t0) / FREE_READS * 1e6
+    # What each read paid before fleet.nvml kept NVML open: an init and a shutdown, timed in
+    # a process of its own (in this one NVML is open, and an init would only count up).
+    cold = subprocess.run([sys.executable, "-c", INIT_TIMER], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    init_us = float(cold.stdout.strip()) if cold.returncode == 0 and cold.stdout.strip() else None
     return Check("nvml-budget", ok, f"total NVML {nv_total >> 20} / torch {t_total >> 20} MiB, free NVML "
                  f"{nv_free >> 20} / torch {t_free >> 20} MiB, budget {budget.budget_bytes >> 20} MiB "
-                 f"(want {want >> 20}); a free-memory read {free_read_us:.0f} us",
+                 f"(want {want >> 20}); a free-memory read {free_read_us:.0f} us"
+                 + (f", an NVML init and shutdown {init_us:.0f} us" if init_us is not None else ""),
                  {"nvml_total": nv_total, "torch_total": t_total, "nvml_free": nv_free, "torch_free": t_free,
-                  "budget_bytes": budget.budget_bytes, "free_read_us": free_read_us})
+                  "budget_bytes": budget.budget_bytes, "free_read_us": free_read_us, "nvml_init_us": init_us})

@@ -216,3 +216,14 @@ def test_bert_base_costs_about_twice_its_layer_weights_per_token():
     assert flops_per_token(cfg, 0) == 2 * layer_weights
     # 128 tokens of attention add 4 x 768 x 128 per layer.
     assert flops_per_token(cfg, 128) - flops_per_token(cfg, 0) == 12 * 4 * 768 * 128
+
+
+def test_the_nvml_init_timer_runs_up_to_nvml_in_a_process_of_its_own():
+    """nvml-budget times NVML's init and shutdown in a child process (the cost each free-memory
+    read paid before fleet.nvml kept it open); here it stops where NVML is missing."""
+    import subprocess
+
+    from fleet.bench.gpu_capacity import INIT_TIMER
+
+    done = subprocess.run([sys.executable, "-c", INIT_TIMER], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "NVML" in done.stderr  # reached nvmlInit: no driver on this box
