@@ -33,7 +33,7 @@ from fleet.bench.daemon import admin_headers
 from fleet.bench.knee import CLOSED, StepResult, find_knee
 from fleet.bench.models import make_home
 from fleet.bench.tokens import TokenCounter
-from fleet.runtimes.device_memory import cuda_index
+from fleet.nvml import handle as nvml_handle
 
 #: Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the NVML device name
 #: (first match wins: more specific names first). Spec-sheet numbers, without sparsity.
@@ -46,22 +46,6 @@ PEAK_TFLOPS: list[tuple[str, float]] = [
 
 
 # ---- VRAM budget holding 2 of 3 ----------------------------------------------------
-
-def nvml_handle(pynvml: Any, device: str) -> Any:
-    """NVML's handle for cuda:K without opening CUDA in this process (the bench's
-    process holds no CUDA context until nvml-budget, the last check). CUDA numbers
-    only the GPUs in CUDA_VISIBLE_DEVICES, NVML all of them: entry K of that list
-    (an index or a GPU-/MIG- UUID, as the daemon's workers inherit it) names the
-    device; without the variable K is NVML's index (the same order unless
-    CUDA_DEVICE_ORDER differs, which one lent GPU cannot show)."""
-    index = cuda_index(device)
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if "CUDA_VISIBLE_DEVICES" in os.environ and index < len(visible):
-        entry = visible[index]
-        return (pynvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
-                else pynvml.nvmlDeviceGetHandleByUUID(entry))
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
-
 
 def nvml_device(device: str) -> tuple[str, int] | None:
     """(name, total bytes) of a CUDA device from NVML (no CUDA context in this process)."""

@@ -49,7 +49,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from rich.table import Table
 from fleet.bench import corpus, loadgen, report, stand_in
 from fleet.bench.daemon import LocalDaemon, admin_headers
 from fleet.bench.models import build_st_embedder, make_home
+from fleet.bench.spy import binary
 from fleet.bench.httpclient import BlockingConn, Endpoint, build_request
 from fleet.bench.knee import CLOSED
 from fleet.bench.targets import request_windows
@@ -154,9 +154,9 @@ def read_cpu(pid: int) -> ProcCpu | None:
 
 
 def python_thread_names(pid: int) -> dict[int, str]:
-    """{tid: Python thread name} of `pid` from one `py-spy dump --json` where py-spy is on
-    PATH, else {}: /proc's comm says `python` for every thread Python starts."""
-    spy = shutil.which("py-spy")
+    """{tid: Python thread name} of `pid` from one `py-spy dump --json` where py-spy is
+    installed (bench.spy.binary), else {}: /proc's comm says `python` for every thread Python starts."""
+    spy = binary()
     if spy is None:
         return {}
     try:

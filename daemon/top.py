@@ -14,7 +14,6 @@ Everything here runs on the event loop: no lock.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.nvml import nvml
+from fleet.nvml import handle, nvml, nvml_index  # noqa: F401 (nvml_index: where top's readers find it)
 
 #: The span rates and percentiles are taken over, seconds.
 WINDOW_S = 10.0
@@ -146,17 +145,6 @@ class ProcessStats:
         return out
 
 
-def nvml_index(device: str, visible: str | None) -> int | str:
-    """NVML's name for `cuda:K`: CUDA numbers only the GPUs of CUDA_VISIBLE_DEVICES, in its
-    order (an index or a `GPU-<uuid>`); NVML numbers every GPU."""
-    k = int(device.split(":", 1)[1]) if ":" in device else 0
-    if not visible:
-        return k
-    entries = [e.strip() for e in visible.split(",")]
-    entry = entries[k] if k < len(entries) else str(k)
-    return int(entry) if entry.isdigit() else entry
-
-
 def gpu_stats(devices: list[str], opener: Callable[[], Any] = nvml) -> dict[str, dict[str, float]]:
     """Utilisation (%) and memory (bytes used, total) of each `cuda:K` device, from NVML;
     {} without pynvml, a driver or a GPU. `opener` gives the initialised pynvml module
@@ -170,14 +158,11 @@ def gpu_stats(devices: list[str], opener: Callable[[], Any] = nvml) -> dict[str,
     except Exception:  # ImportError, NVMLError: no library, driver or GPU
         return {}
     out = {}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for device in cuda:
         try:
-            which = nvml_index(device, visible)
-            handle = (lib.nvmlDeviceGetHandleByIndex(which) if isinstance(which, int)
-                      else lib.nvmlDeviceGetHandleByUUID(which))
-            util = lib.nvmlDeviceGetUtilizationRates(handle)
-            mem = lib.nvmlDeviceGetMemoryInfo(handle)
+            h = handle(lib, device)
+            util = lib.nvmlDeviceGetUtilizationRates(h)
+            mem = lib.nvmlDeviceGetMemoryInfo(h)
         except Exception:
             continue
         out[device] = {"util_percent": float(util.gpu), "memory_used_bytes": int(mem.used),

@@ -17,6 +17,7 @@ init and shutdown.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -43,3 +44,21 @@ def nvml() -> Any:
     if module is None:
         raise error  # type: ignore[misc]
     return module
+
+
+def nvml_index(device: str, visible: str | None) -> int | str:
+    """NVML's name for `cuda:K`: CUDA numbers only the GPUs of CUDA_VISIBLE_DEVICES, in its
+    order (an index or a `GPU-<uuid>`); NVML numbers every GPU."""
+    k = int(device.split(":", 1)[1]) if ":" in device else 0
+    if not visible:
+        return k
+    entries = [e.strip() for e in visible.split(",")]
+    entry = entries[k] if k < len(entries) else str(k)
+    return int(entry) if entry.isdigit() else entry
+
+
+def handle(lib: Any, device: str) -> Any:
+    """NVML's handle (from the pynvml module `lib`) for `cuda:K` as this process's
+    CUDA_VISIBLE_DEVICES numbers it, without opening CUDA."""
+    which = nvml_index(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return lib.nvmlDeviceGetHandleByIndex(which) if isinstance(which, int) else lib.nvmlDeviceGetHandleByUUID(which)
