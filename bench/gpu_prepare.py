@@ -278,11 +278,19 @@ def main(args: argparse.Namespace) -> int:
         return 1
     gpu.mkdir(exist_ok=True)
     if args.minilm != "keep":
-        minilm_folder(gpu / "minilm", weights=args.minilm != "shapes")
-        if args.minilm == "auto" and sum(travelling_bytes([".whl", ".gpu"]).values()) > LIMIT_BYTES:
-            print("all-MiniLM-L6-v2 in fp16 does not fit beside the rest: carried without weights "
-                  "(gpu-check's knee/all-minilm-l6-v2 then runs random weights of its shapes)")
+        weights = args.minilm == "fp16"
+        if args.minilm == "auto":
+            # Decided before the weights are converted: the fp16 file is half the package's fp32 one.
             minilm_folder(gpu / "minilm", weights=False)
+            from fleet.bench.tokens import package_model_dir
+
+            fp16 = (package_model_dir() / "model.safetensors").stat().st_size // 2
+            weights = sum(travelling_bytes([".whl", ".gpu"]).values()) + fp16 <= LIMIT_BYTES
+            if not weights:
+                print("all-MiniLM-L6-v2 in fp16 does not fit beside the rest: carried without weights "
+                      "(gpu-check's knee/all-minilm-l6-v2 then runs random weights of its shapes)")
+        if weights or args.minilm == "shapes":
+            minilm_folder(gpu / "minilm", weights=weights)
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     (gpu / "COMMIT").write_text(git("rev-parse", "HEAD").strip() + ("-dirty" if dirty else "") + "\n")
     sizes = travelling_bytes([".whl", ".gpu"])
