@@ -128,11 +128,10 @@ def files_tokens_only(backend: Any, n: int) -> Any:
     token; a prompt that spells it is read as the text it is."""
     from tokenizers import Tokenizer
 
+    if max(backend.get_vocab(with_added_tokens=True).values(), default=-1) < n:
+        return backend  # the common case: no JSON round trip of the whole tokenizer at load
     data = json.loads(backend.to_str())
-    added = data.get("added_tokens") or []
-    if all(t["id"] < n for t in added) and backend.get_vocab_size(with_added_tokens=False) <= n:
-        return backend
-    data["added_tokens"] = [t for t in added if t["id"] < n]
+    data["added_tokens"] = [t for t in data.get("added_tokens") or [] if t["id"] < n]
     if isinstance(data["model"].get("vocab"), dict):
         data["model"]["vocab"] = {k: v for k, v in data["model"]["vocab"].items() if v < n}
     return Tokenizer.from_str(json.dumps(data))
