@@ -102,6 +102,17 @@ def padded(lengths: list[int], size: int, *, sort: bool, fixed: float = 0.0) -> 
     return sum(max(xs[i:i + size]) * len(xs[i:i + size]) for i in range(0, len(xs), size))
 
 
+def warm(url: str, request: bytes) -> None:
+    """One request, answered 200, before anything is measured (the model is loaded)."""
+    conn = BlockingConn(Endpoint(url), timeout_s=300)
+    try:
+        status, _, body = conn.exchange(request)
+    finally:
+        conn.close()
+    if status != 200:
+        raise RuntimeError(f"the warm-up request was answered {status}: {bytes(body[:200])!r}")
+
+
 def load(url: str, prepared: list[bytes], clients: int, duration_s: float) -> tuple[list[dict], float, float]:
     """Closed loop: (rows of stamps with the window index, t0, t1 of the measured window in monotonic ns)."""
     ep = Endpoint(url)
@@ -139,6 +150,17 @@ def load(url: str, prepared: list[bytes], clients: int, duration_s: float) -> tu
     return rows, t0, t1
 
 
+def union_s(spans: list[tuple[int, int]]) -> float:
+    """Seconds covered by (start, end) spans in ns, overlaps counted once."""
+    total, reach = 0, None
+    for a, b in sorted(spans):
+        if reach is None or a > reach:
+            total, reach = total + b - a, b
+        elif b > reach:
+            total, reach = total + b - reach, b
+    return total / 1e9
+
+
 def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batch: int, micro: int,
             wall_s: float, fixed: float = 0.0) -> dict:
     batches: dict[int, list[dict]] = {}
@@ -150,8 +172,10 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
         total = sum((r[b] - r[a]) / 1e9 for r in firsts if a in r and b in r)
         worker[label] = {"total_s": total, "share_of_wall": total / wall_s,
                          "per_batch_ms": 1e3 * total / max(len(firsts), 1)}
-    busy = sum((r["ran"] - r["woke"]) / 1e9 for r in firsts)
-    model = sum((r["host"] - r["decoded"]) / 1e9 for r in firsts)
+    # A batch run between two micro-batches of another (runtimes.flows, an interjection)
+    # lies inside that batch's span: the worker's busy time is the spans' union.
+    busy = union_s([(r["woke"], r["ran"]) for r in firsts])
+    model = union_s([(r["decoded"], r["host"]) for r in firsts])
     real = [lengths[i] for r in rows for i in windows[r["window"]]]
     worker_label = (f"worker (batch sorted, cut at {fixed:.0f} tokens of fixed cost, at most {micro})" if fixed
                     else f"worker (batch sorted, micro-batches of {micro})")
@@ -196,14 +220,10 @@ def main(args: argparse.Namespace) -> int:
                               "application/msgpack", "application/msgpack").replace(
                                   b"\r\n\r\n", f"\r\n{HEADER}: 1\r\n\r\n".encode(), 1) for w in windows]
     try:
-        ps = httpx.get(url + "/v1/ps", timeout=10).json()
-        api = int(ps["pid"])
-        served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads",
-                                                                   "fixed_tokens")}
-                                         for name, m in w.get("models", {}).items()} for w in ps.get("workers", [])}
-        # Where the worker cuts micro-batches (runtimes/base.Adapter.fixed_tokens; absent: by count).
-        fixed = next((float(m["fixed_tokens"]) for w in served.values() for n, m in w.items()
-                      if n == MODEL and m.get("fixed_tokens")), 0.0)
+        api = int(httpx.get(url + "/v1/ps", timeout=10).json()["pid"])
+        # The model loads at its first request (seconds on a CPU: tracing, the thread
+        # check): longer than the warm-up, it would fall inside the measured window.
+        warm(url, prepared[0])
         samples = (lambda: cpu_s(api), lambda: cpu_s(api, children=True), time.process_time)
         cpu = {k: [f()] for k, f in zip(("api", "workers", "clients"), samples)}
         idle0 = box_idle()
@@ -212,15 +232,23 @@ def main(args: argparse.Namespace) -> int:
         idle1 = box_idle()
         for k, f in zip(cpu, samples):
             cpu[k].append(f())
-        # The worker's fitted batch cost after the run (ms = a + b x tokens;
-        # runtimes/policy.CostModel), read while the daemon is up (`--start` stops it).
-        worker_cost = {str(w.get("pid")): {n: m.get("cost") for n, m in w.get("models", {}).items()}
-                       for w in httpx.get(url + "/v1/ps", timeout=10).json().get("workers", [])}
+        # What served the run, read after it (the model loads at its first request, so
+        # before the run /v1/ps may list none), while the daemon is up (`--start` stops it):
+        # the engine and its settings, and the worker's fitted batch cost (ms = a + b x
+        # tokens; runtimes/policy.CostModel).
+        workers = httpx.get(url + "/v1/ps", timeout=10).json().get("workers", [])
+        served = {str(w.get("pid")): {name: {k: m.get(k) for k in ("dtype", "engine", "choice", "settings", "threads",
+                                                                   "fixed_tokens")}
+                                         for name, m in w.get("models", {}).items()} for w in workers}
+        worker_cost = {str(w.get("pid")): {n: m.get("cost") for n, m in w.get("models", {}).items()} for w in workers}
     finally:
         if daemon:
             daemon.stop()
     load_after = os.getloadavg()
     span = WARMUP_S + args.duration
+    # Where the worker cuts micro-batches (runtimes/base.Adapter.fixed_tokens; absent: by count).
+    fixed = next((float(m["fixed_tokens"]) for w in served.values() for n, m in w.items()
+                  if n == MODEL and m.get("fixed_tokens")), 0.0)
     res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9, fixed)
     res["worker_cost"] = worker_cost
     cores = os.cpu_count() or 1

@@ -294,3 +294,9 @@ def test_saturation_groups_requests_into_the_worker_batches_they_ran_in():
     assert pad["worker (batch sorted, micro-batches of 4)"] == pytest.approx(1 - 150 / 240)
     # Per request unsorted: (2 x 40) + (2 x 30) + (2 x 40) for 150.
     assert pad["request windows unsorted (per request)"] == pytest.approx(1 - 150 / 220)
+    # A batch run between two micro-batches of another (an interjection, runtimes.flows) lies
+    # inside that batch's span: the worker was busy once, not twice.
+    nested = [row(100 * ms, 0), row(100 * ms, 1), row(105 * ms, 0)]
+    res = analyse(nested, windows, lengths, batch=2, micro=4, wall_s=1.0)
+    assert res["batches"] == 2 and res["worker_busy_share"] == pytest.approx(0.019)  # 99 .. 118 ms
+    assert res["model_tokens_per_s"] == pytest.approx(150 / 0.017)  # 100 .. 117 ms
