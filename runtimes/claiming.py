@@ -63,10 +63,15 @@ class Claimer:
         while answered is None or back < answered.items:
             left = linger_left_ms(
                 self.clock_ns(), since_ns, linger_ms, items=len(claims), max_items=max_items,
-                padded_tokens=padded_tokens([c.tokens for c in claims]), max_padded_tokens=cap,
-                lane_drained=not any(s.lane == lane and s.depth for s in self.queue.lane_stats()),
+                padded_tokens=padded_tokens([c.tokens for c in claims]), max_padded_tokens=cap, lane_drained=True,
             ) if linger_ms > 0 else 0.0
-            if left <= 0 or not self.queue.wait_for_work(left / 1e3):
+            if left <= 0:
+                return claims
+            # Items in the lane now came after the claim (a closed loop's clients come back
+            # within microseconds of each other), or do not fit: claim at once, no wait.
+            # Ran without them, the first client back ran alone while the rest waited.
+            drained = not any(s.lane == lane and s.depth for s in self.queue.lane_stats())
+            if drained and not self.queue.wait_for_work(left / 1e3):
                 return claims
             room = cap - sum(c.tokens for c in claims)
             more = self.queue.claim(lane, worker=self.worker, max_items=max_items - len(claims),

@@ -230,6 +230,21 @@ def behind(lane: LaneView, now_ns: int, target_ms: float) -> bool:
             and now_ns - lane.oldest_enqueue_ns > target_ms * 1e6)
 
 
+def still_behind(lane: LaneView, last: LastRun | None, linger_ms: float) -> bool:
+    """The model's last batch here ran behind (`LastRun.behind`) and the lane's
+    interactive head came no later than that batch's linger window after its ack
+    (`linger_window`): work that waited through it, or one of the clients it
+    answered sending again. A behind batch answers a backlog's clients together,
+    and a closed loop of them sends again within a round trip (3-6 ms on a 2-core
+    CPU); with the one-target bound again, the first one or two back ran as a batch
+    of their own while the rest waited through it, so batches alternated 1-2 and 6-8
+    requests, and the short ones ran at 0.84-0.95x the tokens/s of 8 merged
+    (bench/README, "MiniLM saturated"). Self-limiting as `behind`: a head that comes
+    later than the window is new work, judged by its own wait."""
+    return (last is not None and last.behind and lane.depth > 0 and not lane.head_batch
+            and lane.oldest_enqueue_ns - last.acked_ns <= linger_span_ms(linger_ms, last) * 1e6)
+
+
 #: While a model has interactive work, batch work may make its batches this much
 #: longer (a fraction of the interactive batch's predicted time).
 FILL_SLACK = 0.25
@@ -424,6 +439,20 @@ class LastRun:
     acked_ns: int  # monotonic ns just before its results were acked (no answer of it was out before)
     items: int
     ms: float  # its run time
+    #: It ran with the bound of a lane behind its target (`behind`, `still_behind`).
+    behind: bool = False
+
+
+#: After a batch that ran behind, the linger lasts at most this share of its run time
+#: (`linger_window`): its clients' round trip (3-6 ms on a 2-core CPU) within the 2 %
+#: of a batch of 150 ms or more that each of them waited for it.
+BEHIND_LINGER_SHARE = 0.02
+
+
+def linger_span_ms(linger_ms: float, last: LastRun) -> float:
+    """How long after `last`'s ack its clients count as coming back (`still_behind`):
+    the profile's linger, or BEHIND_LINGER_SHARE of a behind batch's time."""
+    return max(linger_ms, BEHIND_LINGER_SHARE * last.ms) if last.behind else linger_ms
 
 
 def linger_window(linger_ms: float, last: LastRun | None, head_enqueue_ns: int, head_tokens: int,
@@ -451,13 +480,19 @@ def linger_window(linger_ms: float, last: LastRun | None, head_enqueue_ns: int, 
        smaller than a) that is about a/2; on a CPU where one short text costs
        about as much as the run's fixed part, nothing beyond the profile's.
        No batch of the model yet: the profile's linger, from the head's enqueue.
+    4. After a batch that ran behind its target (`LastRun.behind`), at least
+       BEHIND_LINGER_SHARE of its time (`linger_span_ms`): the clients it answered
+       together come back within a round trip, longer than the profile's 1 ms, and
+       join one batch (`still_behind`) instead of the first of them running alone.
+       The wait ends as soon as they are all back (`Claimer.linger_for_more`).
     """
     if last is None:
         return linger_ms, head_enqueue_ns
     if last.items < 2 and head_enqueue_ns >= last.acked_ns:
         return 0.0, head_enqueue_ns
     a, b = cost
-    return max(linger_ms, min(a - b * head_tokens, last.ms) / 2), max(head_enqueue_ns, last.acked_ns)
+    return (max(linger_span_ms(linger_ms, last), min(a - b * head_tokens, last.ms) / 2),
+            max(head_enqueue_ns, last.acked_ns))
 
 
 def linger_left_ms(now_ns: int, since_ns: int, linger_ms: float, *, items: int, max_items: int,

@@ -75,6 +75,8 @@ class BatchStats:
     generated_tokens: int = 0
     #: Queue items it ran (the linger rule's count: `LastRun.items`); 0: not an encoder batch.
     requests: int = 0
+    #: It ran with the bound of a lane behind its target (`LastRun.behind`).
+    behind: bool = False
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Ledger:
     def ran(self, stats: BatchStats, acked_ns: int) -> None:
         """A batch of `stats` was acked at `acked_ns` (the worker's clock)."""
         self.last = stats
-        self.runs[stats.model] = LastRun(acked_ns, stats.requests, stats.ms)
+        self.runs[stats.model] = LastRun(acked_ns, stats.requests, stats.ms, stats.behind)
         self.seq += 1
         self.ring.append((stats.model, stats.items, stats.tokens))
 

@@ -42,7 +42,7 @@ from fleet.runtimes.memory import IDLE_NAP_S, NotNow, run_split_on_oom
 from fleet.runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, MICRO_SHARE, MIN_SAMPLES, CostModel,
     batch_fill_cap, batch_token_cap, behind, choose_lane, fill_flags, form_batch, linger_window, micro_items_cap,
-    padded_tokens, rows_of, stall_bound_ms,
+    padded_tokens, rows_of, stall_bound_ms, still_behind,
 )
 from fleet.runtimes.registry import adapter_class
 from fleet.runtimes.residency import Residency
@@ -244,7 +244,11 @@ class WorkerCore:
         now = self.clock_ns()
         recent = self.flows.interactive_padded(model, now)
         shared = self.flows.shared(model, now)
-        cap = self.batch_cap(cost, profile.max_batch_tokens, shared, behind=behind(lane, now, self.target_ms))
+        # Behind: the head waited past the target, or came back from a batch that ran
+        # behind (`still_behind`: a saturated closed loop's clients, answered together).
+        lagging = not shared and (behind(lane, now, self.target_ms) or still_behind(
+            lane, self.ledger.runs.get(model), profile.linger_ms or self.linger_ms))
+        cap = self.batch_cap(cost, profile.max_batch_tokens, shared, behind=lagging)
         claim_cap = batch_fill_cap(cap, 0, recent, fit) if lane.head_batch else cap
         claims = self.claimer.claim_batch(lane.lane, profile.max_batch_items, claim_cap, queued=lane.depth)
         if not claims:
@@ -265,10 +269,10 @@ class WorkerCore:
         if not claims:
             return late
         return self.run_claims(lane.lane, resident, cost, claims, returned, (woke_ns, claimed_ns, lingered_ns),
-                               shared=shared) + late
+                               shared=shared, behind=lagging) + late
 
     def run_claims(self, lane: int, resident: Resident, cost: CostModel, claims: list[Claim], returned: int,
-                   stamps: tuple[int, int, int], *, shared: bool, nested: bool = False) -> int:
+                   stamps: tuple[int, int, int], *, shared: bool, nested: bool = False, behind: bool = False) -> int:
         """Decode, run and ack a batch of `claims` of `lane`, and learn from it; returns
         the items answered (those of batches run between its micro-batches included).
         Between two micro-batches a request of another client waiting at the head of
@@ -334,7 +338,7 @@ class WorkerCore:
         resident.served += len(claims)
         resident.tokens += read
         self.ledger.ran(BatchStats(model, inputs, read, padded, ms, time.time(), returned, loras,
-                                   requests=len(claims)), acked_ns)
+                                   requests=len(claims), behind=behind), acked_ns)
         self.flows.served(lane, model, claims, acked_ns)
         self.publish_info()
         return len(claims) + between[0]

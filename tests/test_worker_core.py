@@ -25,7 +25,7 @@ from fleet.protocol import EmbedRequest
 from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
+from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel, LastRun
 from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 from fleet.runtimes.worker import WorkerCore
 
@@ -253,8 +253,12 @@ def test_a_lane_behind_its_target_takes_bigger_batches_until_it_catches_up(queue
     assert FakeEmbedder.batches[-1][1] == [[f"t{r}"] for r in range(5, 5 + took)]
     core.step()  # behind still: the rest
     assert FakeEmbedder.batches[-1][1] == [[f"t{r}"] for r in range(5 + took, 61)]
-    # 3. Caught up: new requests are under the target again.
+    # 3. Caught up: new requests are under the target again. They come later than the
+    #    last behind batch's linger window (2 % of its ~200 ms; `policy.still_behind`):
+    #    new work, not its clients sending again (the clock went back 46 ms: 60 ms later
+    #    on the queue's clock is 14 ms after the ack on the worker's).
     later[0] = 0
+    time.sleep(0.06)
     for rid in range(61, 67):
         put(queue, "m", f"t{rid}", request_id=rid)
     core.step()
@@ -397,6 +401,26 @@ def test_default_linger_applies_when_the_profile_sets_none(queue):
     threading.Timer(0.1, lambda: put(queue, "m", "two", request_id=2)).start()
     core.step()
     assert FakeEmbedder.batches == [("m", [["one"], ["two"]])]
+
+
+def test_the_linger_claims_at_once_what_came_after_the_claim(queue):
+    # Items put between the claim and the linger's first look join the batch at once
+    # (`Claimer.claim_batch` leaves them to the linger): a closed loop's clients, answered
+    # together, come back microseconds apart. Before, a lane that was not drained ended
+    # the linger, so the first client back ran alone while the others waited for it
+    # (bench/README, "MiniLM saturated": batches of 1 between batches of 8).
+    core = core_for(queue, {"m": Profile(linger_ms=2_000)})
+    lane = queue.lane_id("m")
+    put(queue, "m", "first", request_id=1)
+    claims = core.claimer.claim_batch(lane, 8, 1_000, queued=1)
+    put(queue, "m", "second", request_id=2)
+    put(queue, "m", "third", request_id=3)
+    answered = LastRun(claims[0].enqueue_ns, 3, 100.0)  # a batch of three answered: all three are back
+    t0 = time.monotonic()
+    claims = core.claimer.linger_for_more(lane, claims, 2_000, time.monotonic_ns(), 8, 1_000, answered=answered)
+    assert [c.request_id for c in claims] == [1, 2, 3]
+    assert time.monotonic() - t0 < 1.0  # no wait for the window's end: everyone answered is back
+    queue.return_items([c.item_id for c in claims])
 
 
 def test_claimed_item_past_its_deadline_is_answered_timeout_unrun(queue):
@@ -924,6 +948,40 @@ def test_a_lone_clients_batch_behind_its_target_ends_a_micro_batch_every_target(
     assert core.residency.models["m"].interjected == 1
     got = results(queue, 5)
     assert all(status == STATUS_OK for status, _ in got.values())
+
+
+@pytest.mark.parametrize("back_after_s, second", [(0.0, 4), (0.05, 1)])
+def test_clients_answered_by_a_behind_batch_join_one_batch_when_they_send_again(queue, back_after_s, second):
+    # A saturated closed loop (bench/README, "MiniLM saturated"): one client's backlog of
+    # four requests (32 texts, 128 tokens: 128 ms each at 1 ms a token) waited past the
+    # target (128 ms), so one batch took them all (512 ms). The four clients answered
+    # send again at once: their head has not waited, but it came back within the behind
+    # batch's linger window (2 % of its time: 10 ms), so the lane is still behind and
+    # the next batch takes all four. Before, the one-target bound (128 tokens) ran the
+    # first one alone while the others waited through it, and batches alternated short
+    # and long. Work that comes later than the window is new: the target bounds it.
+    MicroEmbedder.micro = []
+    core = micro_core(queue)
+    core.flows.seen["m"] = {1: core.clock_ns()}
+    lane = queue.lane_id("m")
+
+    def put(rid: int) -> None:
+        queue.put(lane, _encode(EmbedRequest(model="m", inputs=[f"r{rid}.{i}" for i in range(32)])), tokens=128,
+                  request_id=rid, flow=1)
+
+    for rid in range(1, 5):
+        put(rid)
+    time.sleep(0.15)  # the head has waited longer than the target: the lane is behind
+    assert core.step(timeout_s=0.1) == 4
+    assert core.ledger.runs["m"].behind and core.ledger.runs["m"].items == 4
+    time.sleep(back_after_s)
+    for rid in range(5, 9):
+        put(rid)
+    assert core.step(timeout_s=0.1) == second
+    served = [core.step(timeout_s=0.1) for _ in range(4 - second)]
+    assert sum(served) == 4 - second
+    got = results(queue, 8)
+    assert sorted(got) == list(range(1, 9)) and all(status == STATUS_OK for status, _ in got.values())
 
 
 def test_a_longer_request_of_another_client_does_not_interrupt_a_batch(queue):
