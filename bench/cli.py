@@ -31,7 +31,7 @@ MODULES = (
     "access_log", "asgi_cold", "batch_memory", "batch_priority", "corpus", "decide", "decide_split",
     "embed_compare", "embed_controls", "embed_kinds", "engines_heads", "fairness", "generate_compare",
     "generate_engines", "gpu_check", "gpu_llamacpp", "gpu_prepare", "host_path", "inference_compare",
-    "memory_load", "micro_batches", "nats_compare", "query_check", "queue_bench", "request_path", "saturation",
+    "memory_load", "micro_batches", "nats_compare", "query_check", "queue_bench", "request_merging", "request_path", "saturation",
     "simulate", "synthetic", "timeline", "traced_heads", "wakeups",
 )
 

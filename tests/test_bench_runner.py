@@ -25,7 +25,8 @@ BENCHES = {
     "gpu_check": {"gpu-check"}, "gpu_llamacpp": {"gpu-llamacpp"}, "gpu_prepare": {"gpu-prepare"},
     "host_path": {"host-path"}, "inference_compare": {"inference-compare"},
     "memory_load": {"memory-load"}, "micro_batches": {"micro-batches"}, "nats_compare": {"nats-compare"},
-    "query_check": {"query-check"}, "queue_bench": {"queue-bench"}, "request_path": {"request-path"},
+    "query_check": {"query-check"}, "queue_bench": {"queue-bench"}, "request_merging": {"request-merging"},
+    "request_path": {"request-path"},
     "saturation": {"saturation"}, "simulate": {"simulate"}, "synthetic": {"synthetic"},
     "timeline": {"timeline"}, "traced_heads": {"traced-heads"}, "wakeups": {"wakeups"},
 }
