@@ -67,11 +67,14 @@ class Claimer:
             ) if linger_ms > 0 else 0.0
             if left <= 0:
                 return claims
-            # Items in the lane now came after the claim (a closed loop's clients come back
-            # within microseconds of each other), or do not fit: claim at once, no wait.
-            # Ran without them, the first client back ran alone while the rest waited.
-            drained = not any(s.lane == lane and s.depth for s in self.queue.lane_stats())
-            if drained and not self.queue.wait_for_work(left / 1e3):
+            # Interactive items in the lane now came after the claim (a closed loop's clients
+            # come back microseconds apart), or do not fit: claim at once, no wait. Ran
+            # without them, the first client back ran alone while the rest waited. Batch
+            # work at the head is a backlog the claim left by its cap: no linger, as before.
+            waiting = next((s for s in self.queue.lane_stats() if s.lane == lane and s.depth), None)
+            if waiting is not None and waiting.head_batch:
+                return claims
+            if waiting is None and not self.queue.wait_for_work(left / 1e3):
                 return claims
             room = cap - sum(c.tokens for c in claims)
             more = self.queue.claim(lane, worker=self.worker, max_items=max_items - len(claims),

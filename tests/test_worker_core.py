@@ -423,6 +423,25 @@ def test_the_linger_claims_at_once_what_came_after_the_claim(queue):
     queue.return_items([c.item_id for c in claims])
 
 
+def test_the_linger_leaves_a_backlog_of_batch_work_in_its_lane(queue):
+    # What waits behind an interactive claim is batch work the claim's cap left (its
+    # share while interactive work is current, `batch_fill_cap`): the linger claims none
+    # of it (claimed, `form_batch` would give it back, re-inserted item by item under the
+    # lock) and does not wait.
+    core = core_for(queue, {"m": Profile(linger_ms=2_000)})
+    lane = queue.lane_id("m")
+    put(queue, "m", "now", request_id=1)
+    for rid in range(2, 7):
+        put(queue, "m", f"b{rid}", request_id=rid, batch=True)
+    claims = core.claimer.claim_batch(lane, 8, 10, queued=1)
+    assert [c.request_id for c in claims] == [1]
+    t0 = time.monotonic()
+    claims = core.claimer.linger_for_more(lane, claims, 2_000, time.monotonic_ns(), 8, 1_000)
+    assert [c.request_id for c in claims] == [1] and time.monotonic() - t0 < 1.0
+    assert next(s for s in queue.lane_stats() if s.lane == lane).depth == 5
+    queue.return_items([c.item_id for c in claims])
+
+
 def test_claimed_item_past_its_deadline_is_answered_timeout_unrun(queue):
     core = core_for(queue, {"m": Profile(linger_ms=300)})
     put(queue, "m", "soon-late", request_id=1, deadline_ns=time.monotonic_ns() + 100_000_000)
