@@ -281,7 +281,9 @@ class WorkerCore:
         one micro-batch. `shared` (clients share the model now) and one of them sends
         shorter requests (`Flows.lighter`): micro-batches aim for MICRO_SHARE of the
         target (`micro_items_cap`). `nested`: this batch runs between two
-        micro-batches of another (it lets nothing run between its own)."""
+        micro-batches of another (it lets nothing run between its own). `behind`: it was
+        claimed with the bound of a lane behind its target (the ledger keeps it for
+        `policy.still_behind`)."""
         adapter, model = resident.adapter, resident.adapter.spec.name
         # 5. Decode (after returning: a returned payload is no longer ours) and attach
         #    the LoRA adapters the batch names (runtimes.lora): a request that fails
