@@ -98,15 +98,18 @@ def test_vectors_and_token_counts_equal_the_preprocess_path(embedder):
     requests = [EmbedRequest(model="m", inputs=t) for t in batch]
     requests.append(EmbedRequest(model="m", inputs=HOSTILE[:4], output="tokens", normalize=False))
     direct, own = embedder.run_batch(requests), without_direct(embedder, requests)
+    # On the CPU the direct path sorts the batch by tokens, the model's own by characters
+    # (`SentenceTransformerEmbedder._cut`): other micro-batches, other padding widths, so
+    # fp32 sums run in another order (up to 2e-6 apart on these).
     for got, want in zip(direct, own):
         assert type(got) is type(want) and got.input_tokens == want.input_tokens
         if isinstance(got, EmbedResult):
             assert got.shape == want.shape
-            np.testing.assert_allclose(np.frombuffer(got.data, "<f4"), np.frombuffer(want.data, "<f4"), atol=1e-6)
+            np.testing.assert_allclose(np.frombuffer(got.data, "<f4"), np.frombuffer(want.data, "<f4"), atol=1e-5)
         else:
             assert isinstance(got, TokenEmbedResult) and got.shapes == want.shapes
             for g, w in zip(got.data, want.data):
-                np.testing.assert_allclose(np.frombuffer(g, "<f4"), np.frombuffer(w, "<f4"), atol=1e-6)
+                np.testing.assert_allclose(np.frombuffer(g, "<f4"), np.frombuffer(w, "<f4"), atol=1e-5)
 
 
 def test_truncate_false_counts_tokens_as_the_model_does(embedder):

@@ -77,8 +77,10 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
 def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
-    `lengths` is any per-input size proxy (characters are enough: the order
-    only has to group similar lengths). Stable, so equal lengths keep input order.
+    `lengths` is any per-input size proxy: tokens where they are known (the dense
+    embedder on a CPU tokenizes first), else characters, which group similar
+    lengths less well (8 merged 32-text requests: 15 % padding against 7 %).
+    Stable, so equal lengths keep input order.
     `fixed`: a forward's fixed cost in the units of `lengths` (`Adapter.fixed_chars`):
     the sorted inputs are cut where padding them to one length would cost more
     than another forward (`padding_cuts`); 0 cuts by count alone.

@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, nullcontext
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -365,6 +365,33 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         """Host token tensors of one micro-batch, padded to its longest text (pinned on CUDA)."""
         return pinned((self.direct or self.model.preprocess)(texts), self.device)
 
+    def _cut(self, texts: list[str], ctx: BatchContext,
+             ) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict[str, Any]]]:
+        """The batch's length-sorted micro-batches (`micro_batches`: input indices) and
+        what tokenizes one of them (on the `tokenize_ahead` threads).
+
+        Where micro-batches are cut by a forward's fixed cost (a CPU: `fixed_tokens`)
+        and the direct tokenizer serves, the texts are tokenized first, in one call,
+        and sorted by the tokens the forward reads; each micro-batch then only pads
+        its encodings. Sorted by characters, 8 merged 32-text requests of the bench
+        corpus padded 15.1 % of their tokens against 7.2 % (the length-sorted limit:
+        5.7 %): characters order texts of similar length badly, and a micro-batch
+        is padded to its longest in tokens. On a GPU (cut by count, tokenized on a
+        pool so that no host thread is serial per batch) and through a model's own
+        tokenizer, characters still order them."""
+        n = len(texts)
+        if n == 1:  # a lone text (a lone client's request): no sort to make
+            return [ONE_ROW], lambda idx: self._tokenized(texts)
+        if self.direct is not None and self.fixed_tokens is not None:
+            encodings = self.direct.encode(texts)
+            lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=n)
+            features = self.direct.features
+            return (list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_tokens)),
+                    lambda idx: pinned(features([encodings[j] for j in idx]), self.device))
+        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
+        return (list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_chars())),
+                lambda idx: self._tokenized([texts[j] for j in idx]))
+
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
                slots: np.ndarray | None = None, *, unit: bool = False, ctx: BatchContext,
                ) -> Generator[None, None, tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]:
@@ -389,11 +416,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         n = len(texts)
         tokens = np.empty(n, dtype=np.int64)
         per_token: dict[int, np.ndarray] = {}
-        if n == 1:  # a lone text (a lone client's request): no sort to make
-            batches = [ONE_ROW]
-        else:
-            lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-            batches = list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_chars()))
+        batches, tokenize = self._cut(texts, ctx)
         out = np.empty((n, self.dim), dtype=np.float32)
         cuda = self.device.startswith("cuda")
         # CUDA: vectors land in pinned host memory in sorted order by async copies,
@@ -401,8 +424,7 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         landing = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=True) if cuda else None
         lo = 0
         with torch.inference_mode(), closing(prefetched(
-                batches, lambda idx: self._tokenized([texts[j] for j in idx]), self.tokenize_ahead,
-                self.tokenize_depth)) as ready:
+                batches, tokenize, self.tokenize_ahead, self.tokenize_depth)) as ready:
             for idx, host in ready:
                 yield
                 tokenized = time.monotonic_ns()

@@ -179,14 +179,22 @@ class DirectTokenizer:
         """Features of texts (or (text, text) pairs), truncated to `max_tokens`
         (pairs: the longer side first) and padded to the longest: int64 tensors
         (rows, tokens) over numpy arrays."""
+        return self.features(self.encode(inputs), pairs=bool(inputs) and not isinstance(inputs[0], str))
+
+    def encode(self, inputs: list[Any]) -> list[Any]:
+        """The Rust encodings of `inputs`, truncated to `max_tokens`: their lengths are
+        the tokens the forward reads (`len(encoding)`); `features` pads any of them."""
+        return self._encode_cut(inputs)
+
+    def features(self, encodings: Sequence[Any], *, pairs: bool = False) -> dict[str, Any]:
+        """`__call__`'s features of encodings from `encode` (of pairs, with `pairs`)."""
         import torch
 
-        encodings = self._encode_cut(inputs)
         lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
         width = int(lengths.max(initial=0))
         columns = np.arange(width)
         mask = columns >= (width - lengths)[:, None] if self._left else columns < lengths[:, None]
-        read = ("ids", "type_ids") if self._single_types or (inputs and not isinstance(inputs[0], str)) else ("ids",)
+        read = ("ids", "type_ids") if self._single_types or pairs else ("ids",)
         out: dict[str, Any] = {}
         for key, field, value in self.layout:
             if field is None:
