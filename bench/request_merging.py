@@ -11,8 +11,9 @@ bf16 on torch (`--openvino`: OpenVINO bf16 for both). Rounds interleave the side
 each side / the limit.
 
 What it separates: a daemon at saturation runs as fast as the batches its worker forms
-let this adapter run. On 2 Zen 4 cores, one request a batch ran at 0.80-0.88x the limit,
-two at 0.95-0.96x, eight at 0.99-1.07x (bench/README, "MiniLM saturated").
+let this adapter run. On 2 Zen 4 cores, one request a batch ran at 0.79x the limit, two
+at 0.85x, eight at 1.07x (0.88-0.91x while the adapter sorted by characters; bench/README,
+"MiniLM saturated").
 
 Usage: flock /tmp/fleet-bench.lock python -m fleet.bench request-merging [--per-batch 1,2,8]
        [--openvino] [--rounds 3] [--duration 3] [--out bench/results/<time>-request-merging.json]

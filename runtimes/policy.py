@@ -238,7 +238,7 @@ def still_behind(lane: LaneView, last: LastRun | None, linger_ms: float) -> bool
     and a closed loop of them sends again within a round trip (3-6 ms on a 2-core
     CPU); with the one-target bound again, the first one or two back ran as a batch
     of their own while the rest waited through it, so batches alternated 1-2 and 6-8
-    requests, and the short ones ran at 0.84-0.95x the tokens/s of 8 merged
+    requests, and the short ones ran at 0.74-0.93x the tokens/s of 8 merged
     (bench/README, "MiniLM saturated"). Self-limiting as `behind`: a head that comes
     later than the window is new work, judged by its own wait."""
     return (last is not None and last.behind and lane.depth > 0 and not lane.head_batch
