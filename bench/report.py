@@ -284,6 +284,7 @@ def result_doc(runs: list[TargetRun], plan: Plan, corpus: dict, *, argv: list[st
             "engine": run.spec.engine if run.spec.kind == "st" else None,
             "batches": ("length-sorted" if run.spec.sorted else "request windows") if run.spec.kind == "st" else None,
             "process": getattr(run.driver, "info", None),  # in-process target: torch, threads, OpenMP policy
+            "served": run.served,  # fleet target: each worker's dtype and engine after the warm-up
             "mode": run.mode,
             "warmup": _step_doc(run.warmup) if run.warmup else None,
             "steps": [_step_doc(r, why.get(id(r.result), ())) for r in sorted(run.steps, key=lambda r: r.result.offered)],

@@ -107,6 +107,9 @@ class TargetRun:
     steps: list[StepRecord] = field(default_factory=list)
     warmup: StepRecord | None = None
     done: bool = False
+    #: fleet targets: what each worker holding the model serves it with after the
+    #: warm-up (`served_by`); a fleet target's numbers depend on its engine choice.
+    served: list[dict] | None = None
 
     @property
     def results(self) -> list[StepResult]:
@@ -229,12 +232,32 @@ def warm_up(run: TargetRun, plan: Plan, sampler: Sampler | None, display=NULL_DI
         raise RuntimeError(
             f"{run.spec.name}: no successful reply during warm-up ({rec.error_codes}): {rec.error_sample}"
         )
+    if run.spec.kind in ("fleet", "fleet-json"):
+        run.served = served_by(run.spec.url, plan.model, plan.api_key)
     if plan.start is None and run.ramp is not None and run.mode == OPEN:
         # Half of what one serial client gets is comfortably below the knee of any
         # server, batching or not, and near enough that the ramp needs few steps.
         start = max(0.5, 0.5 * rec.result.throughput_rps)
         run.ramp = Ramp(start=start, factor=run.ramp.factor, resolution=run.ramp.resolution,
                         max_steps=run.ramp.max_steps, integer=run.ramp.integer)
+
+
+#: What `served_by` keeps of a worker's model entry in `/v1/ps`.
+SERVED_KEYS = ("dtype", "engine", "forward", "fixed_tokens", "threads")
+
+
+def served_by(url: str, model: str, api_key: str = "") -> list[dict]:
+    """What each of the daemon's workers holding `model` serves it with (`/v1/ps`): its
+    dtype, engine and how that was chosen; [] when the daemon cannot say."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        ps = httpx.get(url.rstrip("/") + "/v1/ps", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return []
+    return [{"worker": w.get("index"), **{k: m[k] for k in SERVED_KEYS if k in m}}
+            for w in ps.get("workers", []) if (m := w.get("models", {}).get(model))]
 
 
 def bench(specs: list[TargetSpec], plan: Plan, texts: list[str], lengths: list[int], *,

@@ -44,6 +44,10 @@ def test_bench_against_the_daemon_writes_results_and_plot(daemon, tmp_path):
     assert doc["versions"]["fleet"] and "torch" in doc["versions"]
     (target,) = doc["targets"]
     assert target["name"] == "fleet" and target["warmup"]["ok"] > 0
+    # What served the model, read from /v1/ps after the warm-up loaded it: the numbers
+    # depend on the engine and dtype the daemon chose.
+    assert target["served"] and {"worker", "dtype"} <= set(target["served"][0])
+    assert target["served"][0]["dtype"] in ("float32", "bfloat16", "float16")
     assert len(target["steps"]) == 3
     offered = [s["offered"] for s in target["steps"]]
     assert offered == sorted(offered) and len(set(offered)) == 3
