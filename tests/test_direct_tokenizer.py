@@ -273,4 +273,52 @@ def test_other_encoders_tokenize_directly_with_the_same_answers(encoders, key, t
     for d, o in zip(direct[:-1], own[:-1]):
         (d_order, d_values, d_tokens), (o_order, o_values, o_tokens) = scores(d), scores(o)
         assert d_order == o_order and d_tokens == o_tokens
-        np.testing.assert_allclose(d_values, o_values, atol=1e-6)
+        # Direct, a CPU sorts by tokens, the model's own tokenizer by characters: the
+        # micro-batches pad to other widths, and scores differ by float noise (~1e-6).
+        np.testing.assert_allclose(d_values, o_values, atol=1e-5)
+
+
+@pytest.mark.parametrize("key, task, runtime, hook", [
+    ("classifier", "classify", "transformers", "_forward"),
+    ("reranker", "rerank", "transformers", "_forward"),
+    ("cross-encoder", "rerank", "sentence-transformers", "_forward"),
+    ("splade", "embed", "splade", "_passes"),
+])
+def test_other_encoders_sort_micro_batches_by_the_tokens_the_forward_reads(encoders, key, task, runtime, hook):
+    """As the dense embedder (test_encoder_paths): on a CPU with the direct tokenizer
+    a batch is tokenized first and sorted by tokens (`batching.sorted_cuts`). Digits
+    read a token each, long words few: by tokens they run as two micro-batches, each
+    padded to its own longest; by characters they would mix. The answers are the
+    model's own tokenizer's, which sorts by characters."""
+    from fleet.protocol import ClassifyRequest, RerankRequest
+    from tests.test_tasks_encoder import adapter
+
+    digits = [" ".join(["7"] * k) for k in range(14, 22)]  # 27-41 characters, 16-23 tokens
+    words = ["unconstitutionally " * 2 + "x" * k for k in range(8)]  # 38-45 characters, 6-10 tokens
+    batch = digits + words
+    a = adapter(encoders, key, task, runtime, micro=8)
+    # A forward's fixed cost of 64 padded tokens (CPU_FIXED_TOKENS is 128; measured, 32-512):
+    # the 8 words and the 8 digits as two runs (2 x 64 + 8 x 10 + 8 x 23) cost less than
+    # one padded to the longest (64 + 16 x 23), and each as one run less than halves.
+    a.fixed_tokens = 64.0
+    request = (RerankRequest(model="m", query="q", documents=batch) if task == "rerank"
+               else ClassifyRequest(model="m", inputs=batch) if task == "classify"
+               else EmbedRequest(model="m", inputs=batch, output="sparse"))
+    widths: list[tuple[int, int]] = []
+    forward = getattr(a, hook)  # what runs one micro-batch's token tensors
+
+    def spy(model, features, *args, **kwargs):
+        widths.append(tuple(features["input_ids"].shape))
+        return forward(model, features, *args, **kwargs)
+
+    setattr(a, hook, spy)
+    try:
+        (direct,) = a.run_batch([request])
+    finally:
+        setattr(a, hook, forward)
+    extra = 2 if task == "rerank" else 0  # q [SEP] besides the document's own [CLS] ... [SEP]
+    assert sorted(widths) == [(8, 10 + extra), (8, 23 + extra)]
+    (own,) = without_direct(a, [request])
+    (d_order, d_values, d_tokens), (o_order, o_values, o_tokens) = scores(direct), scores(own)
+    assert d_order == o_order and d_tokens == o_tokens
+    np.testing.assert_allclose(d_values, o_values, atol=1e-5)

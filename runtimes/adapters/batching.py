@@ -29,6 +29,7 @@ import numpy as np
 from fleet.errors import BadRequest
 from fleet.messages import RerankResult, WorkError
 from fleet.prompts import resolve_prompt
+from fleet.runtimes.base import TYPICAL_CHARS_PER_TOKEN
 
 
 # ---- micro-batches and the one length rule --------------------------------------
@@ -77,9 +78,9 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
 def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
-    `lengths` is any per-input size proxy: tokens where they are known (the dense
-    embedder on a CPU tokenizes first), else characters, which group similar
-    lengths less well (8 merged 32-text requests: 15 % padding against 7 %).
+    `lengths` is any per-input size proxy: tokens where they are known (the
+    encoders on a CPU tokenize first: `sorted_cuts`), else characters, which group
+    similar lengths less well (8 merged 32-text requests: 15 % padding against 7 %).
     Stable, so equal lengths keep input order.
     `fixed`: a forward's fixed cost in the units of `lengths` (`Adapter.fixed_chars`):
     the sorted inputs are cut where padding them to one length would cost more
@@ -90,6 +91,46 @@ def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterato
     bounds = padding_cuts(lengths[order], step, fixed) if fixed > 0 and n > 1 else [*range(0, n, step), n]
     for k in range(len(bounds) - 1):
         yield order[bounds[k] : bounds[k + 1]]
+
+
+#: The one micro-batch of a one-input batch (read only: indices into it).
+ONE_ROW = np.zeros(1, dtype=np.intp)
+ONE_ROW.flags.writeable = False
+
+
+def sorted_cuts(inputs: list[Any], step: int, fixed_tokens: float | None, direct: Any,
+                tokenize: Callable[[list[Any]], dict[str, Any]],
+                ) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict[str, Any]]]:
+    """A batch's length-sorted micro-batches (`micro_batches`: input indices) and what
+    tokenizes one of them (host token tensors, padded to its longest).
+
+    `inputs`: texts, or (text, text) pairs; `step`: the adapter's micro-batch size
+    (`Adapter.micro_items`); `fixed_tokens`: `Adapter.fixed_tokens`; `tokenize`: the
+    adapter's tokenization of a list of inputs (its direct tokenizer where one
+    serves, else the model's own).
+    Where micro-batches are cut by a forward's fixed cost (`fixed_tokens`: a CPU)
+    and a `direct` tokenizer (`tokenizing.DirectTokenizer`) serves, the inputs are
+    tokenized first, in one call, and sorted by the tokens the forward reads; each
+    micro-batch then only pads its encodings. Sorted by characters, 8 merged
+    32-text requests of the bench corpus padded 15.1 % of their tokens against
+    7.2 % (the length-sorted limit: 5.7 %): characters order inputs of similar
+    length badly, and a micro-batch is padded to its longest in tokens. Otherwise
+    (a GPU cuts by count; a model's own tokenizer) characters order them
+    (`Adapter.fixed_chars`)."""
+    n = len(inputs)
+    if n == 1:  # a lone input (a lone client's request): no sort to make
+        return [ONE_ROW], lambda idx: tokenize(inputs)
+    pairs = n > 0 and not isinstance(inputs[0], str)
+    if direct is not None and fixed_tokens is not None:
+        encodings = direct.encode(inputs)
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=n)
+        features = direct.features
+        return (list(micro_batches(lengths, step, fixed=fixed_tokens)),
+                lambda idx: features([encodings[j] for j in idx], pairs=pairs))
+    chars = (np.fromiter((len(a) + len(b) for a, b in inputs), dtype=np.int64, count=n) if pairs
+             else np.fromiter(map(len, inputs), dtype=np.int64, count=n))
+    fixed = 0.0 if fixed_tokens is None else fixed_tokens * TYPICAL_CHARS_PER_TOKEN
+    return list(micro_batches(chars, step, fixed=fixed)), lambda idx: tokenize([inputs[j] for j in idx])
 
 
 def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:

@@ -38,7 +38,7 @@ from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.adapters.batching import (
-    flat_inputs, micro_batches, offsets, prompt_of, split_refused,
+    flat_inputs, offsets, prompt_of, sorted_cuts, split_refused,
 )
 from fleet.runtimes.adapters.dense import dense_refusal, finish_dense
 from fleet.runtimes.adapters.hf_common import (
@@ -216,11 +216,12 @@ class BgeM3Embedder(Adapter):
         per_token: dict[int, np.ndarray] = {}
         sparse: list[Any] = [None] * n
         tokens = np.empty(n, dtype=np.int64)
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+        cuts, tokenize = sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens, self.direct,
+                                     self.direct or self._own_features)
+        for idx in cuts:
             yield
             with torch.inference_mode():
-                features = (self.direct or self._own_features)([texts[j] for j in idx])
+                features = tokenize(idx)
                 mask = features["attention_mask"]
                 used = mask.sum(dim=1).numpy()
                 tokens[idx] = used

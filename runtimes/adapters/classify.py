@@ -34,7 +34,7 @@ from fleet.nli import DEFAULT_HYPOTHESIS, hypotheses, nli_ids
 from fleet.protocol import ClassifyRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.adapters.batching import (
-    cut_to_bound, flat_inputs, input_too_long, micro_batches, offsets, split_refused, too_long,
+    cut_to_bound, flat_inputs, input_too_long, micro_batches, offsets, sorted_cuts, split_refused, too_long,
 )
 from fleet.runtimes.adapters.hf_common import (
     CHECK_SET, footprint_bytes, labels_agree, load_transformers, max_length, to_device,
@@ -125,7 +125,7 @@ class SequenceClassifier(LoraHost, Adapter):
     def _check_probs(self, model: Any) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
-            logits = self._forward(model, CHECK_SET)[0]
+            logits = self._forward(model, self._features(CHECK_SET))[0]
             probs = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
         return probs.cpu().numpy()
 
@@ -146,7 +146,7 @@ class SequenceClassifier(LoraHost, Adapter):
         if adapter is None:
             return self.labels, self.multi_label
         with self._torch.inference_mode():
-            width = int(self._forward(self.model, CHECK_SET[:1], np.array([slot]))[0].shape[1])
+            width = int(self._forward(self.model, self._features(CHECK_SET[:1]), np.array([slot]))[0].shape[1])
         own = adapter.config.get("id2label") or {}
         if len(own) == width:
             labels = [str(own.get(str(i), own.get(i))) for i in range(width)]
@@ -334,9 +334,9 @@ class SequenceClassifier(LoraHost, Adapter):
     def _own_features(self, texts: list[str]) -> Any:
         return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_len, return_tensors="pt")
 
-    def _forward(self, model: Any, texts: list[str], slots: np.ndarray | None = None) -> tuple[Any, Any]:
-        """(logits, tokens per text) of one micro-batch, each row with its LoRA slot (None: the base alone)."""
-        features = self._features(texts)
+    def _forward(self, model: Any, features: dict[str, Any], slots: np.ndarray | None = None) -> tuple[Any, Any]:
+        """(logits, tokens per text) of one micro-batch's token tensors on the device,
+        each row with its LoRA slot (None: the base alone)."""
         base = slots is None or not slots.any()
         # Rows of the base alone replay the traced graph where it takes them (the adapters' hooks run only eagerly).
         logits = self.compiled(features) if base and self.compiled is not None and model is self.model else None
@@ -357,11 +357,12 @@ class SequenceClassifier(LoraHost, Adapter):
         n = len(texts)
         logits = np.full((n, width or len(self.labels)), -np.inf, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+        cuts, tokenize = sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens, self.direct,
+                                     self.direct or self._own_features)
+        for idx in cuts:
             yield
             with torch.inference_mode():
-                raw, used = self._forward(self.model, [texts[j] for j in idx],
+                raw, used = self._forward(self.model, to_device(tokenize(idx), self.device),
                                           None if slots is None else slots[idx])
                 logits[idx, : raw.shape[1]] = raw.cpu().numpy()
                 tokens[idx] = used.cpu().numpy()

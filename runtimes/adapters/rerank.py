@@ -32,7 +32,7 @@ import numpy as np
 from fleet.errors import FleetError, ModelLoadFailed
 from fleet.protocol import RerankRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
-from fleet.runtimes.adapters.batching import cut_to_bound, micro_batches, over_char_bound, rank_into, split_refused, too_long
+from fleet.runtimes.adapters.batching import cut_to_bound, over_char_bound, rank_into, sorted_cuts, split_refused, too_long
 from fleet.runtimes.adapters.hf_common import (
     CHECK_SET, footprint_bytes, load_transformers, max_length, scores_agree, to_device,
 )
@@ -70,9 +70,10 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     direct: DirectTokenizer | None = None
 
     @abc.abstractmethod
-    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
-        """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch
-        (`base`: every pair is the base model's, no LoRA row: the traced forward may run)."""
+    def _forward(self, model: Any, features: dict[str, Any], base: bool = False) -> tuple[Any, Any]:
+        """(logits as a float32 tensor (b,), tokens per pair (b,)) for one micro-batch's
+        token tensors on the device (`base`: every pair is the base model's, no LoRA
+        row: the traced forward may run)."""
 
     @abc.abstractmethod
     def _own_features(self, model: Any, queries: list[str], docs: list[str]) -> Any:
@@ -164,7 +165,9 @@ class CrossEncoderAdapter(LoraHost, Adapter):
     def _check_scores(self, model: Any) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
-            logits, _ = self._forward(model, [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS])
+            features = to_device(self._features(model, [q for q, _ in CHECK_PAIRS], [d for _, d in CHECK_PAIRS]),
+                                 self.device)
+            logits, _ = self._forward(model, features)
             scores = self.activation(logits) if self.activation is not None else logits
         return scores.cpu().numpy().copy()  # a copy: OpenVINO's output views its request's buffer
 
@@ -234,16 +237,16 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         logits = np.empty(n, dtype=np.float32)
         activated = np.empty(n, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
-        lengths = (np.fromiter((len(d) for d in docs), dtype=np.int64, count=n)
-                   + np.fromiter((len(q) for q in queries), dtype=np.int64, count=n))
-        for idx in micro_batches(lengths, self.micro_items(ctx), self.fixed_chars()):
+        cuts, tokenize = sorted_cuts(list(zip(queries, docs)), self.micro_items(ctx), self.fixed_tokens, self.direct,
+                                     self.direct or (lambda pairs: self._own_features(self.model, *unzipped(pairs))))
+        for idx in cuts:
             yield
             with torch.inference_mode():
                 rows = None if slots is None else slots[idx]
                 rows = rows if rows is not None and rows.any() else None
+                features = to_device(tokenize(idx), self.device)
                 with self.loras.rows(rows, self.device) if rows is not None else nullcontext():
-                    raw, used = self._forward(self.model, [queries[j] for j in idx], [docs[j] for j in idx],
-                                              base=rows is None)
+                    raw, used = self._forward(self.model, features, base=rows is None)
                 logits[idx] = raw.cpu().numpy()
                 activated[idx] = (self.activation(raw) if self.activation is not None else raw).cpu().numpy()
                 tokens[idx] = used.cpu().numpy()
@@ -282,8 +285,7 @@ class TransformersReranker(CrossEncoderAdapter):
     def _stand_in(self, forward: Any, model: Any) -> Any:
         return openvino.LogitsModel(forward)
 
-    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
-        features = to_device(self._features(model, queries, docs), self.device)
+    def _forward(self, model: Any, features: dict[str, Any], base: bool = False) -> tuple[Any, Any]:
         # Upcast before the activation (as CrossEncoder does): reduced-precision ties break in fp32.
         logits = self._model_logits(model, features, base).float()
         return one_score(logits, self.spec.name), features["attention_mask"].sum(dim=1)
@@ -326,10 +328,10 @@ class SentenceTransformersReranker(CrossEncoderAdapter):
     def _stand_in(self, forward: Any, model: Any) -> Any:
         return openvino.ScoresModel(forward, model)
 
-    def _forward(self, model: Any, queries: list[str], docs: list[str], base: bool = False) -> tuple[Any, Any]:
-        features = to_device(self._features(model, queries, docs), self.device)
+    def _forward(self, model: Any, features: dict[str, Any], base: bool = False) -> tuple[Any, Any]:
+        mask = features["attention_mask"]
         scores = self._model_logits(model, features, base).float()
-        return one_score(scores.reshape(len(docs), -1), self.spec.name), features["attention_mask"].sum(dim=1)
+        return one_score(scores.reshape(mask.shape[0], -1), self.spec.name), mask.sum(dim=1)
 
 
 def one_score(logits: Any, name: str) -> Any:

@@ -22,7 +22,7 @@ from fleet.prompts import folder_prompts, prompt_table
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps, run_through
 from fleet.runtimes.adapters.batching import (
-    flat_inputs, micro_batches, offsets, prompt_of, split_refused,
+    flat_inputs, offsets, prompt_of, sorted_cuts, split_refused,
 )
 from fleet.runtimes.adapters.dense import dense_refusal, finish_dense
 from fleet.runtimes.adapters.hf_common import CHECK_SET, choose_dtype, footprint_bytes, min_cosine, pinned, to_device
@@ -43,9 +43,6 @@ MIN_COSINE = 0.9999
 INSTRUCTOR_SOURCES = tuple(f"hf:hkunlp/instructor-{size}" for size in ("base", "large", "xl"))
 #: Prompt texts whose token length is kept (models that pool without the prompt).
 PROMPT_LENGTHS_KEPT = 256
-#: The one micro-batch of a one-text batch (read only: indices into it).
-ONE_ROW = np.zeros(1, dtype=np.intp)
-ONE_ROW.flags.writeable = False
 
 
 class SentenceTransformerEmbedder(LoraHost, Adapter):
@@ -367,30 +364,14 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
 
     def _cut(self, texts: list[str], ctx: BatchContext,
              ) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict[str, Any]]]:
-        """The batch's length-sorted micro-batches (`micro_batches`: input indices) and
-        what tokenizes one of them (on the `tokenize_ahead` threads).
-
-        Where micro-batches are cut by a forward's fixed cost (a CPU: `fixed_tokens`)
-        and the direct tokenizer serves, the texts are tokenized first, in one call,
-        and sorted by the tokens the forward reads; each micro-batch then only pads
-        its encodings. Sorted by characters, 8 merged 32-text requests of the bench
-        corpus padded 15.1 % of their tokens against 7.2 % (the length-sorted limit:
-        5.7 %): characters order texts of similar length badly, and a micro-batch
-        is padded to its longest in tokens. On a GPU (cut by count, tokenized on a
-        pool so that no host thread is serial per batch) and through a model's own
-        tokenizer, characters still order them."""
-        n = len(texts)
-        if n == 1:  # a lone text (a lone client's request): no sort to make
-            return [ONE_ROW], lambda idx: self._tokenized(texts)
-        if self.direct is not None and self.fixed_tokens is not None:
-            encodings = self.direct.encode(texts)
-            lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=n)
-            features = self.direct.features
-            return (list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_tokens)),
-                    lambda idx: pinned(features([encodings[j] for j in idx]), self.device))
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
-        return (list(micro_batches(lengths, self.micro_items(ctx), fixed=self.fixed_chars())),
-                lambda idx: self._tokenized([texts[j] for j in idx]))
+        """The batch's length-sorted micro-batches (input indices) and what tokenizes
+        one of them (on the `tokenize_ahead` threads): `batching.sorted_cuts`, by
+        the tokens the forward reads on a CPU with the direct tokenizer. On a GPU
+        (cut by count, tokenized on a pool so that no host thread is serial per
+        batch) and through a model's own tokenizer, characters order them."""
+        cuts, tokenize = sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens, self.direct,
+                                     self.direct or self.model.preprocess)
+        return cuts, lambda idx: pinned(tokenize(idx), self.device)
 
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
                slots: np.ndarray | None = None, *, unit: bool = False, ctx: BatchContext,

@@ -16,7 +16,7 @@ folder says "SPLADE", so `fleetctl pull` never guesses it: pull with
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from fleet.protocol import EmbedRequest
 from fleet.runtimes.base import Adapter, BatchContext, Steps
 from fleet.runtimes.adapters.batching import (
-    flat_inputs, micro_batches, no_prompts, offsets, split_refused, text_only, too_long,
+    flat_inputs, no_prompts, offsets, sorted_cuts, split_refused, text_only, too_long,
 )
 from fleet.runtimes.adapters.hf_common import (
     CHECK_SET, choose_dtype, footprint_bytes, load_transformers, max_length, min_cosine, to_device,
@@ -107,22 +107,26 @@ class SpladeEmbedder(Adapter):
         """Dense (n, V) float32 term weights (the dtype check compares these)."""
         out = np.empty((len(texts), self.vocab), dtype=np.float32)
         with self._torch.inference_mode():
-            for group in self._groups(texts, BatchContext()):
-                for idx, weights, _ in self._passes(model, texts, group):
+            groups, tokenize = self._groups(texts, BatchContext())
+            for group in groups:
+                for idx, weights, _ in self._passes(model, tokenize(group), group):
                     out[idx] = weights.float().cpu().numpy()
         return out
 
-    def _groups(self, texts: list[str], ctx: BatchContext) -> Iterator[np.ndarray]:
-        """Input indices per micro-batch of the batch of `ctx`, shortest texts first."""
-        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-        return micro_batches(lengths, self.micro_items(ctx), self.fixed_chars())
+    def _groups(self, texts: list[str], ctx: BatchContext,
+                ) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict[str, Any]]]:
+        """Input indices per micro-batch of the batch of `ctx`, shortest texts first,
+        and what tokenizes one (`batching.sorted_cuts`: by tokens on a CPU with the
+        direct tokenizer)."""
+        return sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens, self.direct,
+                           self.direct or self._own_features)
 
-    def _passes(self, model: Any, texts: list[str], group: np.ndarray) -> Iterator[tuple[np.ndarray, Any, np.ndarray]]:
+    def _passes(self, model: Any, enc: dict[str, Any], group: np.ndarray,
+                ) -> Iterator[tuple[np.ndarray, Any, np.ndarray]]:
         """(input indices, (b, V) weights on the device, tokens per input) per forward
-        pass of micro-batch `group` (input indices): as many rows a pass as keep its
-        logits within MAX_LOGIT_ELEMENTS."""
+        pass of micro-batch `group` (input indices; `enc`: its host token tensors): as
+        many rows a pass as keep its logits within MAX_LOGIT_ELEMENTS."""
         torch = self._torch
-        enc = (self.direct or self._own_features)([texts[j] for j in group])
         rows = max(1, MAX_LOGIT_ELEMENTS // (enc["input_ids"].shape[1] * self.vocab))
         for lo in range(0, len(group), rows):
             part = {k: v[lo : lo + rows] for k, v in enc.items()}
@@ -144,10 +148,11 @@ class SpladeEmbedder(Adapter):
         torch = self._torch
         vectors: list[Any] = [None] * len(texts)
         tokens = np.empty(len(texts), dtype=np.int64)
-        for group in self._groups(texts, ctx):
+        groups, tokenize = self._groups(texts, ctx)
+        for group in groups:
             yield
             with torch.inference_mode():
-                for idx, weights, used in self._passes(self.model, texts, group):
+                for idx, weights, used in self._passes(self.model, tokenize(group), group):
                     tokens[idx] = used
                     weights = weights.float()
                     ks = top_k[idx]
