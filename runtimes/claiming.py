@@ -19,7 +19,8 @@ import msgspec
 from fleet.errors import FleetError
 from fleet.messages import STATUS_ERROR, Envelope, WorkError
 from fleet.local_queue import Claim, QueueFull
-from fleet.runtimes.policy import LastRun, linger_left_ms, padded_tokens
+from fleet.runtimes.linger import LastRun, linger_left_ms
+from fleet.runtimes.policy import padded_tokens
 
 log = logging.getLogger("fleet.worker")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fleet.runtimes.base import Adapter
 from fleet.runtimes.footprint import Footprint
-from fleet.runtimes.policy import LastRun
+from fleet.runtimes.linger import LastRun
 
 
 @dataclass

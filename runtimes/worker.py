@@ -37,12 +37,13 @@ from fleet.runtimes.flows import Flows, Interjection, claim_other, other_first
 from fleet.runtimes.heap import HeapTrim
 from fleet.runtimes.hosting import Hosting
 from fleet.runtimes.info import encode_info, worker_info
+from fleet.runtimes.linger import linger_window, still_behind
 from fleet.runtimes.lora import attach_batch, batch_loras
 from fleet.runtimes.memory import IDLE_NAP_S, NotNow, run_split_on_oom
 from fleet.runtimes.policy import (
     BEHIND_TARGETS, CONTENDED_SHARE, MICRO_SHARE, MIN_SAMPLES, CostModel,
-    batch_fill_cap, batch_token_cap, behind, choose_lane, fill_flags, form_batch, linger_window, micro_items_cap,
-    padded_tokens, rows_of, stall_bound_ms, still_behind,
+    batch_fill_cap, batch_token_cap, behind, choose_lane, fill_flags, form_batch, micro_items_cap, padded_tokens,
+    rows_of, stall_bound_ms,
 )
 from fleet.runtimes.registry import adapter_class
 from fleet.runtimes.residency import Residency
@@ -283,7 +284,7 @@ class WorkerCore:
         target (`micro_items_cap`). `nested`: this batch runs between two
         micro-batches of another (it lets nothing run between its own). `behind`: it was
         claimed with the bound of a lane behind its target (the ledger keeps it for
-        `policy.still_behind`)."""
+        `linger.still_behind`)."""
         adapter, model = resident.adapter, resident.adapter.spec.name
         # 5. Decode (after returning: a returned payload is no longer ours) and attach
         #    the LoRA adapters the batch names (runtimes.lora): a request that fails
@@ -431,7 +432,7 @@ class WorkerCore:
 
     def linger_window_for(self, model: str, profile, head) -> tuple[float, int]:
         """How long a batch of `model` headed by the claim `head` may linger for
-        company, and from when (`runtimes.policy.linger_window`): not at all for a
+        company, and from when (`runtimes.linger.linger_window`): not at all for a
         lone sequential client (each of its requests paid ~0.9 ms of a 1 ms linger,
         bench/timeline.py); while requests overlap, the profile's (else the daemon's)
         linger, or longer where the fitted cost says one more item pays for it."""

@@ -25,7 +25,8 @@ from fleet.protocol import EmbedRequest
 from fleet.local_queue import STATUS_EXPIRED, STATUS_POISON, LocalQueue
 from fleet.runtimes.base import Adapter, BatchContext, ModelSpec, Profile
 from fleet.messages import STATUS_ERROR, STATUS_OK, EmbedResult, Envelope, WorkError
-from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel, LastRun
+from fleet.runtimes.linger import LastRun
+from fleet.runtimes.policy import BEHIND_TARGETS, INTERACTIVE_QUIET_NS, WARMUP_STALL_MS, CostModel
 from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
 from fleet.runtimes.worker import WorkerCore
 
@@ -254,7 +255,7 @@ def test_a_lane_behind_its_target_takes_bigger_batches_until_it_catches_up(queue
     core.step()  # behind still: the rest
     assert FakeEmbedder.batches[-1][1] == [[f"t{r}"] for r in range(5 + took, 61)]
     # 3. Caught up: new requests are under the target again. They come later than the
-    #    last behind batch's linger window (2 % of its ~200 ms; `policy.still_behind`):
+    #    last behind batch's linger window (2 % of its ~200 ms; `linger.still_behind`):
     #    new work, not its clients sending again (the clock went back 46 ms: 60 ms later
     #    on the queue's clock is 14 ms after the ack on the worker's).
     later[0] = 0
@@ -654,7 +655,7 @@ def test_a_lone_client_does_not_wait_for_the_linger(queue):
 
 
 #: A model whose every run costs 200 ms plus 10 ms per item (10 tokens): once fitted,
-#: its linger window is (a - b·w) / 2 = (200 - 10) / 2 = 95 ms (runtimes.policy.linger_window).
+#: its linger window is (a - b·w) / 2 = (200 - 10) / 2 = 95 ms (runtimes.linger.linger_window).
 FIXED_COST = {"run_ms": (200, 10)}
 
 
