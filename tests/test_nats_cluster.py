@@ -247,11 +247,15 @@ def test_a_reply_over_max_payload_comes_through_the_object_store(boxes: Boxes) -
     body = msgspec.msgpack.decode(r.content)
     vecs = np.frombuffer(body["embeddings"], dtype="<f4").reshape(body["shape"])
     assert vecs.shape == (n, 384)
-    # The same weights on A, for a sample of the texts: the same vectors, in the same order.
+    # The same weights on A, for a sample of the texts: the same vectors, in the same order
+    # (texts 0 and n // 2 differ only in their copy number: their vectors differ by 0.046).
+    # Within 2e-3: in bfloat16 (a CPU with native bf16 serves it) a text padded among 720
+    # rounds differently from one among 3, by up to ~1e-3 where a CPU's forward blocks by
+    # batch shape (an Intel Xeon with AMX: 5e-4 seen).
     sample = [0, n // 2, n - 1]
     mine = httpx.post(boxes.a.url + "/v1/embed", json={"model": DEFAULT_MODEL, "inputs": [texts[i] for i in sample]},
                       timeout=60).json()["embeddings"]
-    assert np.allclose(vecs[sample], np.asarray(mine, dtype=np.float32), atol=1e-4)
+    assert np.allclose(vecs[sample], np.asarray(mine, dtype=np.float32), atol=2e-3)
     seq_after, live = asyncio.run(_object_store_state(boxes.nats.url))
     assert seq_after > seq_before, "the reply did not go through the object store"
     deadline = time.monotonic() + 10
@@ -581,6 +585,11 @@ def test_kill_9_of_box_b_under_load_loses_nothing(boxes: Boxes, references: np.n
     assert names == {"box-a"}
 
 
+#: test_a_request_shorter_than_three_ack_waits_survives_its_holders_death: requests sent
+#: after the kill, and the most sent in all.
+AFTER_KILL, MAX_SENT = 48, 2_000
+
+
 def test_a_request_shorter_than_three_ack_waits_survives_its_holders_death(boxes: Boxes,
                                                                           references: np.ndarray) -> None:
     """Requests with timeout_ms 4 000 (under 3 x the shipped ack wait): JetStream would give
@@ -593,33 +602,39 @@ def test_a_request_shorter_than_three_ack_waits_survives_its_holders_death(boxes
     sent_at: dict[int, tuple[float, float]] = {}
 
     async def kill_b_while_it_holds_work() -> None:
-        async def later() -> None:
-            loop = asyncio.get_running_loop()
-            await asyncio.sleep(1.0)
-            deadline = time.monotonic() + 5.0
-            while (held := await loop.run_in_executor(None, held_by, boxes.b)) == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            at_kill["held_by_b"] = held
-            os.killpg(boxes.b.proc.pid, signal.SIGKILL)
-            at_kill["t"] = time.monotonic()
-
-        asyncio.ensure_future(later())
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 5.0
+        while (held := await loop.run_in_executor(None, held_by, boxes.b)) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        at_kill["held_by_b"] = held
+        os.killpg(boxes.b.proc.pid, signal.SIGKILL)
+        at_kill["t"] = time.monotonic()
 
     async def run():
         # 12 requests of 4 texts at a time: A alone answers them well inside 4 s on this
-        # 2-core machine, so a timeout here would be one B held, not A's queue.
+        # 2-core machine, so a timeout here would be one B held, not A's queue. They go on
+        # until B is killed and AFTER_KILL more were sent (a fast CPU answered a fixed 160
+        # before the kill), at most MAX_SENT: the loop stops by itself.
         sem = asyncio.Semaphore(12)
         async with httpx.AsyncClient(timeout=60) as client:
             async def one(i: int):
-                async with sem:
+                try:
                     sent = time.monotonic()
                     r = await client.post(boxes.a.url + "/v1/embed", json={
                         "model": DEFAULT_MODEL, "inputs": [TEXTS[t] for t in texts_of(i, 4)], "timeout_ms": 4000})
-                sent_at[i] = (sent, time.monotonic())
-                return i, r.status_code, r.headers.get("x-served-by", ""), r.json()
+                    sent_at[i] = (sent, time.monotonic())
+                    return i, r.status_code, r.headers.get("x-served-by", ""), r.json()
+                finally:
+                    sem.release()
 
-            work = [asyncio.ensure_future(one(i)) for i in range(160)]
-            await kill_b_while_it_holds_work()
+            killer = asyncio.ensure_future(kill_b_while_it_holds_work())
+            work, after = [], 0
+            while len(work) < MAX_SENT and after < AFTER_KILL:
+                await sem.acquire()
+                work.append(asyncio.ensure_future(one(len(work))))
+                after += killer.done()
+            await killer
             return list(await asyncio.gather(*work))
 
     answers = asyncio.run(run())

@@ -37,6 +37,13 @@ def two_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     store = Store(home / "models")
     pull_model(store, DEFAULT_MODEL)
     pull_model(store, f"path:{default_model_dir()}", name=COPY)
+    # Both in float32, so that `budget_for_one` holds one and not two on any CPU: where
+    # bfloat16 passes the load's dtype check (an Intel Xeon with AMX: min cosine
+    # 0.999933), each would take half and both would fit.
+    (home / "models.toml").write_text(
+        f'[models."{DEFAULT_MODEL}".profile]\ndtype = "float32"\n\n'
+        f'[models."{COPY}"]\nsource = "path:{default_model_dir()}"\ntask = "embed"\n'
+        f'runtime = "sentence-transformers"\n[models."{COPY}".profile]\ndtype = "float32"\n')
     return home
 
 
