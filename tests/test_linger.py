@@ -6,23 +6,11 @@ Pure functions over plain data; no queue, no clock (times are given).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from fleet.runtimes.linger import LastRun, linger_left_ms, linger_window, still_behind
 from fleet.runtimes.policy import behind
-
-MS = 1_000_000  # ns
-
-
-@dataclass
-class Lane:
-    lane: int
-    model: str
-    depth: int
-    oldest_enqueue_ns: int
-    head_batch: bool = False
+from tests.test_policy import MS, Lane
 
 
 @pytest.mark.parametrize(
