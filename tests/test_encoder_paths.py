@@ -449,3 +449,29 @@ def test_a_trace_that_fixed_a_branch_is_refused():
         same, why = traced.trace(torch, "m", [layer], run, longer, [longer, {"x": torch.ones(1, 7)}], [longer],
                                  clock=fake_clock(0)[0])
     assert same is None and why.startswith("no faster")  # agreed on both; timed a tie
+
+
+def test_a_nearly_free_forward_keeps_the_character_order(embedder, tmp_path):
+    """Sorting by tokens tokenizes the whole batch on the batch thread before its first
+    forward (`SentenceTransformerEmbedder.sort_pays`): it pays for MiniLM's forward, not
+    for a nearly free one (the host-path bench's 1-layer, width-32 BERT, where the batch
+    thread then tokenized alone at 4.4 CPU-us a token). That one keeps the character
+    order, its texts tokenized per micro-batch on the tokenize-ahead threads."""
+    from fleet.bench.host_path import MODEL_CONFIG
+    from fleet.bench.models import build_st_embedder
+
+    folder = build_st_embedder(tmp_path / "free-forward", default_model_dir(), **MODEL_CONFIG)
+    tiny = SentenceTransformerEmbedder(ModelSpec("free-forward", folder, "embed", "sentence-transformers",
+                                                 profile=Profile(dtype="float32", engine="torch", micro_batch_items=8)),
+                                       "cpu")
+    tiny.load()
+    try:
+        assert embedder.sort_by_tokens and tiny.direct is not None and not tiny.sort_by_tokens
+        digits = [" ".join(["7"] * k) for k in range(14, 22)]  # as above: by characters they mix
+        words = ["unconstitutionally " * 2 + "x" * k for k in range(8)]
+        cuts, tokenize = tiny._cut(digits + words, BatchContext())
+        assert any(min(b) < 8 <= max(b) for b in cuts)
+        assert sorted(int(i) for b in cuts for i in b) == list(range(16))
+        assert tokenize(cuts[0])["input_ids"].shape[0] == len(cuts[0])
+    finally:
+        tiny.unload()
