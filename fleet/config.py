@@ -124,7 +124,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: bucket (1-5). 0: 3 on a NATS cluster that can place three (three JetStream servers
     #: or more), else 1; an existing stream with fewer is raised in place, never lowered.
     nats_replicas: int = 0
-    #: Models loaded at start-up and kept resident (besides persisted pins).
+    #: Models loaded at start-up and kept resident (besides persisted pins);
+    #: FLEET_PRELOAD="" (or `preload = []`) preloads none.
     preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_MODEL])
     #: The model a request without `model` runs on, per task (`{embed = "all-minilm-l6-v2"}`;
     #: FLEET_DEFAULT_MODELS="embed=NAME,rerank=NAME"). A task not listed falls back to its
@@ -255,16 +256,20 @@ def default_home() -> str:
 
 
 _FIELDS = {f for f in Settings.__struct_fields__}
+#: Settings that are lists, written comma-separated in a FLEET_* variable.
+_LISTS = ("preload", "allowed_hosts", "cors_origins")
+
+
+def env_value(field: str) -> str | None:
+    """The FLEET_* variable of a setting, or None where it does not set it. An
+    empty one is unset, except for a list: an empty FLEET_PRELOAD preloads
+    nothing (unset, the default model)."""
+    raw = os.environ.get("FLEET_" + field.upper())
+    return None if raw is None or (raw == "" and field not in _LISTS) else raw
 
 
 def _env_overrides() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for field in _FIELDS:
-        raw = os.environ.get("FLEET_" + field.upper())
-        if raw is None or raw == "":
-            continue
-        out[field] = raw
-    return out
+    return {field: raw for field in _FIELDS if (raw := env_value(field)) is not None}
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -284,7 +289,7 @@ def load_settings(**overrides: Any) -> Settings:
     merged.update(_env_overrides())
     merged.update({k: v for k, v in overrides.items() if v is not None})
     merged["home"] = home
-    for key in ("preload", "allowed_hosts", "cors_origins"):
+    for key in _LISTS:
         if isinstance(merged.get(key), str):
             merged[key] = [p.strip() for p in merged[key].split(",") if p.strip()]
     if isinstance(merged.get("default_models"), str):

@@ -88,6 +88,18 @@ def test_no_config_file_means_defaults(tmp_path):
     assert {v["source"] for k, v in doc["settings"].items() if k != "home"} == {"default"}
 
 
+def test_an_empty_list_variable_empties_the_list_and_an_empty_scalar_one_is_unset(home):
+    # FLEET_PRELOAD="" is how a test or a unit says "preload nothing"; an empty
+    # FLEET_WORKERS or FLEET_API_KEY leaves the file's value or the default.
+    proc = fleetctl("config", "show", "--json", env={"FLEET_HOME": str(home), "FLEET_PRELOAD": "",
+                                                      "FLEET_WORKERS": "", "FLEET_API_KEY": ""})
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)["settings"]
+    assert s["preload"] == {"value": [], "source": "env"}
+    assert s["workers"] == {"value": 2, "source": "file"}
+    assert s["api_key"] == {"value": "unset", "source": "default"}
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -8,7 +8,6 @@ printed: only whether it is set, and from where.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tomllib
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import msgspec
 import typer
 
-from fleet.config import Settings, default_home, client_url, client_url_source, load_settings
+from fleet.config import Settings, client_url, client_url_source, default_home, env_value, load_settings
 from fleet.errors import BadRequest
 
 SECRET = "api_key"
@@ -79,7 +78,7 @@ def resolve(flags: dict[str, Any]) -> tuple[Settings, dict[str, str], Path]:
     for field in Settings.__struct_fields__:
         if field in flags:
             sources[field] = "flag"
-        elif os.environ.get("FLEET_" + field.upper()):
+        elif env_value(field) is not None:
             sources[field] = "env"
         elif field in file_layer and field != "home":  # load_settings ignores home in the file
             sources[field] = "file"
