@@ -27,6 +27,13 @@ CPU_FIXED_TOKENS = 128.0
 #: corpus): the unit change for `Adapter.fixed_chars`. Other scripts have fewer,
 #: which only makes their micro-batches longer (closer to cutting by count).
 TYPICAL_CHARS_PER_TOKEN = 4.0
+#: Per engine, the multiple of rows a CPU micro-batch is cut in (`Adapter.row_multiple`).
+#: OpenVINO builds its kernels per input shape and keeps them in a 5,000-entry cache
+#: that thrashes past ~1-2 thousand shapes; a shape it has not run costs 4-12 ms more
+#: (MiniLM, Intel Xeon, 2 vCPUs). Rows in eighths meet ~40 % fewer shapes on the bench
+#: corpus for ~1 point more padding, and ran merged batches 1.03-1.09x faster in four
+#: pairs (bench/README, "Where the OpenVINO gap sits").
+ROW_MULTIPLES = {"openvino": 8}
 
 
 #: What `Adapter.batch` returns: yields (nothing) before each micro-batch, returns the results.
@@ -123,6 +130,12 @@ class Adapter(abc.ABC):
     def engine(self) -> str:
         """What runs the forward: the measured or forced choice's engine, else torch."""
         return self.choice.candidate.engine if self.choice is not None else "torch"
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows a CPU micro-batch holds a multiple of, but for the batch's shortest run
+        (`batching.padding_cuts`): its engine's `ROW_MULTIPLES`, else 1 (any count)."""
+        return ROW_MULTIPLES.get(self.engine, 1)
 
     def micro_items(self, ctx: BatchContext) -> int:
         """Inputs per micro-batch for the batch of `ctx`: the profile's, or fewer (`BatchContext.micro_cap`)."""

@@ -152,6 +152,33 @@ def test_openvino_embeds_as_torch_does(torch_fp32, dtype):
 
 
 @needs_openvino
+def test_on_openvino_micro_batches_hold_rows_in_eighths():
+    """OpenVINO builds kernels per input shape (base.ROW_MULTIPLES): on it every
+    micro-batch but the shortest holds a multiple of 8 texts; torch cuts freely.
+    Lengths of ~3, ~22 and ~122 tokens: unconstrained, 40 / 13 / 7 texts a run."""
+    from fleet.runtimes.base import BatchContext
+    from fleet.runtimes.adapters.sentence_transformer import SentenceTransformerEmbedder
+
+    texts = ["a"] * 40 + ["word " * 20] * 13 + ["word " * 120] * 7
+    runs, answers = {}, {}
+    for engine in ("openvino", "torch"):
+        spec = ModelSpec("all-minilm-l6-v2", default_model_dir(), "embed", "sentence-transformers",
+                         profile=Profile(dtype="float32", engine=engine, micro_batch_items=64), max_seq_len=256)
+        a = SentenceTransformerEmbedder(spec, "cpu")
+        a.load()
+        try:
+            assert a.row_multiple == (8 if engine == "openvino" else 1)
+            runs[engine] = [len(idx) for idx in a._cut(texts, BatchContext())[0]]
+            answers[engine] = vectors(a, texts)
+        finally:
+            a.unload()
+    assert sum(runs["openvino"]) == len(texts) and all(r % 8 == 0 for r in runs["openvino"][1:]), runs
+    assert any(r % 8 for r in runs["torch"][1:]), runs
+    # The same answers, cut otherwise.
+    assert float(np.sum(answers["openvino"] * answers["torch"], axis=1).min()) >= 0.9999
+
+
+@needs_openvino
 def test_auto_measures_every_engine_and_publishes_the_choice():
     from fleet.runtimes.info import engine_info
 

@@ -515,6 +515,28 @@ def test_padding_cuts_are_the_least_predicted_cost():
         assert padded_cost(lengths, got, fixed) == pytest.approx(best)
 
 
+def test_padding_cuts_in_multiples_of_rows_are_the_least_cost_of_those_cuts():
+    """`rows`: every run but the first (the shortest inputs) holds a multiple of `rows`
+    inputs, and of such cuts the one taken is the least predicted cost; a `step` too
+    small for one multiple cuts as without it. Exhaustively checked."""
+    from fleet.runtimes.adapters.batching import padding_cuts
+
+    rng = np.random.default_rng(11)
+    for _ in range(80):
+        n, step, rows = int(rng.integers(1, 12)), int(rng.integers(3, 9)), int(rng.integers(2, 4))
+        lengths = np.sort(rng.integers(1, 200, n))
+        fixed = float(rng.choice([1.0, 40.0, 400.0]))
+        got = padding_cuts(lengths, step, fixed, rows)
+        runs = [hi - lo for lo, hi in zip(got, got[1:])]
+        assert got[0] == 0 and got[-1] == n and all(0 < r <= step for r in runs)
+        assert all(r % rows == 0 for r in runs[1:]), (runs, rows)
+        allowed = [b for b in all_cuts(n, step) if all((hi - lo) % rows == 0 for lo, hi in zip(b[1:], b[2:]))]
+        best = min(padded_cost(lengths, b, fixed) for b in allowed)
+        assert padded_cost(lengths, got, fixed) == pytest.approx(best)
+    lengths = np.arange(1, 10)
+    assert padding_cuts(lengths, 3, 40.0, rows=4) == padding_cuts(lengths, 3, 40.0)
+
+
 def test_micro_batches_cut_where_padding_costs_more_than_a_forward():
     """Four short texts and two long ones: with a small fixed cost the short ones are
     not padded to the long ones' length; with a large one (or none given: by count)

@@ -75,7 +75,7 @@ def split_refused(requests: Sequence[Any], refuse: Callable[[Any], Any]) -> tupl
     return results, [i for i, r in enumerate(results) if r is None]
 
 
-def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterator[np.ndarray]:
+def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0, rows: int = 1) -> Iterator[np.ndarray]:
     """Input indices in micro-batches of at most `step`, shortest inputs first.
 
     `lengths` is any per-input size proxy: tokens where they are known (the
@@ -84,11 +84,12 @@ def micro_batches(lengths: np.ndarray, step: int, fixed: float = 0.0) -> Iterato
     Stable, so equal lengths keep input order.
     `fixed`: a forward's fixed cost in the units of `lengths` (`Adapter.fixed_chars`):
     the sorted inputs are cut where padding them to one length would cost more
-    than another forward (`padding_cuts`); 0 cuts by count alone.
+    than another forward (`padding_cuts`, each run a multiple of `rows` inputs but
+    the shortest); 0 cuts by count alone.
     """
     order = np.argsort(lengths, kind="stable")
     n, step = len(order), max(1, step)
-    bounds = padding_cuts(lengths[order], step, fixed) if fixed > 0 and n > 1 else [*range(0, n, step), n]
+    bounds = padding_cuts(lengths[order], step, fixed, rows) if fixed > 0 and n > 1 else [*range(0, n, step), n]
     for k in range(len(bounds) - 1):
         yield order[bounds[k] : bounds[k + 1]]
 
@@ -99,7 +100,7 @@ ONE_ROW.flags.writeable = False
 
 
 def sorted_cuts(inputs: list[Any], step: int, fixed_tokens: float | None, direct: Any,
-                tokenize: Callable[[list[Any]], dict[str, Any]],
+                tokenize: Callable[[list[Any]], dict[str, Any]], rows: int = 1,
                 ) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict[str, Any]]]:
     """A batch's length-sorted micro-batches (`micro_batches`: input indices) and what
     tokenizes one of them (host token tensors, padded to its longest).
@@ -107,7 +108,7 @@ def sorted_cuts(inputs: list[Any], step: int, fixed_tokens: float | None, direct
     `inputs`: texts, or (text, text) pairs; `step`: the adapter's micro-batch size
     (`Adapter.micro_items`); `fixed_tokens`: `Adapter.fixed_tokens`; `tokenize`: the
     adapter's tokenization of a list of inputs (its direct tokenizer where one
-    serves, else the model's own).
+    serves, else the model's own); `rows`: `Adapter.row_multiple`.
     Where micro-batches are cut by a forward's fixed cost (`fixed_tokens`: a CPU)
     and a `direct` tokenizer (`tokenizing.DirectTokenizer`) serves, the inputs are
     tokenized first, in one call, and sorted by the tokens the forward reads; each
@@ -125,19 +126,22 @@ def sorted_cuts(inputs: list[Any], step: int, fixed_tokens: float | None, direct
         encodings = direct.encode(inputs)
         lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=n)
         features = direct.features
-        return (list(micro_batches(lengths, step, fixed=fixed_tokens)),
+        return (list(micro_batches(lengths, step, fixed=fixed_tokens, rows=rows)),
                 lambda idx: features([encodings[j] for j in idx], pairs=pairs))
     chars = (np.fromiter((len(a) + len(b) for a, b in inputs), dtype=np.int64, count=n) if pairs
              else np.fromiter(map(len, inputs), dtype=np.int64, count=n))
     fixed = 0.0 if fixed_tokens is None else fixed_tokens * TYPICAL_CHARS_PER_TOKEN
-    return list(micro_batches(chars, step, fixed=fixed)), lambda idx: tokenize([inputs[j] for j in idx])
+    return list(micro_batches(chars, step, fixed=fixed, rows=rows)), lambda idx: tokenize([inputs[j] for j in idx])
 
 
-def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:
+def padding_cuts(lengths: np.ndarray, step: int, fixed: float, rows: int = 1) -> list[int]:
     """Bounds (0, ..., n) cutting ascending `lengths` into runs of at most `step`
     whose predicted forward time, the sum over runs of `fixed` + items x longest
     (each run padded to its longest), is least: one pass of dynamic programming
     over at most `step` starts per end (a few us each: ~1 ms for 256 inputs).
+    Every run but the first (the shortest inputs) holds a multiple of `rows`
+    inputs: an engine that builds kernels per input shape meets fewer shapes
+    (`base.ROW_MULTIPLES`).
 
     A request's texts vary in length: one micro-batch of 32 random corpus texts
     pads 53 % of its forward; cut where it pays, the same texts run 1.3-1.5x
@@ -148,9 +152,13 @@ def padding_cuts(lengths: np.ndarray, step: int, fixed: float) -> list[int]:
     ends = np.arange(n + 1, dtype=np.float64)
     best = np.zeros(n + 1)
     back = np.zeros(n + 1, dtype=np.int64)
+    rows = rows if rows <= step else 1  # no run of `step` holds a multiple of it
     for j in range(1, n + 1):
         lo = max(0, j - step)
         cost = best[lo:j] + (j - ends[lo:j]) * size[j - 1]
+        if rows > 1:
+            starts = ends[lo:j]
+            cost[(starts > 0) & ((j - starts) % rows != 0)] = np.inf
         k = len(cost) - 1 - int(cost[::-1].argmin())  # a tie: the latest start
         best[j] = cost[k] + fixed
         back[j] = lo + k

@@ -358,7 +358,7 @@ class SequenceClassifier(LoraHost, Adapter):
         logits = np.full((n, width or len(self.labels)), -np.inf, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         cuts, tokenize = sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens, self.direct,
-                                     self.direct or self._own_features)
+                                     self.direct or self._own_features, self.row_multiple)
         for idx in cuts:
             yield
             with torch.inference_mode():

@@ -238,7 +238,8 @@ class CrossEncoderAdapter(LoraHost, Adapter):
         activated = np.empty(n, dtype=np.float32)
         tokens = np.empty(n, dtype=np.int64)
         cuts, tokenize = sorted_cuts(list(zip(queries, docs)), self.micro_items(ctx), self.fixed_tokens, self.direct,
-                                     self.direct or (lambda pairs: self._own_features(self.model, *unzipped(pairs))))
+                                     self.direct or (lambda pairs: self._own_features(self.model, *unzipped(pairs))),
+                                     self.row_multiple)
         for idx in cuts:
             yield
             with torch.inference_mode():

@@ -408,7 +408,8 @@ class SentenceTransformerEmbedder(LoraHost, Adapter):
         no host thread is serial per batch), through a model's own tokenizer and
         before a nearly free forward, characters order them."""
         cuts, tokenize = sorted_cuts(texts, self.micro_items(ctx), self.fixed_tokens,
-                                     self.direct if self.sort_by_tokens else None, self.direct or self.model.preprocess)
+                                     self.direct if self.sort_by_tokens else None, self.direct or self.model.preprocess,
+                                     self.row_multiple)
         return cuts, lambda idx: pinned(tokenize(idx), self.device)
 
     def _embed(self, texts: list[str], want_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
