@@ -7,7 +7,7 @@ other package of the project, and nothing heavy: importing it never imports torc
 
 import os as _os
 
-__version__ = "0.35.1"
+__version__ = "0.36.0"
 
 # The server's packages, fleet.daemon, fleet.runtimes, fleet.local_queue and fleet.bench:
 # the wheel installs them inside this folder (pyproject's package-dir); in a checkout they
