@@ -49,6 +49,7 @@ from fleet.bench.timeline import HEADER, MODEL, parse_stamps
 from fleet.bench.tokens import TokenCounter, package_model_dir
 from fleet.bench.cli import CLIENTS, DAEMON, DURATION, OUT, bench, option
 from fleet.runtimes.adapters.batching import padding_cuts
+from fleet.runtimes.base import ROW_MULTIPLES
 
 WARMUP_S = 3.0
 #: The worker's stages, one span per batch (fleet.messages.WORKER_STAGES).
@@ -91,13 +92,13 @@ def box_idle() -> tuple[float, float]:
     return t.idle + t.iowait, float(sum(t[:8]))
 
 
-def padded(lengths: list[int], size: int, *, sort: bool, fixed: float = 0.0) -> int:
+def padded(lengths: list[int], size: int, *, sort: bool, fixed: float = 0.0, rows: int = 1) -> int:
     """Tokens a forward pays for `lengths` cut into chunks of `size`, each padded to its
-    longest; sorted with `fixed` (the worker's `fixed_tokens`), cut as the worker cuts
-    (runtimes/adapters/batching.padding_cuts, here on token counts rather than characters)."""
+    longest; sorted with `fixed` (the worker's `fixed_tokens`) and `rows` (its engine's
+    row multiple), cut as the worker cuts (runtimes/adapters/batching.padding_cuts)."""
     xs = sorted(lengths) if sort else list(lengths)
     if sort and fixed > 0 and len(xs) > 1:
-        bounds = padding_cuts(np.asarray(xs), size, fixed)
+        bounds = padding_cuts(np.asarray(xs), size, fixed, rows)
         return sum(xs[hi - 1] * (hi - lo) for lo, hi in zip(bounds, bounds[1:]))
     return sum(max(xs[i:i + size]) * len(xs[i:i + size]) for i in range(0, len(xs), size))
 
@@ -162,7 +163,7 @@ def union_s(spans: list[tuple[int, int]]) -> float:
 
 
 def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batch: int, micro: int,
-            wall_s: float, fixed: float = 0.0) -> dict:
+            wall_s: float, fixed: float = 0.0, row_multiple: int = 1) -> dict:
     batches: dict[int, list[dict]] = {}
     for r in rows:
         batches.setdefault(r["claimed"], []).append(r)
@@ -177,12 +178,13 @@ def analyse(rows: list[dict], windows: list[list[int]], lengths: list[int], batc
     busy = union_s([(r["woke"], r["ran"]) for r in firsts])
     model = union_s([(r["decoded"], r["host"]) for r in firsts])
     real = [lengths[i] for r in rows for i in windows[r["window"]]]
-    worker_label = (f"worker (batch sorted, cut at {fixed:.0f} tokens of fixed cost, at most {micro})" if fixed
+    worker_label = (f"worker (batch sorted, cut at {fixed:.0f} tokens of fixed cost, at most {micro}"
+                    f"{f', rows in multiples of {row_multiple}' if row_multiple > 1 else ''})" if fixed
                     else f"worker (batch sorted, micro-batches of {micro})")
     pads = {worker_label: 0, "request windows unsorted (per request)": 0}
     for group in batches.values():
         lens = [lengths[i] for r in group for i in windows[r["window"]]]
-        pads[worker_label] += padded(lens, micro, sort=True, fixed=fixed)
+        pads[worker_label] += padded(lens, micro, sort=True, fixed=fixed, rows=row_multiple)
     for r in rows:
         pads["request windows unsorted (per request)"] += padded([lengths[i] for i in windows[r["window"]]], batch,
                                                                  sort=False)
@@ -249,7 +251,11 @@ def main(args: argparse.Namespace) -> int:
     # Where the worker cuts micro-batches (runtimes/base.Adapter.fixed_tokens; absent: by count).
     fixed = next((float(m["fixed_tokens"]) for w in served.values() for n, m in w.items()
                   if n == MODEL and m.get("fixed_tokens")), 0.0)
-    res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9, fixed)
+    # ... and in what multiples of rows (runtimes/base.ROW_MULTIPLES of the engine that served).
+    engine = next(((m.get("engine") or {}).get("engine") for w in served.values() for n, m in w.items()
+                   if n == MODEL), None)
+    res = analyse(rows, windows, lengths, args.batch, args.micro_batch, (t1 - t0) / 1e9, fixed,
+                  ROW_MULTIPLES.get(engine or "torch", 1))
     res["worker_cost"] = worker_cost
     cores = os.cpu_count() or 1
     res["cpu_cores_used"] = {k: (v[1] - v[0]) / span for k, v in cpu.items()}
